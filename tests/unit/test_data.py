@@ -1,0 +1,147 @@
+"""Data order, DP slicing, packing and exact resume of the loader."""
+
+import json
+
+import pytest
+import torch
+
+from torchpre.data.dataset import PackedWindows, pack_documents
+from torchpre.data.documents import load_documents
+from torchpre.data.loader import build_dataloader
+from torchpre.data.sampler import GlobalBatchSampler
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.errors import TorchpreError
+
+
+def take(sampler: GlobalBatchSampler, n: int) -> list[list[int]]:
+    return [next(sampler) for _ in range(n)]
+
+
+def test_sampler_order_is_a_function_of_the_seed():
+    a = take(GlobalBatchSampler(50, 4, 0, 1, seed=7), 30)
+    b = take(GlobalBatchSampler(50, 4, 0, 1, seed=7), 30)
+    c = take(GlobalBatchSampler(50, 4, 0, 1, seed=8), 30)
+    assert a == b
+    assert a != c
+
+
+def test_sampler_visits_every_sample_once_per_epoch():
+    batches = take(GlobalBatchSampler(40, 5, 0, 1, seed=0), 8)
+    assert sorted(i for batch in batches for i in batch) == list(range(40))
+    next_epoch = take(GlobalBatchSampler(40, 5, 0, 1, seed=0), 16)[8:]
+    assert sorted(i for batch in next_epoch for i in batch) == list(range(40))
+    assert next_epoch != batches
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_dp_slices_concatenate_to_the_single_process_global_batch(dp):
+    """Rank r's microbatch k is the r-th slice of round k: their union is the 1-process order."""
+    single = take(GlobalBatchSampler(97, 8, 0, 1, seed=3), 12)
+    per_rank = [take(GlobalBatchSampler(97, 8 // dp, r, dp, seed=3), 12) for r in range(dp)]
+    for k in range(12):
+        assert [i for r in range(dp) for i in per_rank[r][k]] == single[k]
+
+
+def test_sampler_state_resumes_under_another_dp_degree():
+    reference = take(GlobalBatchSampler(60, 4, 0, 1, seed=1), 10)
+    first = GlobalBatchSampler(60, 2, 1, 2, seed=1)
+    take(first, 4)
+    resumed = GlobalBatchSampler(60, 4, 0, 1, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    assert take(resumed, 6) == reference[4:]
+
+
+def test_sampler_rejects_a_position_inside_a_round():
+    sampler = GlobalBatchSampler(60, 4, 0, 2, seed=1)
+    with pytest.raises(ValueError, match="global sample 6"):
+        sampler.load_state_dict({"consumed_samples": 6})
+
+
+def test_packed_windows_are_shifted_next_token_pairs():
+    windows = PackedWindows(torch.arange(23), seq_len=4)
+    assert len(windows) == 4
+    inputs, labels = windows[2]
+    assert inputs.tolist() == [10, 11, 12, 13]
+    assert labels.tolist() == [11, 12, 13, 14]
+
+
+def test_pack_documents_wraps_each_document_in_bos_and_eos():
+    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    tokens = pack_documents(["hello world", "second"], tokenizer)
+    first = tokenizer.encode("hello world", bos=True, eos=True)
+    second = tokenizer.encode("second", bos=True, eos=True)
+    assert tokens.tolist() == first + second
+    assert first[0] == tokenizer.bos_id and first[-1] == tokenizer.eos_id
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def build(path, dp_rank=0, dp_size=1, local_batch_size=2, seq_len=8):
+    return build_dataloader(
+        dataset="text",
+        dataset_path=str(path),
+        tokenizer=Tokenizer(DEFAULT_TOKENIZER_PATH),
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        global_batch_size=local_batch_size * dp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=0,
+    )
+
+
+def test_loader_resumes_exactly_from_its_state_dict(tmp_path):
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [f"document number {i} says something about topic {i % 7}." for i in range(200)])
+    loader = build(data)
+    batches = iter(loader)
+    for _ in range(5):
+        next(batches)
+    state = loader.state_dict()
+    expected = [next(batches) for _ in range(5)]
+
+    resumed = build(data)
+    resumed.load_state_dict(state)
+    got = [b for _, b in zip(range(5), resumed)]
+    for (x, y), (x2, y2) in zip(expected, got):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+def test_loader_dp_ranks_split_the_global_batch(tmp_path):
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [f"line {i} with a few more words in it" for i in range(300)])
+    single = [b for _, b in zip(range(3), build(data, local_batch_size=4))]
+    ranks = [[b for _, b in zip(range(3), build(data, r, 2, local_batch_size=2))] for r in range(2)]
+    for k in range(3):
+        assert torch.equal(torch.cat([ranks[0][k][0], ranks[1][k][0]]), single[k][0])
+
+
+def test_loader_too_small_dataset_names_the_file_and_the_fix(tmp_path):
+    data = tmp_path / "small.jsonl"
+    write_jsonl(data, ["tiny"])
+    with pytest.raises(TorchpreError, match=r"small\.jsonl.*training\.seq_len"):
+        build(data)
+
+
+def test_documents_errors_name_the_path(tmp_path):
+    with pytest.raises(TorchpreError, match="does not exist"):
+        load_documents("text", str(tmp_path / "missing.txt"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(TorchpreError, match="holds no text"):
+        load_documents("text", str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"content": "x"}\n')
+    with pytest.raises(TorchpreError, match=r"bad\.jsonl:1.*'text'"):
+        load_documents("text", str(bad))
+    (tmp_path / "notes.csv").write_text("a,b")
+    with pytest.raises(TorchpreError, match="supported"):
+        load_documents("text", str(tmp_path / "notes.csv"))
+
+
+def test_documents_from_a_folder_in_name_order(tmp_path):
+    (tmp_path / "b.txt").write_text("second")
+    write_jsonl(tmp_path / "a.jsonl", ["first", "also first"])
+    assert load_documents("text", str(tmp_path)) == ["first", "also first", "second"]

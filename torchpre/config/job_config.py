@@ -1,0 +1,84 @@
+"""Every option of a training job, grouped in TOML sections (names follow torchtitan's)."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _option(default, doc: str):
+    return field(default=default, metadata={"help": doc})
+
+
+@dataclass
+class Job:
+    config_file: str = _option("", "TOML file with the job's options; command-line flags override it")
+    dump_folder: str = _option("./outputs", "folder for metrics.jsonl, config.toml and checkpoints")
+    description: str = _option("", "free text describing the job, saved with its config")
+
+
+@dataclass
+class Model:
+    name: str = _option("llama3", "model family from the model registry")
+    flavor: str = _option("debugmodel", "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B)")
+    tokenizer_path: str = _option("", "tiktoken BPE ranks file (Llama 3 tokenizer.model format); empty = the shipped one")
+
+
+@dataclass
+class Training:
+    dataset: Literal["stdlib", "text"] = _option(
+        "stdlib", "'stdlib': docstrings and comments of Python's standard library; 'text': training.dataset_path"
+    )
+    dataset_path: str = _option("", "a .txt or .jsonl file, or a folder of them (with training.dataset = 'text')")
+    local_batch_size: int = _option(8, "sequences per data-parallel rank per forward/backward")
+    global_batch_size: int = _option(
+        -1, "sequences per optimizer step; -1 = local_batch_size x DP, larger values accumulate gradients"
+    )
+    seq_len: int = _option(256, "tokens per sequence")
+    steps: int = _option(100, "optimizer steps to train")
+    seed: int = _option(42, "seed of the initial weights and the data order")
+    max_norm: float = _option(1.0, "clip the global gradient norm to this value; 0 disables clipping")
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = _option("AdamW", "optimizer")
+    lr: float = _option(8e-4, "peak learning rate")
+    eps: float = _option(1e-8, "AdamW epsilon")
+    weight_decay: float = _option(0.1, "decoupled weight decay")
+    beta1: float = _option(0.9, "AdamW beta1")
+    beta2: float = _option(0.95, "AdamW beta2")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _option(10, "steps of linear warmup from lr/(warmup_steps+1) to lr")
+    decay_ratio: float = _option(
+        1.0, "fraction of training.steps spent decaying at the end (warmup-stable-decay); 1.0 = decay right after warmup"
+    )
+    decay_type: Literal["linear", "sqrt", "cosine"] = _option("linear", "shape of the decay")
+    min_lr_factor: float = _option(0.0, "the lr at the end of the decay, as a fraction of the peak lr")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_degree: int = _option(-1, "data-parallel replicas; -1 = world_size / (tp x pp)")
+    tensor_parallel_degree: int = _option(1, "tensor-parallel degree")
+    pipeline_parallel_degree: int = _option(1, "pipeline-parallel degree")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _option(10, "log metrics every this many steps (and at the last step)")
+    peak_flops: float = _option(
+        0.0, "peak FLOP/s of one device for MFU; 0 = known GPU table, or a matmul benchmark on CPU"
+    )
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    metrics: Metrics = field(default_factory=Metrics)

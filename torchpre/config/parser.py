@@ -1,0 +1,374 @@
+"""Command-line and TOML parsing for nested dataclass configs.
+
+A config is a dataclass whose fields are section dataclasses (sections may nest further). Every
+other field is an option named by its dotted path, e.g. ``training.steps``, and needs a default.
+Values resolve with precedence command line > TOML file (``--job.config_file``, when the config
+has that field) > dataclass defaults, and every mistake raises a `ConfigError` that names the key,
+where the value came from and, for unknown names, the closest valid one.
+
+Option types: ``str``, ``int``, ``float``, ``bool``, ``Literal`` of strings, ``list[T]`` and
+``dict[str, T]`` of those, and ``X | None`` of any of these. Ints are accepted for floats; bools
+are not ints and floats are not ints. On the command line:
+
+- ``--a.b value`` or ``--a.b=value``; a bool also takes a bare ``--a.b`` (true), or
+  true/false, 1/0, yes/no;
+- lists are comma separated (``a,b,c``; an empty value is the empty list) and dicts are
+  ``name=0.7,other=0.3``;
+- ``none`` sets an optional field to None, unless ``"none"`` is itself a valid value of the field
+  (``str | None``, or a ``Literal`` that lists it); then it is that string.
+
+TOML has no null: an optional field left out of the file keeps its default, and `to_toml` writes
+None values as comments. A dump therefore round-trips exactly when optional fields default to None.
+"""
+
+import dataclasses
+import difflib
+import os
+import sys
+import types
+from typing import Any, Iterator, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+from torchpre.errors import ConfigError
+
+__all__ = ["CONFIG_FILE_KEY", "HelpRequested", "format_help", "parse_args", "to_dict", "to_toml"]
+
+T = TypeVar("T")
+
+CONFIG_FILE_KEY = "job.config_file"
+_CLI = "on the command line"
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+_TOML_ESCAPES = {i: f"\\u{i:04x}" for i in [*range(0x20), 0x7F]} | {
+    ord('"'): '\\"',
+    ord("\\"): "\\\\",
+    ord("\n"): "\\n",
+    ord("\t"): "\\t",
+}
+_HELP_INTRO = """\
+Values come from the defaults, then the TOML file, then the command line (highest precedence).
+Forms: --section.key value | --section.key=value | bare --section.key for a true bool |
+true/false, 1/0, yes/no for bools | a,b,c for lists | name=0.7,other=0.3 for dicts |
+none to unset an optional value."""
+
+
+class HelpRequested(Exception):
+    """Raised by `parse_args` when argv holds ``-h`` or ``--help``.
+
+    Printing help belongs to the entry point, which knows its program name: catch this, print
+    ``format_help(config_cls, prog)`` and exit 0.
+    """
+
+
+class _BadValue(Exception):
+    """A value does not fit its type; the caller adds the key and the source to the message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """One leaf field of the config, named by its dotted path."""
+
+    key: str
+    type: Any
+    type_name: str
+    default: Any
+    help: str
+
+
+def parse_args(config_cls: type[T], argv: list[str]) -> T:
+    """Resolve a config from its defaults, the TOML file and the command-line overrides in `argv`.
+
+    Raises `HelpRequested` when argv asks for help (before looking at anything else) and
+    `ConfigError` on any bad input.
+    """
+    if any(arg in ("-h", "--help") for arg in argv):
+        raise HelpRequested
+    options = _options(config_cls)
+    overrides = _from_cli(argv, options)
+    values = {key: option.default for key, option in options.items()}
+    path = overrides.get(CONFIG_FILE_KEY, values.get(CONFIG_FILE_KEY))
+    if path:
+        values |= _from_toml(_load_toml(path), options, f"in {path}")
+    return _build(config_cls, values | overrides)
+
+
+def format_help(config_cls: type, prog: str) -> str:
+    """The ``--help`` text: a usage line, then every option by section with type, default and doc."""
+    options = _options(config_cls)
+    config_file = f" [--{CONFIG_FILE_KEY} PATH]" if CONFIG_FILE_KEY in options else ""
+    lines = [f"usage: {prog}{config_file} [--section.key VALUE ...]", "", _HELP_INTRO]
+    sections: dict[str, list[_Option]] = {}
+    for option in options.values():
+        sections.setdefault(option.key.rpartition(".")[0], []).append(option)
+    for section, members in sections.items():
+        lines += ["", f"[{section}]"] if section else [""]
+        usages = [f"  --{o.key} {o.type_name} (default: {_show(o.default)})" for o in members]
+        width = max(map(len, usages))
+        lines += [f"{usage.ljust(width)}  {o.help}".rstrip() for usage, o in zip(usages, members)]
+    return "\n".join(lines) + "\n"
+
+
+def to_toml(config: Any) -> str:
+    """The config as TOML text, which `parse_args` reads back to an equal config.
+
+    Sections become tables. None values are written as comments because TOML has no null; read
+    back, such a field takes its default.
+    """
+    return "\n\n".join(_toml_blocks(config, "")) + "\n"
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as nested plain dicts, e.g. for experiment trackers."""
+    return dataclasses.asdict(config)
+
+
+# ----- the option tree ---------------------------------------------------------------------------
+
+
+def _options(config_cls: type) -> dict[str, _Option]:
+    """Every leaf option in declaration order; defaults come from a default instance, so a section
+    whose ``default_factory`` customizes its fields shows those values."""
+    return {option.key: option for option in _walk(config_cls, config_cls(), "")}
+
+
+def _walk(cls: type, instance: Any, prefix: str) -> Iterator[_Option]:
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key, tp, value = prefix + f.name, hints[f.name], getattr(instance, f.name)
+        if dataclasses.is_dataclass(tp):
+            yield from _walk(tp, value, key + ".")
+            continue
+        try:
+            type_name = _type_name(tp)
+        except TypeError as e:
+            raise TypeError(f"config field '{key}': {e}") from None
+        yield _Option(key, tp, type_name, value, f.metadata.get("help", ""))
+
+
+def _build(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
+    """Instantiate `cls` and its sections from a complete {dotted key: value} mapping."""
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.init:
+            tp, key = hints[f.name], prefix + f.name
+            kwargs[f.name] = _build(tp, values, key + ".") if dataclasses.is_dataclass(tp) else values[key]
+    return cls(**kwargs)
+
+
+# ----- types ---------------------------------------------------------------------------------------
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); anything else -> (tp, False)."""
+    args = get_args(tp)
+    if get_origin(tp) in (Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    """How `tp` reads in help and errors; raises TypeError for a type this parser cannot handle."""
+    base, optional = _split_optional(tp)
+    name = _base_type_name(base, containers=True)
+    return f"{name} | None" if optional else name
+
+
+def _base_type_name(tp: Any, containers: bool) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if tp in (str, int, float, bool):
+        return tp.__name__
+    if origin is Literal and args and all(isinstance(a, str) for a in args):
+        return "{" + ",".join(args) + "}"
+    if containers and origin is list:
+        return f"list[{_base_type_name(args[0], containers=False)}]"
+    if containers and origin is dict and args[0] is str:
+        return f"dict[str, {_base_type_name(args[1], containers=False)}]"
+    raise TypeError(f"unsupported type {tp!r}")
+
+
+# ----- values --------------------------------------------------------------------------------------
+
+
+def _convert(option: _Option, value: Any, source: str, from_cli: bool) -> Any:
+    """`value` (TOML data, or command-line text) as the option's type, or a ConfigError saying why."""
+    try:
+        return _coerce(value, option.type, from_cli)
+    except _BadValue as e:
+        detail = str(e) or f"expected {option.type_name}"
+        raise ConfigError(f"Invalid value {value!r} for '{option.key}' {source}: {detail}.") from None
+
+
+def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
+    base, optional = _split_optional(tp)
+    origin, args = get_origin(base), get_args(base)
+    if from_cli and optional and value.strip().lower() == "none":
+        none_is_a_value = base is str or (origin is Literal and "none" in args)
+        if not none_is_a_value:
+            return None
+    if origin is Literal:
+        return _choice(value, args)
+    if origin is list:
+        items = _split_list(value) if from_cli else value
+        if not isinstance(items, list):
+            raise _BadValue
+        return [_coerce(item, args[0], from_cli) for item in items]
+    if origin is dict:
+        table = _split_pairs(value) if from_cli else value
+        if not isinstance(table, dict):
+            raise _BadValue
+        return {name: _coerce(item, args[1], from_cli) for name, item in table.items()}
+    if from_cli:
+        value = _parse_scalar(value, base)
+    if base is float and type(value) is int:
+        return float(value)
+    if type(value) is not base:  # exact: a bool is not an int, a float is not an int
+        raise _BadValue
+    return value
+
+
+def _parse_scalar(text: str, tp: type) -> Any:
+    if tp is bool:
+        word = text.strip().lower()
+        if word not in _BOOL_WORDS:
+            raise _BadValue("expected bool: true/false, 1/0 or yes/no")
+        return _BOOL_WORDS[word]
+    try:
+        return tp(text)
+    except ValueError:
+        raise _BadValue from None
+
+
+def _choice(value: Any, choices: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value in choices:
+        return value
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise _BadValue(f"expected one of {', '.join(map(repr, choices))}{hint}")
+
+
+def _split_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",")] if text.strip() else []
+
+
+def _split_pairs(text: str) -> dict[str, str]:
+    pairs = {}
+    for item in _split_list(text):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise _BadValue("expected name=value pairs separated by commas, e.g. web=0.7,code=0.3")
+        pairs[name.strip()] = value.strip()
+    return pairs
+
+
+# ----- sources -------------------------------------------------------------------------------------
+
+
+def _from_cli(argv: list[str], options: dict[str, _Option]) -> dict[str, Any]:
+    """Checked overrides from ``--key value`` / ``--key=value`` / bare bool flags; last one wins."""
+    values = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--"):
+            raise ConfigError(f"Unexpected argument {arg!r} {_CLI}; options look like --section.key VALUE.")
+        key, eq, text = arg[2:].partition("=")
+        if key not in options:
+            raise _unknown("option", key, list(options), _CLI, dashes="--")
+        option = options[key]
+        if not eq:
+            if i < len(argv) and not argv[i].startswith("--"):
+                text, i = argv[i], i + 1
+            elif _split_optional(option.type)[0] is bool:
+                text = "true"
+            else:
+                raise ConfigError(f"Option '--{key}' {_CLI} needs a value ({option.type_name}).")
+        values[key] = _convert(option, text, _CLI, from_cli=True)
+    return values
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"Config file not found: {path} (looked for {os.path.abspath(path)}, given as {CONFIG_FILE_KEY})."
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"Cannot read config file {path}: {e.strerror}.") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"Invalid TOML in {path}: {e}.") from None
+
+
+def _from_toml(table: dict[str, Any], options: dict[str, _Option], source: str, prefix: str = "") -> dict[str, Any]:
+    """Flatten a TOML document into checked {dotted key: value}, rejecting names the config lacks."""
+    sections = {key.rsplit(".", i)[0] for key in options for i in range(1, key.count(".") + 1)}
+    values = {}
+    for name, value in table.items():
+        key = prefix + name
+        if key in options:
+            values[key] = _convert(options[key], value, source, from_cli=False)
+        elif key in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{key}' {source} is a section and must be a table, like [{key}].")
+            values |= _from_toml(value, options, source, key + ".")
+        elif isinstance(value, dict):
+            raise _unknown("section", key, sorted(sections), source)
+        else:
+            raise _unknown("key", key, list(options), source)
+    return values
+
+
+def _unknown(kind: str, name: str, candidates: list[str], source: str, dashes: str = "") -> ConfigError:
+    close = difflib.get_close_matches(name, candidates, n=1)
+    hint = f"did you mean '{dashes}{close[0]}'?" if close else "run with --help to list every option."
+    return ConfigError(f"Unknown {kind} '{dashes}{name}' {source}; {hint}")
+
+
+# ----- TOML output ---------------------------------------------------------------------------------
+
+
+def _toml_blocks(config: Any, path: str) -> list[str]:
+    """One text block per table: its own keys first (TOML requires that), then its sub-tables."""
+    own, nested = [f"[{path}]"] if path else [], []
+    for f in dataclasses.fields(config):
+        if not f.init:
+            continue
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            nested += _toml_blocks(value, f"{path}.{f.name}" if path else f.name)
+        elif value is None:
+            own.append(f"# {f.name} is None (TOML has no null)")
+        else:
+            own.append(f"{f.name} = {_toml_value(value)}")
+    return (["\n".join(own)] if own else []) + nested
+
+
+def _toml_value(value: Any) -> str:
+    match value:
+        case bool():
+            return "true" if value else "false"
+        case int() | float():
+            return repr(value)  # Python's float repr (1e-05, inf, nan) is valid TOML
+        case str():
+            return '"' + value.translate(_TOML_ESCAPES) + '"'
+        case list():
+            return "[" + ", ".join(map(_toml_value, value)) + "]"
+        case dict():
+            items = ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items())
+            return "{ " + items + " }" if items else "{}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _show(value: Any) -> str:
+    """A default as help shows it: TOML syntax, and ``none`` (the command-line word) for None."""
+    return "none" if value is None else _toml_value(value)

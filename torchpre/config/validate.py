@@ -1,0 +1,38 @@
+"""Value checks that the type system cannot express, run before any expensive work."""
+
+from torchpre.config.job_config import JobConfig
+from torchpre.errors import ConfigError
+
+
+def validate_config(config: JobConfig) -> None:
+    """Raises ConfigError naming the first impossible value and what would be valid."""
+    t, o, s, m = config.training, config.optimizer, config.lr_scheduler, config.metrics
+    _at_least("training.local_batch_size", t.local_batch_size, 1)
+    _at_least("training.seq_len", t.seq_len, 1)
+    _at_least("training.steps", t.steps, 1)
+    _at_least("training.max_norm", t.max_norm, 0)
+    _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
+    _at_least("metrics.log_freq", m.log_freq, 1)
+    _at_least("metrics.peak_flops", m.peak_flops, 0)
+    if t.global_batch_size != -1 and t.global_batch_size < 1:
+        raise ConfigError(f"training.global_batch_size = {t.global_batch_size}: use -1 or a positive number.")
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr = {o.lr}: the learning rate must be positive.")
+    for key, value in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"{key} = {value}: it must be in [0, 1).")
+    for key, value in (("lr_scheduler.decay_ratio", s.decay_ratio), ("lr_scheduler.min_lr_factor", s.min_lr_factor)):
+        if not 0 <= value <= 1:
+            raise ConfigError(f"{key} = {value}: it must be in [0, 1].")
+    if t.dataset == "text" and not t.dataset_path:
+        raise ConfigError("training.dataset = 'text' needs training.dataset_path: a .txt or .jsonl file or a folder.")
+    if t.dataset != "text" and t.dataset_path:
+        raise ConfigError(
+            f"training.dataset_path is set but training.dataset = '{t.dataset}' ignores it: "
+            "set training.dataset = 'text' to train on your files."
+        )
+
+
+def _at_least(key: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} = {value}: it must be at least {minimum}.")

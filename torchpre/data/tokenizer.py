@@ -1,0 +1,158 @@
+"""The tiktoken BPE tokenizer used by Llama 3, loadable from any file in its format.
+
+A tokenizer file holds one `base64(token) rank` line per mergeable token (Meta's Llama 3
+`tokenizer.model`, or the small one shipped in `assets/tokenizer/`). Special tokens are not in the
+file: they take the ids right after the ranks. A real Llama 3 file (128000 ranks) gets Meta's 256
+special tokens so that ids match Meta's checkpoints; any other file gets just BOS and EOS.
+"""
+
+import base64
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import tiktoken
+
+from torchpre.errors import TorchpreError
+
+DEFAULT_TOKENIZER_PATH = (
+    Path(__file__).resolve().parents[2] / "assets" / "tokenizer" / "tokenizer.model"
+)
+
+# Llama 3's pre-split regex: contractions, words, numbers of up to 3 digits, punctuation, spaces.
+LLAMA3_PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+_LLAMA3_NUM_RANKS = 128_000
+_LLAMA3_NUM_SPECIAL_TOKENS = 256
+_FORMAT_HINT = (
+    "Set model.tokenizer_path to a tiktoken BPE file: one 'base64token rank' line per token, "
+    "ranks 0..N-1, all 256 single bytes present (e.g. Llama 3's original/tokenizer.model, "
+    f"or the default {DEFAULT_TOKENIZER_PATH}). SentencePiece files are not supported."
+)
+
+
+def llama3_special_tokens() -> list[str]:
+    """Meta's Llama 3 special tokens, in id order from 128000 (as in Meta's llama3 tokenizer.py)."""
+    named = [
+        BOS,
+        EOS,
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|reserved_special_token_2|>",
+        "<|reserved_special_token_3|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|reserved_special_token_4|>",
+        "<|eot_id|>",
+    ]
+    reserved = range(5, _LLAMA3_NUM_SPECIAL_TOKENS - 5)
+    return named + [f"<|reserved_special_token_{i}|>" for i in reserved]
+
+
+def tokenizer_hash(path: str | os.PathLike) -> str:
+    """SHA-256 of the tokenizer file, to tie pre-tokenized data to the tokenizer that made it."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
+    """Read and validate a tiktoken BPE file.
+
+    Parsed here rather than with `tiktoken.load.load_tiktoken_bpe`, which caches files by path in
+    a temp dir (so a re-trained file at the same path would load stale) and gives no line numbers.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise TorchpreError(f"Tokenizer file {path} does not exist. {_FORMAT_HINT}")
+    ranks: dict[bytes, int] = {}
+    for line_number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if line.strip():
+            token, rank = _parse_line(line, f"{path}:{line_number}")
+            ranks[token] = rank
+    _check_ranks(ranks, path)
+    return ranks
+
+
+def save_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
+    """Write ranks in the format `load_ranks` reads, in rank order."""
+    by_rank = sorted(ranks.items(), key=lambda item: item[1])
+    Path(path).write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in by_rank))
+
+
+def _parse_line(line: bytes, where: str) -> tuple[bytes, int]:
+    try:
+        token, rank = line.split()
+        return base64.b64decode(token, validate=True), int(rank)
+    except ValueError:  # also raised for bad base64 (binascii.Error)
+        raise TorchpreError(f"Malformed line {where}: {line[:80]!r}. {_FORMAT_HINT}") from None
+
+
+def _check_ranks(ranks: dict[bytes, int], path: Path) -> None:
+    """tiktoken needs ranks 0..N-1, one per token, and every byte encodable."""
+    if not ranks:
+        raise TorchpreError(f"Tokenizer file {path} holds no tokens. {_FORMAT_HINT}")
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise TorchpreError(
+            f"Tokenizer file {path} has duplicate tokens, or ranks other than "
+            f"0..{len(ranks) - 1}. {_FORMAT_HINT}"
+        )
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TorchpreError(
+            f"Tokenizer file {path} lacks {len(missing)} single-byte tokens (e.g. byte "
+            f"{missing[0]}), so some text could not be encoded. {_FORMAT_HINT}"
+        )
+
+
+def _special_tokens(num_ranks: int) -> dict[str, int]:
+    names = llama3_special_tokens() if num_ranks == _LLAMA3_NUM_RANKS else [BOS, EOS]
+    return {name: num_ranks + i for i, name in enumerate(names)}
+
+
+class Tokenizer:
+    """Text <-> token ids. Special-token text in the input is encoded as ordinary text."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        ranks = load_ranks(self.path)
+        special_tokens = _special_tokens(len(ranks))
+        self._encoding = tiktoken.Encoding(
+            name=self.path.name,
+            pat_str=LLAMA3_PAT_STR,
+            mergeable_ranks=ranks,
+            special_tokens=special_tokens,
+        )
+        self._bos_id = special_tokens[BOS]
+        self._eos_id = special_tokens[EOS]
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included: the model's embedding size must cover it."""
+        return self._encoding.n_vocab
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        """Token ids of `text`, optionally framed by BOS/EOS."""
+        return self._frame(self._encoding.encode_ordinary(text), bos, eos)
+
+    def encode_batch(self, texts: list[str], *, bos: bool, eos: bool) -> list[list[int]]:
+        """`encode` for many texts at once, on tiktoken's thread pool."""
+        return [self._frame(ids, bos, eos) for ids in self._encoding.encode_ordinary_batch(texts)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; bytes that are not valid UTF-8 become U+FFFD."""
+        return self._encoding.decode(list(ids))
+
+    def _frame(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
+        return [self._bos_id] * bos + ids + [self._eos_id] * eos

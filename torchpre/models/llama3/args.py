@@ -1,0 +1,137 @@
+"""Llama 3 hyperparameters, the released flavors, and the FLOP count used for MFU."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchpre.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling: stretch long wavelengths to extend the context."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class TransformerArgs:
+    """Shape of a Llama 3 model. Frozen so a shared flavor cannot be mutated; derive variants
+    with `dataclasses.replace` (e.g. to set `vocab_size` from the tokenizer)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None  # None means n_heads (no grouped-query attention)
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 131072
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.dim % self.n_heads != 0:
+            raise ConfigError(f"model dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ConfigError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU width: 2/3 of 4*dim (same FLOPs as a 4*dim MLP), scaled, rounded up."""
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+_LLAMA_3_1_SCALING = RopeScaling(
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+_LLAMA_3_2_SCALING = RopeScaling(
+    factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+)
+
+LLAMA3_FLAVORS: dict[str, TransformerArgs] = {
+    # vocab_size is a placeholder: the trainer replaces it with the tokenizer's size.
+    "debugmodel": TransformerArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, max_seq_len=2048
+    ),
+    "1B": TransformerArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.5,
+        multiple_of=256,
+        rope_scaling=_LLAMA_3_2_SCALING,
+        tie_word_embeddings=True,
+    ),
+    "3B": TransformerArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.0,
+        multiple_of=256,
+        rope_scaling=_LLAMA_3_2_SCALING,
+        tie_word_embeddings=True,
+    ),
+    "8B": TransformerArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_scaling=_LLAMA_3_1_SCALING,
+    ),
+    "70B": TransformerArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_scaling=_LLAMA_3_1_SCALING,
+    ),
+    "405B": TransformerArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        multiple_of=4096,
+        rope_scaling=_LLAMA_3_1_SCALING,
+    ),
+}
+
+
+def flops_per_token(args: TransformerArgs, num_params: int, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), the PaLM/torchtitan convention.
+
+    Each weight used in a matmul costs 6 FLOPs per token (2 forward, 4 backward), so the dense
+    term is 6 * (num_params - the input embedding table), because an embedding lookup does no
+    arithmetic. `num_params` counts unique parameters of the whole model, so with tied
+    embeddings the single shared table is kept: it still does the output projection. Attention
+    scores and the weighted sum over values add 12 * n_layers * dim * seq_len (QK^T and AV, 2
+    FLOPs per multiply-add, times 3 for the backward pass, ignoring the causal mask).
+    """
+    lookup_params = 0 if args.tie_word_embeddings else args.vocab_size * args.dim
+    return 6 * (num_params - lookup_params) + 12 * args.n_layers * args.dim * seq_len

@@ -1,0 +1,49 @@
+"""Warmup-stable-decay learning-rate schedule."""
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def wsd_factor(
+    step: int, *, steps: int, warmup_steps: int, decay_ratio: float, decay_type: str, min_lr_factor: float
+) -> float:
+    """The lr multiplier for optimizer step `step` (0-based), in [min_lr_factor, 1].
+
+    Linear warmup over `warmup_steps` (the first step already uses 1/(warmup_steps+1) of the lr, never
+    0), then a constant lr, then a decay to `min_lr_factor` over the final `decay_ratio` fraction of
+    the post-warmup steps, so `decay_ratio = 1` decays right after warmup and 0 never decays.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    decay_steps = round(decay_ratio * (steps - warmup_steps))
+    decay_start = steps - decay_steps
+    if step < decay_start or decay_steps == 0:
+        return 1.0
+    progress = (step - decay_start + 1) / decay_steps
+    if decay_type == "linear":
+        remaining = 1 - progress
+    elif decay_type == "sqrt":
+        remaining = 1 - math.sqrt(progress)
+    else:
+        remaining = 0.5 * (1 + math.cos(math.pi * progress))
+    return min_lr_factor + (1 - min_lr_factor) * remaining
+
+
+def build_lr_scheduler(
+    optimizer: Optimizer, *, steps: int, warmup_steps: int, decay_ratio: float, decay_type: str, min_lr_factor: float
+) -> LambdaLR:
+    """A LambdaLR stepped once per optimizer step; its state_dict is the step count."""
+
+    def factor(step: int) -> float:
+        return wsd_factor(
+            step,
+            steps=steps,
+            warmup_steps=warmup_steps,
+            decay_ratio=decay_ratio,
+            decay_type=decay_type,
+            min_lr_factor=min_lr_factor,
+        )
+
+    return LambdaLR(optimizer, factor)
