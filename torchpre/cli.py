@@ -1,8 +1,10 @@
 """What every entry point shares: logging per rank, --help, and bad input as one paragraph."""
 
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from torchpre.errors import TorchpreError
@@ -36,5 +38,16 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
     except TorchpreError as error:
         rank = os.environ.get("RANK", "0")
         print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        _report_to_torchrun(str(error))
         sys.exit(EXIT_BAD_INPUT)
     shutdown_distributed()
+
+
+def _report_to_torchrun(message: str) -> None:
+    """Puts the message in torchrun's failure summary instead of its 'traceback: N/A'."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump(record, file)

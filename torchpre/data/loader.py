@@ -1,5 +1,7 @@
 """Builds the resumable data loader of one data-parallel rank."""
 
+import warnings
+
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchpre.data.dataset import PackedWindows, pack_documents
@@ -7,6 +9,9 @@ from torchpre.data.documents import load_documents
 from torchpre.data.sampler import GlobalBatchSampler
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import TorchpreError
+
+# torchdata 0.11 calls a torch API that newer torch deprecated; the warning says nothing to users.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 def build_dataloader(

@@ -73,6 +73,10 @@ LLAMA3_FLAVORS: dict[str, TransformerArgs] = {
     "debugmodel": TransformerArgs(
         dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, max_seq_len=2048
     ),
+    # For tests and smoke runs: seconds per run on a laptop CPU, still grouped-query attention.
+    "tiny": TransformerArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, multiple_of=32, max_seq_len=2048
+    ),
     "1B": TransformerArgs(
         dim=2048,
         n_layers=16,

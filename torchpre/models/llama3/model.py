@@ -150,7 +150,8 @@ class Transformer(nn.Module):
         `to_empty` and `parallelize_module` create new Parameters per module and so untie them;
         `init_weights` calls this again.
         """
-        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+        both_here = self.tok_embeddings is not None and self.output is not None
+        if self.args.tie_word_embeddings and both_here:
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
@@ -162,9 +163,9 @@ class Transformer(nn.Module):
         self.rope_cache.copy_(self._rope_cache(device="cpu"))
 
     def forward(self, tokens: Tensor) -> Tensor:
-        seqlen = tokens.shape[1]
-        if seqlen > self.rope_cache.shape[0]:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {self.rope_cache.shape[0]}")
+        seqlen, max_seq_len = tokens.shape[1], self.rope_cache.shape[0]
+        if seqlen > max_seq_len:
+            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {max_seq_len}")
         rope_cache = self.rope_cache[:seqlen]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
