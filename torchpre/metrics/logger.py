@@ -36,6 +36,6 @@ def format_step_line(record: dict[str, Any]) -> str:
             f"{record['tokens_per_sec']:,.0f} tok/s",
             f"mfu {100 * record['mfu']:.1f}%",
             f"mem {record['max_memory_bytes'] / 2**30:.2f} GiB",
-            f"step {record['step_time_s']:.3f}s (data {record['data_time_s']:.3f}s)",
+            f"{record['step_time_s']:.3f} s/step (data {record['data_time_s']:.3f} s)",
         ]
     )
