@@ -2,14 +2,15 @@
 
 import dataclasses
 import logging
-import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
@@ -26,10 +27,13 @@ from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.optim.lr_scheduler import build_lr_scheduler
 from torchpre.optim.optimizer import build_optimizer
 from torchpre.parallel.data_parallel import all_reduce_gradients
+from torchpre.parallel.grad_clip import clip_gradients_, global_grad_norm
+from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to, sync_tied_gradients
+from torchpre.parallel.tensor_parallel import loss_parallel_context, reduce_partial_gradients
 
 logger = logging.getLogger("torchpre")
 
-IGNORE_INDEX = -100
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp: int) -> tuple[int, int]:
@@ -49,38 +53,47 @@ def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp: int) 
 class Trainer:
     """Owns one training job: builds its pieces from a JobConfig, then `train()` runs the steps.
 
-    Everything that can reject the config (values, layout, batch arithmetic, model names, files)
-    runs before the process group is joined, identically on every rank, so bad input stops every
-    rank with the same message instead of leaving some waiting for a peer.
+    Everything that can reject the config (values, layout, batch arithmetic, model shapes, pipeline
+    schedule, files) runs before the process group is joined, identically on every rank, so bad input
+    stops every rank with the same message instead of leaving some waiting for a peer.
     """
 
     def __init__(self, config: JobConfig):
         validate_config(config)
-        t = config.training
+        t, p = config.training, config.parallelism
         self.config = config
-        self.parallel_dims = ParallelDims.from_degrees(
-            config.parallelism.data_parallel_degree,
-            config.parallelism.tensor_parallel_degree,
-            config.parallelism.pipeline_parallel_degree,
-            world_size_from_env(),
+        dims = ParallelDims.from_degrees(
+            p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()
         )
-        if self.parallel_dims.tp > 1 or self.parallel_dims.pp > 1:
-            raise ConfigError(
-                "Tensor and pipeline parallelism are not available yet: set parallelism.tensor_parallel_degree "
-                "and parallelism.pipeline_parallel_degree to 1."
-            )
+        self.parallel_dims = dims
         self.global_batch_size, self.accumulation_steps = resolve_batch_sizes(
-            t.local_batch_size, t.global_batch_size, self.parallel_dims.dp
+            t.local_batch_size, t.global_batch_size, dims.dp
         )
         self.model_spec = get_model_spec(config.model.name)
         flavor_args = get_flavor(self.model_spec, config.model.flavor)
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = dataclasses.replace(flavor_args, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
+        self.model_spec.validate_tensor_parallel(self.model_args, dims.tp)
+        self.pipeline = (
+            PipelinePlan.from_config(
+                p,
+                stage_modules=lambda num_stages: self.model_spec.stage_modules(
+                    self.model_args, num_stages, p.pipeline_parallel_split_points
+                ),
+                sequences_per_step=t.local_batch_size * self.accumulation_steps,
+            )
+            if dims.pp > 1
+            else None
+        )
+        # Every optimizer step sees global_batch_size full windows of seq_len labelled tokens.
+        self.tokens_per_step = self.global_batch_size * t.seq_len
 
         self.device = select_device()
         init_distributed(self.device)
-        self.mesh = self.parallel_dims.build_mesh(self.device.type)
-        self.dp_mesh = self.mesh["dp"]
+        self.mesh = dims.build_mesh(self.device.type)
+        self.dp_group = self.mesh["dp"].get_group()
+        self.tp_group = self.mesh["tp"].get_group()
+        self.pp_group = self.mesh["pp"].get_group()
         self.is_logging_rank = dist.get_rank() == 0
         torch.manual_seed(t.seed)
 
@@ -91,14 +104,16 @@ class Trainer:
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
             global_batch_size=self.global_batch_size,
-            dp_rank=self.dp_mesh.get_local_rank(),
-            dp_size=self.parallel_dims.dp,
+            dp_rank=self.mesh["dp"].get_local_rank(),
+            dp_size=dims.dp,
             seed=t.seed,
         )
-        self.model = self._build_model()
+        self.model_parts = self._build_model_parts()
+        self.schedule = self._build_schedule() if self.pipeline else None
+        self.params = [param for part in self.model_parts for param in part.parameters()]
         o, s = config.optimizer, config.lr_scheduler
         self.optimizer = build_optimizer(
-            self.model, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+            self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,
@@ -112,35 +127,65 @@ class Trainer:
         self.metrics = MetricsLogger(config.job.dump_folder) if self.is_logging_rank else None
         self._save_resolved_config()
 
-    def _build_model(self) -> torch.nn.Module:
-        """Builds on the meta device, then materialises and initialises from the seed alone."""
+    def _build_model_parts(self) -> list[nn.Module]:
+        """The model, or this rank's pipeline stages of it: built on the meta device, parallelized,
+        then materialised and initialised from the seed alone (so every layout starts equal)."""
         with torch.device("meta"):
             model = self.model_spec.model_cls(self.model_args)
-        model.to_empty(device=self.device)
-        model.init_weights(self.config.training.seed)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = self.model_spec.flops_per_token(
             self.model_args, self.num_params, self.config.training.seq_len
         )
+        if self.pipeline:
+            pp_rank = self.mesh["pp"].get_local_rank()
+            parts = [prune_to(model, self.pipeline.stage_modules[s]) for s in self.pipeline.stage_ids(pp_rank)]
+        else:
+            parts = [model]
+        p = self.config.parallelism
+        for part in parts:
+            if self.parallel_dims.tp > 1:
+                self.model_spec.apply_tensor_parallel(
+                    part,
+                    self.mesh["tp"],
+                    sequence_parallel=p.enable_sequence_parallel,
+                    loss_parallel=p.enable_loss_parallel,
+                )
+            part.to_empty(device=self.device)
+            part.init_weights(self.config.training.seed)
         logger.info(
-            "model %s %s: %s parameters, %s FLOPs/token, layout %s, global batch %d (%d microbatches per rank)",
+            "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d; "
+            "global batch %d = %d microbatches of %d per DP rank",
             self.config.model.name,
             self.config.model.flavor,
             f"{self.num_params:,}",
             f"{self.flops_per_token:,}",
-            self.parallel_dims,
+            self.parallel_dims.dp,
+            self.parallel_dims.tp,
+            self.parallel_dims.pp,
             self.global_batch_size,
             self.accumulation_steps,
+            self.config.training.local_batch_size,
         )
-        return model
+        return parts
+
+    def _build_schedule(self):
+        pp_rank = self.mesh["pp"].get_local_rank()
+        ids = self.pipeline.stage_ids(pp_rank)
+        stages = [
+            PipelineStage(part, stage, self.pipeline.num_stages, self.device, group=self.pp_group)
+            for part, stage in zip(self.model_parts, ids)
+        ]
+        self.has_first_stage = 0 in ids
+        self.has_last_stage = self.pipeline.num_stages - 1 in ids
+        logger.info("pipeline: %s", self.pipeline.describe())
+        return build_schedule(stages, self.pipeline.schedule, self.pipeline.n_microbatches, self._loss)
 
     def _save_resolved_config(self) -> None:
         if not self.is_logging_rank:
             return
         text = to_toml(self.config)
         logger.info("resolved config:\n%s", text)
-        path = Path(self.config.job.dump_folder) / "config.toml"
-        path.write_text(text, encoding="utf-8")
+        (Path(self.config.job.dump_folder) / "config.toml").write_text(text, encoding="utf-8")
 
     def train(self) -> None:
         t = self.config.training
@@ -152,69 +197,93 @@ class Trainer:
             microbatches = [next(batches) for _ in range(self.accumulation_steps)]
             data_time += time.perf_counter() - fetch_start
             lr = self.lr_scheduler.get_last_lr()[0]
-            loss_sum, num_tokens, grad_norm = self.train_step(microbatches)
+            loss, grad_norm = self.train_step(microbatches)
             self.step += 1
             interval_steps += 1
             if self.step % self.config.metrics.log_freq == 0 or self.step == t.steps:
                 elapsed = time.perf_counter() - interval_start
-                self._log(loss_sum, num_tokens, grad_norm, lr, elapsed / interval_steps, data_time / interval_steps, peak)
+                self._log(loss, grad_norm, lr, elapsed / interval_steps, data_time / interval_steps, peak)
                 interval_start, interval_steps, data_time = time.perf_counter(), 0, 0.0
         if self.metrics is not None:
             self.metrics.close()
 
-    def train_step(
-        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One optimizer step over this rank's microbatches.
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This microbatch's share of the global-batch mean token cross-entropy.
 
-        Returns (this rank's summed token loss, global token count, global grad norm before clipping).
-        Each microbatch's summed loss is divided by the global token count before backward, so the
-        accumulated, DP-summed gradient is that of the mean loss over the whole global batch.
+        Summing over tokens and dividing by the global token count (not the microbatch's) makes the
+        sum over microbatches, pipeline chunks and DP ranks the exact global mean, for any layout.
         """
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+        return loss / self.tokens_per_step
+
+    def train_step(self, microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's microbatches; returns (this rank's loss share, global
+        grad norm before clipping)."""
         microbatches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
-        num_tokens = sum((y != IGNORE_INDEX).sum() for _, y in microbatches)
-        dist.all_reduce(num_tokens, group=self.dp_mesh.get_group())
-        loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
-            logits = self.model(inputs)
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-            )
-            (loss / num_tokens).backward()
-            loss_sum += loss.detach()
-        all_reduce_gradients(self.model.parameters(), self.dp_mesh.get_group())
-        max_norm = self.config.training.max_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        with loss_parallel_context(self.config.parallelism.enable_loss_parallel and self.parallel_dims.tp > 1):
+            if self.schedule is not None:
+                loss = self._pipeline_forward_backward(microbatches)
+            else:
+                loss = torch.zeros((), device=self.device)
+                for inputs, labels in microbatches:
+                    microbatch_loss = self._loss(self.model_parts[0](inputs), labels)
+                    microbatch_loss.backward()
+                    loss += _replicated_value(microbatch_loss.detach())
+        reduce_partial_gradients(self.params, self.tp_group)
+        tied = self.model_spec.tied_weights(self.model_args)
+        if self.pipeline and tied:
+            sync_tied_gradients(self.model_parts, tied, self._tied_peer(), self.pp_group)
+        all_reduce_gradients(self.params, self.dp_group)
+        grad_norm = global_grad_norm(self._params_counted_once(tied), self.device, self.tp_group, self.pp_group)
+        if self.config.training.max_norm > 0:
+            clip_gradients_(self.params, self.config.training.max_norm, grad_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, num_tokens, grad_norm
+        return loss, grad_norm
+
+    def _pipeline_forward_backward(self, microbatches: list[Batch]) -> torch.Tensor:
+        """All accumulation microbatches go through one schedule step, cut into pipeline microbatches."""
+        inputs = torch.cat([x for x, _ in microbatches])
+        labels = torch.cat([y for _, y in microbatches])
+        losses: list[torch.Tensor] = []
+        targets = {"target": labels, "losses": losses} if self.has_last_stage else {}
+        args = (inputs,) if self.has_first_stage else ()
+        self.schedule.step(*args, **targets, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([_replicated_value(loss.detach()) for loss in losses]).sum()
+
+    def _tied_peer(self) -> int:
+        """The pp rank holding the other copy of the tied weight."""
+        pp_rank = self.mesh["pp"].get_local_rank()
+        first, last = self.pipeline.stage_rank(0), self.pipeline.stage_rank(self.pipeline.num_stages - 1)
+        return last if pp_rank == first else first
+
+    def _params_counted_once(self, tied: tuple[str, str] | None) -> list[nn.Parameter]:
+        """All parameters, without the second copy of a weight tied across pipeline stages."""
+        skip = tied[1] if self.pipeline and tied else None
+        return [param for part in self.model_parts for name, param in part.named_parameters() if name != skip]
 
     def _log(
-        self,
-        loss_sum: torch.Tensor,
-        num_tokens: torch.Tensor,
-        grad_norm: torch.Tensor,
-        lr: float,
-        step_time: float,
-        data_time: float,
-        peak: float,
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, step_time: float, data_time: float, peak: float
     ) -> None:
-        """Gathers the global loss and the per-rank maxima, then rank 0 writes the record."""
-        dist.all_reduce(loss_sum, group=self.dp_mesh.get_group())
+        """Gathers the global loss (from the last pipeline stage, summed over DP) and per-rank maxima;
+        rank 0 writes the record."""
+        dist.all_reduce(loss)
+        loss = loss / self.parallel_dims.tp  # every tensor-parallel rank holds the same loss
         maxima = torch.tensor(
             [max_memory_bytes(self.device), self._optimizer_state_bytes()], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         if self.metrics is None:
             return
-        tokens_per_step = self.global_batch_size * self.config.training.seq_len
-        tokens_per_sec = tokens_per_step / step_time
+        tokens_per_sec = self.tokens_per_step / step_time
         world_size = self.parallel_dims.world_size
         self.metrics.log(
             {
                 "step": self.step,
-                "loss": (loss_sum / num_tokens).item(),
+                "loss": loss.item(),
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "tokens_per_sec": tokens_per_sec,
@@ -229,8 +298,13 @@ class Trainer:
 
     def _optimizer_state_bytes(self) -> int:
         return sum(
-            value.nbytes
+            value.to_local().nbytes if isinstance(value, DTensor) else value.nbytes
             for state in self.optimizer.state.values()
             for value in state.values()
             if isinstance(value, torch.Tensor)
         )
+
+
+def _replicated_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a loss that may be a replicated DTensor (under loss parallel)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -5,6 +5,8 @@ from typing import Literal
 
 
 def _option(default, doc: str):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": doc})
     return field(default=default, metadata={"help": doc})
 
 
@@ -61,8 +63,24 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     data_parallel_degree: int = _option(-1, "data-parallel replicas; -1 = world_size / (tp x pp)")
-    tensor_parallel_degree: int = _option(1, "tensor-parallel degree")
-    pipeline_parallel_degree: int = _option(1, "pipeline-parallel degree")
+    tensor_parallel_degree: int = _option(1, "tensor-parallel degree (shards attention heads, MLP and vocabulary)")
+    enable_sequence_parallel: bool = _option(
+        False, "with tensor parallelism, shard norms and residuals along the sequence (saves activation memory)"
+    )
+    enable_loss_parallel: bool = _option(
+        False, "with tensor parallelism, compute the loss on vocabulary-sharded logits (never gathers full logits)"
+    )
+    pipeline_parallel_degree: int = _option(1, "pipeline-parallel degree (ranks that hold consecutive stages)")
+    pipeline_parallel_schedule: Literal[
+        "GPipe", "AFAB", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = _option("1F1B", "pipeline schedule (AFAB is GPipe)")
+    pipeline_parallel_microbatch_size: int = _option(1, "sequences per pipeline microbatch")
+    pipeline_parallel_virtual_stages: int = _option(
+        1, "stages per rank for Interleaved1F1B, LoopedBFS and InterleavedZeroBubble (V schedules always use 2)"
+    )
+    pipeline_parallel_split_points: list[str] = _option(
+        [], "first layer of each stage after the first, e.g. layers.2,layers.4; empty = split evenly"
+    )
 
 
 @dataclass

@@ -22,14 +22,20 @@ def all_reduce_gradients(
     Called once per optimizer step, after gradient accumulation. The loss is already divided by the
     global token count, so summing (not averaging) yields the global-batch gradient.
     """
+    all_reduce_tensors([_local(p.grad) for p in params if p.grad is not None], group, bucket_bytes)
+
+
+def all_reduce_tensors(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
+    """Sums `tensors` in place over `group`, bucketed into flat buffers."""
     if dist.get_world_size(group) == 1:
         return
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    for bucket in _buckets(grads, bucket_bytes):
+    for bucket in _buckets(tensors, bucket_bytes):
         flat = _flatten_dense_tensors(bucket)
         dist.all_reduce(flat, group=group)
-        for grad, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            grad.copy_(synced)
+        for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            tensor.copy_(synced)
 
 
 def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:

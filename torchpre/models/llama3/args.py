@@ -73,6 +73,16 @@ LLAMA3_FLAVORS: dict[str, TransformerArgs] = {
     "debugmodel": TransformerArgs(
         dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, max_seq_len=2048
     ),
+    # The debug model with tied input/output embeddings, as in Llama 3.2 1B/3B.
+    "debugmodel_tied": TransformerArgs(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=8,
+        vocab_size=2048,
+        max_seq_len=2048,
+        tie_word_embeddings=True,
+    ),
     # For tests and smoke runs: seconds per run on a laptop CPU, still grouped-query attention.
     "tiny": TransformerArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, multiple_of=32, max_seq_len=2048

@@ -75,7 +75,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
     def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
+        """`rope_cache` covers at least the sequence; it is cut here, where the sequence is whole
+        (under sequence parallelism the residual stream outside attention holds only a slice)."""
         bsz, seqlen, _ = x.shape
+        rope_cache = rope_cache[:seqlen]
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -163,13 +166,13 @@ class Transformer(nn.Module):
         self.rope_cache.copy_(self._rope_cache(device="cpu"))
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """Token ids [batch, seq] to logits; a pipeline stage maps hidden states to hidden states."""
         seqlen, max_seq_len = tokens.shape[1], self.rope_cache.shape[0]
         if seqlen > max_seq_len:
             raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {max_seq_len}")
-        rope_cache = self.rope_cache[:seqlen]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, rope_cache)
+            h = layer(h, self.rope_cache)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

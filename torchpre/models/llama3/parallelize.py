@@ -1,0 +1,131 @@
+"""Llama 3 tensor parallelism (+ sequence parallel, + loss parallel): its plan, in one place.
+
+Megatron-style sharding over the `tp` mesh dimension (tp ranks):
+- `tok_embeddings`: vocab-parallel, weight [vocab, dim] Shard(0). Each rank looks up the tokens
+  in its vocab rows; the partial embeddings are all-reduced (reduce-scattered over the sequence
+  under SP).
+- `attention.wq/wk/wv` and `feed_forward.w1/w3`: column-parallel, weight Shard(0). Each rank
+  holds n_heads/tp query heads, n_kv_heads/tp key/value heads and hidden/tp SwiGLU units, so
+  attention and the SwiGLU product run on local shards with no communication.
+- `attention.wo` and `feed_forward.w2`: row-parallel, weight Shard(1). Their partial outputs
+  are all-reduced (reduce-scattered over the sequence under SP).
+- `output`: column-parallel, weight Shard(0), the same placement as the embedding, so tied
+  embeddings remain one Parameter. The logits are all-gathered into a plain [batch, seq, vocab]
+  tensor, or, under loss parallel, returned as a vocab-sharded Shard(-1) DTensor for
+  cross-entropy inside `torchpre.parallel.tensor_parallel.loss_parallel_context`.
+- Norms: replicated. Under SP they run on this rank's slice of the sequence and their weights
+  become Replicate DTensors.
+
+Under SP the residual stream between blocks is each rank's [batch, seq/tp, dim] slice, a plain
+local tensor (also what a pipeline stage sends to the next), and attention and feed-forward
+all-gather their normalized input over the sequence; this needs seq_len divisible by tp.
+
+After backward the embedding's gradient is whole on every rank (Replicate) and, under SP, the
+norms' are per-rank Partial sums; `torchpre.parallel.tensor_parallel.reduce_partial_gradients`
+gives them their parameters' placements.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from torchpre.errors import ConfigError
+from torchpre.models.llama3.args import TransformerArgs
+from torchpre.models.llama3.model import Transformer
+from torchpre.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def validate_llama3_tensor_parallel(args: TransformerArgs, tp: int) -> None:
+    """Fail fast, before any process-group work, if `tp` ranks cannot hold whole heads.
+
+    Column-parallel wq/wk/wv split their output rows evenly, so both head counts must be
+    divisible by tp; then each rank's query heads also map onto its own key/value heads.
+    """
+    for key, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+        if heads % tp:
+            common = math.gcd(args.n_heads, args.n_kv_heads)
+            degrees = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+            raise ConfigError(
+                f"The model's {key} = {heads} is not divisible by "
+                f"parallelism.tensor_parallel_degree = {tp}: each tensor-parallel rank must hold "
+                f"whole attention heads. Set parallelism.tensor_parallel_degree to a divisor of "
+                f"both n_heads = {args.n_heads} and n_kv_heads = {args.n_kv_heads} ({degrees}), "
+                f"or choose a model.flavor with more heads."
+            )
+
+
+def apply_llama3_tensor_parallel(
+    model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+) -> None:
+    """Shard `model` (a whole model or a pipeline stage) in place over the 1-D `tp_mesh`.
+
+    Call it on the meta device, before `to_empty` and `init_weights`. The plan covers only the
+    parts this stage holds.
+    """
+    validate_llama3_tensor_parallel(model.args, tp_mesh.size())
+    plan = _outer_plan(model, sequence_parallel, loss_parallel)
+    if model.layers:
+        plan |= {f"layers.*.{path}": style for path, style in _block_plan(sequence_parallel).items()}
+    apply_tensor_parallel(model, tp_mesh, plan)
+    # parallelize_module gave the embedding and the output layer new Parameters. Both are
+    # Shard(0) of [vocab, dim] on the same mesh, so one DTensor Parameter can serve as both.
+    model.tie_weights()
+
+
+def _outer_plan(
+    model: Transformer, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """Embedding, final norm and output layer, for those this stage holds."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """One TransformerBlock, keys relative to it.
+
+    Attention and feed-forward each turn their input into one replicated DTensor shared by their
+    column-parallel projections, so the backward sums those projections' input gradients with a
+    single collective per module instead of one per projection. Under SP that is also where the
+    sequence is all-gathered, and wo / w2 reduce-scatter it back. The attention's second input,
+    the RoPE cache, is a plain tensor every rank holds in full (layout None).
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "attention": PrepareModuleInput(
+            input_layouts=(residual, None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=residual),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(residual,), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sequence_parallel:
+        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    return plan

@@ -1,0 +1,251 @@
+"""Pipeline parallelism: split a model into stages and drive them with a torch.distributed.pipelining schedule.
+
+The split is expressed as module names per stage (e.g. `["tok_embeddings", "layers.0", "layers.1"]`), so
+it works for any model whose forward skips the parts a stage does not hold (set to None or removed
+from a ModuleDict). Stages are placed loop-style (rank r holds stages r, r + pp, ...) or, for the V
+schedules, as a V (rank r holds stages r and 2 pp - 1 - r).
+"""
+
+import copy
+import difflib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    Schedule1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+from torchpre.errors import ConfigError
+
+SCHEDULES: dict[str, type] = {
+    "GPipe": ScheduleGPipe,
+    "AFAB": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+
+def schedule_class(name: str) -> type:
+    if name not in SCHEDULES:
+        close = difflib.get_close_matches(name, SCHEDULES, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule = '{name}' is not a schedule.{hint} "
+            f"Choose one of: {', '.join(SCHEDULES)}."
+        )
+    return SCHEDULES[name]
+
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Stages each rank holds: 1 for single-stage schedules, 2 for V schedules, else `virtual_stages`."""
+    key = "parallelism.pipeline_parallel_virtual_stages"
+    if issubclass(schedule_class(schedule), PipelineScheduleSingle):
+        if virtual_stages > 1:
+            raise ConfigError(
+                f"{key} = {virtual_stages}, but '{schedule}' runs one stage per rank. "
+                "Use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble for virtual stages, or set it to 1."
+            )
+        return 1
+    if schedule in V_SCHEDULES:
+        if virtual_stages not in (1, 2):
+            raise ConfigError(f"{key} = {virtual_stages}, but '{schedule}' places exactly 2 stages per rank (a V).")
+        return 2
+    return virtual_stages
+
+
+def stage_ids(pp_rank: int, pp: int, schedule: str, per_rank: int) -> list[int]:
+    """The global stage indices held by `pp_rank`."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pp rank that holds global stage `stage`."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def validate_microbatches(schedule: str, n_microbatches: int, pp: int, num_stages: int) -> None:
+    """Rejects microbatch counts the schedule cannot run, before any work."""
+    fix = (
+        "Raise training.local_batch_size (or training.global_batch_size) or lower "
+        "parallelism.pipeline_parallel_microbatch_size."
+    )
+    needs_all_stages = schedule == "1F1B" or schedule in V_SCHEDULES
+    if needs_all_stages and n_microbatches < num_stages:
+        raise ConfigError(
+            f"The '{schedule}' schedule needs at least as many microbatches as stages ({num_stages}), "
+            f"but a step has {n_microbatches}. {fix}"
+        )
+    if schedule in ROUND_BASED_SCHEDULES:
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ConfigError(
+                f"The '{schedule}' schedule runs microbatches in rounds of the pipeline degree ({pp}); "
+                f"{n_microbatches} microbatches per step do not split into {rounds} equal rounds. "
+                f"Use a multiple of {pp}. {fix}"
+            )
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Everything about the pipeline that follows from the config, checked before any work."""
+
+    schedule: str
+    pp: int
+    stages_per_rank: int
+    n_microbatches: int
+    stage_modules: list[list[str]]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @classmethod
+    def from_config(
+        cls, parallelism, stage_modules: Callable[[int], list[list[str]]], sequences_per_step: int
+    ) -> "PipelinePlan":
+        """`parallelism` is the config section; `stage_modules(num_stages)` is the model's split;
+        `sequences_per_step` is what one DP rank processes per optimizer step."""
+        schedule = "GPipe" if parallelism.pipeline_parallel_schedule == "AFAB" else parallelism.pipeline_parallel_schedule
+        pp = parallelism.pipeline_parallel_degree
+        per_rank = stages_per_rank(schedule, parallelism.pipeline_parallel_virtual_stages)
+        microbatch_size = parallelism.pipeline_parallel_microbatch_size
+        if microbatch_size < 1 or sequences_per_step % microbatch_size:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_microbatch_size = {microbatch_size} must be at least 1 and divide "
+                f"the {sequences_per_step} sequences each data-parallel rank processes per step "
+                "(training.local_batch_size x gradient-accumulation steps)."
+            )
+        n_microbatches = sequences_per_step // microbatch_size
+        validate_microbatches(schedule, n_microbatches, pp, pp * per_rank)
+        return cls(schedule, pp, per_rank, n_microbatches, stage_modules(pp * per_rank))
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        return stage_ids(pp_rank, self.pp, self.schedule, self.stages_per_rank)
+
+    def stage_rank(self, stage: int) -> int:
+        return stage_rank(stage, self.pp, self.schedule)
+
+    def describe(self) -> str:
+        stages = "; ".join(f"{i}: {', '.join(names)}" for i, names in enumerate(self.stage_modules))
+        return (
+            f"{self.schedule}, {self.num_stages} stages ({self.stages_per_rank} per rank), "
+            f"{self.n_microbatches} microbatches per step; stages {stages}"
+        )
+
+
+def split_layers(layer_names: Sequence[str], num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
+    """Assigns consecutive layers to stages: evenly (earlier stages get the extra layers) or at
+    `split_points`, the names of the first layer of each stage after the first."""
+    if len(layer_names) < num_stages:
+        raise ConfigError(
+            f"The model has {len(layer_names)} layers, fewer than the {num_stages} pipeline stages "
+            "(pipeline_parallel_degree x stages per rank). Lower the pipeline degree or the virtual stages."
+        )
+    if split_points:
+        if len(split_points) != num_stages - 1:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_split_points has {len(split_points)} entries; "
+                f"{num_stages} stages need {num_stages - 1}."
+            )
+        unknown = [name for name in split_points if name not in layer_names]
+        if unknown:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_split_points names '{unknown[0]}', which is not a layer. "
+                f"Layers: {', '.join(layer_names)}."
+            )
+        starts = [0, *(layer_names.index(name) for name in split_points), len(layer_names)]
+        if any(a >= b for a, b in zip(starts, starts[1:])):
+            raise ConfigError(
+                "parallelism.pipeline_parallel_split_points must name layers in increasing order, each stage non-empty."
+            )
+    else:
+        base, extra = divmod(len(layer_names), num_stages)
+        sizes = [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+        starts = [sum(sizes[:stage]) for stage in range(num_stages + 1)]
+    return [list(layer_names[a:b]) for a, b in zip(starts, starts[1:])]
+
+
+def prune_to(model: nn.Module, keep: Sequence[str]) -> nn.Module:
+    """A copy of `model` holding only the submodules named in `keep` (dotted names one or two
+    levels deep, e.g. "tok_embeddings" or "layers.3"); the rest become None or leave their ModuleDict.
+
+    Meant for a model on the meta device, so copying costs nothing.
+    """
+    stage = copy.deepcopy(model)
+    kept = set(keep)
+    for name, child in list(stage.named_children()):
+        if isinstance(child, nn.ModuleDict):
+            for key in list(child.keys()):
+                if f"{name}.{key}" not in kept:
+                    del child[key]
+        elif name not in kept:
+            setattr(stage, name, None)
+    return stage
+
+
+def build_schedule(
+    stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
+):
+    """The schedule object; gradients are not rescaled, since `loss_fn` already divides by the global
+    token count."""
+    cls = schedule_class(schedule)
+    if issubclass(cls, PipelineScheduleMulti):
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def sync_tied_gradients(
+    parts: Sequence[nn.Module], tied: tuple[str, str], peer_rank: int, group: dist.ProcessGroup
+) -> None:
+    """Sums the gradients of the two copies of one weight that lives on two stages (tied embeddings).
+
+    When this rank holds both copies they are added locally; when it holds one, it swaps gradients
+    with `peer_rank` (the pp rank holding the other) and both add them in the same order, so the
+    copies stay bitwise equal.
+    """
+    local = {name: _local_grad(p) for part in parts for name, p in part.named_parameters() if name in tied}
+    if not local:
+        return
+    if len(local) == 2:
+        total = local[tied[0]] + local[tied[1]]
+    else:
+        (name, mine), = local.items()
+        theirs = torch.empty_like(mine)
+        ops = [
+            dist.P2POp(dist.isend, mine, group=group, group_peer=peer_rank),
+            dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer_rank),
+        ]
+        requests = dist.batch_isend_irecv(ops)
+        for request in requests:
+            request.wait()
+        total = mine + theirs if name == tied[0] else theirs + mine
+    for grad in local.values():
+        grad.copy_(total)
+
+
+def _local_grad(param: nn.Parameter) -> torch.Tensor:
+    grad = param.grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad

@@ -1,0 +1,112 @@
+"""Tensor parallelism from a plan: the generic half, with no knowledge of any model.
+
+A plan maps submodule paths to DTensor `ParallelStyle`s, exactly as `parallelize_module` takes
+it: each dot-separated component is an fnmatch pattern, so "layers.*.attention.wq" names that
+projection in every block. Model families write their plan next to the model (for Llama 3:
+`torchpre/models/llama3/parallelize.py`); this module checks it and applies it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Iterable, Iterator
+from fnmatch import fnmatch
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+
+from torchpre.errors import ConfigError
+from torchpre.parallel.data_parallel import all_reduce_tensors
+
+
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]
+) -> nn.Module:
+    """Shard `module` in place over the 1-D `tp_mesh` as `plan` says, and return it.
+
+    The plan is checked first: `parallelize_module` only warns about a key that resolves to
+    nothing and skips it, which would turn a typo into a silently replicated layer. On a mesh of
+    size 1 the module is returned unchanged, keeping plain tensors and no DTensor overhead.
+    """
+    check_plan(module, plan)
+    if tp_mesh.size() == 1:
+        return module
+    return parallelize_module(module, tp_mesh, plan)
+
+
+def check_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> None:
+    """Raise ConfigError if a plan key fails to resolve anywhere `parallelize_module` walks it.
+
+    A wildcard must resolve below every module it matches, so "layers.*.attention.wq" fails if
+    any block lacks `attention.wq`.
+    """
+    for key in plan:
+        if key == "":  # parallelize_module's name for `module` itself
+            continue
+        missing = next(_unresolved_paths(module, key.split(".")), None)
+        if missing is not None:
+            existing = [name for name, _ in module.named_modules() if name]
+            close = difflib.get_close_matches(missing, existing, n=3, cutoff=0.5)
+            hint = f" Closest existing: {', '.join(close)}." if close else ""
+            raise ConfigError(
+                f"The tensor-parallel plan key '{key}' names a module that does not exist: "
+                f"'{missing}' is not a submodule of {type(module).__name__}.{hint}"
+            )
+
+
+def _unresolved_paths(module: nn.Module, tokens: list[str], prefix: str = "") -> Iterator[str]:
+    """Concrete paths where `tokens` matches no child, walking like `parallelize_module`."""
+    token, rest = tokens[0], tokens[1:]
+    children = [(name, child) for name, child in module.named_children() if fnmatch(name, token)]
+    if not children:
+        yield prefix + ".".join(tokens)
+    for name, child in children:
+        if rest:
+            yield from _unresolved_paths(child, rest, f"{prefix}{name}.")
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """The context in which to compute the loss and run its backward.
+
+    With loss parallel the logits stay sharded over the vocabulary (a `Shard(-1)` DTensor) and
+    cross-entropy runs on the shards, so the [tokens, vocab] logits are never all-gathered; the
+    backward of that cross-entropy must run inside the same context.
+    """
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def reduce_partial_gradients(params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup) -> None:
+    """Give every DTensor gradient its parameter's placements. Call once per step, after the
+    last backward and before the DP all-reduce, clipping and the optimizer.
+
+    DTensor's backward leaves two kinds of gradient laid out unlike their parameter:
+    - Partial(sum) for a replicated weight applied to sharded activations (the norms under
+      sequence parallel): each rank holds the sum over its own sequence slice. The optimizer
+      would all-reduce it at every op that reads it, and a norm of `grad.to_local()` would be
+      wrong. These are summed here in a few bucketed all-reduces over `tp_group`.
+    - Replicate for a sharded weight (the vocab-parallel embedding: DTensor's embedding
+      backward has no row-sharded strategy, so every rank computes the whole [vocab, dim]
+      gradient). Keeping only the local rows costs no communication and spares the DP
+      all-reduce, clipping and the optimizer tp times the bytes.
+    """
+    summed: list[nn.Parameter] = []
+    for param in params:
+        if not isinstance(param.grad, DTensor) or param.grad.placements == param.placements:
+            continue
+        if _is_partial_sum_of_replicated(param):
+            summed.append(param)
+        else:
+            param.grad = param.grad.redistribute(placements=param.placements)
+    local_grads = [param.grad.to_local() for param in summed]
+    all_reduce_tensors(local_grads, tp_group)
+    for param, grad in zip(summed, local_grads):
+        param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+
+
+def _is_partial_sum_of_replicated(param: nn.Parameter) -> bool:
+    pairs = zip(param.grad.placements, param.placements)
+    return all(grad.is_partial("sum") and own.is_replicate() for grad, own in pairs)
