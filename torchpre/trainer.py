@@ -74,6 +74,11 @@ class Trainer:
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = dataclasses.replace(flavor_args, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
         self.model_spec.validate_tensor_parallel(self.model_args, dims.tp)
+        if p.enable_sequence_parallel and t.seq_len % dims.tp:
+            raise ConfigError(
+                f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
+                f"ranks, but training.seq_len = {t.seq_len} is not divisible by it. Use a multiple of {dims.tp}."
+            )
         self.pipeline = (
             PipelinePlan.from_config(
                 p,

@@ -52,6 +52,18 @@ def test_empty_dataset(tmp_path):
     [
         (["--parallelism.data_parallel_degree", "3"], ["3 x 1 x 1 = 3", "2 launched"]),
         (["--training.global_batch_size", "12"], ["global_batch_size = 12"]),
+        (
+            [
+                "--training.local_batch_size", "2",
+                "--parallelism.pipeline_parallel_degree", "2",
+                "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+            ],
+            ["'ZBVZeroBubble' schedule needs at least as many microbatches as stages (4)"],
+        ),
+        (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "--training.seq_len", "33"],
+         ["training.seq_len = 33"]),
+        (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_virtual_stages", "2",
+          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], ["2 layers, fewer than the 4 pipeline stages"]),
     ],
 )
 def test_every_rank_exits_on_a_bad_layout(args, fragments, tmp_path):
