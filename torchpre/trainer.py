@@ -1,8 +1,10 @@
 """The training loop, assembled from the config: model, data, optimizer, parallelism, metrics."""
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,12 +26,10 @@ from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger
 from torchpre.metrics.memory import max_memory_bytes
 from torchpre.models.registry import get_flavor, get_model_spec
+from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
-from torchpre.optim.optimizer import build_optimizer
-from torchpre.parallel.data_parallel import all_reduce_gradients
-from torchpre.parallel.grad_clip import clip_gradients_, global_grad_norm
-from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to, sync_tied_gradients
-from torchpre.parallel.tensor_parallel import loss_parallel_context, reduce_partial_gradients
+from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to
+from torchpre.parallel.tensor_parallel import loss_parallel_context
 
 logger = logging.getLogger("torchpre")
 
@@ -115,13 +115,26 @@ class Trainer:
         )
         self.model_parts = self._build_model_parts()
         self.schedule = self._build_schedule() if self.pipeline else None
-        self.params = [param for part in self.model_parts for param in part.parameters()]
         o, s = config.optimizer, config.lr_scheduler
-        self.optimizer = build_optimizer(
-            self.params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        tied = self.model_spec.tied_weights(self.model_args)
+        self.optimizer = DistributedOptimizer(
+            self._named_parameters(),
+            zero_stage=o.zero_stage,
+            dp_group=self.dp_group,
+            tp_group=self.tp_group,
+            pp_group=self.pp_group,
+            accumulate_in_fp32=t.mixed_precision_grad == "float32",
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            max_norm=t.max_norm,
+            bucket_bytes=int(o.bucket_size_mb * 2**20),
+            tied=tied,
+            tied_peer=self._tied_peer if self.pipeline and tied else None,
         )
         self.lr_scheduler = build_lr_scheduler(
-            self.optimizer,
+            self.optimizer.inner,
             steps=t.steps,
             warmup_steps=s.warmup_steps,
             decay_ratio=s.decay_ratio,
@@ -132,10 +145,19 @@ class Trainer:
         self.metrics = MetricsLogger(config.job.dump_folder) if self.is_logging_rank else None
         self._save_resolved_config()
 
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter of this rank's model parts once, by its name in the full model."""
+        named: dict[str, nn.Parameter] = {}
+        for part in self.model_parts:
+            named.update(part.named_parameters())
+        return list(named.items())
+
     def _build_model_parts(self) -> list[nn.Module]:
-        """The model, or this rank's pipeline stages of it: built on the meta device, parallelized,
-        then materialised and initialised from the seed alone (so every layout starts equal)."""
-        with torch.device("meta"):
+        """The model, or this rank's pipeline stages of it: built on the meta device in the parameter
+        dtype, parallelized, then materialised and initialised from the seed alone (so every layout
+        starts equal)."""
+        param_dtype = getattr(torch, self.config.training.mixed_precision_param)
+        with torch.device("meta"), _default_dtype(param_dtype):
             model = self.model_spec.model_cls(self.model_args)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = self.model_spec.flops_per_token(
@@ -234,17 +256,8 @@ class Trainer:
                     microbatch_loss = self._loss(self.model_parts[0](inputs), labels)
                     microbatch_loss.backward()
                     loss += _replicated_value(microbatch_loss.detach())
-        reduce_partial_gradients(self.params, self.tp_group)
-        tied = self.model_spec.tied_weights(self.model_args)
-        if self.pipeline and tied:
-            sync_tied_gradients(self.model_parts, tied, self._tied_peer(), self.pp_group)
-        all_reduce_gradients(self.params, self.dp_group)
-        grad_norm = global_grad_norm(self._params_counted_once(tied), self.device, self.tp_group, self.pp_group)
-        if self.config.training.max_norm > 0:
-            clip_gradients_(self.params, self.config.training.max_norm, grad_norm)
-        self.optimizer.step()
+        grad_norm = self.optimizer.step()
         self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm
 
     def _pipeline_forward_backward(self, microbatches: list[Batch]) -> torch.Tensor:
@@ -265,11 +278,6 @@ class Trainer:
         first, last = self.pipeline.stage_rank(0), self.pipeline.stage_rank(self.pipeline.num_stages - 1)
         return last if pp_rank == first else first
 
-    def _params_counted_once(self, tied: tuple[str, str] | None) -> list[nn.Parameter]:
-        """All parameters, without the second copy of a weight tied across pipeline stages."""
-        skip = tied[1] if self.pipeline and tied else None
-        return [param for part in self.model_parts for name, param in part.named_parameters() if name != skip]
-
     def _log(
         self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, step_time: float, data_time: float, peak: float
     ) -> None:
@@ -278,7 +286,7 @@ class Trainer:
         dist.all_reduce(loss)
         loss = loss / self.parallel_dims.tp  # every tensor-parallel rank holds the same loss
         maxima = torch.tensor(
-            [max_memory_bytes(self.device), self._optimizer_state_bytes()], dtype=torch.float64, device=self.device
+            [max_memory_bytes(self.device), self.optimizer.state_bytes()], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         if self.metrics is None:
@@ -301,13 +309,16 @@ class Trainer:
             }
         )
 
-    def _optimizer_state_bytes(self) -> int:
-        return sum(
-            value.to_local().nbytes if isinstance(value, DTensor) else value.nbytes
-            for state in self.optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside get `dtype`; buffers computed in an explicit dtype (RoPE) keep theirs."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _replicated_value(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,12 @@ class Training:
     steps: int = _option(100, "optimizer steps to train")
     seed: int = _option(42, "seed of the initial weights and the data order")
     max_norm: float = _option(1.0, "clip the global gradient norm to this value; 0 disables clipping")
+    mixed_precision_param: Literal["float32", "bfloat16"] = _option(
+        "float32", "dtype of parameters and activations; the optimizer keeps fp32 master weights"
+    )
+    mixed_precision_grad: Literal["float32", "bfloat16"] = _option(
+        "float32", "dtype gradients accumulate in across microbatches (bfloat16 only to measure its error)"
+    )
 
 
 @dataclass
@@ -48,6 +54,8 @@ class Optimizer:
     weight_decay: float = _option(0.1, "decoupled weight decay")
     beta1: float = _option(0.9, "AdamW beta1")
     beta2: float = _option(0.95, "AdamW beta2")
+    zero_stage: int = _option(0, "0 = optimizer state replicated over DP; 1 = ZeRO-1, state sharded over DP")
+    bucket_size_mb: float = _option(25.0, "size of the flat buffers gradients are reduced in, in MiB")
 
 
 @dataclass

@@ -16,6 +16,10 @@ def validate_config(config: JobConfig) -> None:
     _at_least("metrics.peak_flops", m.peak_flops, 0)
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         raise ConfigError(f"training.global_batch_size = {t.global_batch_size}: use -1 or a positive number.")
+    if o.zero_stage not in (0, 1):
+        raise ConfigError(f"optimizer.zero_stage = {o.zero_stage}: use 0 (replicated state) or 1 (sharded over DP).")
+    if o.bucket_size_mb <= 0:
+        raise ConfigError(f"optimizer.bucket_size_mb = {o.bucket_size_mb}: it must be positive.")
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr = {o.lr}: the learning rate must be positive.")
     for key, value in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):

@@ -1,34 +1,19 @@
 """Data-parallel gradient synchronisation over the `dp` mesh dimension."""
 
+import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def all_reduce_gradients(
-    params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> None:
-    """Sums the gradients of `params` over `group`, a few large collectives instead of one each.
-
-    Called once per optimizer step, after gradient accumulation. The loss is already divided by the
-    global token count, so summing (not averaging) yields the global-batch gradient.
-    """
-    all_reduce_tensors([_local(p.grad) for p in params if p.grad is not None], group, bucket_bytes)
 
 
 def all_reduce_tensors(
     tensors: list[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> None:
-    """Sums `tensors` in place over `group`, bucketed into flat buffers."""
+    """Sums `tensors` in place over `group`, a few large collectives instead of one per tensor."""
     if dist.get_world_size(group) == 1:
         return
     for bucket in _buckets(tensors, bucket_bytes):
@@ -38,15 +23,112 @@ def all_reduce_tensors(
             tensor.copy_(synced)
 
 
-def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterable[list[torch.Tensor]]:
-    """Consecutive groups of same-dtype tensors of about `bucket_bytes` each."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        if bucket and (size + tensor.nbytes > bucket_bytes or tensor.dtype != bucket[0].dtype):
+def _buckets(items: list, bucket_bytes: int) -> Iterable[list]:
+    """Consecutive groups of about `bucket_bytes` each, never mixing dtypes. An item is a tensor, or
+    a tuple whose first element is the tensor that counts."""
+    bucket: list = []
+    size, dtype = 0, None
+    for item in items:
+        tensor = item[0] if isinstance(item, tuple) else item
+        if bucket and (size + tensor.nbytes > bucket_bytes or tensor.dtype != dtype):
             yield bucket
             bucket, size = [], 0
-        bucket.append(tensor)
-        size += tensor.nbytes
+        bucket.append(item)
+        size, dtype = size + tensor.nbytes, tensor.dtype
     if bucket:
         yield bucket
+
+
+def reduce_scatter_chunks(
+    tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[torch.Tensor]:
+    """For each tensor, this rank's chunk along its dim (`torch.chunk` over the group), summed over the group.
+
+    Many tensors go through one `reduce_scatter_tensor` per bucket: each rank's chunks are packed
+    side by side (padded to the largest chunk) into one flat buffer.
+    """
+    shards: list[torch.Tensor] = []
+    for bucket in _buckets(list(zip(tensors, dims)), bucket_bytes):
+        layout = _ChunkLayout([t for t, _ in bucket], [d for _, d in bucket], dist.get_world_size(group))
+        packed = layout.pack([t for t, _ in bucket])
+        mine = packed.new_empty(layout.rank_numel)
+        dist.reduce_scatter_tensor(mine, packed, group=group)
+        shards.extend(layout.unpack_rank(mine, dist.get_rank(group)))
+    return shards
+
+
+def all_gather_chunks(
+    shards: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    dims: list[int],
+    group: dist.ProcessGroup,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> None:
+    """The inverse of `reduce_scatter_chunks`: writes every rank's chunk into `outputs` (cast to their dtype)."""
+    items = list(zip(shards, outputs, dims))
+    for bucket in _buckets(items, bucket_bytes):
+        layout = _ChunkLayout([o for _, o, _ in bucket], [d for _, _, d in bucket], dist.get_world_size(group))
+        dtype = bucket[0][1].dtype
+        mine = layout.pack_rank([s.to(dtype) for s, _, _ in bucket])
+        gathered = mine.new_empty(layout.rank_numel * layout.world_size)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        layout.unpack_all(gathered, [o for _, o, _ in bucket])
+
+
+class _ChunkLayout:
+    """Where each rank's chunk of each tensor sits in a flat buffer of `world_size` equal sections."""
+
+    def __init__(self, tensors: list[torch.Tensor], dims: list[int], world_size: int):
+        self.world_size = world_size
+        self.dims = dims
+        self.shapes = [t.shape for t in tensors]
+        self.padded = [_padded_chunk_shape(t.shape, d, world_size) for t, d in zip(tensors, dims)]
+        self.numels = [math.prod(shape) for shape in self.padded]
+        self.rank_numel = sum(self.numels)
+
+    def _slots(self, section: torch.Tensor) -> list[torch.Tensor]:
+        """Views of one rank's section, one per tensor, in the padded chunk shape."""
+        return [s.view(shape) for s, shape in zip(section.split(self.numels), self.padded)]
+
+    def _chunk(self, slot: torch.Tensor, index: int, rank: int) -> torch.Tensor:
+        rows = _chunk_rows(self.shapes[index][self.dims[index]], self.world_size, rank)
+        return slot.narrow(self.dims[index], 0, rows)
+
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        flat = tensors[0].new_zeros(self.rank_numel * self.world_size)
+        for rank, section in enumerate(flat.split(self.rank_numel)):
+            for i, (slot, tensor) in enumerate(zip(self._slots(section), tensors)):
+                self._chunk(slot, i, rank).copy_(_rank_chunk(tensor, self.dims[i], self.world_size, rank))
+        return flat
+
+    def pack_rank(self, chunks: list[torch.Tensor]) -> torch.Tensor:
+        flat = chunks[0].new_zeros(self.rank_numel)
+        for slot, chunk, dim in zip(self._slots(flat), chunks, self.dims):
+            slot.narrow(dim, 0, chunk.shape[dim]).copy_(chunk)
+        return flat
+
+    def unpack_rank(self, section: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        return [self._chunk(slot, i, rank) for i, slot in enumerate(self._slots(section))]
+
+    def unpack_all(self, flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+        for rank, section in enumerate(flat.split(self.rank_numel)):
+            for i, slot in enumerate(self._slots(section)):
+                _rank_chunk(outputs[i], self.dims[i], self.world_size, rank).copy_(self._chunk(slot, i, rank))
+
+
+def _chunk_rows(size: int, world_size: int, rank: int) -> int:
+    """Rows of `torch.chunk(size, world_size)[rank]`, 0 past the last non-empty chunk (DTensor Shard semantics)."""
+    per_chunk = math.ceil(size / world_size)
+    return max(0, min(per_chunk, size - rank * per_chunk))
+
+
+def _rank_chunk(tensor: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
+    per_chunk = math.ceil(tensor.shape[dim] / world_size)
+    start = min(rank * per_chunk, tensor.shape[dim])
+    return tensor.narrow(dim, start, _chunk_rows(tensor.shape[dim], world_size, rank))
+
+
+def _padded_chunk_shape(shape: torch.Size, dim: int, world_size: int) -> torch.Size:
+    padded = list(shape)
+    padded[dim] = math.ceil(shape[dim] / world_size)
+    return torch.Size(padded)

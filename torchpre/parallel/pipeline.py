@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -218,34 +217,28 @@ def build_schedule(
 
 
 def sync_tied_gradients(
-    parts: Sequence[nn.Module], tied: tuple[str, str], peer_rank: int, group: dist.ProcessGroup
+    grads: dict[str, torch.Tensor], tied: tuple[str, str], peer_rank: int, group: dist.ProcessGroup
 ) -> None:
-    """Sums the gradients of the two copies of one weight that lives on two stages (tied embeddings).
+    """Sums, in place, the gradients of the two copies of one weight that lives on two stages (tied
+    embeddings). `grads` maps the copies this rank holds (by name) to their local gradients.
 
     When this rank holds both copies they are added locally; when it holds one, it swaps gradients
     with `peer_rank` (the pp rank holding the other) and both add them in the same order, so the
     copies stay bitwise equal.
     """
-    local = {name: _local_grad(p) for part in parts for name, p in part.named_parameters() if name in tied}
-    if not local:
+    if not grads:
         return
-    if len(local) == 2:
-        total = local[tied[0]] + local[tied[1]]
+    if len(grads) == 2:
+        total = grads[tied[0]] + grads[tied[1]]
     else:
-        (name, mine), = local.items()
+        ((name, mine),) = grads.items()
         theirs = torch.empty_like(mine)
         ops = [
             dist.P2POp(dist.isend, mine, group=group, group_peer=peer_rank),
             dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer_rank),
         ]
-        requests = dist.batch_isend_irecv(ops)
-        for request in requests:
+        for request in dist.batch_isend_irecv(ops):
             request.wait()
         total = mine + theirs if name == tied[0] else theirs + mine
-    for grad in local.values():
+    for grad in grads.values():
         grad.copy_(total)
-
-
-def _local_grad(param: nn.Parameter) -> torch.Tensor:
-    grad = param.grad
-    return grad.to_local() if isinstance(grad, DTensor) else grad

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from fnmatch import fnmatch
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from torchpre.errors import ConfigError
@@ -79,34 +80,43 @@ def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager[No
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
-def reduce_partial_gradients(params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup) -> None:
-    """Give every DTensor gradient its parameter's placements. Call once per step, after the
-    last backward and before the DP all-reduce, clipping and the optimizer.
+def local_gradient(param: nn.Parameter, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """This rank's part of `grad` in `param`'s layout, and whether it is a partial sum over TP.
 
     DTensor's backward leaves two kinds of gradient laid out unlike their parameter:
     - Partial(sum) for a replicated weight applied to sharded activations (the norms under
-      sequence parallel): each rank holds the sum over its own sequence slice. The optimizer
-      would all-reduce it at every op that reads it, and a norm of `grad.to_local()` would be
-      wrong. These are summed here in a few bucketed all-reduces over `tp_group`.
+      sequence parallel): each rank holds the sum over its own sequence slice, still to be
+      all-reduced over TP (the caller does it for many at once).
     - Replicate for a sharded weight (the vocab-parallel embedding: DTensor's embedding
       backward has no row-sharded strategy, so every rank computes the whole [vocab, dim]
       gradient). Keeping only the local rows costs no communication and spares the DP
-      all-reduce, clipping and the optimizer tp times the bytes.
+      reduction, clipping and the optimizer tp times the bytes.
     """
-    summed: list[nn.Parameter] = []
+    if not isinstance(grad, DTensor):
+        return grad, False
+    if grad.placements != param.placements:
+        if _is_partial_sum_of_replicated(param.placements, grad.placements):
+            return grad.to_local(), True
+        grad = grad.redistribute(placements=param.placements)
+    return grad.to_local(), False
+
+
+def reduce_partial_gradients(params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup) -> None:
+    """Gives every DTensor gradient its parameter's placements (see `local_gradient`), for a plain
+    torch optimizer. Call once per step, after the last backward and before clipping."""
+    summed: list[tuple[nn.Parameter, torch.Tensor]] = []
     for param in params:
-        if not isinstance(param.grad, DTensor) or param.grad.placements == param.placements:
+        if not isinstance(param.grad, DTensor):
             continue
-        if _is_partial_sum_of_replicated(param):
-            summed.append(param)
+        local, partial = local_gradient(param, param.grad)
+        if partial:
+            summed.append((param, local))
         else:
-            param.grad = param.grad.redistribute(placements=param.placements)
-    local_grads = [param.grad.to_local() for param in summed]
-    all_reduce_tensors(local_grads, tp_group)
-    for param, grad in zip(summed, local_grads):
-        param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+            param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    all_reduce_tensors([local for _, local in summed], tp_group)
+    for param, local in summed:
+        param.grad = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
 
 
-def _is_partial_sum_of_replicated(param: nn.Parameter) -> bool:
-    pairs = zip(param.grad.placements, param.placements)
-    return all(grad.is_partial("sum") and own.is_replicate() for grad, own in pairs)
+def _is_partial_sum_of_replicated(own: Sequence[Placement], grad: Sequence[Placement]) -> bool:
+    return all(g.is_partial("sum") and o.is_replicate() for g, o in zip(grad, own))

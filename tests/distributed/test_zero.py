@@ -1,0 +1,57 @@
+"""ZeRO-1 against replicated optimizer state, optimizer memory, and bf16 with fp32 accumulation."""
+
+import pytest
+
+from tests.launch import train_and_read_metrics, train_and_read_params
+
+pytestmark = pytest.mark.slow
+
+# fp32 on CPU: ZeRO-1 changes only where the AdamW update is computed (a shard per rank) and how
+# gradients are summed (reduce-scatter instead of all-reduce): reduction-order noise, ~1e-7.
+LOSS_ATOL = 1e-5
+PARAM_ATOL = 1e-5
+
+DEBUG = [
+    "--model.flavor", "debugmodel",
+    "--training.seq_len", "32",
+    "--training.steps", "6",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+]
+DP2 = ["--training.local_batch_size", "4"]
+ZERO1 = ["--optimizer.zero_stage", "1"]
+
+LAYOUTS = {
+    "dp2": (2, DP2),
+    "dp2_tp2": (4, [*DP2, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"]),
+    "dp2_pp2": (4, [*DP2, "--parallelism.pipeline_parallel_degree", "2"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zero1_matches_replicated_state(layout, tmp_path):
+    nproc, args = LAYOUTS[layout]
+    records0, params0 = train_and_read_params([*DEBUG, *args], nproc, tmp_path / "zero0")
+    records1, params1 = train_and_read_params([*DEBUG, *args, *ZERO1], nproc, tmp_path / "zero1")
+    assert [r["loss"] for r in records1] == pytest.approx([r["loss"] for r in records0], abs=LOSS_ATOL)
+    assert params1.keys() == params0.keys()
+    for name in params0:
+        assert (params1[name] - params0[name]).abs().max() <= PARAM_ATOL, name
+    # the parameters did move: the comparison is not between two copies of the initial weights
+    assert (params0["layers.0.attention.wq.weight"].abs().sum() > 0) and records0[-1]["loss"] < records0[0]["loss"]
+
+
+def test_zero1_halves_optimizer_state_at_dp2(tmp_path):
+    dp1 = train_and_read_metrics([*DEBUG, "--training.local_batch_size", "8", *ZERO1], 1, tmp_path / "dp1")
+    dp2 = train_and_read_metrics([*DEBUG, *DP2, *ZERO1], 2, tmp_path / "dp2")
+    ratio = dp2[-1]["optimizer_state_bytes"] / dp1[-1]["optimizer_state_bytes"]
+    assert ratio == pytest.approx(0.5, rel=0.05)
+
+
+def test_zero1_with_accumulation_matches_one_large_batch(tmp_path):
+    """4 accumulated microbatches per rank equal one microbatch 4x the size."""
+    big = train_and_read_metrics([*DEBUG, *ZERO1, "--training.local_batch_size", "8"], 2, tmp_path / "big")
+    accumulated = train_and_read_metrics(
+        [*DEBUG, *ZERO1, "--training.local_batch_size", "2", "--training.global_batch_size", "16"], 2, tmp_path / "acc"
+    )
+    assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in big], abs=LOSS_ATOL)

@@ -1,0 +1,36 @@
+"""train.py, then every rank saves its parameters (TP shards gathered) to {dump_folder}/params_rank{R}.pt.
+
+Run like train.py (`torchrun ... tests/train_and_dump.py --section.key value ...`); tests compare the
+saved parameters of two layouts after training.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchpre.cli import run_entry_point  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    from torchpre.config.job_config import JobConfig
+    from torchpre.config.parser import parse_args
+    from torchpre.trainer import Trainer
+
+    config = parse_args(JobConfig, argv)
+    trainer = Trainer(config)
+    trainer.train()
+    params = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+        for part in trainer.model_parts
+        for name, p in part.named_parameters()
+    }
+    torch.save(params, Path(config.job.dump_folder) / f"params_rank{dist.get_rank()}.pt")
+
+
+if __name__ == "__main__":
+    run_entry_point(main, sys.argv[1:], prog="tests/train_and_dump.py")
