@@ -1,12 +1,20 @@
-"""Runs train.py in real processes (torchrun for several) and reads back what it wrote."""
+"""Runs train.py in real processes (torchrun for several) and reads back what it wrote; spawns gloo
+workers for in-process multi-rank tests."""
 
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,3 +68,29 @@ def train_and_read_params(args: list[str], nproc: int, dump_folder: Path) -> tup
             params[name] = value
     records = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
     return records, params
+
+
+def spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, timeout_s: float = 120) -> None:
+    """Runs `fn(mesh)` on `world_size` gloo processes; a worker's exception or a hang fails.
+
+    The processes rendezvous through a FileStore, as PyTorch's own distributed tests do: no port
+    to race for, and no store server living in rank 0 that may exit while rank 1 tears down.
+    """
+    context = mp.start_processes(
+        _worker, args=(fn, world_size, str(store_path)), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__} did not finish within {timeout_s} s on {world_size} processes")
+
+
+def _worker(rank: int, fn: Callable[[DeviceMesh], None], world_size: int, store_path: str) -> None:
+    torch.set_num_threads(1)  # two processes on two cores
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    fn(init_device_mesh("cpu", (world_size,)))
+    dist.barrier()  # without it gloo intermittently aborts at exit (see cpu-notes)
+    dist.destroy_process_group()

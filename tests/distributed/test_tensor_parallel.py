@@ -10,17 +10,14 @@ counts the collectives, since a plan can be right and still communicate twice as
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -28,6 +25,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel
 
+from tests.launch import spawn
 from torchpre.errors import ConfigError
 from torchpre.models.init import local_part
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs
@@ -72,7 +70,7 @@ VARIANTS = [
 
 
 def test_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
-    _spawn(_check_all_variants, world_size=2, store_path=tmp_path / "store")
+    spawn(_check_all_variants, world_size=2, store_path=tmp_path / "store")
 
 
 def _check_all_variants(mesh: DeviceMesh) -> None:
@@ -191,32 +189,6 @@ def _assert_close(actual: Tensor, expected: Tensor, what: str) -> None:
 
 
 # Process launching -------------------------------------------------------------------------
-
-
-def _spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, timeout_s: float = 120) -> None:
-    """Run `fn(mesh)` on `world_size` gloo processes; a worker's exception or a hang fails.
-
-    The processes rendezvous through a FileStore, as PyTorch's own distributed tests do: no port
-    to race for, and no store server living in rank 0 that may exit while rank 1 tears down.
-    """
-    context = mp.start_processes(
-        _worker, args=(fn, world_size, str(store_path)), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{fn.__name__} did not finish within {timeout_s} s on {world_size} processes")
-
-
-def _worker(rank: int, fn: Callable[[DeviceMesh], None], world_size: int, store_path: str) -> None:
-    torch.set_num_threads(1)  # two processes on two cores
-    store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    fn(init_device_mesh("cpu", (world_size,)))
-    dist.barrier()  # without it gloo intermittently aborts at exit (see cpu-notes)
-    dist.destroy_process_group()
 
 
 # Single process ----------------------------------------------------------------------------

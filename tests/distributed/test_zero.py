@@ -55,3 +55,26 @@ def test_zero1_with_accumulation_matches_one_large_batch(tmp_path):
         [*DEBUG, *ZERO1, "--training.local_batch_size", "2", "--training.global_batch_size", "16"], 2, tmp_path / "acc"
     )
     assert [r["loss"] for r in accumulated] == pytest.approx([r["loss"] for r in big], abs=LOSS_ATOL)
+
+
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+# bf16 rounds every matmul output to 8 mantissa bits (~4e-3 relative), and layouts round at
+# different points; over 6 steps the losses of a correct layout stay within ~1e-2 of one process.
+BF16_LOSS_ATOL = 3e-2
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [
+        (4, [*DP2, *ZERO1, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+             "--parallelism.enable_loss_parallel"]),
+        (4, [*DP2, *ZERO1, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+             "ZBVZeroBubble"]),
+    ],
+    ids=["dp2_tp2_zero1", "dp2_pp2_zbv_zero1"],
+)
+def test_bf16_layouts_track_one_process(nproc, args, tmp_path):
+    reference = train_and_read_metrics([*DEBUG, *BF16, "--training.local_batch_size", "8"], 1, tmp_path / "one")
+    records = train_and_read_metrics([*DEBUG, *BF16, *args], nproc, tmp_path / "layout")
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=BF16_LOSS_ATOL)
+    assert records[-1]["loss"] < records[0]["loss"]

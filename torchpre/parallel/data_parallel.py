@@ -65,14 +65,15 @@ def all_gather_chunks(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> None:
     """The inverse of `reduce_scatter_chunks`: writes every rank's chunk into `outputs` (cast to their dtype)."""
-    items = list(zip(shards, outputs, dims))
+    # Buckets are cut by the full outputs, which are the same on every rank (the shards may not be).
+    items = list(zip(outputs, shards, dims))
     for bucket in _buckets(items, bucket_bytes):
-        layout = _ChunkLayout([o for _, o, _ in bucket], [d for _, _, d in bucket], dist.get_world_size(group))
-        dtype = bucket[0][1].dtype
-        mine = layout.pack_rank([s.to(dtype) for s, _, _ in bucket])
+        bucket_outputs = [o for o, _, _ in bucket]
+        layout = _ChunkLayout(bucket_outputs, [d for _, _, d in bucket], dist.get_world_size(group))
+        mine = layout.pack_rank([s.to(o.dtype) for o, s, _ in bucket])
         gathered = mine.new_empty(layout.rank_numel * layout.world_size)
         dist.all_gather_into_tensor(gathered, mine, group=group)
-        layout.unpack_all(gathered, [o for _, o, _ in bucket])
+        layout.unpack_all(gathered, bucket_outputs)
 
 
 class _ChunkLayout:
