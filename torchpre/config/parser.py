@@ -55,6 +55,9 @@ true/false, 1/0, yes/no for bools | a,b,c for lists | name=0.7,other=0.3 for dic
 none to unset an optional value."""
 
 
+_HELP_COLUMN = 72
+
+
 class HelpRequested(Exception):
     """Raised by `parse_args` when argv holds ``-h`` or ``--help``.
 
@@ -106,8 +109,14 @@ def format_help(config_cls: type, prog: str) -> str:
     for section, members in sections.items():
         lines += ["", f"[{section}]"] if section else [""]
         usages = [f"  --{o.key} {o.type_name} (default: {_show(o.default)})" for o in members]
-        width = max(map(len, usages))
-        lines += [f"{usage.ljust(width)}  {o.help}".rstrip() for usage, o in zip(usages, members)]
+        # A very long usage (a Literal with many choices) gets its doc on the next line instead
+        # of pushing every doc in the section to the right.
+        width = max((len(u) for u in usages if len(u) <= _HELP_COLUMN), default=_HELP_COLUMN)
+        for usage, option in zip(usages, members):
+            if len(usage) > width:
+                lines += [usage, f"{'':{width}}  {option.help}".rstrip()]
+            else:
+                lines.append(f"{usage.ljust(width)}  {option.help}".rstrip())
     return "\n".join(lines) + "\n"
 
 
