@@ -21,7 +21,8 @@ from torchpre.data.loader import build_dataloader
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
-from torchpre.errors import ConfigError
+from torchpre.checkpoint.manager import CheckpointManager
+from torchpre.errors import ConfigError, TorchpreError
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger
 from torchpre.metrics.memory import max_memory_bytes
@@ -120,6 +121,7 @@ class Trainer:
         self.optimizer = DistributedOptimizer(
             self._named_parameters(),
             zero_stage=o.zero_stage,
+            state_mesh=self.mesh["dp", "tp"],
             dp_group=self.dp_group,
             tp_group=self.tp_group,
             pp_group=self.pp_group,
@@ -144,6 +146,43 @@ class Trainer:
         self.step = 0
         self.metrics = MetricsLogger(config.job.dump_folder) if self.is_logging_rank else None
         self._save_resolved_config()
+        self.checkpoint = self._build_checkpoint_manager()
+        self._maybe_load_checkpoint()
+
+    def _build_checkpoint_manager(self) -> CheckpointManager | None:
+        c = self.config.checkpoint
+        if not (c.enable or c.initial_load_path):
+            return None
+        sampler = self.dataloader.batch_sampler
+        return CheckpointManager(
+            folder=Path(self.config.job.dump_folder) / c.folder,
+            model_parts=self.model_parts,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            data_position=lambda: sampler.consumed_samples,
+            set_data_position=lambda position: sampler.load_state_dict({"consumed_samples": position}),
+            config_text=to_toml(self.config),
+            interval=c.interval,
+            keep_latest_k=c.keep_latest_k,
+            async_mode=c.async_mode,
+            model_only=c.model_only,
+            exclude_from_loading=c.exclude_from_loading,
+        )
+
+    def _maybe_load_checkpoint(self) -> None:
+        """Resumes from this job's latest (or chosen) checkpoint, else starts from
+        `checkpoint.initial_load_path`'s weights, else from the seed."""
+        c = self.config.checkpoint
+        step_dir = self.checkpoint.find(c.load_step) if self.checkpoint and c.enable else None
+        if step_dir is not None:
+            self.step = self.checkpoint.load(step_dir).step
+        elif c.initial_load_path:
+            if not Path(c.initial_load_path).is_dir():
+                raise TorchpreError(
+                    f"checkpoint.initial_load_path '{c.initial_load_path}' is not a folder. Give a checkpoint "
+                    "step-N folder or the output of `python -m torchpre.convert hf-to-dcp`."
+                )
+            self.checkpoint.load(Path(c.initial_load_path), model_only=True)
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter of this rank's model parts once, by its name in the full model."""
@@ -223,7 +262,7 @@ class Trainer:
             fetch_start = time.perf_counter()
             microbatches = [next(batches) for _ in range(self.accumulation_steps)]
             data_time += time.perf_counter() - fetch_start
-            lr = self.lr_scheduler.get_last_lr()[0]
+            lr = self.optimizer.inner.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(microbatches)
             self.step += 1
             interval_steps += 1
@@ -231,6 +270,10 @@ class Trainer:
                 elapsed = time.perf_counter() - interval_start
                 self._log(loss, grad_norm, lr, elapsed / interval_steps, data_time / interval_steps, peak)
                 interval_start, interval_steps, data_time = time.perf_counter(), 0, 0.0
+            if self.config.checkpoint.enable and self.checkpoint.should_save(self.step, t.steps):
+                self.checkpoint.save(self.step)
+        if self.checkpoint is not None:
+            self.checkpoint.close()
         if self.metrics is not None:
             self.metrics.close()
 

@@ -35,6 +35,7 @@ def accumulated_gradients(dtype: torch.dtype, accumulate_in_fp32: bool, group) -
     optimizer = DistributedOptimizer(
         list(model.named_parameters()),
         zero_stage=0,
+        state_mesh=None,
         dp_group=group,
         tp_group=group,
         pp_group=group,
@@ -79,7 +80,7 @@ def test_bf16_parameters_keep_fp32_masters_and_grads(world):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope_cache.dtype == torch.float32
     optimizer = DistributedOptimizer(
-        list(model.named_parameters()), zero_stage=0, dp_group=world, tp_group=world, pp_group=world,
+        list(model.named_parameters()), zero_stage=0, state_mesh=None, dp_group=world, tp_group=world, pp_group=world,
         accumulate_in_fp32=True, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=1.0,
     )
     assert all(e.master.dtype == torch.float32 and e.owns_master for e in optimizer.entries)

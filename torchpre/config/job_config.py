@@ -92,6 +92,25 @@ class Parallelism:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = _option(False, "save checkpoints and resume from the latest one in the folder")
+    folder: str = _option("checkpoint", "checkpoint folder, under job.dump_folder unless absolute")
+    interval: int = _option(500, "save every this many steps (and at the last step)")
+    keep_latest_k: int = _option(0, "keep only the newest k complete checkpoints; 0 keeps all")
+    load_step: int = _option(-1, "step to resume from; -1 = the latest complete checkpoint")
+    async_mode: Literal["disabled", "async"] = _option(
+        "disabled", "'async': training waits only while the state is copied, not while it is written"
+    )
+    exclude_from_loading: list[str] = _option(
+        [], "parts not to load: model, optimizer, lr_scheduler, dataloader, rng (e.g. optimizer,dataloader)"
+    )
+    model_only: bool = _option(False, "save only the model weights (for export); resuming then restarts the rest")
+    initial_load_path: str = _option(
+        "", "a checkpoint step folder (or a hf-to-dcp output) whose weights start a run with no checkpoint yet"
+    )
+
+
+@dataclass
 class Metrics:
     log_freq: int = _option(10, "log metrics every this many steps (and at the last step)")
     peak_flops: float = _option(
@@ -107,4 +126,5 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

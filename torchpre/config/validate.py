@@ -28,6 +28,15 @@ def validate_config(config: JobConfig) -> None:
     for key, value in (("lr_scheduler.decay_ratio", s.decay_ratio), ("lr_scheduler.min_lr_factor", s.min_lr_factor)):
         if not 0 <= value <= 1:
             raise ConfigError(f"{key} = {value}: it must be in [0, 1].")
+    c = config.checkpoint
+    _at_least("checkpoint.interval", c.interval, 1)
+    _at_least("checkpoint.keep_latest_k", c.keep_latest_k, 0)
+    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
+    unknown = [part for part in c.exclude_from_loading if part not in parts]
+    if unknown:
+        raise ConfigError(
+            f"checkpoint.exclude_from_loading names '{unknown[0]}'; the parts are: {', '.join(parts)}."
+        )
     if t.dataset == "text" and not t.dataset_path:
         raise ConfigError("training.dataset = 'text' needs training.dataset_path: a .txt or .jsonl file or a folder.")
     if t.dataset != "text" and t.dataset_path:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchpre.parallel.data_parallel import (
     DEFAULT_BUCKET_BYTES,
@@ -56,7 +57,7 @@ class DistributedOptimizer:
 
     `step()` finalises the gradients, steps AdamW and writes the parameters; it returns the global
     gradient norm before clipping. `inner` is the torch AdamW over the master shards (for the LR
-    scheduler and checkpoints).
+    scheduler). `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()`.
     """
 
     def __init__(
@@ -64,6 +65,7 @@ class DistributedOptimizer:
         named_params: list[tuple[str, nn.Parameter]],
         *,
         zero_stage: int,
+        state_mesh: DeviceMesh,
         dp_group: dist.ProcessGroup,
         tp_group: dist.ProcessGroup,
         pp_group: dist.ProcessGroup,
@@ -78,6 +80,7 @@ class DistributedOptimizer:
         tied_peer: Callable[[], int] | None = None,
     ):
         self.zero_stage = zero_stage
+        self.state_mesh = state_mesh
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
         self.max_norm = max_norm
         self.bucket_bytes = bucket_bytes
@@ -186,6 +189,57 @@ class DistributedOptimizer:
             entry.master.grad = None
             if entry.main_grad is not None:
                 entry.main_grad.zero_()
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state by parameter name, as DTensors on the (dp, tp) mesh that share storage with
+        the live state, so torch.distributed.checkpoint saves it and loads (and reshards) into it in place.
+
+        "master" is present for low-precision parameters only (an fp32 parameter is its own master).
+        """
+        state = {}
+        for entry in self.entries:
+            adam = self._adam_state(entry.master)
+            state[entry.name] = {
+                "step": adam["step"],
+                "exp_avg": self._as_dtensor(entry, adam["exp_avg"]),
+                "exp_avg_sq": self._as_dtensor(entry, adam["exp_avg_sq"]),
+            }
+            if entry.owns_master:
+                state[entry.name]["master"] = self._as_dtensor(entry, entry.master)
+        return state
+
+    @torch.no_grad()
+    def masters_from_parameters(self) -> None:
+        """Re-derives the fp32 masters from the parameters (after loading weights without optimizer state)."""
+        world, rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        for entry in self.entries:
+            if entry.owns_master:
+                local = entry.local if self.zero_stage == 0 else _rank_chunk(entry.local, entry.dim, world, rank)
+                entry.master.copy_(local)
+
+    @torch.no_grad()
+    def parameters_from_masters(self) -> None:
+        """Writes the masters into the parameters (after loading optimizer state)."""
+        self._write_parameters()
+
+    def _adam_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AdamW's state for `master`, created (zeros, step 0) if no step has run yet, as AdamW would."""
+        state = self.inner.state[master]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        return state
+
+    def _as_dtensor(self, entry: _Entry, local: torch.Tensor) -> DTensor:
+        """`local` (this rank's shard of a tensor shaped like the parameter) as a DTensor on the state mesh."""
+        tp_placement = entry.param.placements[0] if isinstance(entry.param, DTensor) else Replicate()
+        dp_placement = Shard(entry.dim) if self.zero_stage == 1 else Replicate()
+        shape = entry.param.shape
+        return DTensor.from_local(
+            local, self.state_mesh, [dp_placement, tp_placement], run_check=False, shape=shape,
+            stride=torch.empty(shape, device="meta").stride(),
+        )
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: AdamW moments plus master copies of low-precision weights."""

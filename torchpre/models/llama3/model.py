@@ -4,6 +4,10 @@ No parallelism lives here. Tensor parallelism shards the linear layers from outs
 why attention reads its local head count from the projected shapes; pipeline parallelism
 deletes layers and sets `tok_embeddings`, `norm` or `output` to None, which is why `layers` is
 a ModuleDict keyed by layer index and `forward` skips missing parts.
+
+Inference: `setup_caches(batch_size, max_len)` gives every attention layer a `KVCache`, and
+`forward(tokens, start_pos=p)` then processes positions p, p+1, ... against the cached keys and
+values (prefill with p = 0, then one token at a time). Training never passes `start_pos`.
 """
 
 from __future__ import annotations
@@ -63,8 +67,47 @@ def apply_rope(x: Tensor, rope_cache: Tensor) -> Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class KVCache(nn.Module):
+    """Keys and values of the positions seen so far, for one attention layer during inference.
+
+    The buffers [batch_size, max_len, kv_heads, head_dim] are allocated on the first `update`,
+    with the head count, dtype and device of the keys it receives: under tensor parallelism that
+    is this rank's share of the heads, which the model itself never needs to know. They are not
+    part of the state dict.
+    """
+
+    k: Tensor | None
+    v: Tensor | None
+
+    def __init__(self, batch_size: int, max_len: int) -> None:
+        super().__init__()
+        self.batch_size, self.max_len = batch_size, max_len
+        self.register_buffer("k", None, persistent=False)
+        self.register_buffer("v", None, persistent=False)
+
+    def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Stores k, v [batch, seq, heads, head_dim] at positions start_pos.. and returns the keys
+        and values of positions 0 .. start_pos + seq - 1."""
+        bsz, seqlen = k.shape[:2]
+        end = start_pos + seqlen
+        if bsz > self.batch_size or end > self.max_len:
+            raise ValueError(
+                f"KV cache of batch {self.batch_size} x {self.max_len} positions cannot hold "
+                f"batch {bsz} at positions {start_pos}..{end - 1}"
+            )
+        if self.k is None:
+            shape = (self.batch_size, self.max_len, *k.shape[2:])
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k[:bsz, start_pos:end] = k
+        self.v[:bsz, start_pos:end] = v
+        return self.k[:bsz, :end], self.v[:bsz, :end]
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary position embeddings."""
+
+    kv_cache: KVCache | None
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
         super().__init__()
@@ -73,19 +116,43 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.kv_cache = None
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
-        """`rope_cache` covers at least the sequence; it is cut here, where the sequence is whole
-        (under sequence parallelism the residual stream outside attention holds only a slice)."""
+    def forward(self, x: Tensor, rope_cache: Tensor, start_pos: int | None = None) -> Tensor:
+        """`rope_cache` starts at position 0 and covers at least the sequence; it is cut here,
+        where the sequence is whole (under sequence parallelism the residual stream outside
+        attention holds only a slice).
+
+        With `start_pos` (inference; needs `kv_cache`), x holds positions start_pos.. and attends
+        causally to those and to the cached earlier ones. `start_pos` must be passed by keyword:
+        the tensor-parallel plan prepares only the positional inputs.
+        """
         bsz, seqlen, _ = x.shape
-        rope_cache = rope_cache[:seqlen]
+        offset = 0 if start_pos is None else start_pos
+        rope_cache = rope_cache[offset : offset + seqlen]
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        mask, is_causal = None, True
+        if start_pos is not None:
+            if self.kv_cache is None:
+                raise RuntimeError("start_pos needs a KV cache: call setup_caches() on the model first")
+            k, v = self.kv_cache.update(start_pos, k, v)
+            if start_pos > 0:
+                # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
+                is_causal = False
+                if seqlen > 1:
+                    mask = torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=x.device)
+                    mask = mask.tril(diagonal=start_pos)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=is_causal,
+            enable_gqa=True,
         )
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
@@ -113,8 +180,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: Tensor, rope_cache: Tensor, start_pos: int | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -163,16 +230,37 @@ class Transformer(nn.Module):
         the RoPE cache. The result does not depend on device, dtype, sharding or stage split."""
         self.tie_weights()
         init_parameters(self, seed, init_rule(self.args))
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the RoPE cache, e.g. after `to_empty` when the weights come from a checkpoint."""
         self.rope_cache.copy_(self._rope_cache(device="cpu"))
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Token ids [batch, seq] to logits; a pipeline stage maps hidden states to hidden states."""
+    def setup_caches(self, batch_size: int, max_len: int) -> None:
+        """Give each attention layer this model (or stage) holds a fresh KV cache for up to
+        `batch_size` sequences of `max_len` positions, for `forward(..., start_pos=...)`."""
+        for layer in self.layers.values():
+            layer.attention.kv_cache = KVCache(batch_size, max_len)
+
+    def clear_caches(self) -> None:
+        """Drop the KV caches (and their memory)."""
+        for layer in self.layers.values():
+            layer.attention.kv_cache = None
+
+    def forward(self, tokens: Tensor, start_pos: int | None = None) -> Tensor:
+        """Token ids [batch, seq] to logits; a pipeline stage maps hidden states to hidden states.
+
+        `start_pos` (inference only, after `setup_caches`) is the position of the first input
+        token: the layers read and extend their KV caches, and RoPE starts at that position.
+        """
         seqlen, max_seq_len = tokens.shape[1], self.rope_cache.shape[0]
-        if seqlen > max_seq_len:
-            raise ValueError(f"sequence length {seqlen} exceeds max_seq_len {max_seq_len}")
+        end = seqlen + (start_pos or 0)
+        if end > max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds max_seq_len {max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, self.rope_cache, start_pos=start_pos)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

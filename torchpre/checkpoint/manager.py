@@ -1,0 +1,272 @@
+"""Checkpoints with torch.distributed.checkpoint: the full training state, saved atomically, loadable
+under any parallel layout.
+
+A checkpoint is `{folder}/step-N/`, a DCP folder holding
+- "model": parameters by their name in the full model (DTensor shards under TP; each pipeline stage
+  writes its own names), so DCP reshards them to whatever layout loads them;
+- "optimizer": per parameter, AdamW's moments and step and the fp32 master, as (dp, tp) DTensors;
+- "lr_scheduler", "train" (step, global sample position of the data, world size) and "rng" (one
+  entry per rank), plus the resolved `config.toml`.
+It is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank has finished, so a
+`step-N` folder is always complete; loaders only ever look at `step-N` names.
+"""
+
+import logging
+import re
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchpre.errors import TorchpreError
+
+logger = logging.getLogger("torchpre")
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
+
+
+@dataclass
+class TrainState:
+    """What the training loop must know to continue: its step and the data position."""
+
+    step: int = 0
+    consumed_samples: int = 0
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint in `folder`, ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+
+
+class CheckpointManager:
+    """Saves and loads one job's checkpoints.
+
+    `model_parts` are this rank's modules (pipeline stages); `optimizer` has `state_dict()`,
+    `masters_from_parameters()` and `parameters_from_masters()` (torchpre's DistributedOptimizer);
+    `lr_scheduler` a torch scheduler; `data_position` / `set_data_position` read and restore the
+    global sample position of the data loader.
+    """
+
+    def __init__(
+        self,
+        *,
+        folder: Path,
+        model_parts: list[nn.Module],
+        optimizer,
+        lr_scheduler,
+        data_position: Callable[[], int],
+        set_data_position: Callable[[int], None],
+        config_text: str,
+        interval: int,
+        keep_latest_k: int,
+        async_mode: str,
+        model_only: bool,
+        exclude_from_loading: list[str],
+    ):
+        self.folder = folder
+        self.model_parts = model_parts
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.data_position = data_position
+        self.set_data_position = set_data_position
+        self.config_text = config_text
+        self.interval = interval
+        self.keep_latest_k = keep_latest_k
+        self.model_only = model_only
+        self.exclude = set(exclude_from_loading)
+        self.rank = dist.get_rank()
+        # Background writes run their collectives on a group of their own, never interleaved with training's.
+        self.async_group = dist.new_group(backend="gloo") if async_mode == "async" else None
+        self._pending: tuple[Future, int, float] | None = None
+
+    # Saving ------------------------------------------------------------------------------------
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return step % self.interval == 0 or step == last_step
+
+    def save(self, step: int) -> None:
+        """Writes step-N; with async_mode, returns once the state is staged and finishes the write
+        in the background (the rename to step-N happens when the next save or `close()` waits for it)."""
+        self.wait()
+        tmp = self.folder / f".tmp-step-{step}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            (tmp / "config.toml").write_text(self.config_text, encoding="utf-8")
+        dist.barrier()
+        state = self._state_dict(model_only=self.model_only, step=step)
+        start = time.perf_counter()
+        if self.async_group is None:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._finish(step, time.perf_counter() - start)
+        else:
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            staging = time.perf_counter() - start
+            logger.info("checkpoint step-%d staged in %.2f s; writing in the background", step, staging)
+            self._pending = (future, step, start)
+
+    def wait(self) -> None:
+        """Completes a background save, if one is running."""
+        if self._pending is None:
+            return
+        future, step, start = self._pending
+        self._pending = None
+        future.result()
+        self._finish(step, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.wait()
+
+    def _finish(self, step: int, seconds: float) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            final = self.folder / f"step-{step}"
+            shutil.rmtree(final, ignore_errors=True)
+            (self.folder / f".tmp-step-{step}").rename(final)
+            self._apply_retention()
+            logger.info("checkpoint %s written in %.2f s", final, seconds)
+        dist.barrier()
+
+    def _apply_retention(self) -> None:
+        if self.keep_latest_k > 0:
+            for step in complete_steps(self.folder)[: -self.keep_latest_k]:
+                shutil.rmtree(self.folder / f"step-{step}")
+
+    # Loading -----------------------------------------------------------------------------------
+
+    def find(self, load_step: int) -> Path | None:
+        """The step folder to resume from: `load_step`, or the latest complete one (-1); None if none."""
+        steps = complete_steps(self.folder)
+        if load_step == -1:
+            return self.folder / f"step-{steps[-1]}" if steps else None
+        if load_step not in steps:
+            available = ", ".join(map(str, steps)) or "none"
+            raise TorchpreError(
+                f"checkpoint.load_step = {load_step}, but {self.folder} has no complete step-{load_step} "
+                f"(complete steps: {available}). Use -1 for the latest."
+            )
+        return self.folder / f"step-{load_step}"
+
+    def load(self, step_dir: Path, model_only: bool = False) -> TrainState:
+        """Loads a checkpoint into the live state, resharding to this layout; returns where to continue.
+
+        `model_only` (a run's initial weights) loads the weights and nothing else.
+        """
+        saved = _saved_tensors(step_dir)
+        parts = {"model"} if model_only else set(PARTS) - self.exclude
+        keys = {"model", "optimizer", "lr_scheduler", "rng"} & parts
+        if not model_only:
+            keys.add("train")
+        state = self._state_dict(model_only=False, step=0)
+        request = {key: value for key, value in state.items() if key in keys}
+        _check_shapes(request, saved, step_dir)
+        request = _present(request, saved)
+        dcp.load(request, checkpoint_id=str(step_dir))
+        if "optimizer" in request:
+            self.optimizer.parameters_from_masters()
+        if "model" in request and not _has_masters(request):
+            self.optimizer.masters_from_parameters()
+        if "lr_scheduler" in request:
+            self.lr_scheduler.load_state_dict(request["lr_scheduler"])
+            # A scheduler's state does not include the optimizer's current lr; restore it too.
+            for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
+        if f"rank{self.rank}" in request.get("rng", {}):
+            torch.set_rng_state(request["rng"][f"rank{self.rank}"])
+        train = TrainState()
+        if "train" in request:
+            train.step = int(request["train"]["step"])
+            if "dataloader" in parts:
+                train.consumed_samples = int(request["train"]["consumed_samples"])
+                self.set_data_position(train.consumed_samples)
+        logger.info("loaded %s: %s", step_dir, ", ".join(sorted(request)))
+        return train
+
+    def _state_dict(self, model_only: bool, step: int) -> dict[str, Any]:
+        model: dict[str, torch.Tensor] = {}
+        for part in self.model_parts:
+            model.update(part.state_dict())
+        if model_only:
+            return {"model": model}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "train": {
+                "step": step,
+                "consumed_samples": self.data_position(),
+                "world_size": dist.get_world_size(),
+            },
+            "rng": {f"rank{self.rank}": torch.get_rng_state()},
+        }
+
+
+def _saved_tensors(step_dir: Path) -> dict[str, Any]:
+    """The checkpoint's flattened keys and their metadata; a clear error if the folder is unreadable."""
+    try:
+        return dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    except Exception as error:  # DCP raises several types for missing or corrupt metadata
+        raise TorchpreError(
+            f"Cannot read the checkpoint at {step_dir} ({type(error).__name__}: {error}). "
+            "Point checkpoint.folder / checkpoint.initial_load_path at a complete step-N folder."
+        ) from None
+
+
+def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
+    """Names every tensor whose saved shape differs from this model's, and the model's missing weights."""
+    mismatched, missing = [], []
+    for key, value in _flat(request).items():
+        meta = saved.get(key)
+        if key.startswith("model.") and meta is None:
+            missing.append(key)
+        elif isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+            if tuple(meta.size) != tuple(value.shape):
+                mismatched.append(f"{key}: checkpoint {tuple(meta.size)} vs model {tuple(value.shape)}")
+    if mismatched or missing:
+        details = "; ".join(mismatched[:8] + [f"{k}: not in the checkpoint" for k in missing[:8]])
+        raise TorchpreError(
+            f"The checkpoint at {step_dir} does not fit this model ({len(mismatched)} tensors with other shapes, "
+            f"{len(missing)} missing): {details}. Check model.flavor and model.tokenizer_path against the "
+            "checkpoint's config.toml."
+        )
+
+
+def _present(request: dict[str, Any], saved: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`request` without the entries the checkpoint does not hold (e.g. masters of an fp32 run)."""
+    kept = {}
+    for key, value in request.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            inner = _present(value, saved, f"{name}.")
+            if inner:
+                kept[key] = inner
+        elif name in saved:
+            kept[key] = value
+    return kept
+
+
+def _has_masters(request: dict[str, Any]) -> bool:
+    return any("master" in entry for entry in request.get("optimizer", {}).values())
