@@ -1,0 +1,219 @@
+"""`python -m torchpre.convert`: torchpre checkpoints to Hugging Face Llama folders and back.
+
+Logits are compared in fp32 with atol 1e-4: both models do the same arithmetic (same weights,
+fp32 RMSNorm, RoPE angles from the same fp32 frequencies, SDPA) in a different order (grouped
+heads repeated vs broadcast, rotate-half vs interleaved pairs), so only reduction-order noise
+remains, ~1e-6 on logits of magnitude ~1. A wrong permutation or a swapped weight moves logits by
+O(0.1) or more.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args, to_toml
+from torchpre.convert import main as convert_main
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.errors import TorchpreError
+from torchpre.models.llama3.args import LLAMA3_FLAVORS, RopeScaling
+from torchpre.models.llama3.hf import (
+    args_from_hf_config,
+    from_hf_state_dict,
+    hf_config,
+    hf_config_mismatches,
+    to_hf_state_dict,
+)
+from torchpre.models.llama3.model import Transformer
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ_LEN = 32
+LOGITS_ATOL = 1e-4
+VOCAB_SIZE = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+
+
+def write_job(tmp_path: Path, flavor: str) -> tuple[JobConfig, Path]:
+    config = parse_args(JobConfig, ["--model.flavor", flavor, "--training.seq_len", str(SEQ_LEN)])
+    path = tmp_path / "job.toml"
+    path.write_text(to_toml(config))
+    return config, path
+
+
+def build_model(args, seed: int = 0) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model.eval()
+
+
+def flavor_args(flavor: str):
+    """The args the trainer derives for `flavor` with the shipped tokenizer and SEQ_LEN."""
+    return dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=VOCAB_SIZE, max_seq_len=SEQ_LEN)
+
+
+def save_checkpoint(model: Transformer, config: JobConfig, step_dir: Path) -> None:
+    """A step folder as the trainer writes it; the non-model entries must be ignored."""
+    dcp.save({"model": model.state_dict(), "train": {"step": 5}}, checkpoint_id=step_dir, no_dist=True)
+    (step_dir / "config.toml").write_text(to_toml(config))
+
+
+def load_checkpoint_model(step_dir: Path, like: Transformer) -> dict[str, torch.Tensor]:
+    """The way trainers read "model": into full tensors shaped like the model's."""
+    state_dict = {fqn: torch.empty_like(t) for fqn, t in like.state_dict().items()}
+    dcp.load({"model": state_dict}, checkpoint_id=step_dir, no_dist=True)
+    return state_dict
+
+
+def convert(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchpre.convert", *map(str, args)],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def convert_ok(*args) -> None:
+    result = convert(*args)
+    assert result.returncode == 0, result.stderr
+
+
+def tokens(vocab_size: int, seq_len: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    "flavor, options",
+    [("tiny", ["--max_shard_size", "300KB"]), ("debugmodel_tied", [])],
+    ids=["tiny-sharded", "tied"],
+)
+def test_dcp_to_hf_matches_transformers_and_round_trips_bitwise(flavor, options, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config, job = write_job(tmp_path, flavor)
+    model = build_model(flavor_args(flavor))
+    step_dir, hf_dir, back_dir = tmp_path / "ckpt" / "step-5", tmp_path / "hf", tmp_path / "back" / "step-0"
+    save_checkpoint(model, config, step_dir)
+
+    convert_ok("dcp-to-hf", step_dir, hf_dir, "--job.config_file", job, *options)
+    index = hf_dir / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    assert len(files) > 1 if options else files == ["model.safetensors"]
+    names = {name for file in files for name in safe_open(hf_dir / file, "pt").keys()}
+    assert ("lm_head.weight" in names) != model.args.tie_word_embeddings
+    assert json.loads((hf_dir / "generation_config.json").read_text()) == {"bos_token_id": 2046, "eos_token_id": 2047}
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    ids = tokens(model.args.vocab_size, SEQ_LEN)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, model(ids), rtol=0, atol=LOGITS_ATOL)
+
+    convert_ok("hf-to-dcp", hf_dir, back_dir, "--job.config_file", job)
+    assert [p.name for p in back_dir.parent.iterdir()] == ["step-0"], "a temporary folder was left behind"
+    assert parse_args(JobConfig, ["--job.config_file", str(back_dir / "config.toml")]).model == config.model
+    back = load_checkpoint_model(back_dir, like=model)
+    for fqn, tensor in model.state_dict().items():
+        assert torch.equal(back[fqn], tensor), fqn
+
+
+def test_bfloat16_export_and_bad_paths(tmp_path):
+    config, job = write_job(tmp_path, "tiny")
+    model = build_model(flavor_args("tiny"))
+    step_dir, hf_dir = tmp_path / "ckpt" / "step-1", tmp_path / "hf"
+    save_checkpoint(model, config, step_dir)
+
+    convert_main(["dcp-to-hf", str(step_dir), str(hf_dir), "--job.config_file", str(job), "--dtype", "bfloat16"])
+    assert json.loads((hf_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    expected = to_hf_state_dict(model.state_dict(), model.args)
+    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+        assert torch.equal(tensor, expected[name].bfloat16()), name
+
+    with pytest.raises(TorchpreError, match="already exists"):
+        convert_main(["dcp-to-hf", str(step_dir), str(hf_dir), "--job.config_file", str(job)])
+    missing = tmp_path / "no" / "step-3"
+    with pytest.raises(TorchpreError, match=f"{missing} does not exist"):
+        convert_main(["dcp-to-hf", str(missing), str(tmp_path / "out"), "--job.config_file", str(job)])
+    with pytest.raises(TorchpreError, match=f"{missing} does not exist"):
+        convert_main(["hf-to-dcp", str(missing), str(tmp_path / "out"), "--job.config_file", str(job)])
+    with pytest.raises(TorchpreError, match="usage"):
+        convert_main(["to-hf", str(step_dir), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_mismatched_hf_config_exits_naming_the_field(tmp_path):
+    _, job = write_job(tmp_path, "tiny")
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    wrong = hf_config(flavor_args("tiny"), bos_token_id=0, eos_token_id=1, torch_dtype="float32") | {"num_hidden_layers": 3}
+    (hf_dir / "config.json").write_text(json.dumps(wrong))
+
+    result = convert("hf-to-dcp", hf_dir, tmp_path / "out" / "step-0", "--job.config_file", job)
+    assert result.returncode != 0
+    assert "num_hidden_layers = 3" in result.stderr and "n_layers = 2" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flavor", list(LLAMA3_FLAVORS))
+def test_hf_config_maps_back_to_the_same_args(flavor):
+    args = dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=128256)
+    config = hf_config(args, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16")
+    assert config["intermediate_size"] == args.ffn_hidden_dim
+    assert hf_config_mismatches(config, args) == []
+    assert args_from_hf_config(config).ffn_hidden_dim == args.ffn_hidden_dim
+    if flavor == "8B":  # Meta-Llama-3.1-8B's config.json
+        assert config["intermediate_size"] == 14336 and config["rope_scaling"] == {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    narrow = config | {"intermediate_size": args.dim}  # narrower than 8/3 dim, as some HF models are
+    assert args_from_hf_config(narrow).ffn_hidden_dim == args.dim
+    assert hf_config_mismatches(config | {"vocab_size": 1000}, args) == [
+        "vocab_size = 1000 in the Hugging Face config, but the job's model has vocab_size = 128256"
+    ]
+
+
+def test_rope_scaling_matches_transformers_and_its_saved_config():
+    """Llama 3.1 RoPE scaling, in-process on a tiny model: original_max_position_embeddings = 16 makes
+    the scaling change most frequencies within 64 positions. Also reads back the config as the
+    installed transformers writes it (5.x moves RoPE keys to `rope_parameters`)."""
+    transformers = pytest.importorskip("transformers")
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    args = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=256, max_seq_len=64, rope_scaling=scaling)
+    model = build_model(args)
+    config = transformers.LlamaConfig(**hf_config(args, bos_token_id=0, eos_token_id=1, torch_dtype="float32"))
+    assert hf_config_mismatches(config.to_dict(), args) == []
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    hf_model.load_state_dict(to_hf_state_dict(model.state_dict(), args), strict=True)
+    ids = tokens(args.vocab_size, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, model(ids), rtol=0, atol=LOGITS_ATOL)
+
+
+def test_state_dict_errors_name_the_tensors():
+    args = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=256)
+    hf_state_dict = to_hf_state_dict(build_model(args).state_dict(), args)
+    del hf_state_dict["model.layers.1.mlp.up_proj.weight"]
+    hf_state_dict["model.layers.1.mlp.bias"] = torch.zeros(1)
+    hf_state_dict["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(TorchpreError) as error:
+        from_hf_state_dict(hf_state_dict, args)
+    assert "missing: model.layers.1.mlp.up_proj.weight" in str(error.value)
+    assert "unknown: model.layers.1.mlp.bias" in str(error.value)
+    assert "model.norm.weight (3,) (expected (64,))" in str(error.value)

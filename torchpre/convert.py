@@ -1,0 +1,264 @@
+"""Convert model weights between a torchpre checkpoint and a Hugging Face Llama folder.
+
+  python -m torchpre.convert dcp-to-hf CKPT_STEP_DIR OUT_DIR --job.config_file X.toml
+      [--dtype float32|bfloat16] [--max_shard_size 5GB]
+  python -m torchpre.convert hf-to-dcp HF_DIR CKPT_STEP_DIR --job.config_file X.toml
+      [--dtype float32|bfloat16]
+
+The model comes from the job config exactly as the trainer builds it: model.name and model.flavor
+from the registry, vocab_size from the tokenizer at model.tokenizer_path. Any --section.key
+override of the job config is accepted.
+
+dcp-to-hf reads only the "model" entry of a checkpoint step folder and writes OUT_DIR with
+config.json, generation_config.json and model.safetensors (split into numbered files plus
+model.safetensors.index.json above --max_shard_size, like transformers does).
+
+hf-to-dcp checks HF_DIR's config.json against the job's model, then writes CKPT_STEP_DIR as a
+checkpoint folder holding only {"model": ...} and the job's config.toml; start training from it
+with --checkpoint.initial_load_path CKPT_STEP_DIR.
+
+--dtype casts the weights (default: keep the dtype they are stored in). Output folders are
+written under a temporary name next to their final one and renamed when complete; an existing
+non-empty output folder is an error.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchpre.cli import run_entry_point
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import HelpRequested, parse_args, to_toml
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.errors import TorchpreError
+from torchpre.models.llama3.args import TransformerArgs
+from torchpre.models.llama3.hf import from_hf_state_dict, hf_config, hf_config_mismatches, to_hf_state_dict
+from torchpre.models.registry import get_flavor, get_model_spec
+
+logger = logging.getLogger("torchpre")
+
+USAGE = (
+    "python -m torchpre.convert {dcp-to-hf CKPT_STEP_DIR OUT_DIR | hf-to-dcp HF_DIR CKPT_STEP_DIR} "
+    "[--dtype float32|bfloat16] [--max_shard_size SIZE (dcp-to-hf)]"
+)
+_OPTIONS = {"dcp-to-hf": ("--dtype", "--max_shard_size"), "hf-to-dcp": ("--dtype",)}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_SAFETENSORS = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Model:
+    """The job's model as the trainer builds it, and what the Hugging Face config also needs."""
+
+    args: TransformerArgs
+    flavor_max_seq_len: int
+    tokenizer: Tokenizer
+
+
+def main(argv: list[str]) -> None:
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(__doc__)
+        raise HelpRequested
+    command, source, target, options, rest = _parse_command_line(argv)
+    config = parse_args(JobConfig, rest)
+    model = _job_model(config)
+    dtype = _dtype(options.get("--dtype"))
+    # DCP warns that it runs without a process group; that is the intent here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    if command == "dcp-to-hf":
+        dcp_to_hf(source, target, model, dtype, _size(options.get("--max_shard_size", "5GB")))
+    else:
+        hf_to_dcp(source, target, model, dtype, config)
+
+
+def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int) -> None:
+    state_dict = to_hf_state_dict(_load_dcp_model(step_dir), model.args)
+    state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in state_dict.items()}
+    tokens = {"bos_token_id": model.tokenizer.bos_id, "eos_token_id": model.tokenizer.eos_id}
+    config = hf_config(
+        model.args,
+        **tokens,
+        torch_dtype=str(state_dict["model.embed_tokens.weight"].dtype).removeprefix("torch."),
+        # The longest context the weights are meant for: the flavor's design context, or the
+        # training sequence length if longer. It does not change the weights or RoPE frequencies.
+        max_position_embeddings=max(model.args.max_seq_len, model.flavor_max_seq_len),
+    )
+
+    def write(folder: Path) -> None:
+        _write_json(folder / "config.json", config)
+        _write_json(folder / "generation_config.json", tokens)
+        _save_safetensors(state_dict, folder, max_shard_size)
+
+    _write_atomically(out_dir, write)
+    logger.info(f"Wrote the Hugging Face model {out_dir} ({config['torch_dtype']}) from {step_dir}")
+
+
+def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | None, config: JobConfig) -> None:
+    if not hf_dir.is_dir():
+        raise TorchpreError(f"Hugging Face folder {hf_dir} does not exist.")
+    _check_hf_config(hf_dir / "config.json", model, config)
+    hf_state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in _load_safetensors(hf_dir).items()}
+    state_dict = from_hf_state_dict(hf_state_dict, model.args)
+
+    def write(folder: Path) -> None:
+        dcp.save({"model": state_dict}, checkpoint_id=folder, no_dist=True)
+        (folder / "config.toml").write_text(to_toml(config), encoding="utf-8")
+
+    _write_atomically(step_dir, write)
+    logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}")
+
+
+def _parse_command_line(argv: list[str]) -> tuple[str, Path, Path, dict[str, str], list[str]]:
+    """(command, source, target, own options, the rest for the job config parser)."""
+    if len(argv) < 3 or argv[0] not in _OPTIONS or any(arg.startswith("-") for arg in argv[1:3]):
+        raise TorchpreError(f"usage: {USAGE} --job.config_file X.toml [--section.key VALUE ...]")
+    options, rest = {}, []
+    remaining = iter(argv[3:])
+    for arg in remaining:
+        key, eq, value = arg.partition("=")
+        if key in _OPTIONS[argv[0]]:
+            options[key] = value if eq else next(remaining, "")
+        else:
+            rest.append(arg)
+    return argv[0], Path(argv[1]), Path(argv[2]), options, rest
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is not None and name not in _DTYPES:
+        raise TorchpreError(f"--dtype {name!r} is not one of {', '.join(_DTYPES)}.")
+    return _DTYPES.get(name)
+
+
+def _size(text: str) -> int:
+    """Bytes from '5GB', '500MB', '100KB' (powers of 10, as transformers) or a plain number."""
+    match = re.fullmatch(r"(\d+)\s*([KMG]B)?", text.strip(), re.IGNORECASE)
+    if not match or int(match[1]) == 0:
+        raise TorchpreError(f"--max_shard_size {text!r} is not a size such as 5GB, 500MB or 100KB.")
+    return int(match[1]) * _SIZE_UNITS[(match[2] or "").upper()]
+
+
+def _job_model(config: JobConfig) -> _Model:
+    """The model args the trainer derives from `config` (see Trainer.__init__)."""
+    spec = get_model_spec(config.model.name)
+    if spec.name != "llama3":
+        raise TorchpreError(f"model.name = '{spec.name}' has no Hugging Face conversion; only 'llama3' has.")
+    flavor = get_flavor(spec, config.model.flavor)
+    tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    args = dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=config.training.seq_len)
+    return _Model(args, flavor.max_seq_len, tokenizer)
+
+
+def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:
+    """The "model" entry of a DCP folder, each tensor in the dtype and shape it was saved with."""
+    if not step_dir.is_dir():
+        raise TorchpreError(f"Checkpoint folder {step_dir} does not exist.")
+    if not (step_dir / ".metadata").is_file():
+        raise TorchpreError(f"{step_dir} is not a torch.distributed.checkpoint folder: it has no .metadata file.")
+    metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    state_dict = {
+        key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(md, TensorStorageMetadata)
+    }
+    if not state_dict:
+        raise TorchpreError(f"Checkpoint {step_dir} holds no 'model' tensors.")
+    dcp.load({"model": state_dict}, checkpoint_id=step_dir, no_dist=True)
+    return state_dict
+
+
+def _check_hf_config(path: Path, model: _Model, config: JobConfig) -> None:
+    try:
+        mismatches = hf_config_mismatches(_read_json(path), model.args)
+    except TorchpreError as error:
+        raise TorchpreError(f"{path}: {error}") from None
+    if mismatches:
+        raise TorchpreError(
+            f"{path} does not describe the job's model (model.flavor = '{config.model.flavor}', vocab_size "
+            f"{model.args.vocab_size} from the tokenizer): {'; '.join(mismatches)}. "
+            "Use the job config (flavor, tokenizer) the weights were made with."
+        )
+
+
+def _load_safetensors(hf_dir: Path) -> dict[str, Tensor]:
+    index = hf_dir / _INDEX
+    files = sorted(set(_read_json(index)["weight_map"].values())) if index.is_file() else [_SAFETENSORS]
+    state_dict = {}
+    for name in files:
+        path = hf_dir / name
+        if not path.is_file():
+            raise TorchpreError(f"{path} does not exist (only safetensors weights, single or sharded, are read).")
+        state_dict |= load_file(path)
+    return state_dict
+
+
+def _save_safetensors(state_dict: dict[str, Tensor], folder: Path, max_shard_size: int) -> None:
+    """One model.safetensors, or numbered files of at most max_shard_size bytes (a bigger tensor
+    gets a file to itself) and an index mapping each name to its file."""
+    shards: list[dict[str, Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + nbytes > max_shard_size:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], folder / _SAFETENSORS, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file_name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file_name)
+    total_size = sum(t.numel() * t.element_size() for t in state_dict.values())
+    _write_json(folder / _INDEX, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+
+
+def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """Runs `write` on a sibling temporary folder, then renames it to `target`, so `target` only
+    ever appears complete."""
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise TorchpreError(f"Output {target} already exists and is not an empty folder; remove it or choose another.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    temporary.mkdir()
+    try:
+        write(temporary)
+        os.rename(temporary, target)  # rename(2) replaces an empty folder
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise TorchpreError(f"{path} does not exist.")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise TorchpreError(f"{path} is not valid JSON: {error}.") from None
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    run_entry_point(main, sys.argv[1:], prog=USAGE)

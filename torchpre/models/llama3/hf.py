@@ -1,0 +1,243 @@
+"""Llama 3 weights and config to and from the Hugging Face `LlamaForCausalLM` format.
+
+Pure functions on state dicts (FQN -> tensor) and config dicts; reading and writing files is
+`torchpre.convert`'s job. Two things differ beyond names:
+- RoPE: torchpre rotates adjacent pairs (x[2i], x[2i+1]) (Meta's layout), Hugging Face rotates
+  x[i] with x[i + head_dim/2] (`rotate_half`). Permuting the output rows of wq and wk within each
+  head makes the two compute the same attention scores (as Hugging Face's
+  convert_llama_weights_to_hf.py does); wv and wo are untouched.
+- Tied embeddings: torchpre's state dict has `output.weight` as the embedding itself (or as an
+  equal copy on a pipeline stage); Hugging Face omits `lm_head.weight` or repeats it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchpre.errors import TorchpreError
+from torchpre.models.llama3.args import RopeScaling, TransformerArgs
+from torchpre.models.llama3.model import Transformer
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TIED = "output.weight"
+_TIED_HF = "lm_head.weight"
+
+# (TransformerArgs attribute, Hugging Face config key) pairs that must agree for weights to load.
+_COMPARED_FIELDS = [
+    ("dim", "hidden_size"),
+    ("n_layers", "num_hidden_layers"),
+    ("n_heads", "num_attention_heads"),
+    ("n_kv_heads", "num_key_value_heads"),
+    ("ffn_hidden_dim", "intermediate_size"),
+    ("vocab_size", "vocab_size"),
+    ("norm_eps", "rms_norm_eps"),
+    ("rope_theta", "rope_theta"),
+    ("rope_scaling", "rope_scaling"),
+    ("tie_word_embeddings", "tie_word_embeddings"),
+]
+
+
+def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
+    """torchpre FQNs -> Hugging Face names, wq/wk rows permuted to the rotate-half layout.
+
+    With tied embeddings `output.weight` may be present or not; it is dropped, as Hugging Face
+    saves only `model.embed_tokens.weight`. Raises TorchpreError naming missing, unknown or
+    misshapen tensors.
+    """
+    expected = _torchpre_shapes(args)
+    if args.tie_word_embeddings:
+        state_dict = {k: v for k, v in state_dict.items() if k != _TIED}
+    _check_tensors(state_dict, expected, "torchpre model state dict")
+    return {_hf_name(fqn): _permute_rope_rows(fqn, tensor, args, to_hf=True) for fqn, tensor in state_dict.items()}
+
+
+def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
+    """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict`.
+
+    With tied embeddings `lm_head.weight` may be present or not (Hugging Face ties it to the
+    embedding on load, so it is ignored), and `output.weight` is the embedding tensor itself,
+    as in `Transformer.state_dict()`.
+    """
+    shapes = _torchpre_shapes(args)
+    fqns = {_hf_name(fqn): fqn for fqn in shapes}
+    if args.tie_word_embeddings:
+        hf_state_dict = {k: v for k, v in hf_state_dict.items() if k != _TIED_HF}
+    _check_tensors(hf_state_dict, {name: shapes[fqn] for name, fqn in fqns.items()}, "Hugging Face state dict")
+    state_dict = {
+        fqns[name]: _permute_rope_rows(fqns[name], tensor, args, to_hf=False) for name, tensor in hf_state_dict.items()
+    }
+    if args.tie_word_embeddings:
+        state_dict[_TIED] = state_dict["tok_embeddings.weight"]
+    return state_dict
+
+
+def hf_config(
+    args: TransformerArgs,
+    *,
+    bos_token_id: int,
+    eos_token_id: int,
+    torch_dtype: str,
+    max_position_embeddings: int | None = None,
+) -> dict[str, Any]:
+    """The `config.json` of a `LlamaForCausalLM` with these args (Llama 3.1 style keys, which
+    transformers 4.x and 5.x both read). `max_position_embeddings` defaults to args.max_seq_len."""
+    scaling = args.rope_scaling
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None
+        if scaling is None
+        else {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+        },
+        "max_position_embeddings": max_position_embeddings or args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": torch_dtype,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+
+
+def args_from_hf_config(config: Mapping[str, Any]) -> TransformerArgs:
+    """The TransformerArgs a Hugging Face Llama `config.json` describes; missing optional keys take
+    transformers' defaults. Raises TorchpreError for a config torchpre's Llama cannot express.
+
+    Reads both the 4.x keys (`rope_theta`, `rope_scaling`) and 5.x's `rope_parameters`.
+    """
+    if config.get("model_type") != "llama":
+        raise TorchpreError(f"model_type is {config.get('model_type')!r}; only 'llama' configs can be converted.")
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(key, supported) != supported:
+            raise TorchpreError(f"{key} = {config[key]!r} is not supported (torchpre's Llama has {supported!r}).")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
+    if missing:
+        raise TorchpreError(f"the config lacks {', '.join(missing)}.")
+    dim, n_heads, hidden = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    if config.get("head_dim") not in (None, dim // n_heads):
+        raise TorchpreError(
+            f"head_dim = {config['head_dim']} is not hidden_size / num_attention_heads = {dim // n_heads}; "
+            "torchpre's Llama derives head_dim from them."
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    # TransformerArgs derives the MLP width as multiple_of * ceil(h / multiple_of) from
+    # h = int(8 * dim / 3) (times ffn_dim_multiplier); multiple_of = intermediate_size with h <=
+    # intermediate_size therefore yields exactly intermediate_size.
+    base = int(2 * 4 * dim / 3)
+    return TransformerArgs(
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads") or n_heads,
+        vocab_size=config["vocab_size"],
+        multiple_of=hidden,
+        ffn_dim_multiplier=hidden / base if hidden < base else None,
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(rope),
+        max_seq_len=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+    )
+
+
+def hf_config_mismatches(config: Mapping[str, Any], args: TransformerArgs) -> list[str]:
+    """Every field where a Hugging Face config disagrees with `args`, as 'key = theirs, but ours'
+    lines; empty when its weights load into `Transformer(args)`. max_position_embeddings is not
+    compared: it does not change the weights."""
+    theirs = args_from_hf_config(config)
+    return [
+        f"{hf_key} = {getattr(theirs, field)!r} in the Hugging Face config, but the job's model has "
+        f"{field} = {getattr(args, field)!r}"
+        for field, hf_key in _COMPARED_FIELDS
+        if getattr(theirs, field) != getattr(args, field)
+    ]
+
+
+def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise TorchpreError(f"rope_type = {rope_type!r} is not supported; torchpre's Llama has 'default' and 'llama3'.")
+    return RopeScaling(
+        factor=rope["factor"],
+        low_freq_factor=rope["low_freq_factor"],
+        high_freq_factor=rope["high_freq_factor"],
+        original_max_position_embeddings=rope["original_max_position_embeddings"],
+    )
+
+
+def _torchpre_shapes(args: TransformerArgs) -> dict[str, torch.Size]:
+    """FQN -> shape of every tensor in `Transformer(args).state_dict()`, except the tied copy of
+    the embedding; built on the meta device, so it costs no memory."""
+    with torch.device("meta"):
+        state_dict = Transformer(args).state_dict()
+    return {fqn: t.shape for fqn, t in state_dict.items() if not (args.tie_word_embeddings and fqn == _TIED)}
+
+
+def _hf_name(fqn: str) -> str:
+    if fqn in _TOP_LEVEL:
+        return _TOP_LEVEL[fqn]
+    _, layer, name = fqn.split(".", 2)  # layers.{i}.{name}
+    return f"model.layers.{layer}.{_PER_LAYER[name]}"
+
+
+def _check_tensors(given: Mapping[str, Tensor], expected: Mapping[str, torch.Size], what: str) -> None:
+    missing = sorted(expected.keys() - given.keys())
+    unknown = sorted(given.keys() - expected.keys())
+    misshapen = [
+        f"{name} {tuple(given[name].shape)} (expected {tuple(shape)})"
+        for name, shape in expected.items()
+        if name in given and given[name].shape != shape
+    ]
+    problems = [
+        f"{label}: {', '.join(names)}"
+        for label, names in (("missing", missing), ("unknown", unknown), ("wrong shape", misshapen))
+        if names
+    ]
+    if problems:
+        raise TorchpreError(f"The {what} does not fit the model args. " + "; ".join(problems) + ".")
+
+
+def _permute_rope_rows(fqn: str, weight: Tensor, args: TransformerArgs, to_hf: bool) -> Tensor:
+    """wq/wk rows from interleaved pairs (h, i, pair) to halves (h, pair, i), or back."""
+    if not fqn.endswith(("attention.wq.weight", "attention.wk.weight")):
+        return weight
+    heads = weight.shape[0] // args.head_dim
+    pairs_first = (heads, args.head_dim // 2, 2, args.dim)
+    halves_first = (heads, 2, args.head_dim // 2, args.dim)
+    return weight.reshape(pairs_first if to_hf else halves_first).transpose(1, 2).reshape(weight.shape)
