@@ -1,4 +1,4 @@
-"""Train a model: `torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.toml [--section.key value ...]`.
+"""Train a model: `torchrun --nproc_per_node=N train.py --job.config_file train_configs/X.toml [--section.key v ...]`.
 
 `python train.py ...` runs the same job as a single process; `--help` lists every option.
 """

@@ -48,6 +48,7 @@ def _report_to_torchrun(message: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    record = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    record = {"message": {"message": message, "extraInfo": extra}}
     with open(path, "w", encoding="utf-8") as file:
         json.dump(record, file)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.config.validate import validate_config
@@ -21,7 +22,6 @@ from torchpre.data.loader import build_dataloader
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
-from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger

@@ -48,7 +48,10 @@ LAYOUTS = {
     "pp2_gpipe": (2, pp("GPipe")),
     "pp2_1f1b": (2, pp("1F1B")),
     "pp2_interleaved1f1b_v2": (2, pp("Interleaved1F1B", "--parallelism.pipeline_parallel_virtual_stages", "2")),
-    "pp2_interleaved_zero_bubble": (2, pp("InterleavedZeroBubble", "--parallelism.pipeline_parallel_virtual_stages", "2")),
+    "pp2_interleaved_zero_bubble": (
+        2,
+        pp("InterleavedZeroBubble", "--parallelism.pipeline_parallel_virtual_stages", "2"),
+    ),
     "pp2_looped_bfs_v2": (2, pp("LoopedBFS", "--parallelism.pipeline_parallel_virtual_stages", "2")),
     "pp2_zbv_zero_bubble": (2, pp("ZBVZeroBubble")),
     "pp2_dualpipev": (2, pp("DualPipeV")),

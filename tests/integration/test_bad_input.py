@@ -23,7 +23,10 @@ def assert_clean_failure(result, *fragments: str) -> None:
         (["--training.steps", "many"], ["training.steps", "int", "many"]),
         (["--job.config_file", "no/such.toml"], ["no/such.toml"]),
         (["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
-        (["--training.dataset", "text", "--training.dataset_path", "no/such.jsonl"], ["no/such.jsonl", "does not exist"]),
+        (
+            ["--training.dataset", "text", "--training.dataset_path", "no/such.jsonl"],
+            ["no/such.jsonl", "does not exist"],
+        ),
         (["--training.local_batch_size", "0"], ["training.local_batch_size = 0"]),
         (["--training.global_batch_size", "6"], ["global_batch_size = 6", "local_batch_size"]),
         (["--model.flavor", "debugmodell"], ["model.flavor", "debugmodel"]),
@@ -43,7 +46,8 @@ def test_unknown_key_in_the_toml_file_names_the_file(tmp_path):
 def test_empty_dataset(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
-    result = run_train([*TINY, "--training.dataset", "text", "--training.dataset_path", str(empty)], 1, tmp_path, timeout=60)
+    args = [*TINY, "--training.dataset", "text", "--training.dataset_path", str(empty)]
+    result = run_train(args, 1, tmp_path, timeout=60)
     assert_clean_failure(result, str(empty), "no text")
 
 
@@ -60,10 +64,16 @@ def test_empty_dataset(tmp_path):
             ],
             ["'ZBVZeroBubble' schedule needs at least as many microbatches as stages (4)"],
         ),
-        (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel", "--training.seq_len", "33"],
-         ["training.seq_len = 33"]),
-        (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_virtual_stages", "2",
-          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], ["2 layers, fewer than the 4 pipeline stages"]),
+        (
+            ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"]
+            + ["--training.seq_len", "33"],
+            ["training.seq_len = 33"],
+        ),
+        (
+            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_virtual_stages", "2"]
+            + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+            ["2 layers, fewer than the 4 pipeline stages"],
+        ),
     ],
 )
 def test_every_rank_exits_on_a_bad_layout(args, fragments, tmp_path):

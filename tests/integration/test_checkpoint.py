@@ -106,7 +106,8 @@ def read_checkpoint(step_dir, tmp_path) -> dict:
 
 
 def test_async_and_sync_saves_hold_the_same_state(tmp_path):
-    args = [*TINY, *CKPT, "--training.steps", "5", "--training.global_batch_size", "8", "--training.local_batch_size", "2"]
+    args = [*TINY, *CKPT, "--training.steps", "5", "--training.global_batch_size", "8"]
+    args += ["--training.local_batch_size", "2"]
     train_and_read_metrics(args, 2, tmp_path / "sync")
     train_and_read_metrics([*args, "--checkpoint.async_mode", "async"], 2, tmp_path / "async")
     sync = read_checkpoint(tmp_path / "sync" / "checkpoint" / "step-5", tmp_path)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ def trained(tokenizer, tmp_path_factory) -> tuple[Transformer, Path]:
         loss.backward()
         optimizer.step()
     dump = tmp_path_factory.mktemp("generate")
-    dcp.save({"model": model.state_dict()}, checkpoint_id=dump / "checkpoint" / "step-5", no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=dump / "checkpoint" / "step-5", no_dist=True)
     return model.eval(), dump
 
 
@@ -154,6 +157,17 @@ def test_greedy_tokens_do_not_depend_on_the_layout(trained, tokenizer, nproc, la
     assert record["prompt"] == PROMPT
     assert record["prompt_token_ids"] == tokenizer.encode(PROMPT, bos=True, eos=False)
     assert record["completion"] == tokenizer.decode(expected)
+
+
+def test_tensor_parallel_ranks_sample_the_same_tokens(trained, tokenizer):
+    """Each TP rank samples from the same gathered logits with the same seeded generator; a rank
+    that drew another token would feed the next all-reduce a different input and change rank 0's."""
+    model, dump = trained
+    sampling = ["--temperature", "3", "--top_k", "50", "--seed", "3", "--json"]
+    record = generated(run_generate(dump, 2, *sampling, "--parallelism.tensor_parallel_degree", "2"))
+    expected = reference_ids(model, tokenizer, temperature=3.0, top_k=50, seed=3)
+    assert expected != reference_ids(model, tokenizer, temperature=0, top_k=None, seed=0)  # really sampled
+    assert record["token_ids"] == expected
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """`python -m torchpre.convert`: torchpre checkpoints to Hugging Face Llama folders and back.
 
-Logits are compared in fp32 with atol 1e-4: both models do the same arithmetic (same weights,
+Logits are compared in fp32 with atol 1e-5: both models do the same arithmetic (same weights,
 fp32 RMSNorm, RoPE angles from the same fp32 frequencies, SDPA) in a different order (grouped
 heads repeated vs broadcast, rotate-half vs interleaved pairs), so only reduction-order noise
-remains, ~1e-6 on logits of magnitude ~1. A wrong permutation or a swapped weight moves logits by
-O(0.1) or more.
+remains: at most 1e-6 measured, on logits up to ~5. The bound must stay well below the effect of
+a RoPE mistake, which is small at init because attention is nearly uniform: leaving wq/wk
+unpermuted, or dropping the RoPE scaling, moves the tiny model's logits by ~6e-4 (0.05 for
+debugmodel_tied).
 """
 
 import dataclasses
@@ -39,7 +41,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 32
-LOGITS_ATOL = 1e-4
+LOGITS_ATOL = 1e-5
 VOCAB_SIZE = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
 
 

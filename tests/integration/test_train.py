@@ -1,8 +1,7 @@
 """End-to-end training runs through train.py: the loss falls, and layouts agree with one process."""
 
-import tomllib
-
 import pytest
+import tomllib
 
 from tests.launch import TINY, train_and_read_metrics
 

@@ -21,7 +21,9 @@ class Job:
 class Model:
     name: str = _option("llama3", "model family from the model registry")
     flavor: str = _option("debugmodel", "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B)")
-    tokenizer_path: str = _option("", "tiktoken BPE ranks file (Llama 3 tokenizer.model format); empty = the shipped one")
+    tokenizer_path: str = _option(
+        "", "tiktoken BPE ranks file (Llama 3 tokenizer.model format); empty = the shipped one"
+    )
 
 
 @dataclass
@@ -62,7 +64,9 @@ class Optimizer:
 class LRScheduler:
     warmup_steps: int = _option(10, "steps of linear warmup from lr/(warmup_steps+1) to lr")
     decay_ratio: float = _option(
-        1.0, "fraction of training.steps spent decaying at the end (warmup-stable-decay); 1.0 = decay right after warmup"
+        1.0,
+        "fraction of the post-warmup steps spent decaying at the end (warmup-stable-decay); 1.0 = decay right after"
+        " warmup",
     )
     decay_type: Literal["linear", "sqrt", "cosine"] = _option("linear", "shape of the decay")
     min_lr_factor: float = _option(0.0, "the lr at the end of the decay, as a fraction of the peak lr")

@@ -152,7 +152,9 @@ class DistributedOptimizer:
         else:
             all_reduce_tensors(grads, self.dp_group, self.bucket_bytes)
             shards = grads
-        counted = [i for i, e in enumerate(self.entries) if not (self.tied_peer and self.tied and e.name == self.tied[1])]
+        # A weight tied across pipeline stages has two entries with equal gradients: count it once.
+        second_copy = self.tied[1] if self.tied and self.tied_peer else None
+        counted = [i for i, e in enumerate(self.entries) if e.name != second_copy]
         norm = global_grad_norm(
             [shards[i] for i in counted],
             [self.entries[i].tp_sharded for i in counted],

@@ -18,12 +18,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
+    Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
-    Schedule1F1B,
     ScheduleZBVZeroBubble,
 )
 
@@ -127,7 +127,8 @@ class PipelinePlan:
     ) -> "PipelinePlan":
         """`parallelism` is the config section; `stage_modules(num_stages)` is the model's split;
         `sequences_per_step` is what one DP rank processes per optimizer step."""
-        schedule = "GPipe" if parallelism.pipeline_parallel_schedule == "AFAB" else parallelism.pipeline_parallel_schedule
+        schedule = parallelism.pipeline_parallel_schedule
+        schedule = "GPipe" if schedule == "AFAB" else schedule
         pp = parallelism.pipeline_parallel_degree
         per_rank = stages_per_rank(schedule, parallelism.pipeline_parallel_virtual_stages)
         microbatch_size = parallelism.pipeline_parallel_microbatch_size
