@@ -79,6 +79,7 @@ def main(argv: list[str]) -> None:
     config = parse_args(JobConfig, rest)
     model = _job_model(config)
     dtype = _dtype(options.get("--dtype"))
+    _check_output_free(target)
     # DCP warns that it runs without a process group; that is the intent here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     if command == "dcp-to-hf":
@@ -88,7 +89,12 @@ def main(argv: list[str]) -> None:
 
 
 def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int) -> None:
-    state_dict = to_hf_state_dict(_load_dcp_model(step_dir), model.args)
+    try:
+        state_dict = to_hf_state_dict(_load_dcp_model(step_dir), model.args)
+    except TorchpreError as error:
+        raise TorchpreError(
+            f"Checkpoint {step_dir}: {error} Check model.flavor and model.tokenizer_path against its config.toml."
+        ) from None
     state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in state_dict.items()}
     tokens = {"bos_token_id": model.tokenizer.bos_id, "eos_token_id": model.tokenizer.eos_id}
     config = hf_config(
@@ -231,11 +237,15 @@ def _save_safetensors(state_dict: dict[str, Tensor], folder: Path, max_shard_siz
     _write_json(folder / _INDEX, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
 
 
+def _check_output_free(target: Path) -> None:
+    """Before any work: the output folder must not exist or be empty (stale files would mix in)."""
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        raise TorchpreError(f"Output {target} already exists and is not an empty folder; remove it or choose another.")
+
+
 def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     """Runs `write` on a sibling temporary folder, then renames it to `target`, so `target` only
     ever appears complete."""
-    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
-        raise TorchpreError(f"Output {target} already exists and is not an empty folder; remove it or choose another.")
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.parent / f".tmp-{target.name}-{os.getpid()}"
     temporary.mkdir()

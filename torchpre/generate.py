@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchpre.checkpoint.manager import STEP_DIR, check_shapes, checkpoint_metadata, find_step_dir
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -36,8 +35,6 @@ from torchpre.distributed.utils import init_distributed, select_device, world_si
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.parallel.pipeline import prune_to
-
-STEP_DIR = re.compile(r"^step-(\d+)$")
 
 GENERATION_HELP = """\
 Generation options (besides the job options below, of which generation reads job.*, model.*,
@@ -126,7 +123,7 @@ def checkpoint_folder(dump_folder: str, folder: str) -> Path:
     return path if path.is_absolute() or path.exists() else Path(dump_folder) / folder
 
 
-def find_step_dir(folder: Path, load_step: int) -> Path:
+def find_generation_step(folder: Path, load_step: int) -> Path:
     """The complete `step-N` folder to load: `load_step`, or the highest one for -1.
 
     `folder` may also be a `step-N` folder itself (with load_step -1 or N).
@@ -139,44 +136,18 @@ def find_step_dir(folder: Path, load_step: int) -> Path:
             f"The checkpoint folder {folder} does not exist. Set --checkpoint.folder to the folder holding "
             "the step-N checkpoints (absolute, or relative to job.dump_folder as in training)."
         )
-    steps = sorted(int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
-    if not steps:
+    step_dir = find_step_dir(folder, load_step)
+    if step_dir is None:
         raise TorchpreError(
             f"The checkpoint folder {folder} holds no complete step-N checkpoint. Point --checkpoint.folder "
             "at a training run's checkpoint folder."
         )
-    if load_step == -1:
-        return folder / f"step-{steps[-1]}"
-    if load_step not in steps:
-        raise TorchpreError(
-            f"checkpoint.load_step = {load_step}, but {folder} has no complete step-{load_step} "
-            f"(complete steps: {', '.join(map(str, steps))}). Use -1 for the latest."
-        )
-    return folder / f"step-{load_step}"
+    return step_dir
 
 
 def check_checkpoint_fits(model: nn.Module, step_dir: Path) -> None:
     """Names the model weights the checkpoint lacks or holds with another shape (global shapes)."""
-    try:
-        saved = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    except Exception as error:  # DCP raises several types for missing or corrupt metadata
-        raise TorchpreError(
-            f"Cannot read the checkpoint at {step_dir} ({type(error).__name__}: {error}). "
-            "Point --checkpoint.folder at a folder of complete step-N checkpoints."
-        ) from None
-    problems = []
-    for name, tensor in model.state_dict().items():
-        meta = saved.get(f"model.{name}")
-        if not isinstance(meta, TensorStorageMetadata):
-            problems.append(f"{name}: not in the checkpoint")
-        elif tuple(meta.size) != tuple(tensor.shape):
-            problems.append(f"{name}: checkpoint {tuple(meta.size)} vs model {tuple(tensor.shape)}")
-    if problems:
-        raise TorchpreError(
-            f"The checkpoint at {step_dir} does not fit this model ({len(problems)} weights): "
-            f"{'; '.join(problems[:8])}. Check model.flavor and model.tokenizer_path against the "
-            "checkpoint's config.toml."
-        )
+    check_shapes({"model": model.state_dict()}, checkpoint_metadata(step_dir), step_dir)
 
 
 # Decoding --------------------------------------------------------------------------------------
@@ -311,7 +282,7 @@ def main(argv: list[str]) -> None:
     args = dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=total)
     spec.validate_tensor_parallel(args, dims.tp)
     stages = spec.stage_modules(args, dims.pp, p.pipeline_parallel_split_points) if dims.pp > 1 else None
-    step_dir = find_step_dir(
+    step_dir = find_generation_step(
         checkpoint_folder(config.job.dump_folder, config.checkpoint.folder), config.checkpoint.load_step
     )
     param_dtype = getattr(torch, config.training.mixed_precision_param)

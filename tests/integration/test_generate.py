@@ -32,6 +32,16 @@ NEW_TOKENS = 12
 CACHE_TOLERANCE = 1e-5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Two threads on two cores shared with the torchrun workers of these tests (and other jobs)
+    are many times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer(DEFAULT_TOKENIZER_PATH)

@@ -112,7 +112,9 @@ def test_dcp_to_hf_matches_transformers_and_round_trips_bitwise(flavor, options,
 
     convert_ok("dcp-to-hf", step_dir, hf_dir, "--job.config_file", job, *options)
     index = hf_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = ["model.safetensors"]
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     assert len(files) > 1 if options else files == ["model.safetensors"]
     names = {name for file in files for name in safe_open(hf_dir / file, "pt").keys()}
     assert ("lm_head.weight" in names) != model.args.tie_word_embeddings
@@ -159,7 +161,8 @@ def test_mismatched_hf_config_exits_naming_the_field(tmp_path):
     _, job = write_job(tmp_path, "tiny")
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    wrong = hf_config(flavor_args("tiny"), bos_token_id=0, eos_token_id=1, torch_dtype="float32") | {"num_hidden_layers": 3}
+    right = hf_config(flavor_args("tiny"), bos_token_id=0, eos_token_id=1, torch_dtype="float32")
+    wrong = right | {"num_hidden_layers": 3}
     (hf_dir / "config.json").write_text(json.dumps(wrong))
 
     result = convert("hf-to-dcp", hf_dir, tmp_path / "out" / "step-0", "--job.config_file", job)
@@ -216,6 +219,17 @@ def test_state_dict_errors_name_the_tensors():
     hf_state_dict["model.norm.weight"] = torch.ones(3)
     with pytest.raises(TorchpreError) as error:
         from_hf_state_dict(hf_state_dict, args)
-    assert "missing: model.layers.1.mlp.up_proj.weight" in str(error.value)
-    assert "unknown: model.layers.1.mlp.bias" in str(error.value)
+    assert "1 missing: model.layers.1.mlp.up_proj.weight" in str(error.value)
+    assert "1 unknown: model.layers.1.mlp.bias" in str(error.value)
     assert "model.norm.weight (3,) (expected (64,))" in str(error.value)
+
+
+def test_untied_output_does_not_pass_for_a_tied_model():
+    untied = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=256)
+    tied = dataclasses.replace(untied, tie_word_embeddings=True)
+    state_dict = build_model(untied).state_dict()
+    with pytest.raises(TorchpreError, match="output.weight differs from tok_embeddings.weight"):
+        to_hf_state_dict(state_dict, tied)
+    hf_state_dict = to_hf_state_dict(state_dict, untied)
+    with pytest.raises(TorchpreError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        from_hf_state_dict(hf_state_dict, tied)

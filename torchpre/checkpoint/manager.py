@@ -50,6 +50,20 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
 
 
+def find_step_dir(folder: Path, load_step: int) -> Path | None:
+    """The step folder to load: `load_step`, or the latest complete one (-1); None if there is none."""
+    steps = complete_steps(folder)
+    if load_step == -1:
+        return folder / f"step-{steps[-1]}" if steps else None
+    if load_step not in steps:
+        available = ", ".join(map(str, steps)) or "none"
+        raise TorchpreError(
+            f"checkpoint.load_step = {load_step}, but {folder} has no complete step-{load_step} "
+            f"(complete steps: {available}). Use -1 for the latest."
+        )
+    return folder / f"step-{load_step}"
+
+
 class CheckpointManager:
     """Saves and loads one job's checkpoints.
 
@@ -147,31 +161,21 @@ class CheckpointManager:
     # Loading -----------------------------------------------------------------------------------
 
     def find(self, load_step: int) -> Path | None:
-        """The step folder to resume from: `load_step`, or the latest complete one (-1); None if none."""
-        steps = complete_steps(self.folder)
-        if load_step == -1:
-            return self.folder / f"step-{steps[-1]}" if steps else None
-        if load_step not in steps:
-            available = ", ".join(map(str, steps)) or "none"
-            raise TorchpreError(
-                f"checkpoint.load_step = {load_step}, but {self.folder} has no complete step-{load_step} "
-                f"(complete steps: {available}). Use -1 for the latest."
-            )
-        return self.folder / f"step-{load_step}"
+        return find_step_dir(self.folder, load_step)
 
     def load(self, step_dir: Path, model_only: bool = False) -> TrainState:
         """Loads a checkpoint into the live state, resharding to this layout; returns where to continue.
 
         `model_only` (a run's initial weights) loads the weights and nothing else.
         """
-        saved = _saved_tensors(step_dir)
+        saved = checkpoint_metadata(step_dir)
         parts = {"model"} if model_only else set(PARTS) - self.exclude
         keys = {"model", "optimizer", "lr_scheduler", "rng"} & parts
         if not model_only:
             keys.add("train")
         state = self._state_dict(model_only=False, step=0)
         request = {key: value for key, value in state.items() if key in keys}
-        _check_shapes(request, saved, step_dir)
+        check_shapes(request, saved, step_dir)
         request = _present(request, saved)
         dcp.load(request, checkpoint_id=str(step_dir))
         if "optimizer" in request:
@@ -213,8 +217,9 @@ class CheckpointManager:
         }
 
 
-def _saved_tensors(step_dir: Path) -> dict[str, Any]:
-    """The checkpoint's flattened keys and their metadata; a clear error if the folder is unreadable."""
+def checkpoint_metadata(step_dir: Path) -> dict[str, Any]:
+    """The checkpoint's flattened keys ("model.layers.0...") and their metadata; a clear error if the
+    folder is not a readable checkpoint."""
     try:
         return dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     except Exception as error:  # DCP raises several types for missing or corrupt metadata
@@ -235,8 +240,9 @@ def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
-    """Names every tensor whose saved shape differs from this model's, and the model's missing weights."""
+def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
+    """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, and
+    the model weights the checkpoint lacks."""
     mismatched, missing = [], []
     for key, value in _flat(request).items():
         meta = saved.get(key)

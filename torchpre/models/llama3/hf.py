@@ -12,6 +12,7 @@ Pure functions on state dicts (FQN -> tensor) and config dicts; reading and writ
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ _PER_LAYER = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _TIED = "output.weight"
+_LISTED = 6  # tensors named per kind of problem in an error
 _TIED_HF = "lm_head.weight"
 
 # (TransformerArgs attribute, Hugging Face config key) pairs that must agree for weights to load.
@@ -59,28 +61,26 @@ _COMPARED_FIELDS = [
 def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
     """torchpre FQNs -> Hugging Face names, wq/wk rows permuted to the rotate-half layout.
 
-    With tied embeddings `output.weight` may be present or not; it is dropped, as Hugging Face
-    saves only `model.embed_tokens.weight`. Raises TorchpreError naming missing, unknown or
-    misshapen tensors.
+    With tied embeddings `output.weight` may be present (equal to the embedding) or not; it is
+    dropped, as Hugging Face saves only `model.embed_tokens.weight`. Raises TorchpreError naming
+    missing, unknown or misshapen tensors.
     """
-    expected = _torchpre_shapes(args)
     if args.tie_word_embeddings:
-        state_dict = {k: v for k, v in state_dict.items() if k != _TIED}
-    _check_tensors(state_dict, expected, "torchpre model state dict")
+        state_dict = _without_tied_copy(state_dict, _TIED, "tok_embeddings.weight")
+    _check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
     return {_hf_name(fqn): _permute_rope_rows(fqn, tensor, args, to_hf=True) for fqn, tensor in state_dict.items()}
 
 
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
     """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict`.
 
-    With tied embeddings `lm_head.weight` may be present or not (Hugging Face ties it to the
-    embedding on load, so it is ignored), and `output.weight` is the embedding tensor itself,
-    as in `Transformer.state_dict()`.
+    With tied embeddings `lm_head.weight` may be present (equal to the embedding) or not, and
+    `output.weight` is the embedding tensor itself, as in `Transformer.state_dict()`.
     """
     shapes = _torchpre_shapes(args)
     fqns = {_hf_name(fqn): fqn for fqn in shapes}
     if args.tie_word_embeddings:
-        hf_state_dict = {k: v for k, v in hf_state_dict.items() if k != _TIED_HF}
+        hf_state_dict = _without_tied_copy(hf_state_dict, _TIED_HF, "model.embed_tokens.weight")
     _check_tensors(hf_state_dict, {name: shapes[fqn] for name, fqn in fqns.items()}, "Hugging Face state dict")
     state_dict = {
         fqns[name]: _permute_rope_rows(fqns[name], tensor, args, to_hf=False) for name, tensor in hf_state_dict.items()
@@ -144,7 +144,8 @@ def args_from_hf_config(config: Mapping[str, Any]) -> TransformerArgs:
     for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if config.get(key, supported) != supported:
             raise TorchpreError(f"{key} = {config[key]!r} is not supported (torchpre's Llama has {supported!r}).")
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
+    required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [key for key in required if key not in config]
     if missing:
         raise TorchpreError(f"the config lacks {', '.join(missing)}.")
     dim, n_heads, hidden = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
@@ -155,8 +156,8 @@ def args_from_hf_config(config: Mapping[str, Any]) -> TransformerArgs:
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     # TransformerArgs derives the MLP width as multiple_of * ceil(h / multiple_of) from
-    # h = int(8 * dim / 3) (times ffn_dim_multiplier); multiple_of = intermediate_size with h <=
-    # intermediate_size therefore yields exactly intermediate_size.
+    # h = int(8 * dim / 3) (times ffn_dim_multiplier). With multiple_of = intermediate_size, and a
+    # multiplier that brings h down to it when it is narrower, that is exactly intermediate_size.
     base = int(2 * 4 * dim / 3)
     return TransformerArgs(
         dim=dim,
@@ -193,12 +194,10 @@ def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
         return None
     if rope_type != "llama3":
         raise TorchpreError(f"rope_type = {rope_type!r} is not supported; torchpre's Llama has 'default' and 'llama3'.")
-    return RopeScaling(
-        factor=rope["factor"],
-        low_freq_factor=rope["low_freq_factor"],
-        high_freq_factor=rope["high_freq_factor"],
-        original_max_position_embeddings=rope["original_max_position_embeddings"],
-    )
+    missing = [f.name for f in dataclasses.fields(RopeScaling) if f.name not in rope]
+    if missing:
+        raise TorchpreError(f"the llama3 RoPE scaling lacks {', '.join(missing)}.")
+    return RopeScaling(**{f.name: rope[f.name] for f in dataclasses.fields(RopeScaling)})
 
 
 def _torchpre_shapes(args: TransformerArgs) -> dict[str, torch.Size]:
@@ -216,6 +215,16 @@ def _hf_name(fqn: str) -> str:
     return f"model.layers.{layer}.{_PER_LAYER[name]}"
 
 
+def _without_tied_copy(state_dict: Mapping[str, Tensor], copy: str, embedding: str) -> dict[str, Tensor]:
+    """`state_dict` without the output copy of a tied embedding, after checking it is one."""
+    if copy in state_dict and embedding in state_dict and not torch.equal(state_dict[copy], state_dict[embedding]):
+        raise TorchpreError(
+            f"{copy} differs from {embedding}, but the model ties them (tie_word_embeddings); "
+            "these weights belong to a model with untied embeddings."
+        )
+    return {name: tensor for name, tensor in state_dict.items() if name != copy}
+
+
 def _check_tensors(given: Mapping[str, Tensor], expected: Mapping[str, torch.Size], what: str) -> None:
     missing = sorted(expected.keys() - given.keys())
     unknown = sorted(given.keys() - expected.keys())
@@ -225,12 +234,12 @@ def _check_tensors(given: Mapping[str, Tensor], expected: Mapping[str, torch.Siz
         if name in given and given[name].shape != shape
     ]
     problems = [
-        f"{label}: {', '.join(names)}"
-        for label, names in (("missing", missing), ("unknown", unknown), ("wrong shape", misshapen))
+        f"{len(names)} {label}: {', '.join(names[:_LISTED])}" + (", ..." if len(names) > _LISTED else "")
+        for label, names in (("missing", missing), ("unknown", unknown), ("with the wrong shape", misshapen))
         if names
     ]
     if problems:
-        raise TorchpreError(f"The {what} does not fit the model args. " + "; ".join(problems) + ".")
+        raise TorchpreError(f"The {what} does not fit the model args: " + "; ".join(problems) + ".")
 
 
 def _permute_rope_rows(fqn: str, weight: Tensor, args: TransformerArgs, to_hf: bool) -> Tensor:
