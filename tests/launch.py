@@ -18,6 +18,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The debug model (6 layers, so up to 4 pipeline stages) on short sequences: the layout tests' model.
+DEBUG = [
+    "--model.flavor", "debugmodel",
+    "--training.seq_len", "32",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+]
+
 # A model small enough that a 2-core machine trains it in seconds, big enough to exercise GQA.
 TINY = [
     "--model.flavor", "tiny",

@@ -6,6 +6,7 @@ and compares metrics.jsonl with the single-process run of the same config and se
 
 import pytest
 
+from tests.launch import DEBUG as DEBUG_MODEL
 from tests.launch import train_and_read_metrics
 
 pytestmark = pytest.mark.slow
@@ -17,14 +18,7 @@ pytestmark = pytest.mark.slow
 LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
 
-DEBUG = [
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "8",
-    "--training.steps", "10",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-]
+DEBUG = [*DEBUG_MODEL, "--training.local_batch_size", "8", "--training.steps", "10"]
 
 
 def per_rank_batch(dp: int) -> list[str]:

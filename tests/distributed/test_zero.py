@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.launch import DEBUG as DEBUG_MODEL
 from tests.launch import train_and_read_metrics, train_and_read_params
 
 pytestmark = pytest.mark.slow
@@ -11,13 +12,7 @@ pytestmark = pytest.mark.slow
 LOSS_ATOL = 1e-5
 PARAM_ATOL = 1e-5
 
-DEBUG = [
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "32",
-    "--training.steps", "6",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-]
+DEBUG = [*DEBUG_MODEL, "--training.steps", "6"]
 DP2 = ["--training.local_batch_size", "4"]
 ZERO1 = ["--optimizer.zero_stage", "1"]
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.launch import DEBUG as DEBUG_MODEL
 from tests.launch import TINY, run_train, train_and_read_metrics
 
 pytestmark = pytest.mark.slow
@@ -41,13 +42,7 @@ def test_resume_is_bitwise_exact(tmp_path):
     assert [r["lr"] for r in resumed] == [r["lr"] for r in straight][10:]
 
 
-DEBUG = [
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "32",
-    "--training.steps", "10",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-]
+DEBUG = [*DEBUG_MODEL, "--training.steps", "10"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 DP2 = ["--training.local_batch_size", "4"]
 ONE = ["--training.local_batch_size", "8"]
