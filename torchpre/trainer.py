@@ -22,7 +22,7 @@ from torchpre.data.loader import build_dataloader
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
-from torchpre.errors import ConfigError, TorchpreError
+from torchpre.errors import ConfigError
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger
 from torchpre.metrics.memory import max_memory_bytes
@@ -177,11 +177,6 @@ class Trainer:
         if step_dir is not None:
             self.step = self.checkpoint.load(step_dir).step
         elif c.initial_load_path:
-            if not Path(c.initial_load_path).is_dir():
-                raise TorchpreError(
-                    f"checkpoint.initial_load_path '{c.initial_load_path}' is not a folder. Give a checkpoint "
-                    "step-N folder or the output of `python -m torchpre.convert hf-to-dcp`."
-                )
             self.checkpoint.load(Path(c.initial_load_path), model_only=True)
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:

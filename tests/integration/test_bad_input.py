@@ -30,6 +30,9 @@ def assert_clean_failure(result, *fragments: str) -> None:
         (["--training.local_batch_size", "0"], ["training.local_batch_size = 0"]),
         (["--training.global_batch_size", "6"], ["global_batch_size = 6", "local_batch_size"]),
         (["--model.flavor", "debugmodell"], ["model.flavor", "debugmodel"]),
+        (["--checkpoint.initial_load_path", "no/such/step-5"], ["checkpoint.initial_load_path", "no/such/step-5"]),
+        (["--checkpoint.exclude_from_loading", "optimiser"], ["exclude_from_loading", "optimiser"]),
+        (["--optimizer.zero_stage", "2"], ["optimizer.zero_stage = 2"]),
     ],
 )
 def test_single_process_bad_input(args, fragments, tmp_path):

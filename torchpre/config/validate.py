@@ -1,5 +1,7 @@
 """Value checks that the type system cannot express, run before any expensive work."""
 
+from pathlib import Path
+
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
 
@@ -36,6 +38,11 @@ def validate_config(config: JobConfig) -> None:
     if unknown:
         raise ConfigError(
             f"checkpoint.exclude_from_loading names '{unknown[0]}'; the parts are: {', '.join(parts)}."
+        )
+    if c.initial_load_path and not Path(c.initial_load_path).is_dir():
+        raise ConfigError(
+            f"checkpoint.initial_load_path '{c.initial_load_path}' is not a folder. Give a checkpoint step-N "
+            "folder or the output of `python -m torchpre.convert hf-to-dcp`."
         )
     if t.dataset == "text" and not t.dataset_path:
         raise ConfigError("training.dataset = 'text' needs training.dataset_path: a .txt or .jsonl file or a folder.")
