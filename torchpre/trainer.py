@@ -26,9 +26,12 @@ from torchpre.errors import ConfigError
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger
 from torchpre.metrics.memory import max_memory_bytes
+from torchpre.models.init import canonical_fqn
 from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
+from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
+from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 
@@ -75,6 +78,11 @@ class Trainer:
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = dataclasses.replace(flavor_args, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
         self.model_spec.validate_tensor_parallel(self.model_args, dims.tp)
+        if config.compile.enable and dims.tp > 1:
+            raise ConfigError(
+                "compile.enable with parallelism.tensor_parallel_degree > 1 is not supported yet (the compiled "
+                "blocks' backward fails inside DTensor redistribution on this torch). Disable one of them."
+            )
         if p.enable_sequence_parallel and t.seq_len % dims.tp:
             raise ConfigError(
                 f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
@@ -93,6 +101,7 @@ class Trainer:
         )
         # Every optimizer step sees global_batch_size full windows of seq_len labelled tokens.
         self.tokens_per_step = self.global_batch_size * t.seq_len
+        self._cross_entropy_sum = torch.compile(cross_entropy_sum) if config.compile.enable else cross_entropy_sum
 
         self.device = select_device()
         init_distributed(self.device)
@@ -183,7 +192,7 @@ class Trainer:
         """Every parameter of this rank's model parts once, by its name in the full model."""
         named: dict[str, nn.Parameter] = {}
         for part in self.model_parts:
-            named.update(part.named_parameters())
+            named.update((canonical_fqn(name), param) for name, param in part.named_parameters())
         return list(named.items())
 
     def _build_model_parts(self) -> list[nn.Module]:
@@ -211,6 +220,10 @@ class Trainer:
                     sequence_parallel=p.enable_sequence_parallel,
                     loss_parallel=p.enable_loss_parallel,
                 )
+            ac = self.config.activation_checkpoint
+            apply_activation_checkpointing(part.layers, ac.mode, ac.selective_ac_option)
+            if self.config.compile.enable:
+                compile_blocks(part.layers)
             part.to_empty(device=self.device)
             part.init_weights(self.config.training.seed)
         logger.info(
@@ -278,8 +291,7 @@ class Trainer:
         Summing over tokens and dividing by the global token count (not the microbatch's) makes the
         sum over microbatches, pipeline chunks and DP ranks the exact global mean, for any layout.
         """
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return loss / self.tokens_per_step
+        return self._cross_entropy_sum(logits, labels) / self.tokens_per_step
 
     def train_step(self, microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's microbatches; returns (this rank's loss share, global
@@ -357,6 +369,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
 def _replicated_value(tensor: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,21 @@ class Parallelism:
 
 
 @dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = _option(
+        "none", "recompute activations in backward: 'full' every block, 'selective' by selective_ac_option"
+    )
+    selective_ac_option: str = _option(
+        "op", "'op': keep matmul and attention outputs, recompute the rest; N: checkpoint every N-th block"
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = _option(False, "torch.compile each transformer block (fullgraph) and the loss")
+
+
+@dataclass
 class Checkpoint:
     enable: bool = _option(False, "save checkpoints and resume from the latest one in the folder")
     folder: str = _option("checkpoint", "checkpoint folder, under job.dump_folder unless absolute")
@@ -130,5 +145,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
