@@ -32,8 +32,8 @@ def test_zero1_matches_replicated_state(layout, tmp_path):
     assert params1.keys() == params0.keys()
     for name in params0:
         assert (params1[name] - params0[name]).abs().max() <= PARAM_ATOL, name
-    # the parameters did move: the comparison is not between two copies of the initial weights
-    assert (params0["layers.0.attention.wq.weight"].abs().sum() > 0) and records0[-1]["loss"] < records0[0]["loss"]
+    # the runs trained, so the comparison is not between two copies of the initial weights
+    assert records0[-1]["loss"] < records0[0]["loss"] - 0.05
 
 
 def test_zero1_halves_optimizer_state_at_dp2(tmp_path):

@@ -148,13 +148,21 @@ def test_initial_load_path_starts_a_new_run_from_weights(tmp_path):
     assert records[0]["loss"] < first[0]["loss"] - 0.05
 
 
-def test_model_only_and_excluded_parts(tmp_path):
+def test_model_only_saves_weights_and_resuming_restarts_the_rest(tmp_path):
     train_and_read_metrics([*TINY, *CKPT, "--training.steps", "5", "--checkpoint.model_only"], 1, tmp_path)
     saved = read_checkpoint(tmp_path / "checkpoint" / "step-5", tmp_path)
     assert set(saved) == {"model"}
-    result = run_train([*TINY, *CKPT, "--training.steps", "6", "--checkpoint.exclude_from_loading", "optimizer"],
-                       1, tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    records = train_and_read_metrics([*TINY, *CKPT, "--training.steps", "2", "--checkpoint.interval", "9"], 1, tmp_path)
+    assert [r["step"] for r in records] == [1, 2]  # no step in the checkpoint: the run starts over
+
+
+def test_excluded_parts_are_not_loaded(tmp_path):
+    train_and_read_metrics([*TINY, *CKPT, "--training.steps", "5"], 1, tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    args = [*TINY, *CKPT, "--training.steps", "6", "--checkpoint.exclude_from_loading", "optimizer,dataloader"]
+    result = run_train(args, 1, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}: model" in result.stdout
+    assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}: lr_scheduler, model, rng, train" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["step"] == 6
+    assert [r["step"] for r in records] == [6]
