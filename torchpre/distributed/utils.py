@@ -1,5 +1,6 @@
 """Process-group setup: the one place where the device and the backend are chosen."""
 
+import gc
 import os
 from datetime import timedelta
 
@@ -36,7 +37,14 @@ def init_distributed(device: torch.device, timeout_s: float = 600) -> None:
 
 
 def shutdown_distributed() -> None:
-    """Tears the group down; the barrier avoids gloo's intermittent abort at exit."""
+    """Tears the group down cleanly, avoiding gloo's intermittent abort at exit.
+
+    Training objects caught in reference cycles (a pipeline schedule, its stages and their pending
+    P2P work) are collected first, while the interpreter is whole: left to the finaliser, freeing
+    them races gloo's threads and aborts the process. The barrier then lets every rank finish its
+    last collective before any rank closes its connections.
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
