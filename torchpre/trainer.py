@@ -78,11 +78,6 @@ class Trainer:
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = dataclasses.replace(flavor_args, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
         self.model_spec.validate_tensor_parallel(self.model_args, dims.tp)
-        if config.compile.enable and dims.tp > 1:
-            raise ConfigError(
-                "compile.enable with parallelism.tensor_parallel_degree > 1 is not supported yet (the compiled "
-                "blocks' backward fails inside DTensor redistribution on this torch). Disable one of them."
-            )
         if p.enable_sequence_parallel and t.seq_len % dims.tp:
             raise ConfigError(
                 f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
@@ -101,7 +96,9 @@ class Trainer:
         )
         # Every optimizer step sees global_batch_size full windows of seq_len labelled tokens.
         self.tokens_per_step = self.global_batch_size * t.seq_len
-        self._cross_entropy_sum = torch.compile(cross_entropy_sum) if config.compile.enable else cross_entropy_sum
+        # Under loss parallel the logits are a vocab-sharded DTensor handled by loss_parallel's dispatch: eager.
+        compile_loss = config.compile.enable and not (p.enable_loss_parallel and dims.tp > 1)
+        self._cross_entropy_sum = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
 
         self.device = select_device()
         init_distributed(self.device)
@@ -223,7 +220,7 @@ class Trainer:
             ac = self.config.activation_checkpoint
             apply_activation_checkpointing(part.layers, ac.mode, ac.selective_ac_option)
             if self.config.compile.enable:
-                compile_blocks(part.layers)
+                compile_blocks(part.layers, tensor_parallel=self.parallel_dims.tp > 1)
             part.to_empty(device=self.device)
             part.init_weights(self.config.training.seed)
         logger.info(

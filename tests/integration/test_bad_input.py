@@ -59,7 +59,6 @@ def test_empty_dataset(tmp_path):
     [
         (["--parallelism.data_parallel_degree", "3"], ["3 x 1 x 1 = 3", "2 launched"]),
         (["--training.global_batch_size", "12"], ["global_batch_size = 12"]),
-        (["--compile.enable", "--parallelism.tensor_parallel_degree", "2"], ["compile.enable", "not supported yet"]),
         (
             [
                 "--training.local_batch_size", "2",

@@ -55,3 +55,21 @@ def test_compile_composes_with_dp_ac_and_zero1(eager, tmp_path):
     ]
     records = train_and_read_metrics([*TINY, *STEPS, *args], 2, tmp_path)
     assert losses(records) == pytest.approx(losses(eager), abs=COMPILE_ATOL)
+
+
+def test_compile_composes_with_tensor_and_sequence_parallel(eager, tmp_path):
+    """Under TP the block's children compile separately (see compile_blocks); the loss stays eager
+    under loss parallel."""
+    args = [
+        "--compile.enable", "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.enable_sequence_parallel", "--parallelism.enable_loss_parallel",
+    ]
+    records = train_and_read_metrics([*TINY, *STEPS, *args], 2, tmp_path)
+    assert losses(records) == pytest.approx(losses(eager), abs=COMPILE_ATOL)
+
+
+def test_compile_composes_with_pipeline_parallel(eager, tmp_path):
+    args = ["--compile.enable", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B"]
+    records = train_and_read_metrics([*TINY, *STEPS, *args], 2, tmp_path)
+    assert losses(records) == pytest.approx(losses(eager), abs=COMPILE_ATOL)

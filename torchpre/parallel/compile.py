@@ -3,8 +3,16 @@
 from torch import nn
 
 
-def compile_blocks(blocks: nn.ModuleDict) -> None:
+def compile_blocks(blocks: nn.ModuleDict, tensor_parallel: bool = False) -> None:
     """Compiles each block's forward in place (`Module.compile`), so module and parameter names stay
-    as they are for checkpoints, tensor-parallel plans and pipeline splits."""
+    as they are for checkpoints, tensor-parallel plans and pipeline splits.
+
+    Under tensor parallelism each child of a block (norms, attention, feed-forward) is compiled on its
+    own instead, with its DTensor input/output hooks inside its graph: a whole tensor-parallel block
+    compiled as one graph fails in backward on torch 2.14 (a plain gradient reaches a DTensor
+    redistribution), while graphs per child train correctly. The residual additions stay eager.
+    """
     for block in blocks.values():
-        block.compile(fullgraph=True)
+        modules = block.children() if tensor_parallel else (block,)
+        for module in modules:
+            module.compile(fullgraph=True)
