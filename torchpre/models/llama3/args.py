@@ -83,6 +83,10 @@ LLAMA3_FLAVORS: dict[str, TransformerArgs] = {
         max_seq_len=2048,
         tie_word_embeddings=True,
     ),
+    # The benchmarks' CPU model: big enough that matmuls dominate, small enough for 2 cores.
+    "bench": TransformerArgs(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=2048, max_seq_len=2048
+    ),
     # For tests and smoke runs: seconds per run on a laptop CPU, still grouped-query attention.
     "tiny": TransformerArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, multiple_of=32, max_seq_len=2048
