@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from torchpre.models.attention import causal_attention, sdpa
 from torchpre.models.init import InitRule, ParamInit, init_parameters, ones
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
 
@@ -135,26 +136,26 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        mask, is_causal = None, True
-        if start_pos is not None:
-            if self.kv_cache is None:
-                raise RuntimeError("start_pos needs a KV cache: call setup_caches() on the model first")
-            k, v = self.kv_cache.update(start_pos, k, v)
-            if start_pos > 0:
-                # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
-                is_causal = False
-                if seqlen > 1:
-                    mask = torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=x.device)
-                    mask = mask.tril(diagonal=start_pos)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=is_causal,
-            enable_gqa=True,
-        )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        if start_pos is None:
+            out = causal_attention(q, k, v)
+        else:
+            out = self._attend_with_cache(q, k, v, start_pos)
+        return self.wo(out.reshape(bsz, seqlen, -1))
+
+    def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int) -> Tensor:
+        """Inference: store k, v at positions start_pos.. and attend to every cached position up to
+        each query's own."""
+        if self.kv_cache is None:
+            raise RuntimeError("start_pos needs a KV cache: call setup_caches() on the model first")
+        k, v = self.kv_cache.update(start_pos, k, v)
+        seqlen = q.shape[1]
+        if start_pos == 0:
+            return sdpa(q, k, v, mask=None, is_causal=True)
+        # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
+        mask = None
+        if seqlen > 1:
+            mask = torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
+        return sdpa(q, k, v, mask=mask, is_causal=False)
 
 
 class FeedForward(nn.Module):
