@@ -26,6 +26,7 @@ from torchpre.errors import ConfigError
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger
 from torchpre.metrics.memory import max_memory_bytes
+from torchpre.metrics.timer import IntervalTimer
 from torchpre.models.init import canonical_fqn
 from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
@@ -262,7 +263,9 @@ class Trainer:
         t = self.config.training
         peak = peak_flops(self.device, self.config.metrics.peak_flops)
         batches = iter(self.dataloader)
-        interval_start, interval_steps, data_time = time.perf_counter(), 0, 0.0
+        timer = IntervalTimer(self.device)
+        timer.start()
+        interval_steps, data_time = 0, 0.0
         while self.step < t.steps:
             fetch_start = time.perf_counter()
             microbatches = [next(batches) for _ in range(self.accumulation_steps)]
@@ -272,9 +275,9 @@ class Trainer:
             self.step += 1
             interval_steps += 1
             if self.step % self.config.metrics.log_freq == 0 or self.step == t.steps:
-                elapsed = time.perf_counter() - interval_start
-                self._log(loss, grad_norm, lr, elapsed / interval_steps, data_time / interval_steps, peak)
-                interval_start, interval_steps, data_time = time.perf_counter(), 0, 0.0
+                self._log(loss, grad_norm, lr, timer.elapsed() / interval_steps, data_time / interval_steps, peak)
+                timer.start()
+                interval_steps, data_time = 0, 0.0
             if self.config.checkpoint.enable and self.checkpoint.should_save(self.step, t.steps):
                 self.checkpoint.save(self.step)
         if self.checkpoint is not None:
