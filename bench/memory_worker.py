@@ -1,0 +1,131 @@
+"""train.py with exact tensor-memory accounting per step, for bench/memory.py.
+
+Builds the real Trainer from the same arguments as train.py and trains it under `TensorMemory`, a
+TorchDispatchMode entered before the Trainer is built: every storage an op creates is counted at
+its size until its last reference dies (a weakref callback on the storage), so the running total is
+every tensor byte of the job (parameters, buffers, optimizer state, gradients, activations,
+temporaries) and its maximum is the CPU counterpart of CUDA's `max_memory_allocated`. Peak RSS,
+which torchpre reports on CPU, adds the Python/torch baseline and what the C allocator keeps cached.
+
+Why not `torch.profiler(profile_memory=True)`: its CPU allocator total only counts frees made on
+profiled threads, and gloo sometimes drops the last reference to a gradient bucket on its own
+thread, so that total drifts up by a bucket at random steps. A weakref callback fires on any thread.
+What neither of them sees: scratch buffers that kernels allocate internally (small on CPU), and
+tensors under wrapper subclasses such as DTensor (only their plain local tensors are counted, which
+is all of them without tensor parallelism).
+
+Per train_step, as the max over ranks:
+- `step_start_bytes`: tensor bytes live when the step begins (parameters, buffers, optimizer state, data),
+- `activation_bytes`: bytes added by the forward and still live at the first op of backward, i.e.
+  what autograd keeps for backward (activation checkpointing's target),
+- `tensor_peak_bytes`: the highest total during the step (forward, recompute, backward, optimizer).
+
+Rank 0 appends them to metrics.jsonl, one record per step (`step`, the fields above, `num_params`),
+next to the trainer's records.   Usage: torchrun ... bench/memory_worker.py [train.py arguments]
+"""
+
+import json
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+from torchpre.cli import run_entry_point
+
+FIELDS = ("step_start_bytes", "activation_bytes", "tensor_peak_bytes")
+
+
+class TensorMemory(TorchDispatchMode):
+    """Live bytes of the CPU storages that ops create while active, their peak since `begin_step`, and
+    the live bytes when autograd first runs an op in the step (the end of the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.RLock()  # frees arrive from gloo's threads too
+        self._sizes: dict[int, int] = {}  # id(storage) -> bytes
+        self._refs: dict[int, weakref.ref] = {}
+        self.live = self.peak = self.step_start = 0
+        self.at_backward: int | None = None
+
+    def begin_step(self) -> None:
+        with self._lock:
+            self.step_start = self.peak = self.live
+            self.at_backward = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.at_backward is None and torch._C._current_graph_task_id() != -1:
+            self.at_backward = self.live
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not is_traceable_wrapper_subclass(leaf):
+                self._track(leaf.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        """Counts a new storage, or a known one's new size (ops with `out=` may resize it)."""
+        key = id(storage)
+        with self._lock:
+            if key not in self._refs:
+                self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+            self.live += storage.nbytes() - self._sizes.get(key, 0)
+            self._sizes[key] = storage.nbytes()
+            self.peak = max(self.peak, self.live)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            self.live -= self._sizes.pop(key)
+            del self._refs[key]
+
+
+def main(argv: list[str]) -> None:
+    from torchpre.config.job_config import JobConfig
+    from torchpre.config.parser import parse_args
+    from torchpre.trainer import Trainer
+
+    config = parse_args(JobConfig, argv)
+    memory = TensorMemory()
+    with memory:
+        trainer = Trainer(config)
+        per_step = _measure_steps(trainer, memory)
+        trainer.train()
+    per_step = _max_over_ranks(per_step)
+    if dist.get_rank() == 0:
+        _append_records(Path(config.job.dump_folder) / "metrics.jsonl", per_step, trainer.num_params)
+
+
+def _measure_steps(trainer, memory: TensorMemory) -> list[tuple[int, int, int]]:
+    """Wraps trainer.train_step so that each step appends its numbers to the returned list (the step
+    alone: not the setup, the logging or checkpointing between steps)."""
+    per_step: list[tuple[int, int, int]] = []
+    train_step = trainer.train_step
+
+    def measured(microbatches):
+        memory.begin_step()
+        result = train_step(microbatches)
+        per_step.append((memory.step_start, memory.at_backward - memory.step_start, memory.peak))
+        return result
+
+    trainer.train_step = measured
+    return per_step
+
+
+def _max_over_ranks(per_step: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Each number's maximum over ranks, as torchpre reports max_memory_bytes: the rank that runs out first."""
+    values = torch.tensor(per_step, dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [tuple(int(v) for v in row) for row in values.tolist()]
+
+
+def _append_records(path: Path, per_step: list[tuple[int, int, int]], num_params: int) -> None:
+    with path.open("a", encoding="utf-8") as file:
+        for step, values in enumerate(per_step, start=1):
+            file.write(json.dumps({"step": step, **dict(zip(FIELDS, values)), "num_params": num_params}) + "\n")
+
+
+if __name__ == "__main__":
+    run_entry_point(main, sys.argv[1:], prog="bench/memory_worker.py")
