@@ -1,0 +1,147 @@
+"""Pre-tokenized token shards: the on-disk format `python -m torchpre.data.prepare` writes and training
+reads memory-mapped.
+
+A shard folder holds
+- `manifest.json`: the format version, the tokenizer's file name, SHA-256 and vocab size, the token
+  dtype, and per shard its name and token and document counts;
+- `NAME.bin`: whole documents (each BOS ... EOS) back to back, little-endian uint16 when the vocab
+  fits (< 65,536 ids), else uint32;
+- `NAME.idx`: little-endian int64 offsets into NAME.bin of each document's start, then the end
+  (documents + 1 entries).
+
+A shard is listed in the manifest only once both files are complete, so an interrupted `prepare`
+never leaves a shard that reads as valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from torchpre.errors import TorchpreError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned type that holds every id."""
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    num_tokens: int
+    num_documents: int
+
+
+@dataclasses.dataclass
+class Manifest:
+    tokenizer_name: str
+    tokenizer_sha256: str
+    vocab_size: int
+    shards: list[ShardInfo] = dataclasses.field(default_factory=list)
+    version: int = FORMAT_VERSION
+
+    @property
+    def dtype(self) -> np.dtype:
+        return token_dtype(self.vocab_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(shard.num_tokens for shard in self.shards)
+
+    @property
+    def num_documents(self) -> int:
+        return sum(shard.num_documents for shard in self.shards)
+
+    def write(self, folder: Path) -> None:
+        """Atomically (write then rename), so a crash leaves the previous manifest intact."""
+        record = dataclasses.asdict(self) | {"dtype": self.dtype.name, "num_tokens": self.num_tokens}
+        temporary = folder / (MANIFEST + ".tmp")
+        temporary.write_text(json.dumps(record, indent=1), encoding="utf-8")
+        os.replace(temporary, folder / MANIFEST)
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise TorchpreError(
+                f"{folder} is not a shard folder: it has no {MANIFEST}. "
+                "Create one with `python -m torchpre.data.prepare INPUT... --output DIR`."
+            )
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            shards = [ShardInfo(**shard) for shard in record["shards"]]
+            manifest = cls(record["tokenizer_name"], record["tokenizer_sha256"], record["vocab_size"], shards,
+                           record["version"])
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise TorchpreError(f"{path} is not a valid shard manifest ({error}). Re-run prepare.") from None
+        if manifest.version != FORMAT_VERSION:
+            raise TorchpreError(
+                f"{path} has format version {manifest.version}; this torchpre reads version {FORMAT_VERSION}. "
+                "Re-run prepare with this version."
+            )
+        return manifest
+
+
+def write_shard(folder: Path, name: str, documents: list[list[int]], vocab_size: int) -> ShardInfo:
+    """Writes NAME.bin and NAME.idx for already framed (BOS ... EOS) token documents."""
+    lengths = np.array([len(doc) for doc in documents], dtype="<i8")
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype("<i8")
+    tokens = np.fromiter((t for doc in documents for t in doc), dtype=token_dtype(vocab_size), count=int(offsets[-1]))
+    tokens.tofile(folder / f"{name}.bin")
+    offsets.tofile(folder / f"{name}.idx")
+    return ShardInfo(name, int(offsets[-1]), len(documents))
+
+
+class ShardReader:
+    """Random access to the tokens of a shard folder, memory-mapped (nothing is read until used).
+
+    `expected_tokenizer_sha256` guards against training on ids from another tokenizer; every shard's
+    files are checked against the manifest's counts, so a truncated or missing file fails here, by
+    name, rather than as garbage tokens mid-run.
+    """
+
+    def __init__(self, folder: str | os.PathLike, expected_tokenizer_sha256: str | None = None) -> None:
+        self.folder = Path(folder)
+        self.manifest = Manifest.read(self.folder)
+        if expected_tokenizer_sha256 and self.manifest.tokenizer_sha256 != expected_tokenizer_sha256:
+            raise TorchpreError(
+                f"The shards in {self.folder} were made with tokenizer '{self.manifest.tokenizer_name}' "
+                f"(sha256 {self.manifest.tokenizer_sha256[:12]}...), not with this run's model.tokenizer_path "
+                f"(sha256 {expected_tokenizer_sha256[:12]}...). Re-run prepare with this tokenizer, or set "
+                "model.tokenizer_path to the one the shards were made with."
+            )
+        self.tokens = [self._map(shard.name, ".bin", self.manifest.dtype, shard.num_tokens) for shard in self.shards]
+        self.offsets = [
+            self._map(shard.name, ".idx", np.dtype("<i8"), shard.num_documents + 1) for shard in self.shards
+        ]
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        return self.manifest.shards
+
+    def _map(self, name: str, suffix: str, dtype: np.dtype, count: int) -> np.ndarray:
+        path = self.folder / f"{name}{suffix}"
+        expected = count * dtype.itemsize
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != expected:
+            found = "is missing" if actual is None else f"has {actual:,} bytes"
+            raise TorchpreError(
+                f"Shard file {path} {found}, but {MANIFEST} says {expected:,} bytes ({count:,} x {dtype.name}): "
+                "the file is truncated or from another run. Re-run prepare for this folder."
+            )
+        if count == 0:
+            return np.empty(0, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+    def document(self, shard: int, index: int) -> np.ndarray:
+        """The framed tokens of one document."""
+        start, end = self.offsets[shard][index], self.offsets[shard][index + 1]
+        return self.tokens[shard][start:end]
