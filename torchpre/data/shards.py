@@ -3,14 +3,17 @@ reads memory-mapped.
 
 A shard folder holds
 - `manifest.json`: the format version, the tokenizer's file name, SHA-256 and vocab size, the token
-  dtype, and per shard its name and token and document counts;
+  dtype, per shard its name and token and document counts, whether `prepare` finished (`complete`),
+  and `source`: what `prepare` made the shards from (input fingerprints and options), so that a
+  rerun into the same folder can resume, or refuse other inputs;
 - `NAME.bin`: whole documents (each BOS ... EOS) back to back, little-endian uint16 when the vocab
   fits (< 65,536 ids), else uint32;
 - `NAME.idx`: little-endian int64 offsets into NAME.bin of each document's start, then the end
   (documents + 1 entries).
 
-A shard is listed in the manifest only once both files are complete, so an interrupted `prepare`
-never leaves a shard that reads as valid.
+A shard is listed in the manifest only once both files are complete and flushed to disk, so an
+interrupted `prepare` never leaves a shard that reads as valid, and a reader refuses a folder whose
+`prepare` has not finished.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +30,7 @@ from torchpre.errors import TorchpreError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+_OFFSET = np.dtype("<i8")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -47,6 +52,8 @@ class Manifest:
     vocab_size: int
     shards: list[ShardInfo] = dataclasses.field(default_factory=list)
     version: int = FORMAT_VERSION
+    complete: bool = True
+    source: dict = dataclasses.field(default_factory=dict)
 
     @property
     def dtype(self) -> np.dtype:
@@ -78,8 +85,16 @@ class Manifest:
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
             shards = [ShardInfo(**shard) for shard in record["shards"]]
-            manifest = cls(record["tokenizer_name"], record["tokenizer_sha256"], record["vocab_size"], shards,
-                           record["version"])
+            manifest = cls(
+                record["tokenizer_name"],
+                record["tokenizer_sha256"],
+                record["vocab_size"],
+                shards,
+                record["version"],
+                # Absent from manifests written before these fields existed: those were complete.
+                record.get("complete", True),
+                record.get("source", {}),
+            )
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise TorchpreError(f"{path} is not a valid shard manifest ({error}). Re-run prepare.") from None
         if manifest.version != FORMAT_VERSION:
@@ -90,14 +105,39 @@ class Manifest:
         return manifest
 
 
-def write_shard(folder: Path, name: str, documents: list[list[int]], vocab_size: int) -> ShardInfo:
-    """Writes NAME.bin and NAME.idx for already framed (BOS ... EOS) token documents."""
-    lengths = np.array([len(doc) for doc in documents], dtype="<i8")
-    offsets = np.concatenate(([0], np.cumsum(lengths))).astype("<i8")
-    tokens = np.fromiter((t for doc in documents for t in doc), dtype=token_dtype(vocab_size), count=int(offsets[-1]))
-    tokens.tofile(folder / f"{name}.bin")
-    offsets.tofile(folder / f"{name}.idx")
+def write_shard(folder: Path, name: str, documents: Sequence[Sequence[int]], vocab_size: int) -> ShardInfo:
+    """Writes NAME.bin and NAME.idx for already framed (BOS ... EOS) token documents (lists or arrays).
+
+    Both files are on disk (fsync) when this returns, so a manifest written next never lists a shard
+    that a crash could still lose.
+    """
+    dtype = token_dtype(vocab_size)
+    lengths = np.fromiter(map(len, documents), dtype=_OFFSET, count=len(documents))
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(_OFFSET)
+    tokens = np.concatenate([np.asarray(doc, dtype=dtype) for doc in documents]) if documents else np.empty(0, dtype)
+    _write_durably(folder / f"{name}.bin", tokens)
+    _write_durably(folder / f"{name}.idx", offsets)
     return ShardInfo(name, int(offsets[-1]), len(documents))
+
+
+def _write_durably(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as file:
+        array.tofile(file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def shard_file_problem(folder: Path, manifest: Manifest, shard: ShardInfo) -> str | None:
+    """What is wrong with `shard`'s files (missing, or sizes other than the manifest's counts), or None."""
+    files = ((".bin", manifest.dtype, shard.num_tokens), (".idx", _OFFSET, shard.num_documents + 1))
+    for suffix, dtype, count in files:
+        path = folder / f"{shard.name}{suffix}"
+        expected = count * dtype.itemsize
+        actual = path.stat().st_size if path.is_file() else None
+        if actual != expected:
+            found = "is missing" if actual is None else f"has {actual:,} bytes"
+            return f"Shard file {path} {found}, but {MANIFEST} says {expected:,} bytes ({count:,} x {dtype.name})"
+    return None
 
 
 class ShardReader:
@@ -118,28 +158,28 @@ class ShardReader:
                 f"(sha256 {expected_tokenizer_sha256[:12]}...). Re-run prepare with this tokenizer, or set "
                 "model.tokenizer_path to the one the shards were made with."
             )
+        if not self.manifest.complete:
+            raise TorchpreError(
+                f"The shard folder {self.folder} is incomplete: `python -m torchpre.data.prepare` was interrupted "
+                f"after {len(self.shards)} shards. Re-run the same prepare command to finish it."
+            )
+        for shard in self.shards:
+            problem = shard_file_problem(self.folder, self.manifest, shard)
+            if problem:
+                raise TorchpreError(
+                    f"{problem}: the file is truncated or from another run. Re-run prepare for this folder."
+                )
         self.tokens = [self._map(shard.name, ".bin", self.manifest.dtype, shard.num_tokens) for shard in self.shards]
-        self.offsets = [
-            self._map(shard.name, ".idx", np.dtype("<i8"), shard.num_documents + 1) for shard in self.shards
-        ]
+        self.offsets = [self._map(shard.name, ".idx", _OFFSET, shard.num_documents + 1) for shard in self.shards]
 
     @property
     def shards(self) -> list[ShardInfo]:
         return self.manifest.shards
 
     def _map(self, name: str, suffix: str, dtype: np.dtype, count: int) -> np.ndarray:
-        path = self.folder / f"{name}{suffix}"
-        expected = count * dtype.itemsize
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != expected:
-            found = "is missing" if actual is None else f"has {actual:,} bytes"
-            raise TorchpreError(
-                f"Shard file {path} {found}, but {MANIFEST} says {expected:,} bytes ({count:,} x {dtype.name}): "
-                "the file is truncated or from another run. Re-run prepare for this folder."
-            )
         if count == 0:
             return np.empty(0, dtype=dtype)
-        return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+        return np.memmap(self.folder / f"{name}{suffix}", dtype=dtype, mode="r", shape=(count,))
 
     def document(self, shard: int, index: int) -> np.ndarray:
         """The framed tokens of one document."""

@@ -1,0 +1,345 @@
+"""`python -m torchpre.data.prepare`: round trips per input format, worker-count independence, resume
+after an interruption, refusal of another dataset in the same folder, and errors that say what to do."""
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchpre.data import prepare
+from torchpre.data.prepare import main
+from torchpre.data.shards import MANIFEST, Manifest, ShardReader
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_ranks, save_ranks, tokenizer_hash
+from torchpre.errors import TorchpreError
+
+TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+SHA256 = tokenizer_hash(DEFAULT_TOKENIZER_PATH)
+SHARD_TOKENS = 1000  # a few documents per shard, so that the inputs below make several shards
+
+
+def make_documents() -> list[str]:
+    """Varied lengths (one longer than a shard), non-ASCII, quotes, escapes and newlines."""
+    rng = random.Random(0)
+    words = ["the", "quick", "fox", "café", "naïve", "数据", "🙂", '"quoted"', "back\\slash", "tab\t", "new\nline"]
+    documents = [" ".join(rng.choices(words, k=rng.randint(3, 120))) for _ in range(40)]
+    return documents + [" ".join(words * 60)]
+
+
+DOCUMENTS = make_documents()
+
+
+def expected_ids(documents: list[str]) -> list[list[int]]:
+    return [TOKENIZER.encode(text, bos=True, eos=True) for text in documents]
+
+
+def run(inputs: list[Path | str], output: Path, *options: str) -> None:
+    """The command in this process, with small shards and one worker unless `options` say otherwise."""
+    main([*map(str, inputs), "--output", str(output), "--shard-tokens", str(SHARD_TOKENS), "--workers", "1", *options])
+
+
+def read_back(folder: Path) -> list[list[int]]:
+    reader = ShardReader(folder, expected_tokenizer_sha256=SHA256)
+    return [
+        reader.document(index, doc).tolist()
+        for index, shard in enumerate(reader.shards)
+        for doc in range(shard.num_documents)
+    ]
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def write_jsonl(path: Path, documents: list[str]) -> Path:
+    """One record per line with an extra field, plus a blank line and an empty text (both skipped)."""
+    lines = [json.dumps({"id": i, "text": text}) for i, text in enumerate(documents)]
+    lines[1:1] = ["", json.dumps({"id": -1, "text": ""})]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def write_txt_folder(folder: Path, documents: list[str]) -> Path:
+    """Nested folders, read recursively in sorted order; a file with another suffix is ignored."""
+    for i, text in enumerate(documents):
+        path = folder / ("a" if i < len(documents) // 2 else "b") / f"doc_{i:03d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    (folder / "README.md").write_text("not a document")
+    return folder
+
+
+def write_parquet(path: Path, documents: list[str]) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({"id": list(range(len(documents))), "text": documents})
+    pq.write_table(table, path, row_group_size=7)  # several row groups
+    return path
+
+
+def write_hf_dataset(folder: Path, documents: list[str]) -> Path:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": documents, "id": list(range(len(documents)))}).save_to_disk(str(folder))
+    return folder
+
+
+def write_hf_dataset_dict(folder: Path, documents: list[str]) -> Path:
+    datasets = pytest.importorskip("datasets")
+    splits = {"train": ["not this split"], "validation": documents}
+    datasets.DatasetDict(
+        {name: datasets.Dataset.from_dict({"text": texts}) for name, texts in splits.items()}
+    ).save_to_disk(str(folder))
+    return folder
+
+
+FORMATS = {
+    "txt": (write_txt_folder, "texts", []),
+    "jsonl": (write_jsonl, "data.jsonl", []),
+    "parquet": (write_parquet, "data.parquet", []),
+    "hf": (write_hf_dataset, "dataset", []),
+    "hf-split": (write_hf_dataset_dict, "dataset_dict", ["--hf-split", "validation"]),
+}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_round_trip_equals_direct_encoding(kind, tmp_path):
+    write, name, options = FORMATS[kind]
+    source = write(tmp_path / name, DOCUMENTS)
+    run([source], tmp_path / "out", *options)
+    assert read_back(tmp_path / "out") == expected_ids(DOCUMENTS)
+    manifest = Manifest.read(tmp_path / "out")
+    assert len(manifest.shards) > 3
+    assert (manifest.tokenizer_name, manifest.tokenizer_sha256, manifest.vocab_size) == (
+        DEFAULT_TOKENIZER_PATH.name,
+        SHA256,
+        TOKENIZER.vocab_size,
+    )
+    # At most SHARD_TOKENS per shard, unless one document alone is longer.
+    reader = ShardReader(tmp_path / "out")
+    for index, shard in enumerate(manifest.shards):
+        assert shard.num_tokens <= SHARD_TOKENS or shard.num_documents == 1
+        if index + 1 < len(manifest.shards):  # cut only when the next document would not fit
+            assert shard.num_tokens + len(reader.document(index + 1, 0)) > SHARD_TOKENS
+
+
+def test_several_inputs_are_concatenated_in_order(tmp_path):
+    first = write_jsonl(tmp_path / "first.jsonl", DOCUMENTS[:10])
+    second = tmp_path / "second.txt"
+    second.write_text(DOCUMENTS[10], encoding="utf-8")
+    run([first, second], tmp_path / "out")
+    assert read_back(tmp_path / "out") == expected_ids(DOCUMENTS[:11])
+
+
+def test_output_is_identical_for_1_and_2_workers(tmp_path):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS * 3)
+    run([source], tmp_path / "one", "--workers", "1")
+    run([source], tmp_path / "two", "--workers", "2")
+    assert folder_bytes(tmp_path / "one") == folder_bytes(tmp_path / "two")
+
+
+@pytest.fixture
+def written_shards(monkeypatch) -> list[str]:
+    """Names of the shards written from now on."""
+    names = []
+    write_shard = prepare.write_shard
+
+    def spy(folder, name, documents, vocab_size):
+        names.append(name)
+        return write_shard(folder, name, documents, vocab_size)
+
+    monkeypatch.setattr(prepare, "write_shard", spy)
+    return names
+
+
+def test_resume_after_an_interruption_writes_only_the_missing_shards(tmp_path, monkeypatch, written_shards):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    run([source], tmp_path / "reference")
+    reference = Manifest.read(tmp_path / "reference")
+    spy = prepare.write_shard
+
+    def crash_on_third_shard(folder, name, documents, vocab_size):
+        if len(written_shards) == 2:
+            raise RuntimeError("simulated crash")
+        return spy(folder, name, documents, vocab_size)
+
+    monkeypatch.setattr(prepare, "write_shard", crash_on_third_shard)
+    written_shards.clear()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run([source], tmp_path / "out", "--workers", "2")
+    interrupted = Manifest.read(tmp_path / "out")
+    assert [s.name for s in interrupted.shards] == ["shard_00000", "shard_00001"]
+    assert not interrupted.complete
+    with pytest.raises(TorchpreError, match="incomplete.*Re-run the same prepare command"):
+        ShardReader(tmp_path / "out")
+
+    monkeypatch.setattr(prepare, "write_shard", spy)
+    written_shards.clear()
+    run([source], tmp_path / "out")
+    assert written_shards == [shard.name for shard in reference.shards[2:]]
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "reference")
+
+
+def test_resume_rewrites_an_unlisted_or_damaged_shard_even_from_moved_inputs(tmp_path, written_shards):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    run([source], tmp_path / "out")
+    reference = folder_bytes(tmp_path / "out")
+    names = [shard.name for shard in Manifest.read(tmp_path / "out").shards]
+    moved = tmp_path / "moved" / "renamed.jsonl"  # same content elsewhere: the fingerprint ignores paths
+    moved.parent.mkdir()
+    moved.write_bytes(source.read_bytes())
+
+    manifest = Manifest.read(tmp_path / "out")
+    del manifest.shards[-1]
+    manifest.complete = False
+    manifest.write(tmp_path / "out")
+    written_shards.clear()
+    run([moved], tmp_path / "out")
+    assert written_shards == names[-1:]
+    assert folder_bytes(tmp_path / "out") == reference
+
+    bin_file = tmp_path / "out" / f"{names[1]}.bin"
+    bin_file.write_bytes(bin_file.read_bytes()[:-2])
+    written_shards.clear()
+    run([moved], tmp_path / "out")
+    assert written_shards == names[1:]
+    assert folder_bytes(tmp_path / "out") == reference
+
+
+def test_rerun_of_a_complete_folder_does_nothing(tmp_path, written_shards, capsys):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    run([source], tmp_path / "out")
+    written_shards.clear()
+    run([source], tmp_path / "out")
+    assert written_shards == []
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def other_tokenizer(path: Path) -> Path:
+    """A valid tokenizer other than the default: its last merge dropped."""
+    ranks = load_ranks(DEFAULT_TOKENIZER_PATH)
+    last = max(ranks.values())
+    save_ranks({token: rank for token, rank in ranks.items() if rank != last}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda tmp: ["--tokenizer", str(other_tokenizer(tmp / "other.model"))], "made with the tokenizer"),
+        (lambda tmp: ["--shard-tokens", "2000"], "made with --shard-tokens 1000, not 2000"),
+        (lambda tmp: ["--text-field", "body"], "made with --text-field text, not body"),
+    ],
+    ids=["tokenizer", "shard-tokens", "text-field"],
+)
+def test_refuses_another_tokenizer_or_options_in_a_used_folder(change, message, tmp_path):
+    source = tmp_path / "data.jsonl"
+    source.write_text("".join(json.dumps({"text": t, "body": t}) + "\n" for t in DOCUMENTS), encoding="utf-8")
+    run([source], tmp_path / "out")
+    before = folder_bytes(tmp_path / "out")
+    with pytest.raises(TorchpreError, match=rf"{tmp_path / 'out'} holds shards .*{message}.*another --output"):
+        run([source], tmp_path / "out", *change(tmp_path))
+    assert folder_bytes(tmp_path / "out") == before
+
+
+def test_refuses_other_inputs_in_a_used_folder(tmp_path):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    run([source], tmp_path / "out")
+    with open(source, "a", encoding="utf-8") as file:
+        file.write(json.dumps({"text": "one more document"}) + "\n")
+    with pytest.raises(TorchpreError, match=r"different dataset: input 1, .*data\.jsonl .*differs"):
+        run([source], tmp_path / "out")
+    with pytest.raises(TorchpreError, match="made from 1 inputs, not 2"):
+        run([write_jsonl(tmp_path / "a.jsonl", DOCUMENTS), source], tmp_path / "out")
+
+
+def test_shard_reader_names_a_truncated_file(tmp_path):
+    run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out")
+    index = tmp_path / "out" / "shard_00002.idx"
+    index.write_bytes(index.read_bytes()[:-8])
+    with pytest.raises(TorchpreError, match=rf"Shard file {index} has .* bytes, but {MANIFEST} says"):
+        ShardReader(tmp_path / "out")
+
+
+def test_shard_reader_refuses_another_tokenizer_hash(tmp_path):
+    run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out")
+    other = tokenizer_hash(other_tokenizer(tmp_path / "other.model"))
+    with pytest.raises(TorchpreError, match="made with tokenizer 'tokenizer.model'.*model.tokenizer_path"):
+        ShardReader(tmp_path / "out", expected_tokenizer_sha256=other)
+
+
+def write_file(name: str, content: str):
+    def write(tmp: Path) -> Path:
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.mark.parametrize(
+    "make_input, message",
+    [
+        (write_file("bad.jsonl", '{"text": "fine"}\n{"text": "cut\n'), r"bad\.jsonl:2 is not valid JSON"),
+        (
+            write_file("keys.jsonl", '{"body": "x"}\n'),
+            r"keys\.jsonl:1 has no 'text' field \(found 'body'\).*--text-field",
+        ),
+        (write_file("type.jsonl", '{"text": 3}\n'), r"type\.jsonl:1: 'text' holds a int, not a string"),
+        (write_file("blank.jsonl", '{"text": "  "}\n\n'), r"hold no text: every document is empty"),
+        (write_file("data.csv", "text\nx\n"), r"data\.csv has the unknown suffix '\.csv'"),
+        (lambda tmp: write_file("only/notes.md", "x")(tmp).parent, r"only holds no \.txt, \.jsonl, \.parquet files"),
+        (lambda tmp: tmp / "missing.jsonl", r"Input '.*missing\.jsonl' does not exist\. Give"),
+    ],
+    ids=["bad-json", "missing-field", "not-a-string", "empty", "unknown-suffix", "no-usable-file", "missing"],
+)
+def test_bad_input_fails_with_a_message_naming_it(make_input, message, tmp_path):
+    with pytest.raises(TorchpreError, match=message):
+        run([make_input(tmp_path)], tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", ["parquet", "hf"])
+def test_a_table_without_the_text_column_fails_naming_its_columns(kind, tmp_path):
+    write, name, _ = FORMATS[kind]
+    source = write(tmp_path / name, ["a"])
+    with pytest.raises(TorchpreError, match=rf"{name} has no column 'body' \(columns: .*text.*\)\. Pass --text-field"):
+        run([source], tmp_path / "out", "--text-field", "body")
+
+
+def test_refuses_a_non_empty_folder_that_is_not_a_shard_folder(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(TorchpreError, match=r"out is not empty and holds no manifest\.json"):
+        run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out")
+
+
+def test_hub_name_offline_fails_fast_with_what_to_do(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    started = time.perf_counter()
+    with pytest.raises(TorchpreError) as error:
+        run(["some-org/some-dataset"], tmp_path / "out")
+    assert time.perf_counter() - started < 10
+    message = str(error.value)
+    assert "'some-org/some-dataset'" in message and "HF_HUB_OFFLINE=1" in message
+    assert "save_to_disk(DIR)" in message and "give that local DIR" in message
+
+
+def test_hub_name_without_datasets_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
+    with pytest.raises(TorchpreError, match=r"pip install torchpre\[hf\]"):
+        run(["some-org/some-dataset"], tmp_path / "out")
+
+
+def test_command_line_prints_the_throughput(tmp_path):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    command = [sys.executable, "-m", "torchpre.data.prepare", str(source), "--output", str(tmp_path / "out")]
+    result = subprocess.run([*command, "--workers", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"{len(DOCUMENTS):,} documents" in result.stdout
+    assert "tokens/s" in result.stdout and "MB/s per core" in result.stdout
+    assert read_back(tmp_path / "out") == expected_ids(DOCUMENTS)
