@@ -18,7 +18,7 @@ from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.config.validate import validate_config
-from torchpre.data.loader import build_dataloader
+from torchpre.data.loader import build_dataloader, data_shares
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
@@ -120,7 +120,12 @@ class Trainer:
             dp_rank=self.mesh["dp"].get_local_rank(),
             dp_size=dims.dp,
             seed=t.seed,
+            dataset_mixture=t.dataset_mixture,
+            num_workers=t.num_workers,
         )
+        # Global samples the steps so far trained on: the checkpointed data position. Not the sampler's
+        # counter, which runs ahead of training by the batches that loader workers prefetch.
+        self.consumed_samples = 0
         self.model_parts = self._build_model_parts()
         self.schedule = self._build_schedule() if self.pipeline else None
         o, s = config.optimizer, config.lr_scheduler
@@ -160,14 +165,13 @@ class Trainer:
         c = self.config.checkpoint
         if not (c.enable or c.initial_load_path):
             return None
-        sampler = self.dataloader.batch_sampler
         return CheckpointManager(
             folder=Path(self.config.job.dump_folder) / c.folder,
             model_parts=self.model_parts,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
-            data_position=lambda: sampler.consumed_samples,
-            set_data_position=lambda position: sampler.load_state_dict({"consumed_samples": position}),
+            data_position=lambda: self.consumed_samples,
+            set_data_position=self._set_data_position,
             config_text=to_toml(self.config),
             interval=c.interval,
             keep_latest_k=c.keep_latest_k,
@@ -175,6 +179,11 @@ class Trainer:
             model_only=c.model_only,
             exclude_from_loading=c.exclude_from_loading,
         )
+
+    def _set_data_position(self, position: int) -> None:
+        """Resumes the data order at global sample `position` (before the loader is first iterated)."""
+        self.dataloader.batch_sampler.load_state_dict({"consumed_samples": position})
+        self.consumed_samples = position
 
     def _maybe_load_checkpoint(self) -> None:
         """Resumes from this job's latest (or chosen) checkpoint, else starts from
@@ -273,6 +282,7 @@ class Trainer:
             lr = self.optimizer.inner.param_groups[0]["lr"]
             loss, grad_norm = self.train_step(microbatches)
             self.step += 1
+            self.consumed_samples += self.global_batch_size
             interval_steps += 1
             if self.step % self.config.metrics.log_freq == 0 or self.step == t.steps:
                 self._log(loss, grad_norm, lr, timer.elapsed() / interval_steps, data_time / interval_steps, peak)
@@ -356,6 +366,7 @@ class Trainer:
                 "data_time_s": data_time,
                 "max_memory_bytes": int(maxima[0]),
                 "optimizer_state_bytes": int(maxima[1]),
+                **data_shares(self.dataloader, self.consumed_samples),
             }
         )
 

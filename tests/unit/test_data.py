@@ -8,7 +8,7 @@ import torch
 from torchpre.data.dataset import PackedWindows, pack_documents
 from torchpre.data.documents import load_documents
 from torchpre.data.loader import build_dataloader
-from torchpre.data.sampler import GlobalBatchSampler
+from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 
@@ -18,17 +18,17 @@ def take(sampler: GlobalBatchSampler, n: int) -> list[list[int]]:
 
 
 def test_sampler_order_is_a_function_of_the_seed():
-    a = take(GlobalBatchSampler(50, 4, 0, 1, seed=7), 30)
-    b = take(GlobalBatchSampler(50, 4, 0, 1, seed=7), 30)
-    c = take(GlobalBatchSampler(50, 4, 0, 1, seed=8), 30)
+    a = take(GlobalBatchSampler(EpochShuffle(50, 7), 4, 0, 1), 30)
+    b = take(GlobalBatchSampler(EpochShuffle(50, 7), 4, 0, 1), 30)
+    c = take(GlobalBatchSampler(EpochShuffle(50, 8), 4, 0, 1), 30)
     assert a == b
     assert a != c
 
 
 def test_sampler_visits_every_sample_once_per_epoch():
-    batches = take(GlobalBatchSampler(40, 5, 0, 1, seed=0), 8)
+    batches = take(GlobalBatchSampler(EpochShuffle(40, 0), 5, 0, 1), 8)
     assert sorted(i for batch in batches for i in batch) == list(range(40))
-    next_epoch = take(GlobalBatchSampler(40, 5, 0, 1, seed=0), 16)[8:]
+    next_epoch = take(GlobalBatchSampler(EpochShuffle(40, 0), 5, 0, 1), 16)[8:]
     assert sorted(i for batch in next_epoch for i in batch) == list(range(40))
     assert next_epoch != batches
 
@@ -36,23 +36,23 @@ def test_sampler_visits_every_sample_once_per_epoch():
 @pytest.mark.parametrize("dp", [2, 4])
 def test_dp_slices_concatenate_to_the_single_process_global_batch(dp):
     """Rank r's microbatch k is the r-th slice of round k: their union is the 1-process order."""
-    single = take(GlobalBatchSampler(97, 8, 0, 1, seed=3), 12)
-    per_rank = [take(GlobalBatchSampler(97, 8 // dp, r, dp, seed=3), 12) for r in range(dp)]
+    single = take(GlobalBatchSampler(EpochShuffle(97, 3), 8, 0, 1), 12)
+    per_rank = [take(GlobalBatchSampler(EpochShuffle(97, 3), 8 // dp, r, dp), 12) for r in range(dp)]
     for k in range(12):
         assert [i for r in range(dp) for i in per_rank[r][k]] == single[k]
 
 
 def test_sampler_state_resumes_under_another_dp_degree():
-    reference = take(GlobalBatchSampler(60, 4, 0, 1, seed=1), 10)
-    first = GlobalBatchSampler(60, 2, 1, 2, seed=1)
+    reference = take(GlobalBatchSampler(EpochShuffle(60, 1), 4, 0, 1), 10)
+    first = GlobalBatchSampler(EpochShuffle(60, 1), 2, 1, 2)
     take(first, 4)
-    resumed = GlobalBatchSampler(60, 4, 0, 1, seed=1)
+    resumed = GlobalBatchSampler(EpochShuffle(60, 1), 4, 0, 1)
     resumed.load_state_dict(first.state_dict())
     assert take(resumed, 6) == reference[4:]
 
 
 def test_sampler_rejects_a_position_inside_a_round():
-    sampler = GlobalBatchSampler(60, 4, 0, 2, seed=1)
+    sampler = GlobalBatchSampler(EpochShuffle(60, 1), 4, 0, 2)
     with pytest.raises(ValueError, match="global sample 6"):
         sampler.load_state_dict({"consumed_samples": 6})
 

@@ -28,10 +28,20 @@ class Model:
 
 @dataclass
 class Training:
-    dataset: Literal["stdlib", "text"] = _option(
-        "stdlib", "'stdlib': docstrings and comments of Python's standard library; 'text': training.dataset_path"
+    dataset: Literal["stdlib", "text", "shards"] = _option(
+        "stdlib",
+        "'stdlib': docstrings and comments of Python's standard library; 'text': training.dataset_path; "
+        "'shards': pre-tokenized shards (training.dataset_path or training.dataset_mixture)",
     )
-    dataset_path: str = _option("", "a .txt or .jsonl file, or a folder of them (with training.dataset = 'text')")
+    dataset_path: str = _option(
+        "", "'text': a .txt or .jsonl file, or a folder of them; 'shards': a folder written by torchpre.data.prepare"
+    )
+    dataset_mixture: dict[str, float] = _option(
+        {},
+        "with training.dataset = 'shards': shard folders and their weights (normalised), e.g. TOML "
+        '{ "/data/web" = 0.7, "/data/code" = 0.3 } or --training.dataset_mixture /data/web=0.7,/data/code=0.3',
+    )
+    num_workers: int = _option(0, "data loader worker processes per rank; 0 = read samples in the training process")
     local_batch_size: int = _option(8, "sequences per data-parallel rank per forward/backward")
     global_batch_size: int = _option(
         -1, "sequences per optimizer step; -1 = local_batch_size x DP, larger values accumulate gradients"

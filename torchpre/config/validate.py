@@ -1,5 +1,6 @@
 """Value checks that the type system cannot express, run before any expensive work."""
 
+import math
 from pathlib import Path
 
 from torchpre.config.job_config import JobConfig
@@ -44,13 +45,45 @@ def validate_config(config: JobConfig) -> None:
             f"checkpoint.initial_load_path '{c.initial_load_path}' is not a folder. Give a checkpoint step-N "
             "folder or the output of `python -m torchpre.convert hf-to-dcp`."
         )
+    _validate_dataset(config)
+
+
+def _validate_dataset(config: JobConfig) -> None:
+    """The data keys: a source that exists for the chosen `training.dataset`, sane mixture weights."""
+    t = config.training
+    _at_least("training.num_workers", t.num_workers, 0)
     if t.dataset == "text" and not t.dataset_path:
         raise ConfigError("training.dataset = 'text' needs training.dataset_path: a .txt or .jsonl file or a folder.")
-    if t.dataset != "text" and t.dataset_path:
+    if t.dataset == "stdlib" and t.dataset_path:
         raise ConfigError(
-            f"training.dataset_path is set but training.dataset = '{t.dataset}' ignores it: "
-            "set training.dataset = 'text' to train on your files."
+            "training.dataset_path is set but training.dataset = 'stdlib' ignores it: "
+            "set training.dataset = 'text' (text files) or 'shards' (a prepared shard folder)."
         )
+    if t.dataset_mixture and t.dataset != "shards":
+        raise ConfigError(
+            f"training.dataset_mixture is set but training.dataset = '{t.dataset}' ignores it: "
+            "set training.dataset = 'shards' to train on a mixture of shard folders."
+        )
+    if t.dataset != "shards":
+        return
+    if bool(t.dataset_path) == bool(t.dataset_mixture):
+        raise ConfigError(
+            "training.dataset = 'shards' needs exactly one of training.dataset_path (one shard folder) and "
+            "training.dataset_mixture (folders and weights)."
+        )
+    key = "training.dataset_path" if t.dataset_path else "training.dataset_mixture"
+    for path in [t.dataset_path] if t.dataset_path else t.dataset_mixture:
+        if not Path(path).is_dir():
+            raise ConfigError(
+                f"{key}: the shard folder '{path}' does not exist or is not a folder. "
+                "Create it with `python -m torchpre.data.prepare INPUT... --output DIR`."
+            )
+    for path, weight in t.dataset_mixture.items():
+        if not (math.isfinite(weight) and weight > 0):
+            raise ConfigError(
+                f"training.dataset_mixture: the weight of '{path}' is {weight}; weights must be positive "
+                "numbers (they are normalised to sum to 1)."
+            )
 
 
 def _at_least(key: str, value: float, minimum: float) -> None:

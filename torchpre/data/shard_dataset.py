@@ -1,0 +1,60 @@
+"""Training samples read straight from a pre-tokenized shard folder, memory-mapped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from torchpre.data.shards import ShardReader
+
+
+class ShardWindows(Dataset):
+    """Sample i is the window stream[i*(seq_len+1) : (i+1)*(seq_len+1)] of the folder's token stream,
+    split into input and labels; the stream is the folder's shards concatenated in manifest order.
+
+    So the samples are exactly `PackedWindows` over the same documents packed in memory: windows do
+    not overlap, may span a document boundary and also a shard boundary (no tokens are dropped at
+    shard ends; only the stream's last partial window is). A window is located by a binary search in
+    the shards' cumulative token counts and only its own seq_len+1 tokens are read.
+    """
+
+    def __init__(self, folder: str, seq_len: int, tokenizer_sha256: str):
+        self.folder = folder
+        self.seq_len = seq_len
+        self.tokenizer_sha256 = tokenizer_sha256
+        self.reader = ShardReader(folder, expected_tokenizer_sha256=tokenizer_sha256)
+        counts = [shard.num_tokens for shard in self.reader.shards]
+        self.shard_starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        self.num_tokens = int(self.shard_starts[-1])
+        self.num_windows = self.num_tokens // (seq_len + 1)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.num_windows:
+            raise IndexError(f"window {index} of {self.num_windows}")
+        window = torch.from_numpy(self.tokens(index * (self.seq_len + 1), self.seq_len + 1))
+        return window[:-1], window[1:]
+
+    def tokens(self, start: int, count: int) -> np.ndarray:
+        """`count` tokens of the stream from `start`, as int64, read across shard ends as needed."""
+        parts = []
+        shard = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
+        while count > 0:
+            offset = start - int(self.shard_starts[shard])
+            part = self.reader.tokens[shard][offset : offset + count]
+            parts.append(part)
+            start, count, shard = start + len(part), count - len(part), shard + 1
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """DataLoader workers started by spawn/forkserver get the folder, not the data: pickling an
+        np.memmap would copy every token into the message."""
+        return {"folder": self.folder, "seq_len": self.seq_len, "tokenizer_sha256": self.tokenizer_sha256}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
