@@ -2,6 +2,8 @@
 choice of flash-attn."""
 
 import math
+import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -54,3 +56,81 @@ def test_causal_attention_calls_flash_attn_causally_when_it_applies(monkeypatch)
     q = k = v = torch.randn(1, 5, 2, 4)
     torch.testing.assert_close(attention.causal_attention(q, k, v), reference_causal_attention(q, k, v))
     assert calls == [True]
+
+
+# Document-causal attention ------------------------------------------------------------------------
+
+# Row 0: three documents, the first a tail left from the previous row; row 1: one document.
+DOCUMENT_IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2], [0] * 11])
+# Per document the same sums as SDPA over the whole row, minus masked terms that are exactly zero:
+# fp32 reduction-order noise only.
+DOCUMENT_ATOL = 1e-6
+
+
+def grouped_query_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [2, 11, heads, 16] with 4 query heads sharing 2 key/value heads."""
+    generator = torch.Generator().manual_seed(seed)
+    bsz, seqlen = DOCUMENT_IDS.shape
+    q = torch.randn(bsz, seqlen, 4, 16, generator=generator)
+    k, v = torch.randn(2, bsz, seqlen, 2, 16, generator=generator)
+    return q, k, v
+
+
+def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor):
+    """Causal attention run on each document of each row on its own, outputs put back in place."""
+    out = torch.empty_like(q)
+    for row, ids in enumerate(document_ids):
+        for document in ids.unique():
+            span = (ids == document).nonzero().flatten()
+            part = slice(span[0].item(), span[-1].item() + 1)
+            out[row : row + 1, part] = attention.causal_attention(
+                q[row : row + 1, part], k[row : row + 1, part], v[row : row + 1, part]
+            )
+    return out
+
+
+@pytest.fixture
+def eager_flex(monkeypatch) -> Iterator[None]:
+    """The CUDA path (flex_attention with a BlockMask) on CPU, through flex's eager reference
+    implementation: checks our mask function and layout, not torch's compiled kernel."""
+    monkeypatch.setattr(attention, "flex_attention_applies", lambda device: True)
+    monkeypatch.setattr(attention, "_compiled_flex_attention", attention.flex_attention)
+    monkeypatch.setattr(attention, "_compiled_create_block_mask", attention.create_block_mask)
+    with warnings.catch_warnings():  # "flex_attention called without torch.compile()": on purpose
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
+        yield
+
+
+@pytest.fixture(params=["sdpa", "flex"])
+def kernel(request) -> str:
+    if request.param == "flex":
+        request.getfixturevalue("eager_flex")
+    return request.param
+
+
+def test_document_causal_attention_equals_attention_per_document(kernel):
+    q, k, v = grouped_query_inputs()
+    mask = attention.document_mask(DOCUMENT_IDS)
+    assert isinstance(mask, attention.BlockMask) == (kernel == "flex")
+    out = attention.document_causal_attention(q, k, v, mask)
+    torch.testing.assert_close(out, per_document_attention(q, k, v, DOCUMENT_IDS), rtol=0, atol=DOCUMENT_ATOL)
+
+
+def test_document_mask_hides_other_documents(kernel):
+    q, k, v = grouped_query_inputs()
+    other_q, other_k, other_v = grouped_query_inputs(seed=1)
+    first_document = (DOCUMENT_IDS == 0)[:, :, None, None]
+    # Replace everything outside row 0's first document: its outputs must not move.
+    q2, k2, v2 = (torch.where(first_document, a, b) for a, b in ((q, other_q), (k, other_k), (v, other_v)))
+    mask = attention.document_mask(DOCUMENT_IDS)
+    before = attention.document_causal_attention(q, k, v, mask)
+    after = attention.document_causal_attention(q2, k2, v2, mask)
+    assert torch.equal(before[0, :3], after[0, :3])
+    assert not torch.allclose(before[0, 3:], after[0, 3:])
+
+
+def test_one_document_per_row_is_plain_causal_attention():
+    q, k, v = grouped_query_inputs()
+    one_document = torch.zeros_like(DOCUMENT_IDS)
+    out = attention.document_causal_attention(q, k, v, attention.document_mask(one_document))
+    torch.testing.assert_close(out, attention.causal_attention(q, k, v), rtol=0, atol=DOCUMENT_ATOL)

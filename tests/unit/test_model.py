@@ -24,6 +24,7 @@ from torchpre.models.llama3.model import (
     Attention,
     Transformer,
     apply_rope,
+    build_rope_cache,
     init_rule,
     precompute_rope,
 )
@@ -83,7 +84,7 @@ def test_rope_matches_per_position_rotation() -> None:
             a, b = x[..., pos, :, 2 * i], x[..., pos, :, 2 * i + 1]
             expected[..., pos, :, 2 * i] = a * math.cos(angle) - b * math.sin(angle)
             expected[..., pos, :, 2 * i + 1] = a * math.sin(angle) + b * math.cos(angle)
-    cache = torch.cat(precompute_rope(head_dim, SEQ, theta), dim=-1)
+    cache = build_rope_cache(*precompute_rope(head_dim, SEQ, theta))
     out = apply_rope(x.float(), cache)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
@@ -126,7 +127,7 @@ def test_gqa_matches_repeat_kv_reference() -> None:
     torch.manual_seed(0)
     attn = Attention(dim=64, n_heads=4, n_kv_heads=2)
     x = torch.randn(2, SEQ, 64)
-    cache = torch.cat(precompute_rope(16, SEQ, 10000.0), dim=-1)
+    cache = build_rope_cache(*precompute_rope(16, SEQ, 10000.0))
 
     q = apply_rope(attn.wq(x).view(2, SEQ, 4, 16), cache).transpose(1, 2)
     k = apply_rope(attn.wk(x).view(2, SEQ, 2, 16), cache).transpose(1, 2)

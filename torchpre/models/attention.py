@@ -1,12 +1,16 @@
-"""Causal self-attention kernels: flash-attn when it can run, PyTorch SDPA otherwise.
+"""Causal self-attention kernels: flash-attn when it can run, PyTorch SDPA otherwise; and
+document-causal attention for packed sequences: flex_attention on CUDA, SDPA with a dense mask elsewhere.
 
-Both take and return [batch, seq, heads, head_dim] tensors and handle grouped-query attention
+All take and return [batch, seq, heads, head_dim] tensors and handle grouped-query attention
 (fewer key/value heads than query heads) without repeating the keys and values.
 """
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 try:  # the `gpu` extra
     from flash_attn import flash_attn_func
@@ -35,3 +39,50 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) 
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal, enable_gqa=True
     )
     return out.transpose(1, 2)
+
+
+# A document mask as the kernel of its device wants it: `document_mask` builds it once per forward,
+# every layer reuses it.
+DocumentMask = Tensor | BlockMask
+
+# Eager flex_attention is a slow reference implementation; compiled, it is a block-sparse kernel that
+# skips the blocks the mask removes (compiled lazily, on the first call). Eager create_block_mask
+# materializes the whole [batch, seq, seq] mask; compiled, it evaluates it block by block.
+_compiled_flex_attention = torch.compile(flex_attention)
+_compiled_create_block_mask = partial(create_block_mask, _compile=True)
+
+
+def flex_attention_applies(device: torch.device) -> bool:
+    """flex_attention's compiled kernels target CUDA; elsewhere the dense SDPA mask is cheaper than
+    compiling them (and needs no compiler)."""
+    return device.type == "cuda"
+
+
+def document_mask(document_ids: Tensor) -> DocumentMask:
+    """The document-causal mask of document ids [batch, seq]: position i attends to position j <= i
+    only when both lie in the same document. A BlockMask for flex_attention on CUDA (memory and work
+    grow with the kept blocks, not seq^2), else a boolean [batch, 1, seq, seq] SDPA mask."""
+    if flex_attention_applies(document_ids.device):
+        return _document_block_mask(document_ids)
+    same_document = document_ids[:, :, None] == document_ids[:, None, :]
+    return same_document.tril()[:, None]
+
+
+def _document_block_mask(document_ids: Tensor) -> BlockMask:
+    """flex_attention's form of the document-causal mask, broadcast over heads."""
+
+    def document_causal(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (document_ids[batch, q_idx] == document_ids[batch, kv_idx])
+
+    bsz, seqlen = document_ids.shape
+    return _compiled_create_block_mask(document_causal, bsz, None, seqlen, seqlen, device=document_ids.device)
+
+
+def document_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
+    """Causal attention that does not cross document boundaries, with a mask from `document_mask`."""
+    if isinstance(mask, BlockMask):
+        out = _compiled_flex_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True
+        )
+        return out.transpose(1, 2)
+    return sdpa(q, k, v, mask=mask, is_causal=False)

@@ -8,6 +8,9 @@ a ModuleDict keyed by layer index and `forward` skips missing parts.
 Inference: `setup_caches(batch_size, max_len)` gives every attention layer a `KVCache`, and
 `forward(tokens, start_pos=p)` then processes positions p, p+1, ... against the cached keys and
 values (prefill with p = 0, then one token at a time). Training never passes `start_pos`.
+
+Packed training sequences: `forward(tokens, document_ids=d)` keeps attention inside each document
+(d [batch, seq] numbers the documents along each row); RoPE positions stay those of the packed row.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchpre.models.attention import causal_attention, sdpa
+from torchpre.models.attention import (
+    DocumentMask,
+    causal_attention,
+    document_causal_attention,
+    document_mask,
+    sdpa,
+)
 from torchpre.models.init import InitRule, ParamInit, init_parameters, ones
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
 
@@ -56,16 +65,25 @@ def precompute_rope(
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x: Tensor, rope_cache: Tensor) -> Tensor:
+def build_rope_cache(cos: Tensor, sin: Tensor) -> Tensor:
+    """The [seq, 2 * head_dim] table `apply_rope` reads: each pair's cos for both members of the pair,
+    then its sin signed as the rotation uses it (-sin for the even member, +sin for the odd)."""
+    return torch.cat((cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)), dim=-1)
+
+
+def apply_rope(x: Tensor, cache: Tensor) -> Tensor:
     """Rotate each pair (x[..., 2i], x[..., 2i+1]) by its angle, in float32 real arithmetic
     (Meta's interleaved layout; no complex numbers, so DTensor, compile and bf16 all work).
 
-    x: [batch, seq, heads, head_dim]; rope_cache: [seq, head_dim], cos then sin halves.
+    As x * cos + swap_pairs(x) * signed_sin: two multiplies and one copy, about half the work of
+    rotating the even and odd halves separately and stacking them.
+
+    x: [batch, seq, heads, head_dim]; cache: [seq, 2 * head_dim] from `build_rope_cache`.
     """
-    cos, sin = rope_cache[:, None, :].chunk(2, dim=-1)
-    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+    cos, signed_sin = cache[:, None, :].chunk(2, dim=-1)
+    x32 = x.float()
+    swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (x32 * cos + swapped * signed_sin).type_as(x)
 
 
 class KVCache(nn.Module):
@@ -119,14 +137,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         self.kv_cache = None
 
-    def forward(self, x: Tensor, rope_cache: Tensor, start_pos: int | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope_cache: Tensor,
+        start_pos: int | None = None,
+        doc_mask: DocumentMask | None = None,
+    ) -> Tensor:
         """`rope_cache` starts at position 0 and covers at least the sequence; it is cut here,
         where the sequence is whole (under sequence parallelism the residual stream outside
         attention holds only a slice).
 
         With `start_pos` (inference; needs `kv_cache`), x holds positions start_pos.. and attends
-        causally to those and to the cached earlier ones. `start_pos` must be passed by keyword:
-        the tensor-parallel plan prepares only the positional inputs.
+        causally to those and to the cached earlier ones. With `doc_mask` (training on packed
+        documents), attention stays within each document; the mask covers the whole sequence, as
+        x does here. Both must be passed by keyword: the tensor-parallel plan prepares only the
+        positional inputs.
         """
         bsz, seqlen, _ = x.shape
         offset = 0 if start_pos is None else start_pos
@@ -136,10 +162,12 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        if start_pos is None:
-            out = causal_attention(q, k, v)
-        else:
+        if start_pos is not None:
             out = self._attend_with_cache(q, k, v, start_pos)
+        elif doc_mask is not None:
+            out = document_causal_attention(q, k, v, doc_mask)
+        else:
+            out = causal_attention(q, k, v)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
     def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int) -> Tensor:
@@ -181,8 +209,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: Tensor, rope_cache: Tensor, start_pos: int | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos)
+    def forward(
+        self,
+        x: Tensor,
+        rope_cache: Tensor,
+        start_pos: int | None = None,
+        doc_mask: DocumentMask | None = None,
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos, doc_mask=doc_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -210,10 +244,8 @@ class Transformer(nn.Module):
 
     def _rope_cache(self, device: torch.device | str | None) -> Tensor:
         args = self.args
-        cos, sin = precompute_rope(
-            args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling, device
-        )
-        return torch.cat((cos, sin), dim=-1)
+        cos, sin = precompute_rope(args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling, device)
+        return build_rope_cache(cos, sin)
 
     def tie_weights(self) -> None:
         """Make `output.weight` the embedding Parameter when tied and both are on this stage.
@@ -249,19 +281,27 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             layer.attention.kv_cache = None
 
-    def forward(self, tokens: Tensor, start_pos: int | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, start_pos: int | None = None, document_ids: Tensor | None = None
+    ) -> Tensor:
         """Token ids [batch, seq] to logits; a pipeline stage maps hidden states to hidden states.
 
         `start_pos` (inference only, after `setup_caches`) is the position of the first input
         token: the layers read and extend their KV caches, and RoPE starts at that position.
+        `document_ids` (training only) [batch, seq] gives each position's document: a position
+        attends only to earlier positions of its own document. The mask is built once here and
+        shared by every layer.
         """
         seqlen, max_seq_len = tokens.shape[1], self.rope_cache.shape[0]
         end = seqlen + (start_pos or 0)
         if end > max_seq_len:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {max_seq_len}")
+        if start_pos is not None and document_ids is not None:
+            raise ValueError("document_ids is for training on packed sequences; it cannot be combined with start_pos")
+        doc_mask = None if document_ids is None else document_mask(document_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache, start_pos=start_pos)
+            h = layer(h, self.rope_cache, start_pos=start_pos, doc_mask=doc_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

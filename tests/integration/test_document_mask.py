@@ -1,0 +1,115 @@
+"""training.document_mask: the Llama model attends within documents only (checked against running each
+document on its own), and training with it runs, changes the loss, and is layout-invariant under TP + SP,
+activation checkpointing and compile."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tests.launch import TINY, train_and_read_metrics
+from torchpre.config.job_config import JobConfig
+from torchpre.config.validate import validate_config
+from torchpre.data.corpus import stdlib_documents
+from torchpre.errors import ConfigError
+from torchpre.models.llama3.args import LLAMA3_FLAVORS
+from torchpre.models.llama3.model import Transformer
+
+ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=64, max_seq_len=16)
+# Row 0: the tail of a document from an earlier row, then two documents; row 1: one document.
+DOCUMENT_IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2], [0] * 16])
+# A document run on its own sits at RoPE positions 0.. instead of its offset in the row. RoPE makes
+# attention scores depend on position differences only, so the outputs agree up to the fp32 rounding
+# of other rotation angles (~1e-7 per score), which two layers leave far below 1e-5.
+ROPE_OFFSET_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    return model
+
+
+def test_document_mask_equals_each_document_run_alone(model):
+    tokens = torch.randint(0, ARGS.vocab_size, DOCUMENT_IDS.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(tokens, document_ids=DOCUMENT_IDS)
+        for row, ids in enumerate(DOCUMENT_IDS):
+            for document in ids.unique():
+                part = ids == document
+                alone = model(tokens[row : row + 1, part])
+                torch.testing.assert_close(logits[row : row + 1, part], alone, rtol=0, atol=ROPE_OFFSET_ATOL)
+        assert not torch.allclose(logits, model(tokens)), "the mask changed nothing"
+
+
+def test_document_ids_with_a_kv_cache_position_is_rejected(model):
+    with pytest.raises(ValueError, match="start_pos"):
+        model(torch.zeros(1, 4, dtype=torch.long), start_pos=0, document_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_document_mask_with_pipeline_parallel_is_rejected():
+    config = JobConfig()
+    config.training.document_mask = True
+    config.parallelism.pipeline_parallel_degree = 2
+    with pytest.raises(ConfigError, match="training.document_mask.*pipeline_parallel_degree = 2"):
+        validate_config(config)
+
+
+# End to end ----------------------------------------------------------------------------------------
+
+STEPS = ["--training.steps", "4"]
+MASK = ["--training.document_mask"]
+# The built-in corpus's documents are longer than a 32-token window; these take ~5-20 tokens each.
+SHORT_DOCUMENTS = 2000
+# fp32 on CPU: TP, SP and compile reorder reductions (~1e-6 relative per step, carried by Adam);
+# 1e-4 on a loss of ~8 is far below any masking or sharding bug.
+LOSS_ATOL = 1e-4
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def packed_args(tmp_path_factory) -> list[str]:
+    """Training args for a .jsonl dataset whose documents are the lines of the built-in corpus, so every
+    window holds several documents."""
+    lines = [line.strip() for doc in stdlib_documents() for line in doc.splitlines() if line.strip()]
+    path = tmp_path_factory.mktemp("data") / "lines.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:SHORT_DOCUMENTS]))
+    return [*TINY, *STEPS, "--training.dataset", "text", "--training.dataset_path", str(path)]
+
+
+@pytest.fixture(scope="module")
+def masked(packed_args, tmp_path_factory) -> list[float]:
+    return losses(train_and_read_metrics([*packed_args, *MASK], 1, tmp_path_factory.mktemp("masked")))
+
+
+@pytest.mark.slow
+def test_document_mask_changes_the_loss(packed_args, masked, tmp_path):
+    """A freshly initialized model barely uses its context, so the effect is small (~3e-4 to 1e-3 here),
+    but it is deterministic and above the tolerance the layout comparisons below allow."""
+    unmasked = losses(train_and_read_metrics(packed_args, 1, tmp_path))
+    assert all(abs(a - b) > LOSS_ATOL for a, b in zip(masked, unmasked)), (masked, unmasked)
+
+
+@pytest.mark.slow
+def test_document_mask_under_tp_sp_and_ac_matches_one_process(packed_args, masked, tmp_path):
+    """Every TP rank builds the same full-sequence mask from the full inputs; under SP attention
+    gathers the whole sequence, which is what the mask covers."""
+    args = [
+        "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode", "selective",
+    ]
+    records = train_and_read_metrics([*packed_args, *MASK, *args], 2, tmp_path)
+    assert losses(records) == pytest.approx(masked, abs=LOSS_ATOL)
+
+
+@pytest.mark.slow
+def test_document_mask_compiled_matches_eager(packed_args, masked, tmp_path):
+    records = train_and_read_metrics([*packed_args, *MASK, "--compile.enable"], 1, tmp_path)
+    assert losses(records) == pytest.approx(masked, abs=LOSS_ATOL)
