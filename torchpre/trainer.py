@@ -35,6 +35,7 @@ from torchpre.parallel.activation_checkpoint import apply_activation_checkpointi
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to
 from torchpre.parallel.tensor_parallel import loss_parallel_context
+from torchpre.validation import PipelineEval, Validator, build_validator, held_out_fraction
 
 logger = logging.getLogger("torchpre")
 
@@ -122,12 +123,14 @@ class Trainer:
             seed=t.seed,
             dataset_mixture=t.dataset_mixture,
             num_workers=t.num_workers,
+            held_out_fraction=held_out_fraction(config.validation),
         )
         # Global samples the steps so far trained on: the checkpointed data position. Not the sampler's
         # counter, which runs ahead of training by the batches that loader workers prefetch.
         self.consumed_samples = 0
         self.model_parts = self._build_model_parts()
         self.schedule = self._build_schedule() if self.pipeline else None
+        self.validator = self._build_validator() if config.validation.enable else None
         o, s = config.optimizer, config.lr_scheduler
         tied = self.model_spec.tied_weights(self.model_args)
         self.optimizer = DistributedOptimizer(
@@ -261,6 +264,29 @@ class Trainer:
         logger.info("pipeline: %s", self.pipeline.describe())
         return build_schedule(stages, self.pipeline.schedule, self.pipeline.n_microbatches, self._loss)
 
+    def _build_validator(self) -> Validator:
+        """Evaluates with the training forward (document masks included) or, under PP, with the training
+        schedule's forward-only `eval`, whose loss_fn is `_loss`: a share of tokens_per_step."""
+        pipeline = None
+        if self.schedule is not None:
+            pipeline = PipelineEval(
+                self.schedule,
+                n_microbatches=self.pipeline.n_microbatches,
+                has_first_stage=self.has_first_stage,
+                has_last_stage=self.has_last_stage,
+                loss_scale=self.tokens_per_step,
+            )
+        return build_validator(
+            self.config,
+            self.tokenizer,
+            self.mesh,
+            self.model_parts,
+            forward=lambda inputs: self.model_parts[0](inputs, document_ids=self._document_ids(inputs)),
+            loss_sum=self._cross_entropy_sum,
+            device=self.device,
+            pipeline=pipeline,
+        )
+
     def _save_resolved_config(self) -> None:
         if not self.is_logging_rank:
             return
@@ -284,8 +310,11 @@ class Trainer:
             self.step += 1
             self.consumed_samples += self.global_batch_size
             interval_steps += 1
-            if self.step % self.config.metrics.log_freq == 0 or self.step == t.steps:
-                self._log(loss, grad_norm, lr, timer.elapsed() / interval_steps, data_time / interval_steps, peak)
+            validate = self.validator is not None and self.validator.due(self.step, t.steps)
+            if validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps:
+                step_time = timer.elapsed() / interval_steps  # read before validation, which is not a step
+                val_loss = self.validator.evaluate() if validate else None
+                self._log(loss, grad_norm, lr, step_time, data_time / interval_steps, peak, val_loss)
                 timer.start()
                 interval_steps, data_time = 0, 0.0
             if self.config.checkpoint.enable and self.checkpoint.should_save(self.step, t.steps):
@@ -313,12 +342,20 @@ class Trainer:
             else:
                 loss = torch.zeros((), device=self.device)
                 for inputs, labels in microbatches:
-                    microbatch_loss = self._loss(self.model_parts[0](inputs), labels)
+                    logits = self.model_parts[0](inputs, document_ids=self._document_ids(inputs))
+                    microbatch_loss = self._loss(logits, labels)
                     microbatch_loss.backward()
                     loss += _replicated_value(microbatch_loss.detach())
         grad_norm = self.optimizer.step()
         self.lr_scheduler.step()
         return loss, grad_norm
+
+    def _document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Under training.document_mask, each position's document in the packed rows: a new one starts at
+        every BOS token (positions before a row's first BOS end a document begun in an earlier row)."""
+        if not self.config.training.document_mask:
+            return None
+        return (inputs == self.tokenizer.bos_id).cumsum(dim=1)
 
     def _pipeline_forward_backward(self, microbatches: list[Batch]) -> torch.Tensor:
         """All accumulation microbatches go through one schedule step, cut into pipeline microbatches."""
@@ -339,7 +376,14 @@ class Trainer:
         return last if pp_rank == first else first
 
     def _log(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, step_time: float, data_time: float, peak: float
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: float,
+        step_time: float,
+        data_time: float,
+        peak: float,
+        val_loss: float | None = None,
     ) -> None:
         """Gathers the global loss (from the last pipeline stage, summed over DP) and per-rank maxima;
         rank 0 writes the record."""
@@ -367,6 +411,7 @@ class Trainer:
                 "max_memory_bytes": int(maxima[0]),
                 "optimizer_state_bytes": int(maxima[1]),
                 **data_shares(self.dataloader, self.consumed_samples),
+                **({"val_loss": val_loss} if val_loss is not None else {}),
             }
         )
 

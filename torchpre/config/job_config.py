@@ -56,6 +56,11 @@ class Training:
     mixed_precision_grad: Literal["float32", "bfloat16"] = _option(
         "float32", "dtype gradients accumulate in across microbatches (bfloat16 only to measure its error)"
     )
+    document_mask: bool = _option(
+        False,
+        "attend only within each document of a packed sequence (a document starts at each BOS token); "
+        "RoPE positions stay those of the sequence; not with pipeline parallelism",
+    )
 
 
 @dataclass
@@ -148,6 +153,28 @@ class Metrics:
 
 
 @dataclass
+class Validation:
+    enable: bool = _option(
+        False, "evaluate the mean token loss on held-out data every validation.freq steps (and at the last step)"
+    )
+    dataset: Literal["", "stdlib", "text", "shards"] = _option(
+        "",
+        "validation data, as training.dataset; empty = hold out validation.split_fraction of the training data",
+    )
+    dataset_path: str = _option("", "as training.dataset_path, for validation.dataset")
+    split_fraction: float = _option(
+        0.05,
+        "with validation.dataset empty: the fraction of the training samples (the last windows of each source) "
+        "reserved for validation and never trained on",
+    )
+    freq: int = _option(100, "evaluate every this many steps (and at the last step)")
+    steps: int = _option(10, "validation batches per evaluation: the same batches, fixed by training.seed, each time")
+    local_batch_size: int = _option(
+        -1, "sequences per data-parallel rank per validation batch; -1 = training.local_batch_size"
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -159,3 +186,4 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)

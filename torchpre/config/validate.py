@@ -19,6 +19,13 @@ def validate_config(config: JobConfig) -> None:
     _at_least("metrics.peak_flops", m.peak_flops, 0)
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         raise ConfigError(f"training.global_batch_size = {t.global_batch_size}: use -1 or a positive number.")
+    if t.document_mask and config.parallelism.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "training.document_mask is not supported with parallelism.pipeline_parallel_degree = "
+            f"{config.parallelism.pipeline_parallel_degree}: the pipeline passes only hidden states between stages, "
+            "so later stages would not know the document boundaries. Set pipeline_parallel_degree = 1 or turn "
+            "training.document_mask off."
+        )
     if o.zero_stage not in (0, 1):
         raise ConfigError(f"optimizer.zero_stage = {o.zero_stage}: use 0 (replicated state) or 1 (sharded over DP).")
     if o.bucket_size_mb <= 0:
@@ -46,19 +53,14 @@ def validate_config(config: JobConfig) -> None:
             "folder or the output of `python -m torchpre.convert hf-to-dcp`."
         )
     _validate_dataset(config)
+    _validate_validation(config)
 
 
 def _validate_dataset(config: JobConfig) -> None:
     """The data keys: a source that exists for the chosen `training.dataset`, sane mixture weights."""
     t = config.training
     _at_least("training.num_workers", t.num_workers, 0)
-    if t.dataset == "text" and not t.dataset_path:
-        raise ConfigError("training.dataset = 'text' needs training.dataset_path: a .txt or .jsonl file or a folder.")
-    if t.dataset == "stdlib" and t.dataset_path:
-        raise ConfigError(
-            "training.dataset_path is set but training.dataset = 'stdlib' ignores it: "
-            "set training.dataset = 'text' (text files) or 'shards' (a prepared shard folder)."
-        )
+    _validate_text_source("training", t.dataset, t.dataset_path)
     if t.dataset_mixture and t.dataset != "shards":
         raise ConfigError(
             f"training.dataset_mixture is set but training.dataset = '{t.dataset}' ignores it: "
@@ -73,17 +75,95 @@ def _validate_dataset(config: JobConfig) -> None:
         )
     key = "training.dataset_path" if t.dataset_path else "training.dataset_mixture"
     for path in [t.dataset_path] if t.dataset_path else t.dataset_mixture:
-        if not Path(path).is_dir():
-            raise ConfigError(
-                f"{key}: the shard folder '{path}' does not exist or is not a folder. "
-                "Create it with `python -m torchpre.data.prepare INPUT... --output DIR`."
-            )
+        _check_shard_folder(key, path)
     for path, weight in t.dataset_mixture.items():
         if not (math.isfinite(weight) and weight > 0):
             raise ConfigError(
                 f"training.dataset_mixture: the weight of '{path}' is {weight}; weights must be positive "
                 "numbers (they are normalised to sum to 1)."
             )
+
+
+def _validate_text_source(section: str, dataset: str, dataset_path: str) -> None:
+    """The path rules shared by `training.dataset` and `validation.dataset`: 'text' needs a path and
+    'stdlib' takes none (a path there is a mistake, not something to ignore silently)."""
+    if dataset == "text" and not dataset_path:
+        raise ConfigError(
+            f"{section}.dataset = 'text' needs {section}.dataset_path: a .txt or .jsonl file or a folder."
+        )
+    if dataset == "stdlib" and dataset_path:
+        raise ConfigError(
+            f"{section}.dataset_path is set but {section}.dataset = 'stdlib' ignores it: "
+            f"set {section}.dataset = 'text' (text files) or 'shards' (a prepared shard folder)."
+        )
+
+
+def _check_shard_folder(key: str, path: str) -> None:
+    """A missing folder fails here, before any process group or model exists."""
+    if not Path(path).is_dir():
+        raise ConfigError(
+            f"{key}: the shard folder '{path}' does not exist or is not a folder. "
+            "Create it with `python -m torchpre.data.prepare INPUT... --output DIR`."
+        )
+
+
+def _validate_validation(config: JobConfig) -> None:
+    """The [validation] keys: sizes, the held-out fraction, and a data source that is not the training data
+    (evaluating on samples the model trains on would measure memorisation, not generalisation)."""
+    v, t = config.validation, config.training
+    _at_least("validation.freq", v.freq, 1)
+    _at_least("validation.steps", v.steps, 1)
+    if v.local_batch_size != -1 and v.local_batch_size < 1:
+        raise ConfigError(
+            f"validation.local_batch_size = {v.local_batch_size}: use -1 (training.local_batch_size) or a positive "
+            "number."
+        )
+    if not 0 < v.split_fraction < 1:
+        raise ConfigError(
+            f"validation.split_fraction = {v.split_fraction}: the fraction of the training samples held out for "
+            "validation must be in (0, 1), leaving both validation and training data."
+        )
+    if not v.enable:
+        return
+    schedule = config.parallelism.pipeline_parallel_schedule
+    if config.parallelism.pipeline_parallel_degree > 1 and schedule in ("ZBVZeroBubble", "DualPipeV"):
+        # torch 2.14's forward-only `schedule.eval` still runs these schedules' backward actions, and their
+        # same-rank hand-off of input gradients fails ("can't steal_bwd_input ...").
+        raise ConfigError(
+            f"validation.enable: evaluation cannot run under parallelism.pipeline_parallel_schedule = '{schedule}' "
+            "(torch.distributed.pipelining cannot run V schedules forward-only). Use another schedule, e.g. "
+            "Interleaved1F1B, or turn validation off."
+        )
+    if not v.dataset:
+        if v.dataset_path:
+            raise ConfigError(
+                "validation.dataset_path is set but validation.dataset is empty (hold out part of the training "
+                "data): set validation.dataset = 'text' or 'shards' to validate on that path."
+            )
+        return
+    _validate_text_source("validation", v.dataset, v.dataset_path)
+    if v.dataset == "text" and not Path(v.dataset_path).exists():
+        raise ConfigError(
+            f"validation.dataset_path '{v.dataset_path}' does not exist. "
+            "Give a .txt or .jsonl file, or a folder holding such files."
+        )
+    if v.dataset == "shards":
+        if not v.dataset_path:
+            raise ConfigError("validation.dataset = 'shards' needs validation.dataset_path (one shard folder).")
+        _check_shard_folder("validation.dataset_path", v.dataset_path)
+    if _same_source(v.dataset, v.dataset_path, t.dataset, t.dataset_path):
+        raise ConfigError(
+            f"validation.dataset = '{v.dataset}' with validation.dataset_path = '{v.dataset_path}' is the training "
+            "data, so the model would be evaluated on samples it trains on. Leave validation.dataset empty to hold "
+            "out validation.split_fraction of the training data, or point it at other data."
+        )
+
+
+def _same_source(dataset: str, path: str, other_dataset: str, other_path: str) -> bool:
+    """Same kind and the same file or folder (or both without a path: the built-in corpus)."""
+    if dataset != other_dataset or bool(path) != bool(other_path):
+        return False
+    return not path or Path(path).resolve() == Path(other_path).resolve()
 
 
 def _at_least(key: str, value: float, minimum: float) -> None:

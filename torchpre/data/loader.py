@@ -1,9 +1,10 @@
 """Builds the resumable data loader of one data-parallel rank."""
 
+import math
 import warnings
 from pathlib import Path
 
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import ConcatDataset, Dataset, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchpre.data.dataset import PackedWindows, pack_documents
@@ -12,7 +13,7 @@ from torchpre.data.mixture import MixtureOrder, Source
 from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler, SampleOrder
 from torchpre.data.shard_dataset import ShardWindows
 from torchpre.data.tokenizer import Tokenizer, tokenizer_hash
-from torchpre.errors import TorchpreError
+from torchpre.errors import ConfigError, TorchpreError
 
 # torchdata 0.11 calls a torch API that newer torch deprecated; the warning says nothing to users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -31,6 +32,7 @@ def build_dataloader(
     seed: int,
     dataset_mixture: dict[str, float] | None = None,
     num_workers: int = 0,
+    held_out_fraction: float = 0.0,
 ) -> StatefulDataLoader:
     """Returns a loader of (inputs, labels) microbatches of `training.dataset`.
 
@@ -39,11 +41,17 @@ def build_dataloader(
     loader's `state_dict()`, and its sampler's `consumed_samples`, hold the global position, so a run
     resumes at the exact next batch (with workers the sampler runs ahead of what was consumed: a
     trainer restores the position it consumed with `batch_sampler.load_state_dict`).
+
+    `held_out_fraction` > 0 sets aside the last windows of every source for validation (see
+    `split_held_out` and `held_out_samples`) and the order runs over the rest only; 0 leaves the
+    samples and their order exactly as they are.
     """
     if dataset == "shards" and dataset_mixture:
-        samples, order = _mixture(dataset_mixture, seq_len, tokenizer, seed)
+        samples, order = _mixture(dataset_mixture, seq_len, tokenizer, seed, held_out_fraction, held_out=False)
     else:
-        samples, order = _single_source(dataset, dataset_path, seq_len, tokenizer, global_batch_size, seed)
+        samples, order = _single_source(
+            dataset, dataset_path, seq_len, tokenizer, global_batch_size, seed, held_out_fraction
+        )
     sampler = GlobalBatchSampler(order, local_batch_size, dp_rank, dp_size)
     return StatefulDataLoader(samples, batch_sampler=sampler, num_workers=num_workers)
 
@@ -62,15 +70,73 @@ def data_shares(loader: StatefulDataLoader, consumed_samples: int) -> dict[str, 
     return {f"data_share/{source.name}": count / consumed_samples for source, count in zip(order.sources, counts)}
 
 
-def _single_source(
-    dataset: str, dataset_path: str, seq_len: int, tokenizer: Tokenizer, global_batch_size: int, seed: int
+def held_out_samples(
+    *,
+    dataset: str,
+    dataset_path: str,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    seed: int,
+    fraction: float,
+    dataset_mixture: dict[str, float] | None = None,
 ) -> tuple[Dataset, SampleOrder]:
+    """The windows that `build_dataloader(..., held_out_fraction=fraction)` leaves out of training, in a
+    seeded order; for a mixture, each source's held-out windows drawn with the training weights."""
+    if dataset == "shards" and dataset_mixture:
+        return _mixture(dataset_mixture, seq_len, tokenizer, seed, fraction, held_out=True)
+    samples = split_held_out(_windows(dataset, dataset_path, seq_len, tokenizer)[0], fraction)[1]
+    return samples, EpochShuffle(len(samples), seed)
+
+
+def source_samples(
+    *, dataset: str, dataset_path: str, tokenizer: Tokenizer, seq_len: int, seed: int
+) -> tuple[Dataset, SampleOrder]:
+    """Every window of one source, in a seeded order: a validation set of its own."""
+    samples = _windows(dataset, dataset_path, seq_len, tokenizer)[0]
+    return samples, EpochShuffle(len(samples), seed)
+
+
+def split_held_out(windows: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
+    """(training part, held-out part) of one source: the held-out part is its last ceil(fraction x n)
+    windows, the training part the rest (all of it, untouched, for fraction 0).
+
+    A contiguous tail rather than a random subset: windows are cut from documents packed back to back,
+    so a random subset would share most of its documents with the training windows around it, while
+    the tail shares only the one document that straddles the cut.
+    """
+    if fraction == 0:
+        return windows, Subset(windows, range(0))
+    cut = len(windows) - math.ceil(fraction * len(windows))
+    return Subset(windows, range(cut)), Subset(windows, range(cut, len(windows)))
+
+
+def _windows(dataset: str, dataset_path: str, seq_len: int, tokenizer: Tokenizer) -> tuple[Dataset, int]:
+    """The seq_len+1-token windows of one source, and its token count (for messages)."""
     if dataset == "shards":
         samples = ShardWindows(dataset_path, seq_len, tokenizer_hash(tokenizer.path))
-        num_tokens = samples.num_tokens
-    else:
-        tokens = pack_documents(load_documents(dataset, dataset_path), tokenizer)
-        samples, num_tokens = PackedWindows(tokens, seq_len), tokens.numel()
+        return samples, samples.num_tokens
+    tokens = pack_documents(load_documents(dataset, dataset_path), tokenizer)
+    return PackedWindows(tokens, seq_len), tokens.numel()
+
+
+def _single_source(
+    dataset: str,
+    dataset_path: str,
+    seq_len: int,
+    tokenizer: Tokenizer,
+    global_batch_size: int,
+    seed: int,
+    held_out_fraction: float,
+) -> tuple[Dataset, SampleOrder]:
+    windows, num_tokens = _windows(dataset, dataset_path, seq_len, tokenizer)
+    samples = split_held_out(windows, held_out_fraction)[0]
+    if len(samples) < global_batch_size <= len(windows):
+        raise ConfigError(
+            f"validation.split_fraction = {held_out_fraction} holds out {len(windows) - len(samples)} of the "
+            f"{len(windows)} samples of '{dataset_path or dataset}', leaving {len(samples)} for training, fewer "
+            f"than one global batch ({global_batch_size}). Lower validation.split_fraction or give validation "
+            "data of its own (validation.dataset)."
+        )
     if len(samples) < global_batch_size:
         raise TorchpreError(
             f"The dataset '{dataset_path or dataset}' has {num_tokens:,} tokens, enough for {len(samples)} samples "
@@ -80,9 +146,12 @@ def _single_source(
     return samples, EpochShuffle(len(samples), seed)
 
 
-def _mixture(weights: dict[str, float], seq_len: int, tokenizer: Tokenizer, seed: int) -> tuple[Dataset, MixtureOrder]:
+def _mixture(
+    weights: dict[str, float], seq_len: int, tokenizer: Tokenizer, seed: int, held_out_fraction: float, held_out: bool
+) -> tuple[Dataset, MixtureOrder]:
     """The sources in path order (so reordering the table changes nothing), concatenated; the
-    mixture order picks from them."""
+    mixture order picks from them. With `held_out_fraction` > 0 each source is first cut by
+    `split_held_out`, and its training part (or, with `held_out`, its held-out part) is used."""
     folders = sorted(weights)
     names = _source_names(folders)
     sha256 = tokenizer_hash(tokenizer.path)
@@ -93,8 +162,16 @@ def _mixture(weights: dict[str, float], seq_len: int, tokenizer: Tokenizer, seed
                 f"training.dataset_mixture: the shard folder {folder} has {source.num_tokens:,} tokens, fewer than "
                 f"one sample of training.seq_len + 1 = {seq_len + 1}. Remove it or give it more data."
             )
-    sources = [Source(name, len(w), weights[folder]) for name, w, folder in zip(names, windows, folders)]
-    return ConcatDataset(windows), MixtureOrder(sources, seed)
+    parts = [split_held_out(source, held_out_fraction)[1 if held_out else 0] for source in windows]
+    for folder, source, part in zip(folders, windows, parts):
+        if len(part) == 0:
+            raise ConfigError(
+                f"validation.split_fraction = {held_out_fraction} holds out all {len(source)} samples of the shard "
+                f"folder {folder}, leaving none for training. Lower validation.split_fraction, give the folder more "
+                "data, or give validation data of its own (validation.dataset)."
+            )
+    sources = [Source(name, len(part), weights[folder]) for name, part, folder in zip(names, parts, folders)]
+    return ConcatDataset(parts), MixtureOrder(sources, seed)
 
 
 def _source_names(folders: list[str]) -> list[str]:

@@ -26,11 +26,14 @@ class MetricsLogger:
 
 
 def format_step_line(record: dict[str, Any]) -> str:
-    """A concise human view of a record, e.g. `step 10 | loss 5.1234 | lr 8.0e-04 | ...`."""
+    """A concise human view of a record, e.g. `step 10 | loss 5.1234 | lr 8.0e-04 | ...`; steps that
+    ran validation show `val_loss` next to the training loss."""
+    val_loss = [f"val_loss {record['val_loss']:.4f}"] if "val_loss" in record else []
     return " | ".join(
         [
             f"step {record['step']:>5}",
             f"loss {record['loss']:.4f}",
+            *val_loss,
             f"lr {record['lr']:.2e}",
             f"gnorm {record['grad_norm']:.3f}",
             f"{record['tokens_per_sec']:,.0f} tok/s",
