@@ -23,10 +23,11 @@ from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError
+from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
 from torchpre.metrics.flops import peak_flops
-from torchpre.metrics.logger import MetricsLogger
+from torchpre.metrics.logger import build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
-from torchpre.metrics.timer import IntervalTimer
+from torchpre.metrics.timer import IntervalTimer, PhaseTimer
 from torchpre.models.init import canonical_fqn
 from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
@@ -35,6 +36,7 @@ from torchpre.parallel.activation_checkpoint import apply_activation_checkpointi
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to
 from torchpre.parallel.tensor_parallel import loss_parallel_context
+from torchpre.profiling import Profiler
 from torchpre.validation import PipelineEval, Validator, build_validator, held_out_fraction
 
 logger = logging.getLogger("torchpre")
@@ -159,7 +161,11 @@ class Trainer:
             min_lr_factor=s.min_lr_factor,
         )
         self.step = 0
-        self.metrics = MetricsLogger(config.job.dump_folder) if self.is_logging_rank else None
+        self.phases = PhaseTimer(self.device)
+        self.skipped_steps, self.loss_spikes = 0, 0
+        self.spike_detector = LossSpikeDetector(t.spike_zscore, t.spike_window) if t.spike_zscore > 0 else None
+        self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
+        self.metrics = build_metrics_logger(config) if self.is_logging_rank else None
         self._save_resolved_config()
         self.checkpoint = self._build_checkpoint_manager()
         self._maybe_load_checkpoint()
@@ -194,7 +200,7 @@ class Trainer:
         c = self.config.checkpoint
         step_dir = self.checkpoint.find(c.load_step) if self.checkpoint and c.enable else None
         if step_dir is not None:
-            self.step = self.checkpoint.load(step_dir).step
+            self.step = self.last_checkpoint_step = self.checkpoint.load(step_dir).step
         elif c.initial_load_path:
             self.checkpoint.load(Path(c.initial_load_path), model_only=True)
 
@@ -299,26 +305,37 @@ class Trainer:
         peak = peak_flops(self.device, self.config.metrics.peak_flops)
         batches = iter(self.dataloader)
         timer = IntervalTimer(self.device)
+        traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
+        profiler = Profiler(self.config.profiling, traces, dist.get_rank(), self.device, first_step=self.step)
         timer.start()
-        interval_steps, data_time = 0, 0.0
-        while self.step < t.steps:
-            fetch_start = time.perf_counter()
-            microbatches = [next(batches) for _ in range(self.accumulation_steps)]
-            data_time += time.perf_counter() - fetch_start
-            lr = self.optimizer.inner.param_groups[0]["lr"]
-            loss, grad_norm = self.train_step(microbatches)
-            self.step += 1
-            self.consumed_samples += self.global_batch_size
-            interval_steps += 1
-            validate = self.validator is not None and self.validator.due(self.step, t.steps)
-            if validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps:
-                step_time = timer.elapsed() / interval_steps  # read before validation, which is not a step
-                val_loss = self.validator.evaluate() if validate else None
-                self._log(loss, grad_norm, lr, step_time, data_time / interval_steps, peak, val_loss)
-                timer.start()
-                interval_steps, data_time = 0, 0.0
-            if self.config.checkpoint.enable and self.checkpoint.should_save(self.step, t.steps):
-                self.checkpoint.save(self.step)
+        interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
+        with profiler:
+            while self.step < t.steps:
+                fetch_start = time.perf_counter()
+                with self.phases.phase("data"):
+                    microbatches = [next(batches) for _ in range(self.accumulation_steps)]
+                data_time += time.perf_counter() - fetch_start
+                lr = self.optimizer.inner.param_groups[0]["lr"]
+                health, grad_norm = self.train_step(microbatches)
+                self.step += 1
+                self.consumed_samples += self.global_batch_size
+                interval_steps += 1
+                profiler.step()
+                validate = self.validator is not None and self.validator.due(self.step, t.steps)
+                log = validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps
+                if log:  # read before checkpointing and validation, which are not part of a step
+                    step_time = timer.elapsed() / interval_steps
+                    timings = {f"time/{name}_s": v for name, v in self.phases.averages(interval_steps).items()}
+                if self.config.checkpoint.enable and self.checkpoint.should_save(self.step, t.steps):
+                    checkpoint_time += self._save_checkpoint()
+                if log:
+                    if checkpoint_time:
+                        timings["time/checkpoint_s"] = checkpoint_time
+                    val_loss = self.validator.evaluate() if validate else None
+                    data_time /= interval_steps
+                    self._log(health.loss, grad_norm, lr, step_time, data_time, peak, val_loss, timings)
+                    timer.start()
+                    interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
         if self.checkpoint is not None:
             self.checkpoint.close()
         if self.metrics is not None:
@@ -332,23 +349,96 @@ class Trainer:
         """
         return self._cross_entropy_sum(logits, labels) / self.tokens_per_step
 
-    def train_step(self, microbatches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over this rank's microbatches; returns (this rank's loss share, global
-        grad norm before clipping)."""
-        microbatches = [(x.to(self.device), y.to(self.device)) for x, y in microbatches]
+    def train_step(self, microbatches: list[Batch]) -> tuple[StepHealth, torch.Tensor]:
+        """One optimizer step over this rank's microbatches; returns (the step's global loss and whether it
+        was finite, the global grad norm before clipping).
+
+        A step whose loss or gradient norm is not finite on any rank is never applied; see `_on_nonfinite`.
+        The LR schedule advances either way, so a skipped step shifts nothing after it.
+        """
+        with self.phases.phase("forward_backward"):
+            loss = self._forward_backward([(x.to(self.device), y.to(self.device)) for x, y in microbatches])
+        with self.phases.phase("optimizer"):
+            with self.phases.phase("grad_comm"):
+                grad_norm = self.optimizer.reduce_gradients()
+            health = step_health(loss, grad_norm, self.parallel_dims.tp)
+            if health.finite:
+                self.optimizer.apply()
+            else:
+                self.optimizer.discard()
+                self._on_nonfinite(health, grad_norm)
+            self.lr_scheduler.step()
+        if health.finite and self.spike_detector is not None:
+            self._check_spike(health.loss)
+        return health, grad_norm
+
+    def _forward_backward(self, microbatches: list[Batch]) -> torch.Tensor:
+        """Accumulates this rank's gradients over its microbatches; returns its share of the global loss."""
         with loss_parallel_context(self.config.parallelism.enable_loss_parallel and self.parallel_dims.tp > 1):
             if self.schedule is not None:
-                loss = self._pipeline_forward_backward(microbatches)
-            else:
-                loss = torch.zeros((), device=self.device)
-                for inputs, labels in microbatches:
-                    logits = self.model_parts[0](inputs, document_ids=self._document_ids(inputs))
-                    microbatch_loss = self._loss(logits, labels)
-                    microbatch_loss.backward()
-                    loss += _replicated_value(microbatch_loss.detach())
-        grad_norm = self.optimizer.step()
-        self.lr_scheduler.step()
-        return loss, grad_norm
+                return self._pipeline_forward_backward(microbatches)
+            loss = torch.zeros((), device=self.device)
+            for inputs, labels in microbatches:
+                logits = self.model_parts[0](inputs, document_ids=self._document_ids(inputs))
+                microbatch_loss = self._loss(logits, labels)
+                microbatch_loss.backward()
+                loss += _replicated_value(microbatch_loss.detach())
+            return loss
+
+    def _batch_samples(self) -> str:
+        """The global sample indices of the step being taken, to find its data again."""
+        return f"global samples [{self.consumed_samples}, {self.consumed_samples + self.global_batch_size})"
+
+    def _on_nonfinite(self, health: StepHealth, grad_norm: torch.Tensor) -> None:
+        """Handles a step that was not applied: counts it (`skip`) or saves the last good state and stops (`stop`).
+
+        Every rank reaches the same verdict (the flags were all-reduced), so all of them skip, or all of
+        them save and raise together.
+        """
+        step, what = self.step + 1, health.describe_nonfinite()
+        values = f"loss {health.loss}, gradient norm {grad_norm.item()}"
+        if self.config.training.on_nonfinite == "skip":
+            self.skipped_steps += 1
+            if self.is_logging_rank:
+                logger.warning(
+                    "step %d: %s is not finite (%s) on %s; the update was skipped (%d skipped steps so far)",
+                    step, what, values, self._batch_samples(), self.skipped_steps,
+                )
+            return
+        raise NonFiniteError(
+            f"step {step}: {what} is not finite ({values}) on {self._batch_samples()}, so the update was not "
+            f"applied and training stopped (training.on_nonfinite = 'stop'). {self._save_last_good_state()} Lower "
+            "optimizer.lr or raise lr_scheduler.warmup_steps, check that batch's data, or set "
+            "training.on_nonfinite = 'skip' to drop such steps and train on."
+        )
+
+    def _save_last_good_state(self) -> str:
+        """Checkpoints the state before the failed step (unless that step is saved already); says where."""
+        if not self.config.checkpoint.enable:
+            return "Checkpointing is off (checkpoint.enable), so nothing was saved."
+        if self.last_checkpoint_step != self.step:
+            self._save_checkpoint()
+        self.checkpoint.wait()
+        return f"The last good state (step {self.step}) is saved in {self.checkpoint.folder / f'step-{self.step}'}."
+
+    def _save_checkpoint(self) -> float:
+        """Saves step-N of the current state; returns the seconds training waited for it (perf_counter: a
+        save blocks the host until the state is on the host side, so host time is the cost)."""
+        start = time.perf_counter()
+        self.checkpoint.save(self.step)
+        self.last_checkpoint_step = self.step
+        return time.perf_counter() - start
+
+    def _check_spike(self, loss: float) -> None:
+        zscore = self.spike_detector.check(loss)
+        if zscore is None:
+            return
+        self.loss_spikes += 1
+        if self.is_logging_rank:
+            logger.warning(
+                "step %d: loss spike: %.4f is %.1f standard deviations above the mean of the last %d losses, on %s",
+                self.step + 1, loss, zscore, self.config.training.spike_window, self._batch_samples(),
+            )
 
     def _document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """Under training.document_mask, each position's document in the packed rows: a new one starts at
@@ -377,18 +467,16 @@ class Trainer:
 
     def _log(
         self,
-        loss: torch.Tensor,
+        loss: float,
         grad_norm: torch.Tensor,
         lr: float,
         step_time: float,
         data_time: float,
         peak: float,
-        val_loss: float | None = None,
+        val_loss: float | None,
+        timings: dict[str, float],
     ) -> None:
-        """Gathers the global loss (from the last pipeline stage, summed over DP) and per-rank maxima;
-        rank 0 writes the record."""
-        dist.all_reduce(loss)
-        loss = loss / self.parallel_dims.tp  # every tensor-parallel rank holds the same loss
+        """Gathers the per-rank maxima; rank 0 writes the record (`loss` is already global, see step_health)."""
         maxima = torch.tensor(
             [max_memory_bytes(self.device), self.optimizer.state_bytes()], dtype=torch.float64, device=self.device
         )
@@ -400,7 +488,7 @@ class Trainer:
         self.metrics.log(
             {
                 "step": self.step,
-                "loss": loss.item(),
+                "loss": loss,
                 "lr": lr,
                 "grad_norm": grad_norm.item(),
                 "tokens_per_sec": tokens_per_sec,
@@ -410,6 +498,9 @@ class Trainer:
                 "data_time_s": data_time,
                 "max_memory_bytes": int(maxima[0]),
                 "optimizer_state_bytes": int(maxima[1]),
+                **timings,
+                "skipped_steps": self.skipped_steps,
+                "loss_spikes": self.loss_spikes,
                 **data_shares(self.dataloader, self.consumed_samples),
                 **({"val_loss": val_loss} if val_loss is not None else {}),
             }

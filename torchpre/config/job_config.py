@@ -61,6 +61,15 @@ class Training:
         "attend only within each document of a packed sequence (a document starts at each BOS token); "
         "RoPE positions stay those of the sequence; not with pipeline parallelism",
     )
+    on_nonfinite: Literal["stop", "skip"] = _option(
+        "stop",
+        "a step whose loss or gradient norm is NaN/inf is never applied; 'stop': save the last good state "
+        "(if checkpoint.enable) and exit with an error; 'skip': drop the step, count it, and train on",
+    )
+    spike_zscore: float = _option(
+        0.0, "warn about a loss this many standard deviations above the mean of the last spike_window; 0 = off"
+    )
+    spike_window: int = _option(100, "recent losses the spike detector compares each loss with")
 
 
 @dataclass
@@ -150,6 +159,27 @@ class Metrics:
     peak_flops: float = _option(
         0.0, "peak FLOP/s of one device for MFU; 0 = known GPU table, or a matmul benchmark on CPU"
     )
+    enable_wandb: bool = _option(
+        False, "also log each metrics record to Weights & Biases (run under {job.dump_folder}/wandb; needs wandb)"
+    )
+    wandb_project: str = _option("torchpre", "W&B project of the run")
+    wandb_run_name: str = _option("", "W&B run name; empty = the name W&B picks")
+    wandb_entity: str = _option("", "W&B user or team; empty = your default entity")
+    enable_tensorboard: bool = _option(
+        False, "also write each metrics record as TensorBoard scalars to {job.dump_folder}/tensorboard"
+    )
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = _option(
+        False, "write a torch.profiler trace (and on CUDA a memory snapshot) every profile_freq steps"
+    )
+    save_traces_folder: str = _option(
+        "profile_traces", "traces go to {job.dump_folder}/{save_traces_folder}/step-N/rank{R}_trace.json"
+    )
+    profile_freq: int = _option(100, "steps between traces; each trace covers the last profile_active of them")
+    profile_active: int = _option(1, "steps recorded per trace")
 
 
 @dataclass
@@ -187,3 +217,4 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
+from torchpre.metrics.sinks import import_tensorboard, import_wandb
 
 
 def validate_config(config: JobConfig) -> None:
@@ -17,6 +18,11 @@ def validate_config(config: JobConfig) -> None:
     _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
     _at_least("metrics.log_freq", m.log_freq, 1)
     _at_least("metrics.peak_flops", m.peak_flops, 0)
+    # Every rank checks the trackers' packages: rank 0 alone failing later would leave its peers waiting.
+    if m.enable_wandb:
+        import_wandb()
+    if m.enable_tensorboard:
+        import_tensorboard()
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         raise ConfigError(f"training.global_batch_size = {t.global_batch_size}: use -1 or a positive number.")
     if t.document_mask and config.parallelism.pipeline_parallel_degree > 1:
@@ -54,6 +60,7 @@ def validate_config(config: JobConfig) -> None:
         )
     _validate_dataset(config)
     _validate_validation(config)
+    _validate_health_and_profiling(config)
 
 
 def _validate_dataset(config: JobConfig) -> None:
@@ -164,6 +171,18 @@ def _same_source(dataset: str, path: str, other_dataset: str, other_path: str) -
     if dataset != other_dataset or bool(path) != bool(other_path):
         return False
     return not path or Path(path).resolve() == Path(other_path).resolve()
+
+
+def _validate_health_and_profiling(config: JobConfig) -> None:
+    t, p = config.training, config.profiling
+    _at_least("training.spike_zscore", t.spike_zscore, 0)
+    _at_least("training.spike_window", t.spike_window, 2)
+    _at_least("profiling.profile_active", p.profile_active, 1)
+    if p.profile_freq < p.profile_active:
+        raise ConfigError(
+            f"profiling.profile_freq = {p.profile_freq} is smaller than profiling.profile_active = "
+            f"{p.profile_active}: a trace records profile_active steps out of every profile_freq."
+        )
 
 
 def _at_least(key: str, value: float, minimum: float) -> None:

@@ -1,28 +1,41 @@
-"""Writes one record per logged step: a line on stdout and a line of metrics.jsonl."""
+"""Writes one record per logged step: a line on stdout and one entry in each configured sink
+(metrics.jsonl always; Weights & Biases and TensorBoard when enabled)."""
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
+
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import to_dict, to_toml
+from torchpre.metrics.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink
 
 logger = logging.getLogger("torchpre")
 
 
 class MetricsLogger:
-    """Appends JSON lines to `{dump_folder}/metrics.jsonl`, flushed per line so a crash loses nothing."""
+    """Fans each record out to its sinks, so adding a backend means adding a sink, not editing the loop."""
 
-    def __init__(self, dump_folder: str | Path):
-        path = Path(dump_folder) / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+    def __init__(self, sinks: list[Sink]):
+        self._sinks = sinks
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        for sink in self._sinks:
+            sink.log(record)
         logger.info(format_step_line(record))
 
     def close(self) -> None:
-        self._file.close()
+        for sink in self._sinks:
+            sink.close()
+
+
+def build_metrics_logger(config: JobConfig) -> MetricsLogger:
+    """metrics.jsonl plus the trackers that `config.metrics` turns on, all under `job.dump_folder`."""
+    folder, m = config.job.dump_folder, config.metrics
+    sinks: list[Sink] = [JsonlSink(folder)]
+    if m.enable_wandb:
+        sinks.append(WandbSink(folder, to_dict(config), m.wandb_project, m.wandb_run_name, m.wandb_entity))
+    if m.enable_tensorboard:
+        sinks.append(TensorBoardSink(folder, to_toml(config)))
+    return MetricsLogger(sinks)
 
 
 def format_step_line(record: dict[str, Any]) -> str:

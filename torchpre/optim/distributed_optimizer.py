@@ -56,7 +56,8 @@ class DistributedOptimizer:
     """The optimizer of a (possibly TP-sharded, pipelined) model replicated over DP.
 
     `step()` finalises the gradients, steps AdamW and writes the parameters; it returns the global
-    gradient norm before clipping. `inner` is the torch AdamW over the master shards (for the LR
+    gradient norm before clipping. `reduce_gradients()`, then `apply()` or `discard()`, is the same step
+    for a caller that first checks the norm. `inner` is the torch AdamW over the master shards (for the LR
     scheduler). `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()`.
     """
 
@@ -142,6 +143,18 @@ class DistributedOptimizer:
         return grads
 
     def step(self) -> torch.Tensor:
+        """`reduce_gradients()` then `apply()`, unconditionally; returns the global norm before clipping."""
+        norm = self.reduce_gradients()
+        self.apply()
+        return norm
+
+    def reduce_gradients(self) -> torch.Tensor:
+        """Finalises this step's gradients (TP partial sums, tied copies, the DP all-reduce or
+        reduce-scatter, clipping) and returns their global norm before clipping, without a host sync.
+
+        Separate from `apply()` so that the caller can look at the norm (and the loss) first and
+        `discard()` a step whose numbers are not finite.
+        """
         grads = self.collect_gradients()
         all_reduce_tensors([g for e, g in zip(self.entries, grads) if e.tp_partial], self.tp_group, self.bucket_bytes)
         if self.tied and self.tied_peer is not None:
@@ -166,10 +179,18 @@ class DistributedOptimizer:
             clip_gradients_(shards, self.max_norm, norm)
         for entry, shard in zip(self.entries, shards):
             entry.master.grad = shard
+        return norm
+
+    def apply(self) -> None:
+        """Steps AdamW on the gradients `reduce_gradients()` finalised and writes the new parameters."""
         self.inner.step()
         self._write_parameters()
         self._zero_grads()
-        return norm
+
+    def discard(self) -> None:
+        """Drops the finalised gradients: parameters and optimizer state (AdamW's step count included) stay
+        bitwise as they were."""
+        self._zero_grads()
 
     @torch.no_grad()
     def _write_parameters(self) -> None:

@@ -1,0 +1,94 @@
+"""The training-health pieces on their own: loss-spike detection, the non-finite verdict, discarding a
+step in the optimizer, and the CPU phase timer."""
+
+import math
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpre.health import LossSpikeDetector, step_health
+from torchpre.metrics.timer import PhaseTimer
+from torchpre.optim.distributed_optimizer import DistributedOptimizer
+
+
+@pytest.fixture
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_spike_detector_flags_only_losses_far_above_a_full_window():
+    detector = LossSpikeDetector(zscore=6.0, window=8)
+    noisy = [3.0 + 0.01 * (-1) ** i for i in range(8)]  # mean 3.0, standard deviation 0.01
+    assert [detector.check(loss) for loss in [10.0, 0.0, *noisy[2:]]] == [None] * 8  # silent until the window is full
+    detector = LossSpikeDetector(zscore=6.0, window=8)
+    for loss in noisy:
+        assert detector.check(loss) is None
+    assert detector.check(3.05) is None  # 5 standard deviations: below the threshold
+    detector = LossSpikeDetector(zscore=6.0, window=8)
+    for loss in noisy:
+        detector.check(loss)
+    assert detector.check(3.07) == pytest.approx(7.0)
+    assert detector.check(2.0) is None  # a drop is never a spike
+
+
+def test_spike_detector_ignores_a_flat_window_and_non_finite_losses():
+    detector = LossSpikeDetector(zscore=3.0, window=4)
+    for loss in [2.0, 2.0, 2.0, 2.0]:
+        detector.check(loss)
+    assert detector.check(5.0) is None  # zero deviation: no z-score to speak of
+    detector = LossSpikeDetector(zscore=3.0, window=3)
+    for loss in [1.0, math.nan, 1.1, math.inf, 0.9]:
+        detector.check(loss)
+    assert detector.check(100.0) is not None  # the window holds 1.0, 1.1, 0.9 only
+
+
+def test_step_health_names_what_is_not_finite(world):
+    finite = step_health(torch.tensor(2.0), torch.tensor(1.0), tp_degree=1)
+    assert finite.finite and finite.loss == 2.0
+    bad_norm = step_health(torch.tensor(2.0), torch.tensor(math.nan), tp_degree=1)
+    assert not bad_norm.finite and bad_norm.describe_nonfinite() == "the gradient norm"
+    both = step_health(torch.tensor(math.inf), torch.tensor(math.inf), tp_degree=1)
+    assert both.describe_nonfinite() == "the loss and the gradient norm"
+
+
+def test_discarded_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = DistributedOptimizer(
+        list(model.named_parameters()), zero_stage=0, state_mesh=None, dp_group=world, tp_group=world,
+        pp_group=world, accumulate_in_fp32=True, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_norm=1.0,
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [v.clone() for s in optimizer.inner.state.values() for v in s.values()]
+
+    (model(torch.randn(3, 4)).sum() * math.nan).backward()
+    assert optimizer.reduce_gradients().isnan()
+    optimizer.discard()
+    for before, after in zip(params, model.parameters()):
+        assert torch.equal(before, after)
+    assert all(map(torch.equal, state, [v for s in optimizer.inner.state.values() for v in s.values()]))
+
+    model(torch.randn(3, 4)).sum().backward()  # the NaN gradients are gone: the next step is finite
+    assert optimizer.reduce_gradients().isfinite()
+    optimizer.apply()
+    assert not torch.equal(params[0], model[0].weight)
+
+
+def test_phase_timer_averages_nested_phases_per_step_and_starts_over():
+    timer = PhaseTimer(torch.device("cpu"))
+    for _ in range(2):
+        with timer.phase("optimizer"):
+            with timer.phase("grad_comm"):
+                time.sleep(0.01)
+    averages = timer.averages(steps=2)
+    assert 0.01 <= averages["grad_comm"] <= averages["optimizer"] < 0.1
+    assert timer.averages(steps=1) == {}

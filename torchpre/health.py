@@ -1,0 +1,79 @@
+"""Training health: what a step does when its loss or gradients are not finite, and loss-spike detection."""
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from torchpre.errors import TorchpreError
+
+
+class NonFiniteError(TorchpreError):
+    """A step produced a non-finite loss or gradient norm under `training.on_nonfinite = "stop"`."""
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """One step's global loss and whether it and the global gradient norm are finite."""
+
+    loss: float
+    loss_finite: bool
+    grad_norm_finite: bool
+
+    @property
+    def finite(self) -> bool:
+        return self.loss_finite and self.grad_norm_finite
+
+    def describe_nonfinite(self) -> str:
+        """What made the step unusable: "the loss", "the gradient norm" or both."""
+        checks = (("the loss", self.loss_finite), ("the gradient norm", self.grad_norm_finite))
+        return " and ".join(name for name, ok in checks if not ok)
+
+
+def step_health(loss_share: torch.Tensor, grad_norm: torch.Tensor, tp_degree: int) -> StepHealth:
+    """Every rank's verdict on the step, identical on all ranks, from one all-reduce of three numbers and
+    one host sync (the only per-step sync of the loop: the update must not be queued before it is known
+    to be safe).
+
+    `loss_share` is this rank's part of the global mean loss (0 off the last pipeline stage); each
+    tensor-parallel rank holds the same share, hence the division by `tp_degree`. The norm is already
+    global, but its flag is summed too so that the decision travels in the same collective.
+    """
+    loss_share = loss_share.detach().float()
+    values = torch.stack(
+        [
+            loss_share,
+            (~torch.isfinite(loss_share)).float(),
+            (~torch.isfinite(grad_norm)).float(),
+        ]
+    )
+    dist.all_reduce(values)
+    loss, bad_loss, bad_norm = values.tolist()
+    return StepHealth(loss=loss / tp_degree, loss_finite=bad_loss == 0, grad_norm_finite=bad_norm == 0)
+
+
+class LossSpikeDetector:
+    """Flags a loss more than `zscore` standard deviations above the mean of the previous `window` losses.
+
+    It stays silent until the window is full: a mean and deviation over a handful of early, fast-falling
+    losses would flag noise. Every finite loss enters the window, spikes included, so a lasting jump of
+    the loss level is reported for about a window and then becomes the new normal.
+    """
+
+    def __init__(self, zscore: float, window: int) -> None:
+        self.zscore = zscore
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float) -> float | None:
+        """The loss's z-score if it is a spike, else None; then remembers the loss."""
+        spike = None
+        if len(self._recent) == self._recent.maxlen:
+            mean, std = statistics.fmean(self._recent), statistics.pstdev(self._recent)
+            if std > 0 and (loss - mean) / std > self.zscore:
+                spike = (loss - mean) / std
+        if math.isfinite(loss):
+            self._recent.append(loss)
+        return spike

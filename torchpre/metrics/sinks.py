@@ -1,0 +1,100 @@
+"""Where a metrics record goes: one small class per backend, each with `log(record)` and `close()`.
+
+A record is the dict of one logged step (`step` plus scalar metrics). Every sink stores the same
+names, so a curve found in metrics.jsonl is found under that name in W&B and TensorBoard too.
+"""
+
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
+
+from torchpre.errors import ConfigError
+
+INSTALL_HINT = "pip install torchpre[metrics]"
+
+
+class Sink(Protocol):
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def import_optional(module: str, feature: str) -> ModuleType:
+    """Imports an optional dependency, or fails with a message naming the feature that needs it and the
+    install command, so a user who turned on a tracker learns what to do instead of reading a traceback."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ConfigError(
+            f"{feature} needs the '{module}' package, which cannot be imported ({error}). "
+            f"Install it with `{INSTALL_HINT}`, or turn {feature} off."
+        ) from error
+
+
+def import_wandb() -> ModuleType:
+    """`wandb`, or the error that says to install it: checked at config validation on every rank."""
+    return import_optional("wandb", "metrics.enable_wandb")
+
+
+def import_tensorboard() -> ModuleType:
+    """torch's SummaryWriter module, which needs the `tensorboard` package."""
+    return import_optional("torch.utils.tensorboard", "metrics.enable_tensorboard")
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The record's metrics without `step`, which every tracker takes as its own step axis."""
+    return {name: value for name, value in record.items() if name != "step"}
+
+
+class JsonlSink:
+    """Appends JSON lines to `{dump_folder}/metrics.jsonl`, flushed per line so a crash loses nothing."""
+
+    def __init__(self, dump_folder: str | Path):
+        path = Path(dump_folder) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class WandbSink:
+    """One Weights & Biases run per job, kept under `{dump_folder}/wandb` next to the job's other outputs;
+    `WANDB_MODE=offline` keeps it on disk for a later `wandb sync`."""
+
+    def __init__(self, dump_folder: str | Path, config: dict[str, Any], project: str, run_name: str, entity: str):
+        wandb = import_wandb()
+        Path(dump_folder).mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=project, name=run_name or None, entity=entity or None, dir=str(dump_folder), config=config
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._run.log(scalars(record), step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class TensorBoardSink:
+    """Scalars under `{dump_folder}/tensorboard`, the training step as global_step, and the resolved config
+    as a text summary so the event files say which job produced them."""
+
+    def __init__(self, dump_folder: str | Path, config_toml: str):
+        tensorboard = import_tensorboard()
+        self._writer = tensorboard.SummaryWriter(log_dir=str(Path(dump_folder) / "tensorboard"))
+        self._writer.add_text("config", f"```toml\n{config_toml}```")
+
+    def log(self, record: dict[str, Any]) -> None:
+        for name, value in scalars(record).items():
+            self._writer.add_scalar(name, value, global_step=record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

@@ -1,0 +1,71 @@
+"""Periodic torch.profiler traces of the training loop, and CUDA memory snapshots next to them."""
+
+import logging
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from torchpre.config.job_config import Profiling
+
+logger = logging.getLogger("torchpre")
+
+# Allocation events the CUDA memory history keeps (a ring buffer): enough for a few steps of a large model.
+MEMORY_HISTORY_ENTRIES = 100_000
+
+
+class Profiler:
+    """Wraps the training loop (`with Profiler(...) as profiler:`); the loop calls `step()` after each step.
+
+    Every `profile_freq` steps it records the last `profile_active` of them (after one untraced warm-up
+    step when there is room, so the profiler's own start-up stays out of the trace) and writes
+    `{folder}/step-N/rank{R}_trace.json` (Chrome trace format; N is the last step recorded). The
+    schedule counts training steps, so a resumed run traces the same steps as an uninterrupted one.
+    On CUDA the allocator's history is recorded throughout and dumped per trace as
+    `rank{R}_memory_snapshot.pickle` (open it at https://pytorch.org/memory_viz). Disabled, it does nothing.
+    """
+
+    def __init__(self, config: Profiling, folder: Path, rank: int, device: torch.device, first_step: int) -> None:
+        self.folder, self.rank, self.cuda = folder, rank, device.type == "cuda"
+        self.step_number = first_step
+        self._profile: profile | None = None
+        if not config.enable_profiling:
+            return
+        warmup = 1 if config.profile_freq > config.profile_active else 0
+        cycle = schedule(wait=config.profile_freq - config.profile_active - warmup, warmup=warmup,
+                         active=config.profile_active)
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.cuda else [])]
+        # The profiler numbers its steps from 0 at the start of this run; the offset makes them training steps.
+        self._profile = profile(
+            activities=activities, schedule=lambda k: cycle(first_step + k), on_trace_ready=self._save
+        )
+
+    def __enter__(self) -> "Profiler":
+        if self._profile is not None:
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            self._profile.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._profile is not None:
+            self._profile.__exit__(exc_type, exc, traceback)
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    def step(self) -> None:
+        """Marks the end of a training step."""
+        self.step_number += 1
+        if self._profile is not None:
+            self._profile.step()
+
+    def _save(self, prof: profile) -> None:
+        step_dir = self.folder / f"step-{self.step_number}"
+        step_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(step_dir / f"rank{self.rank}_trace.json"))
+        if self.cuda:
+            torch.cuda.memory._dump_snapshot(str(step_dir / f"rank{self.rank}_memory_snapshot.pickle"))
+        logger.info("profiler trace of step %d written to %s", self.step_number, step_dir)
