@@ -6,21 +6,11 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchpre.health import LossSpikeDetector, step_health
 from torchpre.metrics.timer import PhaseTimer
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
-
-
-@pytest.fixture
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_spike_detector_flags_only_losses_far_above_a_full_window():

@@ -2,9 +2,7 @@
 
 import dataclasses
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
@@ -13,15 +11,6 @@ from torchpre.optim.distributed_optimizer import DistributedOptimizer
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=256)
 MICROBATCHES = 16
-
-
-@pytest.fixture
-def world():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def accumulated_gradients(dtype: torch.dtype, accumulate_in_fp32: bool, group) -> list[torch.Tensor]:
