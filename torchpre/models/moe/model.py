@@ -1,0 +1,254 @@
+"""Mixture-of-Experts decoder in plain PyTorch: Llama 3 with each feed-forward replaced by routed experts.
+
+Each token's router picks `top_k` of `num_experts` SwiGLU experts (dropless: no capacity limit) and
+sums their outputs weighted by the router probabilities, plus an optional always-on shared expert.
+
+No parallelism lives here. Expert parallelism wraps `MoE.experts` from outside: it shards the expert
+weights on dim 0 over an `ep` mesh and intercepts the one `experts(sorted_tokens, counts)` call to send
+each expert's tokens to the rank that holds it, which is why `GroupedExperts` runs as many experts as its
+local weights have. Everything else (pipeline stages, KV caches, packed documents) is Llama 3's.
+
+Training adds a sequence-level load-balancing loss to the gradient without changing what forward
+returns (see `AddAuxLoss`), so the trainer's loss and pipeline schedules need not know about it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from torchpre.models.attention import DocumentMask
+from torchpre.models.init import InitRule, ParamInit, init_parameters
+from torchpre.models.llama3.model import Attention, FeedForward, Transformer
+from torchpre.models.llama3.model import init_rule as llama3_init_rule
+from torchpre.models.moe.args import MoEArgs
+
+
+def _local(weight: Tensor) -> Tensor:
+    # Expert parallelism shards the weights on dim 0 and dispatches tokens itself: use this rank's experts.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs stored as stacked weights: w2[e](silu(x w1[e]) * (x w3[e]))."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """A usable default, like nn.Linear's; models overwrite it with `init_weights`."""
+        for weight in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(weight, std=0.02)
+
+    def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
+        """tokens [N, dim] grouped by expert (counts[i] consecutive rows for local expert i) -> [N, dim].
+
+        Rows after the last group (padding an expert-parallel dispatch may add) come back as zeros.
+        """
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if counts.shape[0] != w1.shape[0]:
+            raise ValueError(f"got token counts for {counts.shape[0]} experts, this module holds {w1.shape[0]}")
+        sizes = counts.tolist()
+        groups = torch.split(tokens[: sum(sizes)], sizes)
+        # A loop over experts: torch._grouped_mm needs 16-byte-aligned groups and CUDA for most dtypes.
+        outputs = [(F.silu(x @ w1[i]) * (x @ w3[i])) @ w2[i] for i, x in enumerate(groups)]
+        outputs.append(tokens.new_zeros(tokens.shape[0] - sum(sizes), w2.shape[-1]))
+        return torch.cat(outputs)
+
+
+class AddAuxLoss(torch.autograd.Function):
+    """Returns `output` unchanged, and in backward gives `aux` the gradient 1, so the parameters' gradients
+    gain d(aux)/d(params) as if `aux` had been added to the loss (Megatron's MoEAuxLossAutoScaler).
+
+    The gradient is 1 whatever scale the loss is later given (gradient accumulation, loss scaling): put any
+    such factor into `aux` itself (`MoE.aux_loss_scale`).
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, output: Tensor, aux: Tensor) -> Tensor:
+        ctx.save_for_backward(aux)
+        return output
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor) -> tuple[Tensor, Tensor]:
+        (aux,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts plus an optional shared expert: x [batch, seq, dim] -> [batch, seq, dim].
+
+    In training mode it also adds `aux_loss_coeff * scale * sum_b aux_b` to the gradient, where for each
+    sequence b, aux_b = num_experts * sum_e f_e * P_e with f_e the fraction of b's top-k assignments that went
+    to expert e and P_e b's mean router probability of e. Per sequence, so the total over microbatches and
+    data-parallel ranks does not depend on how the global batch is split. `aux_loss_scale` is `scale`:
+    None means 1 / this call's batch (a mean); the trainer sets 1 / global batch size.
+
+    Router statistics accumulate in non-persistent buffers in training mode (`reset_stats` zeroes them):
+    `tokens_per_expert` (assignments per expert), `aux_loss_sum` (sum_b aux_b, unscaled) and
+    `aux_loss_sequences` (how many b). Activation-checkpoint recomputation counts a forward twice; only ratios
+    of these are meant to be reported, and those it leaves unchanged.
+    """
+
+    tokens_per_expert: Tensor
+    aux_loss_sum: Tensor
+    aux_loss_sequences: Tensor
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.top_k
+        self.norm_topk_prob, self.aux_loss_coeff = args.norm_topk_prob, args.aux_loss_coeff
+        self.aux_loss_scale: float | None = None
+        self.router = nn.Linear(args.dim, args.num_experts, bias=False)
+        self.experts = GroupedExperts(args.num_experts, args.dim, args.moe_hidden_dim)
+        self.shared_expert = (
+            FeedForward(args.dim, args.shared_expert_hidden_dim) if args.shared_expert_hidden_dim > 0 else None
+        )
+        # float32 explicitly: the trainer builds the model under a bf16 default dtype.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("aux_loss_sequences", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
+        self.aux_loss_sequences.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        bsz, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        # Routing in float32: the top-k choice and its weights are sensitive to rounding.
+        probs = F.linear(tokens.float(), self.router.weight.float()).softmax(dim=-1)
+        weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [tokens, top_k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+
+        # Group the (token, k) assignments by expert; a stable sort keeps token order within each expert.
+        flat_ids = expert_ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        expert_out = self.experts(tokens[order // self.top_k], counts)
+        expert_out = expert_out * weights.flatten()[order, None].to(expert_out.dtype)
+        # Back to (token, k) order through the permutation, then a sum over k: deterministic on every device.
+        unsorted = expert_out.new_empty(expert_out.shape).index_copy(0, order, expert_out)
+        out = unsorted.view(-1, self.top_k, dim).sum(dim=1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        out = out.view(bsz, seqlen, dim)
+
+        if self.training:
+            aux_per_sequence = self._aux_loss(probs.view(bsz, seqlen, -1), expert_ids.view(bsz, -1))
+            self._record(counts, aux_per_sequence)
+            if torch.is_grad_enabled() and self.aux_loss_coeff > 0:
+                scale = 1.0 / bsz if self.aux_loss_scale is None else self.aux_loss_scale
+                out = AddAuxLoss.apply(out, self.aux_loss_coeff * scale * aux_per_sequence.sum())
+        return out
+
+    def _aux_loss(self, probs: Tensor, expert_ids: Tensor) -> Tensor:
+        """aux_b per sequence [batch] from probs [batch, seq, experts] and expert_ids [batch, seq * top_k]."""
+        assignments = torch.zeros_like(probs[:, 0]).scatter_add_(
+            1, expert_ids, torch.ones_like(expert_ids, dtype=probs.dtype)
+        )
+        fraction = assignments / expert_ids.shape[1]  # f_e: not differentiable, the router learns through P_e
+        return self.num_experts * (fraction * probs.mean(dim=1)).sum(dim=-1)
+
+    @torch.no_grad()
+    def _record(self, counts: Tensor, aux_per_sequence: Tensor) -> None:
+        self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        self.aux_loss_sum += aux_per_sequence.sum().to(self.aux_loss_sum.dtype)
+        self.aux_loss_sequences += aux_per_sequence.shape[0]
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual block: Llama 3 attention, then routed experts instead of the dense feed-forward."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(args)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope_cache: Tensor,
+        start_pos: int | None = None,
+        doc_mask: DocumentMask | None = None,
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos, doc_mask=doc_mask)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class MoETransformer(Transformer):
+    """MoE decoder: tokens [batch, seq] -> logits [batch, seq, vocab]. Llama 3's `Transformer` (embedding,
+    norm, output, RoPE, KV caches, pipeline-stage behaviour) with `MoEBlock` layers and the MoE init rule."""
+
+    args: MoEArgs
+
+    def __init__(self, args: MoEArgs) -> None:
+        # Transformer builds everything but the blocks when it has none; the MoE blocks are added here.
+        super().__init__(dataclasses.replace(args, n_layers=0))
+        self.args = args
+        self.layers = nn.ModuleDict({str(i): MoEBlock(args) for i in range(args.n_layers)})
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """`Transformer.init_weights` with the MoE rule: layout-independent, a function of the seed only."""
+        self.tie_weights()
+        init_parameters(self, seed, init_rule(self.args))
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The RoPE cache, and zeroed router statistics (after `to_empty` they hold garbage)."""
+        super().init_buffers()
+        for moe in self.moe_layers():
+            moe.reset_stats()
+
+    def moe_layers(self) -> Iterator[MoE]:
+        """The MoE modules this model (or pipeline stage) holds, through any AC or compile wrappers."""
+        return (module for module in self.modules() if isinstance(module, MoE))
+
+    def set_aux_loss_scale(self, scale: float | None) -> None:
+        """Every layer's `MoE.aux_loss_scale`: the trainer passes 1 / global batch size."""
+        for moe in self.moe_layers():
+            moe.aux_loss_scale = scale
+
+
+def init_rule(args: MoEArgs) -> InitRule:
+    """Llama 3's init (torchtitan's) for the names the models share; experts as its SwiGLU weights are (w1 std
+    0.02, w2 and w3 shrinking with depth), router std 0.02. The generator key stays each parameter's own name.
+    """
+    llama_rule = llama3_init_rule(args)
+    router = partial(nn.init.trunc_normal_, std=0.02)
+
+    def as_feed_forward(fqn: str, layer_id: str, weight: str) -> ParamInit:
+        fill = llama_rule(f"layers.{layer_id}.feed_forward.{weight}.weight").fill
+        return ParamInit(fqn, fill)
+
+    def rule(fqn: str) -> ParamInit:
+        match fqn.split("."):
+            case ["layers", _, "moe", "router", "weight"]:
+                return ParamInit(fqn, router)
+            case ["layers", layer_id, "moe", "experts", "w1" | "w2" | "w3" as weight]:
+                return as_feed_forward(fqn, layer_id, weight)
+            case ["layers", layer_id, "moe", "shared_expert", "w1" | "w2" | "w3" as weight, "weight"]:
+                return as_feed_forward(fqn, layer_id, weight)
+        try:
+            return llama_rule(fqn)
+        except KeyError:
+            raise KeyError(f"no MoE init rule for parameter {fqn!r}") from None
+
+    return rule
