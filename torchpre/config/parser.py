@@ -258,7 +258,8 @@ def _parse_scalar(text: str, tp: type) -> Any:
 def _choice(value: Any, choices: tuple[str, ...]) -> str:
     if isinstance(value, str) and value in choices:
         return value
-    close = difflib.get_close_matches(str(value), choices, n=1)
+    same_but_case = [choice for choice in choices if choice.lower() == str(value).lower()]
+    close = same_but_case or difflib.get_close_matches(str(value), choices, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     raise _BadValue(f"expected one of {', '.join(map(repr, choices))}{hint}")
 

@@ -55,16 +55,18 @@ def _read_file(path: Path, text_field: str) -> list[str]:
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8", errors="replace")]
     documents = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                documents.append(record[text_field])
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise TorchpreError(
-                    f"{path}:{line_number} is not a JSON object with a string '{text_field}' field "
-                    f"({error}). Each line of a .jsonl dataset must look like {{\"{text_field}\": \"...\"}}."
-                ) from None
+    lines = path.read_bytes().splitlines()
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)[text_field]  # json.loads takes UTF-8 bytes and rejects other encodings
+            if not isinstance(text, str):
+                raise TypeError(f"'{text_field}' is {type(text).__name__}, not a string")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+            raise TorchpreError(
+                f"{path}:{line_number} is not a JSON object with a string '{text_field}' field "
+                f"({error}). Each line of a .jsonl dataset must look like {{\"{text_field}\": \"...\"}}."
+            ) from None
+        documents.append(text)
     return documents

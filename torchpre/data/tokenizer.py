@@ -67,7 +67,8 @@ def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
     """
     path = Path(path)
     if not path.is_file():
-        raise TorchpreError(f"Tokenizer file {path} does not exist. {_FORMAT_HINT}")
+        problem = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise TorchpreError(f"Tokenizer file {path} {problem}. {_FORMAT_HINT}")
     ranks: dict[bytes, int] = {}
     for line_number, line in enumerate(path.read_bytes().splitlines(), start=1):
         if line.strip():
