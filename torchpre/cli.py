@@ -1,15 +1,20 @@
-"""What every entry point shares: logging per rank, --help, and bad input as one paragraph."""
+"""What every entry point shares: logging per rank, --help, and bad input or a lost peer as one paragraph."""
 
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from torchpre.errors import TorchpreError
 
 EXIT_BAD_INPUT = 2
+EXIT_COMM_FAILURE = 3
+# gloo reports a timed-out or broken connection as a plain RuntimeError; these mark its messages.
+_GLOO_FAILURES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "gloo/transport")
 
 
 def configure_logging() -> None:
@@ -24,7 +29,7 @@ def configure_logging() -> None:
 
 
 def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: str) -> None:
-    """Runs `main(argv)`; prints help or a TorchpreError's message instead of a traceback."""
+    """Runs `main(argv)`; prints help, a TorchpreError's message or a lost peer's diagnosis instead of a traceback."""
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import HelpRequested, format_help
     from torchpre.distributed.utils import shutdown_distributed
@@ -36,11 +41,44 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
         print(format_help(JobConfig, prog))
         return
     except TorchpreError as error:
-        rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
-        _report_to_torchrun(str(error))
-        sys.exit(EXIT_BAD_INPUT)
+        _fail(str(error), EXIT_BAD_INPUT)
+    except RuntimeError as error:  # torch.distributed.DistError is one too
+        if not _is_comm_failure(error):
+            raise
+        _fail(_comm_failure_message(error), EXIT_COMM_FAILURE)
     shutdown_distributed()
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    """One paragraph on stderr and in torchrun's summary, then a non-zero exit."""
+    rank = os.environ.get("RANK", "0")
+    print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+    _report_to_torchrun(message)
+    sys.exit(code)
+
+
+def _is_comm_failure(error: RuntimeError) -> bool:
+    """A collective or the rendezvous store gave up on a peer (not a bug of this rank)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or any(marker in str(error) for marker in _GLOO_FAILURES)
+
+
+def _comm_failure_message(error: RuntimeError) -> str:
+    """Names the likely cause and the key that bounds the wait, with the backend's own first line."""
+    from torchpre.distributed.utils import comm_timeout
+
+    timeout = comm_timeout()
+    limit = f"{timeout.total_seconds():g} s" if timeout else "its default"
+    lines = str(error).strip().splitlines()
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__  # drop gloo's [file:line]
+    return (
+        f"communication with the other ranks failed ({detail}). A peer process most likely died, hung "
+        "(stopped, deadlocked, stuck in I/O) or lost its network; the first failure in the other ranks' output "
+        f"or torchrun's summary says which. A rank waits for a silent peer comm.timeout_seconds = {limit} before "
+        "failing; raise it if the ranks legitimately drift apart longer (a slow checkpoint save, a long first-step "
+        "compile)."
+    )
 
 
 def _report_to_torchrun(message: str) -> None:

@@ -45,9 +45,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
-from torchpre.models.llama3.args import TransformerArgs
-from torchpre.models.llama3.hf import from_hf_state_dict, hf_config, hf_config_mismatches, to_hf_state_dict
-from torchpre.models.registry import get_flavor, get_model_spec
+from torchpre.models.registry import HFAdapter, get_flavor, get_model_spec
 
 logger = logging.getLogger("torchpre")
 
@@ -66,7 +64,8 @@ _INDEX = "model.safetensors.index.json"
 class _Model:
     """The job's model as the trainer builds it, and what the Hugging Face config also needs."""
 
-    args: TransformerArgs
+    args: Any
+    hf: HFAdapter
     flavor_max_seq_len: int
     tokenizer: Tokenizer
 
@@ -89,18 +88,19 @@ def main(argv: list[str]) -> None:
 
 
 def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int) -> None:
+    dcp_state_dict = _load_dcp_model(step_dir)  # its errors name the folder already
     try:
-        state_dict = to_hf_state_dict(_load_dcp_model(step_dir), model.args)
+        state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:
         raise TorchpreError(
             f"Checkpoint {step_dir}: {error} Check model.flavor and model.tokenizer_path against its config.toml."
         ) from None
     state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in state_dict.items()}
     tokens = {"bos_token_id": model.tokenizer.bos_id, "eos_token_id": model.tokenizer.eos_id}
-    config = hf_config(
+    config = model.hf.hf_config(
         model.args,
         **tokens,
-        torch_dtype=str(state_dict["model.embed_tokens.weight"].dtype).removeprefix("torch."),
+        torch_dtype=str(next(iter(state_dict.values())).dtype).removeprefix("torch."),
         # The longest context the weights are meant for: the flavor's design context, or the
         # training sequence length if longer. It does not change the weights or RoPE frequencies.
         max_position_embeddings=max(model.args.max_seq_len, model.flavor_max_seq_len),
@@ -117,10 +117,12 @@ def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype |
 
 def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | None, config: JobConfig) -> None:
     if not hf_dir.is_dir():
-        raise TorchpreError(f"Hugging Face folder {hf_dir} does not exist.")
+        raise TorchpreError(
+            f"Hugging Face folder {hf_dir} does not exist. Give a folder holding config.json and model.safetensors."
+        )
     _check_hf_config(hf_dir / "config.json", model, config)
     hf_state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in _load_safetensors(hf_dir).items()}
-    state_dict = from_hf_state_dict(hf_state_dict, model.args)
+    state_dict = model.hf.from_hf_state_dict(hf_state_dict, model.args)
 
     def write(folder: Path) -> None:
         dcp.save({"model": state_dict}, checkpoint_id=folder, no_dist=True)
@@ -162,21 +164,32 @@ def _size(text: str) -> int:
 def _job_model(config: JobConfig) -> _Model:
     """The model args the trainer derives from `config` (see Trainer.__init__)."""
     spec = get_model_spec(config.model.name)
-    if spec.name != "llama3":
-        raise TorchpreError(f"model.name = '{spec.name}' has no Hugging Face conversion; only 'llama3' has.")
-    flavor = get_flavor(spec, config.model.flavor)
+    if spec.hf is None:
+        raise TorchpreError(
+            f"model.name = '{config.model.name}' has no Hugging Face conversion: its ModelSpec has no `hf` adapter."
+        )
+    flavor = get_flavor(config.model.name, config.model.flavor)
     tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
     args = dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=config.training.seq_len)
-    return _Model(args, flavor.max_seq_len, tokenizer)
+    return _Model(args, spec.hf, flavor.max_seq_len, tokenizer)
 
 
 def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:
     """The "model" entry of a DCP folder, each tensor in the dtype and shape it was saved with."""
     if not step_dir.is_dir():
-        raise TorchpreError(f"Checkpoint folder {step_dir} does not exist.")
+        raise TorchpreError(
+            f"Checkpoint folder {step_dir} does not exist. Give a step-N folder that training wrote under "
+            "{job.dump_folder}/{checkpoint.folder}."
+        )
     if not (step_dir / ".metadata").is_file():
         raise TorchpreError(f"{step_dir} is not a torch.distributed.checkpoint folder: it has no .metadata file.")
-    metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    try:
+        metadata = dcp.FileSystemReader(step_dir).read_metadata()
+    except Exception as error:  # a damaged .metadata fails to unpickle in several ways
+        raise TorchpreError(
+            f"Cannot read {step_dir / '.metadata'} ({type(error).__name__}: {error}): the checkpoint is damaged or "
+            "incomplete. Give a complete step-N folder."
+        ) from None
     state_dict = {
         key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -190,7 +203,7 @@ def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:
 
 def _check_hf_config(path: Path, model: _Model, config: JobConfig) -> None:
     try:
-        mismatches = hf_config_mismatches(_read_json(path), model.args)
+        mismatches = model.hf.hf_config_mismatches(_read_json(path), model.args)
     except TorchpreError as error:
         raise TorchpreError(f"{path}: {error}") from None
     if mismatches:

@@ -15,6 +15,7 @@ logits and sample with identically seeded generators, so they agree without comm
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -34,6 +35,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.models.registry import get_flavor, get_model_spec
+from torchpre.parallel.api import apply_tensor_parallel_plan, retie
 from torchpre.parallel.pipeline import prune_to
 
 GENERATION_HELP = """\
@@ -184,6 +186,8 @@ class StageDecoder:
         self.size = dist.get_world_size(pp_group) if pp_group is not None else 1
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # Models without KV caches (`setup_caches`) recompute the whole sequence for every new token.
+        self.cached = hasattr(model, "setup_caches")
 
     @property
     def is_last(self) -> bool:
@@ -197,7 +201,7 @@ class StageDecoder:
         else:
             x = torch.empty(*tokens.shape, self.hidden_dim, dtype=self.dtype, device=self.device)
             dist.recv(x, group=self.group, group_src=self.rank - 1)
-        h = self.model(x, start_pos=start_pos)
+        h = self.model(x, start_pos=start_pos) if self.cached else self.model(x)
         if not self.is_last:
             dist.send(h.contiguous(), group=self.group, group_dst=self.rank + 1)
             return None
@@ -227,7 +231,8 @@ def generate_ids(
 
     The model's KV caches must hold len(prompt_ids) + max_new_tokens positions; they are reset here.
     """
-    decoder.model.setup_caches(1, len(prompt_ids) + max_new_tokens)
+    if decoder.cached:
+        decoder.model.setup_caches(1, len(prompt_ids) + max_new_tokens)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=decoder.device)
     start_pos, generated = 0, []
@@ -237,9 +242,14 @@ def generate_ids(
         if token == eos_id:
             break
         generated.append(token)
-        start_pos += tokens.shape[1]
-        tokens = torch.tensor([[token]], dtype=torch.long, device=decoder.device)
-    decoder.model.clear_caches()
+        new = torch.tensor([[token]], dtype=torch.long, device=decoder.device)
+        if decoder.cached:
+            start_pos += tokens.shape[1]
+            tokens = new
+        else:
+            tokens = torch.cat([tokens, new], dim=1)
+    if decoder.cached:
+        decoder.model.clear_caches()
     return generated
 
 
@@ -269,7 +279,7 @@ def main(argv: list[str]) -> None:
             f"--nproc_per_node={dims.tp * dims.pp} or raise the tensor/pipeline-parallel degrees."
         )
     spec = get_model_spec(config.model.name)
-    flavor = get_flavor(spec, config.model.flavor)
+    flavor = get_flavor(config.model.name, config.model.flavor)
     tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
     prompt_ids = tokenizer.encode(gen.prompt, bos=True, eos=False)
     total = len(prompt_ids) + gen.max_new_tokens
@@ -280,8 +290,12 @@ def main(argv: list[str]) -> None:
         )
     # RoPE is computed per position, so sizing it to this generation leaves the values unchanged.
     args = dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=total)
+    if dims.tp > 1 and spec.tensor_parallel is None:
+        raise ConfigError(
+            f"model.name = '{config.model.name}' has no tensor-parallel plan: use tensor_parallel_degree 1."
+        )
     spec.validate_tensor_parallel(args, dims.tp)
-    stages = spec.stage_modules(args, dims.pp, p.pipeline_parallel_split_points) if dims.pp > 1 else None
+    stages = spec.pipeline_stages(args, dims.pp, p.pipeline_parallel_split_points) if dims.pp > 1 else None
     step_dir = find_generation_step(
         checkpoint_folder(config.job.dump_folder, config.checkpoint.folder), config.checkpoint.load_step
     )
@@ -302,10 +316,13 @@ def main(argv: list[str]) -> None:
     if stages is not None:
         model = prune_to(model, stages[pp_rank])
     if dims.tp > 1:
-        spec.apply_tensor_parallel(model, mesh["tp"], sequence_parallel=False, loss_parallel=False)
+        plan = spec.tensor_parallel
+        if callable(plan):
+            plan = functools.partial(plan, sequence_parallel=False, loss_parallel=False)
+        apply_tensor_parallel_plan(model, mesh["tp"], plan)
     model.to_empty(device=device)
-    model.tie_weights()  # to_empty gives each module its own Parameter
-    model.init_buffers()
+    retie(model, spec.tied_weights(args))  # to_empty gives each module its own Parameter
+    spec.init_weights(model, 0)  # buffers such as RoPE's; the checkpoint then replaces every parameter
     dcp.load({"model": model.state_dict()}, checkpoint_id=str(step_dir))
     model.eval()
     is_rank0 = dist.get_rank() == 0

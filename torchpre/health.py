@@ -1,4 +1,5 @@
-"""Training health: what a step does when its loss or gradients are not finite, and loss-spike detection."""
+"""Training health: what a step does when its loss or gradients are not finite, loss-spike detection, and
+the job-wide agreement to stop (preemption) that travels with the step's verdict."""
 
 import math
 import statistics
@@ -17,11 +18,13 @@ class NonFiniteError(TorchpreError):
 
 @dataclass(frozen=True)
 class StepHealth:
-    """One step's global loss and whether it and the global gradient norm are finite."""
+    """One step's global loss, whether it and the global gradient norm are finite, and whether any rank
+    asked the job to stop after this step."""
 
     loss: float
     loss_finite: bool
     grad_norm_finite: bool
+    stop_requested: bool = False
 
     @property
     def finite(self) -> bool:
@@ -33,14 +36,18 @@ class StepHealth:
         return " and ".join(name for name, ok in checks if not ok)
 
 
-def step_health(loss_share: torch.Tensor, grad_norm: torch.Tensor, tp_degree: int) -> StepHealth:
-    """Every rank's verdict on the step, identical on all ranks, from one all-reduce of three numbers and
+def step_health(
+    loss_share: torch.Tensor, grad_norm: torch.Tensor, tp_degree: int, stop_requested: bool = False
+) -> StepHealth:
+    """Every rank's verdict on the step, identical on all ranks, from one all-reduce of four numbers and
     one host sync (the only per-step sync of the loop: the update must not be queued before it is known
     to be safe).
 
     `loss_share` is this rank's part of the global mean loss (0 off the last pipeline stage); each
     tensor-parallel rank holds the same share, hence the division by `tp_degree`. The norm is already
-    global, but its flag is summed too so that the decision travels in the same collective.
+    global, but its flag is summed too so that the decision travels in the same collective. So does
+    `stop_requested` (this rank got SIGTERM): a signal reaches ranks at slightly different steps, and
+    summing the flags makes every rank stop after the same one.
     """
     loss_share = loss_share.detach().float()
     values = torch.stack(
@@ -48,11 +55,14 @@ def step_health(loss_share: torch.Tensor, grad_norm: torch.Tensor, tp_degree: in
             loss_share,
             (~torch.isfinite(loss_share)).float(),
             (~torch.isfinite(grad_norm)).float(),
+            torch.full_like(loss_share, float(stop_requested)),
         ]
     )
     dist.all_reduce(values)
-    loss, bad_loss, bad_norm = values.tolist()
-    return StepHealth(loss=loss / tp_degree, loss_finite=bad_loss == 0, grad_norm_finite=bad_norm == 0)
+    loss, bad_loss, bad_norm, stops = values.tolist()
+    return StepHealth(
+        loss=loss / tp_degree, loss_finite=bad_loss == 0, grad_norm_finite=bad_norm == 0, stop_requested=stops > 0
+    )
 
 
 class LossSpikeDetector:

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -10,9 +11,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.config.job_config import JobConfig
@@ -20,22 +18,22 @@ from torchpre.config.parser import to_toml
 from torchpre.config.validate import validate_config
 from torchpre.data.loader import build_dataloader, data_shares
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.determinism import configure_determinism
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
+from torchpre.distributed.utils import apply_comm_timeout, init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError
 from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
+from torchpre.metrics.router import router_stats
 from torchpre.metrics.timer import IntervalTimer, PhaseTimer
-from torchpre.models.init import canonical_fqn
 from torchpre.models.registry import get_flavor, get_model_spec
-from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
-from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
-from torchpre.parallel.compile import compile_blocks
-from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to
+from torchpre.parallel.api import ParallelModel, ParallelPlan, build_optimizer, parallelize
+from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
+from torchpre.preemption import PreemptionHandler
 from torchpre.profiling import Profiler
 from torchpre.validation import PipelineEval, Validator, build_validator, held_out_fraction
 
@@ -71,17 +69,21 @@ class Trainer:
         t, p = config.training, config.parallelism
         self.config = config
         dims = ParallelDims.from_degrees(
-            p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()
+            p.data_parallel_degree,
+            p.tensor_parallel_degree,
+            p.pipeline_parallel_degree,
+            world_size_from_env(),
+            ep=p.expert_parallel_degree,
         )
         self.parallel_dims = dims
         self.global_batch_size, self.accumulation_steps = resolve_batch_sizes(
             t.local_batch_size, t.global_batch_size, dims.dp
         )
         self.model_spec = get_model_spec(config.model.name)
-        flavor_args = get_flavor(self.model_spec, config.model.flavor)
+        flavor_args = get_flavor(config.model.name, config.model.flavor)
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = dataclasses.replace(flavor_args, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
-        self.model_spec.validate_tensor_parallel(self.model_args, dims.tp)
+        self._check_model_supports_layout(dims)
         if p.enable_sequence_parallel and t.seq_len % dims.tp:
             raise ConfigError(
                 f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
@@ -90,7 +92,7 @@ class Trainer:
         self.pipeline = (
             PipelinePlan.from_config(
                 p,
-                stage_modules=lambda num_stages: self.model_spec.stage_modules(
+                stage_modules=lambda num_stages: self.model_spec.pipeline_stages(
                     self.model_args, num_stages, p.pipeline_parallel_split_points
                 ),
                 sequences_per_step=t.local_batch_size * self.accumulation_steps,
@@ -104,9 +106,12 @@ class Trainer:
         compile_loss = config.compile.enable and not (p.enable_loss_parallel and dims.tp > 1)
         self._cross_entropy_sum = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
 
+        configure_determinism(t.deterministic, t.seed)
         self.device = select_device()
-        init_distributed(self.device)
+        init_distributed(self.device, config.comm.timeout_seconds)
         self.mesh = dims.build_mesh(self.device.type)
+        self.expert_mesh = dims.build_expert_mesh(self.device.type)
+        apply_comm_timeout(self.mesh, self.expert_mesh)
         self.dp_group = self.mesh["dp"].get_group()
         self.tp_group = self.mesh["tp"].get_group()
         self.pp_group = self.mesh["pp"].get_group()
@@ -130,18 +135,14 @@ class Trainer:
         # Global samples the steps so far trained on: the checkpointed data position. Not the sampler's
         # counter, which runs ahead of training by the batches that loader workers prefetch.
         self.consumed_samples = 0
-        self.model_parts = self._build_model_parts()
-        self.schedule = self._build_schedule() if self.pipeline else None
+        self.model = self._build_model()
+        self.model_parts, self.schedule = self.model.parts, self.model.schedule
+        self.has_first_stage, self.has_last_stage = self.model.has_first_stage, self.model.has_last_stage
         self.validator = self._build_validator() if config.validation.enable else None
         o, s = config.optimizer, config.lr_scheduler
-        tied = self.model_spec.tied_weights(self.model_args)
-        self.optimizer = DistributedOptimizer(
-            self._named_parameters(),
+        self.optimizer = build_optimizer(
+            self.model,
             zero_stage=o.zero_stage,
-            state_mesh=self.mesh["dp", "tp"],
-            dp_group=self.dp_group,
-            tp_group=self.tp_group,
-            pp_group=self.pp_group,
             accumulate_in_fp32=t.mixed_precision_grad == "float32",
             lr=o.lr,
             betas=(o.beta1, o.beta2),
@@ -149,8 +150,6 @@ class Trainer:
             weight_decay=o.weight_decay,
             max_norm=t.max_norm,
             bucket_bytes=int(o.bucket_size_mb * 2**20),
-            tied=tied,
-            tied_peer=self._tied_peer if self.pipeline and tied else None,
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer.inner,
@@ -204,14 +203,52 @@ class Trainer:
         elif c.initial_load_path:
             self.checkpoint.load(Path(c.initial_load_path), model_only=True)
 
-    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """Every parameter of this rank's model parts once, by its name in the full model."""
-        named: dict[str, nn.Parameter] = {}
-        for part in self.model_parts:
-            named.update((canonical_fqn(name), param) for name, param in part.named_parameters())
-        return list(named.items())
+    def _check_model_supports_layout(self, dims: ParallelDims) -> None:
+        """Rejects a layout the model family cannot run, naming what to change, before any work."""
+        name, spec, p = self.config.model.name, self.model_spec, self.config.parallelism
+        if dims.tp > 1:
+            if spec.tensor_parallel is None:
+                raise ConfigError(
+                    f"model.name = '{name}' has no tensor-parallel plan (ModelSpec.tensor_parallel), so "
+                    "parallelism.tensor_parallel_degree must be 1."
+                )
+            if isinstance(spec.tensor_parallel, dict) and (p.enable_sequence_parallel or p.enable_loss_parallel):
+                raise ConfigError(
+                    f"model.name = '{name}' gives its tensor-parallel plan as a fixed dict, which decides the "
+                    "layouts itself: turn off parallelism.enable_sequence_parallel and enable_loss_parallel, or "
+                    "give a plan function that takes sequence_parallel and loss_parallel."
+                )
+            spec.validate_tensor_parallel(self.model_args, dims.tp)
+        if dims.ep > 1:
+            if spec.expert_parallel is None:
+                raise ConfigError(
+                    f"model.name = '{name}' has no experts to shard (ModelSpec.expert_parallel), so "
+                    "parallelism.expert_parallel_degree must be 1. Use model.name = 'moe' for a Mixture of Experts."
+                )
+            spec.validate_expert_parallel(self.model_args, dims.ep)
 
-    def _build_model_parts(self) -> list[nn.Module]:
+    def _parallel_plan(self) -> ParallelPlan:
+        spec, p, ac = self.model_spec, self.config.parallelism, self.config.activation_checkpoint
+        tensor_parallel = spec.tensor_parallel
+        if callable(tensor_parallel):
+            tensor_parallel = functools.partial(
+                tensor_parallel,
+                sequence_parallel=p.enable_sequence_parallel,
+                loss_parallel=p.enable_loss_parallel,
+            )
+        return ParallelPlan(
+            tensor_parallel=tensor_parallel,
+            expert_parallel=spec.expert_parallel,
+            pipeline=self.pipeline,
+            blocks=spec.blocks,
+            tied_weights=spec.tied_weights(self.model_args),
+            activation_checkpoint=ac.mode,
+            selective_ac_option=ac.selective_ac_option,
+            compile=self.config.compile.enable,
+            compile_fullgraph=spec.compile_fullgraph,
+        )
+
+    def _build_model(self) -> ParallelModel:
         """The model, or this rank's pipeline stages of it: built on the meta device in the parameter
         dtype, parallelized, then materialised and initialised from the seed alone (so every layout
         starts equal)."""
@@ -222,28 +259,21 @@ class Trainer:
         self.flops_per_token = self.model_spec.flops_per_token(
             self.model_args, self.num_params, self.config.training.seq_len
         )
-        if self.pipeline:
-            pp_rank = self.mesh["pp"].get_local_rank()
-            parts = [prune_to(model, self.pipeline.stage_modules[s]) for s in self.pipeline.stage_ids(pp_rank)]
-        else:
-            parts = [model]
-        p = self.config.parallelism
-        for part in parts:
-            if self.parallel_dims.tp > 1:
-                self.model_spec.apply_tensor_parallel(
-                    part,
-                    self.mesh["tp"],
-                    sequence_parallel=p.enable_sequence_parallel,
-                    loss_parallel=p.enable_loss_parallel,
-                )
-            ac = self.config.activation_checkpoint
-            apply_activation_checkpointing(part.layers, ac.mode, ac.selective_ac_option)
-            if self.config.compile.enable:
-                compile_blocks(part.layers, tensor_parallel=self.parallel_dims.tp > 1)
-            part.to_empty(device=self.device)
-            part.init_weights(self.config.training.seed)
+        seed = self.config.training.seed
+        parallel = parallelize(
+            model,
+            self.mesh,
+            self._parallel_plan(),
+            device=self.device,
+            init_weights=lambda part: self.model_spec.init_weights(part, seed),
+            loss_fn=self._loss,
+            expert_mesh=self.expert_mesh,
+        )
+        for part in parallel.parts:
+            if hasattr(part, "set_aux_loss_scale"):  # Mixture of Experts: the aux loss is a mean over sequences
+                part.set_aux_loss_scale(1 / self.global_batch_size)
         logger.info(
-            "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d; "
+            "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d (ep %d); "
             "global batch %d = %d microbatches of %d per DP rank",
             self.config.model.name,
             self.config.model.flavor,
@@ -252,23 +282,14 @@ class Trainer:
             self.parallel_dims.dp,
             self.parallel_dims.tp,
             self.parallel_dims.pp,
+            self.parallel_dims.ep,
             self.global_batch_size,
             self.accumulation_steps,
             self.config.training.local_batch_size,
         )
-        return parts
-
-    def _build_schedule(self):
-        pp_rank = self.mesh["pp"].get_local_rank()
-        ids = self.pipeline.stage_ids(pp_rank)
-        stages = [
-            PipelineStage(part, stage, self.pipeline.num_stages, self.device, group=self.pp_group)
-            for part, stage in zip(self.model_parts, ids)
-        ]
-        self.has_first_stage = 0 in ids
-        self.has_last_stage = self.pipeline.num_stages - 1 in ids
-        logger.info("pipeline: %s", self.pipeline.describe())
-        return build_schedule(stages, self.pipeline.schedule, self.pipeline.n_microbatches, self._loss)
+        if self.pipeline:
+            logger.info("pipeline: %s", self.pipeline.describe())
+        return parallel
 
     def _build_validator(self) -> Validator:
         """Evaluates with the training forward (document masks included) or, under PP, with the training
@@ -287,7 +308,7 @@ class Trainer:
             self.tokenizer,
             self.mesh,
             self.model_parts,
-            forward=lambda inputs: self.model_parts[0](inputs, document_ids=self._document_ids(inputs)),
+            forward=lambda inputs: self.model_parts[0](inputs, **self._forward_kwargs(inputs)),
             loss_sum=self._cross_entropy_sum,
             device=self.device,
             pipeline=pipeline,
@@ -309,24 +330,26 @@ class Trainer:
         profiler = Profiler(self.config.profiling, traces, dist.get_rank(), self.device, first_step=self.step)
         timer.start()
         interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
-        with profiler:
+        preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
+        with profiler, preemption:
             while self.step < t.steps:
                 fetch_start = time.perf_counter()
                 with self.phases.phase("data"):
                     microbatches = [next(batches) for _ in range(self.accumulation_steps)]
                 data_time += time.perf_counter() - fetch_start
                 lr = self.optimizer.inner.param_groups[0]["lr"]
-                health, grad_norm = self.train_step(microbatches)
+                health, grad_norm = self.train_step(microbatches, stop_requested=preemption.requested)
                 self.step += 1
                 self.consumed_samples += self.global_batch_size
                 interval_steps += 1
                 profiler.step()
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
-                log = validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps
+                stop = health.stop_requested  # some rank got SIGTERM: every rank stops after this step
+                log = validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps or stop
                 if log:  # read before checkpointing and validation, which are not part of a step
                     step_time = timer.elapsed() / interval_steps
                     timings = {f"time/{name}_s": v for name, v in self.phases.averages(interval_steps).items()}
-                if self.config.checkpoint.enable and self.checkpoint.should_save(self.step, t.steps):
+                if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
                     checkpoint_time += self._save_checkpoint()
                 if log:
                     if checkpoint_time:
@@ -336,6 +359,16 @@ class Trainer:
                     self._log(health.loss, grad_norm, lr, step_time, data_time, peak, val_loss, timings)
                     timer.start()
                     interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
+                if stop:
+                    self.checkpoint.wait()  # complete on disk before torchrun's shutdown timeout runs out
+                    if self.is_logging_rank:
+                        logger.warning(
+                            "SIGTERM received: stopped after step %d and saved %s (checkpoint.save_on_preemption). "
+                            "Run the same command again to resume from it.",
+                            self.step,
+                            self.checkpoint.folder / f"step-{self.step}",
+                        )
+                    break
         if self.checkpoint is not None:
             self.checkpoint.close()
         if self.metrics is not None:
@@ -349,9 +382,10 @@ class Trainer:
         """
         return self._cross_entropy_sum(logits, labels) / self.tokens_per_step
 
-    def train_step(self, microbatches: list[Batch]) -> tuple[StepHealth, torch.Tensor]:
+    def train_step(self, microbatches: list[Batch], stop_requested: bool = False) -> tuple[StepHealth, torch.Tensor]:
         """One optimizer step over this rank's microbatches; returns (the step's global loss and whether it
-        was finite, the global grad norm before clipping).
+        was finite, the global grad norm before clipping). `stop_requested` (this rank got SIGTERM) rides
+        the step's all-reduce; the result says whether any rank asked to stop.
 
         A step whose loss or gradient norm is not finite on any rank is never applied; see `_on_nonfinite`.
         The LR schedule advances either way, so a skipped step shifts nothing after it.
@@ -361,7 +395,7 @@ class Trainer:
         with self.phases.phase("optimizer"):
             with self.phases.phase("grad_comm"):
                 grad_norm = self.optimizer.reduce_gradients()
-            health = step_health(loss, grad_norm, self.parallel_dims.tp)
+            health = step_health(loss, grad_norm, self.parallel_dims.tp, stop_requested)
             if health.finite:
                 self.optimizer.apply()
             else:
@@ -375,15 +409,7 @@ class Trainer:
     def _forward_backward(self, microbatches: list[Batch]) -> torch.Tensor:
         """Accumulates this rank's gradients over its microbatches; returns its share of the global loss."""
         with loss_parallel_context(self.config.parallelism.enable_loss_parallel and self.parallel_dims.tp > 1):
-            if self.schedule is not None:
-                return self._pipeline_forward_backward(microbatches)
-            loss = torch.zeros((), device=self.device)
-            for inputs, labels in microbatches:
-                logits = self.model_parts[0](inputs, document_ids=self._document_ids(inputs))
-                microbatch_loss = self._loss(logits, labels)
-                microbatch_loss.backward()
-                loss += _replicated_value(microbatch_loss.detach())
-            return loss
+            return self.model.forward_backward(microbatches, self._forward_kwargs)
 
     def _batch_samples(self) -> str:
         """The global sample indices of the step being taken, to find its data again."""
@@ -440,30 +466,13 @@ class Trainer:
                 self.step + 1, loss, zscore, self.config.training.spike_window, self._batch_samples(),
             )
 
-    def _document_ids(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """Under training.document_mask, each position's document in the packed rows: a new one starts at
-        every BOS token (positions before a row's first BOS end a document begun in an earlier row)."""
+    def _forward_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Under training.document_mask, `document_ids`: each position's document in the packed rows. A new
+        one starts at every BOS token (positions before a row's first BOS end a document begun in an earlier
+        row)."""
         if not self.config.training.document_mask:
-            return None
-        return (inputs == self.tokenizer.bos_id).cumsum(dim=1)
-
-    def _pipeline_forward_backward(self, microbatches: list[Batch]) -> torch.Tensor:
-        """All accumulation microbatches go through one schedule step, cut into pipeline microbatches."""
-        inputs = torch.cat([x for x, _ in microbatches])
-        labels = torch.cat([y for _, y in microbatches])
-        losses: list[torch.Tensor] = []
-        targets = {"target": labels, "losses": losses} if self.has_last_stage else {}
-        args = (inputs,) if self.has_first_stage else ()
-        self.schedule.step(*args, **targets, return_outputs=False)
-        if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack([_replicated_value(loss.detach()) for loss in losses]).sum()
-
-    def _tied_peer(self) -> int:
-        """The pp rank holding the other copy of the tied weight."""
-        pp_rank = self.mesh["pp"].get_local_rank()
-        first, last = self.pipeline.stage_rank(0), self.pipeline.stage_rank(self.pipeline.num_stages - 1)
-        return last if pp_rank == first else first
+            return {}
+        return {"document_ids": (inputs == self.tokenizer.bos_id).cumsum(dim=1)}
 
     def _log(
         self,
@@ -481,6 +490,9 @@ class Trainer:
             [max_memory_bytes(self.device), self.optimizer.state_bytes()], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        routing = {}
+        if hasattr(self.model_args, "num_experts"):
+            routing = router_stats(self.model_parts, self.model_args.n_layers, self.model_args.num_experts, self.device)
         if self.metrics is None:
             return
         tokens_per_sec = self.tokens_per_step / step_time
@@ -499,6 +511,7 @@ class Trainer:
                 "max_memory_bytes": int(maxima[0]),
                 "optimizer_state_bytes": int(maxima[1]),
                 **timings,
+                **routing,
                 "skipped_steps": self.skipped_steps,
                 "loss_spikes": self.loss_spikes,
                 **data_shares(self.dataloader, self.consumed_samples),
@@ -522,7 +535,3 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Summed token cross-entropy, computed in fp32 whatever the logits' dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
-
-def _replicated_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor for a loss that may be a replicated DTensor (under loss parallel)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -8,7 +8,7 @@ import torch
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
-from torchpre.models.llama3.pipeline import llama3_stage_modules
+from torchpre.models.llama3.spec import SPEC as LLAMA3
 from torchpre.parallel.pipeline import PipelinePlan, prune_to, split_layers, stage_ids, stage_rank
 
 LAYERS = [f"layers.{i}" for i in range(6)]
@@ -46,7 +46,7 @@ def test_split_errors_name_the_problem():
 
 def test_llama_stages_put_embedding_first_and_head_last():
     args = LLAMA3_FLAVORS["debugmodel"]
-    assert llama3_stage_modules(args, 2) == [
+    assert LLAMA3.pipeline_stages(args, 2) == [
         ["tok_embeddings", "layers.0", "layers.1", "layers.2"],
         ["layers.3", "layers.4", "layers.5", "norm", "output"],
     ]
@@ -88,9 +88,30 @@ def test_pruned_stages_compose_to_the_full_model():
     args = LLAMA3_FLAVORS["tiny"]
     model = Transformer(args)
     model.init_weights(0)
-    names = llama3_stage_modules(args, 2)
+    names = LLAMA3.pipeline_stages(args, 2)
     first, second = (prune_to(model, stage) for stage in names)
     assert first.output is None and second.tok_embeddings is None
     assert list(first.layers) == ["0"] and list(second.layers) == ["1"]
     tokens = torch.randint(0, args.vocab_size, (2, 8))
     torch.testing.assert_close(second(first(tokens)), model(tokens), rtol=0, atol=0)
+
+
+def test_pipeline_stages_read_off_any_model():
+    from torchpre.parallel import PipelinePlan, pipeline_stages
+
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_FLAVORS["debugmodel"])
+    assert pipeline_stages(model, layers_per_stage=[1, 2, 3]) == [
+        ["tok_embeddings", "layers.0"],
+        ["layers.1", "layers.2"],
+        ["layers.3", "layers.4", "layers.5", "norm", "output"],
+    ]
+    assert pipeline_stages(model, 2, split_points=["layers.1"])[0] == ["tok_embeddings", "layers.0"]
+    with pytest.raises(ConfigError, match="add up to the 6 blocks"):
+        pipeline_stages(model, layers_per_stage=[1, 2])
+    with pytest.raises(ConfigError, match="no child 'h'"):
+        pipeline_stages(model, 2, blocks="h")
+    plan = PipelinePlan.build(pipeline_stages(model, 4), pp=2, schedule="Interleaved1F1B", n_microbatches=4)
+    assert (plan.stages_per_rank, plan.stage_ids(1)) == (2, [1, 3])
+    with pytest.raises(ConfigError, match="at least as many microbatches as stages"):
+        PipelinePlan.build(pipeline_stages(model, 2), pp=2, schedule="1F1B", n_microbatches=1)

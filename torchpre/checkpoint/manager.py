@@ -8,13 +8,17 @@ A checkpoint is `{folder}/step-N/`, a DCP folder holding
 - "lr_scheduler", "train" (step, global sample position of the data, world size) and "rng" (one
   entry per rank), plus the resolved `config.toml`.
 It is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank has finished, so a
-`step-N` folder is always complete; loaders only ever look at `step-N` names.
+`step-N` folder is always complete; loaders only ever look at `step-N` names, and a restarted job removes
+the `.tmp-*` folders a killed one left. Before the rename, `manifest.json` records every file's size and
+CRC-32; loading checks them, so a file truncated or altered afterwards is named instead of loaded.
 """
 
+import json
 import logging
 import re
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,12 +31,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchpre.distributed.utils import comm_timeout
 from torchpre.errors import TorchpreError
 
 logger = logging.getLogger("torchpre")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-"
 
 
 @dataclass
@@ -102,8 +109,13 @@ class CheckpointManager:
         self.exclude = set(exclude_from_loading)
         self.rank = dist.get_rank()
         # Background writes run their collectives on a group of their own, never interleaved with training's.
-        self.async_group = dist.new_group(backend="gloo") if async_mode == "async" else None
+        self.async_group = dist.new_group(backend="gloo", timeout=comm_timeout()) if async_mode == "async" else None
         self._pending: tuple[Future, int, float] | None = None
+        self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
+        if self.rank == 0:
+            for stale in self.folder.glob(f"{TMP_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+                logger.info("removed %s, left by a save or deletion that did not finish", stale)
 
     # Saving ------------------------------------------------------------------------------------
 
@@ -144,11 +156,20 @@ class CheckpointManager:
         self.wait()
 
     def _finish(self, step: int, seconds: float) -> None:
+        """Once every rank's files are written: their checksums (each rank reads a share of the files), the
+        manifest, then the rename that makes the checkpoint visible."""
         dist.barrier()
+        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
+        names = sorted(path.name for path in tmp.iterdir() if path.is_file() and path.name != MANIFEST)
+        share = names[self.rank :: dist.get_world_size()]
+        records = _all_gather({name: _file_record(tmp / name) for name in share})
         if self.rank == 0:
+            manifest = {name: record for part in records for name, record in part.items()}
+            (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True), encoding="utf-8")
             final = self.folder / f"step-{step}"
-            shutil.rmtree(final, ignore_errors=True)
-            (self.folder / f".tmp-step-{step}").rename(final)
+            if final.exists():
+                _remove(final)
+            tmp.rename(final)
             self._apply_retention()
             logger.info("checkpoint %s written in %.2f s", final, seconds)
         dist.barrier()
@@ -156,18 +177,61 @@ class CheckpointManager:
     def _apply_retention(self) -> None:
         if self.keep_latest_k > 0:
             for step in complete_steps(self.folder)[: -self.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{step}")
+                _remove(self.folder / f"step-{step}")
 
     # Loading -----------------------------------------------------------------------------------
 
     def find(self, load_step: int) -> Path | None:
-        return find_step_dir(self.folder, load_step)
+        """The intact step folder to resume from, the same on every rank; None if there is none.
+
+        With -1, a corrupt latest checkpoint is skipped with a warning for the one before it (a job killed
+        mid-save is the common case, but disks and copies corrupt files too); a chosen step that is corrupt
+        is an error, since loading another one silently would not be what was asked.
+        """
+        if load_step != -1:
+            step_dir = find_step_dir(self.folder, load_step)
+            self._require_intact(step_dir, f"checkpoint.load_step = {load_step}")
+            return step_dir
+        corrupt = []
+        for step in reversed(complete_steps(self.folder)):
+            step_dir = self.folder / f"step-{step}"
+            problems = self._problems(step_dir)
+            if not problems:
+                self._verified = step_dir
+                return step_dir
+            corrupt.append(f"{step_dir} ({'; '.join(problems)})")
+            if self.rank == 0:
+                logger.warning("checkpoint %s is corrupt: %s. Trying the one before it.", step_dir, "; ".join(problems))
+        if corrupt:
+            raise TorchpreError(
+                f"Every checkpoint in {self.folder} is corrupt: {'; '.join(corrupt)}. Restore the files, or move the "
+                "folder away (or set checkpoint.folder elsewhere) to start from scratch."
+            )
+        return None
+
+    def _problems(self, step_dir: Path) -> list[str]:
+        """Every file of `step_dir` that does not match its manifest; each rank checks a share, all get all."""
+        share = verify_share(step_dir, self.rank, dist.get_world_size())
+        return sorted(problem for part in _all_gather(share) for problem in part)
+
+    def _require_intact(self, step_dir: Path, key: str) -> None:
+        """Raises, naming `key` (the setting that chose the folder) and the bad files, unless `step_dir` is intact."""
+        if step_dir == self._verified:
+            return
+        problems = self._problems(step_dir)
+        if problems:
+            raise TorchpreError(
+                f"{key}: the checkpoint {step_dir} is corrupt: {'; '.join(problems)}. Load another checkpoint "
+                "(checkpoint.load_step = -1 resumes from the latest intact one) or restore the files."
+            )
+        self._verified = step_dir
 
     def load(self, step_dir: Path, model_only: bool = False) -> TrainState:
         """Loads a checkpoint into the live state, resharding to this layout; returns where to continue.
 
         `model_only` (a run's initial weights) loads the weights and nothing else.
         """
+        self._require_intact(step_dir, "checkpoint.initial_load_path" if model_only else "checkpoint.load_step")
         saved = checkpoint_metadata(step_dir)
         parts = {"model"} if model_only else set(PARTS) - self.exclude
         keys = {"model", "optimizer", "lr_scheduler", "rng"} & parts
@@ -215,6 +279,60 @@ class CheckpointManager:
             },
             "rng": {f"rank{self.rank}": torch.get_rng_state()},
         }
+
+
+def verify_share(step_dir: Path, rank: int, world_size: int) -> list[str]:
+    """This rank's share (every world_size-th file of the manifest) of checking `step_dir`: one line per file
+    that is missing, has another size or fails its checksum. A folder without a manifest predates them and
+    is trusted, as its atomic rename already vouches for its completeness."""
+    path = step_dir / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        files = json.loads(path.read_text(encoding="utf-8"))["files"]
+        expected = [(name, int(files[name]["size"]), int(files[name]["crc32"])) for name in sorted(files)]
+    except (ValueError, KeyError, TypeError) as error:
+        return [f"{path} is unreadable ({type(error).__name__}: {error})"] if rank == 0 else []
+    problems = []
+    for name, size, crc in expected[rank::world_size]:
+        file = step_dir / name
+        try:  # an unreadable file is a finding, not an exception: the other ranks wait for this one's answer
+            if not file.is_file():
+                problems.append(f"{file} is missing")
+            elif file.stat().st_size != size:
+                problems.append(f"{file} has {file.stat().st_size} bytes, not the {size} it was saved with")
+            elif _crc32(file) != crc:
+                problems.append(f"{file} fails its CRC-32 check (its bytes changed after the save)")
+        except OSError as error:
+            problems.append(f"{file} cannot be read ({error})")
+    return problems
+
+
+def _file_record(path: Path) -> dict[str, int]:
+    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _all_gather(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _remove(step_dir: Path) -> None:
+    """Deletes a checkpoint folder without ever leaving a half-deleted `step-N`: renamed away first (a `.tmp-`
+    name, which a restart clears), then deleted."""
+    doomed = step_dir.with_name(f"{TMP_PREFIX}removing-{step_dir.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    step_dir.rename(doomed)
+    shutil.rmtree(doomed)
 
 
 def checkpoint_metadata(step_dir: Path) -> dict[str, Any]:

@@ -70,6 +70,11 @@ class Training:
         0.0, "warn about a loss this many standard deviations above the mean of the last spike_window; 0 = off"
     )
     spike_window: int = _option(100, "recent losses the spike detector compares each loss with")
+    deterministic: bool = _option(
+        False,
+        "bitwise-reproducible reruns on the same layout: seed every RNG, use only deterministic kernels "
+        "(slower on GPU)",
+    )
 
 
 @dataclass
@@ -105,6 +110,9 @@ class Parallelism:
     )
     enable_loss_parallel: bool = _option(
         False, "with tensor parallelism, compute the loss on vocabulary-sharded logits (never gathers full logits)"
+    )
+    expert_parallel_degree: int = _option(
+        1, "MoE models: data-parallel ranks that split the experts among them and exchange tokens (divides dp)"
     )
     pipeline_parallel_degree: int = _option(1, "pipeline-parallel degree (ranks that hold consecutive stages)")
     pipeline_parallel_schedule: Literal[
@@ -150,6 +158,18 @@ class Checkpoint:
     model_only: bool = _option(False, "save only the model weights (for export); resuming then restarts the rest")
     initial_load_path: str = _option(
         "", "a checkpoint step folder (or a hf-to-dcp output) whose weights start a run with no checkpoint yet"
+    )
+    save_on_preemption: bool = _option(
+        False, "on SIGTERM (torchrun forwards it), finish the step, save a checkpoint and exit cleanly"
+    )
+
+
+@dataclass
+class Comm:
+    timeout_seconds: float = _option(
+        600.0,
+        "a rank waiting this long for a peer in a collective fails with an error instead of hanging; must exceed "
+        "the longest gap between collectives (a checkpoint save, a first-step compile)",
     )
 
 
@@ -215,6 +235,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)

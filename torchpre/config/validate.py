@@ -45,8 +45,21 @@ def validate_config(config: JobConfig) -> None:
         if not 0 <= value <= 1:
             raise ConfigError(f"{key} = {value}: it must be in [0, 1].")
     c = config.checkpoint
+    _check_writable_folder("job.dump_folder", Path(config.job.dump_folder))
+    if c.enable:
+        _check_writable_folder("checkpoint.folder", Path(config.job.dump_folder) / c.folder)
     _at_least("checkpoint.interval", c.interval, 1)
     _at_least("checkpoint.keep_latest_k", c.keep_latest_k, 0)
+    if c.save_on_preemption and not c.enable:
+        raise ConfigError(
+            "checkpoint.save_on_preemption saves a checkpoint on SIGTERM, but checkpoint.enable is off. "
+            "Set checkpoint.enable = true, or turn checkpoint.save_on_preemption off."
+        )
+    if not config.comm.timeout_seconds > 0:
+        raise ConfigError(
+            f"comm.timeout_seconds = {config.comm.timeout_seconds}: it must be positive (seconds a rank waits for "
+            "a peer before failing)."
+        )
     parts = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
     unknown = [part for part in c.exclude_from_loading if part not in parts]
     if unknown:
@@ -183,6 +196,16 @@ def _validate_health_and_profiling(config: JobConfig) -> None:
             f"profiling.profile_freq = {p.profile_freq} is smaller than profiling.profile_active = "
             f"{p.profile_active}: a trace records profile_active steps out of every profile_freq."
         )
+
+
+def _check_writable_folder(key: str, folder: Path) -> None:
+    """A folder the job will create and write into must not be a file, nor lie under one."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        where = "is a file" if existing == folder else f"lies under the file {existing}"
+        raise ConfigError(f"{key} '{folder}' {where}, so the job cannot write there. Give a folder path.")
 
 
 def _at_least(key: str, value: float, minimum: float) -> None:

@@ -1,45 +1,88 @@
-"""Model families by name: what `model.name` and `model.flavor` resolve to."""
+"""Model families by name: what `model.name` and `model.flavor` resolve to.
+
+A family is a `ModelSpec`; `register_model("mymodel", spec)` makes `model.name = "mymodel"` train with
+train.py, checkpoint, generate and (with an `hf` adapter) convert like the built-in Llama 3. Register it
+in a module that train.py imports, e.g. a script that calls `register_model` and then
+`torchpre.cli.run_entry_point(torchpre.train.main, ...)` (see the README, "Bring your own model").
+"""
+
+from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchpre.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """The mapping between a family's state dict and a Hugging Face model folder, for torchpre.convert."""
+
+    to_hf_state_dict: Callable[[Mapping[str, Tensor], Any], dict[str, Tensor]]
+    from_hf_state_dict: Callable[[Mapping[str, Tensor], Any], dict[str, Tensor]]
+    hf_config: Callable[..., dict[str, Any]]  # (args, **token ids, torch_dtype, max_position_embeddings)
+    hf_config_mismatches: Callable[[Mapping[str, Any], Any], list[str]]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build, measure and parallelize one model family.
 
-    - `model_cls(args)` builds the plain model; the trainer constructs it on the meta device, then
-      calls its `init_weights(seed)` once it is parallelized and materialised.
-    - `flops_per_token(args, num_params, seq_len)` feeds MFU.
-    - `validate_tensor_parallel(args, tp)` rejects shapes that do not shard, before any work.
-    - `apply_tensor_parallel(module, tp_mesh, sequence_parallel=..., loss_parallel=...)` applies the
-      family's TP plan to the model or to one pipeline stage of it.
-    - `stage_modules(args, num_stages, split_points)` names the modules of each pipeline stage.
-    - `tied_weights(args)` names the two copies of a weight that pipeline stages must keep equal.
+    `flavors` maps a name to the family's args: a dataclass with at least `vocab_size` and `max_seq_len`
+    (the trainer sets them from the tokenizer and `training.seq_len`) and, for pipelined generation, `dim`.
+    `model_cls(args)` builds the plain model; the trainer builds it on the meta device, parallelizes it
+    (see `torchpre.parallel.api`), materialises it and calls `init_weights(module, seed)`.
+
+    Optional parts (a missing one turns the matching feature into a clear error, never a silent no-op):
+    - `tensor_parallel`: a `parallelize_module` plan, or `fn(module, tp_mesh, *, sequence_parallel,
+      loss_parallel)` that shards a model or stage; `validate_tensor_parallel(args, tp)` rejects shapes
+      that do not shard, before any work.
+    - `expert_parallel(module, ep_mesh)` shards the experts; `validate_expert_parallel(args, ep)`.
+    - `stage_modules(args, num_stages, split_points)` names the modules of each pipeline stage; default:
+      read off the model's children around `blocks` (`torchpre.parallel.api.pipeline_stages`).
+    - `tied_weights(args)`: the two names of a weight shared by two modules (tied embeddings).
+    - `flops_per_token(args, num_params, seq_len)` for MFU; default 6 x parameters.
+    - `hf`: Hugging Face conversion.
     """
 
-    name: str
     model_cls: Callable[[Any], nn.Module]
     flavors: dict[str, Any]
-    flops_per_token: Callable[[Any, int, int], int]
-    validate_tensor_parallel: Callable[[Any, int], None]
-    apply_tensor_parallel: Callable[..., None]
-    stage_modules: Callable[[Any, int, Sequence[str]], list[list[str]]]
-    tied_weights: Callable[[Any], tuple[str, str] | None]
+    blocks: str = "layers"
+    init_weights: Callable[[nn.Module, int], None] = lambda module, seed: module.init_weights(seed)
+    tensor_parallel: dict[str, ParallelStyle] | Callable[..., None] | None = None
+    validate_tensor_parallel: Callable[[Any, int], None] = lambda args, tp: None
+    expert_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
+    validate_expert_parallel: Callable[[Any, int], None] = lambda args, ep: None
+    stage_modules: Callable[[Any, int, Sequence[str]], list[list[str]]] | None = None
+    tied_weights: Callable[[Any], tuple[str, str] | None] = lambda args: None
+    flops_per_token: Callable[[Any, int, int], int] = lambda args, num_params, seq_len: 6 * num_params
+    hf: HFAdapter | None = None
+    compile_fullgraph: bool = True  # False: blocks with data-dependent shapes compile around graph breaks
+
+    def pipeline_stages(self, args: Any, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
+        """The module names of each of `num_stages` pipeline stages."""
+        if self.stage_modules is not None:
+            return self.stage_modules(args, num_stages, split_points)
+        from torchpre.parallel.api import pipeline_stages
+
+        with torch.device("meta"):
+            model = self.model_cls(args)
+        return pipeline_stages(model, num_stages, split_points=split_points, blocks=self.blocks)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
 
 
-def register_model(spec: ModelSpec) -> None:
-    """Makes `model.name = spec.name` available to train.py."""
-    _REGISTRY[spec.name] = spec
+def register_model(name: str, spec: ModelSpec) -> None:
+    """Makes `model.name = name` available to train.py, torchpre.generate and torchpre.convert."""
+    _REGISTRY[name] = spec
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -49,12 +92,12 @@ def get_model_spec(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
-def get_flavor(spec: ModelSpec, flavor: str) -> Any:
-    if flavor not in spec.flavors:
-        raise ConfigError(
-            f"model.flavor = '{flavor}' is not a flavor of '{spec.name}'.{_suggest(flavor, spec.flavors)}"
-        )
-    return spec.flavors[flavor]
+def get_flavor(name: str, flavor: str) -> Any:
+    """The args of `model.flavor = flavor` of the family `model.name = name`."""
+    flavors = get_model_spec(name).flavors
+    if flavor not in flavors:
+        raise ConfigError(f"model.flavor = '{flavor}' is not a flavor of '{name}'.{_suggest(flavor, flavors)}")
+    return flavors[flavor]
 
 
 def _suggest(name: str, choices: dict[str, Any]) -> str:
@@ -66,20 +109,8 @@ def _suggest(name: str, choices: dict[str, Any]) -> str:
 def _register_builtin_models() -> None:
     if "llama3" in _REGISTRY:
         return
-    from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
-    from torchpre.models.llama3.model import Transformer
-    from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel, validate_llama3_tensor_parallel
-    from torchpre.models.llama3.pipeline import llama3_stage_modules, llama3_tied_weights
+    from torchpre.models.llama3 import spec as llama3
+    from torchpre.models.moe import spec as moe
 
-    register_model(
-        ModelSpec(
-            name="llama3",
-            model_cls=Transformer,
-            flavors=LLAMA3_FLAVORS,
-            flops_per_token=flops_per_token,
-            validate_tensor_parallel=validate_llama3_tensor_parallel,
-            apply_tensor_parallel=apply_llama3_tensor_parallel,
-            stage_modules=llama3_stage_modules,
-            tied_weights=llama3_tied_weights,
-        )
-    )
+    register_model("llama3", llama3.SPEC)
+    register_model("moe", moe.SPEC)

@@ -10,6 +10,11 @@ clipped. Each rank then steps AdamW on its fp32 master shard and the new values 
 Stage 1 shards every parameter over DP along its first dimension that tensor parallelism does not
 shard, as `torch.chunk` does (DTensor's Shard semantics): a parameter's optimizer state is then a
 plain 2-D-mesh DTensor (Shard over dp, the TP placement over tp), which checkpoints can reshard.
+
+Experts sharded by expert parallelism (DTensors on the 1-D `ep` mesh, Shard(0) over experts) form a second
+domain: each expert lives on one rank of every ep group, so its gradient is reduced over the expert-data-
+parallel group `edp` (the DP ranks holding the same experts) instead of all of DP, its ZeRO-1 shard is taken
+over edp, and its state is a DTensor on the 2-D (edp, ep) mesh.
 Memory per parameter (bytes): fp32 16 -> 8 + 8/dp; bf16 params with fp32 grads and master 18 -> 6 + 12/dp.
 """
 
@@ -29,7 +34,7 @@ from torchpre.parallel.data_parallel import (
     all_reduce_tensors,
     reduce_scatter_chunks,
 )
-from torchpre.parallel.grad_clip import clip_gradients_, global_grad_norm
+from torchpre.parallel.grad_clip import clip_gradients_, global_grad_norm, sum_of_squares
 from torchpre.parallel.pipeline import sync_tied_gradients
 from torchpre.parallel.tensor_parallel import local_gradient
 
@@ -46,6 +51,7 @@ class _Entry:
     master: torch.Tensor  # fp32; a view of `local` when the parameter is fp32
     main_grad: torch.Tensor | None = None  # fp32 accumulator for low-precision parameters
     tp_partial: bool = False  # its gradient is a per-rank partial sum over TP
+    expert: bool = False  # sharded over the ep mesh; reduced over edp instead of dp
     owns_master: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -58,7 +64,8 @@ class DistributedOptimizer:
     `step()` finalises the gradients, steps AdamW and writes the parameters; it returns the global
     gradient norm before clipping. `reduce_gradients()`, then `apply()` or `discard()`, is the same step
     for a caller that first checks the norm. `inner` is the torch AdamW over the master shards (for the LR
-    scheduler). `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()`.
+    scheduler). `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()`;
+    `expert_state_mesh`, the 2-D (edp, ep) mesh of expert-parallel experts' state (None without experts).
     """
 
     def __init__(
@@ -78,11 +85,14 @@ class DistributedOptimizer:
         max_norm: float,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         tied: tuple[str, str] | None = None,
-        tied_peer: Callable[[], int] | None = None,
+        tied_peer: int | None = None,
+        expert_state_mesh: DeviceMesh | None = None,
     ):
         self.zero_stage = zero_stage
-        self.state_mesh = state_mesh
+        self.state_mesh, self.expert_state_mesh = state_mesh, expert_state_mesh
         self.dp_group, self.tp_group, self.pp_group = dp_group, tp_group, pp_group
+        if expert_state_mesh is not None:
+            self.edp_group, self.ep_group = expert_state_mesh["edp"].get_group(), expert_state_mesh["ep"].get_group()
         self.max_norm = max_norm
         self.bucket_bytes = bucket_bytes
         self.tied, self.tied_peer = tied, tied_peer
@@ -101,13 +111,25 @@ class DistributedOptimizer:
     def _entry(self, name: str, param: nn.Parameter) -> _Entry:
         with torch.no_grad():
             local = param.to_local() if isinstance(param, DTensor) else param.data
-        tp_dims = {p.dim for p in param.placements if isinstance(p, Shard)} if isinstance(param, DTensor) else set()
-        dim = next((d for d in range(local.ndim) if d not in tp_dims), 0)
+        sharded = {p.dim for p in param.placements if isinstance(p, Shard)} if isinstance(param, DTensor) else set()
+        expert = isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",)
+        dim = next((d for d in range(local.ndim) if d not in sharded), 0)
         shard = local
         if self.zero_stage == 1:
-            shard = _rank_chunk(local, dim, dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group))
+            group = self.edp_group if expert else self.dp_group
+            shard = _rank_chunk(local, dim, dist.get_world_size(group), dist.get_rank(group))
         master = shard.detach() if local.dtype == torch.float32 else shard.detach().float().clone()
-        return _Entry(name, param, local, bool(tp_dims), dim, master)
+        return _Entry(name, param, local, bool(sharded) and not expert, dim, master, expert=expert)
+
+    def _domains(self) -> list[tuple[list[int], dist.ProcessGroup]]:
+        """(entry indices, the group their gradients are reduced over): the dense parameters over dp, the
+        expert-parallel experts over edp."""
+        dense = [i for i, e in enumerate(self.entries) if not e.expert]
+        experts = [i for i, e in enumerate(self.entries) if e.expert]
+        domains = [(dense, self.dp_group)]
+        if experts:
+            domains.append((experts, self.edp_group))
+        return domains
 
     @staticmethod
     def _accumulate_hook(entry: _Entry) -> Callable[[nn.Parameter], None]:
@@ -159,27 +181,39 @@ class DistributedOptimizer:
         all_reduce_tensors([g for e, g in zip(self.entries, grads) if e.tp_partial], self.tp_group, self.bucket_bytes)
         if self.tied and self.tied_peer is not None:
             by_name = {e.name: g for e, g in zip(self.entries, grads) if e.name in self.tied}
-            sync_tied_gradients(by_name, self.tied, self.tied_peer(), self.pp_group)
-        if self.zero_stage == 1:
-            shards = reduce_scatter_chunks(grads, [e.dim for e in self.entries], self.dp_group, self.bucket_bytes)
-        else:
-            all_reduce_tensors(grads, self.dp_group, self.bucket_bytes)
-            shards = grads
+            sync_tied_gradients(by_name, self.tied, self.tied_peer, self.pp_group)
+        shards = list(grads)
+        for indices, group in self._domains():
+            domain = [grads[i] for i in indices]
+            if self.zero_stage == 1:
+                domain = reduce_scatter_chunks(domain, [self.entries[i].dim for i in indices], group, self.bucket_bytes)
+            else:
+                all_reduce_tensors(domain, group, self.bucket_bytes)
+            for i, shard in zip(indices, domain):
+                shards[i] = shard
         # A weight tied across pipeline stages has two entries with equal gradients: count it once.
-        second_copy = self.tied[1] if self.tied and self.tied_peer else None
-        counted = [i for i, e in enumerate(self.entries) if e.name != second_copy]
+        second_copy = self.tied[1] if self.tied and self.tied_peer is not None else None
+        counted = [i for i, e in enumerate(self.entries) if e.name != second_copy and not e.expert]
+        experts = [shards[i] for i, e in enumerate(self.entries) if e.expert]
         norm = global_grad_norm(
             [shards[i] for i in counted],
             [self.entries[i].tp_sharded for i in counted],
             tp_group=self.tp_group,
             pp_group=self.pp_group,
             dp_group=self.dp_group if self.zero_stage == 1 else None,
+            extra_squares=self._expert_squares(experts) if experts else None,
         )
         if self.max_norm > 0:
             clip_gradients_(shards, self.max_norm, norm)
         for entry, shard in zip(self.entries, shards):
             entry.master.grad = shard
         return norm
+
+    def _expert_squares(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The experts' squared gradient norm: each ep rank holds other experts, each edp rank (under ZeRO-1)
+        another chunk of them."""
+        groups = [self.ep_group, self.edp_group] if self.zero_stage == 1 else [self.ep_group]
+        return sum_of_squares(shards, groups)
 
     def apply(self) -> None:
         """Steps AdamW on the gradients `reduce_gradients()` finalised and writes the new parameters."""
@@ -195,13 +229,12 @@ class DistributedOptimizer:
     @torch.no_grad()
     def _write_parameters(self) -> None:
         if self.zero_stage == 1:
-            all_gather_chunks(
-                [e.master for e in self.entries],
-                [e.local for e in self.entries],
-                [e.dim for e in self.entries],
-                self.dp_group,
-                self.bucket_bytes,
-            )
+            for indices, group in self._domains():
+                entries = [self.entries[i] for i in indices]
+                all_gather_chunks(
+                    [e.master for e in entries], [e.local for e in entries], [e.dim for e in entries], group,
+                    self.bucket_bytes,
+                )
             return
         for entry in self.entries:
             if entry.owns_master:
@@ -234,9 +267,10 @@ class DistributedOptimizer:
     @torch.no_grad()
     def masters_from_parameters(self) -> None:
         """Re-derives the fp32 masters from the parameters (after loading weights without optimizer state)."""
-        world, rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
         for entry in self.entries:
             if entry.owns_master:
+                group = self.edp_group if entry.expert else self.dp_group
+                world, rank = dist.get_world_size(group), dist.get_rank(group)
                 local = entry.local if self.zero_stage == 0 else _rank_chunk(entry.local, entry.dim, world, rank)
                 entry.master.copy_(local)
 
@@ -255,12 +289,14 @@ class DistributedOptimizer:
         return state
 
     def _as_dtensor(self, entry: _Entry, local: torch.Tensor) -> DTensor:
-        """`local` (this rank's shard of a tensor shaped like the parameter) as a DTensor on the state mesh."""
-        tp_placement = entry.param.placements[0] if isinstance(entry.param, DTensor) else Replicate()
+        """`local` (this rank's shard of a tensor shaped like the parameter) as a DTensor on the state mesh:
+        (dp, tp) for dense parameters, (edp, ep) for experts."""
+        inner = entry.param.placements[0] if isinstance(entry.param, DTensor) else Replicate()
         dp_placement = Shard(entry.dim) if self.zero_stage == 1 else Replicate()
+        mesh = self.expert_state_mesh if entry.expert else self.state_mesh
         shape = entry.param.shape
         return DTensor.from_local(
-            local, self.state_mesh, [dp_placement, tp_placement], run_check=False, shape=shape,
+            local, mesh, [dp_placement, inner], run_check=False, shape=shape,
             stride=torch.empty(shape, device="meta").stride(),
         )
 

@@ -11,6 +11,7 @@ def global_grad_norm(
     tp_group: dist.ProcessGroup,
     pp_group: dist.ProcessGroup,
     dp_group: dist.ProcessGroup | None = None,
+    extra_squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The L2 norm of all gradients of the model, as if it lived in one process.
 
@@ -18,6 +19,7 @@ def global_grad_norm(
     across stages); `tp_sharded[i]` says whether grads[i] is a tensor-parallel shard (else it is
     replicated over TP and counted once). Squares are summed over TP for shards, over `dp_group`
     when the gradients are ZeRO shards (None when they are replicated over DP), and over stages.
+    `extra_squares` is a squared norm of other gradients already summed within the stage (the experts').
     """
     device = grads[0].device
     sharded = _sum_of_squares([g for g, s in zip(grads, tp_sharded) if s], device)
@@ -25,10 +27,22 @@ def global_grad_norm(
     if dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     total = sharded + replicated
-    for group in (dp_group, pp_group):
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(total, group=dp_group)
+    if extra_squares is not None:
+        total = total + extra_squares
+    if dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
     return total.sqrt()
+
+
+def sum_of_squares(grads: list[torch.Tensor], groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """The squared L2 norm of `grads`, summed over each of `groups` (the ranks holding the other shards)."""
+    total = _sum_of_squares(grads, grads[0].device)
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total
 
 
 def clip_gradients_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:

@@ -142,6 +142,20 @@ class PipelinePlan:
         validate_microbatches(schedule, n_microbatches, pp, pp * per_rank)
         return cls(schedule, pp, per_rank, n_microbatches, stage_modules(pp * per_rank))
 
+    @classmethod
+    def build(cls, stage_modules: list[list[str]], pp: int, schedule: str = "1F1B", n_microbatches: int = 1):
+        """A plan from module names per stage (e.g. `pipeline_stages(model, ...)`): len(stage_modules) / pp
+        stages per rank, checked like a config."""
+        schedule = "GPipe" if schedule == "AFAB" else schedule
+        if len(stage_modules) % pp:
+            raise ConfigError(f"{len(stage_modules)} pipeline stages do not split evenly over {pp} ranks.")
+        per_rank = len(stage_modules) // pp
+        schedule_class(schedule)
+        if per_rank != stages_per_rank(schedule, per_rank):
+            raise ConfigError(f"The '{schedule}' schedule cannot hold {per_rank} stages per rank.")
+        validate_microbatches(schedule, n_microbatches, pp, len(stage_modules))
+        return cls(schedule, pp, per_rank, n_microbatches, [list(names) for names in stage_modules])
+
     def stage_ids(self, pp_rank: int) -> list[int]:
         return stage_ids(pp_rank, self.pp, self.schedule, self.stages_per_rank)
 

@@ -73,9 +73,23 @@ def apply_llama3_tensor_parallel(
     parts this stage holds.
     """
     validate_llama3_tensor_parallel(model.args, tp_mesh.size())
+    block_plan = attention_plan(sequence_parallel) | feed_forward_plan(sequence_parallel)
+    apply_transformer_plan(model, tp_mesh, block_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def apply_transformer_plan(
+    model: Transformer,
+    tp_mesh: DeviceMesh,
+    block_plan: dict[str, ParallelStyle],
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> None:
+    """Applies the embedding / norm / output plan and `block_plan` (keys relative to a block) to every block
+    this stage holds; for the families built on Llama 3's `Transformer`."""
     plan = _outer_plan(model, sequence_parallel, loss_parallel)
     if model.layers:
-        plan |= {f"layers.*.{path}": style for path, style in _block_plan(sequence_parallel).items()}
+        plan |= {f"layers.*.{path}": style for path, style in block_plan.items()}
     apply_tensor_parallel(model, tp_mesh, plan)
     # parallelize_module gave the embedding and the output layer new Parameters. Both are
     # Shard(0) of [vocab, dim] on the same mesh, so one DTensor Parameter can serve as both.
@@ -101,8 +115,8 @@ def _outer_plan(
     return plan
 
 
-def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """One TransformerBlock, keys relative to it.
+def attention_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A block's attention and its norm, keys relative to the block.
 
     Attention and feed-forward each turn their input into one replicated DTensor shared by their
     column-parallel projections, so the backward sums those projections' input gradients with a
@@ -119,6 +133,16 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+    return plan
+
+
+def feed_forward_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A block's SwiGLU feed-forward and its norm, sharded like attention (see `attention_plan`)."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
         "feed_forward": PrepareModuleInput(
             input_layouts=(residual,), desired_input_layouts=(Replicate(),)
         ),
@@ -127,5 +151,5 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.w3": ColwiseParallel(),
     }
     if sequence_parallel:
-        plan |= {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        plan["ffn_norm"] = SequenceParallel()
     return plan

@@ -1,0 +1,238 @@
+"""Faults, end to end under torchrun: a killed rank restarts and resumes exactly, SIGTERM saves and stops at
+a step every rank agrees on, a hung peer fails within comm.timeout_seconds, and deterministic reruns are
+bitwise equal. Plus the cheap pieces in-process: the SIGTERM handler and the new keys' checks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tests.launch import REPO, TINY, run_train
+from torchpre.cli import EXIT_COMM_FAILURE, run_entry_point
+from torchpre.config.job_config import JobConfig
+from torchpre.config.validate import validate_config
+from torchpre.distributed.utils import _restart_store
+from torchpre.errors import ConfigError, TorchpreError
+from torchpre.preemption import PreemptionHandler
+
+STEPS = 30
+ARGS = [*TINY, "--training.steps", str(STEPS), "--training.deterministic"]
+EVERY_2 = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+ONLY_LAST = ["--checkpoint.enable", "--checkpoint.interval", "1000"]
+# fp32 on CPU and the same layout: a resumed run matches to 1e-6 (in practice exactly).
+RESUME_ATOL = 1e-6
+
+
+class Job:
+    """A torchrun job in the background, its output in a file, that the test can signal and wait for."""
+
+    def __init__(self, args: list[str], dump_folder: Path, *torchrun_args: str):
+        self.dump_folder = dump_folder
+        self.log = dump_folder.parent / f"{dump_folder.name}.log"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                [*command, *torchrun_args, "train.py", "--job.dump_folder", str(dump_folder), *args],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so cleanup reaches the workers too
+            )
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 120) -> None:
+        """Polls `condition` while the job runs; fails if the job ends first or the time runs out."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.process.poll() is not None:
+                pytest.fail(f"the job ended (exit {self.process.returncode}) too early:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"waited {timeout} s in vain:\n{self.output()[-3000:]}")
+            time.sleep(0.02)
+
+    def wait(self, timeout: float = 180) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def worker(self, rank: int) -> int:
+        """The pid of the worker with this RANK: a child of torchrun whose environment says so."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):  # a process that ended while we looked
+                continue
+            if parent == self.process.pid and f"RANK={rank}".encode() in environ:
+                return int(stat.parent.name)
+        pytest.fail(f"no worker with RANK={rank} under torchrun {self.process.pid}")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture
+def jobs():
+    """Starts jobs; whatever still runs at the end of the test is killed."""
+    started: list[Job] = []
+
+    def start(*args, **kwargs) -> Job:
+        started.append(Job(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for job in started:
+        job.kill()
+
+
+def records_by_step(dump_folder: Path) -> dict[int, dict]:
+    """metrics.jsonl by step; a step logged again after a restart counts with its last record."""
+    lines = (dump_folder / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record for record in map(json.loads, lines)}
+
+
+def logged_steps(dump_folder: Path) -> int:
+    path = dump_folder / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, dict]:
+    """The uninterrupted run, with training.deterministic (checkpointing does not change the numbers)."""
+    folder = tmp_path_factory.mktemp("reference")
+    result = run_train(ARGS, 2, folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return records_by_step(folder)
+
+
+def assert_same_losses(records: dict[int, dict], reference: dict[int, dict], steps: range) -> None:
+    assert sorted(records) == list(steps)
+    for step in steps:
+        assert records[step]["loss"] == pytest.approx(reference[step]["loss"], abs=RESUME_ATOL), f"step {step}"
+
+
+@pytest.mark.slow
+def test_deterministic_reruns_are_bitwise_equal(reference, tmp_path):
+    result = run_train(ARGS, 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rerun = records_by_step(tmp_path)
+    assert [rerun[s]["loss"] for s in rerun] == [reference[s]["loss"] for s in reference]
+    assert [rerun[s]["grad_norm"] for s in rerun] == [reference[s]["grad_norm"] for s in reference]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_restarts_the_job_which_resumes_exactly(reference, jobs, tmp_path):
+    job = jobs([*ARGS, *EVERY_2], tmp_path / "run", "--max-restarts", "1")
+    job.wait_until(lambda: (tmp_path / "run" / "checkpoint" / "step-4").is_dir())
+    os.kill(job.worker(rank=1), signal.SIGKILL)
+    assert job.wait() == 0, job.output()[-3000:]
+    assert "loaded " in job.output(), "the restarted workers did not resume from a checkpoint"
+    assert_same_losses(records_by_step(tmp_path / "run"), reference, range(1, STEPS + 1))
+    assert not list((tmp_path / "run" / "checkpoint").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_every_rank_stopped_at_and_resuming_continues_exactly(reference, jobs, tmp_path):
+    """torchrun forwards SIGTERM to its workers, which stop after the same step, save it and exit 0; torchrun
+    itself then exits 1 (it re-raises the signal as an exception)."""
+    job = jobs([*ARGS, *ONLY_LAST, "--checkpoint.save_on_preemption"], tmp_path / "run")
+    job.wait_until(lambda: logged_steps(tmp_path / "run") >= 3)
+    job.process.send_signal(signal.SIGTERM)
+    job.wait()
+    stopped = max(records_by_step(tmp_path / "run"))
+    assert stopped < STEPS
+    assert f"SIGTERM received: stopped after step {stopped} and saved" in job.output()
+    assert "exitcode" not in job.output(), "a worker failed"  # torchrun reports a worker's non-zero exit code
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == [f"step-{stopped}"]
+    result = run_train([*ARGS, *ONLY_LAST], 2, tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_losses(records_by_step(tmp_path / "run"), reference, range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_a_hung_peer_fails_the_job_within_comm_timeout(jobs, tmp_path):
+    timeout = 10
+    args = [*TINY, "--training.steps", "100000", "--comm.timeout_seconds", str(timeout)]
+    job = jobs(args, tmp_path / "run")
+    job.wait_until(lambda: logged_steps(tmp_path / "run") >= 2)
+    hung = job.worker(rank=1)
+    os.kill(hung, signal.SIGSTOP)
+    start = time.monotonic()
+    job.wait_until(lambda: "error (rank 0)" in job.output(), timeout=timeout + 30)
+    assert time.monotonic() - start < timeout + 30
+    # torchrun would SIGKILL the stopped worker after its 30 s shutdown timeout; resuming it lets its pending
+    # SIGTERM end it now
+    os.kill(hung, signal.SIGCONT)
+    assert job.wait(timeout=60) != 0
+    output = job.output()
+    assert "error (rank 0): communication with the other ranks failed (Timed out waiting" in output, output[-3000:]
+    assert f"comm.timeout_seconds = {timeout} s" in output
+    assert f"exitcode: {EXIT_COMM_FAILURE}" in output  # rank 0 exited with the paragraph, not a traceback
+
+
+def test_sigterm_sets_the_flag_only_while_the_handler_is_entered():
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionHandler(enabled=True) as preemption:
+        assert not preemption.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested
+    assert signal.getsignal(signal.SIGTERM) is before
+    with PreemptionHandler(enabled=False) as preemption:
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_lost_peer_is_reported_as_one_paragraph_and_other_errors_propagate(capsys):
+    def lost_peer(argv):
+        raise RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms")
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_entry_point(lost_peer, [], prog="train.py")
+    assert exit_info.value.code == EXIT_COMM_FAILURE
+    message = capsys.readouterr().err
+    assert "communication with the other ranks failed (Timed out waiting 10000ms)" in message
+    assert "comm.timeout_seconds" in message
+
+    def bug(argv):
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        run_entry_point(bug, [], prog="train.py")
+
+
+def test_only_a_restarted_attempt_on_a_shared_store_gets_its_own_keys(monkeypatch):
+    """The single-node case runs in test_a_killed_rank_restarts_the_job_which_resumes_exactly; here the others."""
+    timeout = timedelta(seconds=5)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _restart_store(timeout) is None  # a first attempt: nothing stale to avoid
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    with pytest.raises(TorchpreError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        _restart_store(timeout)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # torchrun made a fresh store for this attempt
+    assert _restart_store(timeout) is None
+
+
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("checkpoint", "save_on_preemption", True, "checkpoint.enable is off"),
+        ("comm", "timeout_seconds", 0.0, "comm.timeout_seconds = 0.0"),
+    ],
+)
+def test_new_keys_reject_impossible_values(section, key, value, message):
+    config = JobConfig()
+    setattr(getattr(config, section), key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config)

@@ -1,0 +1,78 @@
+"""The Mixture-of-Experts family under expert parallelism (composed with DP, ZeRO-1, PP and TP) against one
+process, its router statistics, and a checkpoint resharded across expert-parallel degrees."""
+
+import pytest
+
+from tests.launch import run_train, train_and_read_metrics
+from torchpre.errors import ConfigError
+from torchpre.models.moe.args import MOE_FLAVORS
+from torchpre.models.moe.spec import SPEC
+
+pytestmark = pytest.mark.slow
+
+MOE = [
+    "--model.name", "moe",
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8",
+    "--training.steps", "8",
+    "--lr_scheduler.warmup_steps", "2",
+    "--optimizer.lr", "3e-3",
+    "--metrics.log_freq", "1",
+]
+# fp32 on CPU: layouts differ in reduction order only (the all-to-all moves rows, it adds nothing), and the
+# routing decisions agree (a flipped top-k choice would move the loss by far more than this).
+LOSS_TOLERANCE = 1e-4
+ROUTER_KEYS = ("moe/load_imbalance", "moe/min_load", "moe/aux_loss")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    return train_and_read_metrics(MOE, 1, tmp_path_factory.mktemp("moe-reference"))
+
+
+def test_router_statistics_are_logged_and_training_balances_the_load(reference):
+    for record in reference:
+        assert 1 <= record["moe/load_imbalance"] < 4
+        assert 0 <= record["moe/min_load"] <= 1
+        assert record["moe/aux_loss"] >= 1 - 1e-6  # num_experts x sum f P is at least 1, equal when even
+    assert reference[-1]["loss"] < reference[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "layout, nproc",
+    [
+        (["--parallelism.expert_parallel_degree", "2"], 2),
+        (["--parallelism.expert_parallel_degree", "2", "--optimizer.zero_stage", "1"], 4),
+        (["--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"], 4),
+        (
+            ["--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+             "--parallelism.enable_sequence_parallel"],
+            4,
+        ),
+    ],
+    ids=["ep2", "ep2xdp2-zero1", "ep2xpp2", "ep2xtp2-sp"],
+)
+def test_expert_parallel_layout_matches_one_process(reference, layout, nproc, tmp_path):
+    records = train_and_read_metrics([*MOE, *layout], nproc, tmp_path)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=LOSS_TOLERANCE)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+    for key in ROUTER_KEYS:  # the same tokens go to the same experts, whichever rank holds them
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in reference], rel=1e-6)
+
+
+def test_checkpoint_saved_at_ep2_resumes_at_ep1(reference, tmp_path):
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "4"]
+    result = run_train([*MOE, *checkpoint, "--parallelism.expert_parallel_degree", "2"], 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (tmp_path / "checkpoint" / "step-8").rename(tmp_path / "step-8-done")  # resume from step 4
+    (tmp_path / "metrics.jsonl").unlink()
+    records = train_and_read_metrics([*MOE, *checkpoint], 1, tmp_path)
+    assert [r["step"] for r in records] == [5, 6, 7, 8]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference[4:]], abs=LOSS_TOLERANCE)
+
+
+def test_expert_degree_must_divide_the_experts():
+    with pytest.raises(ConfigError, match="num_experts = 4 is not divisible by parallelism.expert_parallel_degree = 3"):
+        SPEC.validate_expert_parallel(MOE_FLAVORS["tiny"], 3)

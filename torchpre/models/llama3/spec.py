@@ -1,0 +1,28 @@
+"""Llama 3 as a registered model family: `model.name = "llama3"`."""
+
+from torchpre.models.llama3 import hf
+from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs, flops_per_token
+from torchpre.models.llama3.model import Transformer
+from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel, validate_llama3_tensor_parallel
+from torchpre.models.registry import HFAdapter, ModelSpec
+
+
+def llama3_tied_weights(args: TransformerArgs) -> tuple[str, str] | None:
+    """The two copies of the tied embedding when the first and last stage hold one each."""
+    return ("tok_embeddings.weight", "output.weight") if args.tie_word_embeddings else None
+
+
+SPEC = ModelSpec(
+    model_cls=Transformer,
+    flavors=LLAMA3_FLAVORS,
+    tensor_parallel=apply_llama3_tensor_parallel,
+    validate_tensor_parallel=validate_llama3_tensor_parallel,
+    tied_weights=llama3_tied_weights,
+    flops_per_token=flops_per_token,
+    hf=HFAdapter(
+        to_hf_state_dict=hf.to_hf_state_dict,
+        from_hf_state_dict=hf.from_hf_state_dict,
+        hf_config=hf.hf_config,
+        hf_config_mismatches=hf.hf_config_mismatches,
+    ),
+)

@@ -1,0 +1,311 @@
+"""The public parallelize API: any `nn.Module` and a DeviceMesh in, this rank's parallel model out.
+
+    from torchpre.parallel import ParallelPlan, build_optimizer, parallelize, pipeline_stages
+
+    with torch.device("meta"):
+        model = MyModel(args)
+    plan = ParallelPlan(
+        tensor_parallel={"blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()},
+        pipeline=PipelinePlan.build(pipeline_stages(model, 2, blocks="blocks"), pp=2, n_microbatches=4),
+        blocks="blocks", activation_checkpoint="full", compile=True,
+    )
+    parallel = parallelize(model, mesh, plan, device=device, init_weights=lambda m: m.init_weights(seed),
+                           loss_fn=loss_fn)
+    optimizer = build_optimizer(parallel, zero_stage=1, lr=3e-4)
+    loss = parallel.forward_backward([(inputs, labels)])
+    grad_norm = optimizer.step()
+
+`mesh` has the dimensions ("pp", "dp", "tp") (`ParallelDims.build_mesh`); models with experts also take
+an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_expert_mesh`). What the model must do:
+- skip the submodules a pipeline stage does not hold: `pipeline_stages` names top-level children and
+  the entries of the `blocks` container; `prune_to` sets the others to None or deletes them from the
+  container, and the forward must then pass its input through (e.g. `h = self.embed(x) if self.embed
+  is not None else x`);
+- be initialised by `init_weights(module)` once it is materialised, identically for any layout
+  (`torchpre.models.init.init_parameters` draws each parameter from (seed, its name));
+- with `tied_weights = ("embed.weight", "head.weight")`, use one Parameter for both when both live on one
+  stage; `parallelize` re-ties them after sharding and materialising, and the optimizer sums the two
+  copies' gradients when they live on different stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from torchpre.errors import ConfigError
+from torchpre.models.init import canonical_fqn
+from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
+from torchpre.parallel.compile import compile_blocks
+from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to, split_layers
+from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_plan
+
+TensorParallelPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
+"""A `parallelize_module` plan (keys are fnmatch paths such as "blocks.*.mlp.fc"), or a function that
+shards a model or pipeline stage in place over the 1-D tp mesh."""
+
+ExpertParallelPlan = Callable[[nn.Module, DeviceMesh], None]
+"""A function that shards a model's experts in place over the 1-D ep mesh (see `parallel.expert_parallel`)."""
+
+if TYPE_CHECKING:
+    from torchpre.optim.distributed_optimizer import DistributedOptimizer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How to parallelize one model: everything beyond the mesh that `parallelize` needs.
+
+    `blocks` names the container (a ModuleDict) of repeated blocks: activation checkpointing and
+    torch.compile apply per block, and pipeline stages split it. `compile_fullgraph = False` is for blocks
+    with data-dependent shapes (Mixture of Experts).
+    """
+
+    tensor_parallel: TensorParallelPlan | None = None
+    expert_parallel: ExpertParallelPlan | None = None
+    pipeline: PipelinePlan | None = None
+    blocks: str = "layers"
+    tied_weights: tuple[str, str] | None = None
+    activation_checkpoint: str = "none"
+    selective_ac_option: str = "op"
+    compile: bool = False
+    compile_fullgraph: bool = True
+
+
+def pipeline_stages(
+    model: nn.Module,
+    num_stages: int | None = None,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    split_points: Sequence[str] = (),
+    blocks: str = "layers",
+) -> list[list[str]]:
+    """The module names each pipeline stage holds, read off the model's structure: the top-level children
+    defined before `blocks` go to the first stage, those after it to the last, and the blocks are split
+    evenly, by `layers_per_stage` counts, or at `split_points` (the first block name of each later stage).
+
+    For a GPT-2-like model, `pipeline_stages(model, 2, blocks="h")` gives
+    [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]].
+    """
+    names = [name for name, _ in model.named_children()]
+    if blocks not in names:
+        raise ConfigError(f"The model {type(model).__name__} has no child '{blocks}' holding its blocks: {names}.")
+    position = names.index(blocks)
+    layers = [f"{blocks}.{key}" for key, _ in getattr(model, blocks).named_children()]
+    if layers_per_stage is not None:
+        if sum(layers_per_stage) != len(layers) or min(layers_per_stage) < 1:
+            raise ConfigError(
+                f"layers_per_stage {list(layers_per_stage)} must be positive and add up to the {len(layers)} "
+                f"blocks of '{blocks}'."
+            )
+        starts = [sum(layers_per_stage[:i]) for i in range(1, len(layers_per_stage))]
+        split_points, num_stages = [layers[s] for s in starts], len(layers_per_stage)
+    if num_stages is None:
+        raise ConfigError("pipeline_stages needs num_stages or layers_per_stage.")
+    stages = split_layers(layers, num_stages, split_points)
+    stages[0][:0] = names[:position]
+    stages[-1].extend(names[position + 1 :])
+    return stages
+
+
+class ParallelModel:
+    """This rank's part of a parallelized model: its modules (`parts`: the whole model, or its pipeline
+    stages) and, under pipeline parallelism, the schedule that runs them.
+
+    `forward_backward` accumulates gradients over microbatches and returns this rank's share of the loss
+    (`loss_fn`'s values summed; 0 on pipeline ranks without the last stage). Gradients are not averaged:
+    `loss_fn` decides the normalisation (the trainer divides summed token losses by the global token
+    count, which makes any layout sum to the same global mean).
+    """
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        mesh: DeviceMesh,
+        plan: ParallelPlan,
+        device: torch.device,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        expert_mesh: DeviceMesh | None,
+    ):
+        self.parts, self.mesh, self.plan, self.device = parts, mesh, plan, device
+        self.loss_fn, self.expert_mesh = loss_fn, expert_mesh
+        pipeline = plan.pipeline
+        self.stage_ids = pipeline.stage_ids(mesh["pp"].get_local_rank()) if pipeline else [0]
+        num_stages = pipeline.num_stages if pipeline else 1
+        self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
+        self.schedule = self._build_schedule() if pipeline else None
+
+    def _build_schedule(self):
+        pipeline, group = self.plan.pipeline, self.mesh["pp"].get_group()
+        if self.loss_fn is None:
+            raise ConfigError("Pipeline parallelism needs a loss_fn: the last stage computes the loss.")
+        stages = [
+            PipelineStage(part, stage, pipeline.num_stages, self.device, group=group)
+            for part, stage in zip(self.parts, self.stage_ids)
+        ]
+        return build_schedule(stages, pipeline.schedule, pipeline.n_microbatches, self.loss_fn)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter this rank holds, once, by its name in the full model (wrapper names removed)."""
+        named: dict[str, nn.Parameter] = {}
+        for part in self.parts:
+            named.update((canonical_fqn(name), param) for name, param in part.named_parameters())
+        return list(named.items())
+
+    def tied_peer(self) -> int | None:
+        """The pp rank holding the other copy of the tied weight, when the two copies live on different ranks."""
+        pipeline = self.plan.pipeline
+        if pipeline is None or self.plan.tied_weights is None:
+            return None
+        first, last = pipeline.stage_rank(0), pipeline.stage_rank(pipeline.num_stages - 1)
+        if first == last:
+            return None
+        return last if self.mesh["pp"].get_local_rank() == first else first
+
+    def forward_backward(
+        self, microbatches: Sequence[Batch], forward_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {}
+    ) -> torch.Tensor:
+        """Runs forward and backward over `microbatches` (inputs, labels) on this rank.
+
+        Without a pipeline each microbatch runs `parts[0](inputs, **forward_kwargs(inputs))` and
+        `loss_fn(output, labels)`; with one, all microbatches go through one schedule step, cut into the
+        plan's pipeline microbatches.
+        """
+        if self.schedule is not None:
+            return self._pipeline_forward_backward(microbatches)
+        loss = torch.zeros((), device=self.device)
+        for inputs, labels in microbatches:
+            microbatch_loss = self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels)
+            microbatch_loss.backward()
+            loss += replicated_value(microbatch_loss.detach())
+        return loss
+
+    def _pipeline_forward_backward(self, microbatches: Sequence[Batch]) -> torch.Tensor:
+        inputs = torch.cat([x for x, _ in microbatches])
+        labels = torch.cat([y for _, y in microbatches])
+        losses: list[torch.Tensor] = []
+        targets = {"target": labels, "losses": losses} if self.has_last_stage else {}
+        args = (inputs,) if self.has_first_stage else ()
+        self.schedule.step(*args, **targets, return_outputs=False)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([replicated_value(loss.detach()) for loss in losses]).sum()
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: ParallelPlan,
+    *,
+    device: torch.device,
+    init_weights: Callable[[nn.Module], None],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    expert_mesh: DeviceMesh | None = None,
+) -> ParallelModel:
+    """Splits `model` (built on the meta device) into this rank's pipeline stages, shards each over the tp
+    (and ep) mesh, applies activation checkpointing and torch.compile per block, materialises it on
+    `device` and initialises it with `init_weights`.
+
+    A dict tensor-parallel plan is checked against the whole model first, so a key naming a missing
+    module is an error even when no stage of this rank holds it.
+    """
+    if isinstance(plan.tensor_parallel, dict):
+        check_plan(model, plan.tensor_parallel)
+    if plan.pipeline is not None:
+        ids = plan.pipeline.stage_ids(mesh["pp"].get_local_rank())
+        parts = [prune_to(model, plan.pipeline.stage_modules[stage]) for stage in ids]
+    else:
+        parts = [model]
+    tp_mesh = mesh["tp"]
+    for part in parts:
+        if plan.tensor_parallel is not None and tp_mesh.size() > 1:
+            apply_tensor_parallel_plan(part, tp_mesh, plan.tensor_parallel)
+        if plan.expert_parallel is not None and expert_mesh is not None and expert_mesh["ep"].size() > 1:
+            plan.expert_parallel(part, expert_mesh["ep"])
+        blocks = getattr(part, plan.blocks)
+        apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)
+        if plan.compile:
+            compile_blocks(blocks, tensor_parallel=tp_mesh.size() > 1, fullgraph=plan.compile_fullgraph)
+        part.to_empty(device=device)
+        retie(part, plan.tied_weights)
+        init_weights(part)
+    return ParallelModel(parts, mesh, plan, device, loss_fn, expert_mesh)
+
+
+def build_optimizer(
+    model: ParallelModel,
+    *,
+    zero_stage: int = 0,
+    lr: float = 3e-4,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    max_norm: float = 1.0,
+    accumulate_in_fp32: bool = True,
+    **kwargs,
+) -> DistributedOptimizer:
+    """AdamW on fp32 masters for `model`, replicated (zero_stage 0) or sharded over DP (ZeRO-1); its
+    `step()` finalises the gradients (TP partial sums, tied copies, DP reduction, clipping) first."""
+    # Imported here: the optimizer uses torchpre.parallel's collectives, so a module-level import is a cycle.
+    from torchpre.optim.distributed_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer(
+        model.named_parameters(),
+        zero_stage=zero_stage,
+        state_mesh=model.mesh["dp", "tp"],
+        dp_group=model.mesh["dp"].get_group(),
+        tp_group=model.mesh["tp"].get_group(),
+        pp_group=model.mesh["pp"].get_group(),
+        expert_state_mesh=model.expert_mesh["edp", "ep"] if model.expert_mesh is not None else None,
+        accumulate_in_fp32=accumulate_in_fp32,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        max_norm=max_norm,
+        tied=model.plan.tied_weights,
+        tied_peer=model.tied_peer(),
+        **kwargs,
+    )
+
+
+def apply_tensor_parallel_plan(part: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+    """A function plan shards the part itself; a dict plan is applied to the keys this stage holds."""
+    if callable(plan):
+        plan(part, tp_mesh)
+        return
+    held = {key: style for key, style in plan.items() if _resolves(part, key)}
+    apply_tensor_parallel(part, tp_mesh, held)
+
+
+def _resolves(module: nn.Module, key: str) -> bool:
+    try:
+        check_plan(module, {key: None})
+    except ConfigError:
+        return False
+    return True
+
+
+def retie(part: nn.Module, tied: tuple[str, str] | None) -> None:
+    """Makes the second tied name use the first's Parameter when this part holds both: sharding and
+    `to_empty` give each module its own Parameter."""
+    if tied is None:
+        return
+    held = dict(part.named_parameters(remove_duplicate=False))
+    if tied[0] in held and tied[1] in held:
+        owner, _, name = tied[1].rpartition(".")
+        setattr(part.get_submodule(owner), name, held[tied[0]])
+
+
+def replicated_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a loss that may be a replicated DTensor (under loss parallel)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
