@@ -1,13 +1,12 @@
-"""train.py on pre-tokenized shards: loader workers with exact resume, a weighted mixture resharded
-from dp2 to one process, and bad shard input stopping the job with one clear message."""
+"""train.py on pre-tokenized shards: loader workers with exact resume and a weighted mixture resharded
+from dp2 to one process (bad shard input is in the catalogue, test_bad_input.py)."""
 
 import json
 
 import pytest
 
-from tests.integration.test_bad_input import assert_clean_failure
 from tests.integration.test_checkpoint import losses, read_checkpoint, resume
-from tests.launch import TINY, run_train, train_and_read_metrics
+from tests.launch import TINY, train_and_read_metrics
 from tests.unit.test_shard_data import TOKENIZER, write_shard_folder
 
 pytestmark = pytest.mark.slow
@@ -58,20 +57,3 @@ def test_mixture_from_toml_reshards_from_dp2_to_one_process(folders, tmp_path):
     assert set(shares[-1]) == {"data_share/web", "data_share/code"}
     assert sum(shares[-1].values()) == pytest.approx(1) and min(shares[-1].values()) > 0
     assert [{k: v for k, v in r.items() if k.startswith("data_share/")} for r in resumed] == shares[5:]
-
-
-@pytest.mark.parametrize("case", ["missing folder", "wrong tokenizer", "truncated shard", "bad weight"])
-def test_bad_shard_input_stops_with_one_message(folders, tmp_path, case):
-    if case == "missing folder":
-        args, fragments = ["--training.dataset_path", str(tmp_path / "nope")], ["training.dataset_path", "nope"]
-    elif case == "wrong tokenizer":
-        folder = write_shard_folder(tmp_path / "other", documents("web", 50), sha256="ab" * 32)
-        args, fragments = ["--training.dataset_path", str(folder)], ["made with tokenizer", "model.tokenizer_path"]
-    elif case == "truncated shard":
-        folder = write_shard_folder(tmp_path / "cut", documents("web", 50))
-        (folder / "shard_00002.bin").write_bytes(b"")
-        args, fragments = ["--training.dataset_path", str(folder)], ["shard_00002.bin", "truncated"]
-    else:
-        args = ["--training.dataset_mixture", f"{folders['web']}=1,{folders['code']}=0"]
-        fragments = ["training.dataset_mixture", "weights must be positive"]
-    assert_clean_failure(run_train([*TINY, *SHARDS, *args], 1, tmp_path, timeout=60), *fragments)
