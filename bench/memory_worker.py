@@ -104,9 +104,9 @@ def _measure_steps(trainer, memory: TensorMemory) -> list[tuple[int, int, int]]:
     per_step: list[tuple[int, int, int]] = []
     train_step = trainer.train_step
 
-    def measured(microbatches):
+    def measured(microbatches, **kwargs):
         memory.begin_step()
-        result = train_step(microbatches)
+        result = train_step(microbatches, **kwargs)
         per_step.append((memory.step_start, memory.at_backward - memory.step_start, memory.peak))
         return result
 

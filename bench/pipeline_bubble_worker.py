@@ -68,7 +68,7 @@ def time_pipeline_steps(trainer: Trainer, clock: BusyClock, warmup: int, steps: 
     outside the window: it is not part of the pipeline schedule the theory describes.
     """
     records: list[tuple[float, float]] = []
-    pipeline_forward_backward = trainer._pipeline_forward_backward
+    pipeline_forward_backward = trainer.model._pipeline_forward_backward
 
     def bracketed(microbatches):
         dist.barrier()
@@ -79,7 +79,7 @@ def time_pipeline_steps(trainer: Trainer, clock: BusyClock, warmup: int, steps: 
         records.append((clock.busy, time.perf_counter() - start))
         return loss
 
-    trainer._pipeline_forward_backward = bracketed
+    trainer.model._pipeline_forward_backward = bracketed
     batches = iter(trainer.dataloader)
     for _ in range(warmup + steps):
         trainer.train_step([next(batches) for _ in range(trainer.accumulation_steps)])

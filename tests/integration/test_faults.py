@@ -178,7 +178,9 @@ def test_a_hung_peer_fails_the_job_within_comm_timeout(jobs, tmp_path):
     output = job.output()
     assert "error (rank 0): communication with the other ranks failed (Timed out waiting" in output, output[-3000:]
     assert f"comm.timeout_seconds = {timeout} s" in output
-    assert f"exitcode: {EXIT_COMM_FAILURE}" in output  # rank 0 exited with the paragraph, not a traceback
+    # Rank 0 exited with the paragraph, not a traceback. (torchrun's summary may name the SIGTERMed rank 1 as
+    # the root cause instead of rank 0's exit code 3, depending on which it reaps first.)
+    assert "[rank0]: Traceback" not in output, output[-3000:]
 
 
 def test_sigterm_sets_the_flag_only_while_the_handler_is_entered():

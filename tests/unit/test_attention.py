@@ -47,8 +47,9 @@ def test_flash_attention_only_for_half_precision_cuda_when_installed(monkeypatch
 def test_causal_attention_calls_flash_attn_causally_when_it_applies(monkeypatch):
     calls = []
 
-    def fake_flash(q, k, v, causal):
+    def fake_flash(q, k, v, causal, deterministic):
         calls.append(causal)
+        assert deterministic == torch.are_deterministic_algorithms_enabled()
         return attention.sdpa(q, k, v, mask=None, is_causal=causal)
 
     monkeypatch.setattr(attention, "flash_attn_func", fake_flash)
