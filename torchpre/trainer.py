@@ -112,9 +112,6 @@ class Trainer:
         self.mesh = dims.build_mesh(self.device.type)
         self.expert_mesh = dims.build_expert_mesh(self.device.type)
         apply_comm_timeout(self.mesh, self.expert_mesh)
-        self.dp_group = self.mesh["dp"].get_group()
-        self.tp_group = self.mesh["tp"].get_group()
-        self.pp_group = self.mesh["pp"].get_group()
         self.is_logging_rank = dist.get_rank() == 0
         torch.manual_seed(t.seed)
 

@@ -1,6 +1,6 @@
 """The public parallelize API: any `nn.Module` and a DeviceMesh in, this rank's parallel model out.
 
-    from torchpre.parallel import ParallelPlan, build_optimizer, parallelize, pipeline_stages
+    from torchpre.parallel import ParallelPlan, PipelinePlan, build_optimizer, parallelize, pipeline_stages
 
     with torch.device("meta"):
         model = MyModel(args)
