@@ -80,6 +80,9 @@ def test_pp2_with_tied_embeddings_matches_one_process(tmp_path):
     reference = train_and_read_metrics(tied, 1, tmp_path / "reference")
     records = train_and_read_metrics([*tied, *pp("1F1B")], 2, tmp_path / "pp2")
     assert_same_curve(records, reference)
+    # the V schedule puts both copies on rank 0, in two stages: summed locally
+    records = train_and_read_metrics([*tied, *pp("ZBVZeroBubble")], 2, tmp_path / "pp2_zbv")
+    assert_same_curve(records, reference)
     # tp2 x pp2 keeps the tied copies equal while both are sharded over the vocabulary
     records = train_and_read_metrics([*tied, *TP2, *pp("1F1B")], 4, tmp_path / "tp2_pp2")
     assert_same_curve(records, reference)

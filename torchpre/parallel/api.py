@@ -162,13 +162,13 @@ class ParallelModel:
         return list(named.items())
 
     def tied_peer(self) -> int | None:
-        """The pp rank holding the other copy of the tied weight, when the two copies live on different ranks."""
+        """Under pipeline parallelism with tied weights, the pp rank holding the copy of the tied weight that this
+        rank does not: the stages of the first and the last block hold one each (the same rank under V
+        schedules, whose two stage copies are summed locally). None when one module holds both."""
         pipeline = self.plan.pipeline
         if pipeline is None or self.plan.tied_weights is None:
             return None
         first, last = pipeline.stage_rank(0), pipeline.stage_rank(pipeline.num_stages - 1)
-        if first == last:
-            return None
         return last if self.mesh["pp"].get_local_rank() == first else first
 
     def forward_backward(
