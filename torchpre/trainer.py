@@ -343,19 +343,21 @@ class Trainer:
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
                 stop = health.stop_requested  # some rank got SIGTERM: every rank stops after this step
                 log = validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps or stop
-                if log:  # read before checkpointing and validation, which are not part of a step
+                # The record goes out before the checkpoint: a crash after a save never loses the logged
+                # metrics of the step it resumes after.
+                if log:  # read before validation and checkpointing, which are not part of a step
                     step_time = timer.elapsed() / interval_steps
                     timings = {f"time/{name}_s": v for name, v in self.phases.averages(interval_steps).items()}
-                if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
-                    checkpoint_time += self._save_checkpoint()
-                if log:
                     if checkpoint_time:
                         timings["time/checkpoint_s"] = checkpoint_time
                     val_loss = self.validator.evaluate() if validate else None
                     data_time /= interval_steps
                     self._log(health.loss, grad_norm, lr, step_time, data_time, peak, val_loss, timings)
-                    timer.start()
                     interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
+                if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
+                    checkpoint_time += self._save_checkpoint()
+                if log:
+                    timer.start()
                 if stop:
                     self.checkpoint.wait()  # complete on disk before torchrun's shutdown timeout runs out
                     if self.is_logging_rank:

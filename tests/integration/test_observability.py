@@ -50,8 +50,10 @@ def test_phase_timers_add_up_and_the_profiler_writes_a_trace_per_rank(tmp_path):
         phases = [record[f"time/{name}_s"] for name in ("data", "forward_backward", "optimizer")]
         assert min(phases) >= 0 and 0 <= record["time/grad_comm_s"] <= record["time/optimizer_s"]
         assert sum(phases) <= record["step_time_s"] * 1.05 + 1e-3
-        assert record["time/checkpoint_s"] > 0  # both logged steps saved a checkpoint
         assert record["skipped_steps"] == 0 and record["loss_spikes"] == 0
+    # Each record is written before its step's checkpoint (a crash after the save keeps the record), so the
+    # step-2 save is timed on the step-4 record.
+    assert "time/checkpoint_s" not in records[0] and records[1]["time/checkpoint_s"] > 0
     for step in (2, 4):
         for rank in (0, 1):
             trace = json.loads((tmp_path / "profile_traces" / f"step-{step}" / f"rank{rank}_trace.json").read_text())
