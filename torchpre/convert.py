@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchpre.checkpoint.manager import require_intact
 from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
@@ -183,6 +184,7 @@ def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:
         )
     if not (step_dir / ".metadata").is_file():
         raise TorchpreError(f"{step_dir} is not a torch.distributed.checkpoint folder: it has no .metadata file.")
+    require_intact(step_dir, "dcp-to-hf CKPT_STEP_DIR")
     try:
         metadata = dcp.FileSystemReader(step_dir).read_metadata()
     except Exception as error:  # a damaged .metadata fails to unpickle in several ways

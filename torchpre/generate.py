@@ -27,7 +27,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from torchpre.checkpoint.manager import STEP_DIR, check_shapes, checkpoint_metadata, find_step_dir
+from torchpre.checkpoint.manager import (
+    STEP_DIR,
+    check_shapes,
+    checkpoint_metadata,
+    find_step_dir,
+    require_intact,
+)
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -312,6 +318,7 @@ def main(argv: list[str]) -> None:
     device = select_device()
     init_distributed(device)
     mesh = dims.build_mesh(device.type)
+    require_intact(step_dir, "checkpoint.load_step")
     pp_rank = mesh["pp"].get_local_rank()
     if stages is not None:
         model = prune_to(model, stages[pp_rank])

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.launch import REPO, TINY, run_train
+from torchpre.checkpoint.manager import MANIFEST, _file_record
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
@@ -106,6 +107,17 @@ def _save_other_flavor_checkpoint(step_dir: Path) -> None:
         dcp.save({"model": model.state_dict()}, checkpoint_id=step_dir, no_dist=True)
 
 
+def _tamper_with(step_dir: Path) -> None:
+    """Writes the manifest a save would, then flips a byte of the data file as a bad disk or copy might."""
+    files = {path.name: _file_record(path) for path in sorted(step_dir.iterdir())}
+    (step_dir / MANIFEST).write_text(json.dumps({"files": files}))
+    with open(step_dir / "__0_0.distcp", "r+b") as data:
+        data.seek(100)
+        byte = data.read(1)
+        data.seek(100)
+        data.write(bytes([byte[0] ^ 0xFF]))
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
     """Every bad (and the few good) files the cases point at, made once; cases name them as {d}/NAME."""
@@ -141,6 +153,7 @@ def files(tmp_path_factory) -> Path:
     (d / "corrupt_checkpoint").mkdir()
     (d / "corrupt_checkpoint" / ".metadata").write_bytes(b"\x00garbage")
     _save_other_flavor_checkpoint(d / "other_flavor" / "step-3")
+    _tamper_with(shutil.copytree(d / "other_flavor", d / "tampered") / "step-3")
     (d / "full_output").mkdir()
     (d / "full_output" / "keep.txt").write_text("someone's files\n")
     return d
@@ -334,6 +347,12 @@ CATALOGUE = [
         ["does not fit this model", "model.flavor"],
         GEN,
     ),
+    case(
+        "generate-checkpoint-tampered",
+        ["--model.flavor", "debugmodel", "--prompt", "hello", "--checkpoint.folder", "{d}/tampered"],
+        ["checkpoint.load_step", "{d}/tampered/step-3/__0_0.distcp fails its CRC-32 check"],
+        GEN,
+    ),
     case("generate-data-parallel", GENERATE, ["data-parallel degree must be 1"], GEN, ranks=2),
     # Conversion.
     case("convert-usage", ["to-hf", "a", "b"], ["usage: python -m torchpre.convert"], CONVERT),
@@ -353,6 +372,12 @@ CATALOGUE = [
         "convert-checkpoint-corrupt",
         ["dcp-to-hf", "{d}/corrupt_checkpoint", "{d}/out", "--model.flavor", "tiny"],
         ["{d}/corrupt_checkpoint"],
+        CONVERT,
+    ),
+    case(
+        "convert-checkpoint-tampered",
+        ["dcp-to-hf", "{d}/tampered/step-3", "{d}/out", "--model.flavor", "debugmodel"],
+        ["dcp-to-hf CKPT_STEP_DIR", "{d}/tampered/step-3/__0_0.distcp fails its CRC-32 check"],
         CONVERT,
     ),
     case(

@@ -195,7 +195,7 @@ class CheckpointManager:
         corrupt = []
         for step in reversed(complete_steps(self.folder)):
             step_dir = self.folder / f"step-{step}"
-            problems = self._problems(step_dir)
+            problems = checkpoint_problems(step_dir)
             if not problems:
                 self._verified = step_dir
                 return step_dir
@@ -209,21 +209,9 @@ class CheckpointManager:
             )
         return None
 
-    def _problems(self, step_dir: Path) -> list[str]:
-        """Every file of `step_dir` that does not match its manifest; each rank checks a share, all get all."""
-        share = verify_share(step_dir, self.rank, dist.get_world_size())
-        return sorted(problem for part in _all_gather(share) for problem in part)
-
     def _require_intact(self, step_dir: Path, key: str) -> None:
-        """Raises, naming `key` (the setting that chose the folder) and the bad files, unless `step_dir` is intact."""
-        if step_dir == self._verified:
-            return
-        problems = self._problems(step_dir)
-        if problems:
-            raise TorchpreError(
-                f"{key}: the checkpoint {step_dir} is corrupt: {'; '.join(problems)}. Load another checkpoint "
-                "(checkpoint.load_step = -1 resumes from the latest intact one) or restore the files."
-            )
+        if step_dir != self._verified:
+            require_intact(step_dir, key)
         self._verified = step_dir
 
     def load(self, step_dir: Path, model_only: bool = False) -> TrainState:
@@ -279,6 +267,25 @@ class CheckpointManager:
             },
             "rng": {f"rank{self.rank}": torch.get_rng_state()},
         }
+
+
+def checkpoint_problems(step_dir: Path) -> list[str]:
+    """Every file of `step_dir` that does not match its manifest. Under a process group each rank checks a
+    share and all get all; without one (convert) this process checks every file."""
+    if not dist.is_initialized():
+        return verify_share(step_dir, 0, 1)
+    share = verify_share(step_dir, dist.get_rank(), dist.get_world_size())
+    return sorted(problem for part in _all_gather(share) for problem in part)
+
+
+def require_intact(step_dir: Path, key: str) -> None:
+    """Raises, naming `key` (the setting that chose the folder) and the bad files, unless `step_dir` is intact."""
+    problems = checkpoint_problems(step_dir)
+    if problems:
+        raise TorchpreError(
+            f"{key}: the checkpoint {step_dir} is corrupt: {'; '.join(problems)}. Load another checkpoint "
+            "(checkpoint.load_step = -1 resumes from the latest intact one) or restore the files."
+        )
 
 
 def verify_share(step_dir: Path, rank: int, world_size: int) -> list[str]:
