@@ -68,18 +68,18 @@ def time_pipeline_steps(trainer: Trainer, clock: BusyClock, warmup: int, steps: 
     outside the window: it is not part of the pipeline schedule the theory describes.
     """
     records: list[tuple[float, float]] = []
-    pipeline_forward_backward = trainer.model._pipeline_forward_backward
+    forward_backward = trainer.model.forward_backward
 
-    def bracketed(microbatches):
+    def bracketed(microbatches, *args, **kwargs):
         dist.barrier()
         clock.reset()
         start = time.perf_counter()
-        loss = pipeline_forward_backward(microbatches)
+        loss = forward_backward(microbatches, *args, **kwargs)
         dist.barrier()
         records.append((clock.busy, time.perf_counter() - start))
         return loss
 
-    trainer.model._pipeline_forward_backward = bracketed
+    trainer.model.forward_backward = bracketed
     batches = iter(trainer.dataloader)
     for _ in range(warmup + steps):
         trainer.train_step([next(batches) for _ in range(trainer.accumulation_steps)])

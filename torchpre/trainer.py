@@ -133,8 +133,6 @@ class Trainer:
         # counter, which runs ahead of training by the batches that loader workers prefetch.
         self.consumed_samples = 0
         self.model = self._build_model()
-        self.model_parts, self.schedule = self.model.parts, self.model.schedule
-        self.has_first_stage, self.has_last_stage = self.model.has_first_stage, self.model.has_last_stage
         self.validator = self._build_validator() if config.validation.enable else None
         o, s = config.optimizer, config.lr_scheduler
         self.optimizer = build_optimizer(
@@ -172,7 +170,7 @@ class Trainer:
             return None
         return CheckpointManager(
             folder=Path(self.config.job.dump_folder) / c.folder,
-            model_parts=self.model_parts,
+            model_parts=self.model.parts,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
             data_position=lambda: self.consumed_samples,
@@ -292,20 +290,20 @@ class Trainer:
         """Evaluates with the training forward (document masks included) or, under PP, with the training
         schedule's forward-only `eval`, whose loss_fn is `_loss`: a share of tokens_per_step."""
         pipeline = None
-        if self.schedule is not None:
+        if self.model.schedule is not None:
             pipeline = PipelineEval(
-                self.schedule,
+                self.model.schedule,
                 n_microbatches=self.pipeline.n_microbatches,
-                has_first_stage=self.has_first_stage,
-                has_last_stage=self.has_last_stage,
+                has_first_stage=self.model.has_first_stage,
+                has_last_stage=self.model.has_last_stage,
                 loss_scale=self.tokens_per_step,
             )
         return build_validator(
             self.config,
             self.tokenizer,
             self.mesh,
-            self.model_parts,
-            forward=lambda inputs: self.model_parts[0](inputs, **self._forward_kwargs(inputs)),
+            self.model.parts,
+            forward=lambda inputs: self.model.parts[0](inputs, **self._forward_kwargs(inputs)),
             loss_sum=self._cross_entropy_sum,
             device=self.device,
             pipeline=pipeline,
@@ -491,7 +489,7 @@ class Trainer:
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         routing = {}
         if hasattr(self.model_args, "num_experts"):
-            routing = router_stats(self.model_parts, self.model_args.n_layers, self.model_args.num_experts, self.device)
+            routing = router_stats(self.model.parts, self.model_args.n_layers, self.model_args.num_experts, self.device)
         if self.metrics is None:
             return
         tokens_per_sec = self.tokens_per_step / step_time
