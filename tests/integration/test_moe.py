@@ -1,5 +1,8 @@
-"""The Mixture-of-Experts family under expert parallelism (composed with DP, ZeRO-1, PP and TP) against one
-process, its router statistics, and a checkpoint resharded across expert-parallel degrees."""
+"""The Mixture-of-Experts family under expert parallelism (composed with DP, ZeRO-1, PP and TP) and under
+expert tensor parallelism against one process, its router statistics, and a checkpoint resharded from
+experts split by expert to experts split by hidden unit."""
+
+import dataclasses
 
 import pytest
 
@@ -51,10 +54,12 @@ def test_router_statistics_are_logged_and_training_balances_the_load(reference):
              "--parallelism.enable_sequence_parallel"],
             4,
         ),
+        # No ep: the experts are sharded over tp by their hidden dimension instead.
+        (["--parallelism.tensor_parallel_degree", "2", "--optimizer.zero_stage", "1"], 4),
     ],
-    ids=["ep2", "ep2xdp2-zero1", "ep2xpp2", "ep2xtp2-sp"],
+    ids=["ep2", "ep2xdp2-zero1", "ep2xpp2", "ep2xtp2-sp", "dp2xtp2-zero1"],
 )
-def test_expert_parallel_layout_matches_one_process(reference, layout, nproc, tmp_path):
+def test_layout_matches_one_process(reference, layout, nproc, tmp_path):
     records = train_and_read_metrics([*MOE, *layout], nproc, tmp_path)
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=LOSS_TOLERANCE)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
@@ -62,13 +67,14 @@ def test_expert_parallel_layout_matches_one_process(reference, layout, nproc, tm
         assert [r[key] for r in records] == pytest.approx([r[key] for r in reference], rel=1e-6)
 
 
-def test_checkpoint_saved_at_ep2_resumes_at_ep1(reference, tmp_path):
+def test_checkpoint_saved_at_ep2_resumes_at_tp2(reference, tmp_path):
+    """Experts saved sharded by expert (ep2) load sharded by hidden unit (tp2, ep1)."""
     checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "4"]
     result = run_train([*MOE, *checkpoint, "--parallelism.expert_parallel_degree", "2"], 2, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (tmp_path / "checkpoint" / "step-8").rename(tmp_path / "step-8-done")  # resume from step 4
     (tmp_path / "metrics.jsonl").unlink()
-    records = train_and_read_metrics([*MOE, *checkpoint], 1, tmp_path)
+    records = train_and_read_metrics([*MOE, *checkpoint, "--parallelism.tensor_parallel_degree", "2"], 2, tmp_path)
     assert [r["step"] for r in records] == [5, 6, 7, 8]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference[4:]], abs=LOSS_TOLERANCE)
 
@@ -76,3 +82,9 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(reference, tmp_path):
 def test_expert_degree_must_divide_the_experts():
     with pytest.raises(ConfigError, match="num_experts = 4 is not divisible by parallelism.expert_parallel_degree = 3"):
         SPEC.validate_expert_parallel(MOE_FLAVORS["tiny"], 3)
+
+
+def test_tensor_degree_must_divide_the_expert_width():
+    args = dataclasses.replace(MOE_FLAVORS["tiny"], moe_hidden_dim=31)
+    with pytest.raises(ConfigError, match="moe_hidden_dim = 31 is not divisible by parallelism.tensor_parallel_degree"):
+        SPEC.validate_tensor_parallel(args, 2)

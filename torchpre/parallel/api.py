@@ -227,10 +227,11 @@ def parallelize(
         parts = [model]
     tp_mesh = mesh["tp"]
     for part in parts:
-        if plan.tensor_parallel is not None and tp_mesh.size() > 1:
-            apply_tensor_parallel_plan(part, tp_mesh, plan.tensor_parallel)
+        # Experts first, so a tensor-parallel plan finds them placed on the ep mesh and can leave them be.
         if plan.expert_parallel is not None and expert_mesh is not None and expert_mesh["ep"].size() > 1:
             plan.expert_parallel(part, expert_mesh["ep"])
+        if plan.tensor_parallel is not None and tp_mesh.size() > 1:
+            apply_tensor_parallel_plan(part, tp_mesh, plan.tensor_parallel)
         blocks = getattr(part, plan.blocks)
         apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)
         if plan.compile:

@@ -6,7 +6,7 @@ sums their outputs weighted by the router probabilities, plus an optional always
 No parallelism lives here. Expert parallelism wraps `MoE.experts` from outside: it shards the expert
 weights on dim 0 over an `ep` mesh and intercepts the one `experts(sorted_tokens, counts)` call to send
 each expert's tokens to the rank that holds it, which is why `GroupedExperts` runs as many experts as its
-local weights have. Everything else (pipeline stages, KV caches, packed documents) is Llama 3's.
+local weights have (tensor parallelism wraps the same call, around hidden-dimension shards). Everything else (pipeline stages, KV caches, packed documents) is Llama 3's.
 
 Training adds a sequence-level load-balancing loss to the gradient without changing what forward
 returns (see `AddAuxLoss`), so the trainer's loss and pipeline schedules need not know about it.
@@ -31,7 +31,8 @@ from torchpre.models.moe.args import MoEArgs
 
 
 def _local(weight: Tensor) -> Tensor:
-    # Expert parallelism shards the weights on dim 0 and dispatches tokens itself: use this rank's experts.
+    # Expert parallelism shards the weights by expert and dispatches tokens itself, tensor parallelism by
+    # hidden unit and sums the partial outputs itself: either way, compute with this rank's shard.
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
