@@ -6,7 +6,8 @@ sums their outputs weighted by the router probabilities, plus an optional always
 No parallelism lives here. Expert parallelism wraps `MoE.experts` from outside: it shards the expert
 weights on dim 0 over an `ep` mesh and intercepts the one `experts(sorted_tokens, counts)` call to send
 each expert's tokens to the rank that holds it, which is why `GroupedExperts` runs as many experts as its
-local weights have (tensor parallelism wraps the same call, around hidden-dimension shards). Everything else (pipeline stages, KV caches, packed documents) is Llama 3's.
+local weights have (tensor parallelism wraps the same call, around hidden-dimension shards). Everything
+else (pipeline stages, KV caches, packed documents) is Llama 3's.
 
 Training adds a sequence-level load-balancing loss to the gradient without changing what forward
 returns (see `AddAuxLoss`), so the trainer's loss and pipeline schedules need not know about it.
