@@ -9,6 +9,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import DEBUG as DEBUG_MODEL
 from tests.launch import TINY, run_train, train_and_read_metrics
+from torchpre.checkpoint.manager import MANIFEST, verify_share
 
 pytestmark = pytest.mark.slow
 
@@ -115,6 +116,11 @@ def test_async_and_sync_saves_hold_the_same_state(tmp_path):
             assert torch.equal(value, flat_async[key]), key
         elif not key.startswith("rng"):
             assert value == flat_async[key], key
+    for run in ("sync", "async"):  # the async manifest is checksummed in the background, the sync one inline
+        step_dir = tmp_path / run / "checkpoint" / "step-5"
+        manifest = json.loads((step_dir / MANIFEST).read_text())["files"]
+        assert set(manifest) == {path.name for path in step_dir.iterdir()} - {MANIFEST}
+        assert verify_share(step_dir, rank=0, world_size=1) == []
 
 
 def _flatten(state: dict, prefix: str = "") -> dict:

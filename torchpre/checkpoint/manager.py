@@ -20,7 +20,7 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +110,8 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         # Background writes run their collectives on a group of their own, never interleaved with training's.
         self.async_group = dist.new_group(backend="gloo", timeout=comm_timeout()) if async_mode == "async" else None
+        # Under async_mode the checksums of a finished write are computed off the training thread too.
+        self._background = ThreadPoolExecutor(max_workers=1) if self.async_group is not None else None
         self._pending: tuple[Future, int, float] | None = None
         self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
         if self.rank == 0:
@@ -136,36 +138,45 @@ class CheckpointManager:
         start = time.perf_counter()
         if self.async_group is None:
             dcp.save(state, checkpoint_id=str(tmp))
-            self._finish(step, time.perf_counter() - start)
+            self._finish(step, time.perf_counter() - start, self._checksum(tmp))
         else:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            write = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
             staging = time.perf_counter() - start
             logger.info("checkpoint step-%d staged in %.2f s; writing in the background", step, staging)
-            self._pending = (future, step, start)
+            self._pending = (self._background.submit(self._checksum_when_written, write, tmp), step, start)
 
     def wait(self) -> None:
         """Completes a background save, if one is running."""
         if self._pending is None:
             return
-        future, step, start = self._pending
+        checksums, step, start = self._pending
         self._pending = None
-        future.result()
-        self._finish(step, time.perf_counter() - start)
+        self._finish(step, time.perf_counter() - start, checksums.result())
 
     def close(self) -> None:
         self.wait()
+        if self._background is not None:
+            self._background.shutdown()
 
-    def _finish(self, step: int, seconds: float) -> None:
-        """Once every rank's files are written: their checksums (each rank reads a share of the files), the
-        manifest, then the rename that makes the checkpoint visible."""
-        dist.barrier()
-        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
+    def _checksum(self, tmp: Path, group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:
+        """Once every rank's files are in `tmp`, the size and CRC-32 of each file; every rank reads a share."""
+        dist.barrier(group=group)
         names = sorted(path.name for path in tmp.iterdir() if path.is_file() and path.name != MANIFEST)
         share = names[self.rank :: dist.get_world_size()]
-        records = _all_gather({name: _file_record(tmp / name) for name in share})
+        records = _all_gather({name: _file_record(tmp / name) for name in share}, group)
+        return {name: record for part in records for name, record in part.items()}
+
+    def _checksum_when_written(self, write: Future, tmp: Path) -> dict[str, dict[str, int]]:
+        """`_checksum` after a background write, still in the background and on the save's own group, so
+        training does not wait for the files to be read back."""
+        write.result()
+        return self._checksum(tmp, self.async_group)
+
+    def _finish(self, step: int, seconds: float, checksums: dict[str, dict[str, int]]) -> None:
+        """The manifest, then the rename that makes the checkpoint visible."""
+        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
         if self.rank == 0:
-            manifest = {name: record for part in records for name, record in part.items()}
-            (tmp / MANIFEST).write_text(json.dumps({"files": manifest}, indent=1, sort_keys=True), encoding="utf-8")
+            (tmp / MANIFEST).write_text(json.dumps({"files": checksums}, indent=1, sort_keys=True), encoding="utf-8")
             final = self.folder / f"step-{step}"
             if final.exists():
                 _remove(final)
@@ -327,9 +338,9 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _all_gather(value: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+def _all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
     return gathered
 
 
