@@ -31,6 +31,7 @@ from torchpre.checkpoint.manager import (
     STEP_DIR,
     check_shapes,
     checkpoint_metadata,
+    find_intact_step,
     find_step_dir,
     require_intact,
 )
@@ -302,9 +303,8 @@ def main(argv: list[str]) -> None:
         )
     spec.validate_tensor_parallel(args, dims.tp)
     stages = spec.pipeline_stages(args, dims.pp, p.pipeline_parallel_split_points) if dims.pp > 1 else None
-    step_dir = find_generation_step(
-        checkpoint_folder(config.job.dump_folder, config.checkpoint.folder), config.checkpoint.load_step
-    )
+    folder, load_step = checkpoint_folder(config.job.dump_folder, config.checkpoint.folder), config.checkpoint.load_step
+    step_dir = find_generation_step(folder, load_step)
     param_dtype = getattr(torch, config.training.mixed_precision_param)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(param_dtype)
@@ -318,7 +318,12 @@ def main(argv: list[str]) -> None:
     device = select_device()
     init_distributed(device)
     mesh = dims.build_mesh(device.type)
-    require_intact(step_dir, "checkpoint.load_step")
+    # The manifest check reads every file: the ranks share it, so it waits for the process group.
+    if step_dir.parent == folder and load_step == -1:  # the latest: past corrupt ones, as training resumes
+        step_dir = find_intact_step(folder, load_step)
+        check_checkpoint_fits(model, step_dir)
+    else:
+        require_intact(step_dir, "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}")
     pp_rank = mesh["pp"].get_local_rank()
     if stages is not None:
         model = prune_to(model, stages[pp_rank])

@@ -165,6 +165,7 @@ TEXT = ["--training.dataset", "text", "--training.dataset_path", "{d}/text.txt"]
 SHARDS = ["--training.dataset", "shards", "--training.dataset_path"]
 MIXTURE = ["--training.dataset", "shards", "--training.dataset_mixture"]
 GENERATE = ["--model.flavor", "tiny", "--prompt", "hello"]
+TAMPERED = ["--model.flavor", "debugmodel", "--prompt", "hello", "--checkpoint.folder", "{d}/tampered"]
 GEN, CONVERT, PREPARE = "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"
 
 
@@ -348,9 +349,15 @@ CATALOGUE = [
         GEN,
     ),
     case(
-        "generate-checkpoint-tampered",
-        ["--model.flavor", "debugmodel", "--prompt", "hello", "--checkpoint.folder", "{d}/tampered"],
-        ["checkpoint.load_step", "{d}/tampered/step-3/__0_0.distcp fails its CRC-32 check"],
+        "generate-every-checkpoint-tampered",
+        TAMPERED,
+        ["Every checkpoint in {d}/tampered is corrupt", "{d}/tampered/step-3/__0_0.distcp fails its CRC-32 check"],
+        GEN,
+    ),
+    case(
+        "generate-chosen-checkpoint-tampered",
+        [*TAMPERED, "--checkpoint.load_step", "3"],
+        ["checkpoint.load_step = 3: the checkpoint {d}/tampered/step-3 is corrupt", "fails its CRC-32 check"],
         GEN,
     ),
     case("generate-data-parallel", GENERATE, ["data-parallel degree must be 1"], GEN, ranks=2),

@@ -4,6 +4,7 @@ checkpoint under 1 process, tp2 and pp2 (same greedy tokens), plus its bad-input
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -15,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from tests.launch import REPO
+from torchpre.checkpoint.manager import MANIFEST, _file_record
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.generate import StageDecoder, generate_ids, main, sample
@@ -178,6 +180,20 @@ def test_tensor_parallel_ranks_sample_the_same_tokens(trained, tokenizer):
     expected = reference_ids(model, tokenizer, temperature=3.0, top_k=50, seed=3)
     assert expected != reference_ids(model, tokenizer, temperature=0, top_k=None, seed=0)  # really sampled
     assert record["token_ids"] == expected
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(trained, tokenizer, tmp_path):
+    """As training resumes: the newest step fails its manifest, so generation warns and loads the previous."""
+    model, dump = trained
+    shutil.copytree(dump / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
+    newest = shutil.copytree(dump / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-6")
+    manifest = {path.name: _file_record(path) for path in newest.iterdir()}
+    (newest / MANIFEST).write_text(json.dumps({"files": manifest}))
+    (newest / "__0_0.distcp").write_bytes(b"truncated")
+    result = run_generate(tmp_path, 1, "--temperature", "0", "--json")
+    assert f"checkpoint {newest} is corrupt: {newest / '__0_0.distcp'} has 9 bytes" in result.stderr
+    expected = reference_ids(model, tokenizer, temperature=0, top_k=None, seed=0)
+    assert generated(result)["token_ids"] == expected
 
 
 @pytest.mark.parametrize(

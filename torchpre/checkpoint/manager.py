@@ -193,32 +193,9 @@ class CheckpointManager:
     # Loading -----------------------------------------------------------------------------------
 
     def find(self, load_step: int) -> Path | None:
-        """The intact step folder to resume from, the same on every rank; None if there is none.
-
-        With -1, a corrupt latest checkpoint is skipped with a warning for the one before it (a job killed
-        mid-save is the common case, but disks and copies corrupt files too); a chosen step that is corrupt
-        is an error, since loading another one silently would not be what was asked.
-        """
-        if load_step != -1:
-            step_dir = find_step_dir(self.folder, load_step)
-            self._require_intact(step_dir, f"checkpoint.load_step = {load_step}")
-            return step_dir
-        corrupt = []
-        for step in reversed(complete_steps(self.folder)):
-            step_dir = self.folder / f"step-{step}"
-            problems = checkpoint_problems(step_dir)
-            if not problems:
-                self._verified = step_dir
-                return step_dir
-            corrupt.append(f"{step_dir} ({'; '.join(problems)})")
-            if self.rank == 0:
-                logger.warning("checkpoint %s is corrupt: %s. Trying the one before it.", step_dir, "; ".join(problems))
-        if corrupt:
-            raise TorchpreError(
-                f"Every checkpoint in {self.folder} is corrupt: {'; '.join(corrupt)}. Restore the files, or move the "
-                "folder away (or set checkpoint.folder elsewhere) to start from scratch."
-            )
-        return None
+        """`find_intact_step` in this manager's folder; `load` then skips checking it again."""
+        self._verified = find_intact_step(self.folder, load_step)
+        return self._verified
 
     def _require_intact(self, step_dir: Path, key: str) -> None:
         if step_dir != self._verified:
@@ -289,13 +266,41 @@ def checkpoint_problems(step_dir: Path) -> list[str]:
     return sorted(problem for part in _all_gather(share) for problem in part)
 
 
+def find_intact_step(folder: Path, load_step: int) -> Path | None:
+    """The intact step folder to load, the same on every rank; None if there is none.
+
+    With -1, a corrupt latest checkpoint is skipped with a warning for the one before it (a job killed
+    mid-save is the common case, but disks and copies corrupt files too); a chosen step that is corrupt
+    is an error, since loading another one silently would not be what was asked.
+    """
+    if load_step != -1:
+        step_dir = find_step_dir(folder, load_step)
+        require_intact(step_dir, f"checkpoint.load_step = {load_step}")
+        return step_dir
+    corrupt = []
+    for step in reversed(complete_steps(folder)):
+        step_dir = folder / f"step-{step}"
+        problems = checkpoint_problems(step_dir)
+        if not problems:
+            return step_dir
+        corrupt.append(f"{step_dir} ({'; '.join(problems)})")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning("checkpoint %s is corrupt: %s. Trying the one before it.", step_dir, "; ".join(problems))
+    if corrupt:
+        raise TorchpreError(
+            f"Every checkpoint in {folder} is corrupt: {'; '.join(corrupt)}. Restore the files, or move the "
+            "folder away (or set checkpoint.folder elsewhere) to start from scratch."
+        )
+    return None
+
+
 def require_intact(step_dir: Path, key: str) -> None:
     """Raises, naming `key` (the setting that chose the folder) and the bad files, unless `step_dir` is intact."""
     problems = checkpoint_problems(step_dir)
     if problems:
         raise TorchpreError(
             f"{key}: the checkpoint {step_dir} is corrupt: {'; '.join(problems)}. Load another checkpoint "
-            "(checkpoint.load_step = -1 resumes from the latest intact one) or restore the files."
+            "(checkpoint.load_step = -1 loads the latest intact one) or restore the files."
         )
 
 
