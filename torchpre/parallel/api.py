@@ -53,7 +53,8 @@ TensorParallelPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh]
 shards a model or pipeline stage in place over the 1-D tp mesh."""
 
 ExpertParallelPlan = Callable[[nn.Module, DeviceMesh], None]
-"""A function that shards a model's experts in place over the 1-D ep mesh (see `parallel.expert_parallel`)."""
+"""A function that shards a model's experts in place over the 1-D ep mesh (see `parallel.expert_parallel`).
+It runs before the tensor-parallel plan, which then finds those experts as ep-mesh DTensors."""
 
 if TYPE_CHECKING:
     from torchpre.optim.distributed_optimizer import DistributedOptimizer
