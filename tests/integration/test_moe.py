@@ -67,8 +67,8 @@ def test_layout_matches_one_process(reference, layout, nproc, tmp_path):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in reference], rel=1e-6)
 
 
-def test_checkpoint_saved_at_ep2_resumes_at_tp2(reference, tmp_path):
-    """Experts saved sharded by expert (ep2) load sharded by hidden unit (tp2, ep1)."""
+def test_checkpoint_saved_at_ep2_resumes_at_ep1_tp2(reference, tmp_path):
+    """Experts saved sharded by expert (ep2) load at ep1, sharded by hidden unit over tp2 instead."""
     checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "4"]
     result = run_train([*MOE, *checkpoint, "--parallelism.expert_parallel_degree", "2"], 2, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
