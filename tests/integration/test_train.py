@@ -1,7 +1,13 @@
 """End-to-end training runs through train.py: the loss falls, and layouts agree with one process."""
 
+import sys
+
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 from tests.launch import TINY, train_and_read_metrics
 

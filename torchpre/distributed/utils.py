@@ -88,7 +88,17 @@ def apply_comm_timeout(*meshes: DeviceMesh | None) -> None:
     """
     for mesh in meshes:
         for group in mesh.get_all_groups() if mesh is not None else []:
-            dist.set_timeout(_timeout, group)
+            _set_group_timeout(group, _timeout)
+
+
+def _set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """`dist.set_timeout` where torch has it; torch 2.11 has only the private setter for the same job."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group)
+    else:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timeout, group)
 
 
 def shutdown_distributed() -> None:
