@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from torchpre.errors import ConfigError
 from torchpre.parallel.data_parallel import (
     DEFAULT_BUCKET_BYTES,
     _rank_chunk,
@@ -147,8 +148,8 @@ class DistributedOptimizer:
     def collect_gradients(self) -> list[torch.Tensor]:
         """Every parameter's accumulated local gradient in fp32 (zeros for one that got none).
 
-        Pipeline zero-bubble schedules write weight gradients into `.grad` without the accumulate
-        hook; such leftovers are folded in here.
+        A gradient still in `.grad` (an fp32 parameter's, or one added without running the accumulate hook) is
+        folded in here; the pipeline stages run that hook after zero-bubble weight backward (`pipeline.Stage`).
         """
         grads = []
         for e in self.entries:
@@ -305,6 +306,14 @@ class DistributedOptimizer:
             inner_shards = mesh.size(1) if isinstance(inner, Shard) and inner.dim == entry.dim else 1
             dp_placement = _StridedShard(entry.dim, split_factor=inner_shards) if inner_shards > 1 else Shard(entry.dim)
         shape = entry.param.shape
+        if isinstance(dp_placement, _StridedShard) and shape[entry.dim] % (mesh.size(0) * mesh.size(1)):
+            # DTensor cuts uneven strided shards unlike torch.chunk does here: a reshard would move values.
+            raise ConfigError(
+                f"The ZeRO-1 optimizer state of '{entry.name}' cannot be checkpointed: its size along dim "
+                f"{entry.dim} ({shape[entry.dim]}), which tensor parallelism shards, is not divisible by "
+                f"{mesh.mesh_dim_names[0]} x {mesh.mesh_dim_names[1]} = {mesh.size(0) * mesh.size(1)}. Use "
+                "optimizer.zero_stage = 0, or a data-parallel degree that divides it."
+            )
         return DTensor.from_local(
             local, mesh, [dp_placement, inner], run_check=False, shape=shape,
             stride=torch.empty(shape, device="meta").stride(),
