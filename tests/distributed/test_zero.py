@@ -53,9 +53,11 @@ def test_zero1_with_accumulation_matches_one_large_batch(tmp_path):
 
 
 BF16 = ["--training.mixed_precision_param", "bfloat16"]
-# bf16 rounds every matmul output to 8 mantissa bits (~4e-3 relative), and layouts round at
-# different points; over 6 steps the losses of a correct layout stay within ~1e-2 of one process.
-BF16_LOSS_ATOL = 3e-2
+# bf16 rounds every matmul output to 8 mantissa bits, and layouts round at different points. Measured on
+# these 6 steps (bf16 params, fp32 masters and accumulation), max |loss - one process's| over the steps:
+# dp2 2.0e-4, dp2 x tp2 (SP, loss parallel) ZeRO-1 2.1e-4, dp2 x pp2 ZBVZeroBubble ZeRO-1 3.5e-4. The signal
+# is larger: the loss falls by 3e-2, and bf16 itself moves it by 1.5e-3 from the fp32 run.
+BF16_LOSS_ATOL = 1e-3
 
 
 @pytest.mark.parametrize(

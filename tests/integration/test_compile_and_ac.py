@@ -73,3 +73,16 @@ def test_compile_composes_with_pipeline_parallel(eager, tmp_path):
             "--parallelism.pipeline_parallel_schedule", "1F1B"]
     records = train_and_read_metrics([*TINY, *STEPS, *args], 2, tmp_path)
     assert losses(records) == pytest.approx(losses(eager), abs=COMPILE_ATOL)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_compile_composes_with_tensor_parallel_and_activation_checkpointing(mode, eager, tmp_path):
+    """The standard large-model setting: under TP each block's children compile on their own, also inside the
+    activation-checkpoint wrapper (whose only child would otherwise be compiled as one whole-block graph, which
+    fails in backward)."""
+    args = [
+        "--compile.enable", "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+        "--activation_checkpoint.mode", mode,
+    ]
+    records = train_and_read_metrics([*TINY, *STEPS, *args], 2, tmp_path)
+    assert losses(records) == pytest.approx(losses(eager), abs=COMPILE_ATOL)

@@ -5,8 +5,8 @@ A checkpoint is `{folder}/step-N/`, a DCP folder holding
 - "model": parameters by their name in the full model (DTensor shards under TP; each pipeline stage
   writes its own names), so DCP reshards them to whatever layout loads them;
 - "optimizer": per parameter, AdamW's moments and step and the fp32 master, as (dp, tp) DTensors;
-- "lr_scheduler", "train" (step, global sample position of the data, world size) and "rng" (one
-  entry per rank), plus the resolved `config.toml`.
+- "lr_scheduler", "train" (step, global sample position of the data, world size) and "rng" (per rank
+  the CPU generator state and, under CUDA, the current device's), plus the resolved `config.toml`.
 It is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank has finished, so a
 `step-N` folder is always complete; loaders only ever look at `step-N` names, and a restarted job removes
 the `.tmp-*` folders a killed one left. Before the rename, `manifest.json` records every file's size and
@@ -227,8 +227,7 @@ class CheckpointManager:
             # A scheduler's state does not include the optimizer's current lr; restore it too.
             for group, lr in zip(self.lr_scheduler.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
                 group["lr"] = lr
-        if f"rank{self.rank}" in request.get("rng", {}):
-            torch.set_rng_state(request["rng"][f"rank{self.rank}"])
+        _set_rng_state(request.get("rng", {}), self.rank)
         train = TrainState()
         if "train" in request:
             train.step = int(request["train"]["step"])
@@ -253,8 +252,24 @@ class CheckpointManager:
                 "consumed_samples": self.data_position(),
                 "world_size": dist.get_world_size(),
             },
-            "rng": {f"rank{self.rank}": torch.get_rng_state()},
+            "rng": _rng_state(self.rank),
         }
+
+
+def _rng_state(rank: int) -> dict[str, torch.Tensor]:
+    """This rank's generator states: the CPU one and, in a process that uses CUDA, its current device's."""
+    state = {f"rank{rank}": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        state[f"cuda_rank{rank}"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(saved: dict[str, torch.Tensor], rank: int) -> None:
+    """Restores what `_rng_state` saved for this rank; a rank the checkpoint did not have keeps its own state."""
+    if f"rank{rank}" in saved:
+        torch.set_rng_state(saved[f"rank{rank}"])
+    if f"cuda_rank{rank}" in saved:
+        torch.cuda.set_rng_state(saved[f"cuda_rank{rank}"])
 
 
 def checkpoint_problems(step_dir: Path) -> list[str]:

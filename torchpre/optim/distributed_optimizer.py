@@ -9,7 +9,8 @@ clipped. Each rank then steps AdamW on its fp32 master shard and the new values 
 
 Stage 1 shards every parameter over DP along its first dimension that tensor parallelism does not
 shard, as `torch.chunk` does (DTensor's Shard semantics): a parameter's optimizer state is then a
-plain 2-D-mesh DTensor (Shard over dp, the TP placement over tp), which checkpoints can reshard.
+plain 2-D-mesh DTensor (Shard over dp, the TP placement over tp), which checkpoints can reshard. A
+tensor whose only dimension TP shards is cut along it again, within its TP-local part (`_StridedShard`).
 
 Experts sharded by expert parallelism (DTensors on the 1-D `ep` mesh, Shard(0) over experts) form a second
 domain: each expert lives on one rank of every ep group, so its gradient is reduced over the expert-data-
@@ -25,8 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
+from torchpre.errors import ConfigError
 from torchpre.parallel.data_parallel import (
     DEFAULT_BUCKET_BYTES,
     _rank_chunk,
@@ -145,8 +148,8 @@ class DistributedOptimizer:
     def collect_gradients(self) -> list[torch.Tensor]:
         """Every parameter's accumulated local gradient in fp32 (zeros for one that got none).
 
-        Pipeline zero-bubble schedules write weight gradients into `.grad` without the accumulate
-        hook; such leftovers are folded in here.
+        A gradient still in `.grad` (an fp32 parameter's, or one added without running the accumulate hook) is
+        folded in here; the pipeline stages run that hook after zero-bubble weight backward (`pipeline.Stage`).
         """
         grads = []
         for e in self.entries:
@@ -290,11 +293,27 @@ class DistributedOptimizer:
 
     def _as_dtensor(self, entry: _Entry, local: torch.Tensor) -> DTensor:
         """`local` (this rank's shard of a tensor shaped like the parameter) as a DTensor on the state mesh:
-        (dp, tp) for dense parameters, (edp, ep) for experts."""
-        inner = entry.param.placements[0] if isinstance(entry.param, DTensor) else Replicate()
-        dp_placement = Shard(entry.dim) if self.zero_stage == 1 else Replicate()
+        (dp, tp) for dense parameters, (edp, ep) for experts.
+
+        When ZeRO-1 shards the dim the inner (tp or ep) placement already shards (a 1-D column-parallel
+        bias), the data is cut inner-first: each rank's chunk of its TP-local tensor. DTensor reads
+        [Shard(d), Shard(d)] outer-first, so that order is declared with `_StridedShard`, as FSDP2 + TP does.
+        """
         mesh = self.expert_state_mesh if entry.expert else self.state_mesh
+        inner = entry.param.placements[0] if isinstance(entry.param, DTensor) else Replicate()
+        dp_placement: Placement = Replicate()
+        if self.zero_stage == 1:
+            inner_shards = mesh.size(1) if isinstance(inner, Shard) and inner.dim == entry.dim else 1
+            dp_placement = _StridedShard(entry.dim, split_factor=inner_shards) if inner_shards > 1 else Shard(entry.dim)
         shape = entry.param.shape
+        if isinstance(dp_placement, _StridedShard) and shape[entry.dim] % (mesh.size(0) * mesh.size(1)):
+            # DTensor cuts uneven strided shards unlike torch.chunk does here: a reshard would move values.
+            raise ConfigError(
+                f"The ZeRO-1 optimizer state of '{entry.name}' cannot be checkpointed: its size along dim "
+                f"{entry.dim} ({shape[entry.dim]}), which tensor parallelism shards, is not divisible by "
+                f"{mesh.mesh_dim_names[0]} x {mesh.mesh_dim_names[1]} = {mesh.size(0) * mesh.size(1)}. Use "
+                "optimizer.zero_stage = 0, or a data-parallel degree that divides it."
+            )
         return DTensor.from_local(
             local, mesh, [dp_placement, inner], run_check=False, shape=shape,
             stride=torch.empty(shape, device="meta").stride(),

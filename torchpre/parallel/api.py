@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -45,7 +44,7 @@ from torchpre.errors import ConfigError
 from torchpre.models.init import canonical_fqn
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchpre.parallel.compile import compile_blocks
-from torchpre.parallel.pipeline import PipelinePlan, build_schedule, prune_to, split_layers
+from torchpre.parallel.pipeline import PipelinePlan, Stage, build_schedule, prune_to, split_layers
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_plan
 
 TensorParallelPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
@@ -150,7 +149,7 @@ class ParallelModel:
         if self.loss_fn is None:
             raise ConfigError("Pipeline parallelism needs a loss_fn: the last stage computes the loss.")
         stages = [
-            PipelineStage(part, stage, pipeline.num_stages, self.device, group=group)
+            Stage(part, stage, pipeline.num_stages, self.device, group=group)
             for part, stage in zip(self.parts, self.stage_ids)
         ]
         return build_schedule(stages, pipeline.schedule, pipeline.n_microbatches, self.loss_fn)

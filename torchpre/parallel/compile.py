@@ -1,6 +1,9 @@
 """torch.compile per transformer block: small graphs that compile once and are reused by every block."""
 
+from collections.abc import Iterable
+
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 
 def compile_blocks(blocks: nn.ModuleDict, tensor_parallel: bool = False, fullgraph: bool = True) -> None:
@@ -10,12 +13,21 @@ def compile_blocks(blocks: nn.ModuleDict, tensor_parallel: bool = False, fullgra
     Under tensor parallelism each child of a block (norms, attention, feed-forward) is compiled on its
     own instead, with its DTensor input/output hooks inside its graph: a whole tensor-parallel block
     compiled as one graph fails in backward on torch 2.14 (a plain gradient reaches a DTensor
-    redistribution), while graphs per child train correctly. The residual additions stay eager.
+    redistribution), while graphs per child train correctly. The residual additions stay eager, and so
+    does an activation-checkpoint wrapper around the block, which recomputes the compiled children.
 
     `fullgraph=False` lets blocks with data-dependent shapes (Mixture-of-Experts token counts) compile
     in pieces around the graph breaks.
     """
     for block in blocks.values():
-        modules = block.children() if tensor_parallel else (block,)
+        modules = _block_children(block) if tensor_parallel else (block,)
         for module in modules:
             module.compile(fullgraph=fullgraph)
+
+
+def _block_children(block: nn.Module) -> Iterable[nn.Module]:
+    """The block's own children, also when activation checkpointing wrapped it (the wrapper's only child is
+    the whole block, which would compile as the one graph that fails)."""
+    if isinstance(block, ActivationWrapper):
+        block = block._checkpoint_wrapped_module
+    return block.children()

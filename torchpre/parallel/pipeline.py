@@ -220,6 +220,31 @@ def prune_to(model: nn.Module, keep: Sequence[str]) -> nn.Module:
     return stage
 
 
+class Stage(PipelineStage):
+    """A `PipelineStage` whose weight-only backward (the zero-bubble schedules' W step) ends like an ordinary
+    backward: it runs the post-accumulate-grad hooks of each parameter whose gradient it accumulated.
+
+    torch computes those weight gradients with `autograd.grad` and adds them with `weight.grad += dw`, which
+    fires no hook; the optimizer's fp32 accumulation of low-precision gradients relies on the hook, so without
+    this a bf16 model would sum its microbatches in bf16 under these schedules only.
+    """
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        params = list(self.submod.parameters())
+        before = [_grad_version(p) for p in params]
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        for param, version in zip(params, before):
+            if param.grad is not None and _grad_version(param) != version:
+                # torch keeps no public way to run these; `register_post_accumulate_grad_hook` fills this dict.
+                for hook in list((param._post_accumulate_grad_hooks or {}).values()):
+                    hook(param)
+
+
+def _grad_version(param: nn.Parameter) -> tuple[int, int] | None:
+    """Identifies the state of `param.grad`: a new tensor or an in-place addition changes it."""
+    return None if param.grad is None else (id(param.grad), param.grad._version)
+
+
 def build_schedule(
     stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
 ):
