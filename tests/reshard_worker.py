@@ -1,9 +1,9 @@
 """Resumes a checkpoint under another layout, checks the state round trip, then trains on.
 
-Run like train.py (`torchrun ... tests/reshard_worker.py --section.key value ...`) on a dump folder whose
-checkpoint folder holds the step to resume from. Right after loading, every rank runs
-`check_round_trip`; rank 0 writes its report to {dump_folder}/roundtrip.json; then training continues as
-train.py's would. The GPT-2-style test model is registered as `model.name = "gpt2-test"`.
+Run like train.py (`torchrun ... tests/reshard_worker.py --section.key value ...`). When the job resumes from a
+checkpoint, every rank runs `check_round_trip` right after loading and rank 0 writes its report to
+{dump_folder}/roundtrip.json; then training continues as train.py's would. The GPT-2-style test model is
+registered as `model.name = "gpt2-test"`.
 """
 
 import dataclasses
@@ -26,19 +26,17 @@ def main(argv: list[str]) -> None:
     from torchpre.checkpoint.roundtrip import check_round_trip
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
-    from torchpre.errors import TorchpreError
     from torchpre.trainer import Trainer
 
     register_model(NAME, SPEC)
     config = parse_args(JobConfig, argv)
     trainer = Trainer(config)
-    if trainer.last_checkpoint_step is None:
-        raise TorchpreError(f"{trainer.checkpoint.folder} holds no checkpoint to resume from")
-    step_dir = trainer.checkpoint.folder / f"step-{trainer.last_checkpoint_step}"
-    report = check_round_trip(trainer.checkpoint, step_dir, trainer.step)
-    if dist.get_rank() == 0:
-        summary = {**dataclasses.asdict(report), "ok": report.ok, "text": str(report)}
-        (Path(config.job.dump_folder) / REPORT).write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    if trainer.last_checkpoint_step is not None:
+        step_dir = trainer.checkpoint.folder / f"step-{trainer.last_checkpoint_step}"
+        report = check_round_trip(trainer.checkpoint, step_dir, trainer.step)
+        if dist.get_rank() == 0:
+            summary = {**dataclasses.asdict(report), "ok": report.ok, "text": str(report)}
+            (Path(config.job.dump_folder) / REPORT).write_text(json.dumps(summary, indent=1), encoding="utf-8")
     trainer.train()
 
 

@@ -23,6 +23,7 @@ from tests.launch import ForkServer
 from tests.reshard_matrix import COMMON, DTYPES, LAYOUTS, MODELS, Case, covering_sample, full_matrix, layout_args
 from tests.reshard_worker import REPORT
 
+WORKER = "tests/reshard_worker.py"  # train.py that knows the GPT-2 test model, plus the round-trip check
 SAMPLE_SIZE = 16
 FULL = full_matrix()
 SAMPLE = covering_sample(FULL, SAMPLE_SIZE)
@@ -62,7 +63,7 @@ class SavingRuns:
         if case.saving_run not in self.done:
             folder = self.folder / "-".join(case.saving_run)
             args = [*MODELS[case.model], *COMMON, "--training.mixed_precision_param", DTYPES[case.dtype][0]]
-            losses = launch(self.server, "train.py", [*args, *layout_args(case.model, case.save)], case.save, folder)
+            losses = launch(self.server, WORKER, [*args, *layout_args(case.model, case.save)], case.save, folder)
             self.done[case.saving_run] = folder, losses
         return self.done[case.saving_run]
 
@@ -83,7 +84,8 @@ def resume(case: Case, saving_runs: SavingRuns, server: ForkServer, folder: Path
     args += [*layout_args(case.model, case.load), "--activation_checkpoint.mode", case.ac]
     if case.compile:
         args.append("--compile.enable")
-    resumed = launch(server, "tests/reshard_worker.py", args, case.load, folder)
+    (folder / "case.json").write_text(json.dumps({"case": case.id, "uninterrupted": straight}))  # for a post-mortem
+    resumed = launch(server, WORKER, args, case.load, folder)
     report = json.loads((folder / REPORT).read_text())
     assert report["ok"], report["text"]
     atol = FP32_ATOL if case.dtype == "fp32" else BF16_ATOL
