@@ -34,7 +34,7 @@ BF16 = ["--training.mixed_precision_param", "bfloat16"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
 # fp32 on CPU: a resharded resume changes only the reduction order.
 FP32_ATOL = 1e-4
-# bf16 parameters: one layout's bf16 rounding against another's, measured at most 2.1e-4 here and over the
+# bf16 parameters: one layout's bf16 rounding against another's, measured at most 2.4e-4 here and over the
 # reshard matrix; a state error (the tied output layer back at its initial weights) moves the loss far more.
 BF16_ATOL = 1e-3
 
