@@ -1,7 +1,9 @@
-"""Shared pytest set-up.
+"""Test-suite-wide rules.
 
-With TORCHPRE_REQUIRE_EXTRAS=1 (set by .ci/run, which installs every extra) a test that would skip because an
-optional package cannot be imported fails instead: a green CI must not hide an undeclared dependency.
+- Opt-in markers: the long runs (the full reshard matrix, every README block, the mutation check) run only when
+  `-m` names their marker; any other run, including one with its own `-m "not slow"`, leaves them out.
+- With TORCHPRE_REQUIRE_EXTRAS=1 (set by .ci/run, which installs every extra) a test that would skip because an
+  optional package cannot be imported fails instead: a green CI must not hide an undeclared dependency.
 """
 
 import importlib
@@ -9,6 +11,17 @@ import os
 from types import ModuleType
 
 import pytest
+
+OPT_IN_MARKERS = ("matrix",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    named = config.getoption("markexpr") or ""
+    left_out = [m for m in OPT_IN_MARKERS if m not in named]
+    deselected = [item for item in items if any(item.get_closest_marker(m) for m in left_out)]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if item not in deselected]
 
 
 def _import_or_fail(modname: str, *args: object, **kwargs: object) -> ModuleType:

@@ -6,8 +6,13 @@ exception or SystemExit), without paying again for Python and torch start-up (2-
 case on a 2-core CI machine). Requests set environment variables too, so a torchrun worker's
 rank can be played: checks that run before the process group see exactly what a worker sees.
 
-Protocol: one JSON request per stdin line, {"entry", "argv", "env" (a null value unsets), "timeout_s"};
-one JSON reply per line on the original stdout, {"returncode", "stdout", "stderr", "seconds", "timed_out"}.
+A request with "nproc" > 1 forks that many ranks of one job at once, with the RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT (a free port) torchrun would give them; the reply joins their output in rank order and carries the
+first non-zero exit code.
+
+Protocol: one JSON request per stdin line, {"entry", "argv", "env" (a null value unsets), "timeout_s",
+"nproc" (default 1)}; one JSON reply per line on the original stdout, {"returncode", "stdout", "stderr",
+"seconds", "timed_out"}.
 """
 
 import importlib
@@ -15,6 +20,7 @@ import json
 import os
 import pkgutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -43,8 +49,10 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
     import torchpre.generate
     import torchpre.trainer  # noqa: F401  (train.py imports it inside main)
     import train
+    from tests import reshard_worker
 
     return {
+        "tests/reshard_worker.py": (reshard_worker.main, "tests/reshard_worker.py"),
         "train.py": (train.main, "train.py"),
         "torchpre.generate": (torchpre.generate.main, "python -m torchpre.generate"),
         "torchpre.convert": (torchpre.convert.main, torchpre.convert.USAGE),
@@ -81,39 +89,67 @@ def _set_env(env: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
-def _run(request: dict, entries: dict, protocol_fd: int) -> dict:
+def _rank_env(rank: int, nproc: int, port: int) -> dict[str, str | None]:
+    """What torchrun tells rank `rank` of `nproc` on one machine."""
+    if nproc == 1:
+        return {}
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return dict(zip(names, map(str, (rank, rank, nproc, nproc, 0, "127.0.0.1", port))))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _fork(request: dict, entries: dict, protocol_fd: int, env: dict, out: Path, err: Path) -> int:
     main, prog = entries[request["entry"]]
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(protocol_fd)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT, 0o644), 1)
+            os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT, 0o644), 2)
+            _set_env({**request.get("env", {}), **env})
+            code = _child(main, prog, request["argv"])
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _run(request: dict, entries: dict, protocol_fd: int) -> dict:
+    nproc = request.get("nproc", 1)
+    port = _free_port() if nproc > 1 else 0
     with tempfile.TemporaryDirectory() as folder:
-        out, err = Path(folder, "stdout"), Path(folder, "stderr")
+        outs = [(Path(folder, f"stdout{rank}"), Path(folder, f"stderr{rank}")) for rank in range(nproc)]
         start = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.close(protocol_fd)
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT, 0o644), 1)
-                os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT, 0o644), 2)
-                _set_env(request.get("env", {}))
-                code = _child(main, prog, request["argv"])
-            finally:
-                os._exit(code)
+        pids = [
+            _fork(request, entries, protocol_fd, _rank_env(rank, nproc, port), *outs[rank]) for rank in range(nproc)
+        ]
         deadline = start + request.get("timeout_s", 60)
+        statuses: dict[int, int] = {}
         timed_out = False
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                _, status = os.waitpid(pid, 0)
+        while len(statuses) < nproc:
+            for pid in pids:
+                if pid not in statuses:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        statuses[pid] = status
+            if len(statuses) < nproc and time.monotonic() > deadline:
                 timed_out = True
-                break
+                for pid in pids:
+                    if pid not in statuses:
+                        os.kill(pid, signal.SIGKILL)
+                        statuses[pid] = os.waitpid(pid, 0)[1]
             time.sleep(0.02)
+        codes = [os.waitstatus_to_exitcode(statuses[pid]) for pid in pids]
         return {
-            "returncode": os.waitstatus_to_exitcode(status),
-            "stdout": out.read_text(errors="replace"),
-            "stderr": err.read_text(errors="replace"),
+            "returncode": next((code for code in codes if code), 0),
+            "stdout": "".join(out.read_text(errors="replace") for out, _ in outs),
+            "stderr": "".join(err.read_text(errors="replace") for _, err in outs),
             "seconds": time.monotonic() - start,
             "timed_out": timed_out,
         }

@@ -1,6 +1,7 @@
-"""Runs train.py in real processes (torchrun for several) and reads back what it wrote; spawns gloo
-workers for in-process multi-rank tests."""
+"""Runs train.py in real processes (torchrun for several, or forks of a warm interpreter) and reads back
+what it wrote; spawns gloo workers for in-process multi-rank tests."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,3 +103,48 @@ def _worker(rank: int, fn: Callable[[DeviceMesh], None], world_size: int, store_
     fn(init_device_mesh("cpu", (world_size,)))
     dist.barrier()  # without it gloo intermittently aborts at exit (see cpu-notes)
     dist.destroy_process_group()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class ForkServer:
+    """Talks to tests/fork_server.py, which runs each request as fresh processes forked from one warm
+    interpreter: no Python and torch start-up per launch. `startup_s` (that start-up, paid once) is added to
+    each result's time; a request running past `timeout_s` fails the test."""
+
+    def __init__(self, log: Path, timeout_s: float = 60):
+        start = time.monotonic()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.timeout_s = timeout_s
+        self._log = log.open("w")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.fork_server"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        assert json.loads(self._process.stdout.readline() or "{}").get("ready"), log.read_text()
+        self.startup_s = time.monotonic() - start
+
+    def run(self, entry: str, argv: list[str], env: dict[str, str | None] | None = None, nproc: int = 1) -> ForkResult:
+        """`entry` with `argv`, as `nproc` ranks of one job (as torchrun would start them) when nproc > 1."""
+        request = {"entry": entry, "argv": argv, "env": env or {}, "timeout_s": self.timeout_s, "nproc": nproc}
+        self._process.stdin.write(json.dumps(request) + "\n")
+        self._process.stdin.flush()
+        reply = json.loads(self._process.stdout.readline())
+        assert not reply["timed_out"], f"{entry} {argv} ran past {self.timeout_s} s:\n{reply['stderr'][-3000:]}"
+        return ForkResult(reply["returncode"], reply["stdout"], reply["stderr"], reply["seconds"] + self.startup_s)
+
+    def close(self) -> None:
+        self._process.stdin.close()
+        self._process.wait(timeout=30)
+        self._log.close()

@@ -9,10 +9,7 @@ torchrun workers, including one that fails after the process group is up.
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -22,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.launch import REPO, TINY, run_train
+from tests.launch import TINY, ForkServer, run_train
 from torchpre.checkpoint.manager import MANIFEST, _file_record
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
@@ -35,50 +32,9 @@ LIMIT_S = 60  # what a user waits, at most, to learn that the input is bad
 EXIT_BAD_INPUT = 2
 
 
-@dataclasses.dataclass(frozen=True)
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-
-class ForkServer:
-    """Talks to tests/fork_server.py; `startup_s` (its Python and torch import) is added to each case's time."""
-
-    def __init__(self, log: Path):
-        start = time.monotonic()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self._log = log.open("w")
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "tests.fork_server"],
-            cwd=REPO,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
-        assert json.loads(self._process.stdout.readline() or "{}").get("ready"), log.read_text()
-        self.startup_s = time.monotonic() - start
-
-    def run(self, entry: str, argv: list[str], env: dict[str, str | None] | None = None) -> Result:
-        request = {"entry": entry, "argv": argv, "env": env or {}, "timeout_s": LIMIT_S}
-        self._process.stdin.write(json.dumps(request) + "\n")
-        self._process.stdin.flush()
-        reply = json.loads(self._process.stdout.readline())
-        assert not reply["timed_out"], f"{entry} {argv} ran past {LIMIT_S} s:\n{reply['stderr'][-3000:]}"
-        return Result(reply["returncode"], reply["stdout"], reply["stderr"], reply["seconds"] + self.startup_s)
-
-    def close(self) -> None:
-        self._process.stdin.close()
-        self._process.wait(timeout=30)
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[ForkServer]:
-    server = ForkServer(tmp_path_factory.mktemp("fork_server") / "server.log")
+    server = ForkServer(tmp_path_factory.mktemp("fork_server") / "server.log", timeout_s=LIMIT_S)
     yield server
     server.close()
 

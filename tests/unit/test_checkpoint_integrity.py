@@ -18,7 +18,10 @@ from torchpre.errors import TorchpreError
 
 
 class _Optimizer:
-    """What the manager needs of torchpre's optimizer: a state dict and the master-weight hooks."""
+    """What the manager needs of torchpre's optimizer: a state dict and the master weights (none here: the
+    parameters load as they are)."""
+
+    aliases: dict[str, str] = {}
 
     def __init__(self) -> None:
         self.state = {"weight": {"exp_avg": torch.zeros(4, 4)}}
@@ -26,8 +29,8 @@ class _Optimizer:
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return self.state
 
-    def masters_from_parameters(self) -> None:
-        pass
+    def masters(self) -> dict[str, torch.Tensor]:
+        return {}
 
     def parameters_from_masters(self) -> None:
         pass

@@ -74,8 +74,8 @@ def find_step_dir(folder: Path, load_step: int) -> Path | None:
 class CheckpointManager:
     """Saves and loads one job's checkpoints.
 
-    `model_parts` are this rank's modules (pipeline stages); `optimizer` has `state_dict()`,
-    `masters_from_parameters()` and `parameters_from_masters()` (torchpre's DistributedOptimizer);
+    `model_parts` are this rank's modules (pipeline stages); `optimizer` has `state_dict()`, `aliases`,
+    `masters()` and `parameters_from_masters()` (torchpre's DistributedOptimizer);
     `lr_scheduler` a torch scheduler; `data_position` / `set_data_position` read and restore the
     global sample position of the data loader.
     """
@@ -134,7 +134,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
             (tmp / "config.toml").write_text(self.config_text, encoding="utf-8")
         dist.barrier()
-        state = self._state_dict(model_only=self.model_only, step=step)
+        state = self.state_dict(step, model_only=self.model_only)
         start = time.perf_counter()
         if self.async_group is None:
             dcp.save(state, checkpoint_id=str(tmp))
@@ -205,23 +205,27 @@ class CheckpointManager:
     def load(self, step_dir: Path, model_only: bool = False) -> TrainState:
         """Loads a checkpoint into the live state, resharding to this layout; returns where to continue.
 
-        `model_only` (a run's initial weights) loads the weights and nothing else.
+        `model_only` (a run's initial weights), or a checkpoint that holds only weights (saved with
+        checkpoint.model_only, or converted from Hugging Face), loads the weights and nothing else. Every
+        other entry the job asks for must be in the checkpoint, except the parts in
+        checkpoint.exclude_from_loading: a missing one is an error, never a silent fresh start of that state.
         """
         self._require_intact(step_dir, "checkpoint.initial_load_path" if model_only else "checkpoint.load_step")
         saved = checkpoint_metadata(step_dir)
-        parts = {"model"} if model_only else set(PARTS) - self.exclude
+        weights_only = model_only or not any(key.startswith("train.") for key in saved)
+        parts = {"model"} if weights_only else set(PARTS) - self.exclude
         keys = {"model", "optimizer", "lr_scheduler", "rng"} & parts
-        if not model_only:
+        if not weights_only:
             keys.add("train")
-        state = self._state_dict(model_only=False, step=0)
+        state = self.state_dict(step=0)
         request = {key: value for key, value in state.items() if key in keys}
         check_shapes(request, saved, step_dir)
-        request = _present(request, saved)
+        self._drop_tied_aliases(request)
+        _drop_absent_rng(request, saved)
+        self._request_weights_in_fp32(request, saved)
+        require_present(request, saved, step_dir)
         dcp.load(request, checkpoint_id=str(step_dir))
-        if "optimizer" in request:
-            self.optimizer.parameters_from_masters()
-        if "model" in request and not _has_masters(request):
-            self.optimizer.masters_from_parameters()
+        self.optimizer.parameters_from_masters()
         if "lr_scheduler" in request:
             self.lr_scheduler.load_state_dict(request["lr_scheduler"])
             # A scheduler's state does not include the optimizer's current lr; restore it too.
@@ -234,10 +238,36 @@ class CheckpointManager:
             if "dataloader" in parts:
                 train.consumed_samples = int(request["train"]["consumed_samples"])
                 self.set_data_position(train.consumed_samples)
-        logger.info("loaded %s: %s", step_dir, ", ".join(sorted(request)))
+        logger.info("loaded %s: %s", step_dir, ", ".join(sorted(keys)))
         return train
 
-    def _state_dict(self, model_only: bool, step: int) -> dict[str, Any]:
+    def _drop_tied_aliases(self, request: dict[str, Any]) -> None:
+        """The second name of a weight tied within this rank is the first's Parameter: loaded once, under the
+        first name (a checkpoint saved before both names were written has only that one)."""
+        for alias in self.optimizer.aliases:
+            request.get("model", {}).pop(alias, None)
+            request.get("optimizer", {}).pop(alias, None)
+
+    def _request_weights_in_fp32(self, request: dict[str, Any], saved: dict[str, Any]) -> None:
+        """Loads every parameter through its fp32 master (`optimizer.masters()`), from the saved master when the
+        checkpoint has one (a low-precision run), else from the saved parameter; the caller then writes the
+        parameters from the masters. So bf16 -> fp32 resumes from the saved fp32 masters and fp32 -> bf16 takes
+        the saved fp32 parameters as masters, instead of either going through a bf16-rounded copy."""
+        if "model" not in request:
+            return
+        model, optimizer = request["model"], request.setdefault("optimizer", {})
+        for name, master in self.optimizer.masters().items():
+            if f"optimizer.{name}.master" in saved:
+                optimizer.setdefault(name, {})["master"] = master
+                model.pop(name)
+            else:
+                model[name] = master
+                optimizer.get(name, {}).pop("master", None)
+        if not optimizer:
+            del request["optimizer"]
+
+    def state_dict(self, step: int, model_only: bool = False) -> dict[str, Any]:
+        """The state a save at train step `step` writes, as live tensors (DTensors where sharded)."""
         model: dict[str, torch.Tensor] = {}
         for part in self.model_parts:
             model.update(part.state_dict())
@@ -385,12 +415,13 @@ def checkpoint_metadata(step_dir: Path) -> dict[str, Any]:
         ) from None
 
 
-def _flat(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`state` in one level, nested keys joined with dots as DCP names them ("optimizer.w.exp_avg")."""
     flat = {}
     for key, value in state.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_flat(value, f"{name}."))
+            flat.update(flatten(value, f"{name}."))
         else:
             flat[name] = value
     return flat
@@ -400,7 +431,7 @@ def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path)
     """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, and
     the model weights the checkpoint lacks."""
     mismatched, missing = [], []
-    for key, value in _flat(request).items():
+    for key, value in flatten(request).items():
         meta = saved.get(key)
         if key.startswith("model.") and meta is None:
             missing.append(key)
@@ -416,19 +447,23 @@ def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path)
         )
 
 
-def _present(request: dict[str, Any], saved: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """`request` without the entries the checkpoint does not hold (e.g. masters of an fp32 run)."""
-    kept = {}
-    for key, value in request.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            inner = _present(value, saved, f"{name}.")
-            if inner:
-                kept[key] = inner
-        elif name in saved:
-            kept[key] = value
-    return kept
+def _drop_absent_rng(request: dict[str, Any], saved: dict[str, Any]) -> None:
+    """A rank the saving job did not have finds no saved RNG state, and keeps its own."""
+    rng = {key: value for key, value in request.pop("rng", {}).items() if f"rng.{key}" in saved}
+    if rng:
+        request["rng"] = rng
 
 
-def _has_masters(request: dict[str, Any]) -> bool:
-    return any("master" in entry for entry in request.get("optimizer", {}).values())
+def require_present(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
+    """Raises on every rank, naming a few of them, their count and the folder, if the checkpoint lacks entries
+    that some rank's `request` asks for."""
+    missing = [key for key in flatten(request) if key not in saved]
+    if dist.is_initialized():
+        missing = sorted({key for part in _all_gather(missing) for key in part})
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise TorchpreError(
+            f"The checkpoint {step_dir} lacks {len(missing)} entries this job loads: {shown}. It was saved by "
+            "another model or version of torchpre. Load another checkpoint, or leave that part out on purpose "
+            "with checkpoint.exclude_from_loading (e.g. optimizer, lr_scheduler)."
+        )

@@ -253,7 +253,9 @@ class DistributedOptimizer:
         """The optimizer state by parameter name, as DTensors on the (dp, tp) mesh that share storage with
         the live state, so torch.distributed.checkpoint saves it and loads (and reshards) into it in place.
 
-        "master" is present for low-precision parameters only (an fp32 parameter is its own master).
+        "master" is present for low-precision parameters only (an fp32 parameter is its own master). A weight
+        tied within this rank's model appears under both of its names (see `aliases`), so that a layout whose
+        pipeline stages hold one copy each finds its copy's state under its own name.
         """
         state = {}
         for entry in self.entries:
@@ -265,21 +267,29 @@ class DistributedOptimizer:
             }
             if entry.owns_master:
                 state[entry.name]["master"] = self._as_dtensor(entry, entry.master)
+        for alias, name in self.aliases.items():
+            state[alias] = state[name]
         return state
 
-    @torch.no_grad()
-    def masters_from_parameters(self) -> None:
-        """Re-derives the fp32 masters from the parameters (after loading weights without optimizer state)."""
-        for entry in self.entries:
-            if entry.owns_master:
-                group = self.edp_group if entry.expert else self.dp_group
-                world, rank = dist.get_world_size(group), dist.get_rank(group)
-                local = entry.local if self.zero_stage == 0 else _rank_chunk(entry.local, entry.dim, world, rank)
-                entry.master.copy_(local)
+    @property
+    def aliases(self) -> dict[str, str]:
+        """{second tied name: first} when one Parameter serves both names on this rank (no pipeline split
+        between them): its state is that of the first name's entry."""
+        names = {entry.name for entry in self.entries}
+        if self.tied is None or self.tied[0] not in names or self.tied[1] in names:
+            return {}
+        return {self.tied[1]: self.tied[0]}
+
+    def masters(self) -> dict[str, DTensor]:
+        """Every parameter's fp32 value by name, as a DTensor on the state mesh sharing storage with the live
+        state: the master of a low-precision parameter, a view of the parameter itself when it is fp32. A
+        checkpoint loads the weights into these, then `parameters_from_masters()` writes the parameters, so a
+        dtype change between save and load never goes through a rounded copy."""
+        return {entry.name: self._as_dtensor(entry, entry.master) for entry in self.entries}
 
     @torch.no_grad()
     def parameters_from_masters(self) -> None:
-        """Writes the masters into the parameters (after loading optimizer state)."""
+        """Writes the masters into the parameters (after loading them)."""
         self._write_parameters()
 
     def _adam_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,0 +1,168 @@
+"""The reshard matrix's cases: every model, parameter dtype and pair of layouts a checkpoint may be saved and
+resumed under, generated, plus a deterministic sample that covers every axis value for CI.
+
+A case saves at step 5 of a 10-step run under layout `save` and resumes under `load`; `ac` and `compile` are
+the loading job's activation checkpointing and torch.compile (they change only its module wrappers, so the
+matrix crosses them with the model, dtype and loading layout, saving from one process, or from dp2 when the
+load is one process). Everything else is the complete product.
+"""
+
+import dataclasses
+import itertools
+import random
+
+# Each model's flavor has at least 4 blocks, so the V schedule's 4 stages (2 per rank) each hold one.
+MODELS: dict[str, tuple[str, ...]] = {
+    "llama": ("--model.flavor", "debugmodel"),
+    "llama_tied": ("--model.flavor", "debugmodel_tied"),
+    "gpt2": ("--model.name", "gpt2-test", "--model.flavor", "tiny"),  # biases, 1-D TP-sharded tensors
+    "moe": ("--model.name", "moe", "--model.flavor", "debugmodel"),
+}
+DTYPES: dict[str, tuple[str, str]] = {  # (saved in, resumed in)
+    "fp32": ("float32", "float32"),
+    "bf16": ("bfloat16", "bfloat16"),
+    "bf16>fp32": ("bfloat16", "float32"),
+    "fp32>bf16": ("float32", "bfloat16"),
+}
+
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+SP = ("--parallelism.enable_sequence_parallel",)
+ZERO1 = ("--optimizer.zero_stage", "1")
+EP2 = ("--parallelism.expert_parallel_degree", "2")
+
+
+def _pp2(schedule: str) -> tuple[str, ...]:
+    return ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    nproc: int
+    args: tuple[str, ...] = ()
+    experts: bool = False  # expert parallelism: Mixture-of-Experts models only
+
+
+LAYOUTS: dict[str, Layout] = {
+    "1proc": Layout(1),
+    "dp2": Layout(2),
+    "dp2-zero1": Layout(2, ZERO1),
+    "tp2-sp": Layout(2, (*TP2, *SP)),
+    "pp2-1f1b": Layout(2, _pp2("1F1B")),
+    "pp2-zbv": Layout(2, _pp2("ZBVZeroBubble")),
+    "dp2xtp2": Layout(4, TP2),
+    "dp2xtp2-zero1": Layout(4, (*TP2, *ZERO1)),
+    "tp2xpp2": Layout(4, (*TP2, *_pp2("1F1B"))),
+    "dp2xpp2": Layout(4, _pp2("1F1B")),
+    "dp2xpp2-zero1": Layout(4, (*_pp2("1F1B"), *ZERO1)),
+    "ep2": Layout(2, EP2, experts=True),
+    "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
+}
+WRAPPERS = (("none", False), ("full", False), ("none", True), ("full", True))  # (AC mode, compile)
+
+# Every run: a global batch of 8 sequences, 4 per DP rank (2 microbatches on one process, 8 or 4 pipeline
+# microbatches of 1 under PP), 10 steps, a checkpoint every 5.
+COMMON = (
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "4",
+    "--training.global_batch_size", "8",
+    "--training.steps", "10",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--checkpoint.enable",
+    "--checkpoint.interval", "5",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str
+    dtype: str
+    save: str
+    load: str
+    ac: str = "none"
+    compile: bool = False
+
+    @property
+    def id(self) -> str:
+        wrappers = [w for w, on in (("ac", self.ac != "none"), ("compile", self.compile)) if on]
+        return "-".join([self.model, self.dtype, f"{self.save}-to-{self.load}", *wrappers])
+
+    @property
+    def saving_run(self) -> tuple[str, str, str]:
+        """What the uninterrupted run that saves depends on; cases with the same one share it."""
+        return self.model, DTYPES[self.dtype][0], self.save
+
+    def values(self) -> set[tuple[str, object]]:
+        """(axis, value) pairs this case covers, and the issue's problems it exercises."""
+        values = {("model", self.model), ("dtype", self.dtype), ("save", self.save), ("load", self.load)}
+        values |= {("ac", self.ac), ("compile", self.compile)}
+        return values | {("problem", problem) for problem in self.problems()}
+
+    def problems(self) -> set[str]:
+        """Which of issue 15's problems this case would catch."""
+        pipelined = {name for name in LAYOUTS if "pp2" in name}
+        loaded_dtype = DTYPES[self.dtype][1]
+        found = set()
+        if self.model == "llama_tied" and (self.save in pipelined) != (self.load in pipelined):
+            found.add("1-tied-into-stages")
+        if self.model == "gpt2" and "dp2xtp2-zero1" in (self.save, self.load):
+            found.add("2-zero1-of-1d-tp-tensors")
+        if self.dtype in ("bf16>fp32", "fp32>bf16"):
+            found.add("4-dtype-change")
+        if loaded_dtype == "bfloat16" and self.load == "pp2-zbv":
+            found.add("5-zero-bubble-bf16")
+        if "tp2" in self.load and self.ac != "none" and self.compile:
+            found.add("6-tp-ac-compile")
+        return found
+
+    def cost(self) -> int:
+        """Rough relative run time: processes launched, and torch.compile's first-use cost."""
+        return LAYOUTS[self.load].nproc + (20 if self.compile else 0)
+
+
+def supports(model: str, layout: str) -> bool:
+    return model == "moe" or not LAYOUTS[layout].experts
+
+
+def layout_args(model: str, layout: str) -> list[str]:
+    """The layout's options; the GPT-2 test model's tensor-parallel plan is a fixed dict, without sequence
+    parallelism."""
+    args = list(LAYOUTS[layout].args)
+    return [arg for arg in args if arg not in SP] if model == "gpt2" else args
+
+
+def full_matrix() -> list[Case]:
+    cases = [
+        Case(model, dtype, save, load)
+        for model, dtype, save, load in itertools.product(MODELS, DTYPES, LAYOUTS, LAYOUTS)
+        if save != load and supports(model, save) and supports(model, load)
+    ]
+    for model, dtype, load, (ac, compile) in itertools.product(MODELS, ("fp32", "bf16"), LAYOUTS, WRAPPERS[1:]):
+        if supports(model, load):
+            cases.append(Case(model, dtype, "1proc" if load != "1proc" else "dp2", load, ac, compile))
+    return cases
+
+
+def axis_values(cases: list[Case]) -> set[tuple[str, object]]:
+    return set().union(*(case.values() for case in cases))
+
+
+def covering_sample(cases: list[Case], size: int, seed: int = 0) -> list[Case]:
+    """At least `size` cases that together cover every axis value and problem of `cases`, chosen greedily and
+    deterministically (`seed` orders ties): each pick covers the most values not yet covered, preferring cases
+    that reuse an already chosen saving run, then cheap ones."""
+    order = list(cases)
+    random.Random(seed).shuffle(order)
+    uncovered, chosen, runs = axis_values(cases), [], set()
+    while uncovered or len(chosen) < size:
+        candidates = [case for case in order if case not in chosen]
+        if not candidates:
+            break
+        best = max(
+            candidates,
+            key=lambda c: (len(c.values() & uncovered), c.saving_run in runs, -c.cost()),
+        )
+        chosen.append(best)
+        uncovered -= best.values()
+        runs.add(best.saving_run)
+    return chosen
