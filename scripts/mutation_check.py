@@ -23,13 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 CORE = "tests/distributed/test_core_mechanisms.py"
 ZERO_COLLECTIVES = "tests/distributed/test_zero_collectives.py"
 TENSOR_PARALLEL = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
-
 CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
 MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file_and_a_folder_without_one_is_trusted"
 DATA_POSITION_TEST = f"{CHECKPOINT}::test_the_data_position_comes_back_exactly"
 RNG_TEST = "tests/unit/test_checkpoint_rng.py"
 LOSS_TEST = "tests/unit/test_trainer_loss.py"
-MIXED_PRECISION_TEST = "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
+MIXED_PRECISION_TEST = (
+    "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
+)
 
 
 @dataclass(frozen=True)

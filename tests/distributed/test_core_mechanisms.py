@@ -76,9 +76,11 @@ def _check_data_parallel(zero_stage: int, mesh: DeviceMesh) -> None:
     for step in range(STEPS):
         _loss(model, INPUTS.chunk(2)[rank], TARGETS.chunk(2)[rank]).backward()
         norm = optimizer.step()
-        torch.testing.assert_close(norm, norms[step], rtol=NORM_RTOL, atol=0, msg=f"zero {zero_stage}: step {step} norm")
+        what = f"zero {zero_stage}: step {step} norm"
+        torch.testing.assert_close(norm, norms[step], rtol=NORM_RTOL, atol=0, msg=what)
     for name, param in model.named_parameters():
-        torch.testing.assert_close(param.detach(), expected[name], rtol=0, atol=ATOL, msg=f"zero {zero_stage}: {name}")
+        what = f"zero {zero_stage}: {name}"
+        torch.testing.assert_close(param.detach(), expected[name], rtol=0, atol=ATOL, msg=what)
 
 
 def _check_tied_gradient_sum() -> None:
