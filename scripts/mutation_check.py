@@ -5,7 +5,8 @@
 
 Each break replaces one exact piece of source text (which must occur exactly once, or the script stops naming
 it) in a temporary copy of the repository, runs its test subset there (PYTHONPATH points at the copy), and
-reports whether the tests failed (caught) or passed (survived), with the time. `pytest -m mutation` runs it too.
+reports whether the tests failed (caught, with pytest's first failure line) or passed (survived), with the time.
+First the same tests run on an unbroken copy: they must pass. `python -m pytest -m mutation` runs the check too.
 """
 
 import argparse
@@ -137,22 +138,32 @@ def check_unique(repo: Path, breaks: list[Break]) -> None:
             sys.exit(f"mutation '{b.name}': its old text occurs {count} times in {b.file}, not once: {b.old!r}")
 
 
+def run_tests(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:
+    """(passed, why not: pytest's first failure line or the timeout) for `tests` run against the copy `repo`."""
+    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"}
+    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", "-m", "not mutation"]
+    try:
+        result = subprocess.run([*pytest, *tests], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:.0f} s"
+    failures = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    return result.returncode == 0, (failures[0] if failures else result.stdout[-1500:] + result.stderr[-1500:])
+
+
+def copy_repo(repo: Path, target: Path) -> Path:
+    shutil.copytree(repo, target, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".venv"))
+    return target
+
+
 def run_break(b: Break, repo: Path, workdir: Path, timeout: float) -> tuple[bool, float, str]:
-    """(caught, seconds, output tail) for one break applied to a fresh copy of the repository."""
-    copy = workdir / b.name
-    shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".venv"))
+    """(caught, seconds, why) for one break applied to a fresh copy of the repository; a hang counts as caught."""
+    copy = copy_repo(repo, workdir / b.name)
     path = copy / b.file
     path.write_text(path.read_text().replace(b.old, b.new))
-    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not mutation", *b.tests]
     start = time.monotonic()
-    try:
-        result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
-        caught, output = result.returncode != 0, result.stdout[-1500:]
-    except subprocess.TimeoutExpired:
-        caught, output = True, f"timed out after {timeout:.0f} s (a hang counts as caught)"
+    passed, why = run_tests(copy, b.tests, timeout)
     shutil.rmtree(copy, ignore_errors=True)
-    return caught, time.monotonic() - start, output
+    return not passed, time.monotonic() - start, why
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,12 +175,20 @@ def main(argv: list[str] | None = None) -> int:
     check_unique(REPO, breaks)
     survived, start = [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutation-") as workdir:
+        # Unbroken first: a break only counts as caught if its tests pass without it.
+        subsets = tuple(dict.fromkeys(test for b in breaks for test in b.tests))
+        passed, why = run_tests(copy_repo(REPO, Path(workdir) / "unbroken"), subsets, args.timeout)
+        print(f"unbroken: {len(subsets)} test subsets {'pass' if passed else 'FAIL'} "
+              f"({time.monotonic() - start:.0f} s)", flush=True)
+        if not passed:
+            print(why)
+            return 2
         for b in breaks:
-            caught, seconds, output = run_break(b, REPO, Path(workdir), args.timeout)
+            caught, seconds, why = run_break(b, REPO, Path(workdir), args.timeout)
             print(f"{'caught  ' if caught else 'SURVIVED'} {seconds:6.1f} s  {b.name}: {b.breaks}", flush=True)
+            print(f"    {why[:300]}" if caught else why, flush=True)
             if not caught:
                 survived.append(b.name)
-                print(output, flush=True)
     print(f"{len(breaks) - len(survived)} of {len(breaks)} breaks caught in {time.monotonic() - start:.0f} s"
           + (f"; survived: {', '.join(survived)}" if survived else ""))
     return 1 if survived else 0
