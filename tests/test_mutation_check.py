@@ -1,6 +1,7 @@
 """Every deliberate break of a core mechanism in scripts/mutation_check.py is caught by its tests.
 
-Minutes long, so deselected by default (pyproject's addopts): `python -m pytest -m mutation` runs it.
+About 25 minutes, so deselected by default (pyproject's addopts) and marked slow too, which keeps it out of a
+run whose own `-m` replaces the default: `python -m pytest -m mutation` runs it.
 """
 
 import subprocess
@@ -10,7 +11,7 @@ import pytest
 
 from tests.launch import REPO
 
-pytestmark = pytest.mark.mutation
+pytestmark = [pytest.mark.mutation, pytest.mark.slow]
 
 
 @pytest.mark.timeout(3600)
