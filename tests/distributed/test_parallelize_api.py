@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.integration.test_custom_model import GPT2, TP_PLAN, GPT2Args
+from tests.gpt2_model import GPT2, TP_PLAN, GPT2Args
 from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.parallel import ParallelPlan, PipelinePlan, build_optimizer, parallelize, pipeline_stages

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.launch import spawn
 from torchpre.errors import ConfigError
@@ -218,13 +219,40 @@ def test_plan_naming_a_missing_module_is_a_config_error(
         apply_tensor_parallel(_meta_model(), one_rank_mesh, {key: ColwiseParallel()})
 
 
-def test_plan_covers_only_what_a_pipeline_stage_holds(one_rank_mesh: DeviceMesh) -> None:
-    for absent in (("tok_embeddings",), ("norm", "output")):
-        stage = _meta_model()
-        for part in absent:
-            setattr(stage, part, None)
-        del stage.layers["1"]
-        apply_llama3_tensor_parallel(stage, one_rank_mesh, sequence_parallel=True, loss_parallel=True)
+@pytest.fixture
+def fake_tp2_mesh() -> Iterator[DeviceMesh]:
+    """Rank 0 of two under torch's fake process group: the plan is really applied (on the meta device)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("absent", [("tok_embeddings",), ("norm", "output")])
+def test_plan_covers_only_what_a_pipeline_stage_holds(fake_tp2_mesh: DeviceMesh, absent: tuple[str, ...]) -> None:
+    """A first or last pipeline stage (one block, no head or no embedding) gets the plan of what it holds: no
+    error for the parts it lacks, and every part it has laid out as in the whole model."""
+    stage = _meta_model()
+    for part in absent:
+        setattr(stage, part, None)
+    del stage.layers["1"]
+    apply_llama3_tensor_parallel(stage, fake_tp2_mesh, sequence_parallel=True, loss_parallel=True)
+    expected = {
+        "tok_embeddings.weight": Shard(0),
+        "layers.0.attention.wq.weight": Shard(0),
+        "layers.0.attention.wo.weight": Shard(1),
+        "layers.0.feed_forward.w2.weight": Shard(1),
+        "layers.0.attention_norm.weight": Replicate(),
+        "norm.weight": Replicate(),
+        "output.weight": Shard(0),
+    }
+    plain = [name for name, param in stage.named_parameters() if not isinstance(param, DTensor)]
+    assert not plain, f"not sharded by the plan: {plain}"
+    placements = {name: param.placements for name, param in stage.named_parameters()}
+    held = {name: (placement,) for name, placement in expected.items() if name.split(".")[0] not in absent}
+    assert {name: placements[name] for name in held} == held
+    assert not any(name.startswith(absent) for name in placements)
 
 
 def test_one_rank_mesh_leaves_the_model_plain(one_rank_mesh: DeviceMesh) -> None:

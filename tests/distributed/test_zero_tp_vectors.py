@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from tests.integration.test_custom_model import GPT2, TP_PLAN, GPT2Args
+from tests.gpt2_model import GPT2, TP_PLAN, GPT2Args
 from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.parallel import ParallelPlan, build_optimizer, parallelize

@@ -122,8 +122,60 @@ def assert_same_losses(records: dict[int, dict], reference: dict[int, dict], ste
         assert records[step]["loss"] == pytest.approx(reference[step]["loss"], abs=RESUME_ATOL), f"step {step}"
 
 
+# What `training.deterministic` promises, read back in a fresh interpreter (the settings are process-wide): the
+# cuBLAS workspace variable set before CUDA starts, deterministic algorithms on, cuDNN autotuning off, and the
+# Python, NumPy and torch generators seeded. Printed without the option, then with it.
+DETERMINISM_PROBE = """
+import json, os, random, sys
+import numpy as np
+import torch
+from torchpre.determinism import configure_determinism
+
+def settings():
+    return {
+        "cublas_workspace": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+    }
+
+def draws():
+    return [random.random(), float(np.random.rand()), torch.rand(()).item()]
+
+os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+configure_determinism(False, seed=7)
+off = settings()
+configure_determinism(True, seed=7)
+on, seeded = settings(), draws()
+random.seed(7); np.random.seed(7); torch.manual_seed(7)
+print(json.dumps({"off": off, "on": on, "seeded": seeded == draws()}))
+"""
+
+
+def test_the_deterministic_option_sets_what_it_promises():
+    """Two CPU runs agree bitwise with or without the option (CPU fp32 is deterministic), so the rerun test
+    below cannot show that the option does anything: this checks the settings themselves."""
+    env = {key: value for key, value in os.environ.items() if key != "CUBLAS_WORKSPACE_CONFIG"}
+    result = subprocess.run(
+        [sys.executable, "-c", DETERMINISM_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = json.loads(result.stdout.splitlines()[-1])
+    assert probe["off"] == {
+        "cublas_workspace": None, "cuda_initialized": False, "deterministic_algorithms": False,
+        "cudnn_deterministic": False, "cudnn_benchmark": False,
+    }
+    assert probe["on"] == {
+        "cublas_workspace": ":4096:8", "cuda_initialized": False, "deterministic_algorithms": True,
+        "cudnn_deterministic": True, "cudnn_benchmark": False,
+    }
+    assert probe["seeded"], "configure_determinism did not seed random, numpy and torch from the seed"
+
+
 @pytest.mark.slow
 def test_deterministic_reruns_are_bitwise_equal(reference, tmp_path):
+    """End to end: the same config on the same layout gives the same losses and norms, bit for bit."""
     result = run_train(ARGS, 2, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     rerun = records_by_step(tmp_path)

@@ -1,5 +1,6 @@
 """Attention kernels: SDPA with grouped-query attention against a written-out reference, and the
-choice of flash-attn."""
+choice of flash-attn and the arguments of its call. flash-attn's kernel itself never runs here (it needs CUDA
+and the package): a stand-in takes its place, so these tests do not make flash-attn a tested kernel."""
 
 import math
 import warnings
@@ -44,7 +45,8 @@ def test_flash_attention_only_for_half_precision_cuda_when_installed(monkeypatch
     assert attention.flash_attention_applies(torch.device(device), dtype) is expected
 
 
-def test_causal_attention_calls_flash_attn_causally_when_it_applies(monkeypatch):
+def test_causal_attention_passes_flash_attn_causal_and_deterministic_when_it_applies(monkeypatch):
+    """The call's arguments only, through a stand-in that computes SDPA: not a test of flash-attn's kernel."""
     calls = []
 
     def fake_flash(q, k, v, causal, deterministic):

@@ -4,6 +4,7 @@ alike."""
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,11 @@ class _Optimizer:
         pass
 
 
-def _manager(folder: Path) -> CheckpointManager:
+def _manager(
+    folder: Path,
+    data_position: Callable[[], int] = lambda: 0,
+    set_data_position: Callable[[int], None] = lambda position: None,
+) -> CheckpointManager:
     model = nn.Linear(4, 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=0.1), lambda step: 1.0)
     return CheckpointManager(
@@ -44,8 +49,8 @@ def _manager(folder: Path) -> CheckpointManager:
         model_parts=[model],
         optimizer=_Optimizer(),
         lr_scheduler=scheduler,
-        data_position=lambda: 0,
-        set_data_position=lambda position: None,
+        data_position=data_position,
+        set_data_position=set_data_position,
         config_text="[job]\n",
         interval=2,
         keep_latest_k=0,
@@ -90,6 +95,16 @@ CRASH_POINTS = {  # where the save dies: writing the files, checksumming them, r
     "checksumming": (manager, "_file_record", _die),
     "renaming": (Path, "rename", _die_renaming_the_folder),
 }
+
+
+def test_the_data_position_comes_back_exactly(world, tmp_path):
+    """The loader resumes at the sample after the last one trained on: one sample early or late shifts every
+    later batch."""
+    _manager(tmp_path, data_position=lambda: 24).save(3)
+    restored: list[int] = []
+    resumed = _manager(tmp_path, set_data_position=restored.append)
+    train = resumed.load(resumed.find(-1))
+    assert (train.step, train.consumed_samples, restored) == (3, 24, [24])
 
 
 @pytest.mark.parametrize("crash_point", CRASH_POINTS)

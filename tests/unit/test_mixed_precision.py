@@ -53,9 +53,10 @@ def test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation(world
     fp32_accumulation = relative_error(accumulated_gradients(torch.bfloat16, True, world), reference)
     bf16_accumulation = relative_error(accumulated_gradients(torch.bfloat16, False, world), reference)
     print(f"relative gradient error vs fp32: fp32 accumulation {fp32_accumulation:.2e}, bf16 {bf16_accumulation:.2e}")
-    # bf16 forward/backward alone costs ~1e-2 relative; summing 16 bf16 microbatch gradients in bf16
-    # adds rounding at every add (8-bit mantissa), so its error must be clearly larger.
-    assert fp32_accumulation < 0.05
+    # Measured (torch 2.14, CPU): fp32 accumulation 3.96e-3 relative (the bf16 forward/backward's own rounding),
+    # bf16 accumulation 6.20e-3 (rounding at each of the 16 adds, 8-bit mantissa). The bound sits between them,
+    # 1.25x the first: accumulating in bf16 (the bug this guards) exceeds it by itself.
+    assert fp32_accumulation < 5e-3
     assert bf16_accumulation > 1.2 * fp32_accumulation
 
 

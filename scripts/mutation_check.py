@@ -1,0 +1,203 @@
+"""Deliberate breaks of torchpre's core mechanisms, one at a time, each against the fast tests that must catch it.
+
+    python scripts/mutation_check.py            # every break; exit 1 if any survives
+    python scripts/mutation_check.py -k zero    # the breaks whose name contains "zero"
+
+Each break replaces one exact piece of source text (which must occur exactly once, or the script stops naming
+it) in a temporary copy of the repository, runs its test subset there (PYTHONPATH points at the copy), and
+reports whether the tests failed (caught, with pytest's first failure line) or passed (survived), with the time.
+First the same tests run on an unbroken copy: they must pass. `python -m pytest -m mutation` runs the check too.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+CORE = "tests/distributed/test_core_mechanisms.py"
+ZERO_COLLECTIVES = "tests/distributed/test_zero_collectives.py"
+TENSOR_PARALLEL = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
+TP_GRAD_NORM = "tests/distributed/test_tensor_parallel_grad_norm.py"
+CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
+MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file_and_a_folder_without_one_is_trusted"
+DATA_POSITION_TEST = f"{CHECKPOINT}::test_the_data_position_comes_back_exactly"
+RNG_TEST = "tests/unit/test_checkpoint_rng.py"
+LOSS_TEST = "tests/unit/test_trainer_loss.py"
+MIXED_PRECISION_TEST = (
+    "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
+)
+
+
+@dataclass(frozen=True)
+class Break:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    breaks: str
+
+
+BREAKS = [
+    Break("dp-all-reduce-skipped", "torchpre/optim/distributed_optimizer.py",
+          "                all_reduce_tensors(domain, group, self.bucket_bytes)", "                pass",
+          (CORE,), "ZeRO-0 skips the DP gradient all-reduce"),
+    Break("dp-reduce-scatter-without-sum", "torchpre/parallel/data_parallel.py",
+          "        dist.reduce_scatter_tensor(mine, packed, group=group)",
+          "        mine.copy_(packed.split(layout.rank_numel)[dist.get_rank(group)])",
+          (ZERO_COLLECTIVES,), "ZeRO-1 takes its own chunk without summing the other ranks'"),
+    Break("tied-gradient-sum-dropped", "torchpre/parallel/pipeline.py",
+          "        total = mine + theirs if name == tied[0] else theirs + mine", "        total = mine",
+          (CORE,), "a weight tied across stages keeps its stage's gradient only"),
+    Break("zero-shard-offset", "torchpre/optim/distributed_optimizer.py",
+          "shard = _rank_chunk(local, dim, dist.get_world_size(group), dist.get_rank(group))",
+          "shard = _rank_chunk(local, dim, dist.get_world_size(group), 0)",
+          (CORE,), "every ZeRO-1 rank's master is the first chunk"),
+    Break("zero-chunk-start", "torchpre/parallel/data_parallel.py",
+          "    start = min(rank * per_chunk, tensor.shape[dim])",
+          "    start = min(rank * per_chunk - rank, tensor.shape[dim])",
+          (ZERO_COLLECTIVES,), "chunks overlap: the rank offset is one row short per rank"),
+    Break("zero-all-gather-skipped", "torchpre/parallel/data_parallel.py",
+          "        layout.unpack_all(gathered, bucket_outputs)", "        pass",
+          (CORE,), "updated parameters are not all-gathered: each rank sees only its own chunk's update"),
+    Break("loss-local-token-count", "torchpre/trainer.py",
+          "return self._cross_entropy_sum(logits, labels) / self.tokens_per_step",
+          "return self._cross_entropy_sum(logits, labels) / labels.numel()",
+          (LOSS_TEST,), "the loss is divided by the microbatch's tokens instead of the global batch's"),
+    Break("checkpoint-data-position-off-by-one", "torchpre/checkpoint/manager.py",
+          '"consumed_samples": self.data_position(),', '"consumed_samples": self.data_position() + 1,',
+          (DATA_POSITION_TEST,), "the saved data position is one sample late"),
+    Break("checkpoint-rng-not-restored", "torchpre/checkpoint/manager.py",
+          '        _set_rng_state(request.get("rng", {}), self.rank)', "        pass",
+          (RNG_TEST,), "a resume keeps the generators' current state"),
+    Break("checkpoint-manifest-skips-a-file", "torchpre/checkpoint/manager.py",
+          "names = sorted(path.name for path in tmp.iterdir() if path.is_file() and path.name != MANIFEST)",
+          "names = sorted(path.name for path in tmp.iterdir() if path.is_file() and path.name != MANIFEST)[1:]",
+          (MANIFEST_TEST,), "the manifest omits one file"),
+    Break("sp-norm-gradient-not-reduced", "torchpre/parallel/tensor_parallel.py",
+          "            return grad.to_local(), True", "            return grad.to_local(), False",
+          (TENSOR_PARALLEL,), "norm gradients under sequence parallel stay per-rank partial sums"),
+    Break("clip-local-norm", "torchpre/optim/distributed_optimizer.py",
+          "            dp_group=self.dp_group if self.zero_stage == 1 else None,", "            dp_group=None,",
+          (CORE,), "ZeRO-1 clips with its shard's norm instead of the global one"),
+    Break("clip-tp-shards-not-summed", "torchpre/parallel/grad_clip.py",
+          "        dist.all_reduce(sharded, group=tp_group)", "        pass",
+          (TP_GRAD_NORM,), "the norm of TP-sharded gradients is this rank's part only"),
+    Break("sp-rope-positions-local", "torchpre/models/llama3/parallelize.py",
+          "input_layouts=(residual, None), desired_input_layouts=(Replicate(), None)",
+          "input_layouts=(residual, None), desired_input_layouts=(residual, None)",
+          (TENSOR_PARALLEL,), "under SP attention sees its sequence slice: RoPE positions restart at 0 per rank"),
+    Break("ep-dispatch-splits-swapped", "torchpre/parallel/expert_parallel.py",
+          "    received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)",
+          "    received = all_to_all_single_autograd(tokens, send_splits, recv_splits, group)",
+          (CORE,), "the EP dispatch all-to-all swaps its split sizes"),
+    Break("ep-combine-splits-swapped", "torchpre/parallel/expert_parallel.py",
+          "all_to_all_single_autograd(received_order, dispatch.send_splits, dispatch.recv_splits, mesh.get_group())",
+          "all_to_all_single_autograd(received_order, dispatch.recv_splits, dispatch.send_splits, mesh.get_group())",
+          (CORE,), "the EP combine all-to-all swaps its split sizes"),
+    Break("pipeline-scaling-by-microbatches", "torchpre/parallel/pipeline.py",
+          "    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)",
+          "    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)",
+          (CORE,), "single-stage schedules divide gradients by the microbatch count a second time"),
+    Break("nonfinite-verdict-per-rank", "torchpre/health.py",
+          "loss=loss / tp_degree, loss_finite=bad_loss == 0,",
+          "loss=loss / tp_degree, loss_finite=bool(torch.isfinite(loss_share)),",
+          (CORE,), "each rank decides on its own loss whether to apply the step"),
+    Break("nonfinite-norm-verdict-per-rank", "torchpre/health.py",
+          "            (~torch.isfinite(grad_norm)).float(),",
+          "            (~torch.isfinite(grad_norm)).float() * dist.get_rank(),",
+          (CORE,), "only rank 1's view of the norm counts"),
+    Break("adamw-decays-norm-gains", "torchpre/optim/distributed_optimizer.py",
+          '{"params": vectors, "weight_decay": 0.0}', '{"params": vectors, "weight_decay": weight_decay}',
+          (CORE,), "biases and norm gains are weight-decayed"),
+    Break("bf16-accumulation-not-fp32", "torchpre/optim/distributed_optimizer.py",
+          "        if accumulate_in_fp32:", "        if False:",
+          (MIXED_PRECISION_TEST,), "bf16 microbatch gradients are summed in bf16"),
+    Break("causal-mask-dropped", "torchpre/models/attention.py",
+          "    return sdpa(q, k, v, mask=None, is_causal=True)", "    return sdpa(q, k, v, mask=None, is_causal=False)",
+          ("tests/unit/test_model.py::test_causal",), "attention sees future tokens"),
+    Break("dp-data-slice", "torchpre/data/sampler.py",
+          "        start = self.consumed_samples + self.dp_rank * self.local_batch_size",
+          "        start = self.consumed_samples",
+          ("tests/unit/test_data.py::test_dp_slices_concatenate_to_the_single_process_global_batch",),
+          "every DP rank reads the same slice of the global batch"),
+]
+
+
+def check_unique(repo: Path, breaks: list[Break]) -> None:
+    """Every break's old text occurs exactly once in its file; stops naming the first that does not."""
+    for b in breaks:
+        count = (repo / b.file).read_text().count(b.old)
+        if count != 1:
+            sys.exit(f"mutation '{b.name}': its old text occurs {count} times in {b.file}, not once: {b.old!r}")
+
+
+def run_tests(repo: Path, tests: tuple[str, ...], timeout: float) -> tuple[bool, str]:
+    """(passed, why not: pytest's first failure line or the timeout) for `tests` run against the copy `repo`."""
+    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"}
+    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", "-m", "not mutation"]
+    try:
+        result = subprocess.run([*pytest, *tests], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout:.0f} s"
+    lines = result.stdout.splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+    # A spawned worker's exception is quoted in pytest's "E " lines, not in the FAILED summary.
+    errors = [line[1:].strip() for line in lines if line.startswith("E ") and "Error" in line and "Raised" not in line]
+    why = " | ".join(failed[:1] + errors[:1])
+    return result.returncode == 0, why or result.stdout[-1500:] + result.stderr[-1500:]
+
+
+def copy_repo(repo: Path, target: Path) -> Path:
+    shutil.copytree(repo, target, ignore=shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", ".venv"))
+    return target
+
+
+def run_break(b: Break, repo: Path, workdir: Path, timeout: float) -> tuple[bool, float, str]:
+    """(caught, seconds, why) for one break applied to a fresh copy of the repository; a hang counts as caught."""
+    copy = copy_repo(repo, workdir / b.name)
+    path = copy / b.file
+    path.write_text(path.read_text().replace(b.old, b.new))
+    start = time.monotonic()
+    passed, why = run_tests(copy, b.tests, timeout)
+    shutil.rmtree(copy, ignore_errors=True)
+    return not passed, time.monotonic() - start, why
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="only the breaks whose name contains this")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per break before it counts as a hang")
+    args = parser.parse_args(argv)
+    breaks = [b for b in BREAKS if args.k in b.name]
+    check_unique(REPO, breaks)
+    survived, start = [], time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutation-") as workdir:
+        # Unbroken first: a break only counts as caught if its tests pass without it.
+        subsets = tuple(dict.fromkeys(test for b in breaks for test in b.tests))
+        passed, why = run_tests(copy_repo(REPO, Path(workdir) / "unbroken"), subsets, args.timeout)
+        print(f"unbroken: {len(subsets)} test subsets {'pass' if passed else 'FAIL'} "
+              f"({time.monotonic() - start:.0f} s)", flush=True)
+        if not passed:
+            print(why)
+            return 2
+        for b in breaks:
+            caught, seconds, why = run_break(b, REPO, Path(workdir), args.timeout)
+            print(f"{'caught  ' if caught else 'SURVIVED'} {seconds:6.1f} s  {b.name}: {b.breaks}", flush=True)
+            print(f"    {why[:300]}" if caught else why, flush=True)
+            if not caught:
+                survived.append(b.name)
+    print(f"{len(breaks) - len(survived)} of {len(breaks)} breaks caught in {time.monotonic() - start:.0f} s"
+          + (f"; survived: {', '.join(survived)}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
