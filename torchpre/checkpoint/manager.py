@@ -44,10 +44,12 @@ TMP_PREFIX = ".tmp-"
 
 @dataclass
 class TrainState:
-    """What the training loop must know to continue: its step and the data position."""
+    """What the training loop must know to continue: its step, the data position and the global batch
+    size it trained with (0: a checkpoint from before it was stored)."""
 
     step: int = 0
     consumed_samples: int = 0
+    global_batch_size: int = 0
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -89,6 +91,7 @@ class CheckpointManager:
         lr_scheduler,
         data_position: Callable[[], int],
         set_data_position: Callable[[int], None],
+        global_batch_size: int = 0,
         config_text: str,
         interval: int,
         keep_latest_k: int,
@@ -102,6 +105,7 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.data_position = data_position
         self.set_data_position = set_data_position
+        self.global_batch_size = global_batch_size
         self.config_text = config_text
         self.interval = interval
         self.keep_latest_k = keep_latest_k
@@ -232,6 +236,7 @@ class CheckpointManager:
         train = TrainState()
         if "train" in request:
             train.step = int(request["train"]["step"])
+            train.global_batch_size = int(request["train"].get("global_batch_size", 0))
             if "dataloader" in parts:
                 train.consumed_samples = int(request["train"]["consumed_samples"])
                 self.set_data_position(train.consumed_samples)
@@ -251,10 +256,21 @@ class CheckpointManager:
             "train": {
                 "step": step,
                 "consumed_samples": self.data_position(),
+                "global_batch_size": self.global_batch_size,
                 "world_size": dist.get_world_size(),
             },
             "rng": {f"rank{self.rank}": torch.get_rng_state()},
         }
+
+
+def saved_global_batch_size(step_dir: Path) -> int:
+    """The global batch size `step_dir` was trained with, read without a process group so that a resumed
+    job can size its data loader and accumulation before building them; 0 if the checkpoint predates it."""
+    if "train.global_batch_size" not in checkpoint_metadata(step_dir):
+        return 0
+    request = {"train": {"global_batch_size": 0}}
+    dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
+    return int(request["train"]["global_batch_size"])
 
 
 def checkpoint_problems(step_dir: Path) -> list[str]:
