@@ -393,7 +393,7 @@ class Trainer:
             self._close()
             return
         first_step, start, self.last_loss = self.step, time.perf_counter(), float("nan")
-        peak = peak_flops(self.device, self.config.metrics.peak_flops)
+        self.peak = self._peak_flops()
         batches = iter(self.dataloader)
         timer = IntervalTimer(self.device)
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
@@ -426,7 +426,7 @@ class Trainer:
                         timings["time/checkpoint_s"] = checkpoint_time
                     val_loss = self.validator.evaluate() if validate else None
                     data_time /= interval_steps
-                    self._log(health.loss, grad_norm, lr, step_time, data_time, peak, val_loss, timings)
+                    self._log(health.loss, grad_norm, lr, step_time, data_time, val_loss, timings)
                     interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
                 if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
                     checkpoint_time += self._save_checkpoint()
@@ -477,6 +477,28 @@ class Trainer:
             self.step, self.config.training.steps, steps, seconds, f"{tokens_per_sec:,.0f}", self.last_loss,
             folder / "metrics.jsonl", saved, folder / "config.toml",
         )
+
+    def _peak_flops(self) -> float:
+        """One device's peak FLOP/s: metrics.peak_flops, a GPU's datasheet value, or a matmul measured on each
+        rank; the best rank's measurement counts (a rank that measured while its core was busy reads low)."""
+        measured = peak_flops(self.device, self.config.metrics.peak_flops)
+        peak = torch.tensor(measured, dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak)
+
+    def _mfu(self, achieved_flops: float) -> float:
+        """Achieved / peak FLOP/s per device. A measured peak is an estimate: if training itself runs faster,
+        that rate is the better bound, so it becomes the peak (said once) and MFU never exceeds 100%."""
+        if achieved_flops > self.peak and self.config.metrics.peak_flops <= 0:
+            if self.is_logging_rank:
+                logger.info(
+                    "training reached %.3g FLOP/s per device, above the measured matmul peak of %.3g (the machine was "
+                    "busier while it was measured): MFU is computed against %.3g from now on; set metrics.peak_flops "
+                    "to fix the peak",
+                    achieved_flops, self.peak, achieved_flops,
+                )
+            self.peak = achieved_flops
+        return achieved_flops / self.peak
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This microbatch's share of the global-batch mean token cross-entropy.
@@ -585,7 +607,6 @@ class Trainer:
         lr: float,
         step_time: float,
         data_time: float,
-        peak: float,
         val_loss: float | None,
         timings: dict[str, float],
     ) -> None:
@@ -601,6 +622,7 @@ class Trainer:
             return
         tokens_per_sec = self.tokens_per_step / step_time
         world_size = self.parallel_dims.world_size
+        mfu = self._mfu(self.flops_per_token * tokens_per_sec / world_size)
         self.metrics.log(
             {
                 "step": self.step,
@@ -609,7 +631,7 @@ class Trainer:
                 "grad_norm": grad_norm.item(),
                 "tokens_per_sec": tokens_per_sec,
                 "tokens_per_sec_per_device": tokens_per_sec / world_size,
-                "mfu": self.flops_per_token * tokens_per_sec / (peak * world_size),
+                "mfu": mfu,
                 "step_time_s": step_time,
                 "data_time_s": data_time,
                 "max_memory_bytes": int(maxima[0]),

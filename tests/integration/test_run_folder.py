@@ -83,3 +83,20 @@ def test_load_step_before_a_later_checkpoint_sets_the_later_one_aside(tmp_path):
     redone = records(tmp_path / "metrics.jsonl")[len(straight):]
     assert [r["step"] for r in redone] == [4, 5, 6]
     assert [r["loss"] for r in redone] == [r["loss"] for r in straight[3:]]
+
+
+def test_a_run_prints_a_header_its_steps_and_a_summary_and_no_noise(tmp_path):
+    """ZeRO-1 on 2 processes with the profiler on CPU: no deprecation or profiler warnings from any rank,
+    the config in one line (the whole of it in config.toml), MFU at most 100%, and a closing summary."""
+    args = [*TINY, "--training.steps", "3", "--optimizer.zero_stage", "1", "--profiling.enable_profiling",
+            "--profiling.profile_freq", "2"]
+    output = succeed(args, 2, tmp_path)
+    for noise in ("Warning", "ERROR", "gpuGetDeviceCount", "USDT", "[training]"):
+        assert noise not in output
+    assert f"resolved config in {tmp_path / 'config.toml'}" in output
+    assert "[training]" in (tmp_path / "config.toml").read_text()
+    lines = output.strip().splitlines()
+    assert len(lines) <= 10, output  # model line, config line, 3 steps, 2 traces, the summary
+    assert " finished at step 3 of 3: 3 steps in " in lines[-1]
+    assert f"metrics in {tmp_path / 'metrics.jsonl'}" in lines[-1]
+    assert all(0 < r["mfu"] <= 1 for r in records(tmp_path / "metrics.jsonl"))
