@@ -45,6 +45,7 @@ from torchpre.checkpoint.manager import require_intact
 from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
+from torchpre.custom_import import import_custom_module
 from torchpre.data.tokenizer import BOS, DEFAULT_TOKENIZER_PATH, EOS, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.models.registry import HFAdapter, get_flavor, get_model_spec
@@ -78,6 +79,7 @@ def main(argv: list[str]) -> None:
         raise HelpRequested
     command, source, target, options, rest = _parse_command_line(argv)
     config = parse_args(JobConfig, rest)
+    import_custom_module(config.job.custom_import)
     model = _job_model(config)
     dtype = _dtype(options.get("--dtype"))
     _check_output_free(target)

@@ -39,6 +39,7 @@ from torchpre.checkpoint.manager import (
 )
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.custom_import import import_custom_module
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
@@ -274,6 +275,7 @@ def main(argv: list[str]) -> None:
     if "-h" in rest or "--help" in rest:
         print(GENERATION_HELP)
     config = parse_args(JobConfig, rest)
+    import_custom_module(config.job.custom_import)
     validate_generation_args(gen)
 
     # Everything that can reject the input runs before the process group, identically on every rank.
