@@ -3,7 +3,7 @@
 makes `--model.name gpt2` work with train.py, checkpoints and torchpre.generate.
 
     torchrun --nproc_per_node=2 train.py --job.custom_import examples.custom_model \\
-        --model.name gpt2 --model.flavor small --parallelism.tensor_parallel_degree 2
+        --model.name gpt2 --model.flavor tiny --parallelism.tensor_parallel_degree 2
 
 `job.custom_import` imports this module before the job is checked, so the registration below runs first.
 """
@@ -126,7 +126,7 @@ TP_PLAN = {
 
 SPEC = ModelSpec(
     model_cls=GPT2,
-    flavors={"small": GPT2Args(), "124M": GPT2Args(dim=768, n_layers=12, n_heads=12)},
+    flavors={"tiny": GPT2Args(), "124M": GPT2Args(dim=768, n_layers=12, n_heads=12)},
     blocks="h",
     tensor_parallel=TP_PLAN,
     tied_weights=lambda args: ("wte.weight", "lm_head.weight"),

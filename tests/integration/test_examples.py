@@ -15,7 +15,7 @@ from torchpre.errors import ConfigError
 
 GPT2 = [
     "--model.name", "gpt2",
-    "--model.flavor", "small",
+    "--model.flavor", "tiny",
     "--training.seq_len", "32",
     "--training.local_batch_size", "4",
     "--training.steps", "4",
