@@ -230,7 +230,15 @@ class Trainer:
         c = self.config.checkpoint
         step_dir = self.checkpoint.find(c.load_step) if self.checkpoint and c.enable else None
         if step_dir is not None:
-            self.step = self.last_checkpoint_step = self.checkpoint.load(step_dir).step
+            state = self.checkpoint.load(step_dir)
+            self.step = self.last_checkpoint_step = state.step
+            derived = self.config.training.global_batch_size == -1
+            if derived and state.global_batch_size not in (0, self.global_batch_size) and self.is_logging_rank:
+                logger.warning(  # the batch was sized from another checkpoint: the latest one, found damaged
+                    "%s was trained with a global batch of %d, this job runs %d: set training.global_batch_size = %d "
+                    "to continue it unchanged",
+                    step_dir, state.global_batch_size, self.global_batch_size, state.global_batch_size,
+                )
             if c.load_step != -1:
                 self._set_aside_later_checkpoints()
         elif c.initial_load_path:

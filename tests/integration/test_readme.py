@@ -103,11 +103,15 @@ def shell_blocks() -> list[Block]:
 
 @pytest.fixture
 def clone(tmp_path: Path) -> Path:
-    """A folder that looks like a fresh clone (the repository's files linked in), with `python` and
+    return make_clone(tmp_path)
+
+
+def make_clone(folder: Path) -> Path:
+    """Makes `folder` look like a fresh clone (the repository's files linked in), with `python` and
     `torchrun` on PATH wrapped to append each block's shortening arguments (see the module docstring)."""
     for name in CLONE:
-        (tmp_path / name).symlink_to(REPO / name)
-    bin_dir = tmp_path / ".bin"
+        (folder / name).symlink_to(REPO / name)
+    bin_dir = folder / ".bin"
     bin_dir.mkdir()
     entry_points = '*" train.py "*|*" torchpre.generate "*|*" torchpre.convert "*'
     for name, launcher in (("python", ""), ("torchrun", "-m torch.distributed.run --standalone")):
@@ -118,10 +122,10 @@ def clone(tmp_path: Path) -> Path:
             f'exec {sys.executable} {launcher} "$@"\n'
         )
         wrapper.chmod(0o755)
-    return tmp_path
+    return folder
 
 
-def run_blocks(blocks: list[Block], folder: Path) -> list[tuple[str, float]]:
+def run_blocks(blocks: list[Block], folder: Path, verbose: bool = False) -> list[tuple[str, float]]:
     """Runs the blocks in order in `folder`; fails naming the first one that breaks. Returns each one's time."""
     env = {
         **os.environ,
@@ -156,6 +160,8 @@ def run_blocks(blocks: list[Block], folder: Path) -> list[tuple[str, float]]:
                 f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
             )
         timings.append((block.name, time.perf_counter() - start))
+        if verbose:
+            print(f"{timings[-1][1]:7.1f} s  {block.name}", flush=True)
     return timings
 
 
@@ -183,12 +189,14 @@ def test_quoted_python_is_the_example_file(block):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_readme_sample_runs(clone):
     blocks = {b.name: b for b in shell_blocks()}
     run_blocks([blocks[name] for name in SAMPLE], clone)
 
 
 @pytest.mark.readme
+@pytest.mark.timeout(3600)
 def test_every_readme_block_runs_in_order(clone, request):
     if "readme" not in request.config.getoption("markexpr", ""):
         pytest.skip("the whole README runs with `-m readme` (about 15 minutes on 2 cores); CI runs a sample")

@@ -265,11 +265,15 @@ class CheckpointManager:
 
 def saved_global_batch_size(step_dir: Path) -> int:
     """The global batch size `step_dir` was trained with, read without a process group so that a resumed
-    job can size its data loader and accumulation before building them; 0 if the checkpoint predates it."""
-    if "train.global_batch_size" not in checkpoint_metadata(step_dir):
-        return 0
+    job can size its data loader and accumulation before building them; 0 if the checkpoint predates it
+    or cannot be read (a damaged one is named, and skipped, by the checked load that follows)."""
     request = {"train": {"global_batch_size": 0}}
-    dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
+    try:
+        if "train.global_batch_size" not in checkpoint_metadata(step_dir):
+            return 0
+        dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
+    except Exception:  # DCP raises several types for damaged files
+        return 0
     return int(request["train"]["global_batch_size"])
 
 
