@@ -25,7 +25,7 @@ from torchpre.distributed.utils import apply_comm_timeout, init_distributed, sel
 from torchpre.errors import ConfigError
 from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
 from torchpre.metrics.flops import peak_flops
-from torchpre.metrics.logger import build_metrics_logger
+from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
 from torchpre.metrics.router import router_stats
 from torchpre.metrics.timer import IntervalTimer, PhaseTimer
@@ -378,9 +378,9 @@ class Trainer:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.toml").write_text(to_toml(self.config), encoding="utf-8")
         source = self.config.job.config_file or "the defaults"
-        logger.info("config: %s with command-line overrides; resolved config in %s", source, folder / "config.toml")
+        logger.info("config: %s and the command line; resolved config in %s", source, folder / "config.toml")
 
-    def _build_metrics_logger(self):
+    def _build_metrics_logger(self) -> MetricsLogger:
         """A resume appends to metrics.jsonl (a redone step's last record is the one that counts); a new run
         in a folder that holds an earlier run's file moves that file aside, so runs never mix in one file."""
         path = Path(self.config.job.dump_folder) / "metrics.jsonl"
@@ -460,12 +460,15 @@ class Trainer:
             self.metrics.close()
 
     def _report_nothing_to_do(self) -> None:
+        """A rerun of a finished job: says so, and how to train further, instead of exiting silently."""
+        steps = self.config.training.steps
         if self.is_logging_rank:
+            where = "= training.steps" if self.step == steps else f"past training.steps = {steps}"
             logger.info(
-                "already at step %d = training.steps; nothing to do (the checkpoint %s is this run's last). To train "
-                "further, raise training.steps (e.g. --training.steps %d; the LR schedule is then laid out over "
-                "the new total), or give a new job.dump_folder to start another run.",
-                self.step, self.checkpoint.folder / f"step-{self.step}", 2 * self.config.training.steps,
+                "already at step %d %s; nothing to do (the checkpoint %s is this run's last). To train further, "
+                "raise training.steps (e.g. --training.steps %d; the LR schedule is then laid out over the new "
+                "total), or give a new job.dump_folder to start another run.",
+                self.step, where, self.checkpoint.folder / f"step-{self.step}", 2 * max(steps, self.step),
             )
 
     def _summarize(self, steps: int, seconds: float) -> None:
