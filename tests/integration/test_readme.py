@@ -199,6 +199,6 @@ def test_readme_sample_runs(clone):
 @pytest.mark.timeout(3600)
 def test_every_readme_block_runs_in_order(clone, request):
     if "readme" not in request.config.getoption("markexpr", ""):
-        pytest.skip("the whole README runs with `-m readme` (about 15 minutes on 2 cores); CI runs a sample")
+        pytest.skip("the whole README runs with `-m readme` (about 20 minutes on a busy 2-core machine)")
     timings = run_blocks([b for b in shell_blocks() if not b.skip], clone)
     print("\n".join(f"{seconds:7.1f} s  {name}" for name, seconds in timings))
