@@ -39,7 +39,7 @@ BLOCK_ARGS = {
 }
 BLOCK_TEXT = {"Fault tolerance #2": ("sleep 60", "until [ -s outputs/preempt/metrics.jsonl ]; do sleep 0.2; done")}
 # CI's sample: overrides, a checkpoint resumed under another layout, generation and export from it, and the
-# bad-input exit codes (4.5 minutes measured on a 2-core machine busy with other jobs, load ~10).
+# bad-input exit codes (3.2 minutes measured on a 2-core machine shared with other jobs).
 SAMPLE = [
     "Configuration #1",
     "Checkpoints #1",
