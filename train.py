@@ -11,9 +11,11 @@ from torchpre.cli import run_entry_point
 def main(argv: list[str]) -> None:
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
+    from torchpre.custom_import import import_custom_module
     from torchpre.trainer import Trainer
 
     config = parse_args(JobConfig, argv)
+    import_custom_module(config.job.custom_import)
     trainer = Trainer(config)
     trainer.train()
 

@@ -11,7 +11,8 @@ override of the job config is accepted.
 
 dcp-to-hf reads only the "model" entry of a checkpoint step folder and writes OUT_DIR with
 config.json, generation_config.json and model.safetensors (split into numbered files plus
-model.safetensors.index.json above --max_shard_size, like transformers does).
+model.safetensors.index.json above --max_shard_size, like transformers does), plus the tokenizer:
+tokenizer.model (the tiktoken file) and tokenizer_config.json, which transformers.AutoTokenizer loads.
 
 hf-to-dcp checks HF_DIR's config.json against the job's model, then writes CKPT_STEP_DIR as a
 checkpoint folder holding only {"model": ...} and the job's config.toml; start training from it
@@ -44,7 +45,8 @@ from torchpre.checkpoint.manager import require_intact
 from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.custom_import import import_custom_module
+from torchpre.data.tokenizer import BOS, DEFAULT_TOKENIZER_PATH, EOS, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.models.registry import HFAdapter, get_flavor, get_model_spec
 
@@ -77,6 +79,7 @@ def main(argv: list[str]) -> None:
         raise HelpRequested
     command, source, target, options, rest = _parse_command_line(argv)
     config = parse_args(JobConfig, rest)
+    import_custom_module(config.job.custom_import)
     model = _job_model(config)
     dtype = _dtype(options.get("--dtype"))
     _check_output_free(target)
@@ -111,6 +114,8 @@ def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype |
         _write_json(folder / "config.json", config)
         _write_json(folder / "generation_config.json", tokens)
         _save_safetensors(state_dict, folder, max_shard_size)
+        _write_tokenizer(folder, model.tokenizer, config["max_position_embeddings"])
+        _give_default_modes(folder)
 
     _write_atomically(out_dir, write)
     logger.info(f"Wrote the Hugging Face model {out_dir} ({config['torch_dtype']}) from {step_dir}")
@@ -270,6 +275,40 @@ def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
+    """The tiktoken file as `tokenizer.model` and a `tokenizer_config.json` with which
+    `transformers.AutoTokenizer` loads it (transformers converts a tiktoken file itself): the same ids as
+    torchpre's tokenizer, BOS prepended, special tokens by their ids."""
+    shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
+    added = {
+        str(token_id): {
+            "content": name, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+            "single_word": False,
+        }
+        for name, token_id in tokenizer.special_tokens.items()
+    }
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "model_max_length": max_length,
+            "added_tokens_decoder": added,
+        },
+    )
+
+
+def _give_default_modes(folder: Path) -> None:
+    """safetensors writes its files with mode 0600; give every file the mode the user's umask gives new files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def _read_json(path: Path) -> Any:

@@ -9,7 +9,9 @@ pipeline stage), and DCP reshards the checkpoint into it. Decoding uses the mode
 one forward over the prompt, then one token at a time. Under pipeline parallelism each stage
 runs its layers and sends the hidden states to the next with point-to-point sends; the last
 stage samples and broadcasts the token to every stage. Tensor-parallel ranks see the same full
-logits and sample with identically seeded generators, so they agree without communicating.
+logits and sample with identically seeded generators, so they agree without communicating. Ranks
+left over by tp x pp (data-parallel replicas, e.g. `--nproc_per_node=2` with no TP/PP) each decode the
+same sequence on their own pipeline; rank 0 prints it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torchpre.checkpoint.manager import (
 )
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.custom_import import import_custom_module
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
@@ -272,6 +275,7 @@ def main(argv: list[str]) -> None:
     if "-h" in rest or "--help" in rest:
         print(GENERATION_HELP)
     config = parse_args(JobConfig, rest)
+    import_custom_module(config.job.custom_import)
     validate_generation_args(gen)
 
     # Everything that can reject the input runs before the process group, identically on every rank.
@@ -279,12 +283,6 @@ def main(argv: list[str]) -> None:
     dims = ParallelDims.from_degrees(
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()
     )
-    if dims.dp != 1:
-        raise ConfigError(
-            f"Generation runs one sequence, so the data-parallel degree must be 1, but the layout is "
-            f"dp x tp x pp = {dims.dp} x {dims.tp} x {dims.pp}. Launch "
-            f"--nproc_per_node={dims.tp * dims.pp} or raise the tensor/pipeline-parallel degrees."
-        )
     spec = get_model_spec(config.model.name)
     flavor = get_flavor(config.model.name, config.model.flavor)
     tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
@@ -339,7 +337,13 @@ def main(argv: list[str]) -> None:
     model.eval()
     is_rank0 = dist.get_rank() == 0
     if is_rank0:
-        print(f"loaded {step_dir}; layout tp {dims.tp} x pp {dims.pp}", file=sys.stderr, flush=True)
+        replicas = (
+            f"; the {dims.dp} data-parallel replicas each decode the same sequence (raise "
+            "parallelism.tensor_parallel_degree to split the model instead)"
+            if dims.dp > 1
+            else ""
+        )
+        print(f"loaded {step_dir}; layout tp {dims.tp} x pp {dims.pp}{replicas}", file=sys.stderr, flush=True)
 
     decoder = StageDecoder(model, args.dim, mesh["pp"].get_group() if dims.pp > 1 else None)
     ids = generate_ids(

@@ -1,6 +1,8 @@
 """Periodic torch.profiler traces of the training loop, and CUDA memory snapshots next to them."""
 
 import logging
+import os
+import warnings
 from pathlib import Path
 from types import TracebackType
 
@@ -32,6 +34,10 @@ class Profiler:
         self._profile: profile | None = None
         if not config.enable_profiling:
             return
+        if not self.cuda:
+            # Kineto logs every start and stop, and on a CUDA build without a GPU an ERROR that it found no GPU:
+            # noise on every rank for a CPU trace. Level 6 silences it; set KINETO_LOG_LEVEL to see it again.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         warmup = 1 if config.profile_freq > config.profile_active else 0
         cycle = schedule(wait=config.profile_freq - config.profile_active - warmup, warmup=warmup,
                          active=config.profile_active)
@@ -60,7 +66,9 @@ class Profiler:
         """Marks the end of a training step."""
         self.step_number += 1
         if self._profile is not None:
-            self._profile.step()
+            with warnings.catch_warnings():  # "clears events at the end of each cycle": as intended, per trace
+                warnings.filterwarnings("ignore", ".*Profiler clears events", UserWarning)
+                self._profile.step()
 
     def _save(self, prof: profile) -> None:
         step_dir = self.folder / f"step-{self.step_number}"

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchpre.checkpoint.manager import CheckpointManager
+from torchpre.checkpoint.history import set_aside_later_steps, start_new_metrics_file
+from torchpre.checkpoint.manager import CheckpointManager, find_step_dir, saved_global_batch_size
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.config.validate import validate_config
@@ -24,7 +25,7 @@ from torchpre.distributed.utils import apply_comm_timeout, init_distributed, sel
 from torchpre.errors import ConfigError
 from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
 from torchpre.metrics.flops import peak_flops
-from torchpre.metrics.logger import build_metrics_logger
+from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
 from torchpre.metrics.router import router_stats
 from torchpre.metrics.timer import IntervalTimer, PhaseTimer
@@ -76,9 +77,13 @@ class Trainer:
             ep=p.expert_parallel_degree,
         )
         self.parallel_dims = dims
-        self.global_batch_size, self.accumulation_steps = resolve_batch_sizes(
-            t.local_batch_size, t.global_batch_size, dims.dp
+        # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
+        self.resume_dir = (
+            find_step_dir(Path(config.job.dump_folder) / config.checkpoint.folder, config.checkpoint.load_step)
+            if config.checkpoint.enable
+            else None
         )
+        self.global_batch_size, self.accumulation_steps = self._batch_sizes(dims.dp)
         self.model_spec = get_model_spec(config.model.name)
         flavor_args = get_flavor(config.model.name, config.model.flavor)
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
@@ -159,10 +164,40 @@ class Trainer:
         self.skipped_steps, self.loss_spikes = 0, 0
         self.spike_detector = LossSpikeDetector(t.spike_zscore, t.spike_window) if t.spike_zscore > 0 else None
         self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
-        self.metrics = build_metrics_logger(config) if self.is_logging_rank else None
         self._save_resolved_config()
         self.checkpoint = self._build_checkpoint_manager()
         self._maybe_load_checkpoint()
+        self.metrics = self._build_metrics_logger() if self.is_logging_rank else None
+
+    def _batch_sizes(self, dp: int) -> tuple[int, int]:
+        """`resolve_batch_sizes`, except that a resumed job keeps the global batch its checkpoint was trained
+        with when training.global_batch_size is -1 (derived): under another layout -1 would derive another
+        batch and silently change the run. An explicit value wins and is logged as a change."""
+        t = self.config.training
+        saved = saved_global_batch_size(self.resume_dir) if self.resume_dir is not None else 0
+        if not saved or t.global_batch_size == saved:
+            return resolve_batch_sizes(t.local_batch_size, t.global_batch_size, dp)
+        if t.global_batch_size != -1:
+            logger.info(
+                "training.global_batch_size changes from %d (the checkpoint's) to %d at step %s",
+                saved, t.global_batch_size, self.resume_dir.name,
+            )
+            return resolve_batch_sizes(t.local_batch_size, t.global_batch_size, dp)
+        per_round = t.local_batch_size * dp
+        if saved % per_round:
+            raise ConfigError(
+                f"{self.resume_dir} was trained with a global batch of {saved} sequences, which "
+                "training.global_batch_size = -1 keeps on a resume, but that is not divisible by "
+                f"training.local_batch_size x data-parallel degree = {t.local_batch_size} x {dp} = {per_round}. "
+                f"Choose a local_batch_size that makes {saved} divisible, or set training.global_batch_size to "
+                "change the global batch."
+            )
+        logger.info(
+            "global batch %d from the checkpoint (training.global_batch_size = -1 keeps a resumed run's batch): "
+            "%d microbatches of %d on each of %d DP ranks",
+            saved, saved // per_round, t.local_batch_size, dp,
+        )
+        return saved, saved // per_round
 
     def _build_checkpoint_manager(self) -> CheckpointManager | None:
         c = self.config.checkpoint
@@ -175,6 +210,7 @@ class Trainer:
             lr_scheduler=self.lr_scheduler,
             data_position=lambda: self.consumed_samples,
             set_data_position=self._set_data_position,
+            global_batch_size=self.global_batch_size,
             config_text=to_toml(self.config),
             interval=c.interval,
             keep_latest_k=c.keep_latest_k,
@@ -194,9 +230,34 @@ class Trainer:
         c = self.config.checkpoint
         step_dir = self.checkpoint.find(c.load_step) if self.checkpoint and c.enable else None
         if step_dir is not None:
-            self.step = self.last_checkpoint_step = self.checkpoint.load(step_dir).step
+            state = self.checkpoint.load(step_dir)
+            self.step = self.last_checkpoint_step = state.step
+            derived = self.config.training.global_batch_size == -1
+            if derived and state.global_batch_size not in (0, self.global_batch_size) and self.is_logging_rank:
+                logger.warning(  # the batch was sized from another checkpoint: the latest one, found damaged
+                    "%s was trained with a global batch of %d, this job runs %d: set training.global_batch_size = %d "
+                    "to continue it unchanged",
+                    step_dir, state.global_batch_size, self.global_batch_size, state.global_batch_size,
+                )
+            if c.load_step != -1:
+                self._set_aside_later_checkpoints()
         elif c.initial_load_path:
             self.checkpoint.load(Path(c.initial_load_path), model_only=True)
+
+    def _set_aside_later_checkpoints(self) -> None:
+        """A resume from an explicit earlier step starts a new history: the checkpoints after it move to
+        `superseded-from-step-N/`, so this run's saves never overwrite them and a restart (load_step -1)
+        continues this run rather than the old one."""
+        if self.is_logging_rank:
+            moved = set_aside_later_steps(self.checkpoint.folder, self.step)
+            if moved is not None:
+                names = ", ".join(path.name for path in sorted(moved.iterdir()))
+                logger.warning(
+                    "checkpoint.load_step = %d: moved %s to %s, so that training on from step %d does not "
+                    "overwrite them; move them back by hand to resume the earlier run",
+                    self.step, names, moved, self.step,
+                )
+        dist.barrier()
 
     def _check_model_supports_layout(self, dims: ParallelDims) -> None:
         """Rejects a layout the model family cannot run, naming what to change, before any work."""
@@ -310,15 +371,37 @@ class Trainer:
         )
 
     def _save_resolved_config(self) -> None:
+        """Writes the whole resolved config to the dump folder; the log gets one line saying where."""
         if not self.is_logging_rank:
             return
-        text = to_toml(self.config)
-        logger.info("resolved config:\n%s", text)
-        (Path(self.config.job.dump_folder) / "config.toml").write_text(text, encoding="utf-8")
+        folder = Path(self.config.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.toml").write_text(to_toml(self.config), encoding="utf-8")
+        source = self.config.job.config_file or "the defaults"
+        logger.info("config: %s and the command line; resolved config in %s", source, folder / "config.toml")
+
+    def _build_metrics_logger(self) -> MetricsLogger:
+        """A resume appends to metrics.jsonl (a redone step's last record is the one that counts); a new run
+        in a folder that holds an earlier run's file moves that file aside, so runs never mix in one file."""
+        path = Path(self.config.job.dump_folder) / "metrics.jsonl"
+        if self.step > 0:
+            logger.info("resuming at step %d: appending to %s", self.step, path)
+        elif (moved := start_new_metrics_file(path)) is not None:
+            logger.warning(
+                "job.dump_folder %s already holds metrics.jsonl of an earlier run (this run resumes no checkpoint): "
+                "moved it to %s; this run writes a new metrics.jsonl. Give each experiment its own job.dump_folder.",
+                self.config.job.dump_folder, moved.name,
+            )
+        return build_metrics_logger(self.config)
 
     def train(self) -> None:
         t = self.config.training
-        peak = peak_flops(self.device, self.config.metrics.peak_flops)
+        if self.step >= t.steps:
+            self._report_nothing_to_do()
+            self._close()
+            return
+        first_step, start, self.last_loss = self.step, time.perf_counter(), float("nan")
+        self.peak = self._peak_flops()
         batches = iter(self.dataloader)
         timer = IntervalTimer(self.device)
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
@@ -335,6 +418,7 @@ class Trainer:
                 lr = self.optimizer.inner.param_groups[0]["lr"]
                 health, grad_norm = self.train_step(microbatches, stop_requested=preemption.requested)
                 self.step += 1
+                self.last_loss = health.loss
                 self.consumed_samples += self.global_batch_size
                 interval_steps += 1
                 profiler.step()
@@ -350,7 +434,7 @@ class Trainer:
                         timings["time/checkpoint_s"] = checkpoint_time
                     val_loss = self.validator.evaluate() if validate else None
                     data_time /= interval_steps
-                    self._log(health.loss, grad_norm, lr, step_time, data_time, peak, val_loss, timings)
+                    self._log(health.loss, grad_norm, lr, step_time, data_time, val_loss, timings)
                     interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
                 if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
                     checkpoint_time += self._save_checkpoint()
@@ -366,10 +450,66 @@ class Trainer:
                             self.checkpoint.folder / f"step-{self.step}",
                         )
                     break
+        self._close()
+        self._summarize(self.step - first_step, time.perf_counter() - start)
+
+    def _close(self) -> None:
         if self.checkpoint is not None:
             self.checkpoint.close()
         if self.metrics is not None:
             self.metrics.close()
+
+    def _report_nothing_to_do(self) -> None:
+        """A rerun of a finished job: says so, and how to train further, instead of exiting silently."""
+        steps = self.config.training.steps
+        if self.is_logging_rank:
+            where = "= training.steps" if self.step == steps else f"past training.steps = {steps}"
+            logger.info(
+                "already at step %d %s; nothing to do (the checkpoint %s is this run's last). To train further, "
+                "raise training.steps (e.g. --training.steps %d; the LR schedule is then laid out over the new "
+                "total), or give a new job.dump_folder to start another run.",
+                self.step, where, self.checkpoint.folder / f"step-{self.step}", 2 * max(steps, self.step),
+            )
+
+    def _summarize(self, steps: int, seconds: float) -> None:
+        """One paragraph at the end of a run: what it did and where everything went."""
+        if not self.is_logging_rank:
+            return
+        folder = Path(self.config.job.dump_folder)
+        tokens_per_sec = steps * self.tokens_per_step / seconds if seconds > 0 else 0.0
+        saved = (
+            f"checkpoints in {self.checkpoint.folder} (latest step-{self.last_checkpoint_step})"
+            if self.config.checkpoint.enable and self.last_checkpoint_step is not None
+            else "no checkpoint (checkpoint.enable is off)"
+        )
+        logger.info(
+            "finished at step %d of %d: %d steps in %.1f s (%s tokens/s), final loss %.4f; metrics in %s, %s, "
+            "config in %s",
+            self.step, self.config.training.steps, steps, seconds, f"{tokens_per_sec:,.0f}", self.last_loss,
+            folder / "metrics.jsonl", saved, folder / "config.toml",
+        )
+
+    def _peak_flops(self) -> float:
+        """One device's peak FLOP/s: metrics.peak_flops, a GPU's datasheet value, or a matmul measured on each
+        rank; the best rank's measurement counts (a rank that measured while its core was busy reads low)."""
+        measured = peak_flops(self.device, self.config.metrics.peak_flops)
+        peak = torch.tensor(measured, dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak)
+
+    def _mfu(self, achieved_flops: float) -> float:
+        """Achieved / peak FLOP/s per device. A measured peak is an estimate: if training itself runs faster,
+        that rate is the better bound, so it becomes the peak (said once) and MFU never exceeds 100%."""
+        if achieved_flops > self.peak and self.config.metrics.peak_flops <= 0:
+            if self.is_logging_rank:
+                logger.info(
+                    "training reached %.3g FLOP/s per device, above the measured matmul peak of %.3g (the machine was "
+                    "busier while it was measured): MFU is computed against %.3g from now on; set metrics.peak_flops "
+                    "to fix the peak",
+                    achieved_flops, self.peak, achieved_flops,
+                )
+            self.peak = achieved_flops
+        return achieved_flops / self.peak
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """This microbatch's share of the global-batch mean token cross-entropy.
@@ -478,7 +618,6 @@ class Trainer:
         lr: float,
         step_time: float,
         data_time: float,
-        peak: float,
         val_loss: float | None,
         timings: dict[str, float],
     ) -> None:
@@ -494,6 +633,7 @@ class Trainer:
             return
         tokens_per_sec = self.tokens_per_step / step_time
         world_size = self.parallel_dims.world_size
+        mfu = self._mfu(self.flops_per_token * tokens_per_sec / world_size)
         self.metrics.log(
             {
                 "step": self.step,
@@ -502,7 +642,7 @@ class Trainer:
                 "grad_norm": grad_norm.item(),
                 "tokens_per_sec": tokens_per_sec,
                 "tokens_per_sec_per_device": tokens_per_sec / world_size,
-                "mfu": self.flops_per_token * tokens_per_sec / (peak * world_size),
+                "mfu": mfu,
                 "step_time_s": step_time,
                 "data_time_s": data_time,
                 "max_memory_bytes": int(maxima[0]),

@@ -316,7 +316,6 @@ CATALOGUE = [
         ["checkpoint.load_step = 3: the checkpoint {d}/tampered/step-3 is corrupt", "fails its CRC-32 check"],
         GEN,
     ),
-    case("generate-data-parallel", GENERATE, ["data-parallel degree must be 1"], GEN, ranks=2),
     # Conversion.
     case("convert-usage", ["to-hf", "a", "b"], ["usage: python -m torchpre.convert"], CONVERT),
     case(

@@ -158,8 +158,9 @@ def generated(result: subprocess.CompletedProcess) -> dict:
         (1, []),
         (2, ["--parallelism.tensor_parallel_degree", "2"]),
         (2, ["--parallelism.pipeline_parallel_degree", "2"]),
+        (2, []),  # the README's command: two data-parallel replicas decode the same sequence
     ],
-    ids=["1proc", "tp2", "pp2"],
+    ids=["1proc", "tp2", "pp2", "dp2"],
 )
 def test_greedy_tokens_do_not_depend_on_the_layout(trained, tokenizer, nproc, layout):
     model, dump = trained

@@ -120,6 +120,15 @@ def test_dcp_to_hf_matches_transformers_and_round_trips_bitwise(flavor, options,
     assert ("lm_head.weight" in names) != model.args.tie_word_embeddings
     assert json.loads((hf_dir / "generation_config.json").read_text()) == {"bos_token_id": 2046, "eos_token_id": 2047}
 
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in hf_dir.iterdir():  # readable by others, like any file the user writes (not 0600)
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+    text = "def main():\n    return 'héllo' 12345"
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert hf_tokenizer(text)["input_ids"] == Tokenizer(DEFAULT_TOKENIZER_PATH).encode(text, bos=True, eos=False)
+    assert hf_tokenizer.decode(hf_tokenizer(text)["input_ids"], skip_special_tokens=True) == text
+
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
     ids = tokens(model.args.vocab_size, SEQ_LEN)
     with torch.no_grad():

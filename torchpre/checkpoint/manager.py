@@ -42,12 +42,18 @@ MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 
 
+# Entries of the "train" state that older checkpoints lack.
+OPTIONAL_TRAIN_KEYS = ("global_batch_size",)
+
+
 @dataclass
 class TrainState:
-    """What the training loop must know to continue: its step and the data position."""
+    """What the training loop must know to continue: its step, the data position and the global batch
+    size it trained with (0: a checkpoint from before it was stored)."""
 
     step: int = 0
     consumed_samples: int = 0
+    global_batch_size: int = 0
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -89,6 +95,7 @@ class CheckpointManager:
         lr_scheduler,
         data_position: Callable[[], int],
         set_data_position: Callable[[int], None],
+        global_batch_size: int = 0,
         config_text: str,
         interval: int,
         keep_latest_k: int,
@@ -102,6 +109,7 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.data_position = data_position
         self.set_data_position = set_data_position
+        self.global_batch_size = global_batch_size
         self.config_text = config_text
         self.interval = interval
         self.keep_latest_k = keep_latest_k
@@ -222,6 +230,7 @@ class CheckpointManager:
         check_shapes(request, saved, step_dir)
         self._drop_tied_aliases(request)
         _drop_absent_rng(request, saved)
+        _drop_absent_optional_train_keys(request, saved)
         self._request_weights_in_fp32(request, saved)
         require_present(request, saved, step_dir)
         dcp.load(request, checkpoint_id=str(step_dir))
@@ -235,6 +244,7 @@ class CheckpointManager:
         train = TrainState()
         if "train" in request:
             train.step = int(request["train"]["step"])
+            train.global_batch_size = int(request["train"].get("global_batch_size", 0))
             if "dataloader" in parts:
                 train.consumed_samples = int(request["train"]["consumed_samples"])
                 self.set_data_position(train.consumed_samples)
@@ -280,6 +290,7 @@ class CheckpointManager:
             "train": {
                 "step": step,
                 "consumed_samples": self.data_position(),
+                "global_batch_size": self.global_batch_size,
                 "world_size": dist.get_world_size(),
             },
             "rng": _rng_state(self.rank),
@@ -300,6 +311,20 @@ def _set_rng_state(saved: dict[str, torch.Tensor], rank: int) -> None:
         torch.set_rng_state(saved[f"rank{rank}"])
     if f"cuda_rank{rank}" in saved:
         torch.cuda.set_rng_state(saved[f"cuda_rank{rank}"])
+
+
+def saved_global_batch_size(step_dir: Path) -> int:
+    """The global batch size `step_dir` was trained with, read without a process group so that a resumed
+    job can size its data loader and accumulation before building them; 0 if the checkpoint predates it
+    or cannot be read (a damaged one is named, and skipped, by the checked load that follows)."""
+    request = {"train": {"global_batch_size": 0}}
+    try:
+        if "train.global_batch_size" not in checkpoint_metadata(step_dir):
+            return 0
+        dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
+    except Exception:  # DCP raises several types for damaged files
+        return 0
+    return int(request["train"]["global_batch_size"])
 
 
 def checkpoint_problems(step_dir: Path) -> list[str]:
@@ -452,6 +477,14 @@ def _drop_absent_rng(request: dict[str, Any], saved: dict[str, Any]) -> None:
     rng = {key: value for key, value in request.pop("rng", {}).items() if f"rng.{key}" in saved}
     if rng:
         request["rng"] = rng
+
+
+def _drop_absent_optional_train_keys(request: dict[str, Any], saved: dict[str, Any]) -> None:
+    """A checkpoint written before the train state recorded its global batch size still loads; the job then
+    keeps the global batch its config gives."""
+    for key in OPTIONAL_TRAIN_KEYS:
+        if f"train.{key}" not in saved:
+            request.get("train", {}).pop(key, None)
 
 
 def require_present(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:

@@ -15,6 +15,11 @@ class Job:
     config_file: str = _option("", "TOML file with the job's options; command-line flags override it")
     dump_folder: str = _option("./outputs", "folder for metrics.jsonl, config.toml and checkpoints")
     description: str = _option("", "free text describing the job, saved with its config")
+    custom_import: str = _option(
+        "",
+        "a module (examples.custom_model) or .py file imported before the job is checked, e.g. one that calls "
+        "torchpre.models.registry.register_model",
+    )
 
 
 @dataclass

@@ -127,6 +127,7 @@ class Tokenizer:
             mergeable_ranks=ranks,
             special_tokens=special_tokens,
         )
+        self.special_tokens = special_tokens
         self._bos_id = special_tokens[BOS]
         self._eos_id = special_tokens[EOS]
 

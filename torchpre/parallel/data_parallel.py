@@ -8,6 +8,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# torch 2.14 renamed the flat-tensor collectives (the old names warn on every call); older torch has only those.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def all_reduce_tensors(
@@ -44,7 +47,7 @@ def reduce_scatter_chunks(
 ) -> list[torch.Tensor]:
     """For each tensor, this rank's chunk along its dim (`torch.chunk` over the group), summed over the group.
 
-    Many tensors go through one `reduce_scatter_tensor` per bucket: each rank's chunks are packed
+    Many tensors go through one reduce-scatter per bucket: each rank's chunks are packed
     side by side (padded to the largest chunk) into one flat buffer.
     """
     shards: list[torch.Tensor] = []
@@ -52,7 +55,7 @@ def reduce_scatter_chunks(
         layout = _ChunkLayout([t for t, _ in bucket], [d for _, d in bucket], dist.get_world_size(group))
         packed = layout.pack([t for t, _ in bucket])
         mine = packed.new_empty(layout.rank_numel)
-        dist.reduce_scatter_tensor(mine, packed, group=group)
+        _reduce_scatter_single(mine, packed, group=group)
         shards.extend(layout.unpack_rank(mine, dist.get_rank(group)))
     return shards
 
@@ -72,7 +75,7 @@ def all_gather_chunks(
         layout = _ChunkLayout(bucket_outputs, [d for _, _, d in bucket], dist.get_world_size(group))
         mine = layout.pack_rank([s.to(o.dtype) for o, s, _ in bucket])
         gathered = mine.new_empty(layout.rank_numel * layout.world_size)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        _all_gather_single(gathered, mine, group=group)
         layout.unpack_all(gathered, bucket_outputs)
 
 

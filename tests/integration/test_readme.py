@@ -1,0 +1,202 @@
+"""The README runs as written: every ```bash block, in order, in a fresh folder that looks like a clone.
+
+Each block is one bash script (`set -eo pipefail`) run in the same temporary folder, so later blocks find
+what earlier ones wrote (the checkpoint that generation and export read, for instance). To keep the run
+short every `train.py`, `torchpre.generate` and `torchpre.convert` command gets SHRINK appended (a smaller
+model on shorter sequences; step counts, and so checkpoint names, stay as written); `torchrun` runs with
+`--standalone` so it never collides with another job's port. A block is skipped when the README marks it
+with `<!-- readme-test: skip (reason) -->` on the line before it (GPUs, Slurm, several machines), and the
+"Quick start" blocks are skipped by name: `.ci/run` runs them. A ```python block must be marked
+`<!-- readme-test: quoted from PATH -->`, and each of its lines must be a line of PATH, a runnable example
+that the README quotes.
+
+    python -m pytest -q -p no:cacheprovider tests/integration/test_readme.py            # CI's sample
+    python -m pytest -q -p no:cacheprovider -m readme tests/integration/test_readme.py  # every block
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+README = REPO / "README.md"
+# What a clone holds that the README's commands use.
+CLONE = ["train.py", "train_configs", "torchpre", "examples", "assets", "scripts", "bench", "multinode.slurm"]
+SKIPPED_SECTIONS = {"Quick start": "run by .ci/run"}
+SHRINK = ["--model.flavor", "tiny", "--training.seq_len", "32"]
+# Blocks that need more than SHRINK gives, or a test-only change to run unattended.
+BLOCK_ARGS = {
+    # The ZBV schedule puts 2 stages on each of 2 ranks: 4 layers at least (tiny has 2).
+    "Parallelism: DP x TP x PP on one DeviceMesh #1": ["--model.flavor", "debugmodel", "--training.steps", "10"],
+    # Long enough that the SIGTERM arrives mid-run, and a record to wait for instead of a minute.
+    "Fault tolerance #2": ["--training.steps", "100000", "--metrics.log_freq", "1"],
+}
+BLOCK_TEXT = {"Fault tolerance #2": ("sleep 60", "until [ -s outputs/preempt/metrics.jsonl ]; do sleep 0.2; done")}
+# CI's sample: overrides, a checkpoint resumed under another layout, generation and export from it, and the
+# bad-input exit codes (3.2 minutes measured on a 2-core machine shared with other jobs).
+SAMPLE = [
+    "Configuration #1",
+    "Checkpoints #1",
+    "Hugging Face import and export #1",
+    "Text generation #1",
+    "Errors #1",
+]
+BLOCK_TIMEOUT_S = 600
+
+_HEADING = re.compile(r"^#{2,4} (.+)$")
+_MARKER = re.compile(r"^<!-- readme-test: (skip \((?P<reason>.+)\)|quoted from (?P<source>\S+)) -->$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    name: str  # "<heading> #<n>": the n-th fenced block of its language under that heading
+    language: str
+    text: str
+    line: int
+    skip: str | None = None  # why it does not run here
+    quoted_from: str | None = None
+
+
+def readme_blocks(path: Path = README) -> list[Block]:
+    """The fenced blocks of the README with their names and markers, in order."""
+    blocks: list[Block] = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    heading, counts, marker, i = "", {}, None, 0
+    while i < len(lines):
+        line = lines[i]
+        if match := _HEADING.match(line):
+            heading, counts = match.group(1), {}
+        elif match := _MARKER.match(line):
+            marker = match
+        elif line.startswith("```"):
+            language, start = line[3:].strip(), i + 1
+            end = next(j for j in range(start, len(lines)) if lines[j].startswith("```"))
+            counts[language] = counts.get(language, 0) + 1
+            skip = SKIPPED_SECTIONS.get(heading) or (marker.group("reason") if marker else None)
+            blocks.append(
+                Block(
+                    name=f"{heading} #{counts[language]}",
+                    language=language,
+                    text="\n".join(lines[start:end]),
+                    line=start,
+                    skip=skip,
+                    quoted_from=marker.group("source") if marker else None,
+                )
+            )
+            marker, i = None, end
+        elif line.strip():
+            marker = None  # a marker belongs to the block right after it
+        i += 1
+    return blocks
+
+
+def shell_blocks() -> list[Block]:
+    return [b for b in readme_blocks() if b.language in ("bash", "sh", "shell")]
+
+
+@pytest.fixture
+def clone(tmp_path: Path) -> Path:
+    return make_clone(tmp_path)
+
+
+def make_clone(folder: Path) -> Path:
+    """Makes `folder` look like a fresh clone (the repository's files linked in), with `python` and
+    `torchrun` on PATH wrapped to append each block's shortening arguments (see the module docstring)."""
+    for name in CLONE:
+        (folder / name).symlink_to(REPO / name)
+    bin_dir = folder / ".bin"
+    bin_dir.mkdir()
+    entry_points = '*" train.py "*|*" torchpre.generate "*|*" torchpre.convert "*'
+    for name, launcher in (("python", ""), ("torchrun", "-m torch.distributed.run --standalone")):
+        wrapper = bin_dir / name
+        wrapper.write_text(
+            "#!/bin/bash\n"
+            f'case " $* " in {entry_points}) exec {sys.executable} {launcher} "$@" $README_TEST_ARGS ;; esac\n'
+            f'exec {sys.executable} {launcher} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+    return folder
+
+
+def run_blocks(blocks: list[Block], folder: Path, verbose: bool = False) -> list[tuple[str, float]]:
+    """Runs the blocks in order in `folder`; fails naming the first one that breaks. Returns each one's time."""
+    env = {
+        **os.environ,
+        "PATH": f"{folder / '.bin'}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_SILENT": "true",
+    }
+    timings = []
+    for block in blocks:
+        script = block.text
+        if block.name in BLOCK_TEXT:
+            script = script.replace(*BLOCK_TEXT[block.name])
+        args = " ".join([*SHRINK, *BLOCK_ARGS.get(block.name, [])])
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", script],
+                cwd=folder,
+                env={**env, "README_TEST_ARGS": args},
+                capture_output=True,
+                text=True,
+                timeout=BLOCK_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"README block '{block.name}' (README.md line {block.line}) ran past {BLOCK_TIMEOUT_S} s")
+        if result.returncode != 0:
+            pytest.fail(
+                f"README block '{block.name}' (README.md line {block.line}) failed with exit code "
+                f"{result.returncode}:\n{script}\n--- output (tail) ---\n"
+                f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+            )
+        timings.append((block.name, time.perf_counter() - start))
+        if verbose:
+            print(f"{timings[-1][1]:7.1f} s  {block.name}", flush=True)
+    return timings
+
+
+def test_block_names_and_markers_are_well_formed():
+    """The sample and the per-block settings name real blocks; only marked blocks and Quick start are skipped;
+    every python block is quoted from a file that exists."""
+    blocks = readme_blocks()
+    names = {b.name for b in shell_blocks()}
+    assert set(SAMPLE) <= names and set(BLOCK_ARGS) <= names and set(BLOCK_TEXT) <= names
+    skipped = {b.name for b in shell_blocks() if b.skip}
+    assert skipped == {
+        "Quick start #1", "Quick start #2", "Two nodes by hand #1", "Slurm #1"
+    }, "a block is skipped that should run (or a new skip marker: add it here with its reason)"
+    for block in blocks:
+        if block.language == "python":
+            assert block.quoted_from, f"python block '{block.name}' must be quoted from a runnable example"
+
+
+@pytest.mark.parametrize("block", [b for b in readme_blocks() if b.quoted_from], ids=lambda b: b.name)
+def test_quoted_python_is_the_example_file(block):
+    """Each line of the quoted block is a line of the example, so the README shows code that runs."""
+    source = {line.strip() for line in (REPO / block.quoted_from).read_text(encoding="utf-8").splitlines()}
+    missing = [line for line in block.text.splitlines() if line.strip() and line.strip() not in source]
+    assert not missing, f"README block '{block.name}' has lines not in {block.quoted_from}: {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_readme_sample_runs(clone):
+    blocks = {b.name: b for b in shell_blocks()}
+    run_blocks([blocks[name] for name in SAMPLE], clone)
+
+
+@pytest.mark.readme
+@pytest.mark.timeout(3600)
+def test_every_readme_block_runs_in_order(clone):
+    """About 20 minutes on a busy 2-core machine: deselected unless `-m readme` (tests/conftest.py)."""
+    timings = run_blocks([b for b in shell_blocks() if not b.skip], clone)
+    print("\n".join(f"{seconds:7.1f} s  {name}" for name, seconds in timings))
