@@ -1,8 +1,9 @@
 """The pipeline schedules, one row each: what config validation and `torchpre.parallel.pipeline` know about them.
 
-The table lives at the bottom of the package (importing no torch) so that the config, which is parsed before
-torch is loaded, and the pipeline, which builds the schedules, read the same rows. A new schedule, or one torch
-adds to `torch.distributed.pipelining.schedules`, is one `PipelineSchedule` row.
+The table lives below `torchpre.parallel` and imports no torch, so the config's dataclasses (which name the
+choices for --help and validation) and the pipeline (which builds the schedules) read the same rows, and the
+config needs neither torch nor the `parallel` package. A new schedule, or one torch adds to
+`torch.distributed.pipelining.schedules`, is one `PipelineSchedule` row.
 """
 
 import difflib
