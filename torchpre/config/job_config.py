@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchpre.distributed.schedules import SCHEDULE_NAMES, aliases_text, names_where
+
 
 def _option(default, doc: str):
     if isinstance(default, (list, dict)):
@@ -120,12 +122,12 @@ class Parallelism:
         1, "MoE models: data-parallel ranks that split the experts among them and exchange tokens (divides dp)"
     )
     pipeline_parallel_degree: int = _option(1, "pipeline-parallel degree (ranks that hold consecutive stages)")
-    pipeline_parallel_schedule: Literal[
-        "GPipe", "AFAB", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
-    ] = _option("1F1B", "pipeline schedule (AFAB is GPipe)")
+    pipeline_parallel_schedule: Literal[SCHEDULE_NAMES] = _option("1F1B", f"pipeline schedule ({aliases_text()})")
     pipeline_parallel_microbatch_size: int = _option(1, "sequences per pipeline microbatch")
     pipeline_parallel_virtual_stages: int = _option(
-        1, "stages per rank for Interleaved1F1B, LoopedBFS and InterleavedZeroBubble (V schedules always use 2)"
+        1,
+        f"stages per rank for {', '.join(names_where(multi_stage=True, placement='loop'))} "
+        f"({', '.join(names_where(placement='v'))} always use 2)",
     )
     pipeline_parallel_split_points: list[str] = _option(
         [], "first layer of each stage after the first, e.g. layers.2,layers.4; empty = split evenly"

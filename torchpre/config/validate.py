@@ -4,6 +4,7 @@ import math
 from pathlib import Path
 
 from torchpre.config.job_config import JobConfig
+from torchpre.distributed.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.errors import ConfigError
 from torchpre.metrics.sinks import import_tensorboard, import_wandb
 
@@ -146,13 +147,11 @@ def _validate_validation(config: JobConfig) -> None:
     if not v.enable:
         return
     schedule = config.parallelism.pipeline_parallel_schedule
-    if config.parallelism.pipeline_parallel_degree > 1 and schedule in ("ZBVZeroBubble", "DualPipeV"):
-        # torch 2.14's forward-only `schedule.eval` still runs these schedules' backward actions, and their
-        # same-rank hand-off of input gradients fails ("can't steal_bwd_input ...").
+    if config.parallelism.pipeline_parallel_degree > 1 and not get_schedule(schedule).forward_only:
         raise ConfigError(
-            f"validation.enable: evaluation cannot run under parallelism.pipeline_parallel_schedule = '{schedule}' "
-            "(torch.distributed.pipelining cannot run V schedules forward-only). Use another schedule, e.g. "
-            "Interleaved1F1B, or turn validation off."
+            f"validation.enable: evaluation cannot run under {SCHEDULE_KEY} = '{schedule}' "
+            "(torch.distributed.pipelining cannot run it forward-only). Use one of "
+            f"{', '.join(names_where(forward_only=True))}, or turn validation off."
         )
     if not v.dataset:
         if v.dataset_path:

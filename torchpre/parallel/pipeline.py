@@ -7,64 +7,35 @@ schedules, as a V (rank r holds stages r and 2 pp - 1 - r).
 """
 
 import copy
-import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage, schedules
 
+from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
-
-SCHEDULES: dict[str, type] = {
-    "GPipe": ScheduleGPipe,
-    "AFAB": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-    "DualPipeV": ScheduleDualPipeV,
-}
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
 
 
 def schedule_class(name: str) -> type:
-    if name not in SCHEDULES:
-        close = difflib.get_close_matches(name, SCHEDULES, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule = '{name}' is not a schedule.{hint} "
-            f"Choose one of: {', '.join(SCHEDULES)}."
-        )
-    return SCHEDULES[name]
+    """The torch schedule class that `name` (or an alias) selects."""
+    return getattr(schedules, get_schedule(name).torch_class)
 
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     """Stages each rank holds: 1 for single-stage schedules, 2 for V schedules, else `virtual_stages`."""
     key = "parallelism.pipeline_parallel_virtual_stages"
-    if issubclass(schedule_class(schedule), PipelineScheduleSingle):
+    row = get_schedule(schedule)
+    if not row.multi_stage:
         if virtual_stages > 1:
             raise ConfigError(
-                f"{key} = {virtual_stages}, but '{schedule}' runs one stage per rank. "
-                "Use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble for virtual stages, or set it to 1."
+                f"{key} = {virtual_stages}, but '{schedule}' runs one stage per rank. Use one of "
+                f"{', '.join(names_where(multi_stage=True, placement='loop'))} for virtual stages, or set it to 1."
             )
         return 1
-    if schedule in V_SCHEDULES:
+    if row.placement == "v":
         if virtual_stages not in (1, 2):
             raise ConfigError(f"{key} = {virtual_stages}, but '{schedule}' places exactly 2 stages per rank (a V).")
         return 2
@@ -73,14 +44,14 @@ def stages_per_rank(schedule: str, virtual_stages: int) -> int:
 
 def stage_ids(pp_rank: int, pp: int, schedule: str, per_rank: int) -> list[int]:
     """The global stage indices held by `pp_rank`."""
-    if schedule in V_SCHEDULES:
+    if get_schedule(schedule).placement == "v":
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(per_rank)]
 
 
 def stage_rank(stage: int, pp: int, schedule: str) -> int:
     """The pp rank that holds global stage `stage`."""
-    if schedule in V_SCHEDULES:
+    if get_schedule(schedule).placement == "v":
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
 
@@ -91,13 +62,13 @@ def validate_microbatches(schedule: str, n_microbatches: int, pp: int, num_stage
         "Raise training.local_batch_size (or training.global_batch_size) or lower "
         "parallelism.pipeline_parallel_microbatch_size."
     )
-    needs_all_stages = schedule == "1F1B" or schedule in V_SCHEDULES
-    if needs_all_stages and n_microbatches < num_stages:
+    row = get_schedule(schedule)
+    if row.microbatches_per_stage and n_microbatches < num_stages:
         raise ConfigError(
             f"The '{schedule}' schedule needs at least as many microbatches as stages ({num_stages}), "
             f"but a step has {n_microbatches}. {fix}"
         )
-    if schedule in ROUND_BASED_SCHEDULES:
+    if row.rounds:
         rounds = max(1, n_microbatches // pp)
         if n_microbatches % rounds:
             raise ConfigError(
@@ -127,8 +98,7 @@ class PipelinePlan:
     ) -> "PipelinePlan":
         """`parallelism` is the config section; `stage_modules(num_stages)` is the model's split;
         `sequences_per_step` is what one DP rank processes per optimizer step."""
-        schedule = parallelism.pipeline_parallel_schedule
-        schedule = "GPipe" if schedule == "AFAB" else schedule
+        schedule = get_schedule(parallelism.pipeline_parallel_schedule).name
         pp = parallelism.pipeline_parallel_degree
         per_rank = stages_per_rank(schedule, parallelism.pipeline_parallel_virtual_stages)
         microbatch_size = parallelism.pipeline_parallel_microbatch_size
@@ -146,11 +116,10 @@ class PipelinePlan:
     def build(cls, stage_modules: list[list[str]], pp: int, schedule: str = "1F1B", n_microbatches: int = 1):
         """A plan from module names per stage (e.g. `pipeline_stages(model, ...)`): len(stage_modules) / pp
         stages per rank, checked like a config."""
-        schedule = "GPipe" if schedule == "AFAB" else schedule
+        schedule = get_schedule(schedule).name
         if len(stage_modules) % pp:
             raise ConfigError(f"{len(stage_modules)} pipeline stages do not split evenly over {pp} ranks.")
         per_rank = len(stage_modules) // pp
-        schedule_class(schedule)
         if per_rank != stages_per_rank(schedule, per_rank):
             raise ConfigError(f"The '{schedule}' schedule cannot hold {per_rank} stages per rank.")
         validate_microbatches(schedule, n_microbatches, pp, len(stage_modules))
@@ -251,7 +220,7 @@ def build_schedule(
     """The schedule object; gradients are not rescaled, since `loss_fn` already divides by the global
     token count."""
     cls = schedule_class(schedule)
-    if issubclass(cls, PipelineScheduleMulti):
+    if get_schedule(schedule).multi_stage:
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
