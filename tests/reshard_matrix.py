@@ -106,9 +106,10 @@ class Case:
         5 needs bf16 on both sides, so that zero-bubble steps (several microbatches each) meet the tightest bf16
         tolerance; even so, bf16 accumulation moves these losses by only 7e-5 (the fix disabled), below the
         layouts' bf16 noise, so tests/distributed/test_zero_bubble_grads.py, which compares gradients, is what
-        catches it. 6 counts only in fp32, where the compiled steps must match eager ones within the fp32
-        tolerance, and in a case that catches nothing else, so that it reaches the resumed, compiled training
-        steps whatever happens to the round trip of the other problems' states.
+        catches it. 6 counts only for Llama (with the fix removed, its tp2 and tp2 + SP cases stop with
+        problem 6's error while the GPT-2 test model's still pass), in fp32, where the compiled steps must match
+        eager ones within the fp32 tolerance, and in a case that catches nothing else, so that it reaches the
+        resumed, compiled training steps whatever happens to the round trip of the other problems' states.
         """
         pipelined = {name for name in LAYOUTS if "pp2" in name}
         found = set()
@@ -120,7 +121,8 @@ class Case:
             found.add("4-dtype-change")
         if self.dtype == "bf16" and "pp2-zbv" in (self.save, self.load):
             found.add("5-zero-bubble-bf16")
-        if not found and self.dtype == "fp32" and "tp2" in self.load and self.ac != "none" and self.compile:
+        llama = self.model in ("llama", "llama_tied")
+        if not found and llama and self.dtype == "fp32" and "tp2" in self.load and self.ac != "none" and self.compile:
             found.add("6-tp-ac-compile")
         return found
 
