@@ -11,10 +11,12 @@ import dataclasses
 import itertools
 import random
 
-# Each model's flavor has at least 4 blocks, so the V schedule's 4 stages (2 per rank) each hold one.
+# Each model's flavor has at least 4 blocks, so the V schedule's 4 stages (2 per rank) each hold one; all are
+# tiny (dim <= 64) so that a job's time goes to what differs between layouts. The Llama flavors are registered
+# by tests/reshard_worker.py.
 MODELS: dict[str, tuple[str, ...]] = {
-    "llama": ("--model.flavor", "debugmodel"),
-    "llama_tied": ("--model.flavor", "debugmodel_tied"),
+    "llama": ("--model.name", "llama3-matrix", "--model.flavor", "tiny4"),
+    "llama_tied": ("--model.name", "llama3-matrix", "--model.flavor", "tiny4_tied"),
     "gpt2": ("--model.name", "gpt2-test", "--model.flavor", "tiny"),  # biases, 1-D TP-sharded tensors
     "moe": ("--model.name", "moe", "--model.flavor", "debugmodel"),
 }
@@ -99,9 +101,17 @@ class Case:
         return values | {("problem", problem) for problem in self.problems()}
 
     def problems(self) -> set[str]:
-        """Which of issue 15's problems this case would catch."""
+        """Which of issue 15's problems this case would catch.
+
+        5 needs bf16 on both sides, so that zero-bubble steps (several microbatches each) meet the tightest bf16
+        tolerance; even so, bf16 accumulation moves these losses by only 7e-5 (the fix disabled), below the
+        layouts' bf16 noise, so tests/distributed/test_zero_bubble_grads.py, which compares gradients, is what
+        catches it. 6 counts only for Llama (with the fix removed, its tp2 and tp2 + SP cases stop with
+        problem 6's error while the GPT-2 test model's still pass), in fp32, where the compiled steps must match
+        eager ones within the fp32 tolerance, and in a case that catches nothing else, so that it reaches the
+        resumed, compiled training steps whatever happens to the round trip of the other problems' states.
+        """
         pipelined = {name for name in LAYOUTS if "pp2" in name}
-        loaded_dtype = DTYPES[self.dtype][1]
         found = set()
         if self.model == "llama_tied" and (self.save in pipelined) != (self.load in pipelined):
             found.add("1-tied-into-stages")
@@ -109,9 +119,10 @@ class Case:
             found.add("2-zero1-of-1d-tp-tensors")
         if self.dtype in ("bf16>fp32", "fp32>bf16"):
             found.add("4-dtype-change")
-        if loaded_dtype == "bfloat16" and self.load == "pp2-zbv":
+        if self.dtype == "bf16" and "pp2-zbv" in (self.save, self.load):
             found.add("5-zero-bubble-bf16")
-        if "tp2" in self.load and self.ac != "none" and self.compile:
+        llama = self.model in ("llama", "llama_tied")
+        if not found and llama and self.dtype == "fp32" and "tp2" in self.load and self.ac != "none" and self.compile:
             found.add("6-tp-ac-compile")
         return found
 
@@ -149,8 +160,9 @@ def axis_values(cases: list[Case]) -> set[tuple[str, object]]:
 
 def covering_sample(cases: list[Case], size: int, seed: int = 0) -> list[Case]:
     """At least `size` cases that together cover every axis value and problem of `cases`, chosen greedily and
-    deterministically (`seed` orders ties): each pick covers the most values not yet covered, preferring cases
-    that reuse an already chosen saving run, then cheap ones."""
+    deterministically (`seed` orders ties): each pick covers the most values not yet covered, a compiled case's
+    counted at half (its compilation takes about as long as another job), preferring cases that reuse an
+    already chosen saving run, then cheap ones. So one compiled case covers the wrappers."""
     order = list(cases)
     random.Random(seed).shuffle(order)
     uncovered, chosen, runs = axis_values(cases), [], set()
@@ -160,7 +172,7 @@ def covering_sample(cases: list[Case], size: int, seed: int = 0) -> list[Case]:
             break
         best = max(
             candidates,
-            key=lambda c: (len(c.values() & uncovered), c.saving_run in runs, -c.cost()),
+            key=lambda c: (len(c.values() & uncovered) / (1 + c.compile), c.saving_run in runs, -c.cost()),
         )
         chosen.append(best)
         uncovered -= best.values()

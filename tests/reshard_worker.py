@@ -3,7 +3,8 @@
 Run like train.py (`torchrun ... tests/reshard_worker.py --section.key value ...`). When the job resumes from a
 checkpoint, every rank runs `check_round_trip` right after loading and rank 0 writes its report to
 {dump_folder}/roundtrip.json; then training continues as train.py's would. The GPT-2-style test model is
-registered as `model.name = "gpt2-test"`.
+registered as `model.name = "gpt2-test"`, and Llama 3 at the tiny flavor's sizes with the 4 blocks the V
+schedule's 4 stages need as `model.name = "llama3-matrix"` (flavors `tiny4` and `tiny4_tied`).
 """
 
 import dataclasses
@@ -17,9 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.gpt2_model import NAME, SPEC  # noqa: E402
 from torchpre.cli import run_entry_point  # noqa: E402
+from torchpre.models.llama3.args import LLAMA3_FLAVORS  # noqa: E402
+from torchpre.models.llama3.spec import SPEC as LLAMA3_SPEC  # noqa: E402
 from torchpre.models.registry import register_model  # noqa: E402
 
 REPORT = "roundtrip.json"
+LLAMA_NAME = "llama3-matrix"
+_TINY4 = dataclasses.replace(LLAMA3_FLAVORS["tiny"], n_layers=4)
+LLAMA_SPEC = dataclasses.replace(
+    LLAMA3_SPEC, flavors={"tiny4": _TINY4, "tiny4_tied": dataclasses.replace(_TINY4, tie_word_embeddings=True)}
+)
 
 
 def main(argv: list[str]) -> None:
@@ -29,6 +37,7 @@ def main(argv: list[str]) -> None:
     from torchpre.trainer import Trainer
 
     register_model(NAME, SPEC)
+    register_model(LLAMA_NAME, LLAMA_SPEC)
     config = parse_args(JobConfig, argv)
     trainer = Trainer(config)
     if trainer.last_checkpoint_step is not None:

@@ -38,6 +38,8 @@ FP32_ATOL = 1e-4
 BF16_ATOL = 1e-3
 # A dtype change: steps 6-10 run in the other dtype than the uninterrupted run's (measured at most 1.2e-3).
 DTYPE_CHANGE_ATOL = 5e-3
+# bf16 resumed with torch.compile: its fused kernels round bf16 differently from eager ones (measured 1.1e-3).
+BF16_COMPILE_ATOL = 5e-3
 TIMEOUT_S = 300
 
 
@@ -89,7 +91,9 @@ def resume(case: Case, saving_runs: SavingRuns, server: ForkServer, folder: Path
     resumed = launch(server, WORKER, args, case.load, folder)
     report = json.loads((folder / REPORT).read_text())
     assert report["ok"], report["text"]
-    atol = {"fp32": FP32_ATOL, "bf16": BF16_ATOL}.get(case.dtype, DTYPE_CHANGE_ATOL)
+    atol = {"fp32": FP32_ATOL, "bf16": BF16_COMPILE_ATOL if case.compile else BF16_ATOL}.get(
+        case.dtype, DTYPE_CHANGE_ATOL
+    )
     assert resumed == pytest.approx(straight[5:], abs=atol), f"resumed {resumed}, uninterrupted {straight[5:]}"
 
 
