@@ -101,20 +101,21 @@ def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype |
         ) from None
     state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in state_dict.items()}
     tokens = {"bos_token_id": model.tokenizer.bos_id, "eos_token_id": model.tokenizer.eos_id}
+    # The longest context the weights are meant for: the flavor's design context, or the training sequence
+    # length if longer. It does not change the weights or RoPE frequencies.
+    max_length = max(model.args.max_seq_len, model.flavor_max_seq_len)
     config = model.hf.hf_config(
         model.args,
         **tokens,
         torch_dtype=str(next(iter(state_dict.values())).dtype).removeprefix("torch."),
-        # The longest context the weights are meant for: the flavor's design context, or the
-        # training sequence length if longer. It does not change the weights or RoPE frequencies.
-        max_position_embeddings=max(model.args.max_seq_len, model.flavor_max_seq_len),
+        max_position_embeddings=max_length,
     )
 
     def write(folder: Path) -> None:
         _write_json(folder / "config.json", config)
         _write_json(folder / "generation_config.json", tokens)
         _save_safetensors(state_dict, folder, max_shard_size)
-        _write_tokenizer(folder, model.tokenizer, config["max_position_embeddings"])
+        _write_tokenizer(folder, model.tokenizer, max_length)
         _give_default_modes(folder)
 
     _write_atomically(out_dir, write)
