@@ -37,8 +37,8 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
     configure_logging()
     try:
         main(argv)
-    except HelpRequested:
-        print(format_help(JobConfig, prog))
+    except HelpRequested as request:
+        print(format_help(request.config_cls or JobConfig, prog))
         return
     except TorchpreError as error:
         _fail(str(error), EXIT_BAD_INPUT)

@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchpre.build import model_args
 from torchpre.checkpoint.manager import require_intact
 from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
@@ -169,7 +170,7 @@ def _size(text: str) -> int:
 
 
 def _job_model(config: JobConfig) -> _Model:
-    """The model args the trainer derives from `config` (see Trainer.__init__)."""
+    """The model args every entry point derives from `config` (`torchpre.build.model_args`)."""
     spec = get_model_spec(config.model.name)
     if spec.hf is None:
         raise TorchpreError(
@@ -177,8 +178,7 @@ def _job_model(config: JobConfig) -> _Model:
         )
     flavor = get_flavor(config.model.name, config.model.flavor)
     tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    args = dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=config.training.seq_len)
-    return _Model(args, spec.hf, flavor.max_seq_len, tokenizer)
+    return _Model(model_args(config, tokenizer), spec.hf, flavor.max_seq_len, tokenizer)
 
 
 def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:

@@ -1,17 +1,14 @@
 """The training loop, assembled from the config: model, data, optimizer, parallelism, metrics."""
 
-import contextlib
-import dataclasses
-import functools
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from torchpre.build import check_layout, meta_model, model_args, parallel_plan
 from torchpre.checkpoint.history import set_aside_later_steps, start_new_metrics_file
 from torchpre.checkpoint.manager import CheckpointManager, find_step_dir, saved_global_batch_size
 from torchpre.config.job_config import JobConfig
@@ -29,14 +26,14 @@ from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
 from torchpre.metrics.router import router_stats
 from torchpre.metrics.timer import IntervalTimer, PhaseTimer
-from torchpre.models.registry import get_flavor, get_model_spec
+from torchpre.models.registry import get_model_spec
 from torchpre.optim.lr_scheduler import build_lr_scheduler
-from torchpre.parallel.api import ParallelModel, ParallelPlan, build_optimizer, parallelize
+from torchpre.parallel.api import ParallelModel, build_optimizer, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.preemption import PreemptionHandler
 from torchpre.profiling import Profiler
-from torchpre.validation import PipelineEval, Validator, build_validator, held_out_fraction
+from torchpre.validation import Validator, build_validator, held_out_fraction
 
 logger = logging.getLogger("torchpre")
 
@@ -85,10 +82,9 @@ class Trainer:
         )
         self.global_batch_size, self.accumulation_steps = self._batch_sizes(dims.dp)
         self.model_spec = get_model_spec(config.model.name)
-        flavor_args = get_flavor(config.model.name, config.model.flavor)
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-        self.model_args = dataclasses.replace(flavor_args, vocab_size=self.tokenizer.vocab_size, max_seq_len=t.seq_len)
-        self._check_model_supports_layout(dims)
+        self.model_args = model_args(config, self.tokenizer)
+        check_layout(config, self.model_spec, self.model_args, dims)
         if p.enable_sequence_parallel and t.seq_len % dims.tp:
             raise ConfigError(
                 f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
@@ -259,58 +255,11 @@ class Trainer:
                 )
         dist.barrier()
 
-    def _check_model_supports_layout(self, dims: ParallelDims) -> None:
-        """Rejects a layout the model family cannot run, naming what to change, before any work."""
-        name, spec, p = self.config.model.name, self.model_spec, self.config.parallelism
-        if dims.tp > 1:
-            if spec.tensor_parallel is None:
-                raise ConfigError(
-                    f"model.name = '{name}' has no tensor-parallel plan (ModelSpec.tensor_parallel), so "
-                    "parallelism.tensor_parallel_degree must be 1."
-                )
-            if isinstance(spec.tensor_parallel, dict) and (p.enable_sequence_parallel or p.enable_loss_parallel):
-                raise ConfigError(
-                    f"model.name = '{name}' gives its tensor-parallel plan as a fixed dict, which decides the "
-                    "layouts itself: turn off parallelism.enable_sequence_parallel and enable_loss_parallel, or "
-                    "give a plan function that takes sequence_parallel and loss_parallel."
-                )
-            spec.validate_tensor_parallel(self.model_args, dims.tp)
-        if dims.ep > 1:
-            if spec.expert_parallel is None:
-                raise ConfigError(
-                    f"model.name = '{name}' has no experts to shard (ModelSpec.expert_parallel), so "
-                    "parallelism.expert_parallel_degree must be 1. Use model.name = 'moe' for a Mixture of Experts."
-                )
-            spec.validate_expert_parallel(self.model_args, dims.ep)
-
-    def _parallel_plan(self) -> ParallelPlan:
-        spec, p, ac = self.model_spec, self.config.parallelism, self.config.activation_checkpoint
-        tensor_parallel = spec.tensor_parallel
-        if callable(tensor_parallel):
-            tensor_parallel = functools.partial(
-                tensor_parallel,
-                sequence_parallel=p.enable_sequence_parallel,
-                loss_parallel=p.enable_loss_parallel,
-            )
-        return ParallelPlan(
-            tensor_parallel=tensor_parallel,
-            expert_parallel=spec.expert_parallel,
-            pipeline=self.pipeline,
-            blocks=spec.blocks,
-            tied_weights=spec.tied_weights(self.model_args),
-            activation_checkpoint=ac.mode,
-            selective_ac_option=ac.selective_ac_option,
-            compile=self.config.compile.enable,
-            compile_fullgraph=spec.compile_fullgraph,
-        )
-
     def _build_model(self) -> ParallelModel:
         """The model, or this rank's pipeline stages of it: built on the meta device in the parameter
         dtype, parallelized, then materialised and initialised from the seed alone (so every layout
         starts equal)."""
-        param_dtype = getattr(torch, self.config.training.mixed_precision_param)
-        with torch.device("meta"), _default_dtype(param_dtype):
-            model = self.model_spec.model_cls(self.model_args)
+        model = meta_model(self.config, self.model_spec, self.model_args)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = self.model_spec.flops_per_token(
             self.model_args, self.num_params, self.config.training.seq_len
@@ -319,7 +268,7 @@ class Trainer:
         parallel = parallelize(
             model,
             self.mesh,
-            self._parallel_plan(),
+            parallel_plan(self.config, self.model_spec, self.model_args, self.pipeline),
             device=self.device,
             init_weights=lambda part: self.model_spec.init_weights(part, seed),
             loss_fn=self._loss,
@@ -349,25 +298,16 @@ class Trainer:
 
     def _build_validator(self) -> Validator:
         """Evaluates with the training forward (document masks included) or, under PP, with the training
-        schedule's forward-only `eval`, whose loss_fn is `_loss`: a share of tokens_per_step."""
-        pipeline = None
-        if self.model.schedule is not None:
-            pipeline = PipelineEval(
-                self.model.schedule,
-                n_microbatches=self.pipeline.n_microbatches,
-                has_first_stage=self.model.has_first_stage,
-                has_last_stage=self.model.has_last_stage,
-                loss_scale=self.tokens_per_step,
-            )
+        schedule's forward-only `eval`: both through `ParallelModel.forward_only`, whose losses are `_loss`'s,
+        a share of tokens_per_step."""
         return build_validator(
             self.config,
             self.tokenizer,
             self.mesh,
-            self.model.parts,
-            forward=lambda inputs: self.model.parts[0](inputs, **self._forward_kwargs(inputs)),
-            loss_sum=self._cross_entropy_sum,
+            self.model,
+            forward_kwargs=self._forward_kwargs,
+            loss_scale=self.tokens_per_step,
             device=self.device,
-            pipeline=pipeline,
         )
 
     def _save_resolved_config(self) -> None:
@@ -655,17 +595,6 @@ class Trainer:
                 **({"val_loss": val_loss} if val_loss is not None else {}),
             }
         )
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Parameters created inside get `dtype`; buffers computed in an explicit dtype (RoPE) keep theirs."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -15,14 +15,10 @@ continues exactly as it would have without it.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from torchpre.config.job_config import JobConfig, Validation
@@ -30,6 +26,7 @@ from torchpre.data.loader import held_out_samples, source_samples
 from torchpre.data.sampler import GlobalBatchSampler, SampleOrder
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError
+from torchpre.parallel.api import ParallelModel
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 
 
@@ -57,17 +54,6 @@ def validation_batches(
     return [next(sampler) for _ in range(steps)]
 
 
-@dataclass(frozen=True)
-class PipelineEval:
-    """What a forward-only pass through the training pipeline schedule needs."""
-
-    schedule: Any  # a torch.distributed.pipelining schedule, run with its `eval`
-    n_microbatches: int
-    has_first_stage: bool
-    has_last_stage: bool
-    loss_scale: float  # the schedule's loss_fn returns the summed cross-entropy divided by this
-
-
 class Validator:
     """Evaluates the model on this rank's fixed validation batches; `evaluate()` is collective."""
 
@@ -77,17 +63,17 @@ class Validator:
         batches: list[list[int]],
         *,
         freq: int,
-        model_parts: list[nn.Module],
-        forward: Callable[[torch.Tensor], torch.Tensor],
-        loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        model: ParallelModel,
         device: torch.device,
         groups: list[dist.ProcessGroup],
+        forward_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
+        loss_scale: float = 1.0,
         loss_parallel: bool = False,
-        pipeline: PipelineEval | None = None,
     ):
-        """`forward(inputs)` gives the logits (unused under `pipeline`); `loss_sum(logits, labels)` is the
-        summed token cross-entropy; `groups` are the process groups the loss is summed over (DP and PP:
-        the ranks that hold different parts of it), none for one process."""
+        """`model.forward_only(inputs, labels)` gives its loss_fn's value, which times `loss_scale` is the
+        summed token cross-entropy; `groups` are the process groups the loss is summed over (DP and PP: the
+        ranks that hold different parts of it), none for one process."""
+        pipeline = model.plan.pipeline
         if pipeline is not None and len(batches[0]) % pipeline.n_microbatches:
             raise ConfigError(
                 f"validation.local_batch_size = {len(batches[0])}: under pipeline parallelism each validation "
@@ -97,13 +83,12 @@ class Validator:
         self.samples = samples
         self.batches = batches
         self.freq = freq
-        self.model_parts = model_parts
-        self.forward = forward
-        self.loss_sum = loss_sum
+        self.model = model
         self.device = device
         self.groups = groups
+        self.forward_kwargs = forward_kwargs
+        self.loss_scale = loss_scale
         self.loss_parallel = loss_parallel
-        self.pipeline = pipeline
 
     def due(self, step: int, last_step: int) -> bool:
         """Evaluate every `freq` steps and after the last one."""
@@ -111,22 +96,22 @@ class Validator:
 
     def evaluate(self) -> float:
         """The mean token cross-entropy over all validation batches of all DP ranks (every rank gets it)."""
-        training = [part.training for part in self.model_parts]
-        for part in self.model_parts:
+        training = [part.training for part in self.model.parts]
+        for part in self.model.parts:
             part.eval()
         # [summed cross-entropy, tokens]: counted where the loss is computed, so pipeline ranks without
         # the last stage add nothing. float64 so the sum over many tokens does not depend on its order.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         try:
-            with torch.no_grad(), loss_parallel_context(self.loss_parallel):
+            with loss_parallel_context(self.loss_parallel):
                 for indices in self.batches:
                     inputs, labels = self._batch(indices)
-                    loss = self._pipeline_loss_sum(inputs, labels) if self.pipeline else self._loss_sum(inputs, labels)
+                    loss = self.model.forward_only(inputs, labels, self.forward_kwargs)
                     if loss is not None:
-                        totals[0] += loss.double()
+                        totals[0] += loss.double() * self.loss_scale
                         totals[1] += labels.numel()
         finally:
-            for part, mode in zip(self.model_parts, training):
+            for part, mode in zip(self.model.parts, training):
                 part.train(mode)
         for group in self.groups:
             dist.all_reduce(totals, group=group)
@@ -139,36 +124,16 @@ class Validator:
         labels = torch.stack([y for _, y in pairs]).to(self.device)
         return inputs, labels
 
-    def _loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _replicated(self.loss_sum(self.forward(inputs), labels))
-
-    def _pipeline_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """One forward-only schedule run (`schedule.eval`); None on ranks without the last stage.
-
-        The schedule's loss_fn is training's (a share of the training batch's mean), so its losses
-        are scaled back to sums. `return_outputs=False` reaches `step` through `eval`'s keyword
-        arguments and keeps the last stage from holding every microbatch's logits.
-        """
-        p = self.pipeline
-        losses: list[torch.Tensor] = []
-        targets = {"target": labels, "losses": losses} if p.has_last_stage else {}
-        args = (inputs,) if p.has_first_stage else ()
-        p.schedule.eval(*args, **targets, return_outputs=False)
-        if not losses:
-            return None
-        return torch.stack([_replicated(loss) for loss in losses]).sum() * p.loss_scale
-
 
 def build_validator(
     config: JobConfig,
     tokenizer: Tokenizer,
     mesh: DeviceMesh,
-    model_parts: list[nn.Module],
+    model: ParallelModel,
     *,
-    forward: Callable[[torch.Tensor], torch.Tensor],
-    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    forward_kwargs: Callable[[torch.Tensor], dict],
+    loss_scale: float,
     device: torch.device,
-    pipeline: PipelineEval | None,
 ) -> Validator:
     """The job's validator: its data (separate, or the held-out split of the training data) and
     this rank's batches of it, evaluated through the training model (or pipeline schedule)."""
@@ -195,16 +160,11 @@ def build_validator(
         samples,
         batches,
         freq=v.freq,
-        model_parts=model_parts,
-        forward=forward,
-        loss_sum=loss_sum,
+        model=model,
         device=device,
         groups=[mesh["dp"].get_group(), mesh["pp"].get_group()],
+        forward_kwargs=forward_kwargs,
+        loss_scale=loss_scale,
         loss_parallel=config.parallelism.enable_loss_parallel and mesh["tp"].size() > 1,
-        pipeline=pipeline,
     )
 
-
-def _replicated(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor for a loss that is a replicated DTensor under loss parallel."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -285,7 +285,7 @@ CATALOGUE = [
     ),
     # Generation.
     case("generate-no-prompt", ["--model.flavor", "tiny"], ["--prompt is required"], GEN),
-    case("generate-bad-float", [*GENERATE, "--temperature", "hot"], ["--temperature", "'hot'", "float"], GEN),
+    case("generate-bad-float", [*GENERATE, "--temperature", "hot"], ["'temperature'", "'hot'", "float"], GEN),
     case(
         "generate-longer-than-the-context",
         [*GENERATE, "--max_new_tokens", "5000"],

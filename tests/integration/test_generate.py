@@ -19,7 +19,7 @@ from tests.launch import REPO
 from torchpre.checkpoint.manager import MANIFEST, _file_record
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
-from torchpre.generate import StageDecoder, generate_ids, main, sample
+from torchpre.generate import generate_ids, main, sample, whole_model
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.pipeline import prune_to
@@ -74,7 +74,7 @@ def trained(tokenizer, tmp_path_factory) -> tuple[Transformer, Path]:
 
 def reference_ids(model: Transformer, tokenizer: Tokenizer, **sampling) -> list[int]:
     prompt = tokenizer.encode(PROMPT, bos=True, eos=False)
-    return generate_ids(StageDecoder(model, model.args.dim), prompt, NEW_TOKENS, eos_id=tokenizer.eos_id, **sampling)
+    return generate_ids(whole_model(model), prompt, NEW_TOKENS, eos_id=tokenizer.eos_id, **sampling)
 
 
 # KV cache ----------------------------------------------------------------------------------------

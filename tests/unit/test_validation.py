@@ -1,6 +1,7 @@
 """Validation: the held-out split, the fixed validation batches, the evaluation itself and its config keys."""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -19,7 +20,9 @@ from torchpre.errors import ConfigError
 from torchpre.metrics.logger import format_step_line
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
-from torchpre.validation import PipelineEval, Validator, held_out_fraction, validation_batches
+from torchpre.parallel.api import ParallelModel, ParallelPlan
+from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.validation import Validator, held_out_fraction, validation_batches
 
 TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
 SEQ_LEN = 8
@@ -185,18 +188,9 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
-def validator(model: Transformer, samples, batches: list[list[int]], pipeline=None) -> Validator:
-    return Validator(
-        samples,
-        batches,
-        freq=5,
-        model_parts=[model],
-        forward=model,
-        loss_sum=cross_entropy_sum,
-        device=torch.device("cpu"),
-        groups=[],
-        pipeline=pipeline,
-    )
+def validator(model: Transformer, samples, batches: list[list[int]]) -> Validator:
+    whole = ParallelModel([model], None, ParallelPlan(), torch.device("cpu"), cross_entropy_sum, None)
+    return Validator(samples, batches, freq=5, model=whole, device=torch.device("cpu"), groups=[])
 
 
 def test_evaluate_is_the_mean_token_loss_and_leaves_no_trace(text_file):
@@ -223,9 +217,10 @@ def test_evaluate_is_the_mean_token_loss_and_leaves_no_trace(text_file):
 def test_pipeline_validation_batches_must_split_into_the_schedules_microbatches(text_file):
     samples, order = held_out(0.5, **text(text_file))
     batches = validation_batches(order, len(samples), steps=2, local_batch_size=2, dp_rank=0, dp_size=1)
-    pipeline = PipelineEval(None, n_microbatches=4, has_first_stage=True, has_last_stage=True, loss_scale=1.0)
+    pipeline = PipelinePlan.build([["layers.0"], ["layers.1"]], pp=2, schedule="GPipe", n_microbatches=4)
+    model = types.SimpleNamespace(plan=ParallelPlan(pipeline=pipeline))  # only its plan is read before evaluating
     with pytest.raises(ConfigError, match="validation.local_batch_size = 2: .* 4 microbatches"):
-        validator(tiny_model(), samples, batches, pipeline)
+        Validator(samples, batches, freq=5, model=model, device=torch.device("cpu"), groups=[])
 
 
 # ----- config and output -----------------------------------------------------------------------------

@@ -62,8 +62,13 @@ class HelpRequested(Exception):
     """Raised by `parse_args` when argv holds ``-h`` or ``--help``.
 
     Printing help belongs to the entry point, which knows its program name: catch this, print
-    ``format_help(config_cls, prog)`` and exit 0.
+    ``format_help(error.config_cls, prog)`` and exit 0. `config_cls` is the config that was being parsed
+    (None when the entry point printed its own help).
     """
+
+    def __init__(self, config_cls: type | None = None):
+        super().__init__()
+        self.config_cls = config_cls
 
 
 class _BadValue(Exception):
@@ -88,7 +93,7 @@ def parse_args(config_cls: type[T], argv: list[str]) -> T:
     `ConfigError` on any bad input.
     """
     if any(arg in ("-h", "--help") for arg in argv):
-        raise HelpRequested
+        raise HelpRequested(config_cls)
     options = _options(config_cls)
     overrides = _from_cli(argv, options)
     values = {key: option.default for key, option in options.items()}
@@ -103,10 +108,12 @@ def format_help(config_cls: type, prog: str) -> str:
     options = _options(config_cls)
     config_file = f" [--{CONFIG_FILE_KEY} PATH]" if CONFIG_FILE_KEY in options else ""
     lines = [f"usage: {prog}{config_file} [--section.key VALUE ...]", "", _HELP_INTRO]
-    sections: dict[str, list[_Option]] = {}
+    sections: dict[str, list[_Option]] = {"": []}  # options outside any section first
     for option in options.values():
         sections.setdefault(option.key.rpartition(".")[0], []).append(option)
     for section, members in sections.items():
+        if not members:
+            continue
         lines += ["", f"[{section}]"] if section else [""]
         usages = [f"  --{o.key} {o.type_name} (default: {_show(o.default)})" for o in members]
         # A very long usage (a Literal with many choices) gets its doc on the next line instead

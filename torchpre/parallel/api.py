@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
 from torchpre.models.init import canonical_fqn
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -142,12 +144,11 @@ class ParallelModel:
         self.stage_ids = pipeline.stage_ids(mesh["pp"].get_local_rank()) if pipeline else [0]
         num_stages = pipeline.num_stages if pipeline else 1
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
-        self.schedule = self._build_schedule() if pipeline else None
+        # Without a loss_fn (inference) there is no schedule: `forward_only` passes activations itself.
+        self.schedule = self._build_schedule() if pipeline and loss_fn is not None else None
 
     def _build_schedule(self):
         pipeline, group = self.plan.pipeline, self.mesh["pp"].get_group()
-        if self.loss_fn is None:
-            raise ConfigError("Pipeline parallelism needs a loss_fn: the last stage computes the loss.")
         stages = [
             Stage(part, stage, pipeline.num_stages, self.device, group=group)
             for part, stage in zip(self.parts, self.stage_ids)
@@ -180,7 +181,7 @@ class ParallelModel:
         `loss_fn(output, labels)`; with one, all microbatches go through one schedule step, cut into the
         plan's pipeline microbatches.
         """
-        if self.schedule is not None:
+        if self.plan.pipeline is not None:
             return self._pipeline_forward_backward(microbatches)
         loss = torch.zeros((), device=self.device)
         for inputs, labels in microbatches:
@@ -192,13 +193,81 @@ class ParallelModel:
     def _pipeline_forward_backward(self, microbatches: Sequence[Batch]) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in microbatches])
         labels = torch.cat([y for _, y in microbatches])
-        losses: list[torch.Tensor] = []
-        targets = {"target": labels, "losses": losses} if self.has_last_stage else {}
-        args = (inputs,) if self.has_first_stage else ()
-        self.schedule.step(*args, **targets, return_outputs=False)
+        losses = self._run_schedule(self._require_schedule().step, inputs, labels)
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([replicated_value(loss.detach()) for loss in losses]).sum()
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        forward_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
+    ) -> torch.Tensor | None:
+        """The forward pass without autograd, for evaluation and decoding; None on ranks without the last stage.
+
+        With `labels`, this rank's share of the loss in `loss_fn`'s units, as `forward_backward` returns it:
+        under pipeline parallelism from one forward-only run of the schedule (`schedule.eval`, its microbatches
+        and its loss_fn), which the schedule table must allow (`forward_only`). Without labels, the last stage's
+        output (the logits): under pipeline parallelism the activations of the whole batch go stage to stage by
+        point-to-point sends, so any shape runs (a prompt, then one token at a time) and every rank calls this
+        with the same `inputs`. `forward_kwargs(inputs)` goes to every part's forward (e.g. a KV cache's
+        `start_pos`); under a schedule it is not used, as in `forward_backward`.
+        """
+        if labels is None:
+            return self._forward_stages(inputs, forward_kwargs(inputs))
+        if self.plan.pipeline is None:
+            return replicated_value(self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels))
+        schedule = self._require_schedule()
+        if not get_schedule(self.plan.pipeline.schedule).forward_only:
+            raise ConfigError(
+                f"The '{self.plan.pipeline.schedule}' pipeline schedule cannot run forward-only (schedule.eval); "
+                f"use one of {', '.join(names_where(forward_only=True))}."
+            )
+        losses = self._run_schedule(schedule.eval, inputs, labels)
+        return torch.stack([replicated_value(loss) for loss in losses]).sum() if losses else None
+
+    def _require_schedule(self):
+        if self.schedule is None:
+            raise ConfigError("Pipeline parallelism needs a loss_fn: the last stage computes the loss.")
+        return self.schedule
+
+    def _run_schedule(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One `schedule.step` or `schedule.eval` over the batch; the losses of the microbatches on the last
+        stage, none elsewhere. `return_outputs=False` keeps the last stage from holding every microbatch's output."""
+        losses: list[torch.Tensor] = []
+        targets = {"target": labels, "losses": losses} if self.has_last_stage else {}
+        args = (inputs,) if self.has_first_stage else ()
+        run(*args, **targets, return_outputs=False)
+        return losses
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The pp rank holding the last stage (0 without a pipeline)."""
+        pipeline = self.plan.pipeline
+        return pipeline.stage_rank(pipeline.num_stages - 1) if pipeline else 0
+
+    def _forward_stages(self, inputs: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+        """Runs the stages in order, sending each output to the rank of the next stage (its shape and dtype
+        first, since they follow the input's); returns the last stage's output there, None elsewhere."""
+        pipeline = self.plan.pipeline
+        if pipeline is None:
+            return self.parts[0](inputs, **kwargs)
+        group, rank = self.mesh["pp"].get_group(), self.mesh["pp"].get_local_rank()
+        held = dict(zip(self.stage_ids, self.parts))
+        h = inputs
+        for stage in range(pipeline.num_stages):
+            if stage not in held:
+                continue
+            source = pipeline.stage_rank(stage - 1) if stage > 0 else rank
+            if source != rank:
+                h = _recv_tensor(source, group, self.device)
+            h = held[stage](h, **kwargs)
+            target = pipeline.stage_rank(stage + 1) if stage + 1 < pipeline.num_stages else rank
+            if target != rank:
+                _send_tensor(h, target, group, self.device)
+        return h if self.has_last_stage else None
 
 
 def parallelize(
@@ -305,6 +374,20 @@ def retie(part: nn.Module, tied: tuple[str, str] | None) -> None:
     if tied[0] in held and tied[1] in held:
         owner, _, name = tied[1].rpartition(".")
         setattr(part.get_submodule(owner), name, held[tied[0]])
+
+
+def _send_tensor(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], group=group, group_dst=peer, device=device)
+    dist.send(tensor.contiguous(), group=group, group_dst=peer)
+
+
+def _recv_tensor(peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    header: list = [None]
+    dist.recv_object_list(header, group=group, group_src=peer, device=device)
+    shape, dtype = header[0]
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(tensor, group=group, group_src=peer)
+    return tensor
 
 
 def replicated_value(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,96 @@
+"""The job's model, built one way for training, validation, generation and conversion.
+
+Each entry point derives the model's args from the job config and the tokenizer, checks that the model family
+can run the layout (before any process group, so bad input stops every rank with one message), builds the
+plain model on the meta device in the parameter dtype, and hands it to `torchpre.parallel.parallelize` with the
+`ParallelPlan` made here. A second copy of any of these steps is how generation and training drifted apart.
+"""
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchpre.config.job_config import JobConfig
+from torchpre.data.tokenizer import Tokenizer
+from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.errors import ConfigError
+from torchpre.models.registry import ModelSpec, get_flavor
+from torchpre.parallel.api import ParallelPlan
+from torchpre.parallel.pipeline import PipelinePlan
+
+
+def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
+    """The flavor's args with the tokenizer's vocabulary and `max_seq_len` (default: training.seq_len)."""
+    flavor = get_flavor(config.model.name, config.model.flavor)
+    seq_len = config.training.seq_len if max_seq_len is None else max_seq_len
+    return dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=seq_len)
+
+
+def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
+    """Rejects a layout the model family cannot run, naming what to change, before any work."""
+    name, p = config.model.name, config.parallelism
+    if dims.tp > 1:
+        if spec.tensor_parallel is None:
+            raise ConfigError(
+                f"model.name = '{name}' has no tensor-parallel plan (ModelSpec.tensor_parallel), so "
+                "parallelism.tensor_parallel_degree must be 1."
+            )
+        if isinstance(spec.tensor_parallel, dict) and (p.enable_sequence_parallel or p.enable_loss_parallel):
+            raise ConfigError(
+                f"model.name = '{name}' gives its tensor-parallel plan as a fixed dict, which decides the "
+                "layouts itself: turn off parallelism.enable_sequence_parallel and enable_loss_parallel, or "
+                "give a plan function that takes sequence_parallel and loss_parallel."
+            )
+        spec.validate_tensor_parallel(args, dims.tp)
+    if dims.ep > 1:
+        if spec.expert_parallel is None:
+            raise ConfigError(
+                f"model.name = '{name}' has no experts to shard (ModelSpec.expert_parallel), so "
+                "parallelism.expert_parallel_degree must be 1. Use model.name = 'moe' for a Mixture of Experts."
+            )
+        spec.validate_expert_parallel(args, dims.ep)
+
+
+def meta_model(config: JobConfig, spec: ModelSpec, args: Any) -> nn.Module:
+    """The whole plain model on the meta device, its parameters in training.mixed_precision_param."""
+    with torch.device("meta"), _default_dtype(getattr(torch, config.training.mixed_precision_param)):
+        return spec.model_cls(args)
+
+
+def parallel_plan(config: JobConfig, spec: ModelSpec, args: Any, pipeline: PipelinePlan | None) -> ParallelPlan:
+    """What `parallelize` applies for this job: the family's plans and the config's layout options."""
+    p, ac = config.parallelism, config.activation_checkpoint
+    tensor_parallel = spec.tensor_parallel
+    if callable(tensor_parallel):
+        tensor_parallel = functools.partial(
+            tensor_parallel,
+            sequence_parallel=p.enable_sequence_parallel,
+            loss_parallel=p.enable_loss_parallel,
+        )
+    return ParallelPlan(
+        tensor_parallel=tensor_parallel,
+        expert_parallel=spec.expert_parallel,
+        pipeline=pipeline,
+        blocks=spec.blocks,
+        tied_weights=spec.tied_weights(args),
+        activation_checkpoint=ac.mode,
+        selective_ac_option=ac.selective_ac_option,
+        compile=config.compile.enable,
+        compile_fullgraph=spec.compile_fullgraph,
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside get `dtype`; buffers computed in an explicit dtype (RoPE) keep theirs."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
