@@ -159,8 +159,9 @@ def generated(result: subprocess.CompletedProcess) -> dict:
         (2, ["--parallelism.tensor_parallel_degree", "2"]),
         (2, ["--parallelism.pipeline_parallel_degree", "2"]),
         (2, []),  # the README's command: two data-parallel replicas decode the same sequence
+        (4, ["--parallelism.pipeline_parallel_degree", "2"]),  # two replicas of a two-stage pipeline
     ],
-    ids=["1proc", "tp2", "pp2", "dp2"],
+    ids=["1proc", "tp2", "pp2", "dp2", "dp2xpp2"],
 )
 def test_greedy_tokens_do_not_depend_on_the_layout(trained, tokenizer, nproc, layout):
     model, dump = trained
