@@ -12,9 +12,9 @@ loss parallelism, activation checkpointing, compile), and DCP reshards the check
 the model's KV caches: one forward over the prompt, then one token at a time, each through
 `ParallelModel.forward_only`. Under pipeline parallelism that passes the hidden states stage to stage
 with point-to-point sends; the last stage samples and broadcasts the token to every stage. Tensor-parallel
-ranks see the same full logits and sample with identically seeded generators, so they agree without communicating. Ranks
-left over by tp x pp (data-parallel replicas, e.g. `--nproc_per_node=2` with no TP/PP) each decode the
-same sequence on their own pipeline; rank 0 prints it.
+ranks see the same full logits and sample with identically seeded generators, so they agree without
+communicating. Ranks left over by tp x pp (data-parallel replicas, e.g. `--nproc_per_node=2` with no TP/PP)
+each decode the same sequence on their own pipeline; rank 0 prints it.
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ def generate_ids(
     len(prompt_ids) + max_new_tokens positions, reset here; the others recompute the whole sequence per token.
     """
     cached = all(hasattr(part, "setup_caches") for part in model.parts)
-    for part in model.parts if cached else ():
-        part.setup_caches(1, len(prompt_ids) + max_new_tokens)
+    if cached:
+        for part in model.parts:
+            part.setup_caches(1, len(prompt_ids) + max_new_tokens)
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([list(prompt_ids)], dtype=torch.long, device=model.device)
     start_pos, generated = 0, []
@@ -187,8 +188,9 @@ def generate_ids(
             tokens = new
         else:
             tokens = torch.cat([tokens, new], dim=1)
-    for part in model.parts if cached else ():
-        part.clear_caches()
+    if cached:
+        for part in model.parts:
+            part.clear_caches()
     return generated
 
 
