@@ -49,10 +49,11 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
     import torchpre.generate
     import torchpre.trainer  # noqa: F401  (train.py imports it inside main)
     import train
-    from tests import reshard_worker
+    from tests import reshard_worker, train_and_dump
 
     return {
         "tests/reshard_worker.py": (reshard_worker.main, "tests/reshard_worker.py"),
+        "tests/train_and_dump.py": (train_and_dump.main, "tests/train_and_dump.py"),
         "train.py": (train.main, "train.py"),
         "torchpre.generate": (torchpre.generate.main, "python -m torchpre.generate"),
         "torchpre.convert": (torchpre.convert.main, torchpre.convert.USAGE),

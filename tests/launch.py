@@ -1,15 +1,18 @@
 """Runs train.py in real processes (torchrun for several, or forks of a warm interpreter) and reads back
 what it wrote; spawns gloo workers for in-process multi-rank tests."""
 
+import atexit
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -19,41 +22,76 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 
+# What every launched job gets on top of the caller's environment: two processes share two cores.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# The entry points tests/fork_server.py can run.
+FORKABLE = ("train.py", "tests/train_and_dump.py", "torchpre.generate", "torchpre.convert")
+
 # The debug model (6 layers, so up to 4 pipeline stages) on short sequences: the layout tests' model.
 DEBUG = [
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "32",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "32",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
 ]
 
 # A model small enough that a 2-core machine trains it in seconds, big enough to exercise GQA.
 TINY = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "4",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "4",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
 ]
 
 
-def run_train(
-    args: list[str], nproc: int, dump_folder: Path, timeout: float = 240, script: str = "train.py"
+def run_entry(
+    entry: str,
+    argv: list[str],
+    nproc: int = 1,
+    timeout: float = 240,
+    launcher: Literal["fork", "torchrun"] = "fork",
 ) -> subprocess.CompletedProcess:
-    """`python train.py` for one process, torchrun on a free port for several; never hangs past `timeout`."""
-    if nproc == 1:
-        command = [sys.executable, script]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """`python entry argv` (`python -m entry` for a module) as one process, or as `nproc` ranks of one job.
+
+    The entries tests/fork_server.py knows run as forks of a warm interpreter, with the environment torchrun
+    would give each rank: that saves Python's and torch's start-up per rank, the bulk of a short test job on 2
+    cores. `launcher="torchrun"` runs the real torchrun (or python), for tests of what torchrun adds (its exit
+    codes and summary, restarts, signals); other scripts always do. Never hangs past `timeout`.
+    """
+    if launcher == "fork" and entry in FORKABLE:
+        return _fork_server().run_completed(entry, argv, timeout, nproc)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    target = ["-m", entry] if entry.startswith("torchpre.") else [entry]
     return subprocess.run(
-        [*command, "--job.dump_folder", str(dump_folder), *args],
+        [sys.executable, *torchrun, *target, *argv],
         cwd=REPO,
-        env=env,
+        env={**os.environ, **WORKER_ENV},
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run_train(
+    args: list[str],
+    nproc: int,
+    dump_folder: Path,
+    timeout: float = 240,
+    script: str = "train.py",
+    launcher: Literal["fork", "torchrun"] = "fork",
+) -> subprocess.CompletedProcess:
+    """`script` (train.py or one like it) writing into `dump_folder`; see `run_entry`."""
+    return run_entry(script, ["--job.dump_folder", str(dump_folder), *args], nproc, timeout, launcher)
 
 
 def train_and_read_metrics(args: list[str], nproc: int, dump_folder: Path, script: str = "train.py") -> list[dict]:
@@ -120,7 +158,8 @@ class ForkServer:
 
     def __init__(self, log: Path, timeout_s: float = 60):
         start = time.monotonic()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **WORKER_ENV}
+        self._env = env
         self.timeout_s = timeout_s
         self._log = log.open("w")
         self._process = subprocess.Popen(
@@ -135,16 +174,45 @@ class ForkServer:
         assert json.loads(self._process.stdout.readline() or "{}").get("ready"), log.read_text()
         self.startup_s = time.monotonic() - start
 
-    def run(self, entry: str, argv: list[str], env: dict[str, str | None] | None = None, nproc: int = 1) -> ForkResult:
+    def run(
+        self,
+        entry: str,
+        argv: list[str],
+        env: dict[str, str | None] | None = None,
+        nproc: int = 1,
+        timeout_s: float | None = None,
+    ) -> ForkResult:
         """`entry` with `argv`, as `nproc` ranks of one job (as torchrun would start them) when nproc > 1."""
-        request = {"entry": entry, "argv": argv, "env": env or {}, "timeout_s": self.timeout_s, "nproc": nproc}
+        timeout_s = timeout_s or self.timeout_s
+        request = {"entry": entry, "argv": argv, "env": env or {}, "timeout_s": timeout_s, "nproc": nproc}
         self._process.stdin.write(json.dumps(request) + "\n")
         self._process.stdin.flush()
         reply = json.loads(self._process.stdout.readline())
-        assert not reply["timed_out"], f"{entry} {argv} ran past {self.timeout_s} s:\n{reply['stderr'][-3000:]}"
+        assert not reply["timed_out"], f"{entry} {argv} ran past {timeout_s} s:\n{reply['stderr'][-3000:]}"
         return ForkResult(reply["returncode"], reply["stdout"], reply["stderr"], reply["seconds"] + self.startup_s)
+
+    def run_completed(self, entry: str, argv: list[str], timeout_s: float, nproc: int) -> subprocess.CompletedProcess:
+        """`run` with the caller's current environment (as a new process would inherit it), answered the way
+        `subprocess.run` answers."""
+        current = {**os.environ, **WORKER_ENV}
+        env: dict[str, str | None] = {name: None for name in self._env if name not in current}
+        env.update({name: value for name, value in current.items() if self._env.get(name) != value})
+        result = self.run(entry, argv, env=env, nproc=nproc, timeout_s=timeout_s)
+        return subprocess.CompletedProcess([entry, *argv], result.returncode, result.stdout, result.stderr)
 
     def close(self) -> None:
         self._process.stdin.close()
         self._process.wait(timeout=30)
         self._log.close()
+
+
+_SERVER: ForkServer | None = None
+
+
+def _fork_server() -> ForkServer:
+    """This test process's fork server, started on first use and closed at exit."""
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = ForkServer(Path(tempfile.mkdtemp(prefix="torchpre_fork_server_")) / "server.log")
+        atexit.register(_SERVER.close)
+    return _SERVER

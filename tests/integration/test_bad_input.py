@@ -422,7 +422,9 @@ def test_catalogue_covers_every_entry_point():
 )
 def test_every_torchrun_worker_exits_with_the_message(files, tmp_path, args, fragments):
     start = time.monotonic()
-    result = run_train([*TINY, *(arg.format(d=files) for arg in args)], 2, tmp_path, timeout=LIMIT_S)
+    result = run_train(
+        [*TINY, *(arg.format(d=files) for arg in args)], 2, tmp_path, timeout=LIMIT_S, launcher="torchrun"
+    )
     assert time.monotonic() - start < LIMIT_S
     assert result.returncode != 0, result.stdout[-3000:]
     # torchrun prints its own launcher traceback when a worker fails; no frame of our code may show.

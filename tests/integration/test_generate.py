@@ -3,10 +3,8 @@ checkpoint under 1 process, tp2 and pp2 (same greedy tokens), plus its bad-input
 
 import dataclasses
 import json
-import os
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from tests.launch import REPO
+from tests.launch import run_entry
 from torchpre.checkpoint.manager import MANIFEST, _file_record
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
@@ -137,13 +135,18 @@ def test_top_k_samples_only_the_k_most_likely():
 
 
 def run_generate(dump: Path, nproc: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    command = [
-        sys.executable, *launcher, "-m", "torchpre.generate", "--model.flavor", "tiny",
-        "--job.dump_folder", str(dump), "--prompt", PROMPT, "--max_new_tokens", str(NEW_TOKENS), *args,
+    argv = [
+        "--model.flavor",
+        "tiny",
+        "--job.dump_folder",
+        str(dump),
+        "--prompt",
+        PROMPT,
+        "--max_new_tokens",
+        str(NEW_TOKENS),
+        *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_entry("torchpre.generate", argv, nproc, timeout)
 
 
 def generated(result: subprocess.CompletedProcess) -> dict:

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from tests.launch import run_entry
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.convert import main as convert_main
@@ -79,14 +79,7 @@ def load_checkpoint_model(step_dir: Path, like: Transformer) -> dict[str, torch.
 
 
 def convert(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torchpre.convert", *map(str, args)],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_entry("torchpre.convert", list(map(str, args)), timeout=120)
 
 
 def convert_ok(*args) -> None:
