@@ -4,6 +4,7 @@ what it wrote; spawns gloo workers for in-process multi-rank tests."""
 import atexit
 import dataclasses
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
+
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "tests.launch"])
 
 # What every launched job gets on top of the caller's environment: two processes share two cores.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -120,11 +123,18 @@ def train_and_read_params(args: list[str], nproc: int, dump_folder: Path) -> tup
 def spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, timeout_s: float = 120) -> None:
     """Runs `fn(mesh)` on `world_size` gloo processes; a worker's exception or a hang fails.
 
+    The workers are forked from multiprocessing's fork server, which imported torch once (and never ran an op, so
+    no thread pool is forked): a fresh process as "spawn" gives, without paying torch's import per worker.
+
     The processes rendezvous through a FileStore, as PyTorch's own distributed tests do: no port
     to race for, and no store server living in rank 0 that may exit while rank 1 tears down.
     """
     context = mp.start_processes(
-        _worker, args=(fn, world_size, str(store_path)), nprocs=world_size, join=False, start_method="spawn"
+        _worker,
+        args=(fn, world_size, str(store_path), dict(os.environ)),
+        nprocs=world_size,
+        join=False,
+        start_method="forkserver",
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(deadline - time.monotonic(), 0)):
@@ -134,7 +144,9 @@ def spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, t
             pytest.fail(f"{fn.__name__} did not finish within {timeout_s} s on {world_size} processes")
 
 
-def _worker(rank: int, fn: Callable[[DeviceMesh], None], world_size: int, store_path: str) -> None:
+def _worker(rank: int, fn: Callable[[DeviceMesh], None], world_size: int, store_path: str, env: dict) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from when it started
+    os.environ.update(env)
     torch.set_num_threads(1)  # two processes on two cores
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
