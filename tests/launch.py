@@ -38,13 +38,20 @@ TINY = [
 
 
 def run_train(
-    args: list[str], nproc: int, dump_folder: Path, timeout: float = 240, script: str = "train.py"
+    args: list[str],
+    nproc: int,
+    dump_folder: Path,
+    timeout: float = 240,
+    script: str = "train.py",
+    module: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """`python train.py` for one process, torchrun on a free port for several; never hangs past `timeout`."""
+    """`python train.py` for one process, torchrun on a free port for several; never hangs past `timeout`.
+    With `module`, `python -m module` (`torchrun -m module`) instead of the script."""
+    target = ["-m", module] if module else [script]
     if nproc == 1:
-        command = [sys.executable, script]
+        command = [sys.executable, *target]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *target]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
         [*command, "--job.dump_folder", str(dump_folder), *args],
@@ -56,9 +63,11 @@ def run_train(
     )
 
 
-def train_and_read_metrics(args: list[str], nproc: int, dump_folder: Path, script: str = "train.py") -> list[dict]:
+def train_and_read_metrics(
+    args: list[str], nproc: int, dump_folder: Path, script: str = "train.py", module: str | None = None
+) -> list[dict]:
     """Trains and returns the records of metrics.jsonl; fails the test with the job's output if it fails."""
-    result = run_train(args, nproc, dump_folder, script=script)
+    result = run_train(args, nproc, dump_folder, script=script, module=module)
     assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     lines = (dump_folder / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
