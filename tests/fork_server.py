@@ -47,7 +47,7 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
     import torchpre.convert
     import torchpre.data.prepare
     import torchpre.generate
-    import torchpre.trainer  # noqa: F401  (train.py imports it inside main)
+    import torchpre.train
     import train
     from tests import reshard_worker, train_and_dump
 
@@ -55,6 +55,7 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
         "tests/reshard_worker.py": (reshard_worker.main, "tests/reshard_worker.py"),
         "tests/train_and_dump.py": (train_and_dump.main, "tests/train_and_dump.py"),
         "train.py": (train.main, "train.py"),
+        "torchpre.train": (torchpre.train.main, torchpre.train.PROG),
         "torchpre.generate": (torchpre.generate.main, "python -m torchpre.generate"),
         "torchpre.convert": (torchpre.convert.main, torchpre.convert.USAGE),
         "torchpre.data.prepare": (torchpre.data.prepare.main, torchpre.data.prepare.PROG),

@@ -97,9 +97,15 @@ def run_train(
     return run_entry(script, ["--job.dump_folder", str(dump_folder), *args], nproc, timeout, launcher)
 
 
-def train_and_read_metrics(args: list[str], nproc: int, dump_folder: Path, script: str = "train.py") -> list[dict]:
+def train_and_read_metrics(
+    args: list[str],
+    nproc: int,
+    dump_folder: Path,
+    script: str = "train.py",
+    launcher: Literal["fork", "torchrun"] = "fork",
+) -> list[dict]:
     """Trains and returns the records of metrics.jsonl; fails the test with the job's output if it fails."""
-    result = run_train(args, nproc, dump_folder, script=script)
+    result = run_train(args, nproc, dump_folder, script=script, launcher=launcher)
     assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     lines = (dump_folder / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]

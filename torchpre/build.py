@@ -54,6 +54,7 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
                 "parallelism.expert_parallel_degree must be 1. Use model.name = 'moe' for a Mixture of Experts."
             )
         spec.validate_expert_parallel(args, dims.ep)
+    spec.validate_layout(args, dims)
 
 
 def meta_model(config: JobConfig, spec: ModelSpec, args: Any) -> nn.Module:

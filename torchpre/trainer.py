@@ -24,7 +24,6 @@ from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
-from torchpre.metrics.router import router_stats
 from torchpre.metrics.timer import IntervalTimer, PhaseTimer
 from torchpre.models.registry import get_model_spec
 from torchpre.optim.lr_scheduler import build_lr_scheduler
@@ -274,9 +273,8 @@ class Trainer:
             loss_fn=self._loss,
             expert_mesh=self.expert_mesh,
         )
-        for part in parallel.parts:
-            if hasattr(part, "set_aux_loss_scale"):  # Mixture of Experts: the aux loss is a mean over sequences
-                part.set_aux_loss_scale(1 / self.global_batch_size)
+        for part in parallel.parts:  # an auxiliary loss (MoE's) is a mean over the global batch's sequences
+            self.model_spec.set_aux_loss_scale(part, 1 / self.global_batch_size)
         logger.info(
             "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d (ep %d); "
             "global batch %d = %d microbatches of %d per DP rank",
@@ -566,9 +564,7 @@ class Trainer:
             [max_memory_bytes(self.device), self.optimizer.state_bytes()], dtype=torch.float64, device=self.device
         )
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        routing = {}
-        if hasattr(self.model_args, "num_experts"):
-            routing = router_stats(self.model.parts, self.model_args.n_layers, self.model_args.num_experts, self.device)
+        extra = self.model_spec.extra_metrics(self.model.parts, self.model_args, self.device)
         if self.metrics is None:
             return
         tokens_per_sec = self.tokens_per_step / step_time
@@ -588,7 +584,7 @@ class Trainer:
                 "max_memory_bytes": int(maxima[0]),
                 "optimizer_state_bytes": int(maxima[1]),
                 **timings,
-                **routing,
+                **extra,
                 "skipped_steps": self.skipped_steps,
                 "loss_spikes": self.loss_spikes,
                 **data_shares(self.dataloader, self.consumed_samples),

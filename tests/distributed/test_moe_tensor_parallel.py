@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tests.launch import spawn
 from torchpre.models.moe.args import MOE_FLAVORS
 from torchpre.models.moe.model import MoETransformer
-from torchpre.models.moe.spec import apply_moe_tensor_parallel
+from torchpre.models.moe.parallelize import apply_moe_tensor_parallel
 from torchpre.parallel.tensor_parallel import reduce_partial_gradients
 
 pytestmark = pytest.mark.slow

@@ -175,6 +175,12 @@ CATALOGUE = [
     case("zero-stage", ["--optimizer.zero_stage", "2"], ["optimizer.zero_stage = 2"]),
     case("exclude-from-loading", ["--checkpoint.exclude_from_loading", "optimiser"], ["'optimiser'", "optimizer"]),
     case("unknown-model-name", ["--model.name", "llama4"], ["model.name", "'llama4'", "'llama3'"]),
+    case(
+        "module-entry-custom-import-missing",
+        ["--job.custom_import", "my_package.my_model"],
+        ["job.custom_import = 'my_package.my_model'", "no module named 'my_package'"],
+        entry="torchpre.train",
+    ),
     case("unknown-flavor", ["--model.flavor", "debugmodell"], ["model.flavor", "'debugmodell'", "'debugmodel'"]),
     case(
         "unknown-schedule",
@@ -402,7 +408,7 @@ def test_bad_input_fails_fast_with_one_message(server, files, tmp_path, entry, a
 
 def test_catalogue_covers_every_entry_point():
     entries = {param.values[0] for param in CATALOGUE}
-    assert entries == {"train.py", "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"}
+    assert entries == {"train.py", "torchpre.train", "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"}
     assert len(CATALOGUE) >= 25
 
 

@@ -2,7 +2,7 @@
 
 `GPT2` (tests/gpt2_model.py) is a GPT-2-style decoder (LayerNorm, learned position embeddings, GELU MLP,
 biases, tied embeddings). Run as a script, this file registers it as `model.name = "gpt2-test"` and runs
-train.py's main (or torchpre.generate's), exactly as a user's own launcher would.
+torchpre.train's main (or torchpre.generate's), exactly as a user's own launcher would.
 """
 
 import json
@@ -129,5 +129,5 @@ if __name__ == "__main__":
 
         argv.remove("generate")
     else:
-        from train import main as entry_point
+        from torchpre.train import main as entry_point
     run_entry_point(entry_point, argv, prog=str(THIS_FILE))

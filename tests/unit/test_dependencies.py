@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "torchpre"
 
 # What a user runs; whatever these import when they run must come with the base install.
-ENTRY_POINTS = ("train.py", "torchpre/generate.py", "torchpre/convert.py", "torchpre/data/prepare.py")
+ENTRY_POINTS = (
+    "train.py", "torchpre/train.py", "torchpre/generate.py", "torchpre/convert.py", "torchpre/data/prepare.py"
+)
 
 # Standard-library modules of a newer Python than the oldest supported one (imported behind a version check).
 NEWER_STDLIB = {"tomllib"}

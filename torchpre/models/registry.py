@@ -1,14 +1,16 @@
 """Model families by name: what `model.name` and `model.flavor` resolve to.
 
 A family is a `ModelSpec`; `register_model("mymodel", spec)` makes `model.name = "mymodel"` train with
-train.py, checkpoint, generate and (with an `hf` adapter) convert like the built-in Llama 3. Register it
-in a module that train.py imports, e.g. a script that calls `register_model` and then
+`python -m torchpre.train`, checkpoint, generate and (with an `hf` adapter) convert like the built-in Llama 3.
+Register it in a module that `job.custom_import` names (every entry point imports it before checking the job),
+or in your own launcher that calls `register_model` and then
 `torchpre.cli.run_entry_point(torchpre.train.main, ...)` (see the README, "Bring your own model").
 """
 
 from __future__ import annotations
 
 import difflib
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 
 
@@ -50,6 +53,15 @@ class ModelSpec:
     - `tied_weights(args)`: the two names of a weight shared by two modules (tied embeddings).
     - `flops_per_token(args, num_params, seq_len)` for MFU; default 6 x parameters.
     - `hf`: Hugging Face conversion.
+
+    Hooks the trainer calls for every family (the defaults do nothing), so that it never asks what a model is:
+    - `validate_layout(args, dims)` rejects a layout (a `ParallelDims`) the family cannot run, before any work,
+      beyond the tensor- and expert-parallel shape checks above.
+    - `set_aux_loss_scale(part, scale)`: for each model part, `scale` = 1 / global batch size. A family whose
+      forward adds an auxiliary loss to the gradient (`torchpre.models.aux_loss.AddAuxLoss`; MoE load
+      balancing) puts it into each sequence's term, so the terms add up to a mean over the global batch.
+    - `extra_metrics(parts, args, device)` returns values to log with each metrics record (MoE's router
+      statistics). A collective: every rank calls it at each logged step, with the model parts it holds.
     """
 
     model_cls: Callable[[Any], nn.Module]
@@ -65,6 +77,11 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int, int], int] = lambda args, num_params, seq_len: 6 * num_params
     hf: HFAdapter | None = None
     compile_fullgraph: bool = True  # False: blocks with data-dependent shapes compile around graph breaks
+    validate_layout: Callable[[Any, ParallelDims], None] = lambda args, dims: None
+    set_aux_loss_scale: Callable[[nn.Module, float], None] = lambda part, scale: None
+    extra_metrics: Callable[[Sequence[nn.Module], Any, torch.device], dict[str, float]] = (
+        lambda parts, args, device: {}
+    )
 
     def pipeline_stages(self, args: Any, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
         """The module names of each of `num_stages` pipeline stages."""
@@ -78,11 +95,25 @@ class ModelSpec:
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
+_REGISTERED_AT: dict[str, str] = {}  # name -> "file:line" of the register_model call
 
 
 def register_model(name: str, spec: ModelSpec) -> None:
-    """Makes `model.name = name` available to train.py, torchpre.generate and torchpre.convert."""
+    """Makes `model.name = name` available to torchpre.train, torchpre.generate and torchpre.convert.
+
+    A name is registered once. Registering the same spec object again does nothing, and a module imported
+    a second time (reloaded, or imported under another name) may register its new spec from the same line;
+    another spec under a taken name is a ConfigError naming both places.
+    """
+    caller = traceback.extract_stack(limit=2)[0]
+    place = f"{caller.filename}:{caller.lineno}"
+    if name in _REGISTRY and _REGISTRY[name] is not spec and _REGISTERED_AT[name] != place:
+        raise ConfigError(
+            f"register_model('{name}', ...) at {place}: the name '{name}' is taken, registered at "
+            f"{_REGISTERED_AT[name]}. Give this model family another name."
+        )
     _REGISTRY[name] = spec
+    _REGISTERED_AT.setdefault(name, place)
 
 
 def get_model_spec(name: str) -> ModelSpec:

@@ -16,6 +16,7 @@ Packed training sequences: `forward(tokens, document_ids=d)` keeps attention ins
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -200,14 +201,23 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then feed-forward."""
+    """Pre-norm residual block: attention, then feed-forward.
+
+    A family with another feed-forward (routed experts, say) subclasses it and overrides `build_ffn` and
+    `ffn_name`, the feed-forward's attribute and so the prefix of its parameters' names.
+    """
+
+    ffn_name = "feed_forward"
 
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.add_module(self.ffn_name, self.build_ffn(args))
+
+    def build_ffn(self, args: TransformerArgs) -> nn.Module:
+        return FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(
         self,
@@ -217,7 +227,7 @@ class TransformerBlock(nn.Module):
         doc_mask: DocumentMask | None = None,
     ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos, doc_mask=doc_mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -225,6 +235,9 @@ class Transformer(nn.Module):
 
     A pipeline stage may set `tok_embeddings` to None (it then takes hidden states), set `norm`
     and `output` to None (it then returns hidden states), and delete entries of `layers`.
+
+    A family built on it passes its own `block` class (see `TransformerBlock`) and overrides
+    `param_init_rule`.
     """
 
     tok_embeddings: nn.Embedding | None
@@ -232,11 +245,11 @@ class Transformer(nn.Module):
     output: nn.Linear | None
     rope_cache: Tensor
 
-    def __init__(self, args: TransformerArgs) -> None:
+    def __init__(self, args: TransformerArgs, block: Callable[[TransformerArgs], nn.Module] = TransformerBlock) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): block(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope_cache", self._rope_cache(device=None), persistent=False)
@@ -262,8 +275,12 @@ class Transformer(nn.Module):
         """Re-tie embeddings, initialize every parameter from (seed, its name), and recompute
         the RoPE cache. The result does not depend on device, dtype, sharding or stage split."""
         self.tie_weights()
-        init_parameters(self, seed, init_rule(self.args))
+        init_parameters(self, seed, self.param_init_rule())
         self.init_buffers()
+
+    def param_init_rule(self) -> InitRule:
+        """Each parameter's initialisation, by name (`init_rule`)."""
+        return init_rule(self.args)
 
     @torch.no_grad()
     def init_buffers(self) -> None:

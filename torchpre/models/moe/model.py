@@ -15,7 +15,6 @@ returns (see `AddAuxLoss`), so the trainer's loss and pipeline schedules need no
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from functools import partial
 
@@ -24,9 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from torchpre.models.attention import DocumentMask
-from torchpre.models.init import InitRule, ParamInit, init_parameters
-from torchpre.models.llama3.model import Attention, FeedForward, Transformer
+from torchpre.models.aux_loss import AddAuxLoss
+from torchpre.models.init import InitRule, ParamInit
+from torchpre.models.llama3.model import FeedForward, Transformer, TransformerBlock
 from torchpre.models.llama3.model import init_rule as llama3_init_rule
 from torchpre.models.moe.args import MoEArgs
 
@@ -66,25 +65,6 @@ class GroupedExperts(nn.Module):
         outputs = [(F.silu(x @ w1[i]) * (x @ w3[i])) @ w2[i] for i, x in enumerate(groups)]
         outputs.append(tokens.new_zeros(tokens.shape[0] - sum(sizes), w2.shape[-1]))
         return torch.cat(outputs)
-
-
-class AddAuxLoss(torch.autograd.Function):
-    """Returns `output` unchanged, and in backward gives `aux` the gradient 1, so the parameters' gradients
-    gain d(aux)/d(params) as if `aux` had been added to the loss (Megatron's MoEAuxLossAutoScaler).
-
-    The gradient is 1 whatever scale the loss is later given (gradient accumulation, loss scaling): put any
-    such factor into `aux` itself (`MoE.aux_loss_scale`).
-    """
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, output: Tensor, aux: Tensor) -> Tensor:
-        ctx.save_for_backward(aux)
-        return output
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: Tensor) -> tuple[Tensor, Tensor]:
-        (aux,) = ctx.saved_tensors
-        return grad_output, torch.ones_like(aux)
 
 
 class MoE(nn.Module):
@@ -172,25 +152,13 @@ class MoE(nn.Module):
         self.aux_loss_sequences += aux_per_sequence.shape[0]
 
 
-class MoEBlock(nn.Module):
-    """Pre-norm residual block: Llama 3 attention, then routed experts instead of the dense feed-forward."""
+class MoEBlock(TransformerBlock):
+    """Llama 3's pre-norm block with routed experts, `moe`, in place of the dense feed-forward."""
 
-    def __init__(self, args: MoEArgs) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.moe = MoE(args)
+    ffn_name = "moe"
 
-    def forward(
-        self,
-        x: Tensor,
-        rope_cache: Tensor,
-        start_pos: int | None = None,
-        doc_mask: DocumentMask | None = None,
-    ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos, doc_mask=doc_mask)
-        return h + self.moe(self.ffn_norm(h))
+    def build_ffn(self, args: MoEArgs) -> MoE:
+        return MoE(args)
 
 
 class MoETransformer(Transformer):
@@ -200,17 +168,10 @@ class MoETransformer(Transformer):
     args: MoEArgs
 
     def __init__(self, args: MoEArgs) -> None:
-        # Transformer builds everything but the blocks when it has none; the MoE blocks are added here.
-        super().__init__(dataclasses.replace(args, n_layers=0))
-        self.args = args
-        self.layers = nn.ModuleDict({str(i): MoEBlock(args) for i in range(args.n_layers)})
+        super().__init__(args, block=MoEBlock)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """`Transformer.init_weights` with the MoE rule: layout-independent, a function of the seed only."""
-        self.tie_weights()
-        init_parameters(self, seed, init_rule(self.args))
-        self.init_buffers()
+    def param_init_rule(self) -> InitRule:
+        return init_rule(self.args)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -222,6 +183,13 @@ class MoETransformer(Transformer):
     def moe_layers(self) -> Iterator[MoE]:
         """The MoE modules this model (or pipeline stage) holds, through any AC or compile wrappers."""
         return (module for module in self.modules() if isinstance(module, MoE))
+
+    def moe_layers_by_id(self) -> Iterator[tuple[int, MoE]]:
+        """(layer index, MoE module) for each layer this model (or pipeline stage) holds."""
+        for layer_id, block in self.layers.items():
+            for module in block.modules():
+                if isinstance(module, MoE):
+                    yield int(layer_id), module
 
     def set_aux_loss_scale(self, scale: float | None) -> None:
         """Every layer's `MoE.aux_loss_scale`: the trainer passes 1 / global batch size."""

@@ -1,114 +1,20 @@
 """The Mixture-of-Experts family as a registered model: `model.name = "moe"`.
 
-Parallelism on top of Llama 3's:
-- expert parallelism (`parallelism.expert_parallel_degree`): each MoE layer's experts are split over the
-  ep ranks and tokens travel to them by all-to-all (`torchpre.parallel.expert_parallel`);
-- tensor parallelism shards the embedding, attention and output as for Llama 3, and inside each MoE layer
-  the shared expert like a dense feed-forward and the routed experts Megatron-style along their hidden
-  dimension (w1/w3 [E, dim, hidden] Shard(2), w2 [E, hidden, dim] Shard(1)): every tp rank routes the
-  same tokens (the router stays replicated, computed in float32), runs its hidden slice of every expert
-  and the partial outputs are all-reduced once per layer. Experts that expert parallelism already
-  placed on the ep mesh stay whole over tp. Under sequence parallel the MoE layer gathers the sequence
-  first and returns this rank's slice.
+Its model is in model.py, its tensor- and expert-parallel plans in parallelize.py, its router statistics
+(logged as `moe/*`) in router.py.
 """
 
-from __future__ import annotations
-
-from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
-
-from torchpre.errors import ConfigError
-from torchpre.models.llama3.parallelize import apply_transformer_plan, attention_plan, validate_llama3_tensor_parallel
 from torchpre.models.llama3.spec import llama3_tied_weights
-from torchpre.models.moe.args import MOE_FLAVORS, MoEArgs, flops_per_token
+from torchpre.models.moe.args import MOE_FLAVORS, flops_per_token
 from torchpre.models.moe.model import MoETransformer
+from torchpre.models.moe.parallelize import (
+    apply_moe_expert_parallel,
+    apply_moe_tensor_parallel,
+    validate_moe_expert_parallel,
+    validate_moe_tensor_parallel,
+)
+from torchpre.models.moe.router import router_stats
 from torchpre.models.registry import ModelSpec
-from torchpre.parallel.expert_parallel import apply_expert_parallel
-
-
-def apply_moe_tensor_parallel(
-    model: MoETransformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
-) -> None:
-    """Llama 3's plan for the embedding, attention and output, plus the MoE layers' (see the module doc)."""
-    validate_moe_tensor_parallel(model.args, tp_mesh.size())
-    block_plan = attention_plan(sequence_parallel)
-    if sequence_parallel:
-        block_plan["ffn_norm"] = SequenceParallel()
-        block_plan["moe"] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=True,
-        )
-    if model.args.shared_expert_hidden_dim > 0:
-        block_plan |= {  # one replicated input for w1 and w3: one gradient all-reduce for both
-            "moe.shared_expert": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "moe.shared_expert.w1": ColwiseParallel(),
-            "moe.shared_expert.w2": RowwiseParallel(),
-            "moe.shared_expert.w3": ColwiseParallel(),
-        }
-    apply_transformer_plan(model, tp_mesh, block_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    for moe in model.moe_layers():
-        if not isinstance(moe.experts.w1, DTensor):  # not already placed by expert parallelism
-            distribute_module(moe.experts, tp_mesh, _shard_hidden, input_fn=_tp_input, output_fn=_tp_output)
-    model.tie_weights()
-
-
-def _shard_hidden(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    """w1 and w3 [E, dim, hidden] by hidden columns, w2 [E, hidden, dim] by the matching rows."""
-    for key, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
-        param = getattr(module, key)
-        module.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(dim)])))
-
-
-def _tp_input(module: nn.Module, inputs: tuple[Tensor, Tensor], mesh: DeviceMesh) -> tuple[Tensor, Tensor]:
-    """The same tokens on every tp rank; each rank's backward gives their gradient through its hidden slice
-    only, so the gradient is all-reduced (Megatron's f)."""
-    tokens, counts = inputs
-    shared = DTensor.from_local(tokens, mesh, [Replicate()], run_check=False)
-    return shared.to_local(grad_placements=[Partial()]), counts
-
-
-def _tp_output(module: nn.Module, partial: Tensor, mesh: DeviceMesh) -> Tensor:
-    """Sums the ranks' partial outputs (Megatron's g): an all-reduce forward, the identity backward."""
-    return DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-
-def validate_moe_tensor_parallel(args: MoEArgs, tp: int) -> None:
-    """Llama 3's head checks, and whole hidden slices for the experts and the shared expert."""
-    validate_llama3_tensor_parallel(args, tp)
-    for key in ("moe_hidden_dim", "shared_expert_hidden_dim"):
-        if getattr(args, key) % tp:
-            raise ConfigError(
-                f"The model's {key} = {getattr(args, key)} is not divisible by parallelism.tensor_parallel_degree "
-                f"= {tp}: each tensor-parallel rank holds an equal slice of every expert. Use a divisor of it."
-            )
-
-
-def apply_moe_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Shards the experts of every MoE layer this model or stage holds over `ep_mesh`."""
-    for moe in model.moe_layers():
-        apply_expert_parallel(moe.experts, ep_mesh)
-
-
-def validate_moe_expert_parallel(args: MoEArgs, ep: int) -> None:
-    if args.num_experts % ep:
-        raise ConfigError(
-            f"The model's num_experts = {args.num_experts} is not divisible by parallelism.expert_parallel_degree "
-            f"= {ep}: each expert-parallel rank must hold the same number of whole experts. Use a divisor of "
-            f"{args.num_experts}."
-        )
-
 
 SPEC = ModelSpec(
     model_cls=MoETransformer,
@@ -120,4 +26,6 @@ SPEC = ModelSpec(
     tied_weights=llama3_tied_weights,
     flops_per_token=flops_per_token,
     compile_fullgraph=False,
+    set_aux_loss_scale=MoETransformer.set_aux_loss_scale,
+    extra_metrics=router_stats,
 )

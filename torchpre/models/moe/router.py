@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from torchpre.models.init import canonical_fqn
+from torchpre.models.moe.args import MoEArgs
+from torchpre.models.moe.model import MoETransformer
 
 
-def router_stats(
-    model_parts: list[nn.Module], n_layers: int, num_experts: int, device: torch.device
-) -> dict[str, float]:
+def router_stats(model_parts: Sequence[MoETransformer], args: MoEArgs, device: torch.device) -> dict[str, float]:
     """Expert load over the steps since the last call, for the whole job, then resets the counters.
 
     Every rank adds its MoE layers' counts (routed tokens per expert, aux loss sums) into one
@@ -22,18 +22,16 @@ def router_stats(
     - `moe/load_imbalance`: over layers, the largest max(expert load) / mean(expert load) (1 is even);
     - `moe/min_load`: over layers, the smallest min(expert load) / mean(expert load) (0: an unused expert);
     - `moe/aux_loss`: the load-balancing loss per sequence, before its coefficient (1 is even).
-    MoE layers are the modules with a `tokens_per_expert` buffer, named "layers.{i}...". A collective: every
-    rank must call it.
+    A collective: every rank must call it (the family's `ModelSpec.extra_metrics`).
     """
-    layers = [(canonical_fqn(name), module) for part in model_parts for name, module in part.named_modules()]
-    layers = [(name, module) for name, module in layers if hasattr(module, "tokens_per_expert")]
-    table = torch.zeros(n_layers, num_experts + 2, dtype=torch.float64, device=device)
-    for name, moe in layers:
-        row = int(name.split(".")[1])  # "layers.{i}.moe"
-        table[row, :num_experts] = moe.tokens_per_expert.double()
-        table[row, num_experts] = moe.aux_loss_sum.double()
-        table[row, num_experts + 1] = moe.aux_loss_sequences.double()
-        moe.reset_stats()
+    num_experts = args.num_experts
+    table = torch.zeros(args.n_layers, num_experts + 2, dtype=torch.float64, device=device)
+    for part in model_parts:
+        for row, moe in part.moe_layers_by_id():
+            table[row, :num_experts] = moe.tokens_per_expert.double()
+            table[row, num_experts] = moe.aux_loss_sum.double()
+            table[row, num_experts + 1] = moe.aux_loss_sequences.double()
+            moe.reset_stats()
     dist.all_reduce(table)
     load = table[:, :num_experts]
     used = load.sum(dim=1) > 0
@@ -45,4 +43,3 @@ def router_stats(
         "moe/min_load": float((load.min(dim=1).values / mean).min()),
         "moe/aux_loss": float(table[used, num_experts].sum() / table[used, num_experts + 1].sum()),
     }
-
