@@ -30,8 +30,9 @@ from torchpre.metrics.memory import max_memory_bytes
 from torchpre.metrics.router import router_stats
 from torchpre.metrics.timer import IntervalTimer, PhaseTimer
 from torchpre.models.registry import get_flavor, get_model_spec
+from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
-from torchpre.parallel.api import ParallelModel, ParallelPlan, build_optimizer, parallelize
+from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.preemption import PreemptionHandler
@@ -142,12 +143,14 @@ class Trainer:
         o, s = config.optimizer, config.lr_scheduler
         self.optimizer = build_optimizer(
             self.model,
+            name=o.name,
             zero_stage=o.zero_stage,
             accumulate_in_fp32=t.mixed_precision_grad == "float32",
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
             weight_decay=o.weight_decay,
+            momentum=o.momentum,
             max_norm=t.max_norm,
             bucket_bytes=int(o.bucket_size_mb * 2**20),
         )

@@ -19,8 +19,9 @@ from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.health import step_health
 from torchpre.models.moe.model import GroupedExperts
+from torchpre.optim import build_optimizer
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
-from torchpre.parallel import ParallelPlan, PipelinePlan, build_optimizer, parallelize, pipeline_stages
+from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
 from torchpre.parallel.expert_parallel import apply_expert_parallel
 from torchpre.parallel.pipeline import sync_tied_gradients
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpre.models.init import canonical_fqn
+from torchpre.distributed.names import canonical_fqn
 
 
 def router_stats(
