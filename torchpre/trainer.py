@@ -32,6 +32,7 @@ from torchpre.metrics.timer import IntervalTimer, PhaseTimer
 from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
+from torchpre.optim.registry import hyperparameters_from_config
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
@@ -146,13 +147,9 @@ class Trainer:
             name=o.name,
             zero_stage=o.zero_stage,
             accumulate_in_fp32=t.mixed_precision_grad == "float32",
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            momentum=o.momentum,
             max_norm=t.max_norm,
             bucket_bytes=int(o.bucket_size_mb * 2**20),
+            **hyperparameters_from_config(vars(o)),
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer.inner,

@@ -11,7 +11,7 @@ from torchpre.config.validate import validate_config
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.optim import OptimizerSpec, build_optimizer, get_optimizer, optimizer_names, register_optimizer
-from torchpre.optim.registry import constructor_kwargs
+from torchpre.optim.registry import constructor_kwargs, hyperparameters_from_config
 from torchpre.parallel import ParallelPlan, parallelize
 
 HYPERPARAMETERS = {"lr": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1, "momentum": 0.5}
@@ -33,6 +33,14 @@ def test_each_optimizer_gets_only_the_arguments_it_takes():
     assert constructor_kwargs(get_optimizer("SGD"), HYPERPARAMETERS) == {"lr": 0.1, "momentum": 0.5}
     assert constructor_kwargs(get_optimizer("Adagrad"), HYPERPARAMETERS) == {"lr": 0.1, "eps": 1e-6}
     assert constructor_kwargs(get_optimizer("RMSprop"), HYPERPARAMETERS) == {"lr": 0.1, "eps": 1e-6, "momentum": 0.5}
+
+
+def test_config_keys_make_the_constructor_arguments():
+    config = JobConfig().optimizer
+    config.beta1, config.beta2, config.momentum = 0.8, 0.9, 0.5
+    assert hyperparameters_from_config(vars(config)) == {
+        "lr": config.lr, "weight_decay": config.weight_decay, "betas": (0.8, 0.9), "eps": config.eps, "momentum": 0.5
+    }
 
 
 def test_an_unknown_name_lists_the_valid_ones_and_the_closest():

@@ -6,7 +6,7 @@ from pathlib import Path
 from torchpre.config.job_config import JobConfig, Optimizer
 from torchpre.distributed.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.errors import ConfigError
-from torchpre.optim.registry import check_hyperparameters
+from torchpre.optim.registry import check_hyperparameters, config_keys
 from torchpre.optional import import_tensorboard, import_wandb
 
 
@@ -216,8 +216,7 @@ def _at_least(key: str, value: float, minimum: float) -> None:
 
 def _check_optimizer(o: Optimizer) -> None:
     """`optimizer.name` is registered, and no `optimizer.*` key it does not read is set away from its default."""
-    keys = ("lr", "eps", "weight_decay", "beta1", "beta2", "momentum")
-    defaults = Optimizer()
+    keys, defaults = config_keys(), Optimizer()
     check_hyperparameters(o.name, {k: getattr(o, k) for k in keys}, {k: getattr(defaults, k) for k in keys})
     if o.momentum < 0:
         raise ConfigError(f"optimizer.momentum = {o.momentum}: it must be >= 0.")

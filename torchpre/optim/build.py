@@ -4,7 +4,7 @@ import functools
 
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
-from torchpre.optim.registry import constructor_kwargs, get_optimizer
+from torchpre.optim.registry import DEFAULT_HYPERPARAMETERS, constructor_kwargs, get_optimizer
 from torchpre.parallel.api import ParallelModel
 
 
@@ -13,20 +13,24 @@ def build_optimizer(
     *,
     name: str = "AdamW",
     zero_stage: int = 0,
-    lr: float = 3e-4,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    weight_decay: float = 0.1,
-    momentum: float = 0.0,
     max_norm: float = 1.0,
     accumulate_in_fp32: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    **hyperparameters: object,
 ) -> DistributedOptimizer:
     """The optimizer `name` (see `torchpre.optim.registry`) on fp32 masters for `model`, its state replicated
     (zero_stage 0) or sharded over DP (ZeRO-1); its `step()` finalises the gradients (TP partial sums, tied
-    copies, DP reduction, clipping) first. Hyperparameters the optimizer does not take are not passed to it."""
+    copies, DP reduction, clipping) first.
+
+    `hyperparameters` (lr, weight_decay, betas, eps, momentum: `registry.DEFAULT_HYPERPARAMETERS`) override the
+    defaults; those the optimizer does not take are not passed to it.
+    """
+    unknown = sorted(set(hyperparameters) - set(DEFAULT_HYPERPARAMETERS))
+    if unknown:
+        known = list(DEFAULT_HYPERPARAMETERS)
+        raise TypeError(f"build_optimizer() got unknown hyperparameters {unknown}; it knows {known}")
     spec = get_optimizer(name)
-    hyperparameters = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum}
+    hyperparameters = {**DEFAULT_HYPERPARAMETERS, **hyperparameters}
     kwargs = constructor_kwargs(spec, hyperparameters)
     if spec.uses_fused(model.device):
         kwargs["fused"] = True
@@ -40,7 +44,7 @@ def build_optimizer(
         expert_state_mesh=model.expert_mesh["edp", "ep"] if model.expert_mesh is not None else None,
         accumulate_in_fp32=accumulate_in_fp32,
         build_inner=functools.partial(spec.cls, **kwargs),
-        weight_decay=weight_decay,
+        weight_decay=hyperparameters["weight_decay"],
         max_norm=max_norm,
         bucket_bytes=bucket_bytes,
         tied=model.plan.tied_weights,

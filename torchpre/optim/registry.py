@@ -19,7 +19,8 @@ import torch
 
 from torchpre.errors import ConfigError
 
-# Constructor arguments the registry knows, each filled from `optimizer.*` config keys.
+# Constructor arguments the registry knows, each filled from `optimizer.*` config keys, and their defaults in
+# `build_optimizer`. A new one is a row here and a field of the config's `Optimizer` section.
 HYPERPARAMETER_KEYS = {
     "lr": ("lr",),
     "weight_decay": ("weight_decay",),
@@ -27,6 +28,7 @@ HYPERPARAMETER_KEYS = {
     "eps": ("eps",),
     "momentum": ("momentum",),
 }
+DEFAULT_HYPERPARAMETERS = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "momentum": 0.0}
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,19 @@ def get_optimizer(name: str) -> OptimizerSpec:
             f"optimizer.name = '{name}' is not a registered optimizer.{hint} Choose one of: {', '.join(_REGISTRY)}."
         )
     return _REGISTRY[name]
+
+
+def config_keys() -> list[str]:
+    """Every `optimizer.*` key that some optimizer reads."""
+    return [key for keys in HYPERPARAMETER_KEYS.values() for key in keys]
+
+
+def hyperparameters_from_config(values: dict[str, object]) -> dict[str, object]:
+    """Constructor arguments by name from `optimizer.*` values by key (beta1 and beta2 make betas)."""
+    return {
+        argument: tuple(values[k] for k in keys) if len(keys) > 1 else values[keys[0]]
+        for argument, keys in HYPERPARAMETER_KEYS.items()
+    }
 
 
 def check_hyperparameters(name: str, values: dict[str, float], defaults: dict[str, float]) -> None:
