@@ -4,7 +4,12 @@ Any `torch.optim` class whose per-parameter state is tensors shaped like the par
 works under ZeRO-1, since the distributed optimizer shards and checkpoints that state like the fp32 master.
 Adding one is one entry here, or `register_optimizer` from a module named by `job.custom_import`:
 
-    register_optimizer("NAdam", OptimizerSpec(torch.optim.NAdam, ("lr", "weight_decay", "betas", "eps")))
+    register_optimizer("Adadelta", OptimizerSpec(torch.optim.Adadelta, ("lr", "weight_decay", "eps")))
+
+A checkpoint saved or loaded before the first step needs the state to exist: the distributed optimizer
+creates it with one step on zero gradients at lr 0 and puts `step` back to 0 (`_initialise_state`). That is
+exact when a zero gradient leaves the other state at its initial value, as for every entry here and Adadelta;
+NAdam's `mu_product` and Adamax's `exp_inf` would move, so such a class needs a test of that before joining.
 
 `lr` and `weight_decay` are read by every optimizer (weight decay is decoupled for AdamW, an L2 term in the
 gradient for the others, as torch defines them; norm gains are never decayed). A key an optimizer does not
