@@ -14,7 +14,8 @@ from custom_model import GPT2, TP_PLAN, GPT2Args  # this file's folder is on sys
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device
-from torchpre.parallel import ParallelPlan, PipelinePlan, build_optimizer, parallelize, pipeline_stages
+from torchpre.optim import build_optimizer
+from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
 
 TP, PP, MICROBATCHES = 2, 2, 4
 GLOBAL_BATCH, SEQ_LEN, STEPS, SEED = 16, 32, 10, 0

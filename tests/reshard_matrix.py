@@ -4,7 +4,8 @@ resumed under, generated, plus a deterministic sample that covers every axis val
 A case saves at step 5 of a 10-step run under layout `save` and resumes under `load`; `ac` and `compile` are
 the loading job's activation checkpointing and torch.compile (they change only its module wrappers, so the
 matrix crosses them with the model, dtype and loading layout, saving from one process, or from dp2 when the
-load is one process). Everything else is the complete product.
+load is one process). `optimizer` is the optimizer other than AdamW whose state the case carries over, crossed
+with every pair of layouts for the fp32 Llama model. Everything else is the complete product.
 """
 
 import dataclasses
@@ -25,6 +26,14 @@ DTYPES: dict[str, tuple[str, str]] = {  # (saved in, resumed in)
     "bf16": ("bfloat16", "bfloat16"),
     "bf16>fp32": ("bfloat16", "float32"),
     "fp32>bf16": ("float32", "bfloat16"),
+}
+
+# AdamW everywhere, plus two optimizers whose state differs from it (a momentum buffer; a sum created with the
+# optimizer, before any step), with learning rates at which they train these models.
+OPTIMIZERS: dict[str, tuple[str, ...]] = {
+    "AdamW": (),
+    "SGD": ("--optimizer.name", "SGD", "--optimizer.momentum", "0.9", "--optimizer.lr", "0.05"),
+    "Adagrad": ("--optimizer.name", "Adagrad", "--optimizer.lr", "0.01"),
 }
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
@@ -83,21 +92,23 @@ class Case:
     load: str
     ac: str = "none"
     compile: bool = False
+    optimizer: str = "AdamW"
 
     @property
     def id(self) -> str:
         wrappers = [w for w, on in (("ac", self.ac != "none"), ("compile", self.compile)) if on]
-        return "-".join([self.model, self.dtype, f"{self.save}-to-{self.load}", *wrappers])
+        optimizer = [self.optimizer] if self.optimizer != "AdamW" else []
+        return "-".join([self.model, self.dtype, *optimizer, f"{self.save}-to-{self.load}", *wrappers])
 
     @property
-    def saving_run(self) -> tuple[str, str, str]:
+    def saving_run(self) -> tuple[str, str, str, str]:
         """What the uninterrupted run that saves depends on; cases with the same one share it."""
-        return self.model, DTYPES[self.dtype][0], self.save
+        return self.model, DTYPES[self.dtype][0], self.optimizer, self.save
 
     def values(self) -> set[tuple[str, object]]:
         """(axis, value) pairs this case covers, and the issue's problems it exercises."""
         values = {("model", self.model), ("dtype", self.dtype), ("save", self.save), ("load", self.load)}
-        values |= {("ac", self.ac), ("compile", self.compile)}
+        values |= {("ac", self.ac), ("compile", self.compile), ("optimizer", self.optimizer)}
         return values | {("problem", problem) for problem in self.problems()}
 
     def problems(self) -> set[str]:
@@ -151,6 +162,9 @@ def full_matrix() -> list[Case]:
     for model, dtype, load, (ac, compile) in itertools.product(MODELS, ("fp32", "bf16"), LAYOUTS, WRAPPERS[1:]):
         if supports(model, load):
             cases.append(Case(model, dtype, "1proc" if load != "1proc" else "dp2", load, ac, compile))
+    for optimizer, save, load in itertools.product(list(OPTIMIZERS)[1:], LAYOUTS, LAYOUTS):
+        if save != load and supports("llama", save) and supports("llama", load):
+            cases.append(Case("llama", "fp32", save, load, optimizer=optimizer))
     return cases
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchpre.cli import run_entry_point
 from torchpre.errors import TorchpreError
-from torchpre.metrics.sinks import import_optional
+from torchpre.optional import import_optional
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -26,8 +26,10 @@ from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
 from torchpre.metrics.timer import IntervalTimer, PhaseTimer
 from torchpre.models.registry import get_model_spec
+from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
-from torchpre.parallel.api import ParallelModel, build_optimizer, parallelize
+from torchpre.optim.registry import hyperparameters_from_config
+from torchpre.parallel.api import ParallelModel, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.preemption import PreemptionHandler
@@ -137,14 +139,12 @@ class Trainer:
         o, s = config.optimizer, config.lr_scheduler
         self.optimizer = build_optimizer(
             self.model,
+            name=o.name,
             zero_stage=o.zero_stage,
             accumulate_in_fp32=t.mixed_precision_grad == "float32",
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
             max_norm=t.max_norm,
             bucket_bytes=int(o.bucket_size_mb * 2**20),
+            **hyperparameters_from_config(vars(o)),
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer.inner,

@@ -5,6 +5,7 @@ schedule's gradients over several microbatches, the expert-parallel all-to-all w
 non-finite verdict every rank must share."""
 
 import copy
+import functools
 import math
 
 import pytest
@@ -19,8 +20,9 @@ from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.health import step_health
 from torchpre.models.moe.model import GroupedExperts
+from torchpre.optim import build_optimizer
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
-from torchpre.parallel import ParallelPlan, PipelinePlan, build_optimizer, parallelize, pipeline_stages
+from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
 from torchpre.parallel.expert_parallel import apply_expert_parallel
 from torchpre.parallel.pipeline import sync_tied_gradients
 
@@ -70,7 +72,7 @@ def _check_data_parallel(zero_stage: int, mesh: DeviceMesh) -> None:
     optimizer = DistributedOptimizer(
         list(model.named_parameters()), zero_stage=zero_stage, state_mesh=mesh, dp_group=mesh["dp"].get_group(),
         tp_group=mesh["tp"].get_group(), pp_group=mesh["tp"].get_group(), accumulate_in_fp32=True,
-        weight_decay=WEIGHT_DECAY, max_norm=MAX_NORM, **ADAMW,
+        weight_decay=WEIGHT_DECAY, max_norm=MAX_NORM, build_inner=functools.partial(torch.optim.AdamW, **ADAMW),
     )
     rank = dist.get_rank()
     for step in range(STEPS):

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from tests.gpt2_model import GPT2, TP_PLAN, GPT2Args
 from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.parallel import ParallelPlan, PipelinePlan, build_optimizer, parallelize, pipeline_stages
+from torchpre.optim import build_optimizer
+from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
 
 pytestmark = pytest.mark.slow
 

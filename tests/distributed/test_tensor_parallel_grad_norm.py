@@ -2,6 +2,7 @@
 summed over TP, the norms' per-rank partial gradients are reduced first, and each replicated gradient counts once."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -40,8 +41,9 @@ def _check_norm(_mesh: DeviceMesh) -> None:
     model.init_weights(0)
     optimizer = DistributedOptimizer(
         list(model.named_parameters()), zero_stage=0, state_mesh=mesh, dp_group=mesh["dp"].get_group(),
-        tp_group=mesh["tp"].get_group(), pp_group=mesh["dp"].get_group(), accumulate_in_fp32=True, lr=1e-3,
-        betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=0.0,
+        tp_group=mesh["tp"].get_group(), pp_group=mesh["dp"].get_group(), accumulate_in_fp32=True,
+        build_inner=functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), eps=1e-8), weight_decay=0.0,
+        max_norm=0.0,
     )
     _loss(model, tokens).backward()
     torch.testing.assert_close(optimizer.reduce_gradients(), expected, rtol=NORM_RTOL, atol=0)

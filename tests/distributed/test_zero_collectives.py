@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests.launch import spawn
-from torchpre.parallel.data_parallel import all_gather_chunks, reduce_scatter_chunks
+from torchpre.distributed.collectives import all_gather_chunks, reduce_scatter_chunks
 
 pytestmark = pytest.mark.slow
 

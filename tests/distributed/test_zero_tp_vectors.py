@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from tests.gpt2_model import GPT2, TP_PLAN, GPT2Args
 from tests.launch import spawn
+from torchpre.distributed.collectives import all_gather_chunks
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.parallel import ParallelPlan, build_optimizer, parallelize
-from torchpre.parallel.data_parallel import all_gather_chunks
+from torchpre.optim import build_optimizer
+from torchpre.parallel import ParallelPlan, parallelize
 
 pytestmark = pytest.mark.slow
 

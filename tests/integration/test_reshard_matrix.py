@@ -1,12 +1,13 @@
 """The reshard matrix: a checkpoint saved at step 5 of a 10-step run under one layout resumes under another with
-the whole training state intact, for every model, parameter dtype and pair of layouts (tests/reshard_matrix.py).
+the whole training state intact, for every model, parameter dtype and pair of layouts, and for optimizers other
+than AdamW (tests/reshard_matrix.py).
 
 Per case: the saving layout's uninterrupted run (one per distinct model, dtype and layout, shared by the
 cases) saves step 5; the loading layout resumes it with tests/reshard_worker.py, which first compares the
 loaded state with the checkpoint bitwise (`torchpre.checkpoint.roundtrip`), then trains steps 6-10, whose
 losses must match the uninterrupted run's. Every job is forked from one warm interpreter (tests/fork_server.py).
 
-`pytest -m matrix` runs the full matrix (2,220 cases); TORCHPRE_MATRIX_CASES=N runs a covering sample of N of
+`pytest -m matrix` runs the full matrix (2,440 cases); TORCHPRE_MATRIX_CASES=N runs a covering sample of N of
 them instead. The default run takes SAMPLE_SIZE cases that cover every axis value and every problem of
 issue 15.
 """
@@ -20,7 +21,17 @@ from pathlib import Path
 import pytest
 
 from tests.launch import ForkServer
-from tests.reshard_matrix import COMMON, DTYPES, LAYOUTS, MODELS, Case, covering_sample, full_matrix, layout_args
+from tests.reshard_matrix import (
+    COMMON,
+    DTYPES,
+    LAYOUTS,
+    MODELS,
+    OPTIMIZERS,
+    Case,
+    covering_sample,
+    full_matrix,
+    layout_args,
+)
 from tests.reshard_worker import REPORT
 
 WORKER = "tests/reshard_worker.py"  # train.py that knows the GPT-2 test model, plus the round-trip check
@@ -65,7 +76,8 @@ class SavingRuns:
         """(the run's folder, its losses of steps 1-10)."""
         if case.saving_run not in self.done:
             folder = self.folder / "-".join(case.saving_run)
-            args = [*MODELS[case.model], *COMMON, "--training.mixed_precision_param", DTYPES[case.dtype][0]]
+            args = [*MODELS[case.model], *COMMON, *OPTIMIZERS[case.optimizer]]
+            args += ["--training.mixed_precision_param", DTYPES[case.dtype][0]]
             losses = launch(self.server, WORKER, [*args, *layout_args(case.model, case.save)], case.save, folder)
             self.done[case.saving_run] = folder, losses
         return self.done[case.saving_run]
@@ -83,7 +95,8 @@ def resume(case: Case, saving_runs: SavingRuns, server: ForkServer, folder: Path
     saved, straight = saving_runs.get(case)
     (folder / "checkpoint").mkdir(parents=True)
     shutil.copytree(saved / "checkpoint" / "step-5", folder / "checkpoint" / "step-5")
-    args = [*MODELS[case.model], *COMMON, "--training.mixed_precision_param", DTYPES[case.dtype][1]]
+    args = [*MODELS[case.model], *COMMON, *OPTIMIZERS[case.optimizer]]
+    args += ["--training.mixed_precision_param", DTYPES[case.dtype][1]]
     args += [*layout_args(case.model, case.load), "--activation_checkpoint.mode", case.ac]
     if case.compile:
         args.append("--compile.enable")

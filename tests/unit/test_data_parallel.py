@@ -2,7 +2,7 @@
 
 import torch
 
-from torchpre.parallel.data_parallel import _buckets
+from torchpre.distributed.collectives import _buckets
 
 
 def test_buckets_keep_order_respect_size_and_split_on_dtype():

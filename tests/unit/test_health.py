@@ -1,6 +1,7 @@
 """The training-health pieces on their own: loss-spike detection, the non-finite verdict, discarding a
 step in the optimizer, and the CPU phase timer."""
 
+import functools
 import math
 import time
 
@@ -53,7 +54,8 @@ def test_discarded_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     optimizer = DistributedOptimizer(
         list(model.named_parameters()), zero_stage=0, state_mesh=None, dp_group=world, tp_group=world,
-        pp_group=world, accumulate_in_fp32=True, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_norm=1.0,
+        pp_group=world, accumulate_in_fp32=True, weight_decay=0.1, max_norm=1.0,
+        build_inner=functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
     )
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()

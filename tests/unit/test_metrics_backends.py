@@ -11,7 +11,8 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.errors import TorchpreError
 from torchpre.metrics.logger import MetricsLogger
-from torchpre.metrics.sinks import INSTALL_HINT, JsonlSink, TensorBoardSink, WandbSink
+from torchpre.metrics.sinks import JsonlSink, TensorBoardSink, WandbSink
+from torchpre.optional import INSTALL_HINT
 from torchpre.plot import main as plot_main
 from torchpre.plot import plot_runs, read_metrics
 

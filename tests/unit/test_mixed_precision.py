@@ -1,6 +1,7 @@
 """bf16 parameters with fp32 gradient accumulation, against fp32 and against bf16 accumulation."""
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,7 @@ def accumulated_gradients(dtype: torch.dtype, accumulate_in_fp32: bool, group) -
         tp_group=group,
         pp_group=group,
         accumulate_in_fp32=accumulate_in_fp32,
-        lr=1e-3,
-        betas=(0.9, 0.95),
-        eps=1e-8,
+        build_inner=functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), eps=1e-8),
         weight_decay=0.0,
         max_norm=0.0,
     )
@@ -71,7 +70,8 @@ def test_bf16_parameters_keep_fp32_masters_and_grads(world):
     assert model.rope_cache.dtype == torch.float32
     optimizer = DistributedOptimizer(
         list(model.named_parameters()), zero_stage=0, state_mesh=None, dp_group=world, tp_group=world, pp_group=world,
-        accumulate_in_fp32=True, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=1.0,
+        accumulate_in_fp32=True, weight_decay=0.0, max_norm=1.0,
+        build_inner=functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
     )
     assert all(e.master.dtype == torch.float32 and e.owns_master for e in optimizer.entries)
     before = model.layers["0"].attention.wq.weight.detach().clone()

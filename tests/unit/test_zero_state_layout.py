@@ -12,7 +12,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
-from torchpre.parallel import ParallelPlan, build_optimizer, parallelize
+from torchpre.optim import build_optimizer
+from torchpre.parallel import ParallelPlan, parallelize
 
 
 class OneLayer(nn.Module):

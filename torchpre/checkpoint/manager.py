@@ -4,7 +4,8 @@ under any parallel layout.
 A checkpoint is `{folder}/step-N/`, a DCP folder holding
 - "model": parameters by their name in the full model (DTensor shards under TP; each pipeline stage
   writes its own names), so DCP reshards them to whatever layout loads them;
-- "optimizer": per parameter, AdamW's moments and step and the fp32 master, as (dp, tp) DTensors;
+- "optimizer": per parameter, the optimizer's state (AdamW: its moments and step) and the fp32 master, as
+  (dp, tp) DTensors;
 - "lr_scheduler", "train" (step, global sample position of the data, world size) and "rng" (per rank
   the CPU generator state and, under CUDA, the current device's), plus the resolved `config.toml`.
 It is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank has finished, so a

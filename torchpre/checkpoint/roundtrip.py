@@ -109,9 +109,8 @@ def read_saved_state(step_dir: Path) -> dict[str, Any]:
 def canonical(flat: dict[str, Any]) -> dict[str, Any]:
     """`flat` (a flattened checkpoint state) without layout keys, with an fp32 master for every parameter."""
     state = {key: value for key, value in flat.items() if key not in LAYOUT_KEYS}
-    for key in [k for k in state if k.startswith("optimizer.") and k.endswith(".exp_avg")]:
-        name = key[len("optimizer.") : -len(".exp_avg")]
-        weight = state.get(f"model.{name}")
+    for key in [k for k in state if k.startswith("model.")]:
+        name, weight = key[len("model.") :], state[key]
         if f"optimizer.{name}.master" not in state and isinstance(weight, torch.Tensor):
             if weight.dtype == torch.float32:
                 state[f"optimizer.{name}.master"] = weight

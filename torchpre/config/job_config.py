@@ -86,12 +86,19 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW"] = _option("AdamW", "optimizer")
+    name: str = _option(
+        "AdamW",
+        "a torch.optim class from torchpre.optim.registry: AdamW, Adam, SGD, Adagrad, RMSprop; a key below that "
+        "it does not read must stay at its default",
+    )
     lr: float = _option(8e-4, "peak learning rate")
-    eps: float = _option(1e-8, "AdamW epsilon")
-    weight_decay: float = _option(0.1, "decoupled weight decay")
-    beta1: float = _option(0.9, "AdamW beta1")
-    beta2: float = _option(0.95, "AdamW beta2")
+    eps: float = _option(1e-8, "term added to the denominator (AdamW, Adam, Adagrad, RMSprop)")
+    weight_decay: float = _option(
+        0.1, "weight decay of matrices (decoupled for AdamW, an L2 gradient term for the others); never of norm gains"
+    )
+    beta1: float = _option(0.9, "first-moment decay (AdamW, Adam)")
+    beta2: float = _option(0.95, "second-moment decay (AdamW, Adam)")
+    momentum: float = _option(0.0, "momentum (SGD, RMSprop); 0 = none")
     zero_stage: int = _option(0, "0 = optimizer state replicated over DP; 1 = ZeRO-1, state sharded over DP")
     bucket_size_mb: float = _option(25.0, "size of the flat buffers gradients are reduced in, in MiB")
 

@@ -3,10 +3,11 @@
 import math
 from pathlib import Path
 
-from torchpre.config.job_config import JobConfig
+from torchpre.config.job_config import JobConfig, Optimizer
 from torchpre.distributed.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.errors import ConfigError
-from torchpre.metrics.sinks import import_tensorboard, import_wandb
+from torchpre.optim.registry import check_hyperparameters, config_keys
+from torchpre.optional import import_tensorboard, import_wandb
 
 
 def validate_config(config: JobConfig) -> None:
@@ -33,6 +34,7 @@ def validate_config(config: JobConfig) -> None:
             "so later stages would not know the document boundaries. Set pipeline_parallel_degree = 1 or turn "
             "training.document_mask off."
         )
+    _check_optimizer(o)
     if o.zero_stage not in (0, 1):
         raise ConfigError(f"optimizer.zero_stage = {o.zero_stage}: use 0 (replicated state) or 1 (sharded over DP).")
     if o.bucket_size_mb <= 0:
@@ -210,3 +212,11 @@ def _check_writable_folder(key: str, folder: Path) -> None:
 def _at_least(key: str, value: float, minimum: float) -> None:
     if value < minimum:
         raise ConfigError(f"{key} = {value}: it must be at least {minimum}.")
+
+
+def _check_optimizer(o: Optimizer) -> None:
+    """`optimizer.name` is registered, and no `optimizer.*` key it does not read is set away from its default."""
+    keys, defaults = config_keys(), Optimizer()
+    check_hyperparameters(o.name, {k: getattr(o, k) for k in keys}, {k: getattr(defaults, k) for k in keys})
+    if o.momentum < 0:
+        raise ConfigError(f"optimizer.momentum = {o.momentum}: it must be >= 0.")

@@ -4,43 +4,17 @@ A record is the dict of one logged step (`step` plus scalar metrics). Every sink
 names, so a curve found in metrics.jsonl is found under that name in W&B and TensorBoard too.
 """
 
-import importlib
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Protocol
 
-from torchpre.errors import ConfigError
-
-INSTALL_HINT = "pip install torchpre[metrics]"
+from torchpre.optional import import_tensorboard, import_wandb
 
 
 class Sink(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def import_optional(module: str, feature: str) -> ModuleType:
-    """Imports an optional dependency, or fails with a message naming the feature that needs it and the
-    install command, so a user who turned on a tracker learns what to do instead of reading a traceback."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ConfigError(
-            f"{feature} needs the '{module}' package, which cannot be imported ({error}). "
-            f"Install it with `{INSTALL_HINT}`, or turn {feature} off."
-        ) from error
-
-
-def import_wandb() -> ModuleType:
-    """`wandb`, or the error that says to install it: checked at config validation on every rank."""
-    return import_optional("wandb", "metrics.enable_wandb")
-
-
-def import_tensorboard() -> ModuleType:
-    """torch's SummaryWriter module, which needs the `tensorboard` package."""
-    return import_optional("torch.utils.tensorboard", "metrics.enable_tensorboard")
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:

@@ -25,8 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-# Module names that wrappers (activation checkpointing, torch.compile, FSDP) insert into FQNs.
-_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+from torchpre.distributed.names import canonical_fqn
 
 
 class Fill(Protocol):
@@ -54,11 +53,6 @@ InitRule = Callable[[str], ParamInit]
 def ones(tensor: Tensor, *, generator: torch.Generator) -> None:
     """A `Fill` for norm weights; draws nothing."""
     tensor.fill_(1.0)
-
-
-def canonical_fqn(fqn: str) -> str:
-    """`fqn` without the names wrappers insert, so seeds do not depend on AC or compile."""
-    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_NAMES)
 
 
 def param_generator(seed: int, key: str) -> torch.Generator:

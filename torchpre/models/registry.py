@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
+from torchpre.parallel.api import pipeline_stages
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,6 @@ class ModelSpec:
         """The module names of each of `num_stages` pipeline stages."""
         if self.stage_modules is not None:
             return self.stage_modules(args, num_stages, split_points)
-        from torchpre.parallel.api import pipeline_stages
-
         with torch.device("meta"):
             model = self.model_cls(args)
         return pipeline_stages(model, num_stages, split_points=split_points, blocks=self.blocks)
@@ -117,7 +116,6 @@ def register_model(name: str, spec: ModelSpec) -> None:
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    _register_builtin_models()
     if name not in _REGISTRY:
         raise ConfigError(f"model.name = '{name}' is not a registered model.{_suggest(name, _REGISTRY)}")
     return _REGISTRY[name]
@@ -135,13 +133,3 @@ def _suggest(name: str, choices: dict[str, Any]) -> str:
     close = difflib.get_close_matches(name, choices, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"{hint} Choose one of: {', '.join(choices)}."
-
-
-def _register_builtin_models() -> None:
-    if "llama3" in _REGISTRY:
-        return
-    from torchpre.models.llama3 import spec as llama3
-    from torchpre.models.moe import spec as moe
-
-    register_model("llama3", llama3.SPEC)
-    register_model("moe", moe.SPEC)

@@ -1,11 +1,13 @@
-"""AdamW on fp32 master weights, with the state replicated (ZeRO stage 0) or sharded over DP (stage 1).
+"""A torch optimizer on fp32 master weights, with its state replicated (ZeRO stage 0) or sharded over DP (stage 1).
 
 Between backward and the update, gradients are finalised once per optimizer step, on local fp32
 tensors, in this order: partial sums over TP are reduced (norms under sequence parallel), copies of
 a weight tied across pipeline stages are summed, gradients are all-reduced (stage 0) or
 reduce-scattered (stage 1) over DP in flat buckets, the global norm is taken and the gradients
-clipped. Each rank then steps AdamW on its fp32 master shard and the new values are copied (stage
-0) or all-gathered (stage 1) into the parameters, which may be bf16.
+clipped. Each rank then steps the inner optimizer (any `torch.optim` class, see `torchpre.optim.registry`) on
+its fp32 master shard and the new values are copied (stage 0) or all-gathered (stage 1) into the parameters,
+which may be bf16. The inner optimizer's per-parameter state tensors are shaped like its master shard, so they
+are sharded and checkpointed exactly like the master.
 
 Stage 1 shards every parameter over DP along its first dimension that tensor parallelism does not
 shard, as `torch.chunk` does (DTensor's Shard semantics): a parameter's optimizer state is then a
@@ -16,7 +18,8 @@ Experts sharded by expert parallelism (DTensors on the 1-D `ep` mesh, Shard(0) o
 domain: each expert lives on one rank of every ep group, so its gradient is reduced over the expert-data-
 parallel group `edp` (the DP ranks holding the same experts) instead of all of DP, its ZeRO-1 shard is taken
 over edp, and its state is a DTensor on the 2-D (edp, ep) mesh.
-Memory per parameter (bytes): fp32 16 -> 8 + 8/dp; bf16 params with fp32 grads and master 18 -> 6 + 12/dp.
+Memory per parameter (bytes), for AdamW's two moments: fp32 16 -> 8 + 8/dp; bf16 params with fp32 grads and
+master 18 -> 6 + 12/dp.
 """
 
 from collections.abc import Callable
@@ -29,14 +32,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from torchpre.errors import ConfigError
-from torchpre.parallel.data_parallel import (
+from torchpre.distributed.collectives import (
     DEFAULT_BUCKET_BYTES,
-    _rank_chunk,
     all_gather_chunks,
     all_reduce_tensors,
+    rank_chunk,
     reduce_scatter_chunks,
 )
+from torchpre.errors import ConfigError
 from torchpre.parallel.grad_clip import clip_gradients_, global_grad_norm, sum_of_squares
 from torchpre.parallel.pipeline import sync_tied_gradients
 from torchpre.parallel.tensor_parallel import local_gradient
@@ -64,10 +67,11 @@ class _Entry:
 class DistributedOptimizer:
     """The optimizer of a (possibly TP-sharded, pipelined) model replicated over DP.
 
-    `step()` finalises the gradients, steps AdamW and writes the parameters; it returns the global
+    `step()` finalises the gradients, steps the inner optimizer and writes the parameters; it returns the global
     gradient norm before clipping. `reduce_gradients()`, then `apply()` or `discard()`, is the same step
-    for a caller that first checks the norm. `inner` is the torch AdamW over the master shards (for the LR
-    scheduler). `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()`;
+    for a caller that first checks the norm. `inner` is the torch optimizer over the master shards (for the LR
+    scheduler), built by `build_inner(param_groups)`: matrices decay by `weight_decay`, vectors (norm gains,
+    biases) do not. `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()`;
     `expert_state_mesh`, the 2-D (edp, ep) mesh of expert-parallel experts' state (None without experts).
     """
 
@@ -81,9 +85,7 @@ class DistributedOptimizer:
         tp_group: dist.ProcessGroup,
         pp_group: dist.ProcessGroup,
         accumulate_in_fp32: bool,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
+        build_inner: Callable[[list[dict]], torch.optim.Optimizer],
         weight_decay: float,
         max_norm: float,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -109,7 +111,7 @@ class DistributedOptimizer:
         vectors = [e.master for e in self.entries if e.local.ndim < 2]
         # Norm gains are not decayed: pulling a gain towards 0 fights the normalisation it scales.
         groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-        self.inner = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps)
+        self.inner = build_inner([g for g in groups if g["params"]])
 
     def _entry(self, name: str, param: nn.Parameter) -> _Entry:
         with torch.no_grad():
@@ -120,7 +122,7 @@ class DistributedOptimizer:
         shard = local
         if self.zero_stage == 1:
             group = self.edp_group if expert else self.dp_group
-            shard = _rank_chunk(local, dim, dist.get_world_size(group), dist.get_rank(group))
+            shard = rank_chunk(local, dim, dist.get_world_size(group), dist.get_rank(group))
         master = shard.detach() if local.dtype == torch.float32 else shard.detach().float().clone()
         return _Entry(name, param, local, bool(sharded) and not expert, dim, master, expert=expert)
 
@@ -219,13 +221,13 @@ class DistributedOptimizer:
         return sum_of_squares(shards, groups)
 
     def apply(self) -> None:
-        """Steps AdamW on the gradients `reduce_gradients()` finalised and writes the new parameters."""
+        """Steps the inner optimizer on the gradients `reduce_gradients()` finalised and writes the new parameters."""
         self.inner.step()
         self._write_parameters()
         self._zero_grads()
 
     def discard(self) -> None:
-        """Drops the finalised gradients: parameters and optimizer state (AdamW's step count included) stay
+        """Drops the finalised gradients: parameters and optimizer state (step counts included) stay
         bitwise as they were."""
         self._zero_grads()
 
@@ -250,20 +252,25 @@ class DistributedOptimizer:
                 entry.main_grad.zero_()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer state by parameter name, as DTensors on the (dp, tp) mesh that share storage with
-        the live state, so torch.distributed.checkpoint saves it and loads (and reshards) into it in place.
+        """The optimizer state by parameter name, as the inner optimizer keys it (AdamW: "step", "exp_avg",
+        "exp_avg_sq"); tensors shaped like the master are DTensors on the (dp, tp) mesh that share storage with
+        the live state, so torch.distributed.checkpoint saves it and loads (and reshards) into it in place;
+        scalars ("step") are kept as they are, the same on every rank.
 
+        Before the first step the state is created as the first step would (`_initialise_state`), so a
+        checkpoint has its keys and a resumed job has tensors to load into.
         "master" is present for low-precision parameters only (an fp32 parameter is its own master). A weight
         tied within this rank's model appears under both of its names (see `aliases`), so that a layout whose
         pipeline stages hold one copy each finds its copy's state under its own name.
         """
+        if not self.inner.state:
+            self._initialise_state()
         state = {}
         for entry in self.entries:
-            adam = self._adam_state(entry.master)
             state[entry.name] = {
-                "step": adam["step"],
-                "exp_avg": self._as_dtensor(entry, adam["exp_avg"]),
-                "exp_avg_sq": self._as_dtensor(entry, adam["exp_avg_sq"]),
+                key: self._state_value(entry, key, value)
+                for key, value in self.inner.state[entry.master].items()
+                if value is not None
             }
             if entry.owns_master:
                 state[entry.name]["master"] = self._as_dtensor(entry, entry.master)
@@ -292,14 +299,47 @@ class DistributedOptimizer:
         """Writes the masters into the parameters (after loading them)."""
         self._write_parameters()
 
-    def _adam_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
-        """AdamW's state for `master`, created (zeros, step 0) if no step has run yet, as AdamW would."""
-        state = self.inner.state[master]
-        if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        return state
+    @torch.no_grad()
+    def _initialise_state(self) -> None:
+        """Creates the inner optimizer's state before its first step, as that step would: one step on zero
+        gradients with the learning rate and weight decay at 0 (as `torch.distributed.checkpoint.state_dict`
+        does), which leaves the masters bitwise as they were, then the step counts back at 0.
+
+        For the registered optimizers a zero gradient leaves each state tensor at its initial value (AdamW's
+        moments 0, Adagrad's sum its initial accumulator, SGD's momentum buffer 0, which equals the first
+        gradient it would have copied once multiplied by momentum and added to), so the first real step
+        is the same as without this.
+        """
+        masters = [e.master for e in self.entries]
+        grads = [m.grad for m in masters]
+        for master in masters:
+            master.grad = torch.zeros_like(master)
+        settings = [(group["lr"], group["weight_decay"]) for group in self.inner.param_groups]
+        for group in self.inner.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+            group["weight_decay"] = 0.0
+        self.inner.step()
+        for group, (lr, weight_decay) in zip(self.inner.param_groups, settings):
+            group["lr"], group["weight_decay"] = lr, weight_decay
+        for master, grad in zip(masters, grads):
+            master.grad = grad
+            step = self.inner.state[master].get("step")
+            if isinstance(step, torch.Tensor):
+                step.zero_()
+            elif step is not None:
+                self.inner.state[master]["step"] = 0
+
+    def _state_value(self, entry: _Entry, key: str, value: object) -> object:
+        """One state value for the checkpoint: a DTensor for a tensor shaped like the master, else as it is."""
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            return value
+        if value.shape != entry.master.shape:
+            raise ConfigError(
+                f"The optimizer state '{key}' of '{entry.name}' has the shape {tuple(value.shape)}, not that of its "
+                f"master {tuple(entry.master.shape)}: ZeRO sharding and checkpoints need per-parameter state shaped "
+                "like the parameter. Choose another optimizer.name."
+            )
+        return self._as_dtensor(entry, value)
 
     def _as_dtensor(self, entry: _Entry, local: torch.Tensor) -> DTensor:
         """`local` (this rank's shard of a tensor shaped like the parameter) as a DTensor on the state mesh:
@@ -330,7 +370,8 @@ class DistributedOptimizer:
         )
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: AdamW moments plus master copies of low-precision weights."""
+        """Bytes of optimizer state on this rank: the inner optimizer's tensors (AdamW: its moments) plus master
+        copies of low-precision weights."""
         moments = sum(v.nbytes for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
         return moments + sum(e.master.nbytes for e in self.entries if e.owns_master)
 

@@ -1,6 +1,7 @@
 """The public parallelize API: any `nn.Module` and a DeviceMesh in, this rank's parallel model out.
 
-    from torchpre.parallel import ParallelPlan, PipelinePlan, build_optimizer, parallelize, pipeline_stages
+    from torchpre.optim import build_optimizer
+    from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
 
     with torch.device("meta"):
         model = MyModel(args)
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torchpre.distributed.names import canonical_fqn
 from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
-from torchpre.models.init import canonical_fqn
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.pipeline import PipelinePlan, Stage, build_schedule, prune_to, split_layers
@@ -56,9 +56,6 @@ shards a model or pipeline stage in place over the 1-D tp mesh."""
 ExpertParallelPlan = Callable[[nn.Module, DeviceMesh], None]
 """A function that shards a model's experts in place over the 1-D ep mesh (see `parallel.expert_parallel`).
 It runs before the tensor-parallel plan, which then finds those experts as ep-mesh DTensors."""
-
-if TYPE_CHECKING:
-    from torchpre.optim.distributed_optimizer import DistributedOptimizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -309,43 +306,6 @@ def parallelize(
         retie(part, plan.tied_weights)
         init_weights(part)
     return ParallelModel(parts, mesh, plan, device, loss_fn, expert_mesh)
-
-
-def build_optimizer(
-    model: ParallelModel,
-    *,
-    zero_stage: int = 0,
-    lr: float = 3e-4,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    weight_decay: float = 0.1,
-    max_norm: float = 1.0,
-    accumulate_in_fp32: bool = True,
-    **kwargs,
-) -> DistributedOptimizer:
-    """AdamW on fp32 masters for `model`, replicated (zero_stage 0) or sharded over DP (ZeRO-1); its
-    `step()` finalises the gradients (TP partial sums, tied copies, DP reduction, clipping) first."""
-    # Imported here: the optimizer uses torchpre.parallel's collectives, so a module-level import is a cycle.
-    from torchpre.optim.distributed_optimizer import DistributedOptimizer
-
-    return DistributedOptimizer(
-        model.named_parameters(),
-        zero_stage=zero_stage,
-        state_mesh=model.mesh["dp", "tp"],
-        dp_group=model.mesh["dp"].get_group(),
-        tp_group=model.mesh["tp"].get_group(),
-        pp_group=model.mesh["pp"].get_group(),
-        expert_state_mesh=model.expert_mesh["edp", "ep"] if model.expert_mesh is not None else None,
-        accumulate_in_fp32=accumulate_in_fp32,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        max_norm=max_norm,
-        tied=model.plan.tied_weights,
-        tied_peer=model.tied_peer(),
-        **kwargs,
-    )
 
 
 def apply_tensor_parallel_plan(part: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:

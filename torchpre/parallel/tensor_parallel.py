@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
+from torchpre.distributed.collectives import all_reduce_tensors
 from torchpre.errors import ConfigError
-from torchpre.parallel.data_parallel import all_reduce_tensors
 
 
 def apply_tensor_parallel(

@@ -1,4 +1,6 @@
-"""Data-parallel gradient synchronisation over the `dp` mesh dimension."""
+"""Bucketed collectives on lists of tensors: all-reduce, and reduce-scatter / all-gather of `torch.chunk` chunks.
+
+Data parallelism reduces gradients with them, tensor parallelism its partial sums, ZeRO-1 its shards."""
 
 import math
 from collections.abc import Iterable
@@ -95,14 +97,14 @@ class _ChunkLayout:
         return [s.view(shape) for s, shape in zip(section.split(self.numels), self.padded)]
 
     def _chunk(self, slot: torch.Tensor, index: int, rank: int) -> torch.Tensor:
-        rows = _chunk_rows(self.shapes[index][self.dims[index]], self.world_size, rank)
+        rows = chunk_rows(self.shapes[index][self.dims[index]], self.world_size, rank)
         return slot.narrow(self.dims[index], 0, rows)
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         flat = tensors[0].new_zeros(self.rank_numel * self.world_size)
         for rank, section in enumerate(flat.split(self.rank_numel)):
             for i, (slot, tensor) in enumerate(zip(self._slots(section), tensors)):
-                self._chunk(slot, i, rank).copy_(_rank_chunk(tensor, self.dims[i], self.world_size, rank))
+                self._chunk(slot, i, rank).copy_(rank_chunk(tensor, self.dims[i], self.world_size, rank))
         return flat
 
     def pack_rank(self, chunks: list[torch.Tensor]) -> torch.Tensor:
@@ -117,19 +119,20 @@ class _ChunkLayout:
     def unpack_all(self, flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
         for rank, section in enumerate(flat.split(self.rank_numel)):
             for i, slot in enumerate(self._slots(section)):
-                _rank_chunk(outputs[i], self.dims[i], self.world_size, rank).copy_(self._chunk(slot, i, rank))
+                rank_chunk(outputs[i], self.dims[i], self.world_size, rank).copy_(self._chunk(slot, i, rank))
 
 
-def _chunk_rows(size: int, world_size: int, rank: int) -> int:
+def chunk_rows(size: int, world_size: int, rank: int) -> int:
     """Rows of `torch.chunk(size, world_size)[rank]`, 0 past the last non-empty chunk (DTensor Shard semantics)."""
     per_chunk = math.ceil(size / world_size)
     return max(0, min(per_chunk, size - rank * per_chunk))
 
 
-def _rank_chunk(tensor: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
+def rank_chunk(tensor: torch.Tensor, dim: int, world_size: int, rank: int) -> torch.Tensor:
+    """`torch.chunk(tensor, world_size, dim)[rank]` as a view, empty past the last non-empty chunk."""
     per_chunk = math.ceil(tensor.shape[dim] / world_size)
     start = min(rank * per_chunk, tensor.shape[dim])
-    return tensor.narrow(dim, start, _chunk_rows(tensor.shape[dim], world_size, rank))
+    return tensor.narrow(dim, start, chunk_rows(tensor.shape[dim], world_size, rank))
 
 
 def _padded_chunk_shape(shape: torch.Size, dim: int, world_size: int) -> torch.Size:

@@ -1,0 +1,148 @@
+"""`optimizer.name` -> torch optimizer class, the keys each reads, and the state a checkpoint finds before the
+first step."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchpre.config.job_config import JobConfig
+from torchpre.config.validate import validate_config
+from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.errors import ConfigError
+from torchpre.optim import OptimizerSpec, build_optimizer, get_optimizer, optimizer_names, register_optimizer
+from torchpre.optim.registry import constructor_kwargs, hyperparameters_from_config
+from torchpre.parallel import ParallelPlan, parallelize
+
+HYPERPARAMETERS = {"lr": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1, "momentum": 0.5}
+
+
+def test_names_select_torch_classes():
+    expected = {
+        "AdamW": torch.optim.AdamW,
+        "Adam": torch.optim.Adam,
+        "SGD": torch.optim.SGD,
+        "Adagrad": torch.optim.Adagrad,
+        "RMSprop": torch.optim.RMSprop,
+    }
+    assert {name: get_optimizer(name).cls for name in optimizer_names()} == expected
+
+
+def test_each_optimizer_gets_only_the_arguments_it_takes():
+    assert constructor_kwargs(get_optimizer("AdamW"), HYPERPARAMETERS) == {"lr": 0.1, "betas": (0.8, 0.9), "eps": 1e-6}
+    assert constructor_kwargs(get_optimizer("SGD"), HYPERPARAMETERS) == {"lr": 0.1, "momentum": 0.5}
+    assert constructor_kwargs(get_optimizer("Adagrad"), HYPERPARAMETERS) == {"lr": 0.1, "eps": 1e-6}
+    assert constructor_kwargs(get_optimizer("RMSprop"), HYPERPARAMETERS) == {"lr": 0.1, "eps": 1e-6, "momentum": 0.5}
+
+
+def test_config_keys_make_the_constructor_arguments():
+    config = JobConfig().optimizer
+    config.beta1, config.beta2, config.momentum = 0.8, 0.9, 0.5
+    assert hyperparameters_from_config(vars(config)) == {
+        "lr": config.lr, "weight_decay": config.weight_decay, "betas": (0.8, 0.9), "eps": config.eps, "momentum": 0.5
+    }
+
+
+def test_an_unknown_name_lists_the_valid_ones_and_the_closest():
+    with pytest.raises(ConfigError, match="'adamw' is not a registered optimizer. Did you mean 'AdamW'?") as error:
+        get_optimizer("adamw")
+    assert "Choose one of: AdamW, Adam, SGD, Adagrad, RMSprop." in str(error.value)
+
+
+def _config(tmp_path, **optimizer) -> JobConfig:
+    config = JobConfig()
+    config.job.dump_folder = str(tmp_path)
+    for key, value in optimizer.items():
+        setattr(config.optimizer, key, value)
+    return config
+
+
+def test_config_validation_names_the_unknown_optimizer(tmp_path):
+    with pytest.raises(ConfigError, match="optimizer.name = 'Lion' is not a registered optimizer"):
+        validate_config(_config(tmp_path, name="Lion"))
+
+
+def test_a_changed_key_the_optimizer_does_not_read_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"optimizer.beta2 = 0.99: SGD does not use this key") as error:
+        validate_config(_config(tmp_path, name="SGD", momentum=0.9, beta2=0.99))
+    assert "optimizer.lr, optimizer.momentum, optimizer.weight_decay" in str(error.value)
+    with pytest.raises(ConfigError, match="optimizer.momentum = 0.9: AdamW does not use this key"):
+        validate_config(_config(tmp_path, name="AdamW", momentum=0.9))
+    validate_config(_config(tmp_path, name="SGD", momentum=0.9, lr=0.1))  # keys it reads, others at defaults
+
+
+def test_fused_only_on_cuda_where_the_class_has_it():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert not get_optimizer("AdamW").uses_fused(cpu)
+    assert get_optimizer("AdamW").uses_fused(cuda) and get_optimizer("SGD").uses_fused(cuda)
+    assert not get_optimizer("RMSprop").uses_fused(cuda)  # no fused RMSprop in torch
+    assert not get_optimizer("Adagrad").uses_fused(cuda)  # declared off in the registry
+
+
+def test_registering_a_taken_name_is_an_error():
+    with pytest.raises(ConfigError, match="'SGD' is already registered"):
+        register_optimizer("SGD", OptimizerSpec(torch.optim.SGD, ("lr", "weight_decay")))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": nn.Linear(8, 6), "1": nn.Linear(6, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers["1"](torch.tanh(self.layers["0"](x)))
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield ParallelDims.from_degrees(dp=1, tp=1, pp=1, world_size=1).build_mesh("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(mesh, name: str, state_first: bool) -> tuple[dict, dict]:
+    """Two steps of `name` on TwoLayers from a fixed init, asking for its state before the first one or not:
+    the final parameters and state."""
+    with torch.device("meta"):
+        model = TwoLayers()
+
+    def init(module: nn.Module) -> None:
+        generator = torch.Generator().manual_seed(0)
+        for param in module.parameters():
+            param.data.copy_(torch.randn(param.shape, generator=generator))
+
+    model = parallelize(model, mesh, ParallelPlan(blocks="layers"), device=torch.device("cpu"), init_weights=init)
+    momentum = 0.9 if name in ("SGD", "RMSprop") else 0.0
+    optimizer = build_optimizer(model, name=name, lr=0.01, momentum=momentum, max_norm=0.0)
+    if state_first:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        state = optimizer.state_dict()
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "the warm-up moved a parameter"
+        assert state["layers.0.weight"], "no state before the first step"
+        assert all(v == 0 for v in _plain(state).values() if v.ndim == 0), "a step count is not back at 0"
+    inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model.parts[0](inputs).square().sum().backward()
+        optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, _plain(optimizer.state_dict())
+
+
+def _plain(state: dict) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{key}": (value.to_local() if hasattr(value, "to_local") else torch.as_tensor(value)).clone()
+        for name, entries in state.items()
+        for key, value in entries.items()
+    }
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD", "Adagrad", "RMSprop"])
+def test_state_created_before_the_first_step_changes_nothing(mesh, name):
+    """A checkpoint may be saved, or loaded into, before the first step: the state it creates then has the
+    keys the first step would create, and the training afterwards is bitwise the same."""
+    params, state = _train(mesh, name, state_first=False)
+    warmed_params, warmed_state = _train(mesh, name, state_first=True)
+    assert warmed_state.keys() == state.keys()
+    assert all(torch.equal(warmed_params[n], params[n]) for n in params)
+    assert all(torch.equal(warmed_state[k], state[k]) for k in state), name

@@ -1,0 +1,52 @@
+"""`build_optimizer`: the distributed optimizer of a parallel model, for any registered torch optimizer."""
+
+import functools
+
+from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES
+from torchpre.optim.distributed_optimizer import DistributedOptimizer
+from torchpre.optim.registry import DEFAULT_HYPERPARAMETERS, constructor_kwargs, get_optimizer
+from torchpre.parallel.api import ParallelModel
+
+
+def build_optimizer(
+    model: ParallelModel,
+    *,
+    name: str = "AdamW",
+    zero_stage: int = 0,
+    max_norm: float = 1.0,
+    accumulate_in_fp32: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    **hyperparameters: object,
+) -> DistributedOptimizer:
+    """The optimizer `name` (see `torchpre.optim.registry`) on fp32 masters for `model`, its state replicated
+    (zero_stage 0) or sharded over DP (ZeRO-1); its `step()` finalises the gradients (TP partial sums, tied
+    copies, DP reduction, clipping) first.
+
+    `hyperparameters` (lr, weight_decay, betas, eps, momentum: `registry.DEFAULT_HYPERPARAMETERS`) override the
+    defaults; those the optimizer does not take are not passed to it.
+    """
+    unknown = sorted(set(hyperparameters) - set(DEFAULT_HYPERPARAMETERS))
+    if unknown:
+        known = list(DEFAULT_HYPERPARAMETERS)
+        raise TypeError(f"build_optimizer() got unknown hyperparameters {unknown}; it knows {known}")
+    spec = get_optimizer(name)
+    hyperparameters = {**DEFAULT_HYPERPARAMETERS, **hyperparameters}
+    kwargs = constructor_kwargs(spec, hyperparameters)
+    if spec.uses_fused(model.device):
+        kwargs["fused"] = True
+    return DistributedOptimizer(
+        model.named_parameters(),
+        zero_stage=zero_stage,
+        state_mesh=model.mesh["dp", "tp"],
+        dp_group=model.mesh["dp"].get_group(),
+        tp_group=model.mesh["tp"].get_group(),
+        pp_group=model.mesh["pp"].get_group(),
+        expert_state_mesh=model.expert_mesh["edp", "ep"] if model.expert_mesh is not None else None,
+        accumulate_in_fp32=accumulate_in_fp32,
+        build_inner=functools.partial(spec.cls, **kwargs),
+        weight_decay=hyperparameters["weight_decay"],
+        max_norm=max_norm,
+        bucket_bytes=bucket_bytes,
+        tied=model.plan.tied_weights,
+        tied_peer=model.tied_peer(),
+    )

@@ -1,0 +1,136 @@
+"""Optimizers by name: what `optimizer.name` resolves to, and which `optimizer.*` keys each one reads.
+
+Any `torch.optim` class whose per-parameter state is tensors shaped like the parameter (plus a scalar `step`)
+works under ZeRO-1, since the distributed optimizer shards and checkpoints that state like the fp32 master.
+Adding one is one entry here, or `register_optimizer` from a module named by `job.custom_import`:
+
+    register_optimizer("Adadelta", OptimizerSpec(torch.optim.Adadelta, ("lr", "weight_decay", "eps")))
+
+A checkpoint saved or loaded before the first step needs the state to exist: the distributed optimizer
+creates it with one step on zero gradients at lr 0 and puts `step` back to 0 (`_initialise_state`). That is
+exact when a zero gradient leaves the other state at its initial value, as for every entry here and Adadelta;
+NAdam's `mu_product` and Adamax's `exp_inf` would move, so such a class needs a test of that before joining.
+
+`lr` and `weight_decay` are read by every optimizer (weight decay is decoupled for AdamW, an L2 term in the
+gradient for the others, as torch defines them; norm gains are never decayed). A key an optimizer does not
+read must stay at its default: `check_hyperparameters` rejects a changed one instead of ignoring it.
+"""
+
+import difflib
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from torchpre.errors import ConfigError
+
+# Constructor arguments the registry knows, each filled from `optimizer.*` config keys, and their defaults in
+# `build_optimizer`. A new one is a row here and a field of the config's `Optimizer` section.
+HYPERPARAMETER_KEYS = {
+    "lr": ("lr",),
+    "weight_decay": ("weight_decay",),
+    "betas": ("beta1", "beta2"),
+    "eps": ("eps",),
+    "momentum": ("momentum",),
+}
+DEFAULT_HYPERPARAMETERS = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "momentum": 0.0}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A torch optimizer class and the constructor arguments (keys of `HYPERPARAMETER_KEYS`) it takes from the
+    config; the others keep the class's defaults.
+
+    `fused`: use the fused implementation on CUDA; None = whenever the constructor takes `fused`.
+    """
+
+    cls: type[torch.optim.Optimizer]
+    arguments: tuple[str, ...]
+    fused: bool | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.arguments) - set(HYPERPARAMETER_KEYS)
+        if unknown or not {"lr", "weight_decay"} <= set(self.arguments):
+            raise ValueError(
+                f"{self.cls.__name__}: arguments must include lr and weight_decay and come from "
+                f"{sorted(HYPERPARAMETER_KEYS)}; got {self.arguments}"
+            )
+
+    def config_keys(self) -> set[str]:
+        """The `optimizer.*` keys this optimizer reads."""
+        return {key for argument in self.arguments for key in HYPERPARAMETER_KEYS[argument]}
+
+    def uses_fused(self, device: torch.device) -> bool:
+        """Whether to build the fused implementation for parameters on `device` (CUDA only: CPU stays as is)."""
+        if device.type != "cuda":
+            return False
+        if self.fused is not None:
+            return self.fused
+        return "fused" in inspect.signature(self.cls.__init__).parameters
+
+
+_ADAM = ("lr", "weight_decay", "betas", "eps")
+
+_REGISTRY: dict[str, OptimizerSpec] = {
+    "AdamW": OptimizerSpec(torch.optim.AdamW, _ADAM),
+    "Adam": OptimizerSpec(torch.optim.Adam, _ADAM),
+    "SGD": OptimizerSpec(torch.optim.SGD, ("lr", "weight_decay", "momentum")),
+    # Fused Adagrad was CPU-only in the torch releases this was checked against.
+    "Adagrad": OptimizerSpec(torch.optim.Adagrad, ("lr", "weight_decay", "eps"), fused=False),
+    "RMSprop": OptimizerSpec(torch.optim.RMSprop, ("lr", "weight_decay", "eps", "momentum")),
+}
+
+
+def register_optimizer(name: str, spec: OptimizerSpec) -> None:
+    """Makes `optimizer.name = name` available; a name already taken is an error."""
+    if name in _REGISTRY:
+        raise ConfigError(f"An optimizer named '{name}' is already registered ({_REGISTRY[name].cls.__name__}).")
+    _REGISTRY[name] = spec
+
+
+def optimizer_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_optimizer(name: str) -> OptimizerSpec:
+    """The spec of `optimizer.name = name`; an unknown name is a ConfigError listing the valid ones."""
+    if name not in _REGISTRY:
+        same_letters = [known for known in _REGISTRY if known.lower() == name.lower()]
+        close = same_letters or difflib.get_close_matches(name, _REGISTRY, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"optimizer.name = '{name}' is not a registered optimizer.{hint} Choose one of: {', '.join(_REGISTRY)}."
+        )
+    return _REGISTRY[name]
+
+
+def config_keys() -> list[str]:
+    """Every `optimizer.*` key that some optimizer reads."""
+    return [key for keys in HYPERPARAMETER_KEYS.values() for key in keys]
+
+
+def hyperparameters_from_config(values: dict[str, object]) -> dict[str, object]:
+    """Constructor arguments by name from `optimizer.*` values by key (beta1 and beta2 make betas)."""
+    return {
+        argument: tuple(values[k] for k in keys) if len(keys) > 1 else values[keys[0]]
+        for argument, keys in HYPERPARAMETER_KEYS.items()
+    }
+
+
+def check_hyperparameters(name: str, values: dict[str, float], defaults: dict[str, float]) -> None:
+    """Rejects an `optimizer.*` key set away from its default for an optimizer that does not read it."""
+    spec = get_optimizer(name)
+    ignored = sorted(key for key in set(values) - spec.config_keys() if values[key] != defaults[key])
+    if ignored:
+        settings = ", ".join(f"optimizer.{key} = {values[key]}" for key in ignored)
+        raise ConfigError(
+            f"{settings}: {name} does not use {'this key' if len(ignored) == 1 else 'these keys'}. It reads "
+            f"optimizer.{', optimizer.'.join(sorted(spec.config_keys()))}; remove the other settings or choose "
+            "an optimizer that uses them."
+        )
+
+
+def constructor_kwargs(spec: OptimizerSpec, hyperparameters: dict[str, object]) -> dict[str, object]:
+    """The keyword arguments of `spec.cls` out of `hyperparameters` (by constructor argument), weight decay
+    excluded: it is set per parameter group."""
+    return {argument: hyperparameters[argument] for argument in spec.arguments if argument != "weight_decay"}
