@@ -50,7 +50,7 @@ BREAKS = [
           "                all_reduce_tensors(domain, group, self.bucket_bytes)", "                pass",
           (CORE,), "ZeRO-0 skips the DP gradient all-reduce"),
     Break("dp-reduce-scatter-without-sum", "torchpre/distributed/collectives.py",
-          "        dist.reduce_scatter_tensor(mine, packed, group=group)",
+          "        _reduce_scatter_single(mine, packed, group=group)",
           "        mine.copy_(packed.split(layout.rank_numel)[dist.get_rank(group)])",
           (ZERO_COLLECTIVES,), "ZeRO-1 takes its own chunk without summing the other ranks'"),
     Break("tied-gradient-sum-dropped", "torchpre/parallel/pipeline.py",
