@@ -37,7 +37,7 @@ def test_a_taken_name_is_an_error_naming_both_places() -> None:
 
 
 def test_a_built_in_name_is_taken() -> None:
-    with pytest.raises(ConfigError, match=r"'llama3' is taken, registered at .*torchpre/models/registry\.py"):
+    with pytest.raises(ConfigError, match=r"'llama3' is taken, registered at .*torchpre/models/families\.py"):
         register_model("llama3", OTHER)
 
 
