@@ -197,6 +197,6 @@ def test_readme_sample_runs(clone):
 @pytest.mark.readme
 @pytest.mark.timeout(3600)
 def test_every_readme_block_runs_in_order(clone):
-    """About 20 minutes on a busy 2-core machine: deselected unless `-m readme` (tests/conftest.py)."""
+    """About 9 minutes on an idle 2-core machine: deselected unless `-m readme` (tests/conftest.py)."""
     timings = run_blocks([b for b in shell_blocks() if not b.skip], clone)
     print("\n".join(f"{seconds:7.1f} s  {name}" for name, seconds in timings))
