@@ -32,7 +32,6 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
     """Runs `main(argv)`; prints help, a TorchpreError's message or a lost peer's diagnosis instead of a traceback."""
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import HelpRequested, format_help
-    from torchpre.distributed.utils import shutdown_distributed
 
     configure_logging()
     try:
@@ -46,6 +45,8 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
         if not _is_comm_failure(error):
             raise
         _fail(_comm_failure_message(error), EXIT_COMM_FAILURE)
+    from torchpre.distributed.utils import shutdown_distributed  # loads torch, which `--help` does not need
+
     shutdown_distributed()
 
 

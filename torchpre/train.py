@@ -12,7 +12,6 @@ from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.custom_import import import_custom_module
-from torchpre.trainer import Trainer
 
 PROG = "python -m torchpre.train"
 
@@ -20,6 +19,8 @@ PROG = "python -m torchpre.train"
 def main(argv: list[str]) -> None:
     """Parses the job, imports `job.custom_import` (so what it registers exists), then checks the job and trains."""
     config = parse_args(JobConfig, argv)
+    from torchpre.trainer import Trainer  # torch loads here: `--help` and a mistyped flag answer without it
+
     import_custom_module(config.job.custom_import)
     Trainer(config).train()
 

@@ -33,10 +33,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # Function-level imports of other packages are allowed (optional dependencies; tests/unit/test_dependencies.py
 # checks that they are declared).
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
-    ("train", "torchpre.config.job_config"): "entry point: `--help` and bad flags answer before torch loads",
-    ("train", "torchpre.config.parser"): "entry point: `--help` and bad flags answer before torch loads",
-    ("train", "torchpre.custom_import"): "entry point: `--help` and bad flags answer before torch loads",
-    ("train", "torchpre.trainer"): "entry point: `--help` and bad flags answer before torch loads",
+    ("torchpre.train", "torchpre.trainer"): "entry point: `--help` and bad flags answer before torch loads "
+    "(tests/unit/test_help_without_torch.py)",
     ("torchpre.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
     ("torchpre.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
     ("torchpre.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",
