@@ -85,7 +85,7 @@ BREAKS = [
           "            return grad.to_local(), True", "            return grad.to_local(), False",
           (TENSOR_PARALLEL,), "norm gradients under sequence parallel stay per-rank partial sums"),
     Break("clip-local-norm", "torchpre/optim/distributed_optimizer.py",
-          "            dp_group=self.dp_group if self.zero_stage == 1 else None,", "            dp_group=None,",
+          "            dp_group=self.dp_group if sharded_over_dp else None,", "            dp_group=None,",
           (CORE,), "ZeRO-1 clips with its shard's norm instead of the global one"),
     Break("clip-tp-shards-not-summed", "torchpre/parallel/grad_clip.py",
           "        dist.all_reduce(sharded, group=tp_group)", "        pass",

@@ -172,7 +172,12 @@ CATALOGUE = [
     case("lr-scheduler-decay-ratio", ["--lr_scheduler.decay_ratio", "1.5"], ["lr_scheduler.decay_ratio = 1.5"]),
     case("lr-scheduler-warmup-negative", ["--lr_scheduler.warmup_steps", "-1"], ["lr_scheduler.warmup_steps = -1"]),
     case("lr-scheduler-decay-type", ["--lr_scheduler.decay_type", "cosin"], ["lr_scheduler.decay_type", "'cosine'"]),
-    case("zero-stage", ["--optimizer.zero_stage", "2"], ["optimizer.zero_stage = 2"]),
+    case("zero-stage", ["--optimizer.zero_stage", "5"], ["optimizer.zero_stage = 5"]),
+    case(
+        "hsdp-without-zero-3",
+        ["--parallelism.data_parallel_replicate_degree", "2"],
+        ["parallelism.data_parallel_replicate_degree = 2", "optimizer.zero_stage = 3"],
+    ),
     case("exclude-from-loading", ["--checkpoint.exclude_from_loading", "optimiser"], ["'optimiser'", "optimizer"]),
     case("unknown-model-name", ["--model.name", "llama4"], ["model.name", "'llama4'", "'llama3'"]),
     case(

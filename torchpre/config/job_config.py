@@ -99,8 +99,25 @@ class Optimizer:
     beta1: float = _option(0.9, "first-moment decay (AdamW, Adam)")
     beta2: float = _option(0.95, "second-moment decay (AdamW, Adam)")
     momentum: float = _option(0.0, "momentum (SGD, RMSprop); 0 = none")
-    zero_stage: int = _option(0, "0 = optimizer state replicated over DP; 1 = ZeRO-1, state sharded over DP")
+    zero_stage: int = _option(
+        0,
+        "0 = optimizer state replicated over DP; 1 = ZeRO-1, state sharded over DP; 2 = ZeRO-2, gradients sharded "
+        "too (reduce-scattered during backward); 3 = ZeRO-3, parameters sharded too, by FSDP2 (torch fully_shard)",
+    )
     bucket_size_mb: float = _option(25.0, "size of the flat buffers gradients are reduced in, in MiB")
+    reduce_dtype: Literal["float32", "bfloat16"] = _option(
+        "float32", "dtype of the data-parallel gradient reduction; bfloat16 halves its traffic and rounds the sum"
+    )
+    overlap_grad_reduce: bool = _option(
+        True,
+        "ZeRO 0-2: start each bucket's data-parallel reduction during backward as soon as its gradients are final; "
+        "false reduces everything after the last microbatch",
+    )
+    zero2_accumulate_locally: bool = _option(
+        False,
+        "ZeRO-2 with gradient accumulation: sum the microbatches in a full fp32 buffer and reduce-scatter once "
+        "(ZeRO-1's gradient memory, fewer collectives); false reduce-scatters every microbatch into the fp32 shard",
+    )
 
 
 @dataclass
@@ -118,6 +135,19 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     data_parallel_degree: int = _option(-1, "data-parallel replicas; -1 = world_size / (tp x pp)")
+    data_parallel_replicate_degree: int = _option(
+        1,
+        "HSDP (optimizer.zero_stage = 3): groups that each hold one sharded copy of the model; gradients are "
+        "all-reduced across groups",
+    )
+    data_parallel_shard_degree: int = _option(
+        -1, "ZeRO-3: ranks the parameters are sharded over; -1 = data-parallel degree / replicate degree"
+    )
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = _option(
+        "default",
+        "ZeRO-3: free gathered parameters after each block's forward (always) or keep them for backward (never); "
+        "default = always without pipeline parallelism, never with it",
+    )
     tensor_parallel_degree: int = _option(1, "tensor-parallel degree (shards attention heads, MLP and vocabulary)")
     enable_sequence_parallel: bool = _option(
         False, "with tensor parallelism, shard norms and residuals along the sequence (saves activation memory)"

@@ -35,8 +35,7 @@ def validate_config(config: JobConfig) -> None:
             "training.document_mask off."
         )
     _check_optimizer(o)
-    if o.zero_stage not in (0, 1):
-        raise ConfigError(f"optimizer.zero_stage = {o.zero_stage}: use 0 (replicated state) or 1 (sharded over DP).")
+    _check_zero(config)
     if o.bucket_size_mb <= 0:
         raise ConfigError(f"optimizer.bucket_size_mb = {o.bucket_size_mb}: it must be positive.")
     if o.lr <= 0:
@@ -207,6 +206,30 @@ def _check_writable_folder(key: str, folder: Path) -> None:
     if existing.exists() and not existing.is_dir():
         where = "is a file" if existing == folder else f"lies under the file {existing}"
         raise ConfigError(f"{key} '{folder}' {where}, so the job cannot write there. Give a folder path.")
+
+
+ZERO_STAGES = {
+    0: "0 (replicated state)",
+    1: "1 (optimizer state sharded over DP)",
+}
+
+
+def _check_zero(config: JobConfig) -> None:
+    """The ZeRO stage and the data-parallel sharding keys that go with it."""
+    o, p = config.optimizer, config.parallelism
+    if o.zero_stage not in ZERO_STAGES:
+        raise ConfigError(f"optimizer.zero_stage = {o.zero_stage}: use {', '.join(ZERO_STAGES.values())}.")
+    _at_least("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1)
+    if p.data_parallel_shard_degree != -1 and p.data_parallel_shard_degree < 1:
+        raise ConfigError(
+            f"parallelism.data_parallel_shard_degree = {p.data_parallel_shard_degree}: use -1 (data-parallel "
+            "degree / replicate degree) or >= 1."
+        )
+    if p.data_parallel_replicate_degree > 1 and o.zero_stage != 3:
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, which "
+            "replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
+        )
 
 
 def _at_least(key: str, value: float, minimum: float) -> None:

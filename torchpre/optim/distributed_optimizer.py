@@ -196,6 +196,12 @@ class DistributedOptimizer:
                 all_reduce_tensors(domain, group, self.bucket_bytes)
             for i, shard in zip(indices, domain):
                 shards[i] = shard
+        return self._finalise(shards, sharded_over_dp=self.zero_stage == 1)
+
+    def _finalise(self, shards: list[torch.Tensor], *, sharded_over_dp: bool) -> torch.Tensor:
+        """Takes the global norm of the DP-reduced gradients (`shards`, one per entry), clips them, makes them the
+        masters' gradients and returns the norm before clipping. `sharded_over_dp`: each dp rank holds another
+        chunk of every gradient, so the squares are summed over dp too."""
         # A weight tied across pipeline stages has two entries with equal gradients: count it once.
         second_copy = self.tied[1] if self.tied and self.tied_peer is not None else None
         counted = [i for i, e in enumerate(self.entries) if e.name != second_copy and not e.expert]
@@ -205,8 +211,8 @@ class DistributedOptimizer:
             [self.entries[i].tp_sharded for i in counted],
             tp_group=self.tp_group,
             pp_group=self.pp_group,
-            dp_group=self.dp_group if self.zero_stage == 1 else None,
-            extra_squares=self._expert_squares(experts) if experts else None,
+            dp_group=self.dp_group if sharded_over_dp else None,
+            extra_squares=self._expert_squares(experts, sharded_over_dp) if experts else None,
         )
         if self.max_norm > 0:
             clip_gradients_(shards, self.max_norm, norm)
@@ -214,10 +220,10 @@ class DistributedOptimizer:
             entry.master.grad = shard
         return norm
 
-    def _expert_squares(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The experts' squared gradient norm: each ep rank holds other experts, each edp rank (under ZeRO-1)
+    def _expert_squares(self, shards: list[torch.Tensor], sharded_over_dp: bool) -> torch.Tensor:
+        """The experts' squared gradient norm: each ep rank holds other experts, each edp rank (when sharded)
         another chunk of them."""
-        groups = [self.ep_group, self.edp_group] if self.zero_stage == 1 else [self.ep_group]
+        groups = [self.ep_group, self.edp_group] if sharded_over_dp else [self.ep_group]
         return sum_of_squares(shards, groups)
 
     def apply(self) -> None:
