@@ -5,7 +5,7 @@
         [--max_new_tokens K --temperature T --top_k K --seed S] [--json]
 
 The flags are `GenerateConfig`: the job's options (of which generation reads job.*, model.*,
-training.mixed_precision_param and training.seed, parallelism.* and checkpoint.folder/load_step) plus the
+training.mixed_precision_param, parallelism.* and checkpoint.folder/load_step) plus the
 generation flags, parsed, checked and listed by --help like training's. The model is built by the trainer's
 code (`torchpre.build`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
 loss parallelism, activation checkpointing, compile), and DCP reshards the checkpoint into it. Decoding uses
@@ -240,14 +240,9 @@ def main(argv: list[str]) -> None:
         check_checkpoint_fits(model, step_dir)
     else:
         require_intact(step_dir, "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}")
-    # init_weights fills the buffers (RoPE's); the checkpoint then replaces every parameter.
-    seed = config.training.seed
+    # The checkpoint replaces every parameter: only the buffers it does not hold (RoPE's) are computed.
     parallel = parallelize(
-        model,
-        mesh,
-        parallel_plan(config, spec, args, pipeline),
-        device=device,
-        init_weights=lambda part: spec.init_weights(part, seed),
+        model, mesh, parallel_plan(config, spec, args, pipeline), device=device, init_weights=spec.init_buffers
     )
     state = {name: value for part in parallel.parts for name, value in part.state_dict().items()}
     dcp.load({"model": state}, checkpoint_id=str(step_dir))

@@ -257,19 +257,25 @@ class Trainer:
     def _build_model(self) -> ParallelModel:
         """The model, or this rank's pipeline stages of it: built on the meta device in the parameter
         dtype, parallelized, then materialised and initialised from the seed alone (so every layout
-        starts equal)."""
+        starts equal). When a checkpoint will overwrite the weights, only the buffers it does not hold are
+        computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
         model = meta_model(self.config, self.model_spec, self.model_args)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = self.model_spec.flops_per_token(
             self.model_args, self.num_params, self.config.training.seq_len
         )
-        seed = self.config.training.seed
+        seed, source = self.config.training.seed, self._weights_source()
+        if source is not None:
+            logger.info("skipped weight initialisation: loading %s", source)
         parallel = parallelize(
             model,
             self.mesh,
             parallel_plan(self.config, self.model_spec, self.model_args, self.pipeline),
             device=self.device,
-            init_weights=lambda part: self.model_spec.init_weights(part, seed),
+            init_weights=(
+                self.model_spec.init_buffers if source is not None
+                else lambda part: self.model_spec.init_weights(part, seed)
+            ),
             loss_fn=self._loss,
             expert_mesh=self.expert_mesh,
         )
@@ -293,6 +299,14 @@ class Trainer:
         if self.pipeline:
             logger.info("pipeline: %s", self.pipeline.describe())
         return parallel
+
+    def _weights_source(self) -> Path | None:
+        """The checkpoint `_maybe_load_checkpoint` will load the weights from, if any: the resumed one (unless
+        checkpoint.exclude_from_loading names the model), else checkpoint.initial_load_path."""
+        c = self.config.checkpoint
+        if self.resume_dir is not None:
+            return None if "model" in c.exclude_from_loading else self.resume_dir
+        return Path(c.initial_load_path) if c.initial_load_path else None
 
     def _build_validator(self) -> Validator:
         """Evaluates with the training forward (document masks included) or, under PP, with the training
@@ -560,8 +574,11 @@ class Trainer:
         timings: dict[str, float],
     ) -> None:
         """Gathers the per-rank maxima; rank 0 writes the record (`loss` is already global, see step_health)."""
+        o = self.optimizer
         maxima = torch.tensor(
-            [max_memory_bytes(self.device), self.optimizer.state_bytes()], dtype=torch.float64, device=self.device
+            [max_memory_bytes(self.device), o.state_bytes(), o.param_bytes(), o.grad_bytes()],
+            dtype=torch.float64,
+            device=self.device,
         )
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         extra = self.model_spec.extra_metrics(self.model.parts, self.model_args, self.device)
@@ -583,6 +600,8 @@ class Trainer:
                 "data_time_s": data_time,
                 "max_memory_bytes": int(maxima[0]),
                 "optimizer_state_bytes": int(maxima[1]),
+                "param_bytes": int(maxima[2]),
+                "grad_bytes": int(maxima[3]),
                 **timings,
                 **extra,
                 "skipped_steps": self.skipped_steps,

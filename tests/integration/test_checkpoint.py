@@ -22,21 +22,35 @@ def losses(records: list[dict]) -> list[float]:
 
 def resume(folder, args: list[str], nproc: int, from_step: int) -> list[dict]:
     """Deletes the checkpoints after `from_step` and the metrics, reruns, returns the new records."""
+    records, _ = resume_with_log(folder, args, nproc, from_step)
+    return records
+
+
+def resume_with_log(folder, args: list[str], nproc: int, from_step: int) -> tuple[list[dict], str]:
+    """`resume`, and the job's log."""
     for step_dir in (folder / "checkpoint").glob("step-*"):
         if int(step_dir.name.split("-")[1]) > from_step:
             shutil.rmtree(step_dir)
     (folder / "metrics.jsonl").unlink()
-    return train_and_read_metrics(args, nproc, folder)
+    result = run_train(args, nproc, folder)
+    assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return read_metrics(folder), result.stdout
+
+
+def read_metrics(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_resume_is_bitwise_exact(tmp_path):
     """10 steps + resume + 10 steps gives exactly the losses of 20 steps straight: fp32 on CPU is
     deterministic, and the checkpoint restores weights, AdamW moments and step, the lr, the data
-    position and the RNG."""
+    position and the RNG. The resumed job never draws the weights it loads (tests/unit/test_startup.py
+    shows the state equals that of a job that did)."""
     args = [*TINY, *CKPT, "--checkpoint.interval", "10", "--training.steps", "20"]
     straight = train_and_read_metrics(args, 1, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-10", "step-20"]
-    resumed = resume(tmp_path, args, 1, from_step=10)
+    resumed, log = resume_with_log(tmp_path, args, 1, from_step=10)
+    assert f"skipped weight initialisation: loading {tmp_path / 'checkpoint' / 'step-10'}" in log
     assert [r["step"] for r in resumed] == list(range(11, 21))
     assert losses(resumed) == losses(straight)[10:]
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight][10:]
@@ -149,11 +163,12 @@ def test_loading_into_another_model_names_the_mismatched_tensors(tmp_path):
 
 def test_initial_load_path_starts_a_new_run_from_weights(tmp_path):
     first = train_and_read_metrics([*TINY, *CKPT, "--training.steps", "10"], 1, tmp_path / "first")
-    records = train_and_read_metrics(
-        [*TINY, "--training.steps", "3", "--checkpoint.initial_load_path", str(tmp_path / "first/checkpoint/step-10")],
-        1,
-        tmp_path / "second",
-    )
+    step_dir = tmp_path / "first/checkpoint/step-10"
+    result = run_train([*TINY, "--training.steps", "3", "--checkpoint.initial_load_path", str(step_dir)], 1,
+                       tmp_path / "second")
+    assert result.returncode == 0, result.stderr
+    assert f"skipped weight initialisation: loading {step_dir}" in result.stdout
+    records = read_metrics(tmp_path / "second")
     # a new run (step 1, fresh optimizer, data from the start) on the trained weights: its first
     # loss is far below an untrained model's (~8.0) and close to where the first run ended
     assert records[0]["step"] == 1

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "mfu",
-    "step_time_s", "data_time_s", "max_memory_bytes", "optimizer_state_bytes",
+    "step_time_s", "data_time_s", "max_memory_bytes", "optimizer_state_bytes", "param_bytes", "grad_bytes",
 }
 
 # fp32 on CPU: the only difference between layouts is the order of floating-point reductions

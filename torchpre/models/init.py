@@ -89,8 +89,13 @@ def init_parameters(module: nn.Module, seed: int, rule: InitRule) -> None:
                 f"parameter {fqn!r} is on the meta device; call module.to_empty(device=...) "
                 "before initializing"
             )
-        init = rule(canonical_fqn(fqn))
-        full = torch.empty(param.shape, dtype=torch.float32, device="cpu")
-        init.fill(full, generator=param_generator(seed, init.key))
-        target = param.to_local() if isinstance(param, DTensor) else param
-        target.copy_(local_part(full, param))
+        _init_parameter(param, rule(canonical_fqn(fqn)), seed)
+
+
+def _init_parameter(param: Tensor, init: ParamInit, seed: int) -> None:
+    """Draws the full parameter and keeps this process's part. The full tensor dies on return, before the
+    next parameter's is allocated: at most one is alive at a time."""
+    full = torch.empty(param.shape, dtype=torch.float32, device="cpu")
+    init.fill(full, generator=param_generator(seed, init.key))
+    target = param.to_local() if isinstance(param, DTensor) else param
+    target.copy_(local_part(full, param))

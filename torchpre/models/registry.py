@@ -63,6 +63,10 @@ class ModelSpec:
       balancing) puts it into each sequence's term, so the terms add up to a mean over the global batch.
     - `extra_metrics(parts, args, device)` returns values to log with each metrics record (MoE's router
       statistics). A collective: every rank calls it at each logged step, with the model parts it holds.
+    - `init_buffers(module)` replaces `init_weights` when a checkpoint will overwrite the weights (a resume,
+      `checkpoint.initial_load_path`): after `to_empty` it computes the buffers a checkpoint does not hold (the
+      non-persistent ones: RoPE tables, counters), so no rank draws weights that the load then discards.
+      Default: `module.init_buffers()` (`default_init_buffers`).
     """
 
     model_cls: Callable[[Any], nn.Module]
@@ -83,6 +87,7 @@ class ModelSpec:
     extra_metrics: Callable[[Sequence[nn.Module], Any, torch.device], dict[str, float]] = (
         lambda parts, args, device: {}
     )
+    init_buffers: Callable[[nn.Module], None] = lambda module: default_init_buffers(module)
 
     def pipeline_stages(self, args: Any, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
         """The module names of each of `num_stages` pipeline stages."""
@@ -91,6 +96,27 @@ class ModelSpec:
         with torch.device("meta"):
             model = self.model_cls(args)
         return pipeline_stages(model, num_stages, split_points=split_points, blocks=self.blocks)
+
+
+def default_init_buffers(module: nn.Module) -> None:
+    """Calls `module.init_buffers()`. A module without that method must hold no non-persistent buffers: a
+    checkpoint does not save them, so skipping `init_weights` would leave them as `to_empty` left them."""
+    init = getattr(module, "init_buffers", None)
+    if callable(init):
+        init()
+        return
+    computed = [
+        f"{prefix}.{name}".lstrip(".")
+        for prefix, child in module.named_modules()
+        for name in child._non_persistent_buffers_set
+        if child._buffers.get(name) is not None
+    ]
+    if computed:
+        raise ConfigError(
+            f"{type(module).__name__} has non-persistent buffers ({', '.join(computed[:5])}) that a checkpoint "
+            "does not hold, and no init_buffers() to compute them when the weights come from a checkpoint. Give "
+            "the model an init_buffers() method (or its ModelSpec an init_buffers hook) that fills them."
+        )
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -381,3 +381,16 @@ class DistributedOptimizer:
         moments = sum(v.nbytes for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
         return moments + sum(e.master.nbytes for e in self.entries if e.owns_master)
 
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameter storage: the local (TP/EP-sharded) tensors of the model's parameters,
+        a Parameter shared by two names once; fp32 masters of low-precision parameters are `state_bytes`'."""
+        params = {id(e.param): e.local for e in self.entries}
+        return sum(local.nbytes for local in params.values())
+
+    def grad_bytes(self) -> int:
+        """Bytes of this rank's persistent gradient storage under stages 0 and 1: the fp32 `main_grad`
+        accumulator of each low-precision parameter, and for any other parameter the `.grad` it holds between
+        backward and the step, shaped and typed like its local tensor (both full, not DP shards)."""
+        grads = {id(e.param): e.main_grad if e.main_grad is not None else e.local for e in self.entries}
+        return sum(grad.nbytes for grad in grads.values())
