@@ -381,7 +381,6 @@ class DistributedOptimizer:
         moments = sum(v.nbytes for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor))
         return moments + sum(e.master.nbytes for e in self.entries if e.owns_master)
 
-
     def param_bytes(self) -> int:
         """Bytes of this rank's parameter storage: the local (TP/EP-sharded) tensors of the model's parameters,
         a Parameter shared by two names once; fp32 masters of low-precision parameters are `state_bytes`'."""
