@@ -4,7 +4,8 @@ Trains the debug model at dp2 with gradient accumulation 4 (global batch 16, loc
 ZeRO-2 (reduce-scatter every microbatch) and ZeRO-2 with `zero2_accumulate_locally`, each with
 `optimizer.overlap_grad_reduce` off and on, and prints the medians over the steps after the first two of
 `time/grad_comm_s` (the wait in `reduce_gradients()` after the last backward: what overlap did not hide),
-`time/forward_backward_s`, `step_time_s` and the peak memory (`max_memory_bytes`, max over ranks).
+`time/forward_backward_s`, `step_time_s` and the peak memory (`max_memory_bytes`, max over ranks). Buckets of
+2 MiB cut the debug model's 22 MiB of gradients into about a dozen, as 25 MiB buckets cut a billion-parameter model's.
 
     python bench/zero_overlap.py [--steps 20]
 
@@ -23,7 +24,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--model.flavor", "debugmodel", "--training.seq_len", "32", "--training.global_batch_size", "16",
-          "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2"]
+          "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+          "--optimizer.bucket_size_mb", "2"]
 CONFIGS = {
     "zero1": ["--optimizer.zero_stage", "1"],
     "zero2": ["--optimizer.zero_stage", "2"],

@@ -23,7 +23,6 @@ RuntimeError naming the parameter instead of being lost.
 """
 
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -116,6 +115,11 @@ class GradBuckets:
                 self._build(members, group, part, accumulate_in_fp32, bucket_bytes)
         self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.members}
         self.position = {i: k for bucket in self.buckets for k, i in enumerate(bucket.members)}
+        # Each (group, part)'s buckets in launch order, and how many of them this round has launched.
+        self._sequences: dict[tuple[int, int], list[GradBucket]] = {}
+        for bucket in self.buckets:
+            self._sequences.setdefault(_key(bucket), []).append(bucket)
+        self._launched_count: dict[tuple[int, int], int] = dict.fromkeys(self._sequences, 0)
         self._announced: dict[int, bool] = {}  # part -> this backward may launch its buckets
         self._round_open: dict[int, bool] = {}  # part -> stage 2 (per microbatch): a microbatch's round is open
         self._in_flight: list[GradBucket] = []
@@ -137,11 +141,11 @@ class GradBuckets:
                                      world)
                 index = sum(1 for b in self.buckets if b.group is group and b.part == part)
                 bucket = GradBucket(index, run, group, part, layout, dtype)
-                size = layout.rank_numel * layout.world_size
+                device = self.entries[run[0]].local.device
                 if self.transient:
-                    bucket.shard = torch.zeros(layout.rank_numel, dtype=dtype, device=self.entries[run[0]].local.device)
+                    bucket.shard = torch.zeros(layout.rank_numel, dtype=dtype, device=device)
                 else:
-                    bucket.buffer = torch.zeros(size, dtype=dtype, device=self.entries[run[0]].local.device)
+                    bucket.buffer = torch.zeros(layout.rank_numel * layout.world_size, dtype=dtype, device=device)
                 self.buckets.append(bucket)
 
     # ---- during backward ---------------------------------------------------------------------------------------
@@ -160,7 +164,7 @@ class GradBuckets:
         self._add(bucket, i, local)
         if self._announced.get(bucket.part):
             bucket.ready.add(i)
-            self._launch_ready(bucket.group, bucket.part)
+            self._launch_ready(_key(bucket))
 
     def _add(self, bucket: GradBucket, i: int, grad: torch.Tensor) -> None:
         if bucket.launched:
@@ -171,27 +175,28 @@ class GradBuckets:
                 "step are an error."
             )
         if bucket.buffer is None:  # stage 2: the microbatch's (or the step's) first gradient in this bucket
-            dtype = self.reduce_dtype if self.per_microbatch else bucket.dtype
-            bucket.buffer = bucket.shard.new_zeros(bucket.layout.rank_numel * bucket.layout.world_size, dtype=dtype)
+            self._allocate(bucket)
         bucket.layout.add_into(bucket.buffer, self.position[i], grad)
 
-    def _launch_ready(self, group: dist.ProcessGroup, part: int) -> None:
-        """Launches, in index order, the part's buckets whose gradients are all in."""
-        for bucket in self._sequence(group, part):
-            if bucket.launched:
-                continue
+    def _allocate(self, bucket: GradBucket) -> None:
+        """Stage 2's transient buffer: in the reduction dtype when it holds one microbatch."""
+        dtype = self.reduce_dtype if self.per_microbatch else bucket.dtype
+        bucket.buffer = bucket.shard.new_zeros(bucket.layout.rank_numel * bucket.layout.world_size, dtype=dtype)
+
+    def _launch_ready(self, key: tuple[int, int]) -> None:
+        """Launches, in index order, the next buckets of the (group, part) whose gradients are all in."""
+        sequence = self._sequences[key]
+        while self._launched_count[key] < len(sequence):
+            bucket = sequence[self._launched_count[key]]
             if len(bucket.ready) < len(bucket.members):
                 return
             self._launch(bucket)
 
-    def _sequence(self, group: dist.ProcessGroup, part: int) -> Iterator[GradBucket]:
-        return (b for b in self.buckets if b.group is group and b.part == part)
-
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launched = bucket.pending = True
+        self._launched_count[_key(bucket)] += 1
         if bucket.buffer is None:  # stage 2: no gradient this round, but every rank must take part
-            dtype = self.reduce_dtype if self.per_microbatch else bucket.dtype
-            bucket.buffer = bucket.shard.new_zeros(bucket.layout.rank_numel * bucket.layout.world_size, dtype=dtype)
+            self._allocate(bucket)
         if bucket.group_size == 1:
             return
         if self.transient and len(self._in_flight) >= MAX_IN_FLIGHT:
@@ -240,6 +245,7 @@ class GradBuckets:
             if bucket.part == part:
                 self._complete(bucket)
                 bucket.launched, bucket.ready = False, set()
+                self._launched_count[_key(bucket)] = 0
 
     # ---- after backward ----------------------------------------------------------------------------------------
 
@@ -254,6 +260,7 @@ class GradBuckets:
         for bucket in self.buckets:
             self._complete(bucket)
             bucket.launched, bucket.ready = False, set()
+        self._launched_count = dict.fromkeys(self._sequences, 0)
         self._announced.clear()
         self._round_open.clear()
         return self.reduced()
@@ -310,6 +317,11 @@ class GradBuckets:
     def grad_bytes(self) -> int:
         """Bytes of persistent gradient memory on this rank (transient stage-2 buffers not counted)."""
         return sum(b.shard.nbytes if b.shard is not None else b.buffer.nbytes for b in self.buckets)
+
+
+def _key(bucket: GradBucket) -> tuple[int, int]:
+    """Buckets with the same key are launched in one sequence: one reduction group, one pipeline part."""
+    return id(bucket.group), bucket.part
 
 
 def _cut(items: list[int], sizes: list[int], bucket_bytes: int) -> list[list[int]]:
