@@ -17,7 +17,11 @@ pytestmark = pytest.mark.slow
 # once, TP and tied sums on shards) and where AdamW runs (a shard per rank): reduction-order noise, ~1e-7 per
 # operation; the issue's bound.
 LOSS_ATOL = 1e-5
-GRAD_NORM_RTOL = 1e-5
+# The norm is less exact than the loss: torch's CPU `_foreach_norm` (parallel/grad_clip.py) sums each tensor's
+# squares in fp32 with about 5e-6 relative error on a 0.5M-element tensor, and ZeRO 1-2 take it over half-size
+# shards. Measured at dp2, step 1: ZeRO-0 1.1248397, ZeRO-1 and 2 1.1249335 (8.3e-5 apart; before issue 17
+# too), while the fp64 sum of the same per-parameter squares gives 1.1249700 for both.
+GRAD_NORM_RTOL = 2e-4
 
 # global batch 8 = dp 2 x local 2 x accumulation 2
 COMMON = [*DEBUG_MODEL, "--training.steps", "10", "--training.global_batch_size", "8"]
@@ -37,9 +41,10 @@ STAGES = {
     "zero2": ["--optimizer.zero_stage", "2"],
     "zero2-local": ["--optimizer.zero_stage", "2", "--optimizer.zero2_accumulate_locally"],
 }
-# Every stage and every layout at least once; stage 1 at dp2 x pp2 is also in test_zero.py.
-SAMPLE = {("dp2", "zero1"), ("dp2", "zero2"), ("dp2xtp2", "zero2"), ("dp2xpp2", "zero2"), ("moe-ep2xdp2", "zero2"),
-          ("dp2", "zero2-local")}
+# Every stage and every dense layout at least once (stage 1 at dp2 x pp2 is also in test_zero.py), and the MoE
+# layout whose experts are DP-sharded too (edp 2). CI: about 2 minutes; every pair: 4 minutes.
+SAMPLE = {("dp2", "zero1"), ("dp2", "zero2"), ("dp2", "zero2-local"), ("dp2xtp2", "zero2"), ("dp2xpp2", "zero2"),
+          ("moe-ep2xdp4", "zero2")}
 CASES = [
     pytest.param(layout, stage, id=f"{layout}-{stage}",
                  marks=() if (layout, stage) in SAMPLE else pytest.mark.zero_matrix)
@@ -70,4 +75,6 @@ def test_zero_stages_give_the_same_losses(layout, stage, stage0, tmp_path):
     assert [r["step"] for r in records] == [r["step"] for r in reference] == list(range(1, 11))
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=LOSS_ATOL)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=GRAD_NORM_RTOL)
-    assert reference[-1]["loss"] < reference[0]["loss"] - 0.01  # it trained
+    # it trained, so the runs are not equal by staying at the initial weights (measured over the 10 steps: dense
+    # 8.12 -> 8.07, MoE 8.030 -> 8.022)
+    assert reference[-1]["loss"] < reference[0]["loss"] - 0.005

@@ -13,7 +13,8 @@ moves per stage:
 - 2: the same rank-major buffer, but transient: allocated at a bucket's first gradient of a microbatch,
   reduce-scattered when the bucket is complete, its section added into the persistent gradient shard (the
   only gradient memory kept: 1/dp of the full one), then freed. At most two such reduce-scatters are in flight.
-  With `accumulate_locally` the buffer instead lives across the microbatches and is reduce-scattered once.
+  With `accumulate_locally`, or without overlap, the buffer instead lives across the microbatches and is
+  reduce-scattered once (ZeRO-1's peak gradient memory during backward, 1/microbatches of the collectives).
 
 When the reduction may start is told by `on_backward(part, last)`, which `ParallelModel.forward_backward` (and
 the pipeline stages) call before each backward: stages 0 and 1 reduce during the last microbatch's backward,
