@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 CORE = "tests/distributed/test_core_mechanisms.py"
+GRAD_BUCKETS = "torchpre/optim/grad_buckets.py"
+GRAD_BUCKETS_TEST = "tests/distributed/test_grad_buckets.py"
 ZERO_COLLECTIVES = "tests/distributed/test_zero_collectives.py"
 TENSOR_PARALLEL = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
 TP_GRAD_NORM = "tests/distributed/test_tensor_parallel_grad_norm.py"
@@ -46,13 +48,23 @@ class Break:
 
 
 BREAKS = [
-    Break("dp-all-reduce-skipped", "torchpre/optim/distributed_optimizer.py",
-          "                all_reduce_tensors(domain, group, self.bucket_bytes)", "                pass",
+    Break("dp-all-reduce-skipped", GRAD_BUCKETS,
+          "            bucket.work = all_reduce_flat(bucket.sent, bucket.group, async_op=True)",
+          "            bucket.work = None",
           (CORE,), "ZeRO-0 skips the DP gradient all-reduce"),
     Break("dp-reduce-scatter-without-sum", "torchpre/distributed/collectives.py",
-          "        _reduce_scatter_single(mine, packed, group=group)",
-          "        mine.copy_(packed.split(layout.rank_numel)[dist.get_rank(group)])",
-          (ZERO_COLLECTIVES,), "ZeRO-1 takes its own chunk without summing the other ranks'"),
+          "    return _reduce_scatter_single(out, flat, group=group, async_op=async_op)",
+          "    out.copy_(flat.view(dist.get_world_size(group), -1)[dist.get_rank(group)])\n"
+          "    return dist.barrier(group=group, async_op=async_op)",
+          (ZERO_COLLECTIVES, CORE), "ZeRO-1 and 2 take their own chunk without summing the other ranks'"),
+    Break("zero2-shard-accumulation-dropped", GRAD_BUCKETS,
+          "            bucket.shard.add_(self._own_section(bucket, sent))",
+          "            bucket.shard.copy_(self._own_section(bucket, sent))",
+          (CORE,), "ZeRO-2's gradient shard keeps only the last microbatch's reduce-scatter"),
+    Break("bucket-late-gradient-ignored", GRAD_BUCKETS,
+          "        if bucket.launched:\n            raise RuntimeError(",
+          "        if False:\n            raise RuntimeError(",
+          (GRAD_BUCKETS_TEST,), "a gradient reaching a bucket whose reduction started is silently lost"),
     Break("tied-gradient-sum-dropped", "torchpre/parallel/pipeline.py",
           "        total = mine + theirs if name == tied[0] else theirs + mine", "        total = mine",
           (CORE,), "a weight tied across stages keeps its stage's gradient only"),
@@ -65,7 +77,7 @@ BREAKS = [
           "    start = min(rank * per_chunk - rank, tensor.shape[dim])",
           (ZERO_COLLECTIVES,), "chunks overlap: the rank offset is one row short per rank"),
     Break("zero-all-gather-skipped", "torchpre/distributed/collectives.py",
-          "        layout.unpack_all(gathered, bucket_outputs)", "        pass",
+          "    layout.unpack_all(gathered, outputs)", "    pass",
           (CORE,), "updated parameters are not all-gathered: each rank sees only its own chunk's update"),
     Break("loss-local-token-count", "torchpre/trainer.py",
           "return self._cross_entropy_sum(logits, labels) / self.tokens_per_step",
@@ -117,8 +129,8 @@ BREAKS = [
     Break("adamw-decays-norm-gains", "torchpre/optim/distributed_optimizer.py",
           '{"params": vectors, "weight_decay": 0.0}', '{"params": vectors, "weight_decay": weight_decay}',
           (CORE,), "biases and norm gains are weight-decayed"),
-    Break("bf16-accumulation-not-fp32", "torchpre/optim/distributed_optimizer.py",
-          "        if accumulate_in_fp32:", "        if False:",
+    Break("bf16-accumulation-not-fp32", GRAD_BUCKETS,
+          "    if accumulate_in_fp32:", "    if False:",
           (MIXED_PRECISION_TEST,), "bf16 microbatch gradients are summed in bf16"),
     Break("causal-mask-dropped", "torchpre/models/attention.py",
           "    return sdpa(q, k, v, mask=None, is_causal=True)", "    return sdpa(q, k, v, mask=None, is_causal=False)",

@@ -39,6 +39,7 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 SP = ("--parallelism.enable_sequence_parallel",)
 ZERO1 = ("--optimizer.zero_stage", "1")
+ZERO2 = ("--optimizer.zero_stage", "2")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
@@ -57,6 +58,7 @@ LAYOUTS: dict[str, Layout] = {
     "1proc": Layout(1),
     "dp2": Layout(2),
     "dp2-zero1": Layout(2, ZERO1),
+    "dp2-zero2": Layout(2, ZERO2),
     "tp2-sp": Layout(2, (*TP2, *SP)),
     "pp2-1f1b": Layout(2, _pp2("1F1B")),
     "pp2-zbv": Layout(2, _pp2("ZBVZeroBubble")),
@@ -65,6 +67,7 @@ LAYOUTS: dict[str, Layout] = {
     "tp2xpp2": Layout(4, (*TP2, *_pp2("1F1B"))),
     "dp2xpp2": Layout(4, _pp2("1F1B")),
     "dp2xpp2-zero1": Layout(4, (*_pp2("1F1B"), *ZERO1)),
+    "dp2xpp2-zero2": Layout(4, (*_pp2("1F1B"), *ZERO2)),
     "ep2": Layout(2, EP2, experts=True),
     "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
 }

@@ -144,6 +144,9 @@ class Trainer:
             accumulate_in_fp32=t.mixed_precision_grad == "float32",
             max_norm=t.max_norm,
             bucket_bytes=int(o.bucket_size_mb * 2**20),
+            reduce_dtype=getattr(torch, o.reduce_dtype),
+            overlap_grad_reduce=o.overlap_grad_reduce,
+            zero2_accumulate_locally=o.zero2_accumulate_locally,
             **hyperparameters_from_config(vars(o)),
         )
         self.lr_scheduler = build_lr_scheduler(

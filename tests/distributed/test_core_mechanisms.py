@@ -1,5 +1,6 @@
 """The core multi-rank mechanisms on two gloo ranks, each against what one process computes, in one spawn (fast
-enough for scripts/mutation_check.py): the DP gradient reduction and ZeRO-1 (uneven shards, the all-gather of the
+enough for scripts/mutation_check.py): the DP gradient reduction and ZeRO-1 and 2 (uneven shards, stage 2's sum
+over microbatches, the all-gather of the
 updated parameters, the global gradient norm), the gradient sum of a weight tied across pipeline stages, a pp2
 schedule's gradients over several microbatches, the expert-parallel all-to-all with uneven token counts, and the
 non-finite verdict every rank must share."""
@@ -66,7 +67,9 @@ def _one_process() -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     return norms, {name: p.detach() for name, p in model.named_parameters()}
 
 
-def _check_data_parallel(zero_stage: int, mesh: DeviceMesh) -> None:
+def _check_data_parallel(zero_stage: int, mesh: DeviceMesh, microbatches: int = 1) -> None:
+    """`microbatches` > 1 announces each backward as `forward_backward` does, so stage 2 reduce-scatters each
+    microbatch's gradients into its shard while the next runs."""
     norms, expected = _one_process()
     model = _model()
     optimizer = DistributedOptimizer(
@@ -76,7 +79,12 @@ def _check_data_parallel(zero_stage: int, mesh: DeviceMesh) -> None:
     )
     rank = dist.get_rank()
     for step in range(STEPS):
-        _loss(model, INPUTS.chunk(2)[rank], TARGETS.chunk(2)[rank]).backward()
+        batches = zip(INPUTS.chunk(2)[rank].chunk(microbatches), TARGETS.chunk(2)[rank].chunk(microbatches))
+        for i, (inputs, targets) in enumerate(batches):
+            loss = _loss(model, inputs, targets)
+            if microbatches > 1:
+                optimizer.buckets.on_backward(0, last=i == microbatches - 1)
+            loss.backward()
         norm = optimizer.step()
         what = f"zero {zero_stage}: step {step} norm"
         torch.testing.assert_close(norm, norms[step], rtol=NORM_RTOL, atol=0, msg=what)
@@ -158,6 +166,7 @@ def _check_all(mesh: DeviceMesh) -> None:
     dp_tp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     for zero_stage in (0, 1):
         _check_data_parallel(zero_stage, dp_tp)
+    _check_data_parallel(2, dp_tp, microbatches=2)
     _check_tied_gradient_sum()
     _check_pipeline_gradients()
     _check_expert_parallel(mesh)

@@ -211,6 +211,7 @@ def _check_writable_folder(key: str, folder: Path) -> None:
 ZERO_STAGES = {
     0: "0 (replicated state)",
     1: "1 (optimizer state sharded over DP)",
+    2: "2 (gradients sharded over DP too)",
 }
 
 

@@ -1,6 +1,8 @@
 """Bucketed collectives on lists of tensors: all-reduce, and reduce-scatter / all-gather of `torch.chunk` chunks.
 
-Data parallelism reduces gradients with them, tensor parallelism its partial sums, ZeRO-1 its shards."""
+Data parallelism reduces gradients with them (`torchpre.optim.grad_buckets` through the `*_flat` shims), tensor
+parallelism its partial sums, ZeRO its shards. `ChunkLayout` places every rank's chunk of many tensors in one flat
+buffer, so that one collective moves them all."""
 
 import math
 from collections.abc import Iterable
@@ -44,6 +46,27 @@ def _buckets(items: list, bucket_bytes: int) -> Iterable[list]:
         yield bucket
 
 
+def reduce_scatter_flat(
+    out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
+    """Sums `flat` (`world` equal sections) over `group` into `out`, this rank's section; `out` may be that
+    section of `flat` itself. With `dp_all_reduce_flat` and `all_gather_flat`, the only data-parallel collectives:
+    tests count them here."""
+    return _reduce_scatter_single(out, flat, group=group, async_op=async_op)
+
+
+def all_reduce_flat(flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+    """Sums `flat` in place over `group`."""
+    return dist.all_reduce(flat, group=group, async_op=async_op)
+
+
+def all_gather_flat(
+    out: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+) -> dist.Work | None:
+    """Every rank's `flat`, in rank order, into `out`."""
+    return _all_gather_single(out, flat, group=group, async_op=async_op)
+
+
 def reduce_scatter_chunks(
     tensors: list[torch.Tensor], dims: list[int], group: dist.ProcessGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> list[torch.Tensor]:
@@ -54,10 +77,10 @@ def reduce_scatter_chunks(
     """
     shards: list[torch.Tensor] = []
     for bucket in _buckets(list(zip(tensors, dims)), bucket_bytes):
-        layout = _ChunkLayout([t for t, _ in bucket], [d for _, d in bucket], dist.get_world_size(group))
+        layout = ChunkLayout([t.shape for t, _ in bucket], [d for _, d in bucket], dist.get_world_size(group))
         packed = layout.pack([t for t, _ in bucket])
         mine = packed.new_empty(layout.rank_numel)
-        _reduce_scatter_single(mine, packed, group=group)
+        reduce_scatter_flat(mine, packed, group)
         shards.extend(layout.unpack_rank(mine, dist.get_rank(group)))
     return shards
 
@@ -74,37 +97,69 @@ def all_gather_chunks(
     items = list(zip(outputs, shards, dims))
     for bucket in _buckets(items, bucket_bytes):
         bucket_outputs = [o for o, _, _ in bucket]
-        layout = _ChunkLayout(bucket_outputs, [d for _, _, d in bucket], dist.get_world_size(group))
-        mine = layout.pack_rank([s.to(o.dtype) for o, s, _ in bucket])
-        gathered = mine.new_empty(layout.rank_numel * layout.world_size)
-        _all_gather_single(gathered, mine, group=group)
-        layout.unpack_all(gathered, bucket_outputs)
+        layout = ChunkLayout([o.shape for o in bucket_outputs], [d for _, _, d in bucket], dist.get_world_size(group))
+        all_gather_into(layout, [s for _, s, _ in bucket], bucket_outputs, group)
 
 
-class _ChunkLayout:
-    """Where each rank's chunk of each tensor sits in a flat buffer of `world_size` equal sections."""
+def all_gather_into(
+    layout: "ChunkLayout", shards: list[torch.Tensor], outputs: list[torch.Tensor], group: dist.ProcessGroup
+) -> None:
+    """Writes every rank's chunks (`shards` here, cast to the outputs' dtype) into the full `outputs`: one
+    all-gather of `layout`'s flat buffer."""
+    mine = layout.pack_rank([s.to(o.dtype) for o, s in zip(outputs, shards)])
+    gathered = mine.new_empty(layout.rank_numel * layout.world_size)
+    all_gather_flat(gathered, mine, group)
+    layout.unpack_all(gathered, outputs)
 
-    def __init__(self, tensors: list[torch.Tensor], dims: list[int], world_size: int):
+
+class ChunkLayout:
+    """Where each rank's chunk of each tensor sits in a flat buffer of `world_size` equal sections (rank-major):
+    section r holds, tensor after tensor, `torch.chunk(tensor, world_size, dim)[r]` padded to the largest chunk.
+
+    Every method moves a tensor's chunks of all ranks with at most two strided copies (the full chunks, then the
+    shorter last one), never a loop over ranks. With `world_size` 1 the buffer is the tensors concatenated.
+    """
+
+    def __init__(self, shapes: list[torch.Size], dims: list[int], world_size: int):
         self.world_size = world_size
         self.dims = dims
-        self.shapes = [t.shape for t in tensors]
-        self.padded = [_padded_chunk_shape(t.shape, d, world_size) for t, d in zip(tensors, dims)]
+        self.shapes = [torch.Size(shape) for shape in shapes]
+        self.padded = [_padded_chunk_shape(shape, d, world_size) for shape, d in zip(self.shapes, dims)]
         self.numels = [math.prod(shape) for shape in self.padded]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.rank_numel = sum(self.numels)
 
-    def _slots(self, section: torch.Tensor) -> list[torch.Tensor]:
-        """Views of one rank's section, one per tensor, in the padded chunk shape."""
-        return [s.view(shape) for s, shape in zip(section.split(self.numels), self.padded)]
+    def rank_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        """Tensor `index`'s padded chunks of every rank in `flat`, as one strided view [world, *padded chunk]."""
+        start = self.offsets[index]
+        sections = flat.view(self.world_size, self.rank_numel)
+        return sections[:, start : start + self.numels[index]].unflatten(1, self.padded[index])
 
-    def _chunk(self, slot: torch.Tensor, index: int, rank: int) -> torch.Tensor:
-        rows = chunk_rows(self.shapes[index][self.dims[index]], self.world_size, rank)
-        return slot.narrow(self.dims[index], 0, rows)
+    def _pairs(self, flat: torch.Tensor, index: int, tensor: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slots in `flat`, chunks of `tensor`) view pairs covering every element of `tensor` once: the ranks
+        with full chunks in one pair, the rank with the shorter last chunk (if any) in a second."""
+        dim, size = self.dims[index], self.shapes[index][self.dims[index]]
+        per = self.padded[index][dim]
+        if per == 0:
+            return []
+        slots = self.rank_view(flat, index)
+        full = size // per
+        pairs = [(slots[:full], tensor.narrow(dim, 0, full * per).unflatten(dim, (full, per)).movedim(dim, 0))]
+        if size > full * per:
+            rest = size - full * per
+            pairs.append((slots[full].narrow(dim, 0, rest), tensor.narrow(dim, full * per, rest)))
+        return pairs
+
+    def add_into(self, flat: torch.Tensor, index: int, tensor: torch.Tensor) -> None:
+        """Adds `tensor` (shaped like tensor `index`) into its chunks' slots of `flat`."""
+        for slot, chunk in self._pairs(flat, index, tensor):
+            slot.add_(chunk)
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         flat = tensors[0].new_zeros(self.rank_numel * self.world_size)
-        for rank, section in enumerate(flat.split(self.rank_numel)):
-            for i, (slot, tensor) in enumerate(zip(self._slots(section), tensors)):
-                self._chunk(slot, i, rank).copy_(rank_chunk(tensor, self.dims[i], self.world_size, rank))
+        for i, tensor in enumerate(tensors):
+            for slot, chunk in self._pairs(flat, i, tensor):
+                slot.copy_(chunk)
         return flat
 
     def pack_rank(self, chunks: list[torch.Tensor]) -> torch.Tensor:
@@ -114,12 +169,20 @@ class _ChunkLayout:
         return flat
 
     def unpack_rank(self, section: torch.Tensor, rank: int) -> list[torch.Tensor]:
-        return [self._chunk(slot, i, rank) for i, slot in enumerate(self._slots(section))]
+        """Views of this rank's chunks in its `section` (rank_numel elements)."""
+        return [
+            slot.narrow(dim, 0, chunk_rows(shape[dim], self.world_size, rank))
+            for slot, dim, shape in zip(self._slots(section), self.dims, self.shapes)
+        ]
 
     def unpack_all(self, flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
-        for rank, section in enumerate(flat.split(self.rank_numel)):
-            for i, slot in enumerate(self._slots(section)):
-                rank_chunk(outputs[i], self.dims[i], self.world_size, rank).copy_(self._chunk(slot, i, rank))
+        for i, output in enumerate(outputs):
+            for slot, chunk in self._pairs(flat, i, output):
+                chunk.copy_(slot)
+
+    def _slots(self, section: torch.Tensor) -> list[torch.Tensor]:
+        """Views of one rank's section, one per tensor, in the padded chunk shape."""
+        return [s.view(shape) for s, shape in zip(section.split(self.numels), self.padded)]
 
 
 def chunk_rows(size: int, world_size: int, rank: int) -> int:

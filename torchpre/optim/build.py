@@ -2,7 +2,10 @@
 
 import functools
 
+import torch
+
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES
+from torchpre.distributed.names import canonical_fqn
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.registry import DEFAULT_HYPERPARAMETERS, constructor_kwargs, get_optimizer
 from torchpre.parallel.api import ParallelModel
@@ -16,11 +19,15 @@ def build_optimizer(
     max_norm: float = 1.0,
     accumulate_in_fp32: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    reduce_dtype: torch.dtype = torch.float32,
+    overlap_grad_reduce: bool = True,
+    zero2_accumulate_locally: bool = False,
     **hyperparameters: object,
 ) -> DistributedOptimizer:
     """The optimizer `name` (see `torchpre.optim.registry`) on fp32 masters for `model`, its state replicated
-    (zero_stage 0) or sharded over DP (ZeRO-1); its `step()` finalises the gradients (TP partial sums, tied
-    copies, DP reduction, clipping) first.
+    (zero_stage 0) or sharded over DP (ZeRO-1), its gradients too (ZeRO-2); its `step()` finalises the gradients
+    (DP reduction, TP partial sums, tied copies, clipping) first. With `overlap_grad_reduce` the DP reduction
+    starts during `model.forward_backward` (the optimizer registers itself as the model's backward callback).
 
     `hyperparameters` (lr, weight_decay, betas, eps, momentum: `registry.DEFAULT_HYPERPARAMETERS`) override the
     defaults; those the optimizer does not take are not passed to it.
@@ -34,8 +41,10 @@ def build_optimizer(
     kwargs = constructor_kwargs(spec, hyperparameters)
     if spec.uses_fused(model.device):
         kwargs["fused"] = True
-    return DistributedOptimizer(
-        model.named_parameters(),
+    named = model.named_parameters()
+    part_of = {canonical_fqn(name): i for i, part in enumerate(model.parts) for name, _ in part.named_parameters()}
+    optimizer = DistributedOptimizer(
+        named,
         zero_stage=zero_stage,
         state_mesh=model.mesh["dp", "tp"],
         dp_group=model.mesh["dp"].get_group(),
@@ -49,4 +58,10 @@ def build_optimizer(
         bucket_bytes=bucket_bytes,
         tied=model.plan.tied_weights,
         tied_peer=model.tied_peer(),
+        parts=[part_of[name] for name, _ in named],
+        reduce_dtype=reduce_dtype,
+        overlap_grad_reduce=overlap_grad_reduce,
+        zero2_accumulate_locally=zero2_accumulate_locally,
     )
+    model.set_backward_callback(optimizer.buckets.on_backward)
+    return optimizer

@@ -1,15 +1,18 @@
-"""A torch optimizer on fp32 master weights, with its state replicated (ZeRO stage 0) or sharded over DP (stage 1).
+"""A torch optimizer on fp32 master weights, with its state replicated (ZeRO stage 0) or sharded over DP (stage 1),
+and its gradients sharded too (stage 2).
 
-Between backward and the update, gradients are finalised once per optimizer step, on local fp32
-tensors, in this order: partial sums over TP are reduced (norms under sequence parallel), copies of
-a weight tied across pipeline stages are summed, gradients are all-reduced (stage 0) or
-reduce-scattered (stage 1) over DP in flat buckets, the global norm is taken and the gradients
-clipped. Each rank then steps the inner optimizer (any `torch.optim` class, see `torchpre.optim.registry`) on
-its fp32 master shard and the new values are copied (stage 0) or all-gathered (stage 1) into the parameters,
+Gradients are reduced over DP in flat buckets (`torchpre.optim.grad_buckets`): all-reduced (stage 0) or
+reduce-scattered (stages 1-2), each bucket as soon as backward has produced its gradients, overlapping the rest
+of backward. After the last backward they are finalised once per optimizer step, on this rank's fp32 DP shards:
+partial sums over TP are reduced (norms under sequence parallel), copies of a weight tied across pipeline stages
+are summed (both sums commute with the DP sum, and every TP and pp rank cuts its DP chunks alike, so doing them on
+the shards is the same arithmetic on 1/dp of the data), the global norm is taken and the gradients clipped.
+Each rank then steps the inner optimizer (any `torch.optim` class, see `torchpre.optim.registry`) on its fp32
+master shard and the new values are copied (stage 0) or all-gathered (stages 1-2) into the parameters,
 which may be bf16. The inner optimizer's per-parameter state tensors are shaped like its master shard, so they
 are sharded and checkpointed exactly like the master.
 
-Stage 1 shards every parameter over DP along its first dimension that tensor parallelism does not
+Stages 1 and 2 shard every parameter over DP along its first dimension that tensor parallelism does not
 shard, as `torch.chunk` does (DTensor's Shard semantics): a parameter's optimizer state is then a
 plain 2-D-mesh DTensor (Shard over dp, the TP placement over tp), which checkpoints can reshard. A
 tensor whose only dimension TP shards is cut along it again, within its TP-local part (`_StridedShard`).
@@ -18,8 +21,8 @@ Experts sharded by expert parallelism (DTensors on the 1-D `ep` mesh, Shard(0) o
 domain: each expert lives on one rank of every ep group, so its gradient is reduced over the expert-data-
 parallel group `edp` (the DP ranks holding the same experts) instead of all of DP, its ZeRO-1 shard is taken
 over edp, and its state is a DTensor on the 2-D (edp, ep) mesh.
-Memory per parameter (bytes), for AdamW's two moments: fp32 16 -> 8 + 8/dp; bf16 params with fp32 grads and
-master 18 -> 6 + 12/dp.
+Memory per parameter (bytes: parameter + gradient + state), for AdamW's two moments: fp32 16, ZeRO-1 8 + 8/dp,
+ZeRO-2 4 + 12/dp; bf16 parameters with fp32 gradients and masters 18, ZeRO-1 6 + 12/dp, ZeRO-2 2 + 16/dp.
 """
 
 from collections.abc import Callable
@@ -34,15 +37,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchpre.distributed.collectives import (
     DEFAULT_BUCKET_BYTES,
-    all_gather_chunks,
+    all_gather_into,
     all_reduce_tensors,
     rank_chunk,
-    reduce_scatter_chunks,
 )
 from torchpre.errors import ConfigError
+from torchpre.optim.grad_buckets import GradBuckets
 from torchpre.parallel.grad_clip import clip_gradients_, global_grad_norm, sum_of_squares
 from torchpre.parallel.pipeline import sync_tied_gradients
-from torchpre.parallel.tensor_parallel import local_gradient
 
 
 @dataclass
@@ -53,15 +55,19 @@ class _Entry:
     param: nn.Parameter
     local: torch.Tensor  # the parameter's local (TP) tensor, sharing its storage
     tp_sharded: bool
-    dim: int  # the dimension sharded over DP under ZeRO-1
+    dim: int  # the dimension sharded over DP under ZeRO-1 and 2
     master: torch.Tensor  # fp32; a view of `local` when the parameter is fp32
-    main_grad: torch.Tensor | None = None  # fp32 accumulator for low-precision parameters
     tp_partial: bool = False  # its gradient is a per-rank partial sum over TP
     expert: bool = False  # sharded over the ep mesh; reduced over edp instead of dp
     owns_master: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.owns_master = self.master.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+
+
+# Whether a stage shards the optimizer state (and the masters) over DP: stages 1 and 2 keep the same state, so
+# their checkpoints are the same bytes.
+SHARDS_STATE = {0: False, 1: True, 2: True}
 
 
 class DistributedOptimizer:
@@ -73,6 +79,8 @@ class DistributedOptimizer:
     scheduler), built by `build_inner(param_groups)`: matrices decay by `weight_decay`, vectors (norm gains,
     biases) do not. `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()`;
     `expert_state_mesh`, the 2-D (edp, ep) mesh of expert-parallel experts' state (None without experts).
+    `parts[i]` is the pipeline part (index in `ParallelModel.parts`) of the i-th parameter (all 0 when None);
+    `reduce_dtype`, `overlap_grad_reduce` and `zero2_accumulate_locally` configure the DP reduction (`GradBuckets`).
     """
 
     def __init__(
@@ -92,6 +100,10 @@ class DistributedOptimizer:
         tied: tuple[str, str] | None = None,
         tied_peer: int | None = None,
         expert_state_mesh: DeviceMesh | None = None,
+        parts: list[int] | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        overlap_grad_reduce: bool = True,
+        zero2_accumulate_locally: bool = False,
     ):
         self.zero_stage = zero_stage
         self.state_mesh, self.expert_state_mesh = state_mesh, expert_state_mesh
@@ -102,11 +114,12 @@ class DistributedOptimizer:
         self.bucket_bytes = bucket_bytes
         self.tied, self.tied_peer = tied, tied_peer
         self.entries = [self._entry(name, param) for name, param in named_params]
-        if accumulate_in_fp32:
-            for entry in self.entries:
-                if entry.param.dtype != torch.float32:
-                    entry.main_grad = torch.zeros_like(entry.local, dtype=torch.float32)
-                    entry.param.register_post_accumulate_grad_hook(self._accumulate_hook(entry))
+        self.reduce_dtype = reduce_dtype
+        self.buckets = GradBuckets(
+            self.entries, self._domains(), parts or [0] * len(self.entries), zero_stage=zero_stage,
+            accumulate_in_fp32=accumulate_in_fp32, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
+            overlap=overlap_grad_reduce, accumulate_locally=zero2_accumulate_locally,
+        )
         matrices = [e.master for e in self.entries if e.local.ndim >= 2]
         vectors = [e.master for e in self.entries if e.local.ndim < 2]
         # Norm gains are not decayed: pulling a gain towards 0 fights the normalisation it scales.
@@ -120,7 +133,7 @@ class DistributedOptimizer:
         expert = isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",)
         dim = next((d for d in range(local.ndim) if d not in sharded), 0)
         shard = local
-        if self.zero_stage == 1:
+        if SHARDS_STATE[self.zero_stage]:
             group = self.edp_group if expert else self.dp_group
             shard = rank_chunk(local, dim, dist.get_world_size(group), dist.get_rank(group))
         master = shard.detach() if local.dtype == torch.float32 else shard.detach().float().clone()
@@ -136,38 +149,14 @@ class DistributedOptimizer:
             domains.append((experts, self.edp_group))
         return domains
 
-    @staticmethod
-    def _accumulate_hook(entry: _Entry) -> Callable[[nn.Parameter], None]:
-        """Moves each microbatch's low-precision gradient into the fp32 accumulator right away."""
-
-        def hook(param: nn.Parameter) -> None:
-            local, entry.tp_partial = local_gradient(param, param.grad)
-            entry.main_grad.add_(local)
-            param.grad = None
-
-        return hook
-
     def collect_gradients(self) -> list[torch.Tensor]:
-        """Every parameter's accumulated local gradient in fp32 (zeros for one that got none).
+        """Every parameter's accumulated local gradient in fp32 before the DP reduction (zeros for one that got
+        none), for tests: valid while no bucket was reduced (dp 1, or backward not run by `forward_backward`).
 
-        A gradient still in `.grad` (an fp32 parameter's, or one added without running the accumulate hook) is
-        folded in here; the pipeline stages run that hook after zero-bubble weight backward (`pipeline.Stage`).
+        A gradient still in `.grad` (one added without running the post-accumulate hook) is folded in here; the
+        pipeline stages run that hook after zero-bubble weight backward (`pipeline.Stage`).
         """
-        grads = []
-        for e in self.entries:
-            leftover = None
-            if e.param.grad is not None:
-                leftover, e.tp_partial = local_gradient(e.param, e.param.grad)
-                e.param.grad = None
-            if e.main_grad is not None:
-                if leftover is not None:
-                    e.main_grad.add_(leftover)
-                grads.append(e.main_grad)
-            elif leftover is not None:
-                grads.append(leftover.float())
-            else:
-                grads.append(torch.zeros_like(e.local, dtype=torch.float32))
-        return grads
+        return self.buckets.local_gradients()
 
     def step(self) -> torch.Tensor:
         """`reduce_gradients()` then `apply()`, unconditionally; returns the global norm before clipping."""
@@ -176,27 +165,18 @@ class DistributedOptimizer:
         return norm
 
     def reduce_gradients(self) -> torch.Tensor:
-        """Finalises this step's gradients (TP partial sums, tied copies, the DP all-reduce or
-        reduce-scatter, clipping) and returns their global norm before clipping, without a host sync.
+        """Finalises this step's gradients (the rest of the DP reduction, TP partial sums, tied copies, clipping)
+        and returns their global norm before clipping, without a host sync.
 
         Separate from `apply()` so that the caller can look at the norm (and the loss) first and
         `discard()` a step whose numbers are not finite.
         """
-        grads = self.collect_gradients()
-        all_reduce_tensors([g for e, g in zip(self.entries, grads) if e.tp_partial], self.tp_group, self.bucket_bytes)
+        shards = [g.float() for g in self.buckets.finish()]
+        all_reduce_tensors([g for e, g in zip(self.entries, shards) if e.tp_partial], self.tp_group, self.bucket_bytes)
         if self.tied and self.tied_peer is not None:
-            by_name = {e.name: g for e, g in zip(self.entries, grads) if e.name in self.tied}
-            sync_tied_gradients(by_name, self.tied, self.tied_peer, self.pp_group)
-        shards = list(grads)
-        for indices, group in self._domains():
-            domain = [grads[i] for i in indices]
-            if self.zero_stage == 1:
-                domain = reduce_scatter_chunks(domain, [self.entries[i].dim for i in indices], group, self.bucket_bytes)
-            else:
-                all_reduce_tensors(domain, group, self.bucket_bytes)
-            for i, shard in zip(indices, domain):
-                shards[i] = shard
-        return self._finalise(shards, sharded_over_dp=self.zero_stage == 1)
+            _sync_tied_shards({e.name: g for e, g in zip(self.entries, shards) if e.name in self.tied}, self.tied,
+                              self.tied_peer, self.pp_group)
+        return self._finalise(shards, sharded_over_dp=SHARDS_STATE[self.zero_stage])
 
     def _finalise(self, shards: list[torch.Tensor], *, sharded_over_dp: bool) -> torch.Tensor:
         """Takes the global norm of the DP-reduced gradients (`shards`, one per entry), clips them, makes them the
@@ -239,13 +219,11 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _write_parameters(self) -> None:
-        if self.zero_stage == 1:
-            for indices, group in self._domains():
-                entries = [self.entries[i] for i in indices]
-                all_gather_chunks(
-                    [e.master for e in entries], [e.local for e in entries], [e.dim for e in entries], group,
-                    self.bucket_bytes,
-                )
+        if SHARDS_STATE[self.zero_stage]:
+            # One all-gather per gradient bucket: its layout is that of the masters' chunks too.
+            for bucket in self.buckets.buckets:
+                entries = [self.entries[i] for i in bucket.members]
+                all_gather_into(bucket.layout, [e.master for e in entries], [e.local for e in entries], bucket.group)
             return
         for entry in self.entries:
             if entry.owns_master:
@@ -254,8 +232,7 @@ class DistributedOptimizer:
     def _zero_grads(self) -> None:
         for entry in self.entries:
             entry.master.grad = None
-            if entry.main_grad is not None:
-                entry.main_grad.zero_()
+        self.buckets.zero_()
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The optimizer state by parameter name, as the inner optimizer keys it (AdamW: "step", "exp_avg",
@@ -358,7 +335,7 @@ class DistributedOptimizer:
         mesh = self.expert_state_mesh if entry.expert else self.state_mesh
         inner = entry.param.placements[0] if isinstance(entry.param, DTensor) else Replicate()
         dp_placement: Placement = Replicate()
-        if self.zero_stage == 1:
+        if SHARDS_STATE[self.zero_stage]:
             inner_shards = mesh.size(1) if isinstance(inner, Shard) and inner.dim == entry.dim else 1
             dp_placement = _StridedShard(entry.dim, split_factor=inner_shards) if inner_shards > 1 else Shard(entry.dim)
         shape = entry.param.shape
@@ -388,8 +365,17 @@ class DistributedOptimizer:
         return sum(local.nbytes for local in params.values())
 
     def grad_bytes(self) -> int:
-        """Bytes of this rank's persistent gradient storage under stages 0 and 1: the fp32 `main_grad`
-        accumulator of each low-precision parameter, and for any other parameter the `.grad` it holds between
-        backward and the step, shaped and typed like its local tensor (both full, not DP shards)."""
-        grads = {id(e.param): e.main_grad if e.main_grad is not None else e.local for e in self.entries}
-        return sum(grad.nbytes for grad in grads.values())
+        """Bytes of this rank's persistent gradient storage: the bucket buffers (full local gradients under
+        stages 0 and 1, this rank's DP shard under stage 2; transient stage-2 buffers not counted)."""
+        return self.buckets.grad_bytes()
+
+
+def _sync_tied_shards(
+    shards: dict[str, torch.Tensor], tied: tuple[str, str], peer: int, group: dist.ProcessGroup
+) -> None:
+    """`sync_tied_gradients` on the DP shards of the tied copies (views, maybe strided: sent contiguous)."""
+    dense = {name: shard.contiguous() for name, shard in shards.items()}
+    sync_tied_gradients(dense, tied, peer, group)
+    for name, shard in shards.items():
+        if dense[name] is not shard:
+            shard.copy_(dense[name])

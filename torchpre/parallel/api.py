@@ -141,16 +141,26 @@ class ParallelModel:
         self.stage_ids = pipeline.stage_ids(mesh["pp"].get_local_rank()) if pipeline else [0]
         num_stages = pipeline.num_stages if pipeline else 1
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
+        self._stages: list[Stage] = []
+        self._backward_callback: Callable[[int, bool], None] | None = None
         # Without a loss_fn (inference) there is no schedule: `forward_only` passes activations itself.
         self.schedule = self._build_schedule() if pipeline and loss_fn is not None else None
 
     def _build_schedule(self):
         pipeline, group = self.plan.pipeline, self.mesh["pp"].get_group()
-        stages = [
-            Stage(part, stage, pipeline.num_stages, self.device, group=group)
-            for part, stage in zip(self.parts, self.stage_ids)
+        self._stages = [
+            Stage(part, stage, pipeline.num_stages, self.device, group=group, part_index=index)
+            for index, (part, stage) in enumerate(zip(self.parts, self.stage_ids))
         ]
-        return build_schedule(stages, pipeline.schedule, pipeline.n_microbatches, self.loss_fn)
+        return build_schedule(self._stages, pipeline.schedule, pipeline.n_microbatches, self.loss_fn)
+
+    def set_backward_callback(self, callback: Callable[[int, bool], None] | None) -> None:
+        """Has `forward_backward` call `callback(part_index, last)` before each backward that produces parameter
+        gradients of `parts[part_index]`; `last` is true for the step's last one. The optimizer starts its
+        data-parallel reduction during that backward (`GradBuckets.on_backward`)."""
+        self._backward_callback = callback
+        for stage in self._stages:
+            stage.backward_callback = callback
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter this rank holds, once, by its name in the full model (wrapper names removed)."""
@@ -181,8 +191,10 @@ class ParallelModel:
         if self.plan.pipeline is not None:
             return self._pipeline_forward_backward(microbatches)
         loss = torch.zeros((), device=self.device)
-        for inputs, labels in microbatches:
+        for i, (inputs, labels) in enumerate(microbatches):
             microbatch_loss = self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels)
+            if self._backward_callback is not None:
+                self._backward_callback(0, i == len(microbatches) - 1)
             microbatch_loss.backward()
             loss += replicated_value(microbatch_loss.detach())
         return loss

@@ -194,9 +194,23 @@ class Stage(PipelineStage):
     backward: it runs the post-accumulate-grad hooks of each parameter whose gradient it accumulated.
 
     torch computes those weight gradients with `autograd.grad` and adds them with `weight.grad += dw`, which
-    fires no hook; the optimizer's fp32 accumulation of low-precision gradients relies on the hook, so without
-    this a bf16 model would sum its microbatches in bf16 under these schedules only.
+    fires no hook; the optimizer moves every gradient into its buckets from that hook (fp32 accumulation, the
+    data-parallel reduction during backward), so without this these schedules would leave gradients behind.
+
+    Before each backward that produces weight gradients (full or weight-only, not input-only) it calls
+    `backward_callback(part_index, last_backward)` (set by `ParallelModel.set_backward_callback`), so the
+    optimizer knows which microbatch's backward is this stage's last in the step.
     """
+
+    def __init__(self, *args, part_index: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.part_index = part_index
+        self.backward_callback: Callable[[int, bool], None] | None = None
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if self.backward_callback is not None and backward_type in ("full", "weight"):
+            self.backward_callback(self.part_index, last_backward)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         params = list(self.submod.parameters())
