@@ -1,7 +1,7 @@
 """The bucketed data-parallel gradient reduction of ZeRO stages 0-2 on two gloo ranks, through the public API
 (`parallelize`, `build_optimizer`, `forward_backward`), in one spawn: how many collectives a step issues, that
 overlapping them with backward (and stage 2's reduce-scatter per microbatch) changes no gradient, that a late
-gradient is an error, and that the collectives are in flight when backward returns."""
+gradient is an error, that the collectives are in flight when backward returns, and the gradient memory kept."""
 
 import functools
 from collections import Counter
@@ -190,6 +190,19 @@ def _check_stage2_state_is_stage1s(mesh: DeviceMesh) -> None:
                 torch.testing.assert_close(other.to_local(), value.to_local(), rtol=0, atol=ATOL)
 
 
+def _check_gradient_memory(mesh: DeviceMesh) -> None:
+    """Persistent gradient bytes per parameter: 4 (one fp32 buffer) under stages 0-1, 4 / dp under stage 2 (the
+    40 x 16 elements split evenly: no padding)."""
+    numel = 40 * 16
+    for zero_stage, expected in [(0, 4 * numel), (1, 4 * numel), (2, 4 * numel // 2)]:
+        model, optimizer = _setup(mesh, zero_stage=zero_stage)
+        model.forward_backward(_microbatches())
+        optimizer.step()
+        assert optimizer.buckets.grad_bytes() == expected, (zero_stage, optimizer.buckets.grad_bytes())
+    _, optimizer = _setup(mesh, zero_stage=2, zero2_accumulate_locally=True)
+    assert optimizer.buckets.grad_bytes() == 4 * numel // 2
+
+
 def _check_all(_mesh: DeviceMesh) -> None:
     mesh = ParallelDims.from_degrees(dp=2, tp=1, pp=1, world_size=2).build_mesh("cpu")
     _check_collective_counts(mesh)
@@ -197,6 +210,7 @@ def _check_all(_mesh: DeviceMesh) -> None:
     _check_late_gradient_raises(mesh)
     _check_overlap(mesh)
     _check_stage2_state_is_stage1s(mesh)
+    _check_gradient_memory(mesh)
 
 
 def test_bucketed_gradient_reduction_on_two_ranks(tmp_path):
