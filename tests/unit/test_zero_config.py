@@ -24,6 +24,20 @@ def _config(tmp_path, **keys: object) -> JobConfig:
         ({"parallelism__data_parallel_replicate_degree": 0}, "parallelism.data_parallel_replicate_degree = 0"),
         ({"parallelism__data_parallel_shard_degree": 0}, "parallelism.data_parallel_shard_degree = 0"),
         ({"parallelism__data_parallel_replicate_degree": 2}, "set optimizer.zero_stage = 3"),
+        ({"optimizer__zero_stage": 3, "parallelism__expert_parallel_degree": 2}, "expert_parallel_degree = 2"),
+        (
+            {"optimizer__zero_stage": 3, "training__mixed_precision_grad": "bfloat16"},
+            "training.mixed_precision_grad = bfloat16",
+        ),
+        (
+            {
+                "optimizer__zero_stage": 3,
+                "parallelism__data_parallel_degree": 4,
+                "parallelism__data_parallel_replicate_degree": 2,
+                "parallelism__data_parallel_shard_degree": 3,
+            },
+            "2 x 3 = 6 must equal parallelism.data_parallel_degree = 4",
+        ),
     ],
 )
 def test_impossible_zero_keys_are_named(tmp_path, keys, message):
@@ -34,3 +48,8 @@ def test_impossible_zero_keys_are_named(tmp_path, keys, message):
 def test_the_defaults_are_valid(tmp_path):
     validate_config(_config(tmp_path))
     validate_config(_config(tmp_path, optimizer__zero_stage=1, parallelism__data_parallel_shard_degree=2))
+
+
+def test_zero3_and_hsdp_are_valid(tmp_path):
+    validate_config(_config(tmp_path, optimizer__zero_stage=3))
+    validate_config(_config(tmp_path, optimizer__zero_stage=3, parallelism__data_parallel_replicate_degree=2))

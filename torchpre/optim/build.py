@@ -4,6 +4,7 @@ import functools
 
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
+from torchpre.optim.fsdp_optimizer import FullyShardedOptimizer
 from torchpre.optim.registry import DEFAULT_HYPERPARAMETERS, constructor_kwargs, get_optimizer
 from torchpre.parallel.api import ParallelModel
 
@@ -19,8 +20,8 @@ def build_optimizer(
     **hyperparameters: object,
 ) -> DistributedOptimizer:
     """The optimizer `name` (see `torchpre.optim.registry`) on fp32 masters for `model`, its state replicated
-    (zero_stage 0) or sharded over DP (ZeRO-1); its `step()` finalises the gradients (TP partial sums, tied
-    copies, DP reduction, clipping) first.
+    (zero_stage 0) or sharded over DP (ZeRO-1; ZeRO-3 for a model FSDP sharded, whose fp32 parameters are the
+    masters); its `step()` finalises the gradients (TP partial sums, tied copies, DP reduction, clipping) first.
 
     `hyperparameters` (lr, weight_decay, betas, eps, momentum: `registry.DEFAULT_HYPERPARAMETERS`) override the
     defaults; those the optimizer does not take are not passed to it.
@@ -34,11 +35,14 @@ def build_optimizer(
     kwargs = constructor_kwargs(spec, hyperparameters)
     if spec.uses_fused(model.device):
         kwargs["fused"] = True
-    return DistributedOptimizer(
+    fsdp = zero_stage == 3
+    if fsdp and model.dp_mesh is None:
+        raise ValueError("zero_stage 3 needs a model sharded by FSDP: parallelize(..., dp_mesh=...) with plan.fsdp")
+    return (FullyShardedOptimizer if fsdp else DistributedOptimizer)(
         model.named_parameters(),
         zero_stage=zero_stage,
-        state_mesh=model.mesh["dp", "tp"],
-        dp_group=model.mesh["dp"].get_group(),
+        state_mesh=model.dp_mesh if fsdp else model.mesh["dp", "tp"],
+        dp_group=(model.dp_mesh["dp_shard"] if fsdp else model.mesh["dp"]).get_group(),
         tp_group=model.mesh["tp"].get_group(),
         pp_group=model.mesh["pp"].get_group(),
         expert_state_mesh=model.expert_mesh["edp", "ep"] if model.expert_mesh is not None else None,

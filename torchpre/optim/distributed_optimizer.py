@@ -61,7 +61,9 @@ class _Entry:
     owns_master: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.owns_master = self.master.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+        self.owns_master = self.master is not self.local and (
+            self.master.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+        )
 
 
 class DistributedOptimizer:
@@ -216,9 +218,13 @@ class DistributedOptimizer:
         )
         if self.max_norm > 0:
             clip_gradients_(shards, self.max_norm, norm)
+        self._set_master_grads(shards)
+        return norm
+
+    def _set_master_grads(self, shards: list[torch.Tensor]) -> None:
+        """Makes the finalised `shards` the gradients the inner optimizer steps on."""
         for entry, shard in zip(self.entries, shards):
             entry.master.grad = shard
-        return norm
 
     def _expert_squares(self, shards: list[torch.Tensor], sharded_over_dp: bool) -> torch.Tensor:
         """The experts' squared gradient norm: each ep rank holds other experts, each edp rank (when sharded)
