@@ -39,6 +39,7 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 SP = ("--parallelism.enable_sequence_parallel",)
 ZERO1 = ("--optimizer.zero_stage", "1")
+ZERO3 = ("--optimizer.zero_stage", "3")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
@@ -51,6 +52,7 @@ class Layout:
     nproc: int
     args: tuple[str, ...] = ()
     experts: bool = False  # expert parallelism: Mixture-of-Experts models only
+    dense: bool = False  # ZeRO-3 (FSDP): not yet for Mixture-of-Experts models
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -65,6 +67,10 @@ LAYOUTS: dict[str, Layout] = {
     "tp2xpp2": Layout(4, (*TP2, *_pp2("1F1B"))),
     "dp2xpp2": Layout(4, _pp2("1F1B")),
     "dp2xpp2-zero1": Layout(4, (*_pp2("1F1B"), *ZERO1)),
+    "dp2-zero3": Layout(2, ZERO3, dense=True),
+    "dp2xtp2-zero3": Layout(4, (*TP2, *ZERO3), dense=True),
+    "dp2xpp2-zero3": Layout(4, (*_pp2("1F1B"), *ZERO3), dense=True),
+    "hsdp2x2": Layout(4, (*ZERO3, "--parallelism.data_parallel_replicate_degree", "2"), dense=True),
     "ep2": Layout(2, EP2, experts=True),
     "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
 }
@@ -143,7 +149,9 @@ class Case:
 
 
 def supports(model: str, layout: str) -> bool:
-    return model == "moe" or not LAYOUTS[layout].experts
+    if model == "moe":
+        return not LAYOUTS[layout].dense
+    return not LAYOUTS[layout].experts
 
 
 def layout_args(model: str, layout: str) -> list[str]:

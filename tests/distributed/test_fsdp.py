@@ -123,5 +123,5 @@ def _check_all(mesh: DeviceMesh) -> None:
 
 
 def test_zero3_matches_zero0_on_two_ranks(tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # FSDP follows the device it sees (pytorch/pytorch#132471)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # FSDP on gloo with a visible GPU crashes (pytorch/pytorch#132471)
     spawn(_check_all, world_size=2, store_path=tmp_path / "store")
