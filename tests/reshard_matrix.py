@@ -70,7 +70,10 @@ LAYOUTS: dict[str, Layout] = {
     "dp2-zero3": Layout(2, ZERO3, dense=True),
     "dp2xtp2-zero3": Layout(4, (*TP2, *ZERO3), dense=True),
     "dp2xpp2-zero3": Layout(4, (*_pp2("1F1B"), *ZERO3), dense=True),
-    "hsdp2x2": Layout(4, (*ZERO3, "--parallelism.data_parallel_replicate_degree", "2"), dense=True),
+    # dp4: 2 sequences per rank keep the global batch of 8 (a later flag overrides COMMON's).
+    "hsdp2x2": Layout(
+        4, (*ZERO3, "--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"), dense=True
+    ),
     "ep2": Layout(2, EP2, experts=True),
     "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
 }
