@@ -52,7 +52,7 @@ class Layout:
     nproc: int
     args: tuple[str, ...] = ()
     experts: bool = False  # expert parallelism: Mixture-of-Experts models only
-    dense: bool = False  # ZeRO-3 (FSDP): not yet for Mixture-of-Experts models
+    dense: bool = False  # ZeRO-3 (FSDP): its Mixture-of-Experts checkpoints are not in the matrix yet
 
 
 LAYOUTS: dict[str, Layout] = {

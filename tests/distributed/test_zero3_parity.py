@@ -33,6 +33,8 @@ CASES = {
                 ["--parallelism.data_parallel_replicate_degree", "2"]),
     "dp2": (2, ACCUMULATE_2, []),
     "dp2_compile_ac": (2, [*ACCUMULATE_2, "--compile.enable", "--activation_checkpoint.mode", "full"], []),
+    # Mixture of Experts without expert parallelism: each MoE block, router and experts included, is one FSDP group.
+    "moe_dp2": (2, [*ACCUMULATE_2, "--model.name", "moe"], []),
 }
 CI_SAMPLE = ("dp2_tp2_sp", "dp2_pp2_1f1b_tied", "hsdp2x2")
 

@@ -17,7 +17,10 @@
     grad_norm = optimizer.step()
 
 `mesh` has the dimensions ("pp", "dp", "tp") (`ParallelDims.build_mesh`); models with experts also take
-an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_expert_mesh`). What the model must do:
+an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_expert_mesh`). ZeRO-3 adds
+`fsdp=FSDPPlan(...)` to the plan and `dp_mesh=meshes.fsdp_mesh` (`ParallelDims.build_meshes(..., fsdp=True)`,
+whose views share one root with `meshes.mesh`), then `build_optimizer(parallel, zero_stage=3)`. What the
+model must do:
 - skip the submodules a pipeline stage does not hold: `pipeline_stages` names top-level children and
   the entries of the `blocks` container; `prune_to` sets the others to None or deletes them from the
   container, and the forward must then pass its input through (e.g. `h = self.embed(x) if self.embed
