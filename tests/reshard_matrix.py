@@ -52,7 +52,7 @@ class Layout:
     nproc: int
     args: tuple[str, ...] = ()
     experts: bool = False  # expert parallelism: Mixture-of-Experts models only
-    dense: bool = False  # ZeRO-3 (FSDP): its Mixture-of-Experts checkpoints are not in the matrix yet
+    dense: bool = False  # ZeRO-3 (FSDP) of a dense model; ep2-zero3 is the Mixture-of-Experts one
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -76,6 +76,7 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "ep2": Layout(2, EP2, experts=True),
     "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
+    "ep2-zero3": Layout(2, (*EP2, *ZERO3), experts=True),
 }
 WRAPPERS = (("none", False), ("full", False), ("none", True), ("full", True))  # (AC mode, compile)
 

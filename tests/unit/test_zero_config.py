@@ -27,7 +27,6 @@ def _config(tmp_path, **keys: object) -> JobConfig:
         ({"parallelism__data_parallel_replicate_degree": 0}, "parallelism.data_parallel_replicate_degree = 0"),
         ({"parallelism__data_parallel_shard_degree": 0}, "parallelism.data_parallel_shard_degree = 0"),
         ({"parallelism__data_parallel_replicate_degree": 2}, "set optimizer.zero_stage = 3"),
-        ({"optimizer__zero_stage": 3, "parallelism__expert_parallel_degree": 2}, "expert_parallel_degree = 2"),
         (
             {"optimizer__zero_stage": 3, "training__mixed_precision_grad": "bfloat16"},
             "training.mixed_precision_grad = bfloat16",

@@ -238,12 +238,6 @@ def _check_zero(config: JobConfig) -> None:
 def _check_fsdp(config: JobConfig) -> None:
     """What ZeRO-3 (FSDP2) cannot run yet, or runs differently, said before any process starts."""
     t, p = config.training, config.parallelism
-    if p.expert_parallel_degree > 1:
-        raise ConfigError(
-            f"optimizer.zero_stage = 3 with parallelism.expert_parallel_degree = {p.expert_parallel_degree}: "
-            "sharding expert-parallel experts with FSDP is not supported yet. Use optimizer.zero_stage = 1 "
-            "with expert parallelism, or expert_parallel_degree = 1."
-        )
     if t.mixed_precision_grad != "float32":
         raise ConfigError(
             f"training.mixed_precision_grad = {t.mixed_precision_grad} with optimizer.zero_stage = 3: FSDP keeps the "

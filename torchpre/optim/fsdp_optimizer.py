@@ -24,8 +24,16 @@ from torchpre.parallel.pipeline import sync_tied_gradients
 
 class FullyShardedOptimizer(DistributedOptimizer):
     """`DistributedOptimizer` at ZeRO stage 3: each entry's master is its FSDP parameter (an fp32 DTensor
-    sharded over dp_shard, and over tp under TP); `dp_group` is the dp_shard group (gradients are replicated
-    over dp_replicate under HSDP, so the norm sums squares over dp_shard only)."""
+    sharded over dp_shard, and over tp under TP; expert-parallel experts over edp_shard and ep); `dp_group` is
+    the dp_shard group (gradients are replicated over dp_replicate under HSDP, so the norm sums squares over
+    dp_shard only)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], **kwargs) -> None:
+        super().__init__(named_params, **kwargs)
+        experts = [entry.param for entry in self.entries if entry.expert]
+        if experts:  # their squares are summed over the ranks holding other experts and other shards of them
+            mesh = experts[0].device_mesh
+            self.edp_group, self.ep_group = mesh["edp_shard"].get_group(), mesh["ep"].get_group()
 
     def _entry(self, name: str, param: nn.Parameter) -> _Entry:
         if not isinstance(param, DTensor) or param.dtype != torch.float32:
@@ -38,7 +46,7 @@ class FullyShardedOptimizer(DistributedOptimizer):
         names = param.device_mesh.mesh_dim_names or ()
         tp_sharded = "tp" in names and isinstance(param.placements[names.index("tp")], Shard)
         # The parameter is its own master and "local" tensor: FSDP may swap its local tensor at lazy init.
-        return _Entry(name, param, param, tp_sharded, 0, param)
+        return _Entry(name, param, param, tp_sharded, 0, param, expert="ep" in names)
 
     @torch.no_grad()
     def reduce_gradients(self) -> torch.Tensor:

@@ -284,6 +284,7 @@ def parallelize(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     expert_mesh: DeviceMesh | None = None,
     dp_mesh: DeviceMesh | None = None,
+    expert_dp_mesh: DeviceMesh | None = None,
 ) -> ParallelModel:
     """Splits `model` (built on the meta device) into this rank's pipeline stages, shards each over the tp
     (and ep) mesh, applies activation checkpointing and torch.compile per block, shards it over `dp_mesh`
@@ -291,7 +292,8 @@ def parallelize(
     `device` and initialises it with `init_weights`.
 
     `dp_mesh` must share its root with `mesh` (`ParallelDims.build_meshes`' `dense_mesh["dp_shard"]`, or
-    `["dp_replicate", "dp_shard"]` for HSDP), so that FSDP can combine it with the tp mesh. A dict
+    `["dp_replicate", "dp_shard"]` for HSDP), so that FSDP can combine it with the tp mesh; `expert_dp_mesh`
+    (`Meshes.expert_fsdp_mesh`) with the ep mesh. A dict
     tensor-parallel plan is checked against the whole model first, so a key naming a missing module is an
     error even when no stage of this rank holds it.
     """
@@ -318,7 +320,7 @@ def parallelize(
             compile_blocks(blocks, per_child=per_child, fullgraph=plan.compile_fullgraph)
         if plan.fsdp is not None:
             retie(part, plan.tied_weights)  # before sharding: a tied Parameter must be one FSDP parameter
-            apply_fsdp(part, dp_mesh, plan.fsdp, plan.blocks)
+            apply_fsdp(part, dp_mesh, plan.fsdp, plan.blocks, expert_dp_mesh)
         part.to_empty(device=device)
         retie(part, plan.tied_weights)
         init_weights(part)
