@@ -32,6 +32,7 @@ MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file_and_a_folde
 DATA_POSITION_TEST = f"{CHECKPOINT}::test_the_data_position_comes_back_exactly"
 RNG_TEST = "tests/unit/test_checkpoint_rng.py"
 LOSS_TEST = "tests/unit/test_trainer_loss.py"
+FSDP = "tests/distributed/test_fsdp.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
@@ -140,6 +141,9 @@ BREAKS = [
           "        start = self.consumed_samples",
           ("tests/unit/test_data.py::test_dp_slices_concatenate_to_the_single_process_global_batch",),
           "every DP rank reads the same slice of the global batch"),
+    Break("fsdp-gradient-divided-by-dp", "torchpre/parallel/data_parallel.py",
+          "    module.set_gradient_divide_factor(1.0)", "    pass",
+          (FSDP,), "ZeRO-3 keeps FSDP's default division of the gradients by dp (the loss is already global)"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Test-suite-wide rules.
 
-- Opt-in markers: the long runs (the full reshard matrix, every README block, the mutation check) run only when
+- Opt-in markers: the long runs (the full reshard matrix, every README block, the mutation check, every ZeRO
+  parity case) run only when
   `-m` names their marker; any other run, including one with its own `-m "not slow"`, leaves them out.
 - With TORCHPRE_REQUIRE_EXTRAS=1 (set by .ci/run, which installs every extra) a test that would skip because an
   optional package cannot be imported fails instead: a green CI must not hide an undeclared dependency.

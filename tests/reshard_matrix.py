@@ -40,6 +40,7 @@ TP2 = ("--parallelism.tensor_parallel_degree", "2")
 SP = ("--parallelism.enable_sequence_parallel",)
 ZERO1 = ("--optimizer.zero_stage", "1")
 ZERO2 = ("--optimizer.zero_stage", "2")
+ZERO3 = ("--optimizer.zero_stage", "3")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 
 
@@ -52,6 +53,7 @@ class Layout:
     nproc: int
     args: tuple[str, ...] = ()
     experts: bool = False  # expert parallelism: Mixture-of-Experts models only
+    dense: bool = False  # ZeRO-3 (FSDP) of a dense model; ep2-zero3 is the Mixture-of-Experts one
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -68,8 +70,16 @@ LAYOUTS: dict[str, Layout] = {
     "dp2xpp2": Layout(4, _pp2("1F1B")),
     "dp2xpp2-zero1": Layout(4, (*_pp2("1F1B"), *ZERO1)),
     "dp2xpp2-zero2": Layout(4, (*_pp2("1F1B"), *ZERO2)),
+    "dp2-zero3": Layout(2, ZERO3, dense=True),
+    "dp2xtp2-zero3": Layout(4, (*TP2, *ZERO3), dense=True),
+    "dp2xpp2-zero3": Layout(4, (*_pp2("1F1B"), *ZERO3), dense=True),
+    # dp4: 2 sequences per rank keep the global batch of 8 (a later flag overrides COMMON's).
+    "hsdp2x2": Layout(
+        4, (*ZERO3, "--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"), dense=True
+    ),
     "ep2": Layout(2, EP2, experts=True),
     "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
+    "ep2-zero3": Layout(2, (*EP2, *ZERO3), experts=True),
 }
 WRAPPERS = (("none", False), ("full", False), ("none", True), ("full", True))  # (AC mode, compile)
 
@@ -146,7 +156,9 @@ class Case:
 
 
 def supports(model: str, layout: str) -> bool:
-    return model == "moe" or not LAYOUTS[layout].experts
+    if model == "moe":
+        return not LAYOUTS[layout].dense
+    return not LAYOUTS[layout].experts
 
 
 def layout_args(model: str, layout: str) -> list[str]:

@@ -21,6 +21,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec, get_flavor
 from torchpre.parallel.api import ParallelPlan
+from torchpre.parallel.data_parallel import FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 
 
@@ -57,14 +58,40 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
     spec.validate_layout(args, dims)
 
 
-def meta_model(config: JobConfig, spec: ModelSpec, args: Any) -> nn.Module:
-    """The whole plain model on the meta device, its parameters in training.mixed_precision_param."""
-    with torch.device("meta"), _default_dtype(getattr(torch, config.training.mixed_precision_param)):
+def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, for_training: bool = False) -> nn.Module:
+    """The whole plain model on the meta device, its parameters in training.mixed_precision_param; in fp32
+    for training under ZeRO-3, whose sharded fp32 parameters are the optimizer's masters (FSDP's mixed
+    precision policy casts them to the compute dtype)."""
+    dtype = torch.float32 if uses_fsdp(config, for_training) else getattr(torch, config.training.mixed_precision_param)
+    with torch.device("meta"), _default_dtype(dtype):
         return spec.model_cls(args)
 
 
-def parallel_plan(config: JobConfig, spec: ModelSpec, args: Any, pipeline: PipelinePlan | None) -> ParallelPlan:
-    """What `parallelize` applies for this job: the family's plans and the config's layout options."""
+def uses_fsdp(config: JobConfig, for_training: bool) -> bool:
+    """ZeRO-3 shards parameters with FSDP2 for training; generation and conversion load its checkpoints into
+    an unsharded model (checkpoints reshard)."""
+    return for_training and config.optimizer.zero_stage == 3
+
+
+def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None) -> FSDPPlan:
+    """ZeRO-3's FSDP settings. Resharding after forward defaults to on without a pipeline (the gathered
+    parameters of a block are freed until its backward) and off with one: a stage runs one forward per
+    microbatch, and keeping its gathered parameters saves an all-gather per block and microbatch, while
+    torch's pipeline stage keeps them through the step's backwards in any case."""
+    t, p = config.training, config.parallelism
+    reshard = {"always": True, "never": False, "default": pipeline is None}[p.fsdp_reshard_after_forward]
+    return FSDPPlan(
+        param_dtype=torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None,
+        reduce_dtype=getattr(torch, config.optimizer.reduce_dtype),
+        reshard_after_forward=reshard,
+    )
+
+
+def parallel_plan(
+    config: JobConfig, spec: ModelSpec, args: Any, pipeline: PipelinePlan | None, *, for_training: bool = False
+) -> ParallelPlan:
+    """What `parallelize` applies for this job: the family's plans and the config's layout options (FSDP only
+    `for_training`)."""
     p, ac = config.parallelism, config.activation_checkpoint
     tensor_parallel = spec.tensor_parallel
     if callable(tensor_parallel):
@@ -83,6 +110,7 @@ def parallel_plan(config: JobConfig, spec: ModelSpec, args: Any, pipeline: Pipel
         selective_ac_option=ac.selective_ac_option,
         compile=config.compile.enable,
         compile_fullgraph=spec.compile_fullgraph,
+        fsdp=fsdp_plan(config, pipeline) if uses_fsdp(config, for_training) else None,
     )
 
 

@@ -73,6 +73,8 @@ class Trainer:
             p.pipeline_parallel_degree,
             world_size_from_env(),
             ep=p.expert_parallel_degree,
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
         )
         self.parallel_dims = dims
         # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
@@ -111,9 +113,9 @@ class Trainer:
         configure_determinism(t.deterministic, t.seed)
         self.device = select_device()
         init_distributed(self.device, config.comm.timeout_seconds)
-        self.mesh = dims.build_mesh(self.device.type)
-        self.expert_mesh = dims.build_expert_mesh(self.device.type)
-        apply_comm_timeout(self.mesh, self.expert_mesh)
+        self.meshes = dims.build_meshes(self.device.type, fsdp=config.optimizer.zero_stage == 3)
+        self.mesh, self.expert_mesh = self.meshes.mesh, self.meshes.expert_mesh
+        apply_comm_timeout(*self.meshes.all())
         self.is_logging_rank = dist.get_rank() == 0
         torch.manual_seed(t.seed)
 
@@ -262,7 +264,7 @@ class Trainer:
         dtype, parallelized, then materialised and initialised from the seed alone (so every layout
         starts equal). When a checkpoint will overwrite the weights, only the buffers it does not hold are
         computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
-        model = meta_model(self.config, self.model_spec, self.model_args)
+        model = meta_model(self.config, self.model_spec, self.model_args, for_training=True)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = self.model_spec.flops_per_token(
             self.model_args, self.num_params, self.config.training.seq_len
@@ -273,7 +275,7 @@ class Trainer:
         parallel = parallelize(
             model,
             self.mesh,
-            parallel_plan(self.config, self.model_spec, self.model_args, self.pipeline),
+            parallel_plan(self.config, self.model_spec, self.model_args, self.pipeline, for_training=True),
             device=self.device,
             init_weights=(
                 self.model_spec.init_buffers if source is not None
@@ -281,6 +283,8 @@ class Trainer:
             ),
             loss_fn=self._loss,
             expert_mesh=self.expert_mesh,
+            dp_mesh=self.meshes.fsdp_mesh,
+            expert_dp_mesh=self.meshes.expert_fsdp_mesh,
         )
         for part in parallel.parts:  # an auxiliary loss (MoE's) is a mean over the global batch's sequences
             self.model_spec.set_aux_loss_scale(part, 1 / self.global_batch_size)

@@ -212,6 +212,7 @@ ZERO_STAGES = {
     0: "0 (replicated state)",
     1: "1 (optimizer state sharded over DP)",
     2: "2 (gradients sharded over DP too)",
+    3: "3 (parameters, gradients and state sharded over DP by FSDP2)",
 }
 
 
@@ -231,6 +232,27 @@ def _check_zero(config: JobConfig) -> None:
             f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, which "
             "replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
         )
+    if o.zero_stage == 3:
+        _check_fsdp(config)
+
+
+def _check_fsdp(config: JobConfig) -> None:
+    """What ZeRO-3 (FSDP2) cannot run yet, or runs differently, said before any process starts."""
+    t, p = config.training, config.parallelism
+    if t.mixed_precision_grad != "float32":
+        raise ConfigError(
+            f"training.mixed_precision_grad = {t.mixed_precision_grad} with optimizer.zero_stage = 3: FSDP keeps the "
+            "sharded gradients in fp32 and reduces them in optimizer.reduce_dtype. Set "
+            "training.mixed_precision_grad = float32, and optimizer.reduce_dtype = bfloat16 for a bf16 reduction."
+        )
+    if p.data_parallel_shard_degree != -1 and p.data_parallel_degree != -1:
+        product = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+        if product != p.data_parallel_degree:
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = "
+                f"{p.data_parallel_replicate_degree} x {p.data_parallel_shard_degree} = {product} must equal "
+                f"parallelism.data_parallel_degree = {p.data_parallel_degree}. Set data_parallel_shard_degree = -1."
+            )
 
 
 def _at_least(key: str, value: float, minimum: float) -> None:

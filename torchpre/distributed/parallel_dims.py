@@ -1,5 +1,10 @@
-"""The parallel layout: validated degrees and the one DeviceMesh that every collective goes through."""
+"""The parallel layout: validated degrees and the DeviceMesh views that every collective goes through.
 
+All views are cut from one 1-D world mesh (`DeviceMesh._unflatten`), so they share a root: FSDP2 needs that to
+combine its data-parallel mesh with the tensor-parallel mesh of a parameter (`DeviceMesh._concatenate`).
+"""
+
+import dataclasses
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -7,7 +12,49 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torchpre.errors import ConfigError
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
+DENSE_MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 EXPERT_MESH_DIM_NAMES = ("pp", "edp", "ep", "tp")
+EXPERT_DENSE_MESH_DIM_NAMES = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The views of one job's ranks. Rank order is row-major in all of them, so a rank's dp coordinate is
+    dp_replicate rank x dp_shard + dp_shard rank in every view.
+
+    `mesh` (pp, dp, tp): data order, validation and ZeRO 0-2. `dense_mesh` (pp, dp_replicate, dp_shard, tp):
+    ZeRO-3 (FSDP2 shards over dp_shard, HSDP replicates over dp_replicate); None below stage 3. `expert_mesh`
+    (pp, edp, ep, tp): experts under expert parallelism; None without it. `expert_dense_mesh` (pp, dp_replicate,
+    edp_shard, ep, tp): ZeRO-3 of expert-parallel experts, sharded over the edp_shard = dp_shard / ep ranks that
+    hold the same experts within a replica group.
+    """
+
+    mesh: DeviceMesh
+    dense_mesh: DeviceMesh | None = None
+    expert_mesh: DeviceMesh | None = None
+    expert_dense_mesh: DeviceMesh | None = None
+
+    def all(self) -> list[DeviceMesh]:
+        views = (self.mesh, self.dense_mesh, self.expert_mesh, self.expert_dense_mesh)
+        return [m for m in views if m is not None]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP."""
+        if self.dense_mesh is None:
+            return None
+        if self.dense_mesh["dp_replicate"].size() > 1:
+            return self.dense_mesh["dp_replicate", "dp_shard"]
+        return self.dense_mesh["dp_shard"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards expert-parallel experts over: (edp_shard) or (dp_replicate, edp_shard)."""
+        if self.expert_dense_mesh is None:
+            return None
+        if self.expert_dense_mesh["dp_replicate"].size() > 1:
+            return self.expert_dense_mesh["dp_replicate", "edp_shard"]
+        return self.expert_dense_mesh["edp_shard"]
 
 
 @dataclass(frozen=True)
@@ -24,10 +71,19 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+
+    def __post_init__(self) -> None:
+        if self.dp_shard == -1:  # frozen: set the resolved value once, as from_degrees would
+            object.__setattr__(self, "dp_shard", self.dp // self.dp_replicate)
 
     @classmethod
-    def from_degrees(cls, dp: int, tp: int, pp: int, world_size: int, ep: int = 1) -> "ParallelDims":
-        """Resolves dp = -1 to world_size / (tp x pp) and checks that the layout fits the world."""
+    def from_degrees(
+        cls, dp: int, tp: int, pp: int, world_size: int, ep: int = 1, dp_replicate: int = 1, dp_shard: int = -1
+    ) -> "ParallelDims":
+        """Resolves dp = -1 to world_size / (tp x pp) and dp_shard = -1 to dp / dp_replicate, and checks that the
+        layout fits the world."""
         for key, value in (
             ("tensor_parallel_degree", tp),
             ("pipeline_parallel_degree", pp),
@@ -57,16 +113,59 @@ class ParallelDims:
                 "parallelism splits the experts over groups of data-parallel ranks. Use a divisor of "
                 f"{dp} or launch more processes."
             )
-        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, ep=ep)
+        dp_replicate, dp_shard = _resolve_hsdp(dp, dp_replicate, dp_shard)
+        if dp_shard % ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree = {ep} must divide data_parallel_shard_degree = {dp_shard}: under "
+                "HSDP each replica group splits the experts over its own shard ranks. Use a divisor of "
+                f"{dp_shard}, or a smaller data_parallel_replicate_degree."
+            )
+        return cls(dp=dp, tp=tp, pp=pp, world_size=world_size, ep=ep, dp_replicate=dp_replicate, dp_shard=dp_shard)
+
+    def build_meshes(self, device_type: str, *, fsdp: bool = False) -> Meshes:
+        """The job's mesh views from one world mesh; `dense_mesh` only with `fsdp` (ZeRO-3)."""
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        mesh = world._unflatten(0, (self.pp, self.dp, self.tp), MESH_DIM_NAMES)
+        meshes = Meshes(mesh=mesh)
+        if fsdp:
+            dense_shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+            meshes = dataclasses.replace(meshes, dense_mesh=world._unflatten(0, dense_shape, DENSE_MESH_DIM_NAMES))
+        if self.ep > 1:
+            expert_shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
+            meshes = dataclasses.replace(meshes, expert_mesh=world._unflatten(0, expert_shape, EXPERT_MESH_DIM_NAMES))
+        if fsdp and self.ep > 1:
+            shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            meshes = dataclasses.replace(
+                meshes, expert_dense_mesh=world._unflatten(0, shape, EXPERT_DENSE_MESH_DIM_NAMES)
+            )
+        return meshes
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One 3-D mesh (pp, dp, tp); tp is innermost so tensor-parallel peers are neighbours."""
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+        return self.build_meshes(device_type).mesh
 
     def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
         """The same ranks as (pp, edp, ep, tp), dp split into edp x ep with ep innermost (dp rank = edp
         rank x ep + ep rank); None without expert parallelism."""
-        if self.ep == 1:
-            return None
-        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_MESH_DIM_NAMES)
+        return self.build_meshes(device_type).expert_mesh
+
+
+def _resolve_hsdp(dp: int, replicate: int, shard: int) -> tuple[int, int]:
+    """(dp_replicate, dp_shard) with shard = -1 resolved; their product must be the data-parallel degree."""
+    if replicate < 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = {replicate}: it must be at least 1.")
+    if shard == -1:
+        if dp % replicate:
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_degree = {replicate} must divide the data-parallel degree "
+                f"{dp}: each of the {replicate} replica groups shards the model over dp / {replicate} ranks. Use a "
+                f"divisor of {dp}."
+            )
+        return replicate, dp // replicate
+    if replicate * shard != dp:
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = {replicate} x {shard} = "
+            f"{replicate * shard} must equal the data-parallel degree {dp}. Set data_parallel_shard_degree = -1 "
+            f"(= {dp} / replicate degree), or change data_parallel_degree."
+        )
+    return replicate, shard

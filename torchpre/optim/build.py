@@ -7,6 +7,7 @@ import torch
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES
 from torchpre.distributed.names import canonical_fqn
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
+from torchpre.optim.fsdp_optimizer import FullyShardedOptimizer
 from torchpre.optim.registry import DEFAULT_HYPERPARAMETERS, constructor_kwargs, get_optimizer
 from torchpre.parallel.api import ParallelModel
 
@@ -25,9 +26,10 @@ def build_optimizer(
     **hyperparameters: object,
 ) -> DistributedOptimizer:
     """The optimizer `name` (see `torchpre.optim.registry`) on fp32 masters for `model`, its state replicated
-    (zero_stage 0) or sharded over DP (ZeRO-1), its gradients too (ZeRO-2); its `step()` finalises the gradients
-    (DP reduction, TP partial sums, tied copies, clipping) first. With `overlap_grad_reduce` the DP reduction
-    starts during `model.forward_backward` (the optimizer registers itself as the model's backward callback).
+    (zero_stage 0) or sharded over DP (ZeRO-1), its gradients too (ZeRO-2); ZeRO-3 for a model FSDP sharded, whose
+    fp32 parameters are the masters. Its `step()` finalises the gradients (DP reduction, TP partial sums, tied
+    copies, clipping) first. With `overlap_grad_reduce` the ZeRO 0-2 DP reduction starts during
+    `model.forward_backward` (the optimizer registers its buckets as the model's backward callback).
 
     `hyperparameters` (lr, weight_decay, betas, eps, momentum: `registry.DEFAULT_HYPERPARAMETERS`) override the
     defaults; those the optimizer does not take are not passed to it.
@@ -41,13 +43,16 @@ def build_optimizer(
     kwargs = constructor_kwargs(spec, hyperparameters)
     if spec.uses_fused(model.device):
         kwargs["fused"] = True
+    fsdp = zero_stage == 3
+    if fsdp and model.dp_mesh is None:
+        raise ValueError("zero_stage 3 needs a model sharded by FSDP: parallelize(..., dp_mesh=...) with plan.fsdp")
     named = model.named_parameters()
     part_of = {canonical_fqn(name): i for i, part in enumerate(model.parts) for name, _ in part.named_parameters()}
-    optimizer = DistributedOptimizer(
+    optimizer = (FullyShardedOptimizer if fsdp else DistributedOptimizer)(
         named,
         zero_stage=zero_stage,
-        state_mesh=model.mesh["dp", "tp"],
-        dp_group=model.mesh["dp"].get_group(),
+        state_mesh=model.dp_mesh if fsdp else model.mesh["dp", "tp"],
+        dp_group=(model.dp_mesh["dp_shard"] if fsdp else model.mesh["dp"]).get_group(),
         tp_group=model.mesh["tp"].get_group(),
         pp_group=model.mesh["pp"].get_group(),
         expert_state_mesh=model.expert_mesh["edp", "ep"] if model.expert_mesh is not None else None,
@@ -63,5 +68,6 @@ def build_optimizer(
         overlap_grad_reduce=overlap_grad_reduce,
         zero2_accumulate_locally=zero2_accumulate_locally,
     )
-    model.set_backward_callback(optimizer.buckets.on_backward)
+    if optimizer.buckets is not None:
+        model.set_backward_callback(optimizer.buckets.on_backward)
     return optimizer

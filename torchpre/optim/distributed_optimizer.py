@@ -62,7 +62,9 @@ class _Entry:
     owns_master: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.owns_master = self.master.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+        self.owns_master = self.master is not self.local and (
+            self.master.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
+        )
 
 
 # Whether a stage shards the optimizer state (and the masters) over DP: stages 1 and 2 keep the same state, so
@@ -115,7 +117,8 @@ class DistributedOptimizer:
         self.tied, self.tied_peer = tied, tied_peer
         self.entries = [self._entry(name, param) for name, param in named_params]
         self.reduce_dtype = reduce_dtype
-        self.buckets = GradBuckets(
+        # ZeRO-3: FSDP2 reduces the gradients of the parameters it shards; no buckets, no hooks.
+        self.buckets = None if zero_stage == 3 else GradBuckets(
             self.entries, self._domains(), parts or [0] * len(self.entries), zero_stage=zero_stage,
             accumulate_in_fp32=accumulate_in_fp32, reduce_dtype=reduce_dtype, bucket_bytes=bucket_bytes,
             overlap=overlap_grad_reduce, accumulate_locally=zero2_accumulate_locally,
@@ -196,9 +199,13 @@ class DistributedOptimizer:
         )
         if self.max_norm > 0:
             clip_gradients_(shards, self.max_norm, norm)
+        self._set_master_grads(shards)
+        return norm
+
+    def _set_master_grads(self, shards: list[torch.Tensor]) -> None:
+        """Makes the finalised `shards` the gradients the inner optimizer steps on."""
         for entry, shard in zip(self.entries, shards):
             entry.master.grad = shard
-        return norm
 
     def _expert_squares(self, shards: list[torch.Tensor], sharded_over_dp: bool) -> torch.Tensor:
         """The experts' squared gradient norm: each ep rank holds other experts, each edp rank (when sharded)

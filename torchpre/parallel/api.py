@@ -17,7 +17,10 @@
     grad_norm = optimizer.step()
 
 `mesh` has the dimensions ("pp", "dp", "tp") (`ParallelDims.build_mesh`); models with experts also take
-an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_expert_mesh`). What the model must do:
+an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_expert_mesh`). ZeRO-3 adds
+`fsdp=FSDPPlan(...)` to the plan and `dp_mesh=meshes.fsdp_mesh` (`ParallelDims.build_meshes(..., fsdp=True)`,
+whose views share one root with `meshes.mesh`), then `build_optimizer(parallel, zero_stage=3)`. What the
+model must do:
 - skip the submodules a pipeline stage does not hold: `pipeline_stages` names top-level children and
   the entries of the `blocks` container; `prune_to` sets the others to None or deletes them from the
   container, and the forward must then pass its input through (e.g. `h = self.embed(x) if self.embed
@@ -46,6 +49,7 @@ from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
 from torchpre.parallel.compile import compile_blocks
+from torchpre.parallel.data_parallel import FSDPPlan, apply_fsdp
 from torchpre.parallel.pipeline import PipelinePlan, Stage, build_schedule, prune_to, split_layers
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_plan
 
@@ -66,7 +70,8 @@ class ParallelPlan:
 
     `blocks` names the container (a ModuleDict) of repeated blocks: activation checkpointing and
     torch.compile apply per block, and pipeline stages split it. `compile_fullgraph = False` is for blocks
-    with data-dependent shapes (Mixture of Experts).
+    with data-dependent shapes (Mixture of Experts). `fsdp` shards the parameters over DP with FSDP2
+    (ZeRO-3, see `parallel.data_parallel`); `parallelize` then needs the DP mesh.
     """
 
     tensor_parallel: TensorParallelPlan | None = None
@@ -78,6 +83,7 @@ class ParallelPlan:
     selective_ac_option: str = "op"
     compile: bool = False
     compile_fullgraph: bool = True
+    fsdp: FSDPPlan | None = None
 
 
 def pipeline_stages(
@@ -134,9 +140,10 @@ class ParallelModel:
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
         expert_mesh: DeviceMesh | None,
+        dp_mesh: DeviceMesh | None = None,
     ):
         self.parts, self.mesh, self.plan, self.device = parts, mesh, plan, device
-        self.loss_fn, self.expert_mesh = loss_fn, expert_mesh
+        self.loss_fn, self.expert_mesh, self.dp_mesh = loss_fn, expert_mesh, dp_mesh
         pipeline = plan.pipeline
         self.stage_ids = pipeline.stage_ids(mesh["pp"].get_local_rank()) if pipeline else [0]
         num_stages = pipeline.num_stages if pipeline else 1
@@ -288,16 +295,24 @@ def parallelize(
     init_weights: Callable[[nn.Module], None],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     expert_mesh: DeviceMesh | None = None,
+    dp_mesh: DeviceMesh | None = None,
+    expert_dp_mesh: DeviceMesh | None = None,
 ) -> ParallelModel:
     """Splits `model` (built on the meta device) into this rank's pipeline stages, shards each over the tp
-    (and ep) mesh, applies activation checkpointing and torch.compile per block, materialises it on
+    (and ep) mesh, applies activation checkpointing and torch.compile per block, shards it over `dp_mesh`
+    with FSDP2 when `plan.fsdp` asks (outermost: around the checkpointed, compiled blocks), materialises it on
     `device` and initialises it with `init_weights`.
 
-    A dict tensor-parallel plan is checked against the whole model first, so a key naming a missing
-    module is an error even when no stage of this rank holds it.
+    `dp_mesh` must share its root with `mesh` (`ParallelDims.build_meshes`' `dense_mesh["dp_shard"]`, or
+    `["dp_replicate", "dp_shard"]` for HSDP), so that FSDP can combine it with the tp mesh; `expert_dp_mesh`
+    (`Meshes.expert_fsdp_mesh`) with the ep mesh. A dict
+    tensor-parallel plan is checked against the whole model first, so a key naming a missing module is an
+    error even when no stage of this rank holds it.
     """
     if isinstance(plan.tensor_parallel, dict):
         check_plan(model, plan.tensor_parallel)
+    if plan.fsdp is not None and dp_mesh is None:
+        raise ConfigError("ParallelPlan.fsdp shards over data parallelism: pass parallelize(..., dp_mesh=...).")
     if plan.pipeline is not None:
         ids = plan.pipeline.stage_ids(mesh["pp"].get_local_rank())
         parts = [prune_to(model, plan.pipeline.stage_modules[stage]) for stage in ids]
@@ -313,11 +328,15 @@ def parallelize(
         blocks = getattr(part, plan.blocks)
         apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)
         if plan.compile:
-            compile_blocks(blocks, tensor_parallel=tp_mesh.size() > 1, fullgraph=plan.compile_fullgraph)
+            per_child = tp_mesh.size() > 1 or plan.fsdp is not None
+            compile_blocks(blocks, per_child=per_child, fullgraph=plan.compile_fullgraph)
+        if plan.fsdp is not None:
+            retie(part, plan.tied_weights)  # before sharding: a tied Parameter must be one FSDP parameter
+            apply_fsdp(part, dp_mesh, plan.fsdp, plan.blocks, expert_dp_mesh)
         part.to_empty(device=device)
         retie(part, plan.tied_weights)
         init_weights(part)
-    return ParallelModel(parts, mesh, plan, device, loss_fn, expert_mesh)
+    return ParallelModel(parts, mesh, plan, device, loss_fn, expert_mesh, dp_mesh)
 
 
 def apply_tensor_parallel_plan(part: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:

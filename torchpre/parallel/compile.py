@@ -6,21 +6,24 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 
-def compile_blocks(blocks: nn.ModuleDict, tensor_parallel: bool = False, fullgraph: bool = True) -> None:
+def compile_blocks(blocks: nn.ModuleDict, per_child: bool = False, fullgraph: bool = True) -> None:
     """Compiles each block's forward in place (`Module.compile`), so module and parameter names stay
     as they are for checkpoints, tensor-parallel plans and pipeline splits.
 
-    Under tensor parallelism each child of a block (norms, attention, feed-forward) is compiled on its
-    own instead, with its DTensor input/output hooks inside its graph: a whole tensor-parallel block
-    compiled as one graph fails in backward on torch 2.14 (a plain gradient reaches a DTensor
-    redistribution), while graphs per child train correctly. The residual additions stay eager, and so
-    does an activation-checkpoint wrapper around the block, which recomputes the compiled children.
+    `per_child` compiles each child of a block (norms, attention, feed-forward) on its own instead, for two
+    layouts. Under tensor parallelism, with its DTensor input/output hooks inside its graph: a whole
+    tensor-parallel block compiled as one graph fails in backward on torch 2.14 (a plain gradient reaches a
+    DTensor redistribution), while graphs per child train correctly. Under FSDP (ZeRO-3), which puts its
+    all-gather and reduce-scatter hooks on the block: `Module.compile` compiles the module's hooks too, and
+    FSDP's are skipped by dynamo (a graph break that fullgraph rejects), so they stay eager outside the
+    children's graphs. The residual additions stay eager, and so does an activation-checkpoint wrapper
+    around the block, which recomputes the compiled children.
 
     `fullgraph=False` lets blocks with data-dependent shapes (Mixture-of-Experts token counts) compile
     in pieces around the graph breaks.
     """
     for block in blocks.values():
-        modules = _block_children(block) if tensor_parallel else (block,)
+        modules = _block_children(block) if per_child else (block,)
         for module in modules:
             module.compile(fullgraph=fullgraph)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from torchpre.distributed.schedules import get_schedule, names_where
@@ -213,6 +214,11 @@ class Stage(PipelineStage):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        if isinstance(self.submod, FSDPModule):
+            # ZeRO-3: FSDP accumulates the unsharded gradients itself and reduce-scatters them after the last
+            # backward (`perform_reduce_grad`); the optimizer registers no hooks to run.
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            return
         params = list(self.submod.parameters())
         before = [_grad_version(p) for p in params]
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
