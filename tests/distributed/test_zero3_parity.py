@@ -48,13 +48,12 @@ def _cpu_only(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
-def _cases():
-    for name in CASES:
-        marks = () if name in CI_SAMPLE else (pytest.mark.zero_matrix,)
-        yield pytest.param(name, id=name, marks=marks)
+CASE_PARAMS = [
+    pytest.param(name, id=name, marks=() if name in CI_SAMPLE else (pytest.mark.zero_matrix,)) for name in CASES
+]
 
 
-@pytest.mark.parametrize("name", _cases())
+@pytest.mark.parametrize("name", CASE_PARAMS)
 def test_zero3_gives_zero0_losses(name, tmp_path):
     nproc, layout, extra = CASES[name]
     args = [*DEBUG, *STEPS, *layout]
