@@ -135,6 +135,7 @@ def _check_gradients(mesh: DeviceMesh) -> None:
         ({"zero_stage": 2, "zero2_accumulate_locally": True}, 1, ATOL),
         ({"zero_stage": 2, "overlap_grad_reduce": False}, 1, ATOL),
         ({"zero_stage": 2, "reduce_dtype": torch.bfloat16}, 1, None),
+        ({"zero_stage": 1, "reduce_dtype": torch.bfloat16}, 1, None),
         ({"zero_stage": 0, "reduce_dtype": torch.bfloat16}, 0, None),
     ]
     for options, sharded, atol in cases:

@@ -21,6 +21,10 @@ the pipeline stages) call before each backward: stages 0 and 1 reduce during the
 stage 2 during every one. A backward nobody announced (a direct `loss.backward()`) only accumulates;
 `finish()` then reduces everything. A gradient that reaches a bucket whose collective has started raises a
 RuntimeError naming the parameter instead of being lost.
+
+Across pipeline parts, launches interleave as the schedule runs the parts' backwards, which is the same on every
+rank of a DP group (they hold the same stages); a parameter used on some DP ranks and not on others delays its
+bucket to `finish()` on those ranks only, which keeps each part's order but could reorder two parts' buckets.
 """
 
 import functools
