@@ -6,6 +6,9 @@ metrics.jsonl reports (max over ranks), each as measured / formula. AdamW's `ste
 per parameter tensor, ~0.00004 bytes per parameter here) are inside the measured state. A stage that
 torchpre's config validation does not accept yet is printed as "not available".
 
+It then projects the same formulas, which the measured rows check, onto Llama 3 70B (the released
+flavor: 128,256-token vocabulary) at tp8 x dp8 with bf16 parameters: model state per GPU before activations.
+
 Usage: python -m bench.zero_memory [--dp 2 4] [--stages 0 1 2 3]
 """
 
@@ -13,8 +16,12 @@ import argparse
 import sys
 from fractions import Fraction
 
+import torch
+
 from bench.common import print_table, run_torchpre
 from torchpre.config.validate import ZERO_STAGES
+from torchpre.models.llama3.args import LLAMA3_FLAVORS
+from torchpre.models.llama3.model import Transformer
 
 NUM_PARAMS = 5_770_496  # the debug model with the shipped 2048-token tokenizer
 GLOBAL_BATCH = 8
@@ -42,6 +49,19 @@ def measure(zero_stage: int, dtype: str, dp: int) -> dict[str, int]:
     return {key: last[key] for key in KEYS}
 
 
+def project_70b(tp: int = 8, dp: int = 8) -> list[list]:
+    """Rows of (zero stage, GB of parameters + gradients + optimizer state per GPU) for Llama 3 70B at tp x dp:
+    every weight matrix is TP-sharded, so a GPU holds about 1/tp of the parameters before ZeRO."""
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in Transformer(LLAMA3_FLAVORS["70B"]).parameters())
+    local = num_params / tp
+    rows = []
+    for stage in (0, 1, 2, 3):
+        per_param = sum(formula(stage, "bfloat16", dp))
+        rows.append([stage, f"{float(per_param):.2f}", f"{local * float(per_param) / 1e9:.1f}"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4])
@@ -64,6 +84,11 @@ def main() -> None:
         f"Bytes per parameter on one rank, measured / formula (debug model, {NUM_PARAMS:,} parameters, AdamW)",
         ["params", "dp", "zero", "param_bytes", "grad_bytes", "optimizer_state_bytes", "formula total"],
         rows,
+    )
+    print_table(
+        "Llama 3 70B at tp8 x dp8, bf16 parameters, AdamW: model state per GPU (formulas above)",
+        ["zero", "bytes per local parameter", "GB per GPU"],
+        project_70b(),
     )
 
 

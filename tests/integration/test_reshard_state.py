@@ -77,22 +77,29 @@ def test_dtype_change_carries_the_fp32_values(saved, loaded, tmp_path):
     assert report["compared"] > 0
 
 
-# A global batch both layouts split evenly: 2 microbatches of 4 per rank at dp2, 4 of 4 at tp2 (dp1).
+# A global batch every layout splits evenly: 2 microbatches of 4 per rank at dp2, 4 of 4 at tp2 (dp1).
 ZERO_COMMON = [*TINY[: TINY.index("--training.local_batch_size")], "--training.local_batch_size", "4",
                *TINY[TINY.index("--training.local_batch_size") + 2 :], "--training.global_batch_size", "16"]
-ZERO_LAYOUTS = {
-    "zero3-dp2": ["--optimizer.zero_stage", "3"],
-    "zero1-tp2": ["--optimizer.zero_stage", "1", "--parallelism.tensor_parallel_degree", "2"],
+ZERO_LAYOUTS = {  # name: (processes, flags)
+    "zero3-dp2": (2, ["--optimizer.zero_stage", "3"]),
+    "zero1-tp2": (2, ["--optimizer.zero_stage", "1", "--parallelism.tensor_parallel_degree", "2"]),
+    "zero2-dp2xpp2": (4, ["--optimizer.zero_stage", "2", "--parallelism.pipeline_parallel_degree", "2"]),
 }
 
 
-@pytest.mark.parametrize("save, load", [("zero3-dp2", "zero1-tp2"), ("zero1-tp2", "zero3-dp2")])
+@pytest.mark.parametrize(
+    "save, load",
+    [("zero3-dp2", "zero1-tp2"), ("zero1-tp2", "zero3-dp2"), ("zero3-dp2", "zero2-dp2xpp2"),
+     ("zero2-dp2xpp2", "zero3-dp2")],
+)
 def test_zero3_checkpoints_reshard_to_other_stages(save, load, tmp_path, monkeypatch):
     """FSDP's sharded parameters and optimizer state (DTensors on the dp_shard mesh, no separate master) load
-    into ZeRO-1 under TP and back, bitwise, and training continues with the uninterrupted run's losses."""
+    into ZeRO-1 under TP and ZeRO-2 under PP, and back, bitwise, and training continues with the uninterrupted
+    run's losses."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # FSDP on gloo with a visible GPU crashes (pytorch#132471)
-    straight = train_and_read_metrics([*ZERO_COMMON, *ZERO_LAYOUTS[save]], 2, tmp_path / "a")
-    resumed, report = resume(tmp_path / "a", 5, [*ZERO_COMMON, *ZERO_LAYOUTS[load]], 2, tmp_path / "b")
+    (save_procs, save_flags), (load_procs, load_flags) = ZERO_LAYOUTS[save], ZERO_LAYOUTS[load]
+    straight = train_and_read_metrics([*ZERO_COMMON, *save_flags], save_procs, tmp_path / "a")
+    resumed, report = resume(tmp_path / "a", 5, [*ZERO_COMMON, *load_flags], load_procs, tmp_path / "b")
     assert report["ok"], report["text"]
     assert report["compared"] > 0
     assert [r["step"] for r in resumed] == list(range(6, 11))

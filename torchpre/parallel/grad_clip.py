@@ -33,7 +33,7 @@ def global_grad_norm(
         total = total + extra_squares
     if dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
+    return total.sqrt().float()
 
 
 def sum_of_squares(grads: list[torch.Tensor], groups: list[dist.ProcessGroup]) -> torch.Tensor:
@@ -52,7 +52,9 @@ def clip_gradients_(grads: list[torch.Tensor], max_norm: float, total_norm: torc
 
 
 def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """In fp64: an fp32 norm of a large tensor is off by ~1e-5 relative on CPU, and by a different amount for its
+    DP shards, so the same gradients would report (and clip by) a norm that depends on the ZeRO stage."""
     nonempty = [t for t in tensors if t.numel()]
     if not nonempty:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(nonempty, 2.0)).float().square().sum()
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(nonempty, 2.0, dtype=torch.float64)).square().sum()
