@@ -84,13 +84,13 @@ class FullyShardedOptimizer(DistributedOptimizer):
         return local
 
     def state_bytes(self) -> int:
-        """Bytes of the inner optimizer's per-element state on this rank (AdamW: its moments; there are no
-        separate masters, and scalar step counts are not per-parameter memory)."""
+        """Bytes of the inner optimizer's state on this rank (AdamW: its moments' local shards and its step
+        counts, as the other stages count them; there are no separate masters)."""
         return sum(
-            v.to_local().nbytes
+            (v.to_local() if isinstance(v, DTensor) else v).nbytes
             for state in self.inner.state.values()
             for v in state.values()
-            if isinstance(v, DTensor)
+            if isinstance(v, torch.Tensor)
         )
 
     def param_bytes(self) -> int:
