@@ -13,6 +13,9 @@ from torchpre.errors import TorchpreError
 
 EXIT_BAD_INPUT = 2
 EXIT_COMM_FAILURE = 3
+# torchrun stops every worker as soon as one exits: a rank that found bad input waits this long first, so that its
+# peers, which check the same input a moment later, print their message too instead of being cut off.
+PEER_GRACE_S = 3.0
 # gloo reports a timed-out or broken connection as a plain RuntimeError; these mark its messages.
 _GLOO_FAILURES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "gloo/transport")
 
@@ -40,7 +43,7 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
         print(format_help(request.config_cls or JobConfig, prog))
         return
     except TorchpreError as error:
-        _fail(str(error), EXIT_BAD_INPUT)
+        _fail(str(error), EXIT_BAD_INPUT, grace_s=PEER_GRACE_S if _under_torchrun_with_peers() else 0.0)
     except RuntimeError as error:  # torch.distributed.DistError is one too
         if not _is_comm_failure(error):
             raise
@@ -50,12 +53,17 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
     shutdown_distributed()
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    """One paragraph on stderr and in torchrun's summary, then a non-zero exit."""
+def _fail(message: str, code: int, grace_s: float = 0.0) -> NoReturn:
+    """One paragraph on stderr and in torchrun's summary, then a non-zero exit after `grace_s` seconds."""
     rank = os.environ.get("RANK", "0")
     print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
     _report_to_torchrun(message)
+    time.sleep(grace_s)
     sys.exit(code)
+
+
+def _under_torchrun_with_peers() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def _is_comm_failure(error: RuntimeError) -> bool:
