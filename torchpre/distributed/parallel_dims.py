@@ -41,20 +41,12 @@ class Meshes:
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP."""
-        if self.dense_mesh is None:
-            return None
-        if self.dense_mesh["dp_replicate"].size() > 1:
-            return self.dense_mesh["dp_replicate", "dp_shard"]
-        return self.dense_mesh["dp_shard"]
+        return _fsdp_view(self.dense_mesh, "dp_shard")
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards expert-parallel experts over: (edp_shard) or (dp_replicate, edp_shard)."""
-        if self.expert_dense_mesh is None:
-            return None
-        if self.expert_dense_mesh["dp_replicate"].size() > 1:
-            return self.expert_dense_mesh["dp_replicate", "edp_shard"]
-        return self.expert_dense_mesh["edp_shard"]
+        return _fsdp_view(self.expert_dense_mesh, "edp_shard")
 
 
 @dataclass(frozen=True)
@@ -169,3 +161,12 @@ def _resolve_hsdp(dp: int, replicate: int, shard: int) -> tuple[int, int]:
             f"(= {dp} / replicate degree), or change data_parallel_degree."
         )
     return replicate, shard
+
+
+def _fsdp_view(mesh: DeviceMesh | None, shard_dim: str) -> DeviceMesh | None:
+    """`mesh`'s `shard_dim`, with dp_replicate in front when HSDP replicates over it."""
+    if mesh is None:
+        return None
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", shard_dim]
+    return mesh[shard_dim]
