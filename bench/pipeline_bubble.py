@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO, print_table
+from torchpre.distributed.schedules import bubble_fraction
 
 PP = 2
 TARGET = 0.10
@@ -80,10 +81,7 @@ class Row:
 
 def theory(schedule: str, pp: int, microbatches: int) -> float:
     """The idle fraction of each rank with equal stage times and free communication (see the docstring)."""
-    p, m, v = pp, microbatches, STAGES_PER_RANK[schedule]
-    if schedule == "ZBVZeroBubble":
-        return (p - 1) / (6 * m + p - 1)
-    return (p - 1) / (v * m + p - 1)
+    return bubble_fraction(schedule, pp, microbatches, STAGES_PER_RANK[schedule])
 
 
 def train_args(schedule: str, microbatches: int, model: list[str]) -> list[str]:

@@ -7,12 +7,18 @@ config needs neither torch nor the `parallel` package. A new schedule, or one to
 """
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from torchpre.errors import ConfigError
 
 SCHEDULE_KEY = "parallelism.pipeline_parallel_schedule"
+
+
+def _all_forwards_first(p: int, m: int, v: int, r: int) -> int:
+    """GPipe, LoopedBFS: every chunk-forward of the step runs before the first backward."""
+    return v * m
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,9 @@ class PipelineSchedule:
     microbatches_per_stage: needs at least one microbatch per stage.
     rounds: runs microbatches in rounds of the pipeline degree (their count must split into equal rounds).
     aliases: other names that select it.
+    zero_bubble: splits each backward into input (I) and weight (W) parts; the W parts fill the drain.
+    in_flight: `(pp, microbatches, stages_per_rank, rank) -> count`, the most forwards whose activations the rank
+        holds at once, in stage-chunk activations (see `in_flight_microbatches`).
     """
 
     name: str
@@ -36,16 +45,69 @@ class PipelineSchedule:
     microbatches_per_stage: bool = False
     rounds: bool = False
     aliases: tuple[str, ...] = ()
+    zero_bubble: bool = False
+    in_flight: Callable[[int, int, int, int], int] = _all_forwards_first
+
+    def bubble(self, pp: int, microbatches: int, stages_per_rank: int) -> float:
+        """The idle fraction of each rank with equal stage times and free communication.
+
+        p - 1 fill (and drain) slots around the rank's work: a slot is one stage chunk's forward + backward, and a
+        rank does `stages_per_rank` chunks per microbatch, so (p - 1) / (v m + p - 1); GPipe and 1F1B are v = 1.
+        Zero-bubble schedules fill the drain with weight backwards, leaving only p - 1 chunk-forwards of fill against
+        3 v m chunk-slots of work (forward, input backward, weight backward, equal times): (p - 1) / (3 v m + p - 1).
+        """
+        work = (3 if self.zero_bubble else 1) * stages_per_rank * microbatches
+        return (pp - 1) / (work + pp - 1)
+
+
+def _one_forward_one_backward(p: int, m: int, v: int, r: int) -> int:
+    """1F1B: rank r runs p - r warm-up forwards, then one backward per forward."""
+    return min(m, p - r)
+
+
+def _interleaved(factor: int) -> Callable[[int, int, int, int], int]:
+    """torch's interleaved warm-up (`_get_warmup_ops`): (v - 1) chunks per round plus `factor` per hop from the last
+    rank, capped at all v m chunk-forwards; the first steady-state forward comes before the first backward."""
+
+    def in_flight(p: int, m: int, v: int, r: int) -> int:
+        rounds = max(1, m // p)
+        warmup = (v - 1) * (m // rounds) + factor * (p - 1 - r)
+        return min(warmup + 1, v * m)
+
+    return in_flight
+
+
+def _zbv(p: int, m: int, v: int, r: int) -> int:
+    """ZB-V: rank r runs m + r + 1 chunk-forwards before its first input backward, capped at 2 p (the V's
+    steady state) and at its 2 m chunk-forwards."""
+    return min(m + r + 1, 2 * p, 2 * m)
+
+
+def _dualpipev(p: int, m: int, v: int, r: int) -> int:
+    """DualPipeV (m >= 2 p): every rank peaks at 2 p + 1 chunk-forwards, the +1 being the forward half of an
+    overlapped forward-backward pair, which torch runs before its backward half."""
+    return 2 * p + 1
 
 
 # torch 2.14's forward-only `schedule.eval` still runs the V schedules' backward actions, and their same-rank
 # hand-off of input gradients fails ("can't steal_bwd_input ..."), hence forward_only=False.
 SCHEDULES: tuple[PipelineSchedule, ...] = (
     PipelineSchedule("GPipe", "ScheduleGPipe", multi_stage=False, aliases=("AFAB",)),
-    PipelineSchedule("1F1B", "Schedule1F1B", multi_stage=False, microbatches_per_stage=True),
-    PipelineSchedule("Interleaved1F1B", "ScheduleInterleaved1F1B", multi_stage=True, rounds=True),
+    PipelineSchedule(
+        "1F1B", "Schedule1F1B", multi_stage=False, microbatches_per_stage=True, in_flight=_one_forward_one_backward
+    ),
+    PipelineSchedule(
+        "Interleaved1F1B", "ScheduleInterleaved1F1B", multi_stage=True, rounds=True, in_flight=_interleaved(2)
+    ),
     PipelineSchedule("LoopedBFS", "ScheduleLoopedBFS", multi_stage=True),
-    PipelineSchedule("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", multi_stage=True, rounds=True),
+    PipelineSchedule(
+        "InterleavedZeroBubble",
+        "ScheduleInterleavedZeroBubble",
+        multi_stage=True,
+        rounds=True,
+        zero_bubble=True,
+        in_flight=_interleaved(1),
+    ),
     PipelineSchedule(
         "ZBVZeroBubble",
         "ScheduleZBVZeroBubble",
@@ -53,6 +115,8 @@ SCHEDULES: tuple[PipelineSchedule, ...] = (
         placement="v",
         forward_only=False,
         microbatches_per_stage=True,
+        zero_bubble=True,
+        in_flight=_zbv,
     ),
     PipelineSchedule(
         "DualPipeV",
@@ -61,6 +125,8 @@ SCHEDULES: tuple[PipelineSchedule, ...] = (
         placement="v",
         forward_only=False,
         microbatches_per_stage=True,
+        zero_bubble=True,
+        in_flight=_dualpipev,
     ),
 )
 
@@ -87,3 +153,35 @@ def names_where(**facts: object) -> list[str]:
 def aliases_text() -> str:
     """E.g. "AFAB is GPipe", for help texts."""
     return ", ".join(f"{alias} is {row.name}" for row in SCHEDULES for alias in row.aliases)
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """`schedule`'s pipeline bubble: the idle fraction of each rank (`PipelineSchedule.bubble`).
+
+    stages_per_rank: 1 for single-stage schedules, 2 for V schedules, the virtual stages for the looped ones.
+    """
+    row = get_schedule(schedule)
+    _check_stages_per_rank(row, stages_per_rank)
+    return row.bubble(pp, microbatches, stages_per_rank)
+
+
+def in_flight_microbatches(schedule: str, pp: int, microbatches: int, rank: int, stages_per_rank: int = 1) -> int:
+    """The most stage-chunk forwards whose saved activations pipeline rank `rank` holds at once under `schedule`.
+
+    The unit is one microbatch's activations of one of the rank's stages (a "chunk"): a rank holding v stages can
+    hold up to v m of them. A forward adds one; a full backward (B) frees it, and so does the input backward (I) of
+    zero-bubble schedules (the weight backward W keeps only the matmul inputs, not counted here). Read off torch's own
+    action order (`pipeline_order`); tests/unit/test_schedule_theory.py checks each row's closed form against it.
+    """
+    row = get_schedule(schedule)
+    _check_stages_per_rank(row, stages_per_rank)
+    if not 0 <= rank < pp:
+        raise ValueError(f"pipeline rank {rank} is not in [0, {pp})")
+    return row.in_flight(pp, microbatches, stages_per_rank, rank)
+
+
+def _check_stages_per_rank(row: PipelineSchedule, stages_per_rank: int) -> None:
+    expected = 1 if not row.multi_stage else 2 if row.placement == "v" else None
+    if stages_per_rank < 1 or expected not in (None, stages_per_rank):
+        count = expected or "a positive number of"
+        raise ValueError(f"'{row.name}' holds {count} stages per rank, not {stages_per_rank}")

@@ -1,0 +1,116 @@
+"""The schedule table's closed forms against torch's own action order.
+
+`in_flight_microbatches` (what the planner reads for activation memory) is checked against a walk over the
+`pipeline_order` torch builds in each schedule's `__init__`, from stage objects that carry only the attributes
+`__init__` reads: no process group, no model. The walk counts a forward (F) as +1 held chunk of activations and a
+full backward (B) or an input backward (I, zero-bubble schedules) as -1; a weight backward (W) frees nothing counted.
+An overlapped forward-backward (DualPipeV) runs its sub-actions in order, so they count in order.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from bench.pipeline_bubble import theory as bench_theory
+from torchpre.distributed.schedules import SCHEDULES, bubble_fraction, get_schedule, in_flight_microbatches
+from torchpre.errors import ConfigError
+from torchpre.parallel.pipeline import stage_ids, validate_microbatches
+
+FREES = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_INPUT)
+
+
+def _stages_per_rank(name: str, virtual: int) -> int:
+    row = get_schedule(name)
+    return 1 if not row.multi_stage else 2 if row.placement == "v" else virtual
+
+
+def _torch_order(name: str, pp: int, microbatches: int, per_rank: int) -> dict[int, list]:
+    """torch's `pipeline_order` for `name`, built from stand-in stages of rank 0."""
+    num_stages = pp * per_rank
+    stages = [
+        SimpleNamespace(
+            num_stages=num_stages, group_size=pp, group_rank=0, stage_index=index, is_first=index == 0,
+            is_last=index == num_stages - 1, submod=torch.nn.Module(),
+        )
+        for index in stage_ids(0, pp, name, per_rank)
+    ]
+    row = get_schedule(name)
+    schedule_class = getattr(torch_schedules, row.torch_class)
+    schedule = schedule_class(stages if row.multi_stage else stages[0], microbatches, loss_fn=lambda out, target: out)
+    return schedule.pipeline_order
+
+
+def _walk_in_flight(actions: list) -> int:
+    held = peak = 0
+    for action in actions:
+        if action is None:
+            continue
+        for step in action.sub_actions or (action,):
+            held += (step.computation_type == torch_schedules.FORWARD) - (step.computation_type in FREES)
+            peak = max(peak, held)
+    return peak
+
+
+CASES = [
+    pytest.param(row.name, pp, microbatches, virtual, id=f"{row.name}-p{pp}-m{microbatches}-v{virtual}")
+    for row in SCHEDULES
+    for virtual in ((2, 3) if row.multi_stage and row.placement == "loop" else (1,))
+    for pp in (2, 4)
+    for microbatches in (4, 8)
+]
+
+
+@pytest.mark.parametrize("name, pp, microbatches, virtual", CASES)
+def test_in_flight_closed_form_matches_torch_action_order(name, pp, microbatches, virtual):
+    per_rank = _stages_per_rank(name, virtual)
+    try:
+        validate_microbatches(name, microbatches, pp, pp * per_rank)
+    except ConfigError:
+        pytest.skip("torchpre does not run this schedule with these microbatches")
+    order = _torch_order(name, pp, microbatches, per_rank)
+    walked = [_walk_in_flight(order[rank]) for rank in range(pp)]
+    closed = [in_flight_microbatches(name, pp, microbatches, rank, per_rank) for rank in range(pp)]
+    assert closed == walked
+
+
+def test_the_walk_counts_what_the_schedules_are_known_to_hold():
+    """Anchors for the walk itself: GPipe holds every microbatch, 1F1B p - r, LoopedBFS every chunk."""
+    assert [_walk_in_flight(a) for a in _torch_order("GPipe", 4, 8, 1).values()] == [8, 8, 8, 8]
+    assert [_walk_in_flight(a) for a in _torch_order("1F1B", 4, 8, 1).values()] == [4, 3, 2, 1]
+    assert [_walk_in_flight(a) for a in _torch_order("LoopedBFS", 2, 4, 3).values()] == [12, 12]
+
+
+def _old_bench_theory(schedule: str, pp: int, microbatches: int) -> float:
+    """bench/pipeline_bubble.py's `theory` before it moved into the table, verbatim."""
+    p, m, v = pp, microbatches, {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2}[schedule]
+    if schedule == "ZBVZeroBubble":
+        return (p - 1) / (6 * m + p - 1)
+    return (p - 1) / (v * m + p - 1)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_bubble_values_are_the_old_bench_theory(name):
+    per_rank = _stages_per_rank(name, 2)
+    for pp in (2, 4, 8):
+        for microbatches in (1, 4, 8, 32):
+            old = _old_bench_theory(name, pp, microbatches)
+            assert bubble_fraction(name, pp, microbatches, per_rank) == old
+            assert bench_theory(name, pp, microbatches) == old
+
+
+def test_bubble_hand_values():
+    assert bubble_fraction("1F1B", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("InterleavedZeroBubble", 4, 8, 2) == pytest.approx(3 / 51)
+    assert bubble_fraction("AFAB", 1, 8) == 0.0
+
+
+def test_wrong_stage_counts_and_ranks_are_refused():
+    with pytest.raises(ValueError, match="1 stages per rank"):
+        bubble_fraction("1F1B", 2, 4, 2)
+    with pytest.raises(ValueError, match="2 stages per rank"):
+        in_flight_microbatches("ZBVZeroBubble", 2, 4, 0, 1)
+    with pytest.raises(ValueError, match="pipeline rank 2"):
+        in_flight_microbatches("GPipe", 2, 4, 2)
