@@ -1,0 +1,81 @@
+"""The hardware table and JSON profiles: rows hold the datasheet numbers, profiles round-trip, bad input says what."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO
+from torchpre.distributed.hardware import HARDWARE, Hardware, get_hardware, load_profile, save_profile
+from torchpre.errors import ConfigError
+
+
+def test_rows_hold_the_datasheet_numbers():
+    h100, h200, a100 = (get_hardware(name) for name in ("h100-80gb", "h200-141gb", "a100-80gb"))
+    assert (h100.peak_flops, h100.memory_bytes, h100.intra_node_bw, h100.inter_node_bw, h100.mem_bw) == (
+        989e12, 80e9, 450e9, 50e9, 3.35e12)
+    assert (h200.peak_flops, h200.memory_bytes, h200.intra_node_bw, h200.inter_node_bw, h200.mem_bw) == (
+        989e12, 141e9, 450e9, 50e9, 4.8e12)
+    assert (a100.peak_flops, a100.memory_bytes, a100.intra_node_bw, a100.inter_node_bw, a100.mem_bw) == (
+        312e12, 80e9, 300e9, 25e9, 2.0e12)
+    for row in HARDWARE.values():
+        assert (row.matmul_efficiency, row.overlap, row.gpus_per_node) == (0.6, 1.0, 8)
+        assert not row.reduce_scatter_as_all_reduce
+
+
+def test_a_profile_round_trips_and_is_selected_by_its_path(tmp_path):
+    custom = dataclasses.replace(HARDWARE["h100-80gb"], name="my-gpu", gpus_per_node=4, overlap=0.5)
+    path = tmp_path / "my-gpu.json"
+    save_profile(custom, path)
+    assert load_profile(path) == custom
+    assert get_hardware(str(path)) == custom
+
+
+def test_an_unknown_name_names_the_choices_and_the_closest():
+    with pytest.raises(ConfigError) as error:
+        get_hardware("h100-80g", key="job.dry_run_gpu")
+    message = str(error.value)
+    assert "job.dry_run_gpu = 'h100-80g'" in message and "Did you mean 'h100-80gb'?" in message
+    assert "h200-141gb" in message and "a100-80gb" in message and "--calibrate" in message
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "must hold a JSON object"),
+        (json.dumps({"name": "x", "peak_flops": 1e12, "speed": 3}), "unknown fields speed; missing fields"),
+        ("PEAK0", "field peak_flops = 0 is out of range"),
+        ("OVERLAP2", "field overlap = 2 is out of range"),
+        ("NODES", "field gpus_per_node = 2.5 is out of range"),
+    ],
+)
+def test_a_bad_profile_says_which_field(tmp_path, content, fragment):
+    fields = dataclasses.asdict(HARDWARE["a100-80gb"])
+    bad = {"PEAK0": {**fields, "peak_flops": 0}, "OVERLAP2": {**fields, "overlap": 2},
+           "NODES": {**fields, "gpus_per_node": 2.5}}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad[content]) if content in bad else content)
+    with pytest.raises(ConfigError, match=fragment) as error:
+        get_hardware(str(path), key="plan.gpu_profile")
+    assert f"plan.gpu_profile = '{path}'" in str(error.value)
+
+
+def test_a_missing_profile_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such profile file"):
+        get_hardware(str(tmp_path / "absent.json"))
+
+
+def test_the_module_imports_without_torch(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is hidden by this test')\n")
+    code = "import torchpre.distributed.hardware as h; print(h.get_hardware('a100-80gb').name)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "a100-80gb"
+    assert Hardware.__doc__ and "bytes/s" in Hardware.__doc__

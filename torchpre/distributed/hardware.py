@@ -1,0 +1,145 @@
+"""What the planner and the dry run know about a machine: one `Hardware` row per accelerator, or a JSON profile.
+
+Imports no torch, so config validation (and `--help`) can name the choices. The rows hold datasheet numbers; the
+efficiency fields are stated assumptions, not measurements: `python -m torchpre.plan --calibrate OUT.json`
+measures them on the machine it runs on and writes a profile.
+
+A profile is a JSON object with exactly the fields of `Hardware` (numbers in the units its docstring states), e.g.
+
+    {"name": "my-gpu", "peak_flops": 5e14, "memory_bytes": 4.8e10, "reserved_bytes": 2e9,
+     "intra_node_bw": 2e11, "inter_node_bw": 2.5e10, "latency_s": 1e-5, "gpus_per_node": 8,
+     "matmul_efficiency": 0.6, "mem_bw": 1.5e12, "op_overhead_s": 5e-6, "overlap": 1.0,
+     "reduce_scatter_as_all_reduce": false}
+
+Pass its path wherever a row name is accepted (`get_hardware`).
+"""
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchpre.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or CPU process) and its links, as the time and memory models see it.
+
+    name: the row's name, or the profile's.
+    peak_flops: dense matmul FLOP/s of one device in the training dtype (bf16 on GPUs, fp32 on CPU).
+    memory_bytes: memory of one device, bytes.
+    reserved_bytes: bytes of it a job cannot use for tensors (CUDA context, NCCL buffers, allocator slack).
+    intra_node_bw: bytes/s one device sends (per direction) to devices of its own node (NVLink).
+    inter_node_bw: bytes/s one device sends (per direction) to devices of other nodes (its share of the NICs).
+    latency_s: seconds per step of a ring collective, and per point-to-point message.
+    gpus_per_node: devices (ranks) per node: a group whose ranks span at most this many is intra-node.
+    matmul_efficiency: the fraction of `peak_flops` a training-sized matmul reaches (an assumption unless measured).
+    mem_bw: memory bandwidth of one device, bytes/s: what memory-bound (non-matmul) ops run at.
+    op_overhead_s: seconds each eager op costs on top of its work (launch and dispatch).
+    overlap: the fraction of backward time that data-parallel communication can hide behind (0 = none, 1 = all).
+    reduce_scatter_as_all_reduce: the backend runs a reduce-scatter as a full all-reduce (a measured fact of a
+        profile: calibration sets it when gloo's reduce-scatter costs as much as its all-reduce).
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    reserved_bytes: float
+    intra_node_bw: float
+    inter_node_bw: float
+    latency_s: float
+    gpus_per_node: int
+    matmul_efficiency: float
+    mem_bw: float
+    op_overhead_s: float
+    overlap: float
+    reduce_scatter_as_all_reduce: bool = False
+
+
+# Datasheet numbers (dense bf16, SXM parts). Links: NVLink per direction per GPU; inter-node one 400 Gb/s NIC per GPU
+# on H100/H200 (50 GB/s) and one 200 Gb/s per GPU on A100 (25 GB/s). Assumptions: a matmul reaches 60% of peak,
+# DP communication hides fully behind backward, ~5 us per eager op (CUDA launch + dispatch), 10 us per collective
+# step (one figure for NVLink and InfiniBand: the inter-node value, the conservative one), 2 GB reserved.
+_GPU_ASSUMPTIONS = dict(
+    reserved_bytes=2e9, latency_s=10e-6, gpus_per_node=8, matmul_efficiency=0.6, op_overhead_s=5e-6, overlap=1.0
+)
+HARDWARE: dict[str, Hardware] = {
+    row.name: row
+    for row in (
+        Hardware("h100-80gb", peak_flops=989e12, memory_bytes=80e9, intra_node_bw=450e9, inter_node_bw=50e9,
+                 mem_bw=3.35e12, **_GPU_ASSUMPTIONS),
+        Hardware("h200-141gb", peak_flops=989e12, memory_bytes=141e9, intra_node_bw=450e9, inter_node_bw=50e9,
+                 mem_bw=4.8e12, **_GPU_ASSUMPTIONS),
+        Hardware("a100-80gb", peak_flops=312e12, memory_bytes=80e9, intra_node_bw=300e9, inter_node_bw=25e9,
+                 mem_bw=2.0e12, **_GPU_ASSUMPTIONS),
+    )
+}
+
+
+def get_hardware(name_or_path: str, key: str = "hardware") -> Hardware:
+    """A row of `HARDWARE` by name, or the profile at a path ending in .json; else a ConfigError naming `key`."""
+    if name_or_path in HARDWARE:
+        return HARDWARE[name_or_path]
+    if name_or_path.endswith(".json"):
+        return load_profile(Path(name_or_path), key)
+    close = difflib.get_close_matches(name_or_path, list(HARDWARE), n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(
+        f"{key} = '{name_or_path}' is not a known GPU.{hint} Choose one of: {', '.join(HARDWARE)}, or give the "
+        "path of a JSON profile (python -m torchpre.plan --calibrate OUT.json writes one for this machine)."
+    )
+
+
+def save_profile(hardware: Hardware, path: Path) -> None:
+    """Writes `hardware` as a JSON profile that `load_profile` reads back equal."""
+    path.write_text(json.dumps(dataclasses.asdict(hardware), indent=2) + "\n")
+
+
+def load_profile(path: Path, key: str = "hardware") -> Hardware:
+    """The `Hardware` a JSON profile describes; a missing file, bad JSON or wrong fields is a ConfigError."""
+    try:
+        fields = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{key} = '{path}': no such profile file.") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{key} = '{path}' is not valid JSON: {error}.") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{key} = '{path}' must hold a JSON object of Hardware fields.")
+    names = {field.name for field in dataclasses.fields(Hardware)}
+    required = {field.name for field in dataclasses.fields(Hardware) if field.default is dataclasses.MISSING}
+    unknown, missing = sorted(set(fields) - names), sorted(required - set(fields))
+    if unknown or missing:
+        raise ConfigError(
+            f"{key} = '{path}': " + "; ".join(
+                part for part in (unknown and f"unknown fields {', '.join(unknown)}",
+                                  missing and f"missing fields {', '.join(missing)}") if part
+            ) + f". A profile holds: {', '.join(sorted(names))}."
+        )
+    _check_values(fields, path, key)
+    return Hardware(**fields)
+
+
+def _check_values(fields: dict, path: Path, key: str) -> None:
+    """Numbers where numbers go, positive where zero would divide, fractions within [0, 1]."""
+    for field in dataclasses.fields(Hardware):
+        value = fields.get(field.name, field.default)
+        if field.name == "name":
+            ok = isinstance(value, str)
+        elif field.name == "reduce_scatter_as_all_reduce":
+            ok = isinstance(value, bool)
+        elif field.name == "gpus_per_node":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        elif field.name in ("matmul_efficiency", "overlap"):
+            ok = _number(value) and 0 <= value <= 1 and (field.name == "overlap" or value > 0)
+        elif field.name in ("reserved_bytes", "latency_s", "op_overhead_s"):
+            ok = _number(value) and value >= 0
+        else:
+            ok = _number(value) and value > 0
+        if not ok:
+            raise ConfigError(f"{key} = '{path}': field {field.name} = {value!r} is out of range or of the wrong type.")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
