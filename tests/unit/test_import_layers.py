@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("optim", "models", "data", "checkpoint", "metrics", "config", "health", "profiling", "cli"),
     ("build", "validation"),
-    ("trainer", "generate", "convert", "plot", "custom_import", "train"),
+    ("trainer", "generate", "convert", "plot", "custom_import", "train", "plan"),
 )
 
 # Function-level imports of torchpre modules, by (importing module, imported module): each with its reason.

@@ -1,0 +1,150 @@
+"""The step-time model against hand-computed numbers (each expected value is worked out in the comment above it).
+
+A toy machine keeps the arithmetic readable: 1 TFLOP/s at 50% matmul efficiency (0.5e12 effective), 10 GB/s memory,
+1 ms per collective step, 4 GB/s within a node of 2 ranks, 1 GB/s between nodes. Tolerance: 1e-12 relative, float
+rounding only; the model is closed-form.
+"""
+
+import pytest
+
+from torchpre.distributed.hardware import HARDWARE, Hardware
+from torchpre.plan.time_model import (
+    Collective,
+    Layout,
+    RankWork,
+    Work,
+    collective_seconds,
+    intra_node,
+    rank_step_times,
+    step_time,
+)
+
+TOY = Hardware(
+    name="toy", peak_flops=1e12, memory_bytes=1e10, reserved_bytes=0, intra_node_bw=4e9, inter_node_bw=1e9,
+    latency_s=1e-3, gpus_per_node=2, matmul_efficiency=0.5, mem_bw=1e10, op_overhead_s=1e-6, overlap=1.0,
+)
+MiB = 2**20
+# forward 1e11 FLOPs = 0.2 s, backward 2e11 = 0.4 s at 0.5e12 FLOP/s
+PLAIN = RankWork(forward=Work(flops=1e11), backward=Work(flops=2e11))
+
+
+def approx(value):
+    return pytest.approx(value, rel=1e-12)
+
+
+def test_one_rank_is_compute_and_optimizer():
+    """h100-80gb: 989e12 x 0.6 = 593.4e12 FLOP/s, 3.35e12 B/s, 5 us per op."""
+    work = RankWork(
+        forward=Work(flops=2e12, other_bytes=1.34e9, ops=400),
+        backward=Work(flops=4e12, other_bytes=2.01e9, ops=600),
+        optimizer_state_bytes=8e9,
+        optimizer_ops=1000,
+    )
+    time = step_time(Layout(microbatches=4), [work], HARDWARE["h100-80gb"])
+    # per microbatch: 6e12 / 593.4e12 + 3.35e9 / 3.35e12 + 1000 x 5e-6 = 0.0101112234 + 0.001 + 0.005
+    assert time.compute_s == approx(4 * (6e12 / 593.4e12 + 0.001 + 0.005))
+    # AdamW: 3.5 x 8e9 / 3.35e12 + 1000 x 5e-6
+    assert time.optimizer_s == approx(3.5 * 8e9 / 3.35e12 + 0.005)
+    assert (time.tp_comm_s, time.pp_comm_s, time.dp_comm_s, time.bubble_s) == (0, 0, 0, 0)
+    assert time.total_s == approx(time.compute_s + time.optimizer_s)
+    assert set(time.as_dict()) == {"compute_s", "tp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
+                                   "dp_comm_exposed_s", "bubble_s", "optimizer_s", "total_s"}
+
+
+def test_405b_layout_uses_nvlink_for_tp_only():
+    """tp8 x dp8 x pp16 at 8 GPUs per node: a tp group is one node; dp (stride 8) and pp (stride 64) cross nodes."""
+    layout = Layout(dp=8, tp=8, pp=16, microbatches=16)
+    assert intra_node(layout, "tp", 8) and not intra_node(layout, "dp", 8) and not intra_node(layout, "pp", 8)
+    # tp4 x dp2: a dp group (stride 4) spans ranks r and r + 4, the same node of 8
+    assert intra_node(Layout(dp=2, tp=4), "dp", 8) and not intra_node(Layout(dp=4, tp=4), "dp", 8)
+    h100 = HARDWARE["h100-80gb"]
+    tp_all_reduce = Collective("all_reduce", "tp", 64 * MiB)
+    work = RankWork(forward=Work(flops=0, collectives=(tp_all_reduce,)), backward=Work(flops=0),
+                    grad_bytes=1e9, boundary_bytes=1e6)
+    time = rank_step_times(layout, [work] * 16, h100)[0]
+    # ring all-reduce over 8 on NVLink: 2 x 7 x 10 us + 2 x 7/8 x 64 MiB / 450e9, 16 microbatches
+    assert time.tp_comm_s == approx(16 * (14 * 10e-6 + 1.75 * 64 * MiB / 450e9))
+    # ZeRO 0, all-reduce of 1 GB over 8 on InfiniBand: 14 x 10 us + 1.75 x 1e9 / 50e9 (nothing to hide it behind
+    # but the last bucket's own time, and the backward here is free)
+    assert time.dp_comm_s == approx(14 * 10e-6 + 1.75e9 / 50e9)
+    assert time.dp_comm_exposed_s == approx(time.dp_comm_s)
+    # 2 x 16 sends of 1 MB on InfiniBand: 10 us + 1e6 / 50e9 each
+    assert time.pp_comm_s == approx(32 * (10e-6 + 1e6 / 50e9))
+
+
+def test_dp_overlap_and_zero_stages():
+    """dp4 on nodes of 2: the DP group crosses nodes (1 GB/s). m = 2, 1 GB of gradients, 0.5 GB of parameters."""
+    work = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e9, param_bytes=5e8)
+    bucket = 25 * MiB
+
+    zero0 = step_time(Layout(dp=4, microbatches=2, zero_stage=0), [work], TOY)
+    # all-reduce: 2 x 3 x 1 ms + 2 x 3/4 x 1e9 / 1e9 = 1.506 s, once; hidden behind one backward (0.4 s)
+    assert zero0.dp_comm_s == approx(1.506)
+    assert zero0.dp_comm_exposed_s == approx(1.506 - 0.4)
+    assert zero0.total_s == approx(2 * 0.6 + 1.106)
+
+    zero1 = step_time(Layout(dp=4, microbatches=2, zero_stage=1), [work], TOY)
+    # reduce-scatter 3 ms + 0.75 s = 0.753 s (exposed 0.353 s), then the parameters' all-gather 3 ms + 0.375 s
+    assert zero1.dp_comm_s == approx(0.753 + 0.378)
+    assert zero1.dp_comm_exposed_s == approx(0.353 + 0.378)
+
+    zero2 = step_time(Layout(dp=4, microbatches=2, zero_stage=2), [work], TOY)
+    # one reduce-scatter per microbatch, each behind its backward, then the all-gather
+    assert zero2.dp_comm_exposed_s == approx(2 * 0.353 + 0.378)
+
+    zero3 = step_time(Layout(dp=4, microbatches=2, zero_stage=3), [work], TOY)
+    # per microbatch: reduce-scatter 0.753 + 2 all-gathers 0.756 = 1.509 s behind the whole microbatch (0.6 s)
+    assert zero3.dp_comm_s == approx(2 * 1.509)
+    assert zero3.dp_comm_exposed_s == approx(2 * (1.509 - 0.6))
+
+    # a small gradient hides entirely, except its last (here: only) bucket: 3 ms + 0.75 x 1e6 / 1e9
+    small = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e6)
+    assert step_time(Layout(dp=4, zero_stage=1), [small], TOY).dp_comm_exposed_s == approx(0.003 + 0.00075)
+    # a large one: the last bucket is 25 MiB
+    big = step_time(Layout(dp=4, zero_stage=1), [RankWork(Work(0), Work(0), grad_bytes=1e9)], TOY)
+    assert big.dp_comm_exposed_s == approx(0.753)  # nothing to hide behind
+    no_overlap = Hardware(**{**TOY.__dict__, "overlap": 0.0})
+    assert step_time(Layout(dp=4, microbatches=2), [work], no_overlap).dp_comm_exposed_s == approx(1.506)
+    gloo = Hardware(**{**TOY.__dict__, "reduce_scatter_as_all_reduce": True})
+    assert step_time(Layout(dp=4, zero_stage=1), [work], gloo).dp_comm_s == approx(1.506 + 0.378)
+    assert collective_seconds("reduce_scatter", 4, bucket, 1e9, TOY) == approx(0.003 + 0.75 * bucket / 1e9)
+
+
+def test_pipeline_bubble_paces_every_rank_by_the_slowest():
+    """pp4 on nodes of 2 (inter-node sends), 1F1B, m = 8: bubble 3/11. Rank 3 also computes a 0.3 s forward."""
+    slow = RankWork(forward=Work(flops=1.5e11), backward=PLAIN.backward, boundary_bytes=1e6)
+    fast = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, boundary_bytes=1e6, optimizer_state_bytes=1e9)
+    layout = Layout(pp=4, microbatches=8, schedule="1F1B")
+    times = rank_step_times(layout, [fast, fast, fast, slow], TOY)
+    # sends: 2 x 8 of (1 ms + 1e6 / 1e9) = 0.032 s; busy: 8 x 0.6 + 0.032 (fast), 8 x 0.7 + 0.032 (slow)
+    pipeline = (8 * 0.7 + 0.032) / (1 - 3 / 11)
+    assert times[3].bubble_s == approx(pipeline - 5.632)
+    assert times[0].bubble_s == approx(pipeline - 4.832)
+    assert times[0].pp_comm_s == approx(0.032)
+    # every rank spans the same pipeline; rank 0 adds its optimizer step (3.5 x 1e9 / 1e10 = 0.35 s)
+    assert times[3].total_s == approx(pipeline)
+    assert times[0].total_s == approx(pipeline + 0.35)
+    assert step_time(layout, [fast, fast, fast, slow], TOY) == times[0]
+    # interleaved, 2 stages per rank: bubble 3/19 and twice the sends
+    interleaved = rank_step_times(Layout(pp=4, microbatches=8, schedule="Interleaved1F1B", stages_per_rank=2),
+                                  [fast, fast, fast, slow], TOY)
+    assert interleaved[3].total_s == approx((8 * 0.7 + 0.064) / (1 - 3 / 19))
+
+
+def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
+    """tp2 x dp2 with ep2 on nodes of 2: tp within a node (4 GB/s), ep (stride tp = 2) across nodes (1 GB/s)."""
+    layout = Layout(dp=2, tp=2, ep=2, microbatches=2)
+    forward = Work(flops=1e11, collectives=(Collective("all_reduce", "tp", 1e8),) * 2
+                   + (Collective("all_to_all", "ep", 1e8),))
+    backward = Work(flops=2e11, collectives=(Collective("all_reduce", "tp", 1e8),) * 2)
+    time = step_time(layout, [RankWork(forward, backward)], TOY)
+    # all-reduce over 2 within the node: 2 x 1 ms + 1 x 1e8 / 4e9 = 0.027 s, 4 per microbatch
+    assert time.tp_comm_s == approx(2 * 4 * 0.027)
+    # all-to-all over 2 across nodes: 1 ms + 1/2 x 1e8 / 1e9 = 0.051 s, 1 per microbatch
+    assert time.ep_comm_s == approx(2 * 0.051)
+    assert time.total_s == approx(2 * (0.6 + 4 * 0.027 + 0.051))
+
+
+def test_work_for_the_wrong_number_of_ranks_is_refused():
+    with pytest.raises(ValueError, match="1 ranks of work for pp = 2"):
+        step_time(Layout(pp=2, microbatches=2), [PLAIN], TOY)

@@ -1,0 +1,258 @@
+"""Step time of a layout from counted work and a `Hardware` profile: plain arithmetic, no torch.
+
+The model, per pipeline rank (all of its stage chunks together), for one step of m microbatches:
+- compute per microbatch = flops / (peak_flops x matmul_efficiency) + other_bytes / mem_bw + ops x op_overhead_s.
+  `flops` are the matmul and attention FLOPs a `FlopCounterMode` counts (recompute included); everything else
+  (norms, activations, adds, copies) is memory-bound and costs the bytes it writes.
+- TP and EP collectives run inside the microbatch and are exposed (no async TP): ring model
+  t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
+  dimension lies within one node, else inter_node_bw.
+- PP: every stage chunk sends its boundary activation forward and receives its gradient back per microbatch:
+  2 v m sends of `boundary_bytes`.
+- The pipeline runs for (m x t_mb + pp_comm) / (1 - bubble) with the slowest rank's t_mb (the schedule table's
+  bubble fraction, equal stage times assumed); a faster rank idles the difference, counted as its bubble.
+- DP (`dp_seconds`): ZeRO 0 all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the
+  parameters after the step; 2 reduce-scatters every microbatch and all-gathers after the step; 3 all-gathers the
+  parameters in forward and in backward and reduce-scatters the gradients, every microbatch. Gradient reductions
+  overlap backward (ZeRO 3: the whole microbatch) up to `overlap`; the last bucket never does (it is launched when
+  backward ends): exposed = max(last bucket, comm - overlap x window). Post-step all-gathers are exposed.
+- Optimizer: AdamW reads the fp32 master, gradient, exp_avg and exp_avg_sq (16 B/param) and writes master,
+  exp_avg, exp_avg_sq (12 B/param): 28 B per 8 B of state, so OPTIMIZER_TRAFFIC = 3.5 x state bytes / mem_bw,
+  plus its ops x op_overhead_s.
+
+Mesh: row-major (pp, dp, tp), with dp split into (edp, ep) under expert parallelism (`parallel_dims`): tp has
+stride 1, ep stride tp, dp stride tp, edp stride ep x tp, pp stride dp x tp.
+"""
+
+import functools
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from torchpre.distributed.hardware import Hardware
+from torchpre.distributed.schedules import bubble_fraction
+
+Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
+Dim = Literal["tp", "ep", "dp", "edp", "pp"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # torchpre.distributed.collectives.DEFAULT_BUCKET_BYTES (that module loads torch)
+OPTIMIZER_TRAFFIC = 3.5  # bytes AdamW moves per byte of its state (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective over a mesh dimension. `bytes` is the full buffer: an all-reduce's tensor, an all-gather's
+    output, a reduce-scatter's input, an all-to-all's send buffer, a send's tensor."""
+
+    op: Op
+    dim: Dim
+    bytes: float
+
+
+@dataclass(frozen=True)
+class Work:
+    """A forward or a backward of one microbatch through all of a rank's stage chunks.
+
+    flops: matmul and attention FLOPs (recompute included in the backward). other_bytes: bytes written by every
+    other op. ops: eager ops dispatched. collectives: the TP/EP collectives it runs (group size from the dim).
+    """
+
+    flops: float
+    other_bytes: float = 0.0
+    ops: int = 0
+    collectives: tuple[Collective, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What one pipeline rank does per step.
+
+    forward, backward: per microbatch. boundary_bytes: activation bytes one stage chunk sends to the next per
+    microbatch (its gradient comes back the same size). grad_bytes: the rank's full (not DP-sharded) gradients in
+    the reduction dtype; param_bytes: its full parameters in the all-gather dtype; expert_*: the same for experts
+    under expert parallelism (reduced over edp instead of dp). optimizer_state_bytes: the state this rank keeps
+    (sharded under ZeRO >= 1); optimizer_ops: eager ops of one optimizer step.
+    """
+
+    forward: Work
+    backward: Work
+    boundary_bytes: float = 0.0
+    grad_bytes: float = 0.0
+    param_bytes: float = 0.0
+    expert_grad_bytes: float = 0.0
+    expert_param_bytes: float = 0.0
+    optimizer_state_bytes: float = 0.0
+    optimizer_ops: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout: degrees, microbatches per step, the schedule and its stages per rank, the ZeRO stage."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    microbatches: int = 1
+    schedule: str = "1F1B"
+    stages_per_rank: int = 1
+    zero_stage: int = 0
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def group(self, dim: Dim) -> tuple[int, int]:
+        """(size, stride) of `dim`'s groups in the row-major mesh."""
+        return {
+            "tp": (self.tp, 1),
+            "ep": (self.ep, self.tp),
+            "dp": (self.dp, self.tp),
+            "edp": (self.dp // self.ep, self.ep * self.tp),
+            "pp": (self.pp, self.dp * self.tp),
+        }[dim]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One rank's step, seconds. total_s = compute_s + tp_comm_s + ep_comm_s + pp_comm_s + bubble_s +
+    dp_comm_exposed_s + optimizer_s; dp_comm_s is all DP communication, hidden or not."""
+
+    compute_s: float
+    tp_comm_s: float
+    ep_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    dp_comm_exposed_s: float
+    bubble_s: float
+    optimizer_s: float
+    total_s: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        parts = (self.compute_s, self.tp_comm_s, self.ep_comm_s, self.pp_comm_s, self.bubble_s,
+                 self.dp_comm_exposed_s, self.optimizer_s)
+        object.__setattr__(self, "total_s", sum(parts))
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@functools.cache
+def intra_node(layout: Layout, dim: Dim, gpus_per_node: int) -> bool:
+    """Whether every group of `dim` lies within one node (ranks r and r' share a node iff r // g == r' // g)."""
+    size, stride = layout.group(dim)
+    span = (size - 1) * stride
+    starts = (rank for rank in range(layout.world_size) if (rank // stride) % size == 0)
+    return all(rank // gpus_per_node == (rank + span) // gpus_per_node for rank in starts)
+
+
+def collective_seconds(op: Op, n: int, nbytes: float, bw: float, hardware: Hardware) -> float:
+    """Ring model: steps x latency + f x bytes / bw; all-reduce 2(n-1) steps, f = 2(n-1)/n; all-gather,
+    reduce-scatter, all-to-all n-1 steps, f = (n-1)/n; a send 1 step, f = 1. A reduce-scatter costs an all-reduce
+    where the backend runs it as one (`Hardware.reduce_scatter_as_all_reduce`)."""
+    if op == "send":
+        return hardware.latency_s + nbytes / bw
+    if n == 1:
+        return 0.0
+    if op == "all_reduce" or (op == "reduce_scatter" and hardware.reduce_scatter_as_all_reduce):
+        return 2 * (n - 1) * hardware.latency_s + 2 * (n - 1) / n * nbytes / bw
+    return (n - 1) * hardware.latency_s + (n - 1) / n * nbytes / bw
+
+
+def collective_on(collective: Collective, layout: Layout, hardware: Hardware) -> float:
+    """`collective_seconds` over the groups of its mesh dimension, on the link they use; nothing to move is free."""
+    size, _ = layout.group(collective.dim)
+    if collective.op == "send":
+        size = 2
+    if size == 1 or collective.bytes == 0:
+        return 0.0
+    within_node = intra_node(layout, collective.dim, hardware.gpus_per_node)
+    bw = hardware.intra_node_bw if within_node else hardware.inter_node_bw
+    return collective_seconds(collective.op, size, collective.bytes, bw, hardware)
+
+
+def compute_seconds(work: Work, hardware: Hardware) -> float:
+    """The work's FLOPs at the matmul rate, its other bytes at memory bandwidth, and its ops' overhead."""
+    return (
+        work.flops / (hardware.peak_flops * hardware.matmul_efficiency)
+        + work.other_bytes / hardware.mem_bw
+        + work.ops * hardware.op_overhead_s
+    )
+
+
+def comm_seconds(work: Work, dim: Dim, layout: Layout, hardware: Hardware) -> float:
+    return sum(collective_on(c, layout, hardware) for c in work.collectives if c.dim == dim)
+
+
+def dp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> tuple[float, float]:
+    """(all DP communication, the exposed part) of one step; see the module docstring."""
+    backward = _microbatch_seconds(rank.backward, layout, hardware)
+    microbatch = backward + _microbatch_seconds(rank.forward, layout, hardware)
+    dense = _dp_dim_seconds("dp", rank.grad_bytes, rank.param_bytes, backward, microbatch, layout, hardware)
+    expert = _dp_dim_seconds("edp", rank.expert_grad_bytes, rank.expert_param_bytes, backward, microbatch, layout,
+                             hardware)
+    return dense[0] + expert[0], dense[1] + expert[1]
+
+
+def _dp_dim_seconds(
+    dim: Dim, grads: float, params: float, backward: float, microbatch: float, layout: Layout, hardware: Hardware
+) -> tuple[float, float]:
+    """(total, exposed) DP seconds over one mesh dimension's groups, for the layout's ZeRO stage."""
+
+    def run(op: Op, nbytes: float) -> float:
+        return collective_on(Collective(op, dim, nbytes), layout, hardware)
+
+    zero, m = layout.zero_stage, layout.microbatches
+    reduce_op: Op = "all_reduce" if zero == 0 else "reduce_scatter"
+    reduce, last = run(reduce_op, grads), run(reduce_op, min(layout.bucket_bytes, grads))
+    rounds = 1 if zero in (0, 1) else m
+    window = microbatch if zero == 3 else backward
+    during = reduce + (2 * run("all_gather", params) if zero == 3 else 0.0)
+    after = run("all_gather", params) if zero in (1, 2) else 0.0
+    total = rounds * during + after
+    exposed = rounds * max(last, during - hardware.overlap * window) + after
+    return total, exposed
+
+
+def _microbatch_seconds(work: Work, layout: Layout, hardware: Hardware) -> float:
+    return compute_seconds(work, hardware) + sum(comm_seconds(work, d, layout, hardware) for d in ("tp", "ep"))
+
+
+def pp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
+    """2 v m sends of the boundary activation (forward) and its gradient (backward) per step."""
+    if layout.pp == 1:
+        return 0.0
+    sends = 2 * layout.stages_per_rank * layout.microbatches
+    return sends * collective_on(Collective("send", "pp", rank.boundary_bytes), layout, hardware)
+
+
+def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardware) -> list[StepTime]:
+    """Each pipeline rank's `StepTime` (`ranks[r]` is pp rank r), all paced by the slowest rank's microbatches."""
+    if len(ranks) != layout.pp:
+        raise ValueError(f"{len(ranks)} ranks of work for pp = {layout.pp}")
+    bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
+    m = layout.microbatches
+    busy = [m * (_microbatch_seconds(r.forward, layout, hardware) + _microbatch_seconds(r.backward, layout, hardware))
+            + pp_seconds(r, layout, hardware) for r in ranks]
+    pipeline = max(busy) / (1 - bubble)
+    times = []
+    for rank, rank_busy in zip(ranks, busy):
+        dp, dp_exposed = dp_seconds(rank, layout, hardware)
+        times.append(StepTime(
+            compute_s=m * (compute_seconds(rank.forward, hardware) + compute_seconds(rank.backward, hardware)),
+            tp_comm_s=m * sum(comm_seconds(w, "tp", layout, hardware) for w in (rank.forward, rank.backward)),
+            ep_comm_s=m * sum(comm_seconds(w, "ep", layout, hardware) for w in (rank.forward, rank.backward)),
+            pp_comm_s=pp_seconds(rank, layout, hardware),
+            dp_comm_s=dp,
+            dp_comm_exposed_s=dp_exposed,
+            bubble_s=pipeline - rank_busy,
+            optimizer_s=OPTIMIZER_TRAFFIC * rank.optimizer_state_bytes / hardware.mem_bw
+            + rank.optimizer_ops * hardware.op_overhead_s,
+        ))
+    return times
+
+
+def step_time(layout: Layout, ranks: Sequence[RankWork], hardware: Hardware) -> StepTime:
+    """The step time of the job: the slowest rank's `StepTime`."""
+    return max(rank_step_times(layout, ranks, hardware), key=lambda t: t.total_s)
