@@ -1,9 +1,12 @@
 """Step time of a layout from counted work and a `Hardware` profile: plain arithmetic, no torch.
 
 The model, per pipeline rank (all of its stage chunks together), for one step of m microbatches:
-- compute per microbatch = flops / (peak_flops x matmul_efficiency) + other_bytes / mem_bw + ops x op_overhead_s.
-  `flops` are the matmul and attention FLOPs a `FlopCounterMode` counts (recompute included); everything else
-  (norms, activations, adds, copies) is memory-bound and costs the bytes it writes.
+- compute per microbatch = flops / (peak_flops x matmul_efficiency) + MEMORY_TRAFFIC x other_bytes / mem_bw
+  + ops x op_overhead_s. `flops` are the matmul and attention FLOPs a `FlopCounterMode` counts (recompute
+  included); everything else (norms, activations, adds, copies) is memory-bound: it moves MEMORY_TRAFFIC = 2.5
+  bytes per byte it writes (about half of a block's elementwise ops are unary: read 1, write 1; half binary, as most
+  of backward's grad x saved products: read 2, write 1). `mem_bw` is read + write traffic, as datasheets and
+  `torchpre.plan.calibrate` state it.
 - TP and EP collectives run inside the microbatch and are exposed (no async TP): ring model
   t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
   dimension lies within one node, else inter_node_bw.
@@ -37,6 +40,7 @@ Dim = Literal["tp", "ep", "dp", "edp", "pp"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torchpre.distributed.collectives.DEFAULT_BUCKET_BYTES (that module loads torch)
 OPTIMIZER_TRAFFIC = 3.5  # bytes AdamW moves per byte of its state (see the module docstring)
+MEMORY_TRAFFIC = 2.5  # bytes a memory-bound op moves per byte it writes (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -173,10 +177,11 @@ def collective_on(collective: Collective, layout: Layout, hardware: Hardware) ->
 
 
 def compute_seconds(work: Work, hardware: Hardware) -> float:
-    """The work's FLOPs at the matmul rate, its other bytes at memory bandwidth, and its ops' overhead."""
+    """The work's FLOPs at the matmul rate, its other ops' memory traffic at memory bandwidth, and every op's
+    overhead."""
     return (
         work.flops / (hardware.peak_flops * hardware.matmul_efficiency)
-        + work.other_bytes / hardware.mem_bw
+        + MEMORY_TRAFFIC * work.other_bytes / hardware.mem_bw
         + work.ops * hardware.op_overhead_s
     )
 
