@@ -13,6 +13,7 @@ from torchpre.plan.time_model import (
     Layout,
     RankWork,
     Work,
+    assumptions,
     collective_seconds,
     intra_node,
     rank_step_times,
@@ -148,3 +149,10 @@ def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
 def test_work_for_the_wrong_number_of_ranks_is_refused():
     with pytest.raises(ValueError, match="1 ranks of work for pp = 2"):
         step_time(Layout(pp=2, microbatches=2), [PLAIN], TOY)
+
+
+def test_the_assumptions_name_the_efficiencies_a_reader_must_accept():
+    stated = assumptions(HARDWARE["a100-80gb"])
+    assert stated["hardware"] == "a100-80gb"
+    assert (stated["matmul_efficiency"], stated["overlap"]) == (0.6, 1.0)
+    assert (stated["memory_traffic_per_written_byte"], stated["optimizer_traffic_per_state_byte"]) == (2.5, 3.5)

@@ -142,6 +142,21 @@ class StepTime:
         return asdict(self)
 
 
+def assumptions(hardware: Hardware) -> dict[str, float | bool | str]:
+    """The model's stated assumptions for this hardware, for every printed breakdown: what a reader must accept."""
+    return {
+        "hardware": hardware.name,
+        "matmul_efficiency": hardware.matmul_efficiency,
+        "overlap": hardware.overlap,
+        "op_overhead_s": hardware.op_overhead_s,
+        "latency_s": hardware.latency_s,
+        "reduce_scatter_as_all_reduce": hardware.reduce_scatter_as_all_reduce,
+        "memory_traffic_per_written_byte": MEMORY_TRAFFIC,
+        "optimizer_traffic_per_state_byte": OPTIMIZER_TRAFFIC,
+        "equal_stage_times_in_bubble": True,
+    }
+
+
 @functools.cache
 def intra_node(layout: Layout, dim: Dim, gpus_per_node: int) -> bool:
     """Whether every group of `dim` lies within one node (ranks r and r' share a node iff r // g == r' // g)."""
