@@ -5,7 +5,8 @@ each) under torchrun (bench/pipeline_bubble_worker.py). Each rank times its comp
 backward, weight backward, loss) inside a window that spans one pipeline step of the slowest rank;
 idle = 1 - compute / window, the median over the timed steps. The table gives it per rank and the
 mean over ranks (1 - total compute / (p x window), the pipeline's bubble fraction), which is what
-is compared with the theory, for p = pipeline degree and v stages per rank:
+is compared with the theory (`PipelineSchedule.bubble` in torchpre/distributed/schedules.py, which the planner
+also uses), for p = pipeline degree and v stages per rank:
 
 - GPipe, 1F1B: (p-1) / (m+p-1): p-1 slots of fill and drain around m slots of work.
 - Interleaved1F1B (v = 2): (p-1) / (v m + p-1): the fill/drain slots are 1/v as long as a rank's work.

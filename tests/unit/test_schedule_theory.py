@@ -4,7 +4,8 @@
 `pipeline_order` torch builds in each schedule's `__init__`, from stage objects that carry only the attributes
 `__init__` reads: no process group, no model. The walk counts a forward (F) as +1 held chunk of activations and a
 full backward (B) or an input backward (I, zero-bubble schedules) as -1; a weight backward (W) frees nothing counted.
-An overlapped forward-backward (DualPipeV) runs its sub-actions in order, so they count in order.
+An overlapped forward-backward (DualPipeV) runs its sub-actions in order, so they count in order. Every row at
+p in {2, 3, 4}, m in {1, 2, 3, 4, 6, 8} (v in {2, 3} for the looped multi-stage ones), where torchpre accepts m.
 """
 
 from types import SimpleNamespace
@@ -57,8 +58,8 @@ CASES = [
     pytest.param(row.name, pp, microbatches, virtual, id=f"{row.name}-p{pp}-m{microbatches}-v{virtual}")
     for row in SCHEDULES
     for virtual in ((2, 3) if row.multi_stage and row.placement == "loop" else (1,))
-    for pp in (2, 4)
-    for microbatches in (4, 8)
+    for pp in (2, 3, 4)
+    for microbatches in (1, 2, 3, 4, 6, 8)
 ]
 
 

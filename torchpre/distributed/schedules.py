@@ -55,6 +55,8 @@ class PipelineSchedule:
         rank does `stages_per_rank` chunks per microbatch, so (p - 1) / (v m + p - 1); GPipe and 1F1B are v = 1.
         Zero-bubble schedules fill the drain with weight backwards, leaving only p - 1 chunk-forwards of fill against
         3 v m chunk-slots of work (forward, input backward, weight backward, equal times): (p - 1) / (3 v m + p - 1).
+        bench/pipeline_bubble.py measures GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble against these; LoopedBFS,
+        InterleavedZeroBubble and DualPipeV take the same forms, unmeasured.
         """
         work = (3 if self.zero_bubble else 1) * stages_per_rank * microbatches
         return (pp - 1) / (work + pp - 1)
@@ -66,8 +68,9 @@ def _one_forward_one_backward(p: int, m: int, v: int, r: int) -> int:
 
 
 def _interleaved(factor: int) -> Callable[[int, int, int, int], int]:
-    """torch's interleaved warm-up (`_get_warmup_ops`): (v - 1) chunks per round plus `factor` per hop from the last
-    rank, capped at all v m chunk-forwards; the first steady-state forward comes before the first backward."""
+    """torch's interleaved warm-up (`_get_warmup_ops`): (v - 1) x the microbatches of a round, plus `factor` per hop
+    from the last rank (2 for Interleaved1F1B, 1 for InterleavedZeroBubble), capped at all v m chunk-forwards; the
+    first steady-state forward runs before the first backward, hence + 1."""
 
     def in_flight(p: int, m: int, v: int, r: int) -> int:
         rounds = max(1, m // p)
@@ -78,8 +81,8 @@ def _interleaved(factor: int) -> Callable[[int, int, int, int], int]:
 
 
 def _zbv(p: int, m: int, v: int, r: int) -> int:
-    """ZB-V: rank r runs m + r + 1 chunk-forwards before its first input backward, capped at 2 p (the V's
-    steady state) and at its 2 m chunk-forwards."""
+    """ZB-V: rank r peaks at m + r + 1 chunk-forwards, capped at 2 p (the V's steady state) and at all of its
+    2 m chunk-forwards."""
     return min(m + r + 1, 2 * p, 2 * m)
 
 
