@@ -146,6 +146,13 @@ def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
     assert time.total_s == approx(2 * (0.6 + 4 * 0.027 + 0.051))
 
 
+def test_a_ranks_chunks_add_up():
+    tp = Collective("all_reduce", "tp", 1e6)
+    total = Work(1e9, 2e6, 10, (tp,)) + Work(3e9, 1e6, 5, (tp, tp))
+    assert total == Work(4e9, 3e6, 15, (tp, tp, tp))
+    assert sum((Work(1.0), Work(2.0)), Work(0.0)) == Work(3.0)
+
+
 def test_work_for_the_wrong_number_of_ranks_is_refused():
     with pytest.raises(ValueError, match="1 ranks of work for pp = 2"):
         step_time(Layout(pp=2, microbatches=2), [PLAIN], TOY)

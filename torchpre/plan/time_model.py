@@ -66,6 +66,11 @@ class Work:
     ops: int = 0
     collectives: tuple[Collective, ...] = ()
 
+    def __add__(self, other: "Work") -> "Work":
+        """Both, one after the other: how a rank's stage chunks (or a probe's parts) add up."""
+        return Work(self.flops + other.flops, self.other_bytes + other.other_bytes, self.ops + other.ops,
+                    self.collectives + other.collectives)
+
 
 @dataclass(frozen=True)
 class RankWork:
