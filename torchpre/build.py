@@ -55,6 +55,12 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
                 "parallelism.expert_parallel_degree must be 1. Use model.name = 'moe' for a Mixture of Experts."
             )
         spec.validate_expert_parallel(args, dims.ep)
+    if p.enable_sequence_parallel and config.training.seq_len % dims.tp:
+        raise ConfigError(
+            f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
+            f"ranks, but training.seq_len = {config.training.seq_len} is not divisible by it. Use a multiple of "
+            f"{dims.tp}."
+        )
     spec.validate_layout(args, dims)
 
 

@@ -17,11 +17,17 @@ PROG = "python -m torchpre.train"
 
 
 def main(argv: list[str]) -> None:
-    """Parses the job, imports `job.custom_import` (so what it registers exists), then checks the job and trains."""
+    """Parses the job, imports `job.custom_import` (so what it registers exists), then checks the job and trains
+    it, or with job.dry_run reports its per-rank memory (torchpre.dryrun)."""
     config = parse_args(JobConfig, argv)
     from torchpre.trainer import Trainer  # torch loads here: `--help` and a mistyped flag answer without it
 
     import_custom_module(config.job.custom_import)
+    if config.job.dry_run:
+        from torchpre.dryrun import run_dry_run
+
+        run_dry_run(config)
+        return
     Trainer(config).train()
 
 

@@ -2,6 +2,7 @@
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +56,37 @@ def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp: int) 
     return global_batch_size, global_batch_size // per_round
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs the job: the world torchrun launched (`from_env`), or, for a dry run, one rank of
+    a world that exists only in torch's fake process group (`fake`): no peers, collectives that move nothing,
+    every tensor on the meta device. The trainer's code path is the same for both, so a dry run meets every
+    check a real start-up meets, with the same message."""
+
+    world_size: int
+    fake_rank: int | None = None
+
+    @classmethod
+    def from_env(cls) -> "Runtime":
+        return cls(world_size_from_env())
+
+    @property
+    def fake(self) -> bool:
+        return self.fake_rank is not None
+
+    def device(self) -> torch.device:
+        return torch.device("meta") if self.fake else select_device()
+
+    def join(self, device: torch.device, timeout_s: float) -> None:
+        """Joins the process group: the real one (`init_distributed`), or a fake world of `world_size`."""
+        if not self.fake:
+            init_distributed(device, timeout_s)
+            return
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=self.fake_rank, world_size=self.world_size)
+
+
 class Trainer:
     """Owns one training job: builds its pieces from a JobConfig, then `train()` runs the steps.
 
@@ -63,15 +95,16 @@ class Trainer:
     stops every rank with the same message instead of leaving some waiting for a peer.
     """
 
-    def __init__(self, config: JobConfig):
+    def __init__(self, config: JobConfig, runtime: Runtime | None = None):
         validate_config(config)
         t, p = config.training, config.parallelism
         self.config = config
+        self.runtime = runtime = runtime or Runtime.from_env()
         dims = ParallelDims.from_degrees(
             p.data_parallel_degree,
             p.tensor_parallel_degree,
             p.pipeline_parallel_degree,
-            world_size_from_env(),
+            runtime.world_size,
             ep=p.expert_parallel_degree,
             dp_replicate=p.data_parallel_replicate_degree,
             dp_shard=p.data_parallel_shard_degree,
@@ -88,11 +121,6 @@ class Trainer:
         self.tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
         self.model_args = model_args(config, self.tokenizer)
         check_layout(config, self.model_spec, self.model_args, dims)
-        if p.enable_sequence_parallel and t.seq_len % dims.tp:
-            raise ConfigError(
-                f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
-                f"ranks, but training.seq_len = {t.seq_len} is not divisible by it. Use a multiple of {dims.tp}."
-            )
         self.pipeline = (
             PipelinePlan.from_config(
                 p,
@@ -111,11 +139,13 @@ class Trainer:
         self._cross_entropy_sum = torch.compile(cross_entropy_sum) if compile_loss else cross_entropy_sum
 
         configure_determinism(t.deterministic, t.seed)
-        self.device = select_device()
-        init_distributed(self.device, config.comm.timeout_seconds)
-        self.meshes = dims.build_meshes(self.device.type, fsdp=config.optimizer.zero_stage == 3)
+        self.device = runtime.device()
+        runtime.join(self.device, config.comm.timeout_seconds)
+        mesh_device = "cpu" if runtime.fake else self.device.type
+        self.meshes = dims.build_meshes(mesh_device, fsdp=config.optimizer.zero_stage == 3)
         self.mesh, self.expert_mesh = self.meshes.mesh, self.meshes.expert_mesh
-        apply_comm_timeout(*self.meshes.all())
+        if not runtime.fake:
+            apply_comm_timeout(*self.meshes.all())
         self.is_logging_rank = dist.get_rank() == 0
         torch.manual_seed(t.seed)
 
@@ -164,8 +194,13 @@ class Trainer:
         self.skipped_steps, self.loss_spikes = 0, 0
         self.spike_detector = LossSpikeDetector(t.spike_zscore, t.spike_window) if t.spike_zscore > 0 else None
         self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
-        self._save_resolved_config()
         self.checkpoint = self._build_checkpoint_manager()
+        self.metrics = None
+        if runtime.fake:  # a dry run writes nothing and loads nothing (a load would need the peers' data)
+            return
+        if self.checkpoint is not None:
+            self.checkpoint.remove_unfinished()
+        self._save_resolved_config()
         self._maybe_load_checkpoint()
         self.metrics = self._build_metrics_logger() if self.is_logging_rank else None
 
@@ -272,15 +307,16 @@ class Trainer:
         seed, source = self.config.training.seed, self._weights_source()
         if source is not None:
             logger.info("skipped weight initialisation: loading %s", source)
+        init_weights = (
+            self.model_spec.init_buffers if source is not None or self.runtime.fake
+            else lambda part: self.model_spec.init_weights(part, seed)
+        )
         parallel = parallelize(
             model,
             self.mesh,
             parallel_plan(self.config, self.model_spec, self.model_args, self.pipeline, for_training=True),
             device=self.device,
-            init_weights=(
-                self.model_spec.init_buffers if source is not None
-                else lambda part: self.model_spec.init_weights(part, seed)
-            ),
+            init_weights=init_weights,
             loss_fn=self._loss,
             expert_mesh=self.expert_mesh,
             dp_mesh=self.meshes.fsdp_mesh,

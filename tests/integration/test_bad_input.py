@@ -411,6 +411,40 @@ def test_bad_input_fails_fast_with_one_message(server, files, tmp_path, entry, a
             assert fragment.format(d=files) in lines[0], f"{fragment!r} not in:\n{lines[0]}"
 
 
+DRY_RUN_CASES = ("tp-does-not-divide-heads", "sequence-parallel-seq-len", "pp-too-few-microbatches", "global-batch-dp2")
+
+
+@pytest.mark.parametrize(
+    "entry, argv, fragments, ranks", [param for param in CATALOGUE if param.id in DRY_RUN_CASES]
+)
+def test_a_dry_run_stops_on_the_same_bad_input(server, files, tmp_path, entry, argv, fragments, ranks):
+    """One process playing the launch's world with the fake process group meets the same check, same message."""
+    argv = [*TINY, "--job.dump_folder", str(tmp_path / "out"), *argv]
+    argv += ["--job.dry_run", "--job.dry_run_world_size", str(ranks)]
+    env = dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    result = server.run(entry, argv, env)
+    assert result.returncode == EXIT_BAD_INPUT, (result.stdout + result.stderr)[-3000:]
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in:\n{lines[0]}"
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_a_dry_run_names_the_rank_that_does_not_fit(server, tmp_path):
+    """70B on one 80 GB GPU: exit 2, naming rank 0, its parts and the largest one."""
+    argv = ["--model.flavor", "70B", "--training.seq_len", "64", "--training.local_batch_size", "1"]
+    argv += ["--parallelism.data_parallel_degree", "1", "--job.dry_run", "--job.dry_run_gpu", "h100-80gb"]
+    argv += ["--job.dump_folder", str(tmp_path / "out")]
+    env = dict.fromkeys(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    result = server.run("train.py", argv, env)
+    assert result.returncode == EXIT_BAD_INPUT, (result.stdout + result.stderr)[-3000:]
+    (line,) = error_lines(result.stderr)
+    for fragment in ("rank 0 (pp 0, dp 0, tp 0) needs", "optimizer state", "h100-80gb", "optimizer.zero_stage"):
+        assert fragment in line, line
+    assert "params" in result.stdout and "optim" in result.stdout  # the table is printed before the verdict
+
+
 def test_catalogue_covers_every_entry_point():
     entries = {param.values[0] for param in CATALOGUE}
     assert entries == {"train.py", "torchpre.train", "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"}

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),
     ("optim", "models", "data", "checkpoint", "metrics", "config", "health", "profiling", "cli"),
     ("build", "validation"),
-    ("trainer", "generate", "convert", "plot", "custom_import", "train", "plan"),
+    ("trainer", "generate", "convert", "plot", "custom_import", "train", "plan", "dryrun"),
 )
 
 # Function-level imports of torchpre modules, by (importing module, imported module): each with its reason.
@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("torchpre.train", "torchpre.trainer"): "entry point: `--help` and bad flags answer before torch loads "
     "(tests/unit/test_help_without_torch.py)",
+    ("torchpre.train", "torchpre.dryrun"): "entry point: loads torch, like the trainer it builds",
     ("torchpre.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
     ("torchpre.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
     ("torchpre.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",

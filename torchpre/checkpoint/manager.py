@@ -118,11 +118,16 @@ class CheckpointManager:
         self.exclude = set(exclude_from_loading)
         self.rank = dist.get_rank()
         # Background writes run their collectives on a group of their own, never interleaved with training's.
-        self.async_group = dist.new_group(backend="gloo", timeout=comm_timeout()) if async_mode == "async" else None
+        self.async_group = (
+            dist.new_group(backend=_background_backend(), timeout=comm_timeout()) if async_mode == "async" else None
+        )
         # Under async_mode the checksums of a finished write are computed off the training thread too.
         self._background = ThreadPoolExecutor(max_workers=1) if self.async_group is not None else None
         self._pending: tuple[Future, int, float] | None = None
         self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
+
+    def remove_unfinished(self) -> None:
+        """Rank 0 deletes the temporary folders of saves or deletions that did not finish (a crashed run's)."""
         if self.rank == 0:
             for stale in self.folder.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -296,6 +301,12 @@ class CheckpointManager:
             },
             "rng": _rng_state(self.rank),
         }
+
+
+def _background_backend() -> str:
+    """gloo (background writes must not share the training group's stream), or the job's own backend when that
+    is torch's fake one (a dry run), which has no peers for gloo to connect to."""
+    return "fake" if dist.get_backend() == "fake" else "gloo"
 
 
 def _rng_state(rank: int) -> dict[str, torch.Tensor]:

@@ -22,6 +22,21 @@ class Job:
         "a module (examples.custom_model) or .py file imported before the job is checked, e.g. one that calls "
         "torchpre.models.registry.register_model",
     )
+    dry_run: bool = _option(
+        False,
+        "build the job for ranks of its full world in one process (torch's fake process group, model on the meta "
+        "device), print each rank's memory and exit: 0 if it fits job.dry_run_gpu, 2 if not; nothing is trained "
+        "or written",
+    )
+    dry_run_world_size: int = _option(
+        0, "the world size a dry run builds; 0 = the product of the parallelism degrees (needed when dp is -1)"
+    )
+    dry_run_rank: list[int] = _option(
+        [], "global ranks a dry run builds; empty = rank (dp 0, tp 0) of every pipeline stage"
+    )
+    dry_run_gpu: str = _option(
+        "h100-80gb", "the GPU whose memory a dry run checks against: h100-80gb, h200-141gb, a100-80gb or a profile JSON"
+    )
 
 
 @dataclass

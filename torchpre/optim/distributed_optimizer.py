@@ -62,9 +62,9 @@ class _Entry:
     owns_master: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.owns_master = self.master is not self.local and (
-            self.master.untyped_storage().data_ptr() != self.local.untyped_storage().data_ptr()
-        )
+        # A separate master exists exactly when the parameter is not fp32 (`_entry`). Decided by dtype, not by
+        # comparing storage pointers: those are 0 for every meta or fake tensor, where a dry run builds this.
+        self.owns_master = self.master.dtype != self.local.dtype
 
 
 # Whether a stage shards the optimizer state (and the masters) over DP: stages 1 and 2 keep the same state, so

@@ -1,0 +1,163 @@
+"""The dry run builds the real trainer for one rank of a large fake world and reports exactly what it holds.
+
+The oracle is the layout's arithmetic, not the optimizer's own accounting: each parameter's local size from its
+global shape and the tensor-parallel plan (column-parallel weights and the embedding split dim 0, row-parallel
+weights dim 1, norms replicated), its ZeRO-1 shard the largest `torch.chunk` piece over DP of the first
+dimension TP does not split, and AdamW's state 2 fp32 moments per shard element plus an fp32 step scalar per
+parameter, with a bf16 parameter's fp32 master.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args
+from torchpre.distributed.hardware import get_hardware
+from torchpre.dryrun import (
+    DoesNotFit,
+    RankMemory,
+    build_rank,
+    check_fits,
+    dry_run_ranks,
+    dry_run_world_size,
+    rank_memory,
+)
+from torchpre.errors import ConfigError
+from torchpre.trainer import Runtime, Trainer
+
+COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
+ROW_PARALLEL = ("wo", "w2")
+STEP_BYTES = 4  # AdamW's step count: one fp32 scalar tensor per parameter
+
+
+def _config(*argv: str) -> JobConfig:
+    return parse_args(JobConfig, ["--training.dataset", "stdlib", *argv])
+
+
+def _large(flavor: str, dp: int, tp: int, pp: int) -> JobConfig:
+    microbatches = 2 * pp
+    return _config(
+        "--model.flavor", flavor,
+        "--parallelism.data_parallel_degree", str(dp),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.pipeline_parallel_degree", str(pp),
+        "--training.local_batch_size", "1",
+        "--training.global_batch_size", str(microbatches * dp),
+        "--training.seq_len", "2048",
+        "--training.mixed_precision_param", "bfloat16",
+        "--optimizer.zero_stage", "1",
+        "--activation_checkpoint.mode", "full",
+    )  # fmt: skip
+
+
+def _tp_dim(name: str) -> int | None:
+    leaf = name.split(".")[-2]
+    return 0 if leaf in COLUMN_PARALLEL else 1 if leaf in ROW_PARALLEL else None
+
+
+def _analytic(shapes: dict[str, torch.Size], tp: int, dp: int) -> tuple[int, int, int]:
+    """(bf16 parameter bytes, fp32 gradient bytes, ZeRO-1 AdamW state bytes) of DP rank 0 from global shapes."""
+    params = state = 0
+    for name, shape in shapes.items():
+        local = list(shape)
+        split = _tp_dim(name)
+        if split is not None:
+            assert local[split] % tp == 0, name
+            local[split] //= tp
+        numel = math.prod(local)
+        params += numel
+        zero_dim = next(d for d in range(len(local)) if d != split)
+        shard = numel // local[zero_dim] * math.ceil(local[zero_dim] / dp)
+        state += shard * (4 + 4 + 4) + STEP_BYTES  # fp32 master, exp_avg, exp_avg_sq
+    return 2 * params, 4 * params, state
+
+
+def _global_shapes(trainer: Trainer) -> dict[str, torch.Size]:
+    """This rank's parameters under their plain-model names, with their global (unsharded) shapes."""
+    shapes = {}
+    for part in trainer.model.parts:
+        for name, param in part.named_parameters():
+            shapes[name.replace("._checkpoint_wrapped_module", "")] = param.shape
+    return shapes
+
+
+@pytest.mark.parametrize(
+    "flavor, dp, tp, pp",
+    [pytest.param("8B", 4, 8, 2, id="8B-at-64-ranks"), pytest.param("70B", 8, 8, 4, id="70B-at-256-ranks")],
+)
+def test_dry_run_reports_the_layouts_analytic_bytes(flavor, dp, tp, pp):
+    config = _large(flavor, dp, tp, pp)
+    world = dry_run_world_size(config)
+    assert world == dp * tp * pp
+    ranks = dry_run_ranks(config, world)
+    assert ranks == [stage * dp * tp for stage in range(pp)]
+    model_params = 0
+    for stage, rank in enumerate(ranks):
+        trainer = Trainer(config, Runtime(world, fake_rank=rank))
+        try:
+            shapes = _global_shapes(trainer)
+            memory = rank_memory(trainer)
+        finally:
+            dist.destroy_process_group()
+        assert (memory.rank, memory.pp, memory.dp, memory.tp) == (rank, stage, 0, 0)
+        params, grads, state = _analytic(shapes, tp, dp)
+        assert memory.param_bytes == params
+        assert memory.grad_bytes == grads
+        assert memory.optimizer_state_bytes == state
+        # The checkpoint holds this rank's parameters (as their fp32 masters' shards) and optimizer state.
+        assert memory.checkpoint_bytes >= memory.optimizer_state_bytes
+        model_params += sum(math.prod(s) for s in shapes.values())
+    assert model_params == trainer.num_params  # the stages together hold the whole model, each block once
+
+
+def test_a_fake_rank_holds_what_a_real_process_holds(monkeypatch):
+    """The same tiny bf16 job built for real (gloo, CPU, world of one) and as a dry run's fake rank: equal bytes.
+    A master counted by comparing storage pointers (0 for every meta tensor) would miss the fp32 masters."""
+    config = _config("--model.flavor", "tiny", "--training.seq_len", "32")
+    config.training.mixed_precision_param = "bfloat16"
+    real = Trainer(config)
+    try:
+        expected = rank_memory(real)
+    finally:
+        dist.destroy_process_group()
+    initialised = []
+    spec = real.model_spec
+    monkeypatch.setattr(type(spec), "init_weights", lambda *args: initialised.append(args), raising=True)
+    fake = build_rank(config, 1, 0)
+    assert not initialised  # a fake rank never draws full parameters
+    assert fake == expected
+    assert expected.optimizer_state_bytes > 2 * expected.param_bytes * 2  # masters (4 B) + moments (8 B) per bf16 (2 B)
+
+
+def test_the_last_rank_of_a_1024_rank_world_is_the_last_of_every_dimension():
+    config = _large("8B", 8, 8, 16)
+    assert dry_run_world_size(config) == 1024
+    assert dry_run_ranks(config, 1024) == [stage * 64 for stage in range(16)]
+    trainer = Trainer(config, Runtime(1024, fake_rank=1023))
+    try:
+        assert tuple(trainer.mesh.get_coordinate()) == (15, 7, 7)
+        assert dist.get_world_size() == 1024
+    finally:
+        dist.destroy_process_group()
+
+
+def test_world_size_and_ranks_are_checked():
+    with pytest.raises(ConfigError, match="job.dry_run_world_size = N"):
+        dry_run_world_size(_config())  # dp is -1: the world is unknown
+    assert dry_run_world_size(_config("--job.dry_run_world_size", "6")) == 6
+    with pytest.raises(ConfigError, match=r"job.dry_run_rank = 8: the dry run's world has ranks 0..7"):
+        dry_run_ranks(_config("--job.dry_run_rank", "1,8"), 8)
+
+
+def test_a_rank_that_does_not_fit_is_named_with_its_largest_part():
+    hardware = get_hardware("a100-80gb")
+    gib = 2**30
+    fits = RankMemory(0, 0, 0, 0, 10 * gib, 10 * gib, 20 * gib, 5 * gib, 0)
+    check_fits([fits], hardware)
+    big = RankMemory(8, 1, 0, 0, 10 * gib, 10 * gib, 60 * gib, 5 * gib, 0)
+    expected = r"rank 8 \(pp 1, dp 0, tp 0\) needs 85.00 GiB .* largest part is its optimizer state"
+    with pytest.raises(DoesNotFit, match=expected):
+        check_fits([fits, big], hardware)

@@ -1,0 +1,174 @@
+"""Dry run: a job's start-up and memory at its full world size, one rank at a time, in one process.
+
+`python -m torchpre.train ... --job.dry_run` builds the real Trainer for chosen ranks of the configured world
+(`Runtime.fake`: torch's fake process group stands in for the other ranks, every tensor lives on the meta
+device), so it meets every check a real start-up meets, with the same message. For each rank it reports the
+bytes of parameters, gradients and optimizer state that rank holds (read from the optimizer that would train,
+not from a formula), the activations one training step keeps (`activation_memory`), and the checkpoint it
+would write, then exits 0 when every rank fits `job.dry_run_gpu`'s memory and 2 naming the rank otherwise.
+"""
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from torchpre.config.job_config import JobConfig
+from torchpre.distributed.hardware import Hardware, get_hardware
+from torchpre.errors import ConfigError, TorchpreError
+from torchpre.trainer import Runtime, Trainer
+
+logger = logging.getLogger("torchpre")
+
+GiB = 2**30
+
+
+class DoesNotFit(TorchpreError):
+    """A rank of a dry run needs more memory than the GPU has."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank holds during training, in bytes. `activation_bytes` is the peak of what a step keeps for
+    backward plus the largest transient of a forward or backward (see `activation_memory`)."""
+
+    rank: int
+    pp: int
+    dp: int
+    tp: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+    checkpoint_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def dry_run_world_size(config: JobConfig) -> int:
+    """job.dry_run_world_size, else the product of the explicit parallelism degrees."""
+    job, p = config.job, config.parallelism
+    if job.dry_run_world_size < 0:
+        raise ConfigError(f"job.dry_run_world_size = {job.dry_run_world_size}: use 0 (from the degrees) or >= 1.")
+    if job.dry_run_world_size:
+        return job.dry_run_world_size
+    dp = p.data_parallel_degree
+    if dp == -1 and p.data_parallel_shard_degree != -1:
+        dp = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+    if dp == -1:
+        raise ConfigError(
+            "job.dry_run needs the world size: parallelism.data_parallel_degree is -1 (all remaining processes). "
+            "Set job.dry_run_world_size = N (the processes the real job launches) or an explicit "
+            "parallelism.data_parallel_degree."
+        )
+    return dp * p.tensor_parallel_degree * p.pipeline_parallel_degree
+
+
+def dry_run_ranks(config: JobConfig, world_size: int) -> list[int]:
+    """job.dry_run_rank, else the first rank (dp 0, tp 0) of every pipeline stage: the largest ZeRO shards
+    (torch.chunk gives rank 0 the remainder) and, between them, every stage's share of the model."""
+    ranks = config.job.dry_run_rank
+    for rank in ranks:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"job.dry_run_rank = {rank}: the dry run's world has ranks 0..{world_size - 1}.")
+    if ranks:
+        return list(ranks)
+    pp = config.parallelism.pipeline_parallel_degree
+    return [stage * (world_size // pp) for stage in range(pp)]
+
+
+def run_dry_run(config: JobConfig) -> list[RankMemory]:
+    """Builds each chosen rank, prints the memory table, and raises DoesNotFit when a rank does not fit."""
+    hardware = get_hardware(config.job.dry_run_gpu)
+    world_size = dry_run_world_size(config)
+    ranks = dry_run_ranks(config, world_size)
+    start = time.perf_counter()
+    results = [build_rank(config, world_size, rank) for rank in ranks]
+    print(memory_table(results, hardware))
+    logger.info("dry run of %d ranks of a %d-rank world in %.1f s", len(ranks), world_size, time.perf_counter() - start)
+    check_fits(results, hardware)
+    return results
+
+
+def build_rank(config: JobConfig, world_size: int, rank: int) -> RankMemory:
+    """One rank of the job, built by the real Trainer in a fake world, and what it holds."""
+    trainer = Trainer(config, Runtime(world_size, fake_rank=rank))
+    try:
+        return rank_memory(trainer)
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_memory(trainer: Trainer) -> RankMemory:
+    """What the rank `trainer` was built for holds, in bytes (its fake process group still joined)."""
+    optimizer = trainer.optimizer
+    state = optimizer.state_dict()  # creates the state as the first step (and a first checkpoint) would
+    coordinates = trainer.mesh.get_coordinate()
+    return RankMemory(
+        rank=dist.get_rank(),
+        pp=coordinates[0],
+        dp=coordinates[1],
+        tp=coordinates[2],
+        param_bytes=optimizer.param_bytes(),
+        grad_bytes=optimizer.grad_bytes(),
+        optimizer_state_bytes=optimizer.state_bytes(),
+        activation_bytes=0,
+        checkpoint_bytes=_checkpoint_bytes(trainer, state),
+    )
+
+
+def _checkpoint_bytes(trainer: Trainer, optimizer_state: dict) -> int:
+    """Bytes this rank writes in a checkpoint of the model and optimizer, from DCP's own save plan (which also
+    rejects a state it could not save or reshard, as a real save would)."""
+    model = {}
+    for part in trainer.model.parts:
+        model.update(part.state_dict())
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"model": model, "optimizer": optimizer_state}, is_coordinator=dist.get_rank() == 0)
+    plan = planner.create_local_plan()
+    return sum(
+        item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+        for item in plan.items
+        if item.tensor_data is not None
+    )
+
+
+def memory_table(results: list[RankMemory], hardware: Hardware) -> str:
+    """One row per rank, in GiB, with the GPU's usable memory as the last column's reference."""
+    columns = ("params", "grads", "optim", "activ", "total")
+    rows = [f"{'rank':>6} {'pp':>4} {'dp':>4} {'tp':>4} " + " ".join(f"{name:>9}" for name in columns)]
+    for r in results:
+        parts = (r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.activation_bytes, r.total_bytes)
+        rows.append(f"{r.rank:>6} {r.pp:>4} {r.dp:>4} {r.tp:>4} " + " ".join(f"{b / GiB:>9.2f}" for b in parts))
+    usable = hardware.memory_bytes - hardware.reserved_bytes
+    rows.append(f"GiB per rank; {hardware.name}: {usable / GiB:.2f} GiB usable")
+    return "\n".join(rows)
+
+
+def check_fits(results: list[RankMemory], hardware: Hardware) -> None:
+    """Raises DoesNotFit for the rank that needs the most memory, if it needs more than the GPU has."""
+    usable = hardware.memory_bytes - hardware.reserved_bytes
+    worst = max(results, key=lambda r: r.total_bytes)
+    if worst.total_bytes <= usable:
+        return
+    parts = {
+        "parameters": worst.param_bytes,
+        "gradients": worst.grad_bytes,
+        "optimizer state": worst.optimizer_state_bytes,
+        "activations": worst.activation_bytes,
+    }
+    largest = max(parts, key=parts.get)
+    listed = ", ".join(f"{name} {size / GiB:.2f}" for name, size in parts.items())
+    raise DoesNotFit(
+        f"rank {worst.rank} (pp {worst.pp}, dp {worst.dp}, tp {worst.tp}) needs {worst.total_bytes / GiB:.2f} GiB "
+        f"({listed}), more than the {usable / GiB:.2f} GiB of job.dry_run_gpu = {hardware.name}; the largest part "
+        f"is its {largest}. Shard more: a higher optimizer.zero_stage or data-parallel degree, more tensor or "
+        "pipeline parallelism, activation_checkpoint.mode = full, or a smaller training.local_batch_size."
+    )
