@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
@@ -147,6 +148,10 @@ class ProbeMode(TensorMemory):
                 self.created_at[key] = len(self.live_trace)
             self.live_trace.append(self.live)
 
+    def tracks(self, storage: torch.UntypedStorage) -> bool:
+        """Whether `storage` is counted (made on one of `devices` by an op this mode saw) and alive."""
+        return id(storage) in self._sizes
+
     def peak_without(self, storages: list[torch.UntypedStorage]) -> int:
         """The peak of live bytes over the probe if `storages` (made during it, alive at its end) had never
         been allocated: each is subtracted from the moment it was created on."""
@@ -252,25 +257,27 @@ def probe_microbatch(
 ) -> ActivationProbe:
     """Runs `module(*args, **kwargs)` and its backward once and counts them (see `ActivationProbe`).
 
-    The backward starts from `loss_fn(output)` when given (the last pipeline stage: logits to loss), else from
-    the output with a gradient of ones (any other stage: the gradient is what the next stage sends back; like
-    the inputs it is the caller's, and not counted). The module runs where it lives: on meta nothing is
-    computed. Storages are counted on `devices`. Parameter gradients this backward creates are left in `.grad`.
+    The backward starts from `loss_fn(output)` when given (the last pipeline stage: logits to loss), as the
+    trainer runs it: the output is not held beyond what the loss saves (cross-entropy keeps its log-softmax, not
+    the logits). Else from the output, held until backward as a pipeline stage holds it, with a gradient of ones
+    (what the next stage sends back; like the inputs it is the caller's, and not counted); the output must then be
+    one tensor. The module runs where it lives: on meta nothing is computed. Storages are counted on `devices`.
+    Parameter gradients this backward creates are left in `.grad`.
     """
     params = [p for p in module.parameters() if p.requires_grad]
     had_grad = {id(p) for p in params if p.grad is not None}
     mode = ProbeMode(devices)
     with meta_flash_attention(), mode:
         mode.begin_step()
-        output = module(*args, **(kwargs or {}))
         if loss_fn is not None:
-            loss_fn(output).backward()
+            loss_fn(module(*args, **(kwargs or {}))).backward()  # the output lives only as long as the loss needs
         else:
+            output = module(*args, **(kwargs or {}))
             with _uncounted(mode):
                 grad = torch.ones_like(output)
             output.backward(grad)
-        del output
-    grads = _new_grad_storages(params, had_grad)
+            del output
+    grads = [storage for storage in _new_grad_storages(params, had_grad) if mode.tracks(storage)]
     saved = mode.at_backward - mode.step_start
     peak = mode.peak_without(grads)
     return ActivationProbe(
@@ -291,6 +298,6 @@ def _new_grad_storages(params: list[Tensor], had_grad: set[int]) -> list[torch.U
     for param in params:
         if id(param) in had_grad or param.grad is None:
             continue
-        grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         storages[id(grad.untyped_storage())] = grad.untyped_storage()
     return list(storages.values())
