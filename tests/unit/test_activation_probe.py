@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -44,6 +45,17 @@ def test_meta_counts_the_bytes_and_flops_of_a_cpu_run(ac_mode: str) -> None:
     for name in ("saved_bytes", "transient_bytes", "grad_bytes", "flops", "matmul_flops", "other_bytes"):
         assert getattr(on_meta, name) == getattr(on_cpu, name), name
     assert on_meta.op_counts == on_cpu.op_counts
+
+
+def test_fake_tensors_count_the_same_as_meta() -> None:
+    """Under FakeTensorMode (for what cannot run on meta, such as FSDP2's lazy init) the probe counts the fake
+    CPU storages: the same numbers, the job's fake mode not being mistaken for DTensor's shape propagation."""
+    with FakeTensorMode():
+        on_fake = probe("cpu")
+    on_meta = probe("meta")
+    assert (on_fake.saved_bytes, on_fake.transient_bytes, on_fake.flops) == (
+        on_meta.saved_bytes, on_meta.transient_bytes, on_meta.flops)
+    assert on_fake.saved_bytes > 0
 
 
 def test_meta_attention_runs_the_cpu_flash_kernel() -> None:
