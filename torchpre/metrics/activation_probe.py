@@ -76,7 +76,8 @@ class ActivationProbe:
     module's parameters and buffers and the inputs (they exist before it).
 
     - `saved_bytes`: live bytes at the first op of backward minus start: what autograd keeps for backward (the
-      forward's activations, the output, and the loss's own saved tensors), activation checkpointing's target.
+      forward's activations, the output without a `loss_fn`, the loss's own saved tensors with one),
+      activation checkpointing's target.
     - `transient_bytes`: the peak of live bytes during forward and backward minus start minus `saved_bytes`
       (at least 0): temporaries on top of the saved activations, recomputation under checkpointing included.
       Parameter gradients that are still alive when the probe ends are left out of the peak (`grad_bytes`);
@@ -88,7 +89,8 @@ class ActivationProbe:
     - `matmul_flops`: the part of `flops` done by matmuls (mm, addmm, bmm, baddbmm), i.e. without attention.
     - `other_bytes`: bytes of the outputs written by all other non-view ops (elementwise, norms, copies,
       embedding lookups): the memory-bound traffic.
-    - `op_counts`: how many times each aten op ran (`ops` is their sum: the per-op overhead term).
+    - `op_counts`: how many times each op ran on plain tensors, views included, by name such as "aten.mm"
+      (`ops` is their sum: the per-op overhead term). DTensor ops count as the local ops they run.
     - `collectives`: the collectives this rank issued, in order (e.g. DTensor's redistributes under tensor
       parallelism).
     """
