@@ -1,18 +1,13 @@
 """train.py with exact tensor-memory accounting per step, for bench/memory.py.
 
-Builds the real Trainer from the same arguments as train.py and trains it under `TensorMemory`, a
-TorchDispatchMode entered before the Trainer is built: every storage an op creates is counted at
-its size until its last reference dies (a weakref callback on the storage), so the running total is
-every tensor byte of the job (parameters, buffers, optimizer state, gradients, activations,
-temporaries) and its maximum is the CPU counterpart of CUDA's `max_memory_allocated`. Peak RSS,
-which torchpre reports on CPU, adds the Python/torch baseline and what the C allocator keeps cached.
-
-Why not `torch.profiler(profile_memory=True)`: its CPU allocator total only counts frees made on
-profiled threads, and gloo sometimes drops the last reference to a gradient bucket on its own
-thread, so that total drifts up by a bucket at random steps. A weakref callback fires on any thread.
-What neither of them sees: scratch buffers that kernels allocate internally (small on CPU), and
-tensors under wrapper subclasses such as DTensor (only their plain local tensors are counted, which
-is all of them without tensor parallelism).
+Builds the real Trainer from the same arguments as train.py and trains it under
+`torchpre.metrics.tensor_memory.TensorMemory`, a TorchDispatchMode entered before the Trainer is
+built: every storage an op creates is counted at its size until its last reference dies, so the
+running total is every tensor byte of the job (parameters, buffers, optimizer state, gradients,
+activations, temporaries) and its maximum is the CPU counterpart of CUDA's `max_memory_allocated`
+(the module says why not the profiler, and what it cannot see). Peak RSS, which torchpre reports on
+CPU, adds the Python/torch baseline and what the C allocator keeps cached. The dry run predicts
+activations with the same counter (`torchpre.metrics.activation_probe`).
 
 Per train_step, as the max over ranks:
 - `step_start_bytes`: tensor bytes live when the step begins (parameters, buffers, optimizer state, data),
@@ -26,60 +21,15 @@ next to the trainer's records.   Usage: torchrun ... bench/memory_worker.py [tra
 
 import json
 import sys
-import threading
-import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 from torchpre.cli import run_entry_point
+from torchpre.metrics.tensor_memory import TensorMemory
 
 FIELDS = ("step_start_bytes", "activation_bytes", "tensor_peak_bytes")
-
-
-class TensorMemory(TorchDispatchMode):
-    """Live bytes of the CPU storages that ops create while active, their peak since `begin_step`, and
-    the live bytes when autograd first runs an op in the step (the end of the forward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.RLock()  # frees arrive from gloo's threads too
-        self._sizes: dict[int, int] = {}  # id(storage) -> bytes
-        self._refs: dict[int, weakref.ref] = {}
-        self.live = self.peak = self.step_start = 0
-        self.at_backward: int | None = None
-
-    def begin_step(self) -> None:
-        with self._lock:
-            self.step_start = self.peak = self.live
-            self.at_backward = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.at_backward is None and torch._C._current_graph_task_id() != -1:
-            self.at_backward = self.live
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and not is_traceable_wrapper_subclass(leaf):
-                self._track(leaf.untyped_storage())
-        return out
-
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        """Counts a new storage, or a known one's new size (ops with `out=` may resize it)."""
-        key = id(storage)
-        with self._lock:
-            if key not in self._refs:
-                self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
-            self.live += storage.nbytes() - self._sizes.get(key, 0)
-            self._sizes[key] = storage.nbytes()
-            self.peak = max(self.peak, self.live)
-
-    def _free(self, key: int) -> None:
-        with self._lock:
-            self.live -= self._sizes.pop(key)
-            del self._refs[key]
 
 
 def main(argv: list[str]) -> None:

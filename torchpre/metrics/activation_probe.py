@@ -1,0 +1,305 @@
+"""What one microbatch's forward and backward cost, counted by running them, possibly on the meta device.
+
+`probe_microbatch` runs a module's forward and backward once under `ProbeMode`, the storage counter that
+bench/memory.py measures with (`TensorMemory`) extended with FLOP, byte, op and collective counts. With the module
+and its inputs on the meta device nothing is computed and no data is held, yet every op produces its true output
+shapes, so the counts are those of a real run: the dry run and the planner predict activation memory by counting,
+not by a formula that can drift from the model.
+
+One difference between meta and a real CPU run is undone here: SDPA chooses its kernel by device, and meta has
+no choice, so it would run the math backend and keep the [batch, heads, seq, seq] probabilities for backward.
+The probe runs meta attention as the CPU flash kernel instead (`meta_flash_attention`): what a CPU run picks,
+and what flash attention keeps on a GPU (the output and the log-sum-exp), so meta and CPU count the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
+
+from torchpre.metrics.tensor_memory import TensorMemory
+
+aten = torch.ops.aten
+
+_MATMUL_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
+_COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd", "monitored_barrier_"}
+
+
+@shape_wrapper
+def _sdpa_for_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+@shape_wrapper
+def _sdpa_for_cpu_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# torch's formulas (matmuls, convolutions, the GPU attention kernels) and the CPU flash kernel's, which torch
+# lacks. Attention is counted over the full [seq, seq] score matrix, causal or not, as torch counts it.
+_FLOP_FORMULAS = {
+    **flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_for_cpu_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_for_cpu_backward_flop,
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective op as this rank issued it: `op` ("namespace.name", e.g. "_c10d_functional.all_reduce"),
+    the size of its process group, and `bytes`, the bytes of this rank's input tensors (for an all-gather the
+    local shard, for a reduce-scatter the whole tensor)."""
+
+    op: str
+    group_size: int
+    bytes: int
+
+
+@dataclass
+class ActivationProbe:
+    """The counts of one forward + backward of one microbatch on this rank. Bytes are per rank (the plain
+    tensors, or DTensors' local shards); "start" is the live total when the probe began, which excludes the
+    module's parameters and buffers and the inputs (they exist before it).
+
+    - `saved_bytes`: live bytes at the first op of backward minus start: what autograd keeps for backward (the
+      forward's activations, the output without a `loss_fn`, the loss's own saved tensors with one),
+      activation checkpointing's target.
+    - `transient_bytes`: the peak of live bytes during forward and backward minus start minus `saved_bytes`
+      (at least 0): temporaries on top of the saved activations, recomputation under checkpointing included.
+      Parameter gradients that are still alive when the probe ends are left out of the peak (`grad_bytes`);
+      gradients freed during backward (e.g. by a bucketing hook) are transient.
+    - `grad_bytes`: bytes of the parameter `.grad` tensors created by this backward and still alive at the end.
+    - `flops`: FLOPs of forward and backward (recomputation included) by torch's formulas: matmuls,
+      convolutions and attention; elementwise ops are not counted. Attention counts the whole score matrix
+      even when causal, and its backward recomputes the scores (as flash attention does).
+    - `matmul_flops`: the part of `flops` done by matmuls (mm, addmm, bmm, baddbmm), i.e. without attention.
+    - `other_bytes`: bytes of the outputs written by all other non-view ops (elementwise, norms, copies,
+      embedding lookups): the memory-bound traffic.
+    - `op_counts`: how many times each op ran on plain tensors, views included, by name such as "aten.mm"
+      (`ops` is their sum: the per-op overhead term). DTensor ops count as the local ops they run.
+    - `collectives`: the collectives this rank issued, in order (e.g. DTensor's redistributes under tensor
+      parallelism).
+    """
+
+    saved_bytes: int
+    transient_bytes: int
+    grad_bytes: int
+    flops: int
+    matmul_flops: int
+    other_bytes: int
+    op_counts: Counter[str]
+    collectives: list[Collective]
+
+    @property
+    def ops(self) -> int:
+        return sum(self.op_counts.values())
+
+
+class ProbeMode(TensorMemory):
+    """`TensorMemory` that also counts FLOPs, non-matmul output bytes, ops and collectives, and keeps the live
+    total after each new allocation (with which storages were new) to find the peak without the parameter
+    gradients that outlive the probe."""
+
+    def __init__(self, devices: tuple[str, ...] = ("meta", "cpu")) -> None:
+        super().__init__(devices)
+        self.flops = self.matmul_flops = self.other_bytes = 0
+        self.op_counts: Counter[str] = Counter()
+        self.collectives: list[Collective] = []
+        self.live_trace: list[int] = []  # live bytes after each counted allocation
+        self.created_at: dict[int, int] = {}  # id(storage) -> its index in live_trace
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented or not self.counting():
+            return out
+        self.op_counts[str(func.overloadpacket)] += 1
+        packet = func.overloadpacket
+        if packet in _FLOP_FORMULAS:
+            flops = _FLOP_FORMULAS[packet](*args, **kwargs, out_val=out)
+            self.flops += flops
+            if packet in _MATMUL_OPS:
+                self.matmul_flops += flops
+        elif func.namespace in _COLLECTIVE_NAMESPACES:
+            if packet._qualified_op_name.split("::")[1] not in _NOT_COLLECTIVES:
+                self.collectives.append(_collective(func, args, kwargs))
+        elif not func.is_view:
+            self.other_bytes += sum(_nbytes(leaf) for leaf in tree_leaves(out) if isinstance(leaf, Tensor))
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        with self._lock:
+            new = key not in self._sizes
+            super()._track(storage)
+            if new:
+                self.created_at[key] = len(self.live_trace)
+            self.live_trace.append(self.live)
+
+    def tracks(self, storage: torch.UntypedStorage) -> bool:
+        """Whether `storage` is counted (made on one of `devices` by an op this mode saw) and alive."""
+        return id(storage) in self._sizes
+
+    def peak_without(self, storages: list[torch.UntypedStorage]) -> int:
+        """The peak of live bytes over the probe if `storages` (made during it, alive at its end) had never
+        been allocated: each is subtracted from the moment it was created on."""
+        held = [0] * (len(self.live_trace) + 1)
+        for storage in storages:
+            held[self.created_at[id(storage)]] += storage.nbytes()
+        peak, running = self.step_start, 0
+        for index, live in enumerate(self.live_trace):
+            running += held[index]
+            peak = max(peak, live - running)
+        return peak
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _collective(func, args: tuple, kwargs: dict) -> Collective:
+    """The op, group size and input bytes of a functional (`group_name`) or c10d (ProcessGroup) collective."""
+    values = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+    if "group_name" in values:
+        group = _resolve_process_group(values["group_name"])
+    else:  # c10d ops take the ProcessGroup itself, boxed as a ScriptObject
+        group = ProcessGroup.unbox(values["process_group"])
+    first = func._schema.arguments[0].name
+    nbytes = sum(_nbytes(t) for t in tree_leaves(values[first]) if isinstance(t, Tensor))
+    name = func.overloadpacket._qualified_op_name.replace("::", ".")
+    return Collective(name, group.size(), nbytes)
+
+
+@contextmanager
+def meta_flash_attention() -> Iterator[None]:
+    """Runs `F.scaled_dot_product_attention` on plain meta tensors as the CPU flash kernel
+    (`aten._scaled_dot_product_flash_attention_for_cpu`), as SDPA's CPU dispatch does for 4-D floating-point
+    inputs. SDPA chooses its backend by a per-device stub called inside the op (not an op that a dispatch mode
+    could answer), and meta has none, so it would fall back to the math backend.
+
+    The function is replaced in `torch.nn.functional` for the duration (callers that look it up there at call
+    time, as torchpre's models do, see the replacement), rather than by a TorchFunctionMode: a mode is popped
+    while it handles `Tensor.backward`, so activation checkpointing's recomputation would run without it.
+    """
+    original = F.scaled_dot_product_attention
+
+    def attention(query: Tensor, key: Tensor, value: Tensor, *args, **kwargs) -> Tensor:
+        if _flash_applies((query, key, value)):
+            return _flash_attention_for_cpu(query, key, value, *args, **kwargs)
+        return original(query, key, value, *args, **kwargs)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _flash_applies(qkv: tuple) -> bool:
+    return all(
+        isinstance(t, Tensor) and not is_traceable_wrapper_subclass(t) and t.device.type == "meta"
+        and t.dim() == 4 and t.is_floating_point()
+        for t in qkv
+    )
+
+
+def _flash_attention_for_cpu(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """SDPA's flash branch for CPU, which handles grouped-query attention natively (`enable_gqa` needs nothing
+    more); a boolean mask becomes an additive one in the query's dtype first, as SDPA converts it."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=attn_mask.device)
+        minus_inf = torch.scalar_tensor(-math.inf, dtype=query.dtype, device=attn_mask.device)
+        attn_mask = torch.where(attn_mask, zero, minus_inf)
+    out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out
+
+
+@contextmanager
+def _uncounted(mode: TensorMemory) -> Iterator[None]:
+    """Ops run inside are not seen by `mode` (its devices emptied for the duration)."""
+    devices, mode.devices = mode.devices, ()
+    try:
+        yield
+    finally:
+        mode.devices = devices
+
+
+def probe_microbatch(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    loss_fn: Callable[[Tensor], Tensor] | None = None,
+    devices: tuple[str, ...] = ("meta", "cpu"),
+) -> ActivationProbe:
+    """Runs `module(*args, **kwargs)` and its backward once and counts them (see `ActivationProbe`).
+
+    The backward starts from `loss_fn(output)` when given (the last pipeline stage: logits to loss), as the
+    trainer runs it: the output is not held beyond what the loss saves (cross-entropy keeps its log-softmax, not
+    the logits). Else from the output, held until backward as a pipeline stage holds it, with a gradient of ones
+    (what the next stage sends back; like the inputs it is the caller's, and not counted); the output must then be
+    one tensor. The module runs where it lives: on meta nothing is computed. Storages are counted on `devices`.
+    Parameter gradients this backward creates are left in `.grad`.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    had_grad = {id(p) for p in params if p.grad is not None}
+    mode = ProbeMode(devices)
+    with meta_flash_attention(), mode:
+        mode.begin_step()
+        if loss_fn is not None:
+            loss_fn(module(*args, **(kwargs or {}))).backward()  # the output lives only as long as the loss needs
+        else:
+            output = module(*args, **(kwargs or {}))
+            with _uncounted(mode):
+                grad = torch.ones_like(output)
+            output.backward(grad)
+            del output
+    grads = [storage for storage in _new_grad_storages(params, had_grad) if mode.tracks(storage)]
+    saved = mode.at_backward - mode.step_start
+    peak = mode.peak_without(grads)
+    return ActivationProbe(
+        saved_bytes=saved,
+        transient_bytes=max(0, peak - mode.step_start - saved),
+        grad_bytes=sum(s.nbytes() for s in grads),
+        flops=mode.flops,
+        matmul_flops=mode.matmul_flops,
+        other_bytes=mode.other_bytes,
+        op_counts=mode.op_counts,
+        collectives=mode.collectives,
+    )
+
+
+def _new_grad_storages(params: list[Tensor], had_grad: set[int]) -> list[torch.UntypedStorage]:
+    """The distinct storages (local shards for DTensors) of the `.grad`s that the probe created."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for param in params:
+        if id(param) in had_grad or param.grad is None:
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        storages[id(grad.untyped_storage())] = grad.untyped_storage()
+    return list(storages.values())
