@@ -8,16 +8,22 @@ not from a formula), the activations one training step keeps (`activation_memory
 would write, then exits 0 when every rank fits `job.dry_run_gpu`'s memory and 2 naming the rank otherwise.
 """
 
+import copy
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware, get_hardware
+from torchpre.distributed.schedules import in_flight_microbatches
 from torchpre.errors import ConfigError, TorchpreError
+from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
+from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.trainer import Runtime, Trainer
 
 logger = logging.getLogger("torchpre")
@@ -97,17 +103,41 @@ def run_dry_run(config: JobConfig) -> list[RankMemory]:
     return results
 
 
-def build_rank(config: JobConfig, world_size: int, rank: int) -> RankMemory:
+def build_rank(config: JobConfig, world_size: int, rank: int, checkpoint: bool = True) -> RankMemory:
     """One rank of the job, built by the real Trainer in a fake world, and what it holds."""
+    return probe_rank(config, world_size, rank, checkpoint)[0]
+
+
+def probe_rank(
+    config: JobConfig, world_size: int, rank: int, checkpoint: bool = True
+) -> tuple[RankMemory, list["PartProbe"]]:
+    """`build_rank`, and the probes of the rank's parts its activations were counted from."""
     trainer = Trainer(config, Runtime(world_size, fake_rank=rank))
     try:
-        return rank_memory(trainer)
+        memory = rank_memory(trainer, checkpoint)
+        in_flight, gathered = _in_flight(trainer), _fsdp_gathered(trainer)
+        parts = probe_parts(trainer)
     finally:
+        leave_fake_world()
+    saved = max(p.total.saved_bytes for p in parts)
+    transient = max(p.total.transient_bytes for p in parts)
+    return dataclasses.replace(memory, activation_bytes=in_flight * saved + transient + gathered), parts
+
+
+def leave_fake_world() -> None:
+    """Destroys the fake process group and forgets DTensor's cached sharding decisions: their specs hold the
+    meshes of this world, which compare equal to the next rank's, so the next rank would issue collectives on
+    this world's (destroyed) groups."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    if dist.is_initialized():
         dist.destroy_process_group()
+    _clear_sharding_prop_cache()
 
 
-def rank_memory(trainer: Trainer) -> RankMemory:
-    """What the rank `trainer` was built for holds, in bytes (its fake process group still joined)."""
+def rank_memory(trainer: Trainer, checkpoint: bool = True) -> RankMemory:
+    """The model state the rank `trainer` was built for holds, in bytes (its fake process group still joined;
+    activations 0: see `probe_rank`); `checkpoint=False` skips planning the checkpoint (reported as 0)."""
     optimizer = trainer.optimizer
     state = optimizer.state_dict()  # creates the state as the first step (and a first checkpoint) would
     coordinates = trainer.mesh.get_coordinate()
@@ -120,8 +150,123 @@ def rank_memory(trainer: Trainer) -> RankMemory:
         grad_bytes=optimizer.grad_bytes(),
         optimizer_state_bytes=optimizer.state_bytes(),
         activation_bytes=0,
-        checkpoint_bytes=_checkpoint_bytes(trainer, state),
+        checkpoint_bytes=_checkpoint_bytes(trainer, state) if checkpoint else 0,
     )
+
+
+@dataclass(frozen=True)
+class PartProbe:
+    """One microbatch through one of a rank's model parts (a pipeline stage, or the whole model): the counts of
+    its forward and backward together (`total`) and of its forward alone (`forward`), and the bytes of the
+    activation it hands to the next stage (0 for the last)."""
+
+    total: ActivationProbe
+    forward: ActivationProbe
+    boundary_bytes: int
+
+
+def probe_parts(trainer: Trainer) -> list[PartProbe]:
+    """Runs one microbatch of synthetic inputs with the job's shapes through each of this rank's parts on the
+    meta device, as training runs it (loss parallel, the trainer's loss on the last stage), and counts it.
+
+    The first stage takes token ids, a later one the residual stream [microbatch, seq (/ tp under sequence
+    parallelism), dim] in the compute dtype that the stage before sends. ZeRO-3 parts are probed on a ZeRO-1
+    build of the same rank (FSDP2 cannot run on meta tensors); `activation_bytes` adds the parameters FSDP
+    gathers.
+    """
+    if trainer.config.optimizer.zero_stage == 3:
+        return _probe_without_fsdp(trainer)
+    config, dims = trainer.config, trainer.parallel_dims
+    p = config.parallelism
+    microbatch = p.pipeline_parallel_microbatch_size if trainer.pipeline else config.training.local_batch_size
+    seq = config.training.seq_len
+    tokens = torch.zeros(microbatch, seq, dtype=torch.long, device="meta")
+    sequence_parallel = p.enable_sequence_parallel and dims.tp > 1
+    hidden_shape = (microbatch, seq // dims.tp if sequence_parallel else seq, trainer.model_args.dim)
+    dtype = getattr(torch, config.training.mixed_precision_param)
+    model = trainer.model
+    model.set_backward_callback(None)
+    probes = []
+    with loss_parallel_context(p.enable_loss_parallel and dims.tp > 1):
+        for part, stage in zip(model.parts, model.stage_ids):
+            first, last = stage == 0, stage == (trainer.pipeline.num_stages - 1 if trainer.pipeline else 0)
+            inputs = tokens if first else torch.empty(hidden_shape, dtype=dtype, device="meta", requires_grad=True)
+            kwargs = trainer._forward_kwargs(tokens)
+            loss_fn = (lambda logits: trainer._loss(logits, tokens)) if last else None
+            total = probe_microbatch(part, (inputs,), kwargs, loss_fn=loss_fn, devices=("meta",))
+            boundary = 0 if last else _nbytes(hidden_shape, dtype)
+            probes.append(PartProbe(total, _probe_forward(part, inputs, kwargs), boundary))
+            for param in part.parameters():
+                param.grad = None
+    return probes
+
+
+def _probe_forward(part: torch.nn.Module, inputs: torch.Tensor, kwargs: dict) -> ActivationProbe:
+    """The counts of the forward alone (no graph kept): the forward's share of FLOPs, bytes, ops and
+    collectives, so the planner can tell the backward's (which DP reductions overlap) from the whole."""
+    mode = ProbeMode(("meta",))
+    with meta_flash_attention(), mode, torch.no_grad():
+        mode.begin_step()
+        part(inputs, **kwargs)
+    return ActivationProbe(
+        saved_bytes=0,
+        transient_bytes=max(0, mode.peak - mode.step_start),
+        grad_bytes=0,
+        flops=mode.flops,
+        matmul_flops=mode.matmul_flops,
+        other_bytes=mode.other_bytes,
+        op_counts=mode.op_counts,
+        collectives=mode.collectives,
+    )
+
+
+def _probe_without_fsdp(trainer: Trainer) -> list[PartProbe]:
+    config = copy.deepcopy(trainer.config)
+    config.optimizer.zero_stage = 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    leave_fake_world()  # the twin joins its own fake world; the ZeRO-3 trainer is not used again
+    return probe_parts(Trainer(config, Runtime(world, fake_rank=rank)))
+
+
+def _in_flight(trainer: Trainer) -> int:
+    """Microbatch-stage chunks whose saved activations this rank holds at once at the peak of a step: the
+    schedule's count (`in_flight_microbatches`, read off torch's action order), or 1 without pipelining
+    (microbatches run one after another)."""
+    pipeline = trainer.pipeline
+    if pipeline is None:
+        return 1
+    pp_rank = trainer.mesh["pp"].get_local_rank()
+    return in_flight_microbatches(
+        pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
+    )
+
+
+def _fsdp_gathered(trainer: Trainer) -> int:
+    """Under ZeRO-3, the unsharded compute-dtype parameters FSDP2 holds on top of its shards: with resharding
+    after forward, the largest block's twice (the one running and the one prefetched); without (the default
+    under pipelining), the whole rank's, from the first forward to the step."""
+    if trainer.config.optimizer.zero_stage != 3:
+        return 0
+    itemsize = getattr(torch, trainer.config.training.mixed_precision_param).itemsize
+    dims = trainer.parallel_dims
+    blocks: dict[str, int] = {}
+    total = 0
+    for part in trainer.model.parts:
+        for name, param in part.named_parameters():
+            local = param.to_local().numel() * dims.dp_shard * itemsize
+            total += local
+            block = name.split(".")[:2]
+            blocks[".".join(block)] = blocks.get(".".join(block), 0) + local
+    if trainer.model.plan.fsdp.reshard_after_forward:
+        return 2 * max(blocks.values())
+    return total
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize
 
 
 def _checkpoint_bytes(trainer: Trainer, optimizer_state: dict) -> int:
