@@ -1,0 +1,184 @@
+"""The layouts a planner considers: every way to split a job over N GPUs that torchpre's own start-up checks
+accept, each written as the config a real run of it would use."""
+
+import copy
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from torchpre.build import check_layout, model_args
+from torchpre.config.job_config import JobConfig
+from torchpre.config.validate import validate_config
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.errors import ConfigError
+from torchpre.models.registry import ModelSpec, get_model_spec
+from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.trainer import resolve_batch_sizes
+
+AC_MODES = ("none", "selective", "full")
+MICROBATCH_SIZES = (1, 2, 4, 8)
+ZERO_STAGES = (0, 1, 2, 3)
+# Pipeline schedules the planner compares (the others are variants of these), with the stages each rank holds.
+PLANNED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: the parallel degrees, ZeRO stage, activation checkpointing, microbatch size and
+    (with pipelining) the schedule and the stages each rank holds."""
+
+    dp: int
+    tp: int
+    pp: int
+    ep: int = 1
+    zero_stage: int = 1
+    activation_checkpoint: str = "none"
+    microbatch_size: int = 1
+    schedule: str = ""  # "" without pipelining
+    virtual_stages: int = 1
+
+    def apply(self, base: JobConfig) -> JobConfig:
+        """`base` (model, data, batch, precision) with this layout's keys set, as a user would write them.
+
+        Without pipelining a microbatch is training.local_batch_size (gradient accumulation makes up the global
+        batch); with it, each DP rank takes its whole share of the batch per step and the schedule cuts it into
+        parallelism.pipeline_parallel_microbatch_size pieces.
+        """
+        config = copy.deepcopy(base)
+        p, t = config.parallelism, config.training
+        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree = self.dp, self.tp, self.pp
+        p.expert_parallel_degree = self.ep
+        p.enable_sequence_parallel = self.tp > 1
+        p.enable_loss_parallel = self.tp > 1
+        config.optimizer.zero_stage = self.zero_stage
+        config.activation_checkpoint.mode = self.activation_checkpoint
+        config.activation_checkpoint.selective_ac_option = "op"
+        if self.pp > 1:
+            t.local_batch_size = t.global_batch_size // self.dp
+            p.pipeline_parallel_schedule = self.schedule
+            p.pipeline_parallel_virtual_stages = self.virtual_stages
+            p.pipeline_parallel_microbatch_size = self.microbatch_size
+        else:
+            t.local_batch_size = self.microbatch_size
+        return config
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        schedule = f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return (
+            f"{' x '.join(parts)} zero{self.zero_stage} ac:{self.activation_checkpoint} mb{self.microbatch_size}"
+            + (schedule if self.pp > 1 else "")
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "ep": self.ep,
+            "zero_stage": self.zero_stage,
+            "activation_checkpoint": self.activation_checkpoint,
+            "microbatch_size": self.microbatch_size,
+            "schedule": self.schedule or None,
+            "virtual_stages": self.virtual_stages,
+        }
+
+
+@dataclass(frozen=True)
+class CheckedLayout:
+    """A layout that start-up accepts, with what start-up derived from it."""
+
+    layout: Layout
+    config: JobConfig
+    model_args: Any
+    accumulation_steps: int
+    pipeline: PipelinePlan | None
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches each DP rank runs per step (pipeline microbatches, or gradient-accumulation steps)."""
+        return self.pipeline.n_microbatches if self.pipeline else self.accumulation_steps
+
+
+def check(layout: Layout, base: JobConfig, world_size: int) -> CheckedLayout:
+    """`layout` applied to `base`, through the checks a real start-up runs before joining the process group
+    (`Trainer.__init__`'s order): raises their ConfigError when the layout is impossible."""
+    config = layout.apply(base)
+    validate_config(config)
+    p, t = config.parallelism, config.training
+    dims = ParallelDims.from_degrees(p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
+                                     world_size, ep=p.expert_parallel_degree)  # fmt: skip
+    _, accumulation = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, dims.dp)
+    spec = get_model_spec(config.model.name)
+    args = model_args(config, _tokenizer(config.model.tokenizer_path))
+    check_layout(config, spec, args, dims)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = PipelinePlan.from_config(
+            p,
+            stage_modules=lambda stages: _stage_modules(spec, args, stages, tuple(p.pipeline_parallel_split_points)),
+            sequences_per_step=t.local_batch_size * accumulation,
+        )
+    return CheckedLayout(layout, config, args, accumulation, pipeline)
+
+
+def candidates(base: JobConfig, gpus: int, gpus_per_node: int, experts: bool = False) -> Iterator[Layout]:
+    """Every combination the planner considers: tp within a node, pp and ep dividing the rest, each ZeRO stage,
+    AC mode and microbatch size, and every planned schedule when pipelining. Not yet checked."""
+    global_batch = base.training.global_batch_size
+    for tp in _divisors(gpus_per_node):
+        for pp in _divisors(gpus // tp) if gpus % tp == 0 else ():
+            dp = gpus // (tp * pp)
+            schedules = PLANNED_SCHEDULES if pp > 1 else (("", 1),)
+            eps = _divisors(dp) if experts else (1,)
+            for ep, zero, ac, mb, (schedule, v) in itertools.product(
+                eps, ZERO_STAGES, AC_MODES, MICROBATCH_SIZES, schedules
+            ):
+                if global_batch % (dp * mb):
+                    continue
+                yield Layout(dp, tp, pp, ep, zero, ac, mb, schedule, v)
+
+
+def valid_layouts(base: JobConfig, gpus: int, gpus_per_node: int) -> tuple[list[CheckedLayout], int]:
+    """The candidates start-up accepts, and how many it rejected."""
+    if base.training.global_batch_size < 1:
+        raise ConfigError(
+            "The planner needs training.global_batch_size (sequences per step): set it to the batch you will train."
+        )
+    spec = get_model_spec(base.model.name)
+    valid, rejected = [], 0
+    for layout in candidates(base, gpus, gpus_per_node, experts=spec.expert_parallel is not None):
+        try:
+            valid.append(check(layout, base, gpus))
+        except ConfigError:
+            rejected += 1
+    return valid, rejected
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@cache
+def _tokenizer(path: str) -> Tokenizer:
+    return Tokenizer(path or DEFAULT_TOKENIZER_PATH)
+
+
+_STAGES: dict[tuple, list[list[str]] | ConfigError] = {}
+
+
+def _stage_modules(spec: ModelSpec, args: Any, stages: int, split_points: tuple[str, ...]) -> list[list[str]]:
+    """`spec.pipeline_stages`, once per model and stage count, refusals included (it builds the model on meta:
+    ~1 s at 405B)."""
+    key = (repr(args), stages, split_points)
+    if key not in _STAGES:
+        try:
+            _STAGES[key] = spec.pipeline_stages(args, stages, split_points)
+        except ConfigError as error:
+            _STAGES[key] = error
+    if isinstance(_STAGES[key], ConfigError):
+        raise _STAGES[key]
+    return _STAGES[key]

@@ -1,0 +1,274 @@
+"""A layout's per-rank costs from the dry run's own code, made fast by linearity.
+
+Building every rank of every candidate layout of a 405B job would take hours. But a block's parameters,
+gradients, optimizer state, saved activations and FLOPs do not depend on which stage holds it or how many
+blocks sit beside it: a stage costs `ends + blocks x block`. So the planner dry-runs the layout's tensor, data
+and expert sharding on shortened copies of the model (`shortened_flavor`), pipelined over two stages:
+2 blocks (stage 0: embedding + 1 block; stage 1: 1 block + norm and head) and 4 blocks (stage 0: embedding + 2
+blocks). Then block = stage 0 of 4 blocks - stage 0 of 2 blocks, and the first and last stage's ends are what
+remains of the 2-block stages. Every number is what `torchpre.dryrun.rank_memory` reports for a real build:
+no separate formula that could drift from it (`tests/unit/test_plan_pieces.py` pins the sum to full dry runs).
+"""
+
+import contextlib
+import copy
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from torch.distributed.tensor import DTensor
+
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import to_toml
+from torchpre.dryrun import leave_fake_world, probe_rank, rank_memory
+from torchpre.metrics.activation_probe import ActivationProbe
+from torchpre.models.registry import get_model_spec
+from torchpre.plan.layouts import CheckedLayout
+from torchpre.plan.time_model import Collective, Work
+from torchpre.trainer import Runtime, Trainer
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StateCost:
+    """Bytes one rank keeps through training for a piece of the model (a block, or a stage's ends), and the
+    piece's parameter count on this rank before any data-parallel sharding (what DP communication moves)."""
+
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    tp_numel: int = 0
+    param_tensors: int = 0
+
+    def __add__(self, other: "StateCost") -> "StateCost":
+        return StateCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __sub__(self, other: "StateCost") -> "StateCost":
+        return StateCost(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def __mul__(self, k: int) -> "StateCost":
+        return StateCost(*(a * k for a in dataclasses.astuple(self)))
+
+
+@dataclass(frozen=True)
+class MicrobatchCost:
+    """One microbatch through a piece on one rank: the activations it saves for backward and its largest
+    transient, and the work of its forward and of its backward (recomputation included), as `Work`."""
+
+    saved_bytes: float = 0.0
+    transient_bytes: float = 0.0
+    forward: Work = Work(0.0)
+    backward: Work = Work(0.0)
+
+    def __add__(self, other: "MicrobatchCost") -> "MicrobatchCost":
+        return MicrobatchCost(
+            self.saved_bytes + other.saved_bytes,
+            max(self.transient_bytes, other.transient_bytes),
+            self.forward + other.forward,
+            self.backward + other.backward,
+        )
+
+    def minus(self, other: "MicrobatchCost") -> "MicrobatchCost":
+        """The difference of two probes of the same stage with more and fewer blocks (one block's cost), or a
+        stage less its blocks (its ends); the transient stays the larger probe's (see `_microbatch_pieces`)."""
+        return MicrobatchCost(
+            self.saved_bytes - other.saved_bytes,
+            self.transient_bytes,
+            _work_minus(self.forward, other.forward),
+            _work_minus(self.backward, other.backward),
+        )
+
+    def scaled(self, k: int) -> "MicrobatchCost":
+        """k identical blocks in a row: k times the saved bytes and work, one block's transient at a time."""
+        return MicrobatchCost(
+            self.saved_bytes * k,
+            self.transient_bytes,
+            Work(self.forward.flops * k, self.forward.other_bytes * k, self.forward.ops * k,
+                 self.forward.collectives * k),
+            Work(self.backward.flops * k, self.backward.other_bytes * k, self.backward.ops * k,
+                 self.backward.collectives * k),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pieces(Generic[T]):
+    """A layout's costs per piece: one block, and the ends only the first or the last stage holds."""
+
+    block: T
+    first: T
+    last: T
+
+    def stage(self, blocks: int, first: bool, last: bool, zero: T) -> T:
+        """A stage of `blocks` blocks, with the first stage's and/or the last stage's ends. A microbatch cost's
+        transient is the one measured on a stage of the same kind: the last stage's (the loss; also a whole
+        model's, measured equal), else the first's, else a middle stage's."""
+        if not isinstance(self.block, MicrobatchCost):
+            return self.block * blocks + (self.first if first else zero) + (self.last if last else zero)
+        total = self.block.scaled(blocks) + (self.first if first else zero) + (self.last if last else zero)
+        kind = self.last if last else self.first if first else self.block
+        return dataclasses.replace(total, transient_bytes=kind.transient_bytes)
+
+
+@contextlib.contextmanager
+def shortened_flavor(config: JobConfig, n_layers: int) -> Iterator[JobConfig]:
+    """`config` with its model flavor cut to `n_layers` blocks (registered under a temporary flavor name)."""
+    spec = get_model_spec(config.model.name)
+    args = spec.flavors[config.model.flavor]
+    name = f"{config.model.flavor}[{n_layers} layers]"
+    spec.flavors[name] = dataclasses.replace(args, n_layers=n_layers)
+    short = copy.deepcopy(config)
+    short.model.flavor = name
+    try:
+        yield short
+    finally:
+        del spec.flavors[name]
+
+
+def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:
+    """`config`'s sharding (dp, tp, ep, ZeRO stage, precision, AC), pipelined over two 1F1B stages with the
+    fewest microbatches of `microbatch_size` that allows."""
+    config = copy.deepcopy(config)
+    p, t = config.parallelism, config.training
+    p.pipeline_parallel_degree, p.pipeline_parallel_schedule = 2, "1F1B"
+    p.pipeline_parallel_virtual_stages, p.pipeline_parallel_split_points = 1, []
+    p.pipeline_parallel_microbatch_size = microbatch_size
+    t.local_batch_size = 2 * microbatch_size
+    t.global_batch_size = t.local_batch_size * p.data_parallel_degree
+    return config
+
+
+def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subtract: Callable[[T, T], T]) -> Pieces:
+    """Pieces from three builds of `config` shortened and split over two stages (see the module docstring):
+    `measure(config, world, rank)`."""
+    p = config.parallelism
+    world = 2 * p.data_parallel_degree * p.tensor_parallel_degree
+    with shortened_flavor(config, 2) as two:
+        first_2, last_2 = measure(two, world, 0), measure(two, world, world // 2)
+    with shortened_flavor(config, 4) as four:
+        first_4 = measure(four, world, 0)
+    block = subtract(first_4, first_2)
+    return Pieces(block=block, first=subtract(first_2, block), last=subtract(last_2, block))
+
+
+def state_pieces(config: JobConfig) -> Pieces:
+    """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config."""
+    config = two_stage_config(config)
+    return _cached(to_toml(config), lambda: _pieces(_state, config, lambda a, b: a - b))
+
+
+def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
+    """`MicrobatchCost` pieces of a layout's config at `microbatch_size`. Probed at data-parallel degree 1 (the
+    expert-parallel degree under EP) and ZeRO-1: activations and work per microbatch do not depend on how the
+    state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add)."""
+    config = copy.deepcopy(config)
+    config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree
+    config.optimizer.zero_stage = 1
+    config = two_stage_config(config, microbatch_size)
+    return _cached(to_toml(config), lambda: _microbatch_pieces(config))
+
+
+def _microbatch_pieces(config: JobConfig) -> Pieces:
+    """Saved bytes and work are linear in the blocks; the transient peak is not (a stage's is set by its
+    largest temporaries, e.g. the loss's logits on the last stage), so each piece gets the transient measured
+    on a stage of its own kind: the first's and the last's from the 2-stage builds, a block's from the middle
+    stage of a 3-stage build of 3 blocks."""
+    pieces = _pieces(_microbatch, config, lambda a, b: a.minus(b))
+    three = copy.deepcopy(config)
+    three.parallelism.pipeline_parallel_degree = 3
+    three.training.local_batch_size = 3 * config.parallelism.pipeline_parallel_microbatch_size
+    three.training.global_batch_size = three.training.local_batch_size * config.parallelism.data_parallel_degree
+    world = 3 * config.parallelism.data_parallel_degree * config.parallelism.tensor_parallel_degree
+    with shortened_flavor(three, 3) as short:
+        middle = _microbatch(short, world, world // 3)
+    return Pieces(
+        block=dataclasses.replace(pieces.block, transient_bytes=middle.transient_bytes),
+        first=pieces.first,
+        last=pieces.last,
+    )
+
+
+_CACHE: dict[str, Pieces] = {}
+
+
+def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
+    if key not in _CACHE:
+        _CACHE[key] = build()
+    return _CACHE[key]
+
+
+def _state(config: JobConfig, world: int, rank: int) -> StateCost:
+    trainer = Trainer(config, Runtime(world, fake_rank=rank))
+    try:
+        memory = rank_memory(trainer, checkpoint=False)
+        params = [param for part in trainer.model.parts for param in part.parameters()]
+        tp_numel = sum(_tp_numel(param, trainer) for param in params)
+    finally:
+        leave_fake_world()
+    return StateCost(memory.param_bytes, memory.grad_bytes, memory.optimizer_state_bytes, tp_numel, len(params))
+
+
+def _tp_numel(param, trainer: Trainer) -> int:
+    """A parameter's elements on this rank before DP sharding (FSDP2 shards them over dp_shard)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    shard = trainer.parallel_dims.dp_shard if trainer.config.optimizer.zero_stage == 3 else 1
+    return local.numel() * shard
+
+
+def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
+    _, parts = probe_rank(config, world, rank, checkpoint=False)
+    (part,) = parts
+    tp = config.parallelism.tensor_parallel_degree
+    forward = to_work(part.forward, tp)
+    return MicrobatchCost(
+        saved_bytes=part.total.saved_bytes,
+        transient_bytes=part.total.transient_bytes,
+        forward=forward,
+        backward=_work_minus(to_work(part.total, tp), forward),
+    )
+
+
+def to_work(probe: ActivationProbe, tp: int) -> Work:
+    """A probe's counts as the time model's `Work`: collectives by kind, over the mesh dimension whose group
+    size they ran on (all-to-alls are expert parallelism's), each with its full buffer's bytes."""
+    collectives = []
+    for c in probe.collectives:
+        if c.group_size == 1:
+            continue
+        kind = _collective_kind(c.op)
+        dim = "ep" if kind == "all_to_all" else "tp"
+        nbytes = c.bytes * c.group_size if kind == "all_gather" else c.bytes  # the probe counts inputs
+        collectives.append(Collective(kind, dim, nbytes))
+    return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives))
+
+
+def _collective_kind(op: str) -> str:
+    name = op.split(".")[-1].replace("_", "")
+    for kind in ("allreduce", "allgather", "reducescatter", "alltoall"):
+        if name.startswith(kind):
+            return {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter",
+                    "alltoall": "all_to_all"}[kind]  # fmt: skip
+    raise ValueError(f"unknown collective {op}")
+
+
+def _work_minus(a: Work, b: Work) -> Work:
+    """`a` without `b` (b's collectives are a prefix-multiset of a's)."""
+    remaining = Counter(a.collectives)
+    remaining.subtract(Counter(b.collectives))
+    collectives = tuple(c for c, n in remaining.items() for _ in range(max(n, 0)))
+    return Work(a.flops - b.flops, a.other_bytes - b.other_bytes, a.ops - b.ops, collectives)
+
+
+def stage_shape(checked: CheckedLayout, pp_rank: int) -> list[tuple[int, bool, bool]]:
+    """(blocks, is the first stage, is the last stage) of each stage chunk pipeline rank `pp_rank` holds."""
+    if checked.pipeline is None:
+        return [(checked.model_args.n_layers, True, True)]
+    blocks = get_model_spec(checked.config.model.name).blocks
+    chunks = []
+    for stage in checked.pipeline.stage_ids(pp_rank):
+        names = checked.pipeline.stage_modules[stage]
+        count = sum(1 for name in names if name.startswith(f"{blocks}."))
+        chunks.append((count, stage == 0, stage == checked.pipeline.num_stages - 1))
+    return chunks

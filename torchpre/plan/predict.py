@@ -1,0 +1,205 @@
+"""A layout's predicted per-rank memory and step time, from the dry run's counts (`pieces`) and a `Hardware`.
+
+Memory per pipeline rank = its stage chunks' parameters, gradients and optimizer state (`state_pieces`) + the
+activations its schedule holds at once (`in_flight_microbatches` x the largest chunk's saved bytes, + the largest
+transient, + under ZeRO-3 the parameters FSDP gathers). Step time = `time_model.step_time` over the same chunks'
+forward and backward work. `fits` compares the largest rank with the GPU's memory less its reserve.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchpre.build import meta_model
+from torchpre.config.job_config import JobConfig
+from torchpre.distributed.hardware import Hardware
+from torchpre.distributed.schedules import in_flight_microbatches
+from torchpre.models.registry import get_model_spec
+from torchpre.plan.layouts import CheckedLayout
+from torchpre.plan.pieces import MicrobatchCost, Pieces, StateCost, microbatch_pieces, stage_shape, state_pieces
+from torchpre.plan.time_model import Collective, RankWork, StepTime, Work, step_time
+from torchpre.plan.time_model import Layout as TimeLayout
+
+OPTIMIZER_OPS_PER_TENSOR = 12  # eager ops of single-tensor AdamW per parameter tensor (torch's _single_tensor_adamw)
+
+
+@dataclass(frozen=True)
+class RankPrediction:
+    """One pipeline rank's predicted memory, bytes."""
+
+    pp_rank: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class Prediction:
+    checked: CheckedLayout
+    ranks: list[RankPrediction]
+    step: StepTime | None  # None when the state alone does not fit (not worth timing)
+    tokens_per_step: int
+    flops_per_token: int
+    gpus: int
+    hardware: Hardware
+
+    @property
+    def peak(self) -> RankPrediction:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak.total_bytes <= self.hardware.memory_bytes - self.hardware.reserved_bytes
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens_per_step / self.step.total_s if self.step else 0.0
+
+    @property
+    def mfu(self) -> float:
+        return self.flops_per_token * self.tokens_per_sec / (self.gpus * self.hardware.peak_flops)
+
+    def as_dict(self) -> dict[str, Any]:
+        peak = self.peak
+        return {
+            **self.checked.layout.as_dict(),
+            "memory_bytes": peak.total_bytes,
+            "param_bytes": peak.param_bytes,
+            "grad_bytes": peak.grad_bytes,
+            "optimizer_state_bytes": peak.optimizer_state_bytes,
+            "activation_bytes": peak.activation_bytes,
+            "step_time_s": self.step.total_s if self.step else None,
+            "tokens_per_sec": self.tokens_per_sec,
+            "mfu": self.mfu,
+            "fits": self.fits,
+            "breakdown": {
+                "step": self.step.as_dict() if self.step else None,
+                "ranks": [dataclasses.asdict(r) | {"total_bytes": r.total_bytes} for r in self.ranks],
+            },
+        }
+
+
+def predict(checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_token: int) -> Prediction:
+    """The layout's per-rank memory and, if its model state fits, its step time."""
+    config, layout = checked.config, checked.layout
+    states = state_pieces(config)
+    work_pieces = _microbatch_pieces(config, layout.microbatch_size)
+    ranks, rank_work = [], []
+    usable = hardware.memory_bytes - hardware.reserved_bytes
+    for pp_rank in range(layout.pp):
+        chunks = stage_shape(checked, pp_rank)
+        state = sum((states.stage(*chunk, zero=StateCost()) for chunk in chunks), StateCost())
+        costs = [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in chunks]
+        activations = _activation_bytes(checked, pp_rank, costs, states, chunks)
+        ranks.append(RankPrediction(pp_rank, state.param_bytes, state.grad_bytes, state.optimizer_state_bytes,
+                                    activations))  # fmt: skip
+        rank_work.append(_rank_work(config, costs, state))
+    state_fits = max(r.total_bytes - r.activation_bytes for r in ranks) <= usable
+    step = step_time(_time_layout(checked), rank_work, hardware) if state_fits else None
+    tokens = config.training.global_batch_size * config.training.seq_len
+    return Prediction(checked, ranks, step, tokens, flops_per_token, gpus, hardware)
+
+
+def model_flops_per_token(config: JobConfig, args: Any) -> int:
+    """The trainer's FLOPs per token (what its MFU divides by), from the whole model's parameter count."""
+    spec = get_model_spec(config.model.name)
+    num_params = sum(p.numel() for p in meta_model(config, spec, args).parameters())
+    return spec.flops_per_token(args, num_params, config.training.seq_len)
+
+
+def _microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
+    """Probed at 1 and 2 sequences and extended linearly beyond: activations and work per microbatch are
+    affine in its size (every tensor but a few scalars scales with it; the op count does not change)."""
+    if microbatch_size <= 2:
+        return microbatch_pieces(config, microbatch_size)
+    one, two = microbatch_pieces(config, 1), microbatch_pieces(config, 2)
+    k = microbatch_size - 1
+    return Pieces(*(_affine(a, b, k) for a, b in zip((one.block, one.first, one.last), (two.block, two.first, two.last))))
+
+
+def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
+    def grow(a: float, b: float) -> float:
+        return a + k * (b - a)
+
+    def work(a: Work, b: Work) -> Work:
+        collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in zip(a.collectives, b.collectives))
+        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives)
+
+    return MicrobatchCost(grow(one.saved_bytes, two.saved_bytes), grow(one.transient_bytes, two.transient_bytes),
+                          work(one.forward, two.forward), work(one.backward, two.backward))  # fmt: skip
+
+
+def _activation_bytes(
+    checked: CheckedLayout, pp_rank: int, costs: list[MicrobatchCost], states: Pieces, chunks: list
+) -> int:
+    """What `torchpre.dryrun.probe_rank` adds up for a built rank, from the pieces."""
+    layout, pipeline = checked.layout, checked.pipeline
+    in_flight = 1
+    if pipeline is not None:
+        in_flight = in_flight_microbatches(
+            pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
+        )
+    saved = max(c.saved_bytes for c in costs)
+    transient = max(c.transient_bytes for c in costs)
+    gathered = 0
+    if layout.zero_stage == 3:
+        itemsize = getattr(torch, checked.config.training.mixed_precision_param).itemsize
+        if _reshards_after_forward(checked.config):
+            gathered = 2 * states.block.tp_numel * itemsize
+        else:
+            gathered = sum(states.stage(*chunk, zero=StateCost()).tp_numel for chunk in chunks) * itemsize
+    return int(in_flight * saved + transient + gathered)
+
+
+def _reshards_after_forward(config: JobConfig) -> bool:
+    """`parallelism.fsdp_reshard_after_forward` as the build resolves it (default: not under pipelining)."""
+    choice = config.parallelism.fsdp_reshard_after_forward
+    if choice == "default":
+        return config.parallelism.pipeline_parallel_degree == 1
+    return choice == "always"
+
+
+def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost) -> RankWork:
+    t, p = config.training, config.parallelism
+    microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else t.local_batch_size
+    sequence_parallel = p.enable_sequence_parallel and p.tensor_parallel_degree > 1
+    seq = t.seq_len // p.tensor_parallel_degree if sequence_parallel else t.seq_len
+    compute = getattr(torch, t.mixed_precision_param).itemsize
+    args_dim = _dim(config)
+    forward = sum((c.forward for c in costs), Work(0.0))
+    backward = sum((c.backward for c in costs), Work(0.0))
+    return RankWork(
+        forward=forward,
+        backward=backward,
+        boundary_bytes=microbatch * seq * args_dim * compute,
+        grad_bytes=state.tp_numel * getattr(torch, config.optimizer.reduce_dtype).itemsize,
+        param_bytes=state.tp_numel * compute,
+        optimizer_state_bytes=state.optimizer_state_bytes,
+        optimizer_ops=OPTIMIZER_OPS_PER_TENSOR * state.param_tensors,
+    )
+
+
+def _dim(config: JobConfig) -> int:
+    return get_model_spec(config.model.name).flavors[config.model.flavor].dim
+
+
+def _time_layout(checked: CheckedLayout) -> TimeLayout:
+    layout, pipeline = checked.layout, checked.pipeline
+    return TimeLayout(
+        dp=layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        ep=layout.ep,
+        microbatches=checked.microbatches,
+        schedule=pipeline.schedule if pipeline else "1F1B",
+        stages_per_rank=pipeline.stages_per_rank if pipeline else 1,
+        zero_stage=layout.zero_stage,
+        bucket_bytes=checked.config.optimizer.bucket_size_mb * 2**20,
+    )
