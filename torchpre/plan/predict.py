@@ -121,7 +121,7 @@ def _microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
         return microbatch_pieces(config, microbatch_size)
     one, two = microbatch_pieces(config, 1), microbatch_pieces(config, 2)
     k = microbatch_size - 1
-    return Pieces(*(_affine(a, b, k) for a, b in zip((one.block, one.first, one.last), (two.block, two.first, two.last))))
+    return Pieces(_affine(one.block, two.block, k), _affine(one.first, two.first, k), _affine(one.last, two.last, k))
 
 
 def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
@@ -129,7 +129,8 @@ def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
         return a + k * (b - a)
 
     def work(a: Work, b: Work) -> Work:
-        collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in zip(a.collectives, b.collectives))
+        pairs = zip(a.collectives, b.collectives)
+        collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
         return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives)
 
     return MicrobatchCost(grow(one.saved_bytes, two.saved_bytes), grow(one.transient_bytes, two.transient_bytes),
