@@ -109,10 +109,11 @@ def build_rank(config: JobConfig, world_size: int, rank: int, checkpoint: bool =
 
 
 def probe_rank(
-    config: JobConfig, world_size: int, rank: int, checkpoint: bool = True
+    config: JobConfig, world_size: int, rank: int, checkpoint: bool = True, data: bool = True
 ) -> tuple[RankMemory, list["PartProbe"]]:
-    """`build_rank`, and the probes of the rank's parts its activations were counted from."""
-    trainer = Trainer(config, Runtime(world_size, fake_rank=rank))
+    """`build_rank`, and the probes of the rank's parts its activations were counted from; `data=False` builds
+    no data loader (the planner's probes: shortened models of a job whose data need not exist yet)."""
+    trainer = Trainer(config, Runtime(world_size, fake_rank=rank, data=data))
     try:
         memory = rank_memory(trainer, checkpoint)
         in_flight, gathered = _in_flight(trainer), _fsdp_gathered(trainer)
@@ -225,7 +226,7 @@ def _probe_without_fsdp(trainer: Trainer) -> list[PartProbe]:
     config.optimizer.zero_stage = 1
     rank, world = dist.get_rank(), dist.get_world_size()
     leave_fake_world()  # the twin joins its own fake world; the ZeRO-3 trainer is not used again
-    return probe_parts(Trainer(config, Runtime(world, fake_rank=rank)))
+    return probe_parts(Trainer(config, Runtime(world, fake_rank=rank, data=False)))
 
 
 def _in_flight(trainer: Trainer) -> int:

@@ -1,6 +1,7 @@
 """The training loop, assembled from the config: model, data, optimizer, parallelism, metrics."""
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,7 @@ class Runtime:
 
     world_size: int
     fake_rank: int | None = None
+    data: bool = True  # False: no data loader (a planner's fake ranks: the model and optimizer alone)
 
     @classmethod
     def from_env(cls) -> "Runtime":
@@ -84,7 +86,9 @@ class Runtime:
             return
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
+        hook = sys.excepthook  # torch wraps it with a rank prefix per group: one process joins many fake worlds
         dist.init_process_group("fake", store=FakeStore(), rank=self.fake_rank, world_size=self.world_size)
+        sys.excepthook = hook
 
 
 class Trainer:
@@ -149,7 +153,7 @@ class Trainer:
         self.is_logging_rank = dist.get_rank() == 0
         torch.manual_seed(t.seed)
 
-        self.dataloader = build_dataloader(
+        self.dataloader = None if not runtime.data else build_dataloader(
             dataset=t.dataset,
             dataset_path=t.dataset_path,
             tokenizer=self.tokenizer,

@@ -154,9 +154,11 @@ def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subt
 
 
 def state_pieces(config: JobConfig) -> Pieces:
-    """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config."""
+    """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config (with
+    activation checkpointing off: it changes no state)."""
     config = two_stage_config(config)
-    return _cached(to_toml(config), lambda: _pieces(_state, config, lambda a, b: a - b))
+    config.activation_checkpoint.mode = "none"
+    return _cached("state\n" + to_toml(config), lambda: _pieces(_state, config, lambda a, b: a - b))
 
 
 def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
@@ -167,7 +169,7 @@ def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree
     config.optimizer.zero_stage = 1
     config = two_stage_config(config, microbatch_size)
-    return _cached(to_toml(config), lambda: _microbatch_pieces(config))
+    return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
 
 
 def _microbatch_pieces(config: JobConfig) -> Pieces:
@@ -190,7 +192,7 @@ def _microbatch_pieces(config: JobConfig) -> Pieces:
     )
 
 
-_CACHE: dict[str, Pieces] = {}
+_CACHE: dict[str, Pieces] = {}  # by kind and probed config: one planner run probes each configuration once
 
 
 def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
@@ -200,7 +202,7 @@ def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
 
 
 def _state(config: JobConfig, world: int, rank: int) -> StateCost:
-    trainer = Trainer(config, Runtime(world, fake_rank=rank))
+    trainer = Trainer(config, Runtime(world, fake_rank=rank, data=False))
     try:
         memory = rank_memory(trainer, checkpoint=False)
         params = [param for part in trainer.model.parts for param in part.parameters()]
@@ -218,7 +220,7 @@ def _tp_numel(param, trainer: Trainer) -> int:
 
 
 def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
-    _, parts = probe_rank(config, world, rank, checkpoint=False)
+    _, parts = probe_rank(config, world, rank, checkpoint=False, data=False)
     (part,) = parts
     tp = config.parallelism.tensor_parallel_degree
     forward = to_work(part.forward, tp)

@@ -1,0 +1,98 @@
+"""The planner: layouts through start-up's own checks, memory equal to the dry run's, the JSON users rely on."""
+
+import json
+import logging
+
+import pytest
+
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args
+from torchpre.distributed.hardware import get_hardware
+from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.dryrun import build_rank
+from torchpre.errors import ConfigError
+from torchpre.plan.__main__ import main as plan_main
+from torchpre.plan.layouts import Layout, check, valid_layouts
+from torchpre.plan.predict import model_flops_per_token, predict
+
+JSON_KEYS = {
+    "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",
+    "param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes", "step_time_s", "tokens_per_sec", "mfu",
+    "fits",
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    logging.getLogger("torchpre").setLevel(logging.WARNING)
+    yield
+    logging.getLogger("torchpre").setLevel(logging.INFO)
+
+
+def _job(*argv: str) -> JobConfig:
+    return parse_args(JobConfig, list(argv))
+
+
+def test_every_layout_is_one_start_up_accepts():
+    base = _job("--model.flavor", "debugmodel", "--training.global_batch_size", "16")
+    valid, rejected = valid_layouts(base, 8, 8)
+    assert rejected > 0  # e.g. fewer microbatches than a schedule needs
+    for checked in valid:
+        layout, p = checked.layout, checked.config.parallelism
+        dims = ParallelDims.from_degrees(p.data_parallel_degree, p.tensor_parallel_degree,
+                                         p.pipeline_parallel_degree, 8)  # fmt: skip
+        assert (dims.dp, dims.tp, dims.pp) == (layout.dp, layout.tp, layout.pp)
+        assert checked.config.training.global_batch_size == 16
+    schedules = {c.layout.schedule for c in valid if c.layout.pp > 1}
+    assert schedules == {"1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble"}
+    with pytest.raises(ConfigError, match="n_heads = 16 is not divisible"):  # what start-up says, unchanged
+        check(Layout(dp=1, tp=3, pp=1), base, 3)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(Layout(dp=4, tp=8, pp=2, zero_stage=1, activation_checkpoint="full", schedule="1F1B"), id="pp2"),
+        pytest.param(Layout(dp=2, tp=8, pp=4, zero_stage=3, activation_checkpoint="selective",
+                            schedule="Interleaved1F1B", virtual_stages=2), id="pp4-interleaved-zero3"),  # fmt: skip
+        pytest.param(Layout(dp=8, tp=8, pp=1, zero_stage=2, activation_checkpoint="none", microbatch_size=2),
+                     id="dp8-zero2"),  # fmt: skip
+    ],
+)
+def test_planner_memory_is_the_dry_runs(layout):
+    """8B at 64 ranks: the planner's per-rank bytes (shortened-model pieces) against a full dry run of each
+    pipeline rank. Exact for the model state; activations within 0.5% (a whole model keeps its first stage's
+    output once, the pieces' first stage counts it as the output it sends: one [mb, seq, dim] tensor)."""
+    base = _job("--model.flavor", "8B", "--training.seq_len", "2048", "--training.global_batch_size", "64",
+                "--training.mixed_precision_param", "bfloat16")  # fmt: skip
+    checked = check(layout, base, 64)
+    prediction = predict(checked, get_hardware("h100-80gb"), 64, model_flops_per_token(checked.config,
+                                                                                        checked.model_args))
+    for pp_rank, rank in enumerate(prediction.ranks):
+        real = build_rank(checked.config, 64, pp_rank * layout.dp * layout.tp, checkpoint=False)
+        assert (rank.param_bytes, rank.grad_bytes, rank.optimizer_state_bytes) == (
+            real.param_bytes, real.grad_bytes, real.optimizer_state_bytes)  # fmt: skip
+        assert rank.activation_bytes == pytest.approx(real.activation_bytes, rel=0.005)
+    assert prediction.step.total_s > 0 and 0 < prediction.mfu < 1
+
+
+def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys):
+    plan_main(["--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8",
+               "--gpus", "2", "--gpu", "a100-80gb", "--json"])  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    layouts = result["layouts"]
+    assert len(layouts) == result["valid_layouts"] > 10
+    for layout in layouts:
+        assert JSON_KEYS <= set(layout), JSON_KEYS - set(layout)
+        assert layout["memory_bytes"] == sum(layout[k] for k in ("param_bytes", "grad_bytes",
+                                                                 "optimizer_state_bytes", "activation_bytes"))
+    rates = [layout["tokens_per_sec"] for layout in layouts if layout["fits"]]
+    assert rates == sorted(rates, reverse=True)  # best first
+    assert {(layout["dp"], layout["tp"], layout["pp"]) for layout in layouts} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+
+
+def test_the_planner_needs_the_gpu_count_and_a_known_gpu():
+    with pytest.raises(ConfigError, match="--gpus N"):
+        plan_main(["--model.flavor", "tiny", "--training.global_batch_size", "8"])
+    with pytest.raises(ConfigError, match="h100-80gb"):
+        plan_main(["--model.flavor", "tiny", "--gpus", "2", "--gpu", "h100"])

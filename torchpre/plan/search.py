@@ -1,0 +1,83 @@
+"""The planner's search: every valid layout, predicted, ranked; and its report as a table or JSON."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchpre.config.job_config import JobConfig
+from torchpre.distributed.hardware import Hardware
+from torchpre.plan.layouts import valid_layouts
+from torchpre.plan.predict import Prediction, model_flops_per_token, predict
+from torchpre.plan.time_model import assumptions
+
+GiB = 2**30
+
+
+@dataclass
+class PlanResult:
+    predictions: list[Prediction]  # best first: the fitting ones by tokens/s, then the rest by memory
+    rejected: int  # candidates start-up's checks refused
+    hardware: Hardware
+    gpus: int
+    config: JobConfig
+
+    @property
+    def fitting(self) -> list[Prediction]:
+        return [p for p in self.predictions if p.fits]
+
+    def as_dict(self, top: int) -> dict[str, Any]:
+        return {
+            "model": f"{self.config.model.name} {self.config.model.flavor}",
+            "gpus": self.gpus,
+            "global_batch_size": self.config.training.global_batch_size,
+            "seq_len": self.config.training.seq_len,
+            "hardware": self.hardware.__dict__,
+            "assumptions": assumptions(self.hardware),
+            "valid_layouts": len(self.predictions),
+            "rejected_layouts": self.rejected,
+            "fitting_layouts": len(self.fitting),
+            "layouts": [p.as_dict() for p in self.predictions],
+        }
+
+    def table(self, top: int) -> str:
+        usable = (self.hardware.memory_bytes - self.hardware.reserved_bytes) / GiB
+        lines = [
+            f"{self.config.model.name} {self.config.model.flavor} on {self.gpus} x {self.hardware.name} "
+            f"({usable:.1f} GiB usable), global batch {self.config.training.global_batch_size} x "
+            f"{self.config.training.seq_len} tokens: {len(self.predictions)} valid layouts "
+            f"({self.rejected} refused by start-up's checks), {len(self.fitting)} fit",
+            "",
+            f"{'layout':<52} {'mem GiB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+            f"{'step s':>8} {'compute':>8} {'comm':>7} {'bubble':>7} {'tok/s':>10} {'MFU':>6}",
+        ]
+        lines += [_row(p) for p in self.fitting[:top]]
+        others = [p for p in self.predictions if not p.fits][:top]
+        if others:
+            lines += ["", "fastest that do not fit (per-rank GiB needed):"]
+            lines += [_row(p) for p in others]
+        return "\n".join(lines)
+
+
+def _row(p: Prediction) -> str:
+    peak, step = p.peak, p.step
+    gib = [b / GiB for b in (peak.total_bytes, peak.param_bytes, peak.grad_bytes, peak.optimizer_state_bytes,
+                             peak.activation_bytes)]  # fmt: skip
+    memory = f"{gib[0]:>8.1f} {gib[1]:>7.1f} {gib[2]:>7.1f} {gib[3]:>7.1f} {gib[4]:>7.1f}"
+    if step is None:
+        return f"{p.checked.layout.describe():<52} {memory} {'(model state alone does not fit)':>46}"
+    comm = step.tp_comm_s + step.ep_comm_s + step.pp_comm_s + step.dp_comm_exposed_s
+    return (
+        f"{p.checked.layout.describe():<52} {memory} {step.total_s:>8.2f} {step.compute_s:>8.2f} {comm:>7.2f} "
+        f"{step.bubble_s:>7.2f} {p.tokens_per_sec:>10,.0f} {p.mfu:>6.1%}"
+    )
+
+
+def search(config: JobConfig, hardware: Hardware, gpus: int) -> PlanResult:
+    """Predicts every layout start-up accepts and ranks them."""
+    checked, rejected = valid_layouts(config, gpus, hardware.gpus_per_node)
+    if not checked:
+        return PlanResult([], rejected, hardware, gpus, config)
+    flops = model_flops_per_token(checked[0].config, checked[0].model_args)
+    predictions = [predict(c, hardware, gpus, flops) for c in checked]
+    fits = sorted((p for p in predictions if p.fits), key=lambda p: -p.tokens_per_sec)
+    rest = sorted((p for p in predictions if not p.fits), key=lambda p: p.peak.total_bytes)
+    return PlanResult(fits + rest, rejected, hardware, gpus, config)
