@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-OPT_IN_MARKERS = ("matrix", "zero_matrix", "mutation", "readme")
+OPT_IN_MARKERS = ("matrix", "zero_matrix", "mutation", "readme", "plan_matrix")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

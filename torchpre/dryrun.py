@@ -23,6 +23,7 @@ from torchpre.distributed.hardware import Hardware, get_hardware
 from torchpre.distributed.schedules import in_flight_microbatches
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
+from torchpre.metrics.tensor_memory import TensorMemory
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.trainer import Runtime, Trainer
 
@@ -38,7 +39,9 @@ class DoesNotFit(TorchpreError):
 @dataclass(frozen=True)
 class RankMemory:
     """What one rank holds during training, in bytes. `activation_bytes` is the peak of what a step keeps for
-    backward plus the largest transient of a forward or backward (see `activation_memory`)."""
+    backward plus the largest transient of a forward or backward (see `probe_rank`); `optimizer_step_bytes` the
+    transient of the optimizer step (gradient reduction, update, parameter all-gather), which comes after the
+    activations are freed: the peak is the larger of the two on top of the model state."""
 
     rank: int
     pp: int
@@ -49,10 +52,12 @@ class RankMemory:
     optimizer_state_bytes: int
     activation_bytes: int
     checkpoint_bytes: int
+    optimizer_step_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+        state = self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+        return state + max(self.activation_bytes, self.optimizer_step_bytes)
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total_bytes": self.total_bytes}
@@ -117,12 +122,29 @@ def probe_rank(
     try:
         memory = rank_memory(trainer, checkpoint)
         in_flight, gathered = _in_flight(trainer), _fsdp_gathered(trainer)
+        step = optimizer_step_bytes(trainer)
         parts = probe_parts(trainer)
     finally:
         leave_fake_world()
     saved = max(p.total.saved_bytes for p in parts)
     transient = max(p.total.transient_bytes for p in parts)
-    return dataclasses.replace(memory, activation_bytes=in_flight * saved + transient + gathered), parts
+    activations = in_flight * saved + transient + gathered
+    return dataclasses.replace(memory, activation_bytes=activations, optimizer_step_bytes=step), parts
+
+
+def optimizer_step_bytes(trainer: Trainer) -> int:
+    """The transient bytes of one optimizer step on this rank, counted by running it on meta: ZeRO 0-2 reduce
+    their (persistent) gradient buckets, ZeRO-3 steps its sharded gradients (made here, outside the count: they
+    are `grad_bytes`). The first step's optimizer state already exists (`rank_memory` made it)."""
+    if trainer.config.optimizer.zero_stage == 3:
+        for part in trainer.model.parts:
+            for param in part.parameters():
+                param.grad = torch.zeros_like(param)
+    counter = TensorMemory(("meta",))
+    with counter:
+        counter.begin_step()
+        trainer.optimizer.step()
+    return counter.peak - counter.step_start
 
 
 def leave_fake_world() -> None:

@@ -72,6 +72,7 @@ def test_planner_memory_is_the_dry_runs(layout):
         real = build_rank(checked.config, 64, pp_rank * layout.dp * layout.tp, checkpoint=False)
         assert (rank.param_bytes, rank.grad_bytes, rank.optimizer_state_bytes) == (
             real.param_bytes, real.grad_bytes, real.optimizer_state_bytes)  # fmt: skip
+        assert rank.optimizer_step_bytes == pytest.approx(real.optimizer_step_bytes, rel=0.005)
         assert rank.activation_bytes == pytest.approx(real.activation_bytes, rel=0.005)
     assert prediction.step.total_s > 0 and 0 < prediction.mfu < 1
 
@@ -84,8 +85,8 @@ def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys):
     assert len(layouts) == result["valid_layouts"] > 10
     for layout in layouts:
         assert JSON_KEYS <= set(layout), JSON_KEYS - set(layout)
-        assert layout["memory_bytes"] == sum(layout[k] for k in ("param_bytes", "grad_bytes",
-                                                                 "optimizer_state_bytes", "activation_bytes"))
+        state = layout["param_bytes"] + layout["grad_bytes"] + layout["optimizer_state_bytes"]
+        assert layout["memory_bytes"] == state + max(layout["activation_bytes"], layout["optimizer_step_bytes"])
     rates = [layout["tokens_per_sec"] for layout in layouts if layout["fits"]]
     assert rates == sorted(rates, reverse=True)  # best first
     assert {(layout["dp"], layout["tp"], layout["pp"]) for layout in layouts} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
-from torchpre.dryrun import leave_fake_world, probe_rank, rank_memory
+from torchpre.dryrun import leave_fake_world, optimizer_step_bytes, probe_rank, rank_memory
 from torchpre.metrics.activation_probe import ActivationProbe
 from torchpre.models.registry import get_model_spec
 from torchpre.plan.layouts import CheckedLayout
@@ -42,6 +42,7 @@ class StateCost:
     optimizer_state_bytes: int = 0
     tp_numel: int = 0
     param_tensors: int = 0
+    optimizer_step_bytes: int = 0  # the optimizer step's transient (`torchpre.dryrun.optimizer_step_bytes`)
 
     def __add__(self, other: "StateCost") -> "StateCost":
         return StateCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -155,10 +156,57 @@ def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subt
 
 def state_pieces(config: JobConfig) -> Pieces:
     """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config (with
-    activation checkpointing off: it changes no state)."""
+    activation checkpointing off: it changes no state). The optimizer step's transient is not additive (see
+    `StepTransient`): the pieces carry 0 for it."""
+    config = _state_config(config)
+    return _cached("state\n" + to_toml(config), lambda: _pieces(_state, config, lambda a, b: a - b))
+
+
+@dataclass(frozen=True)
+class StepTransient:
+    """The optimizer step's transient bytes on a stage of n blocks. It grows with the parameters while they fit
+    in one gradient bucket (ZeRO 0-2 flatten a bucket to reduce and gather it) and then stays at what the largest
+    bucket or parameter needs: measured on stage 0 with 1 and 2 blocks (the growth per block) and, when it grows,
+    with enough blocks to fill a bucket (the ceiling)."""
+
+    one_block: int
+    per_block: int
+    ceiling: int
+
+    def at(self, blocks: int) -> int:
+        return min(self.one_block + (max(blocks, 1) - 1) * self.per_block, self.ceiling)
+
+
+def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
+    config = _state_config(config)
+    key = "step\n" + to_toml(config)
+    if key not in _STEP_CACHE:
+        _STEP_CACHE[key] = _measure_step_transient(config, n_layers)
+    return _STEP_CACHE[key]
+
+
+def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
+    p = config.parallelism
+    world = 2 * p.data_parallel_degree * p.tensor_parallel_degree
+
+    def stage_zero(blocks: int) -> StateCost:
+        with shortened_flavor(config, 2 * blocks) as short:
+            return _state(short, world, 0)
+
+    one, two = stage_zero(1), stage_zero(2)
+    per_block = two.optimizer_step_bytes - one.optimizer_step_bytes
+    if per_block <= 0:
+        return StepTransient(one.optimizer_step_bytes, 0, one.optimizer_step_bytes)
+    block_grads = max(two.grad_bytes - one.grad_bytes, 1)
+    filled = min(n_layers // 2, -(-int(config.optimizer.bucket_size_mb * 2**20) // block_grads) + 1)
+    ceiling = stage_zero(filled).optimizer_step_bytes if filled > 2 else two.optimizer_step_bytes
+    return StepTransient(one.optimizer_step_bytes, per_block, ceiling)
+
+
+def _state_config(config: JobConfig) -> JobConfig:
     config = two_stage_config(config)
     config.activation_checkpoint.mode = "none"
-    return _cached("state\n" + to_toml(config), lambda: _pieces(_state, config, lambda a, b: a - b))
+    return config
 
 
 def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
@@ -193,6 +241,7 @@ def _microbatch_pieces(config: JobConfig) -> Pieces:
 
 
 _CACHE: dict[str, Pieces] = {}  # by kind and probed config: one planner run probes each configuration once
+_STEP_CACHE: dict[str, StepTransient] = {}
 
 
 def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
@@ -207,9 +256,10 @@ def _state(config: JobConfig, world: int, rank: int) -> StateCost:
         memory = rank_memory(trainer, checkpoint=False)
         params = [param for part in trainer.model.parts for param in part.parameters()]
         tp_numel = sum(_tp_numel(param, trainer) for param in params)
+        step = optimizer_step_bytes(trainer)
     finally:
         leave_fake_world()
-    return StateCost(memory.param_bytes, memory.grad_bytes, memory.optimizer_state_bytes, tp_numel, len(params))
+    return StateCost(memory.param_bytes, memory.grad_bytes, memory.optimizer_state_bytes, tp_numel, len(params), step)
 
 
 def _tp_numel(param, trainer: Trainer) -> int:

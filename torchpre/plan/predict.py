@@ -18,7 +18,15 @@ from torchpre.distributed.hardware import Hardware
 from torchpre.distributed.schedules import in_flight_microbatches
 from torchpre.models.registry import get_model_spec
 from torchpre.plan.layouts import CheckedLayout
-from torchpre.plan.pieces import MicrobatchCost, Pieces, StateCost, microbatch_pieces, stage_shape, state_pieces
+from torchpre.plan.pieces import (
+    MicrobatchCost,
+    Pieces,
+    StateCost,
+    microbatch_pieces,
+    stage_shape,
+    state_pieces,
+    step_transient,
+)
 from torchpre.plan.time_model import Collective, RankWork, StepTime, Work, step_time
 from torchpre.plan.time_model import Layout as TimeLayout
 
@@ -34,10 +42,14 @@ class RankPrediction:
     grad_bytes: int
     optimizer_state_bytes: int
     activation_bytes: int
+    optimizer_step_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_state_bytes + self.activation_bytes
+        """The peak: the model state plus the larger of the activations and the optimizer step's transient
+        (`torchpre.dryrun.RankMemory`)."""
+        state = self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
+        return state + max(self.activation_bytes, self.optimizer_step_bytes)
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,7 @@ class Prediction:
             "grad_bytes": peak.grad_bytes,
             "optimizer_state_bytes": peak.optimizer_state_bytes,
             "activation_bytes": peak.activation_bytes,
+            "optimizer_step_bytes": peak.optimizer_step_bytes,
             "step_time_s": self.step.total_s if self.step else None,
             "tokens_per_sec": self.tokens_per_sec,
             "mfu": self.mfu,
@@ -90,21 +103,31 @@ def predict(checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_tok
     """The layout's per-rank memory and, if its model state fits, its step time."""
     config, layout = checked.config, checked.layout
     states = state_pieces(config)
+    step = step_transient(config, checked.model_args.n_layers)
+    chunks = [stage_shape(checked, pp_rank) for pp_rank in range(layout.pp)]
+    rank_states = [
+        dataclasses.replace(
+            sum((states.stage(*c, zero=StateCost()) for c in rank), StateCost()),
+            optimizer_step_bytes=step.at(sum(blocks for blocks, _, _ in rank)),
+        )
+        for rank in chunks
+    ]
+    usable = hardware.memory_bytes - hardware.reserved_bytes
+    if max(s.param_bytes + s.grad_bytes + s.optimizer_state_bytes for s in rank_states) > usable:
+        ranks = [RankPrediction(r, s.param_bytes, s.grad_bytes, s.optimizer_state_bytes, 0, s.optimizer_step_bytes)
+                 for r, s in enumerate(rank_states)]  # fmt: skip
+        return Prediction(checked, ranks, None, 0, flops_per_token, gpus, hardware)  # not worth probing
     work_pieces = _microbatch_pieces(config, layout.microbatch_size)
     ranks, rank_work = [], []
-    usable = hardware.memory_bytes - hardware.reserved_bytes
-    for pp_rank in range(layout.pp):
-        chunks = stage_shape(checked, pp_rank)
-        state = sum((states.stage(*chunk, zero=StateCost()) for chunk in chunks), StateCost())
-        costs = [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in chunks]
-        activations = _activation_bytes(checked, pp_rank, costs, states, chunks)
+    for pp_rank, (rank_chunks, state) in enumerate(zip(chunks, rank_states)):
+        costs = [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in rank_chunks]
+        activations = _activation_bytes(checked, pp_rank, costs, states, rank_chunks)
         ranks.append(RankPrediction(pp_rank, state.param_bytes, state.grad_bytes, state.optimizer_state_bytes,
-                                    activations))  # fmt: skip
+                                    activations, state.optimizer_step_bytes))  # fmt: skip
         rank_work.append(_rank_work(config, costs, state))
-    state_fits = max(r.total_bytes - r.activation_bytes for r in ranks) <= usable
-    step = step_time(_time_layout(checked), rank_work, hardware) if state_fits else None
+    timing = step_time(_time_layout(checked), rank_work, hardware)
     tokens = config.training.global_batch_size * config.training.seq_len
-    return Prediction(checked, ranks, step, tokens, flops_per_token, gpus, hardware)
+    return Prediction(checked, ranks, timing, tokens, flops_per_token, gpus, hardware)
 
 
 def model_flops_per_token(config: JobConfig, args: Any) -> int:
