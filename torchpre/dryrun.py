@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware, get_hardware
@@ -126,7 +127,8 @@ def probe_rank(
         parts = probe_parts(trainer)
     finally:
         leave_fake_world()
-    saved = max(p.total.saved_bytes for p in parts)
+    held = trainer.pipeline is not None
+    saved = max(p.total.saved_bytes + (p.pipeline_held_bytes if held else 0) for p in parts)
     transient = max(p.total.transient_bytes for p in parts)
     activations = in_flight * saved + transient + gathered
     return dataclasses.replace(memory, activation_bytes=activations, optimizer_step_bytes=step), parts
@@ -181,11 +183,19 @@ def rank_memory(trainer: Trainer, checkpoint: bool = True) -> RankMemory:
 class PartProbe:
     """One microbatch through one of a rank's model parts (a pipeline stage, or the whole model): the counts of
     its forward and backward together (`total`) and of its forward alone (`forward`), and the bytes of the
-    activation it hands to the next stage (0 for the last)."""
+    activation it hands to the next stage (0 for the last). Under pipelining torch's PipelineStage also keeps,
+    per microbatch in flight, the input it received (`received_bytes`, 0 on the first stage) and, on the last
+    stage, its output (`held_output_bytes`: the logits, cached until backward)."""
 
     total: ActivationProbe
     forward: ActivationProbe
     boundary_bytes: int
+    received_bytes: int
+    held_output_bytes: int
+
+    @property
+    def pipeline_held_bytes(self) -> int:
+        return self.received_bytes + self.held_output_bytes
 
 
 def probe_parts(trainer: Trainer) -> list[PartProbe]:
@@ -218,19 +228,23 @@ def probe_parts(trainer: Trainer) -> list[PartProbe]:
             loss_fn = (lambda logits: trainer._loss(logits, tokens)) if last else None
             total = probe_microbatch(part, (inputs,), kwargs, loss_fn=loss_fn, devices=("meta",))
             boundary = 0 if last else _nbytes(hidden_shape, dtype)
-            probes.append(PartProbe(total, _probe_forward(part, inputs, kwargs), boundary))
+            forward, output_bytes = _probe_forward(part, inputs, kwargs)
+            received = 0 if first else _nbytes(hidden_shape, dtype)
+            probes.append(PartProbe(total, forward, boundary, received, output_bytes if last else 0))
             for param in part.parameters():
                 param.grad = None
     return probes
 
 
-def _probe_forward(part: torch.nn.Module, inputs: torch.Tensor, kwargs: dict) -> ActivationProbe:
+def _probe_forward(part: torch.nn.Module, inputs: torch.Tensor, kwargs: dict) -> tuple[ActivationProbe, int]:
     """The counts of the forward alone (no graph kept): the forward's share of FLOPs, bytes, ops and
-    collectives, so the planner can tell the backward's (which DP reductions overlap) from the whole."""
+    collectives, so the planner can tell the backward's (which DP reductions overlap) from the whole; and the
+    bytes of the part's output on this rank."""
     mode = ProbeMode(("meta",))
     with meta_flash_attention(), mode, torch.no_grad():
         mode.begin_step()
-        part(inputs, **kwargs)
+        output = part(inputs, **kwargs)
+    local = output.to_local() if isinstance(output, DTensor) else output
     return ActivationProbe(
         saved_bytes=0,
         transient_bytes=max(0, mode.peak - mode.step_start),
@@ -240,7 +254,8 @@ def _probe_forward(part: torch.nn.Module, inputs: torch.Tensor, kwargs: dict) ->
         other_bytes=mode.other_bytes,
         op_counts=mode.op_counts,
         collectives=mode.collectives,
-    )
+        subclass_ops=mode.subclass_ops,
+    ), _nbytes(tuple(local.shape), local.dtype)
 
 
 def _probe_without_fsdp(trainer: Trainer) -> list[PartProbe]:

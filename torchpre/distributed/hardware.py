@@ -9,7 +9,7 @@ A profile is a JSON object with exactly the fields of `Hardware` (numbers in the
     {"name": "my-gpu", "peak_flops": 5e14, "memory_bytes": 4.8e10, "reserved_bytes": 2e9,
      "intra_node_bw": 2e11, "inter_node_bw": 2.5e10, "latency_s": 1e-5, "gpus_per_node": 8,
      "matmul_efficiency": 0.6, "mem_bw": 1.5e12, "op_overhead_s": 5e-6, "overlap": 1.0,
-     "reduce_scatter_as_all_reduce": false}
+     "reduce_scatter_as_all_reduce": false, "subclass_op_overhead_s": 0.0}
 
 Pass its path wherever a row name is accepted (`get_hardware`).
 """
@@ -38,6 +38,9 @@ class Hardware:
     matmul_efficiency: the fraction of `peak_flops` a training-sized matmul reaches (an assumption unless measured).
     mem_bw: memory bandwidth of one device, bytes/s: what memory-bound (non-matmul) ops run at.
     op_overhead_s: seconds each eager op costs on top of its work (launch and dispatch).
+    subclass_op_overhead_s: seconds each op on a tensor subclass (a DTensor under tensor parallelism) costs on top
+        of the plain ops it runs: sharding propagation and redistribution planning in Python. Hidden behind the GPU
+        when the GPU is the bottleneck (0 in the GPU rows); a CPU run pays it in full (calibration measures it).
     overlap: the fraction of backward time that data-parallel communication can hide behind (0 = none, 1 = all).
     reduce_scatter_as_all_reduce: the backend runs a reduce-scatter as a full all-reduce (a measured fact of a
         profile: calibration sets it when gloo's reduce-scatter costs as much as its all-reduce).
@@ -56,6 +59,7 @@ class Hardware:
     op_overhead_s: float
     overlap: float
     reduce_scatter_as_all_reduce: bool = False
+    subclass_op_overhead_s: float = 0.0
 
 
 # Datasheet numbers (dense bf16, SXM parts). Links: NVLink per direction per GPU; inter-node one 400 Gb/s NIC per GPU
@@ -133,7 +137,7 @@ def _check_values(fields: dict, path: Path, key: str) -> None:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         elif field.name in ("matmul_efficiency", "overlap"):
             ok = _number(value) and 0 <= value <= 1 and (field.name == "overlap" or value > 0)
-        elif field.name in ("reserved_bytes", "latency_s", "op_overhead_s"):
+        elif field.name in ("reserved_bytes", "latency_s", "op_overhead_s", "subclass_op_overhead_s"):
             ok = _number(value) and value >= 0
         else:
             ok = _number(value) and value > 0

@@ -93,6 +93,8 @@ class ActivationProbe:
       (`ops` is their sum: the per-op overhead term). DTensor ops count as the local ops they run.
     - `collectives`: the collectives this rank issued, in order (e.g. DTensor's redistributes under tensor
       parallelism).
+        - `subclass_ops`: ops dispatched on tensor subclasses (DTensor) before they run as the local ops counted
+      above: each costs Python-side sharding propagation on top of them.
     """
 
     saved_bytes: int
@@ -103,6 +105,7 @@ class ActivationProbe:
     other_bytes: int
     op_counts: Counter[str]
     collectives: list[Collective]
+    subclass_ops: int = 0
 
     @property
     def ops(self) -> int:
@@ -120,11 +123,14 @@ class ProbeMode(TensorMemory):
         self.op_counts: Counter[str] = Counter()
         self.collectives: list[Collective] = []
         self.live_trace: list[int] = []  # live bytes after each counted allocation
+        self.subclass_ops = 0  # ops dispatched on tensor subclasses (DTensor), before they run their local ops
         self.created_at: dict[int, int] = {}  # id(storage) -> its index in live_trace
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if out is NotImplemented and self.counting():
+            self.subclass_ops += 1
         if out is NotImplemented or not self.counting():
             return out
         self.op_counts[str(func.overloadpacket)] += 1
@@ -291,6 +297,7 @@ def probe_microbatch(
         other_bytes=mode.other_bytes,
         op_counts=mode.op_counts,
         collectives=mode.collectives,
+        subclass_ops=mode.subclass_ops,
     )
 
 

@@ -51,6 +51,7 @@ def calibrate(out_path: Path | None = None, name: str = "calibrated-cpu", gloo: 
         peak, efficiency = measure_matmul()
         mem_bw = measure_memory_bandwidth()
         overhead = measure_op_overhead()
+        subclass_overhead = measure_subclass_op_overhead(overhead)
     finally:
         torch.set_num_threads(threads)
     latency, bw, rs_as_ar = measure_gloo() if gloo else (0.0, float("inf"), False)
@@ -68,6 +69,7 @@ def calibrate(out_path: Path | None = None, name: str = "calibrated-cpu", gloo: 
         op_overhead_s=overhead,
         overlap=0.0,
         reduce_scatter_as_all_reduce=rs_as_ar,
+        subclass_op_overhead_s=subclass_overhead,
     )
     if out_path is not None:
         save_profile(hardware, out_path)
@@ -114,6 +116,40 @@ def measure_op_overhead(seconds: float = 1.0) -> float:
     with _OpCounter() as counter:
         step()
     return _best_seconds(step, seconds) / counter.ops
+
+
+def measure_subclass_op_overhead(op_overhead_s: float, seconds: float = 1.0) -> float:
+    """Seconds each DTensor op costs on top of the local ops it runs: a tiny column- then row-parallel MLP's
+    forward + backward on a one-rank mesh (no communication), timed, less its local ops at `op_overhead_s`, per
+    DTensor dispatch the probe counts (`ActivationProbe.subclass_ops`). Joins a one-process gloo group when no
+    process group exists."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torchpre.metrics.activation_probe import ProbeMode
+
+    joined = not dist.is_initialized()
+    if joined:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.SiLU(), torch.nn.Linear(8, 4))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        x = torch.randn(2, 4)
+
+        def step() -> None:
+            model(x).square().sum().backward()
+
+        step()
+        counter = ProbeMode(("cpu",))
+        with counter:
+            step()
+        local_ops = sum(counter.op_counts.values())
+        per_step = _best_seconds(step, seconds)
+        return max(per_step - local_ops * op_overhead_s, 0.0) / max(counter.subclass_ops, 1)
+    finally:
+        if joined:
+            dist.destroy_process_group()
 
 
 def _best_seconds(fn: Callable[[], object], seconds: float, windows: int = 5) -> float:

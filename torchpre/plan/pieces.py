@@ -63,6 +63,14 @@ class MicrobatchCost:
     transient_bytes: float = 0.0
     forward: Work = Work(0.0)
     backward: Work = Work(0.0)
+    # What a pipeline stage keeps per microbatch in flight (`torchpre.dryrun.PartProbe`): its received input and,
+    # on the last stage, its output. Only the ends' are measured (`Pieces.stage` places them).
+    received_bytes: float = 0.0
+    held_output_bytes: float = 0.0
+
+    @property
+    def pipeline_held_bytes(self) -> float:
+        return self.received_bytes + self.held_output_bytes
 
     def __add__(self, other: "MicrobatchCost") -> "MicrobatchCost":
         return MicrobatchCost(
@@ -70,6 +78,8 @@ class MicrobatchCost:
             max(self.transient_bytes, other.transient_bytes),
             self.forward + other.forward,
             self.backward + other.backward,
+            max(self.received_bytes, other.received_bytes),
+            self.held_output_bytes + other.held_output_bytes,
         )
 
     def minus(self, other: "MicrobatchCost") -> "MicrobatchCost":
@@ -80,6 +90,8 @@ class MicrobatchCost:
             self.transient_bytes,
             _work_minus(self.forward, other.forward),
             _work_minus(self.backward, other.backward),
+            self.received_bytes,
+            self.held_output_bytes - other.held_output_bytes,
         )
 
     def scaled(self, k: int) -> "MicrobatchCost":
@@ -87,11 +99,13 @@ class MicrobatchCost:
         return MicrobatchCost(
             self.saved_bytes * k,
             self.transient_bytes,
-            Work(self.forward.flops * k, self.forward.other_bytes * k, self.forward.ops * k,
-                 self.forward.collectives * k),
-            Work(self.backward.flops * k, self.backward.other_bytes * k, self.backward.ops * k,
-                 self.backward.collectives * k),
-        )  # fmt: skip
+            _times(self.forward, k),
+            _times(self.backward, k),
+        )
+
+
+def _times(work: Work, k: int) -> Work:
+    return Work(work.flops * k, work.other_bytes * k, work.ops * k, work.collectives * k, work.subclass_ops * k)
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,8 @@ class Pieces(Generic[T]):
             return self.block * blocks + (self.first if first else zero) + (self.last if last else zero)
         total = self.block.scaled(blocks) + (self.first if first else zero) + (self.last if last else zero)
         kind = self.last if last else self.first if first else self.block
-        return dataclasses.replace(total, transient_bytes=kind.transient_bytes)
+        received = 0.0 if first else self.last.received_bytes  # every later stage receives the same residual stream
+        return dataclasses.replace(total, transient_bytes=kind.transient_bytes, received_bytes=received)
 
 
 @contextlib.contextmanager
@@ -198,7 +213,7 @@ def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
     if per_block <= 0:
         return StepTransient(one.optimizer_step_bytes, 0, one.optimizer_step_bytes)
     block_grads = max(two.grad_bytes - one.grad_bytes, 1)
-    filled = min(n_layers // 2, -(-int(config.optimizer.bucket_size_mb * 2**20) // block_grads) + 1)
+    filled = min(n_layers, -(-int(config.optimizer.bucket_size_mb * 2**20) // block_grads) + 1)
     ceiling = stage_zero(filled).optimizer_step_bytes if filled > 2 else two.optimizer_step_bytes
     return StepTransient(one.optimizer_step_bytes, per_block, ceiling)
 
@@ -279,6 +294,8 @@ def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
         transient_bytes=part.total.transient_bytes,
         forward=forward,
         backward=_work_minus(to_work(part.total, tp), forward),
+        received_bytes=part.received_bytes,
+        held_output_bytes=part.held_output_bytes,
     )
 
 
@@ -293,7 +310,7 @@ def to_work(probe: ActivationProbe, tp: int) -> Work:
         dim = "ep" if kind == "all_to_all" else "tp"
         nbytes = c.bytes * c.group_size if kind == "all_gather" else c.bytes  # the probe counts inputs
         collectives.append(Collective(kind, dim, nbytes))
-    return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives))
+    return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives), probe.subclass_ops)
 
 
 def _collective_kind(op: str) -> str:
@@ -310,7 +327,8 @@ def _work_minus(a: Work, b: Work) -> Work:
     remaining = Counter(a.collectives)
     remaining.subtract(Counter(b.collectives))
     collectives = tuple(c for c, n in remaining.items() for _ in range(max(n, 0)))
-    return Work(a.flops - b.flops, a.other_bytes - b.other_bytes, a.ops - b.ops, collectives)
+    return Work(a.flops - b.flops, a.other_bytes - b.other_bytes, a.ops - b.ops, collectives,
+                a.subclass_ops - b.subclass_ops)
 
 
 def stage_shape(checked: CheckedLayout, pp_rank: int) -> list[tuple[int, bool, bool]]:

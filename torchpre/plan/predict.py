@@ -154,10 +154,12 @@ def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
     def work(a: Work, b: Work) -> Work:
         pairs = zip(a.collectives, b.collectives)
         collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
-        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives)
+        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops)
 
     return MicrobatchCost(grow(one.saved_bytes, two.saved_bytes), grow(one.transient_bytes, two.transient_bytes),
-                          work(one.forward, two.forward), work(one.backward, two.backward))  # fmt: skip
+                          work(one.forward, two.forward), work(one.backward, two.backward),
+                          grow(one.received_bytes, two.received_bytes),
+                          grow(one.held_output_bytes, two.held_output_bytes))  # fmt: skip
 
 
 def _activation_bytes(
@@ -170,7 +172,8 @@ def _activation_bytes(
         in_flight = in_flight_microbatches(
             pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
         )
-    saved = max(c.saved_bytes for c in costs)
+    held = pipeline is not None
+    saved = max(c.saved_bytes + (c.pipeline_held_bytes if held else 0) for c in costs)
     transient = max(c.transient_bytes for c in costs)
     gathered = 0
     if layout.zero_stage == 3:

@@ -2,10 +2,11 @@
 
 The model, per pipeline rank (all of its stage chunks together), for one step of m microbatches:
 - compute per microbatch = flops / (peak_flops x matmul_efficiency) + MEMORY_TRAFFIC x other_bytes / mem_bw
-  + ops x op_overhead_s. `flops` are the matmul and attention FLOPs a `FlopCounterMode` counts (recompute
-  included); everything else (norms, activations, adds, copies) is memory-bound: it moves MEMORY_TRAFFIC = 2.5
-  bytes per byte it writes (about half of a block's elementwise ops are unary: read 1, write 1; half binary, as most
-  of backward's grad x saved products: read 2, write 1). `mem_bw` is read + write traffic, as datasheets and
+  + ops x op_overhead_s + subclass_ops x subclass_op_overhead_s (DTensor's Python dispatch under TP). `flops` are
+  the matmul and attention FLOPs a `FlopCounterMode` counts (recompute included); everything else (norms,
+  activations, adds, copies) is memory-bound: it moves MEMORY_TRAFFIC = 2.5 bytes per byte it writes (about half
+  of a block's elementwise ops are unary: read 1, write 1; half binary, as most of backward's grad x saved
+  products: read 2, write 1). `mem_bw` is read + write traffic, as datasheets and
   `torchpre.plan.calibrate` state it.
 - TP and EP collectives run inside the microbatch and are exposed (no async TP): ring model
   t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
@@ -65,11 +66,12 @@ class Work:
     other_bytes: float = 0.0
     ops: int = 0
     collectives: tuple[Collective, ...] = ()
+    subclass_ops: int = 0
 
     def __add__(self, other: "Work") -> "Work":
         """Both, one after the other: how a rank's stage chunks (or a probe's parts) add up."""
         return Work(self.flops + other.flops, self.other_bytes + other.other_bytes, self.ops + other.ops,
-                    self.collectives + other.collectives)
+                    self.collectives + other.collectives, self.subclass_ops + other.subclass_ops)
 
 
 @dataclass(frozen=True)
@@ -203,6 +205,7 @@ def compute_seconds(work: Work, hardware: Hardware) -> float:
         work.flops / (hardware.peak_flops * hardware.matmul_efficiency)
         + MEMORY_TRAFFIC * work.other_bytes / hardware.mem_bw
         + work.ops * hardware.op_overhead_s
+        + work.subclass_ops * hardware.subclass_op_overhead_s
     )
 
 
