@@ -1,6 +1,9 @@
 """Measure this machine into a `Hardware` profile: what the step-time model needs, as one training rank sees it.
 
-Every measurement runs at one thread, as each torchrun worker does (torchrun sets OMP_NUM_THREADS=1):
+Every measurement runs at one thread, as each torchrun worker does (torchrun sets OMP_NUM_THREADS=1), and the
+compute ones (matmul, memory bandwidth, op overhead) run in both processes of the gloo measurement at once: a
+training step keeps every core of a CPU "node" busy, which lowers each core's clock and shares the memory bandwidth
+(a core measured alone ran ~20% faster than the 2-process training steps it was to predict):
 - peak_flops: the best square fp32 matmul rate (`torchpre.metrics.flops.measure_matmul_flops`), or the training-
   shaped GEMM's when that is faster; matmul_efficiency: the training-shaped GEMM ([1024, 512] x [512, 1536], a
   microbatch of 4 x 256 tokens through a 512 -> 1536 projection) over that peak.
@@ -48,13 +51,13 @@ def calibrate(out_path: Path | None = None, name: str = "calibrated-cpu", gloo: 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        peak, efficiency = measure_matmul()
-        mem_bw = measure_memory_bandwidth()
-        overhead = measure_op_overhead()
+        if gloo:
+            latency, bw, rs_as_ar, (peak, efficiency, mem_bw, overhead) = measure_gloo()
+        else:
+            latency, bw, rs_as_ar, (peak, efficiency, mem_bw, overhead) = 0.0, float("inf"), False, measure_compute()
         subclass_overhead = measure_subclass_op_overhead(overhead)
     finally:
         torch.set_num_threads(threads)
-    latency, bw, rs_as_ar = measure_gloo() if gloo else (0.0, float("inf"), False)
     hardware = Hardware(
         name=name,
         peak_flops=peak,
@@ -74,6 +77,53 @@ def calibrate(out_path: Path | None = None, name: str = "calibrated-cpu", gloo: 
     if out_path is not None:
         save_profile(hardware, out_path)
     return hardware
+
+
+def measure_compute() -> tuple[float, float, float, float]:
+    """(peak FLOP/s, matmul efficiency, memory bandwidth, op overhead) of this process. The efficiency is a
+    training step's: the one that makes the time model's compute term equal a reference microbatch's measured
+    forward + backward (`reference_efficiency`), which a lone GEMM overstates (allocation, cache and memory
+    traffic between the matmuls of a real step)."""
+    peak, _ = measure_matmul()
+    mem_bw, overhead = measure_memory_bandwidth(), measure_op_overhead()
+    return peak, reference_efficiency(peak, mem_bw, overhead), mem_bw, overhead
+
+
+def reference_efficiency(peak: float, mem_bw: float, op_overhead_s: float, seconds: float = 3.0) -> float:
+    """The matmul efficiency at which the time model predicts a reference microbatch exactly: a 2-block Llama
+    (dim 256, 2,048-token vocabulary, 4 x 256 tokens) trained forward and backward with cross-entropy, counted
+    by the activation probe on meta (FLOPs, bytes written, ops) and timed here (the median of its steps: a
+    sustained rate, not a best case). Not the `bench` or debug flavors the planner is checked on."""
+    from torchpre.metrics.activation_probe import probe_microbatch
+    from torchpre.models.llama3.args import TransformerArgs
+    from torchpre.models.llama3.model import Transformer
+    from torchpre.plan.time_model import MEMORY_TRAFFIC
+
+    args = TransformerArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, max_seq_len=256)
+    tokens = torch.randint(0, args.vocab_size, (4, args.max_seq_len))
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+    meta_tokens = tokens.to("meta")
+    with torch.device("meta"):
+        probe = probe_microbatch(Transformer(args), (meta_tokens,), loss_fn=lambda out: loss(out, meta_tokens))
+    model = Transformer(args)
+    model.init_weights(0)
+
+    def step() -> None:
+        loss(model(tokens), tokens).backward()
+
+    step()
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    measured = sorted(times)[len(times) // 2]
+    rest = MEMORY_TRAFFIC * probe.other_bytes / mem_bw + probe.ops * op_overhead_s
+    return min(1.0, max(0.05, probe.flops / peak / max(measured - rest, 1e-9)))
 
 
 def measure_matmul(seconds: float = 1.0) -> tuple[float, float]:
@@ -165,12 +215,14 @@ def _best_seconds(fn: Callable[[], object], seconds: float, windows: int = 5) ->
     return best
 
 
-def measure_gloo(repeats: int = 10) -> tuple[float, float, bool]:
-    """(latency s, bandwidth bytes/s, reduce-scatter runs as an all-reduce) from two gloo processes."""
+def measure_gloo(repeats: int = 10) -> tuple[float, float, bool, tuple[float, float, float, float]]:
+    """(latency s, bandwidth bytes/s, reduce-scatter runs as an all-reduce, `measure_compute` of rank 0 while
+    rank 1 measures too) from two gloo processes."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "timings.pt"
         mp.spawn(_gloo_worker, args=(str(Path(folder) / "store"), str(out), repeats), nprocs=2, join=True)
-        timings: dict[tuple[str, int], float] = torch.load(out)
+        timings: dict = torch.load(out)
+    compute = timings.pop("compute")
     largest = max(GLOO_SIZES)
     rs_as_ar = timings["reduce_scatter", largest] >= RS_AS_ALL_REDUCE * timings["all_reduce", largest]
     samples = []
@@ -178,7 +230,7 @@ def measure_gloo(repeats: int = 10) -> tuple[float, float, bool]:
         steps, fraction = RING_AT_2["all_reduce" if op == "reduce_scatter" and rs_as_ar else op]
         samples.append((steps, fraction * nbytes, seconds))
     latency, bw = fit_latency_bandwidth(samples)
-    return latency, bw, rs_as_ar
+    return latency, bw, rs_as_ar, compute
 
 
 def fit_latency_bandwidth(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -202,7 +254,9 @@ def _gloo_worker(rank: int, store_path: str, out: str, repeats: int) -> None:
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     group = dist.group.WORLD
-    timings = {}
+    dist.barrier()
+    timings: dict = {"compute": measure_compute()}  # both ranks at once, as training loads the node
+    dist.barrier()
     for nbytes in GLOO_SIZES:
         full = torch.ones(nbytes // 4)
         half = torch.empty(nbytes // 8)
