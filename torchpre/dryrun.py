@@ -324,14 +324,18 @@ def _checkpoint_bytes(trainer: Trainer, optimizer_state: dict) -> int:
 
 
 def memory_table(results: list[RankMemory], hardware: Hardware) -> str:
-    """One row per rank, in GiB, with the GPU's usable memory as the last column's reference."""
-    columns = ("params", "grads", "optim", "activ", "total")
+    """One row per rank, in GiB, then the GPU's usable memory."""
+    columns = ("params", "grads", "optim", "activ", "opt step", "total")
     rows = [f"{'rank':>6} {'pp':>4} {'dp':>4} {'tp':>4} " + " ".join(f"{name:>9}" for name in columns)]
     for r in results:
-        parts = (r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.activation_bytes, r.total_bytes)
+        parts = (r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.activation_bytes, r.optimizer_step_bytes,
+                 r.total_bytes)  # fmt: skip
         rows.append(f"{r.rank:>6} {r.pp:>4} {r.dp:>4} {r.tp:>4} " + " ".join(f"{b / GiB:>9.2f}" for b in parts))
     usable = hardware.memory_bytes - hardware.reserved_bytes
-    rows.append(f"GiB per rank; {hardware.name}: {usable / GiB:.2f} GiB usable")
+    rows.append(
+        f"GiB per rank; total = params + grads + optim + the larger of activ (backward's peak) and opt step (the "
+        f"optimizer step's buffers); {hardware.name}: {usable / GiB:.2f} GiB usable"
+    )
     return "\n".join(rows)
 
 
