@@ -36,6 +36,10 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("torchpre.train", "torchpre.trainer"): "entry point: `--help` and bad flags answer before torch loads "
     "(tests/unit/test_help_without_torch.py)",
     ("torchpre.train", "torchpre.dryrun"): "entry point: loads torch, like the trainer it builds",
+    ("torchpre.plan.__main__", "torchpre.plan.search"): "entry point: `--help` and bad flags answer before torch "
+    "loads",
+    ("torchpre.plan.__main__", "torchpre.plan.calibrate"): "entry point: only --calibrate needs it (and torch)",
+    ("torchpre.plan.__main__", "torchpre.plan.plot"): "entry point: only --plot needs it (and matplotlib)",
     ("torchpre.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
     ("torchpre.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
     ("torchpre.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",

@@ -37,7 +37,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchpre.distributed.collectives import all_gather_flat, reduce_scatter_flat
 from torchpre.distributed.hardware import Hardware, save_profile
+from torchpre.metrics.activation_probe import ProbeMode, probe_microbatch
 from torchpre.metrics.flops import measure_matmul_flops
+from torchpre.models.llama3.args import TransformerArgs
+from torchpre.models.llama3.model import Transformer
+from torchpre.plan.time_model import MEMORY_TRAFFIC
 
 GEMM_SHAPE = (1024, 512, 1536)  # [m, k] x [k, n]
 GLOO_SIZES = (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
@@ -94,10 +98,6 @@ def reference_efficiency(peak: float, mem_bw: float, op_overhead_s: float, secon
     (dim 256, 2,048-token vocabulary, 4 x 256 tokens) trained forward and backward with cross-entropy, counted
     by the activation probe on meta (FLOPs, bytes written, ops) and timed here (the median of its steps: a
     sustained rate, not a best case). Not the `bench` or debug flavors the planner is checked on."""
-    from torchpre.metrics.activation_probe import probe_microbatch
-    from torchpre.models.llama3.args import TransformerArgs
-    from torchpre.models.llama3.model import Transformer
-    from torchpre.plan.time_model import MEMORY_TRAFFIC
 
     args = TransformerArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=2048, max_seq_len=256)
     tokens = torch.randint(0, args.vocab_size, (4, args.max_seq_len))
@@ -175,8 +175,6 @@ def measure_subclass_op_overhead(op_overhead_s: float, seconds: float = 1.0) -> 
     process group exists."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from torchpre.metrics.activation_probe import ProbeMode
 
     joined = not dist.is_initialized()
     if joined:
