@@ -14,7 +14,7 @@ GiB = 2**30
 
 @dataclass
 class PlanResult:
-    predictions: list[Prediction]  # best first: the fitting ones by tokens/s, then the rest by memory
+    predictions: list[Prediction]  # best first: the fitting ones by tokens/s, then the rest by memory needed
     rejected: int  # candidates start-up's checks refused
     hardware: Hardware
     gpus: int
@@ -46,13 +46,13 @@ class PlanResult:
             f"{self.config.training.seq_len} tokens: {len(self.predictions)} valid layouts "
             f"({self.rejected} refused by start-up's checks), {len(self.fitting)} fit",
             "",
-            f"{'layout':<52} {'mem GiB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
+            f"{'layout':<58} {'mem GiB':>8} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} "
             f"{'step s':>8} {'compute':>8} {'comm':>7} {'bubble':>7} {'tok/s':>10} {'MFU':>6}",
         ]
         lines += [_row(p) for p in self.fitting[:top]]
         others = [p for p in self.predictions if not p.fits][:top]
         if others:
-            lines += ["", "fastest that do not fit (per-rank GiB needed):"]
+            lines += ["", "closest to fitting among those that do not (per-rank GiB needed):"]
             lines += [_row(p) for p in others]
         return "\n".join(lines)
 
@@ -63,10 +63,10 @@ def _row(p: Prediction) -> str:
                              peak.activation_bytes)]  # fmt: skip
     memory = f"{gib[0]:>8.1f} {gib[1]:>7.1f} {gib[2]:>7.1f} {gib[3]:>7.1f} {gib[4]:>7.1f}"
     if step is None:
-        return f"{p.checked.layout.describe():<52} {memory} {'(model state alone does not fit)':>46}"
+        return f"{p.checked.layout.describe():<58} {memory} {'(model state alone does not fit)':>46}"
     comm = step.tp_comm_s + step.ep_comm_s + step.pp_comm_s + step.dp_comm_exposed_s
     return (
-        f"{p.checked.layout.describe():<52} {memory} {step.total_s:>8.2f} {step.compute_s:>8.2f} {comm:>7.2f} "
+        f"{p.checked.layout.describe():<58} {memory} {step.total_s:>8.2f} {step.compute_s:>8.2f} {comm:>7.2f} "
         f"{step.bubble_s:>7.2f} {p.tokens_per_sec:>10,.0f} {p.mfu:>6.1%}"
     )
 
