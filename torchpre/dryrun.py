@@ -25,6 +25,7 @@ from torchpre.distributed.schedules import in_flight_microbatches
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
 from torchpre.metrics.tensor_memory import TensorMemory
+from torchpre.models.registry import get_model_spec
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.trainer import Runtime, Trainer
 
@@ -104,6 +105,11 @@ def run_dry_run(config: JobConfig) -> list[RankMemory]:
     start = time.perf_counter()
     results = [build_rank(config, world_size, rank) for rank in ranks]
     print(memory_table(results, hardware))
+    if get_model_spec(config.model.name).expert_parallel is not None:
+        print(
+            f"activ, opt step: not counted for model.name = '{config.model.name}': its router sends tokens by their "
+            "values, which a dry run's meta tensors do not have; the total is the model state alone"
+        )
     logger.info("dry run of %d ranks of a %d-rank world in %.1f s", len(ranks), world_size, time.perf_counter() - start)
     check_fits(results, hardware)
     return results
@@ -122,6 +128,8 @@ def probe_rank(
     trainer = Trainer(config, Runtime(world_size, fake_rank=rank, data=data))
     try:
         memory = rank_memory(trainer, checkpoint)
+        if routes_by_value(trainer):
+            return memory, []
         in_flight, gathered = _in_flight(trainer), _fsdp_gathered(trainer)
         step = optimizer_step_bytes(trainer)
         parts = probe_parts(trainer)
@@ -132,6 +140,12 @@ def probe_rank(
     transient = max(p.total.transient_bytes for p in parts)
     activations = in_flight * saved + transient + gathered
     return dataclasses.replace(memory, activation_bytes=activations, optimizer_step_bytes=step), parts
+
+
+def routes_by_value(trainer: Trainer) -> bool:
+    """Whether the model sends tokens by their values (a Mixture of Experts' router): meta tensors have none, so
+    its activations and optimizer step cannot be counted on them (its model state can)."""
+    return trainer.model_spec.expert_parallel is not None
 
 
 def optimizer_step_bytes(trainer: Trainer) -> int:

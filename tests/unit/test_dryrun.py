@@ -25,6 +25,7 @@ from torchpre.dryrun import (
     dry_run_ranks,
     dry_run_world_size,
     rank_memory,
+    run_dry_run,
 )
 from torchpre.errors import ConfigError
 from torchpre.trainer import Runtime, Trainer
@@ -163,3 +164,15 @@ def test_a_rank_that_does_not_fit_is_named_with_its_largest_part():
     expected = r"rank 8 \(pp 1, dp 0, tp 0\) needs 85.00 GiB .* largest part is its optimizer state"
     with pytest.raises(DoesNotFit, match=expected):
         check_fits([fits, big], hardware)
+
+
+def test_a_mixture_of_experts_gets_its_model_state_and_says_what_it_leaves_out(capsys):
+    """The router's data-dependent splits cannot run on meta: the state is reported, activations are not
+    counted (and the output says so), rather than a traceback."""
+    config = _config("--model.name", "moe", "--model.flavor", "debugmodel", "--training.seq_len", "64",
+                     "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
+                     "--job.dry_run_world_size", "2", "--job.dry_run_gpu", "h100-80gb")  # fmt: skip
+    (memory,) = run_dry_run(config)
+    assert memory.param_bytes > 0 and memory.optimizer_state_bytes > 0
+    assert memory.activation_bytes == memory.optimizer_step_bytes == 0
+    assert "not counted for model.name = 'moe'" in capsys.readouterr().out

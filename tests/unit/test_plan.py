@@ -94,8 +94,11 @@ def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys):
     assert {(layout["dp"], layout["tp"], layout["pp"]) for layout in layouts} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
 
 
-def test_the_planner_needs_the_gpu_count_and_a_known_gpu():
+def test_the_planner_needs_the_gpu_count_a_known_gpu_and_a_dense_model():
     with pytest.raises(ConfigError, match="--gpus N"):
         plan_main(["--model.flavor", "tiny", "--training.global_batch_size", "8"])
     with pytest.raises(ConfigError, match="h100-80gb"):
         plan_main(["--model.flavor", "tiny", "--gpus", "2", "--gpu", "h100"])
+    with pytest.raises(ConfigError, match="cannot count a Mixture of Experts"):
+        plan_main(["--model.name", "moe", "--model.flavor", "debugmodel", "--training.global_batch_size", "8",
+                   "--gpus", "2"])  # fmt: skip
