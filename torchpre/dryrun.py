@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,11 +59,17 @@ class RankMemory:
 
     @property
     def total_bytes(self) -> int:
-        state = self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
-        return state + max(self.activation_bytes, self.optimizer_step_bytes)
+        return peak_bytes(self)
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+def peak_bytes(memory: Any) -> int:
+    """A rank's peak: its model state plus the larger of the activations (backward's peak) and the optimizer
+    step's buffers (which come after the activations are freed). Shared with the planner's predictions."""
+    state = memory.param_bytes + memory.grad_bytes + memory.optimizer_state_bytes
+    return state + max(memory.activation_bytes, memory.optimizer_step_bytes)
 
 
 def dry_run_world_size(config: JobConfig) -> int:
@@ -259,17 +266,7 @@ def _probe_forward(part: torch.nn.Module, inputs: torch.Tensor, kwargs: dict) ->
         mode.begin_step()
         output = part(inputs, **kwargs)
     local = output.to_local() if isinstance(output, DTensor) else output
-    return ActivationProbe(
-        saved_bytes=0,
-        transient_bytes=max(0, mode.peak - mode.step_start),
-        grad_bytes=0,
-        flops=mode.flops,
-        matmul_flops=mode.matmul_flops,
-        other_bytes=mode.other_bytes,
-        op_counts=mode.op_counts,
-        collectives=mode.collectives,
-        subclass_ops=mode.subclass_ops,
-    ), _nbytes(tuple(local.shape), local.dtype)
+    return mode.counts(0, max(0, mode.peak - mode.step_start), 0), _nbytes(tuple(local.shape), local.dtype)
 
 
 def _probe_without_fsdp(trainer: Trainer) -> list[PartProbe]:

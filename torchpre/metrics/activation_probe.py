@@ -156,6 +156,20 @@ class ProbeMode(TensorMemory):
                 self.created_at[key] = len(self.live_trace)
             self.live_trace.append(self.live)
 
+    def counts(self, saved_bytes: int, transient_bytes: int, grad_bytes: int) -> ActivationProbe:
+        """What this mode counted, with the byte figures its caller derived from it."""
+        return ActivationProbe(
+            saved_bytes=saved_bytes,
+            transient_bytes=transient_bytes,
+            grad_bytes=grad_bytes,
+            flops=self.flops,
+            matmul_flops=self.matmul_flops,
+            other_bytes=self.other_bytes,
+            op_counts=self.op_counts,
+            collectives=self.collectives,
+            subclass_ops=self.subclass_ops,
+        )
+
     def tracks(self, storage: torch.UntypedStorage) -> bool:
         """Whether `storage` is counted (made on one of `devices` by an op this mode saw) and alive."""
         return id(storage) in self._sizes
@@ -288,17 +302,7 @@ def probe_microbatch(
     grads = [storage for storage in _new_grad_storages(params, had_grad) if mode.tracks(storage)]
     saved = mode.at_backward - mode.step_start
     peak = mode.peak_without(grads)
-    return ActivationProbe(
-        saved_bytes=saved,
-        transient_bytes=max(0, peak - mode.step_start - saved),
-        grad_bytes=sum(s.nbytes() for s in grads),
-        flops=mode.flops,
-        matmul_flops=mode.matmul_flops,
-        other_bytes=mode.other_bytes,
-        op_counts=mode.op_counts,
-        collectives=mode.collectives,
-        subclass_ops=mode.subclass_ops,
-    )
+    return mode.counts(saved, max(0, peak - mode.step_start - saved), sum(s.nbytes() for s in grads))
 
 
 def _new_grad_storages(params: list[Tensor], had_grad: set[int]) -> list[torch.UntypedStorage]:

@@ -16,6 +16,7 @@ from torchpre.build import meta_model
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
 from torchpre.distributed.schedules import in_flight_microbatches
+from torchpre.dryrun import peak_bytes
 from torchpre.models.registry import get_model_spec
 from torchpre.plan.layouts import CheckedLayout
 from torchpre.plan.pieces import (
@@ -46,10 +47,7 @@ class RankPrediction:
 
     @property
     def total_bytes(self) -> int:
-        """The peak: the model state plus the larger of the activations and the optimizer step's transient
-        (`torchpre.dryrun.RankMemory`)."""
-        state = self.param_bytes + self.grad_bytes + self.optimizer_state_bytes
-        return state + max(self.activation_bytes, self.optimizer_step_bytes)
+        return peak_bytes(self)
 
 
 @dataclass(frozen=True)
