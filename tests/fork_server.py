@@ -44,6 +44,7 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
             importlib.import_module(module.name)
         except Exception:  # an optional dependency (a tracker, plotting) is missing: a child imports what it needs
             pass
+    _preload_transformers()
     import torchpre.convert
     import torchpre.data.prepare
     import torchpre.generate
@@ -60,6 +61,18 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
         "torchpre.convert": (torchpre.convert.main, torchpre.convert.USAGE),
         "torchpre.data.prepare": (torchpre.data.prepare.main, torchpre.data.prepare.PROG),
     }
+
+
+def _preload_transformers() -> None:
+    """transformers and its Llama-layout model modules (model.name = 'hf'), which it imports lazily: several
+    seconds per child otherwise."""
+    try:
+        from transformers import AutoModelForCausalLM  # noqa: F401
+        from transformers.models.llama import modeling_llama  # noqa: F401
+        from transformers.models.qwen2 import modeling_qwen2  # noqa: F401
+        from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
+    except ImportError:  # the hf extra is not installed: those tests skip
+        pass
 
 
 def _child(main: Callable[[list[str]], None], prog: str, argv: list[str]) -> int:

@@ -19,17 +19,29 @@ from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
-from torchpre.models.registry import ModelSpec, get_flavor
+from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
 from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.data_parallel import FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 
 
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """The flavor's args with the tokenizer's vocabulary and `max_seq_len` (default: training.seq_len)."""
-    flavor = get_flavor(config.model.name, config.model.flavor)
+    """The flavor's args with the tokenizer's vocabulary and `max_seq_len` (default: training.seq_len); a family
+    with `args_from_job` (model.name = 'hf') builds its own."""
     seq_len = config.training.seq_len if max_seq_len is None else max_seq_len
+    spec = get_model_spec(config.model.name)
+    if spec.args_from_job is not None:
+        return spec.args_from_job(config, tokenizer.vocab_size, seq_len)
+    flavor = get_flavor(config.model.name, config.model.flavor)
     return dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=seq_len)
+
+
+def model_context(config: JobConfig, tokenizer: Tokenizer) -> int:
+    """The longest sequence the model is designed for: its flavor's max_seq_len, or the model's own context."""
+    spec = get_model_spec(config.model.name)
+    if spec.args_from_job is not None:
+        return spec.args_from_job(config, tokenizer.vocab_size, None).max_seq_len
+    return get_flavor(config.model.name, config.model.flavor).max_seq_len
 
 
 def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:

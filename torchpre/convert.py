@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchpre.build import model_args
+from torchpre.build import model_args, model_context
 from torchpre.checkpoint.manager import require_intact
 from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
@@ -49,7 +49,7 @@ from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.custom_import import import_custom_module
 from torchpre.data.tokenizer import BOS, DEFAULT_TOKENIZER_PATH, EOS, Tokenizer
 from torchpre.errors import TorchpreError
-from torchpre.models.registry import HFAdapter, get_flavor, get_model_spec
+from torchpre.models.registry import HFAdapter, get_model_spec
 
 logger = logging.getLogger("torchpre")
 
@@ -98,7 +98,7 @@ def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype |
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:
         raise TorchpreError(
-            f"Checkpoint {step_dir}: {error} Check model.flavor and model.tokenizer_path against its config.toml."
+            f"Checkpoint {step_dir}: {error} Check the model keys and model.tokenizer_path against its config.toml."
         ) from None
     state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in state_dict.items()}
     tokens = {"bos_token_id": model.tokenizer.bos_id, "eos_token_id": model.tokenizer.eos_id}
@@ -176,9 +176,8 @@ def _job_model(config: JobConfig) -> _Model:
         raise TorchpreError(
             f"model.name = '{config.model.name}' has no Hugging Face conversion: its ModelSpec has no `hf` adapter."
         )
-    flavor = get_flavor(config.model.name, config.model.flavor)
     tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    return _Model(model_args(config, tokenizer), spec.hf, flavor.max_seq_len, tokenizer)
+    return _Model(model_args(config, tokenizer), spec.hf, model_context(config, tokenizer), tokenizer)
 
 
 def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:
@@ -216,10 +215,16 @@ def _check_hf_config(path: Path, model: _Model, config: JobConfig) -> None:
         raise TorchpreError(f"{path}: {error}") from None
     if mismatches:
         raise TorchpreError(
-            f"{path} does not describe the job's model (model.flavor = '{config.model.flavor}', vocab_size "
-            f"{model.args.vocab_size} from the tokenizer): {'; '.join(mismatches)}. "
-            "Use the job config (flavor, tokenizer) the weights were made with."
+            f"{path} does not describe the job's model ({_job_model_name(config)}, vocab_size "
+            f"{model.args.vocab_size}): {'; '.join(mismatches)}. "
+            "Use the job config (model, tokenizer) the weights were made with."
         )
+
+
+def _job_model_name(config: JobConfig) -> str:
+    if config.model.hf_config:
+        return f"model.hf_config = {config.model.hf_config}"
+    return f"model.flavor = '{config.model.flavor}'"
 
 
 def _load_safetensors(hf_dir: Path) -> dict[str, Tensor]:

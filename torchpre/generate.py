@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from torchpre.build import check_layout, meta_model, model_args, parallel_plan
+from torchpre.build import check_layout, meta_model, model_args, model_context, parallel_plan
 from torchpre.checkpoint.manager import (
     STEP_DIR,
     check_shapes,
@@ -49,7 +49,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import get_schedule
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
+from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan, stages_per_rank
 
@@ -213,8 +213,8 @@ def main(argv: list[str]) -> None:
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()
     )
     spec = get_model_spec(config.model.name)
-    context = get_flavor(config.model.name, config.model.flavor).max_seq_len
     tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    context = model_context(config, tokenizer)
     prompt_ids = tokenizer.encode(gen.prompt, bos=True, eos=False)
     total = len(prompt_ids) + gen.max_new_tokens
     if total > context:

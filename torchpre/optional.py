@@ -9,18 +9,17 @@ from types import ModuleType
 
 from torchpre.errors import ConfigError
 
-INSTALL_HINT = "pip install torchpre[metrics]"
 
-
-def import_optional(module: str, feature: str) -> ModuleType:
+def import_optional(module: str, feature: str, extra: str = "metrics") -> ModuleType:
     """Imports an optional dependency, or fails with a message naming the feature that needs it and the
-    install command, so a user who turned on a tracker learns what to do instead of reading a traceback."""
+    install command (of the package extra `extra`), so a user who turned on a tracker learns what to do instead
+    of reading a traceback."""
     try:
         return importlib.import_module(module)
     except ImportError as error:
         raise ConfigError(
             f"{feature} needs the '{module}' package, which cannot be imported ({error}). "
-            f"Install it with `{INSTALL_HINT}`, or turn {feature} off."
+            f"Install it with `pip install torchpre[{extra}]`, or turn {feature} off."
         ) from error
 
 

@@ -5,6 +5,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from torchpre.models.registry import get_model_spec
 from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
 from torchpre.optim.registry import hyperparameters_from_config
-from torchpre.parallel.api import ParallelModel, parallelize
+from torchpre.parallel.api import ParallelModel, logits_of, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.preemption import PreemptionHandler
@@ -332,7 +333,7 @@ class Trainer:
             "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d (ep %d); "
             "global batch %d = %d microbatches of %d per DP rank",
             self.config.model.name,
-            self.config.model.flavor,
+            self.config.model.hf_config if self.model_spec.args_from_job else self.config.model.flavor,
             f"{self.num_params:,}",
             f"{self.flops_per_token:,}",
             self.parallel_dims.dp,
@@ -510,13 +511,13 @@ class Trainer:
             self.peak = achieved_flops
         return achieved_flops / self.peak
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         """This microbatch's share of the global-batch mean token cross-entropy.
 
         Summing over tokens and dividing by the global token count (not the microbatch's) makes the
         sum over microbatches, pipeline chunks and DP ranks the exact global mean, for any layout.
         """
-        return self._cross_entropy_sum(logits, labels) / self.tokens_per_step
+        return self._cross_entropy_sum(logits_of(output), labels) / self.tokens_per_step
 
     def train_step(self, microbatches: list[Batch], stop_requested: bool = False) -> tuple[StepHealth, torch.Tensor]:
         """One optimizer step over this rank's microbatches; returns (the step's global loss and whether it

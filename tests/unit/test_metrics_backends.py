@@ -12,9 +12,10 @@ from torchpre.config.validate import validate_config
 from torchpre.errors import TorchpreError
 from torchpre.metrics.logger import MetricsLogger
 from torchpre.metrics.sinks import JsonlSink, TensorBoardSink, WandbSink
-from torchpre.optional import INSTALL_HINT
 from torchpre.plot import main as plot_main
 from torchpre.plot import plot_runs, read_metrics
+
+INSTALL_HINT = "pip install torchpre[metrics]"
 
 TB_TOLERANCE = 1e-6  # relative: TensorBoard stores scalars as float32 (~6e-8 relative rounding)
 

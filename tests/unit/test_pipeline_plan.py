@@ -109,7 +109,7 @@ def test_pipeline_stages_read_off_any_model():
     assert pipeline_stages(model, 2, split_points=["layers.1"])[0] == ["tok_embeddings", "layers.0"]
     with pytest.raises(ConfigError, match="add up to the 6 blocks"):
         pipeline_stages(model, layers_per_stage=[1, 2])
-    with pytest.raises(ConfigError, match="no child 'h'"):
+    with pytest.raises(ConfigError, match="no submodule 'h'"):
         pipeline_stages(model, 2, blocks="h")
     plan = PipelinePlan.build(pipeline_stages(model, 4), pp=2, schedule="Interleaved1F1B", n_microbatches=4)
     assert (plan.stages_per_rank, plan.stage_ids(1)) == (2, [1, 3])

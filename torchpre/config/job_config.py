@@ -46,6 +46,11 @@ class Model:
     tokenizer_path: str = _option(
         "", "tiktoken BPE ranks file (Llama 3 tokenizer.model format); empty = the shipped one"
     )
+    hf_config: str = _option(
+        "",
+        "with model.name = 'hf': a transformers config.json (or its folder) of a Llama-layout causal LM (llama, "
+        "mistral, qwen2, qwen3); model.flavor is then not used",
+    )
 
 
 @dataclass

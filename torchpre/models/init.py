@@ -55,6 +55,11 @@ def ones(tensor: Tensor, *, generator: torch.Generator) -> None:
     tensor.fill_(1.0)
 
 
+def zeros(tensor: Tensor, *, generator: torch.Generator) -> None:
+    """A `Fill` for biases; draws nothing."""
+    tensor.zero_()
+
+
 def param_generator(seed: int, key: str) -> torch.Generator:
     """A CPU generator seeded from a stable hash of (seed, key); Python's `hash` is salted."""
     digest = hashlib.sha256(f"{seed}/{key}".encode()).digest()

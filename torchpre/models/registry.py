@@ -40,7 +40,9 @@ class ModelSpec:
     """How to build, measure and parallelize one model family.
 
     `flavors` maps a name to the family's args: a dataclass with at least `vocab_size` and `max_seq_len`
-    (the trainer sets them from the tokenizer and `training.seq_len`) and, for pipelined generation, `dim`.
+    (the trainer sets them from the tokenizer and `training.seq_len`). A family whose args come from elsewhere
+    gives `args_from_job(job_config, tokenizer_vocab_size, max_seq_len)` instead (None: the model's own context),
+    e.g. `model.name = "hf"` reads them from `model.hf_config`.
     `model_cls(args)` builds the plain model; the trainer builds it on the meta device, parallelizes it
     (see `torchpre.parallel.api`), materialises it and calls `init_weights(module, seed)`.
 
@@ -71,6 +73,7 @@ class ModelSpec:
 
     model_cls: Callable[[Any], nn.Module]
     flavors: dict[str, Any]
+    args_from_job: Callable[[Any, int, int | None], Any] | None = None
     blocks: str = "layers"
     init_weights: Callable[[nn.Module, int], None] = lambda module, seed: module.init_weights(seed)
     tensor_parallel: dict[str, ParallelStyle] | Callable[..., None] | None = None

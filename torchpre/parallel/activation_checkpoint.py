@@ -19,8 +19,9 @@ _SAVED_OPS = {
 }
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_option: str) -> None:
-    """Wraps the blocks of `blocks` in place (keys, and so parameter names in state dicts, unchanged).
+def apply_activation_checkpointing(blocks: nn.Module, mode: str, selective_option: str) -> None:
+    """Wraps the blocks of `blocks` (a ModuleDict or ModuleList) in place (keys, and so parameter names in state
+    dicts, unchanged).
 
     - "full": every block recomputes its whole forward in backward.
     - "selective" with an integer N: every N-th block, fully.
@@ -39,13 +40,14 @@ def apply_activation_checkpointing(blocks: nn.ModuleDict, mode: str, selective_o
             )
         every = int(selective_option)
     per_op = mode == "selective" and selective_option == "op"
-    for index, (name, block) in enumerate(list(blocks.items())):
+    for index, (name, block) in enumerate(list(blocks.named_children())):
         if index % every:
             continue
         if per_op:
-            blocks[name] = checkpoint_wrapper(block, context_fn=_op_policy_contexts, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, context_fn=_op_policy_contexts, preserve_rng_state=False)
         else:
-            blocks[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        blocks.register_module(name, wrapped)
 
 
 def _op_policy_contexts():

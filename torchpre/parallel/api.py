@@ -16,15 +16,20 @@
     loss = parallel.forward_backward([(inputs, labels)])
     grad_norm = optimizer.step()
 
+The model can be anyone's, unmodified: a transformers `LlamaForCausalLM` takes tensor-parallel keys such as
+"model.layers.*.self_attn.q_proj" and `blocks="model.layers"`; `loss_fn(output, labels)` receives what the model
+returns (a tensor, a tuple, or an output object with `.logits`; `logits_of(output)` reads the logits of any of them).
+
 `mesh` has the dimensions ("pp", "dp", "tp") (`ParallelDims.build_mesh`); models with experts also take
 an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_expert_mesh`). ZeRO-3 adds
 `fsdp=FSDPPlan(...)` to the plan and `dp_mesh=meshes.fsdp_mesh` (`ParallelDims.build_meshes(..., fsdp=True)`,
 whose views share one root with `meshes.mesh`), then `build_optimizer(parallel, zero_stage=3)`. What the
 model must do:
-- skip the submodules a pipeline stage does not hold: `pipeline_stages` names top-level children and
-  the entries of the `blocks` container; `prune_to` sets the others to None or deletes them from the
-  container, and the forward must then pass its input through (e.g. `h = self.embed(x) if self.embed
-  is not None else x`);
+- for pipeline parallelism, skip the submodules a pipeline stage does not hold: `pipeline_stages` names the
+  modules around the `blocks` container (a dotted path) and its entries; `prune_to` sets the others to None
+  (a ModuleList keeps its indices, a ModuleDict drops the key), and the forward must then pass its input
+  through (e.g. `h = self.embed(x) if self.embed is not None else x`). `torchpre.models.hf.HFCausalLM` is
+  such a forward for transformers' Llama-family decoders;
 - be initialised by `init_weights(module)` once it is materialised, identically for any layout
   (`torchpre.models.init.init_parameters` draws each parameter from (seed, its name));
 - with `tied_weights = ("embed.weight", "head.weight")`, use one Parameter for both when both live on one
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,8 +74,10 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 class ParallelPlan:
     """How to parallelize one model: everything beyond the mesh that `parallelize` needs.
 
-    `blocks` names the container (a ModuleDict) of repeated blocks: activation checkpointing and
-    torch.compile apply per block, and pipeline stages split it. `compile_fullgraph = False` is for blocks
+    `blocks` is the dotted path of the container (a ModuleDict or ModuleList, e.g. "layers" or "model.layers")
+    of repeated blocks: activation checkpointing and torch.compile apply per block (they need it), FSDP shards
+    per block (without it, the whole part at once), and pipeline stages split it. A plan that only shards
+    over TP and DP needs none. `compile_fullgraph = False` is for blocks
     with data-dependent shapes (Mixture of Experts). `fsdp` shards the parameters over DP with FSDP2
     (ZeRO-3, see `parallel.data_parallel`); `parallelize` then needs the DP mesh.
     """
@@ -77,7 +85,7 @@ class ParallelPlan:
     tensor_parallel: TensorParallelPlan | None = None
     expert_parallel: ExpertParallelPlan | None = None
     pipeline: PipelinePlan | None = None
-    blocks: str = "layers"
+    blocks: str | None = None
     tied_weights: tuple[str, str] | None = None
     activation_checkpoint: str = "none"
     selective_ac_option: str = "op"
@@ -94,18 +102,18 @@ def pipeline_stages(
     split_points: Sequence[str] = (),
     blocks: str = "layers",
 ) -> list[list[str]]:
-    """The module names each pipeline stage holds, read off the model's structure: the top-level children
-    defined before `blocks` go to the first stage, those after it to the last, and the blocks are split
-    evenly, by `layers_per_stage` counts, or at `split_points` (the first block name of each later stage).
+    """The module names each pipeline stage holds, read off the model's structure: the modules defined before
+    the `blocks` container (at each level of its dotted path) go to the first stage, those after it to the
+    last, and the blocks are split evenly, by `layers_per_stage` counts, or at `split_points` (the first block
+    name of each later stage).
 
     For a GPT-2-like model, `pipeline_stages(model, 2, blocks="h")` gives
-    [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]].
+    [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]]; for a transformers Llama,
+    `blocks="model.layers"` gives [["model.embed_tokens", "model.layers.0", ...], [..., "model.norm",
+    "model.rotary_emb", "lm_head"]].
     """
-    names = [name for name, _ in model.named_children()]
-    if blocks not in names:
-        raise ConfigError(f"The model {type(model).__name__} has no child '{blocks}' holding its blocks: {names}.")
-    position = names.index(blocks)
-    layers = [f"{blocks}.{key}" for key, _ in getattr(model, blocks).named_children()]
+    container = block_container(model, blocks, "pipeline_stages(blocks=...)")
+    layers = [f"{blocks}.{key}" for key, _ in container.named_children()]
     if layers_per_stage is not None:
         if sum(layers_per_stage) != len(layers) or min(layers_per_stage) < 1:
             raise ConfigError(
@@ -117,9 +125,56 @@ def pipeline_stages(
     if num_stages is None:
         raise ConfigError("pipeline_stages needs num_stages or layers_per_stage.")
     stages = split_layers(layers, num_stages, split_points)
-    stages[0][:0] = names[:position]
-    stages[-1].extend(names[position + 1 :])
+    before, after = _around(model, blocks)
+    stages[0][:0] = before
+    stages[-1].extend(after)
     return stages
+
+
+def block_container(model: nn.Module, blocks: str | None, needed_by: str) -> nn.Module:
+    """The module at the dotted path `blocks` (ParallelPlan.blocks), or a ConfigError naming what needs it."""
+    if blocks is None:
+        raise ConfigError(
+            f"{needed_by} applies per block: set ParallelPlan.blocks to the dotted path of the container of the "
+            "model's repeated blocks (e.g. 'layers' or 'model.layers')."
+        )
+    try:
+        return model.get_submodule(blocks)
+    except AttributeError:
+        children = [name for name, _ in model.named_children()]
+        raise ConfigError(
+            f"The model {type(model).__name__} has no submodule '{blocks}' holding its blocks ({needed_by}); "
+            f"its children: {', '.join(children)}."
+        ) from None
+
+
+def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
+    """The names of the modules registered before and after each module on `path` (its siblings at every level)."""
+    before: list[str] = []
+    after: list[str] = []
+    module, prefix = model, ""
+    for name in path.split("."):
+        siblings = [child for child, _ in module.named_children()]
+        position = siblings.index(name)
+        before += [prefix + child for child in siblings[:position]]
+        after += [prefix + child for child in siblings[position + 1 :]]
+        module, prefix = getattr(module, name), f"{prefix}{name}."
+    return before, after
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits in what a model returns: the tensor itself, a tuple's first element, or an output object's
+    `.logits` (transformers' `CausalLMOutputWithPast`)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if logits is not None:
+        return logits
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    raise TypeError(
+        f"Cannot find logits in a {type(output).__name__}: return a tensor, a tuple or an object with .logits."
+    )
 
 
 class ParallelModel:
@@ -138,7 +193,7 @@ class ParallelModel:
         mesh: DeviceMesh,
         plan: ParallelPlan,
         device: torch.device,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
         expert_mesh: DeviceMesh | None,
         dp_mesh: DeviceMesh | None = None,
     ):
@@ -232,7 +287,8 @@ class ParallelModel:
         `start_pos`); under a schedule it is not used, as in `forward_backward`.
         """
         if labels is None:
-            return self._forward_stages(inputs, forward_kwargs(inputs))
+            output = self._forward_stages(inputs, forward_kwargs(inputs))
+            return None if output is None else logits_of(output)
         if self.plan.pipeline is None:
             return replicated_value(self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels))
         schedule = self._require_schedule()
@@ -293,7 +349,7 @@ def parallelize(
     *,
     device: torch.device,
     init_weights: Callable[[nn.Module], None],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
     expert_mesh: DeviceMesh | None = None,
     dp_mesh: DeviceMesh | None = None,
     expert_dp_mesh: DeviceMesh | None = None,
@@ -325,14 +381,17 @@ def parallelize(
             plan.expert_parallel(part, expert_mesh["ep"])
         if plan.tensor_parallel is not None and tp_mesh.size() > 1:
             apply_tensor_parallel_plan(part, tp_mesh, plan.tensor_parallel)
-        blocks = getattr(part, plan.blocks)
-        apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)
+        if plan.activation_checkpoint != "none":
+            blocks = block_container(part, plan.blocks, f"activation_checkpoint = '{plan.activation_checkpoint}'")
+            apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)
         if plan.compile:
             per_child = tp_mesh.size() > 1 or plan.fsdp is not None
+            blocks = block_container(part, plan.blocks, "compile")
             compile_blocks(blocks, per_child=per_child, fullgraph=plan.compile_fullgraph)
         if plan.fsdp is not None:
             retie(part, plan.tied_weights)  # before sharding: a tied Parameter must be one FSDP parameter
-            apply_fsdp(part, dp_mesh, plan.fsdp, plan.blocks, expert_dp_mesh)
+            blocks = None if plan.blocks is None else block_container(part, plan.blocks, "FSDP")
+            apply_fsdp(part, dp_mesh, plan.fsdp, blocks, expert_dp_mesh)
         part.to_empty(device=device)
         retie(part, plan.tied_weights)
         init_weights(part)

@@ -37,10 +37,14 @@ class FSDPPlan:
 
 
 def apply_fsdp(
-    part: nn.Module, dp_mesh: DeviceMesh, plan: FSDPPlan, blocks: str, expert_dp_mesh: DeviceMesh | None = None
+    part: nn.Module,
+    dp_mesh: DeviceMesh,
+    plan: FSDPPlan,
+    blocks: nn.Module | None,
+    expert_dp_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
     """Shards `part` (a model or one pipeline stage) in place over `dp_mesh`: the expert-parallel experts over
-    `expert_dp_mesh`, then each entry of its `blocks` container, then the part itself. Returns the FSDP
+    `expert_dp_mesh`, then each entry of its `blocks` container (if any), then the part itself. Returns the FSDP
     modules, outermost last.
 
     `dp_mesh` is 1-D (dp_shard: FSDP) or 2-D (dp_replicate, dp_shard: HSDP, which replicates over the first
@@ -55,7 +59,8 @@ def apply_fsdp(
         shard_dim = _expert_shard_dim(expert_dp_mesh)
         for experts in expert_parallel_modules(part):
             sharded.append(fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=shard_dim, **options))
-    sharded += [fully_shard(block, mesh=dp_mesh, **options) for block in getattr(part, blocks).values()]
+    if blocks is not None:
+        sharded += [fully_shard(block, mesh=dp_mesh, **options) for block in blocks.children()]
     sharded.append(fully_shard(part, mesh=dp_mesh, **options))
     for module in sharded:
         sum_gradients(module)

@@ -1,9 +1,9 @@
 """Pipeline parallelism: split a model into stages and drive them with a torch.distributed.pipelining schedule.
 
 The split is expressed as module names per stage (e.g. `["tok_embeddings", "layers.0", "layers.1"]`), so
-it works for any model whose forward skips the parts a stage does not hold (set to None or removed
-from a ModuleDict). Stages are placed loop-style (rank r holds stages r, r + pp, ...) or, for the V
-schedules, as a V (rank r holds stages r and 2 pp - 1 - r).
+it works for any model whose forward skips the parts a stage does not hold (set to None, None in a
+ModuleList, or removed from a ModuleDict). Stages are placed loop-style (rank r holds stages r, r + pp, ...)
+or, for the V schedules, as a V (rank r holds stages r and 2 pp - 1 - r).
 """
 
 import copy
@@ -173,21 +173,29 @@ def split_layers(layer_names: Sequence[str], num_stages: int, split_points: Sequ
 
 
 def prune_to(model: nn.Module, keep: Sequence[str]) -> nn.Module:
-    """A copy of `model` holding only the submodules named in `keep` (dotted names one or two
-    levels deep, e.g. "tok_embeddings" or "layers.3"); the rest become None or leave their ModuleDict.
+    """A copy of `model` holding only the submodules named in `keep` (dotted names at any depth, e.g.
+    "tok_embeddings", "layers.3" or "model.layers.3") and the modules on their paths. The others become None,
+    except that a container (ModuleDict, ModuleList) stays, emptied of the entries not kept: a ModuleDict drops
+    their keys, a ModuleList holds None in their places, so every kept name is unchanged.
 
     Meant for a model on the meta device, so copying costs nothing.
     """
     stage = copy.deepcopy(model)
-    kept = set(keep)
-    for name, child in list(stage.named_children()):
-        if isinstance(child, nn.ModuleDict):
-            for key in list(child.keys()):
-                if f"{name}.{key}" not in kept:
-                    del child[key]
-        elif name not in kept:
-            setattr(stage, name, None)
+    _prune(stage, "", set(keep))
     return stage
+
+
+def _prune(module: nn.Module, prefix: str, kept: set[str]) -> None:
+    for name, child in list(module.named_children()):
+        path = prefix + name
+        if path in kept:
+            continue
+        if isinstance(child, (nn.ModuleDict, nn.ModuleList)) or any(k.startswith(f"{path}.") for k in kept):
+            _prune(child, f"{path}.", kept)
+        elif isinstance(module, nn.ModuleDict):
+            del module[name]
+        else:
+            module.register_module(name, None)
 
 
 class Stage(PipelineStage):

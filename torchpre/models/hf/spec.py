@@ -1,0 +1,25 @@
+"""transformers causal LMs as a registered model family: `model.name = "hf"`, args from `model.hf_config`."""
+
+from torchpre.models.hf import convert, model, parallelize
+from torchpre.models.hf.args import hf_args
+from torchpre.models.registry import HFAdapter, ModelSpec
+
+SPEC = ModelSpec(
+    model_cls=model.HFCausalLM,
+    flavors={},
+    args_from_job=hf_args,
+    blocks=model.BLOCKS,
+    init_weights=model.init_weights,
+    init_buffers=model.init_buffers,
+    tensor_parallel=parallelize.apply_tensor_parallel_plan,
+    validate_tensor_parallel=parallelize.validate_tensor_parallel,
+    stage_modules=model.stage_modules,
+    tied_weights=model.tied_weights,
+    flops_per_token=model.flops_per_token,
+    hf=HFAdapter(
+        to_hf_state_dict=convert.to_hf_state_dict,
+        from_hf_state_dict=convert.from_hf_state_dict,
+        hf_config=convert.hf_config,
+        hf_config_mismatches=convert.hf_config_mismatches,
+    ),
+)
