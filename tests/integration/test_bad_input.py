@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.launch import TINY, ForkServer, run_train
+from tests.launch import REPO, TINY, ForkServer, run_train
 from torchpre.checkpoint.manager import MANIFEST, _file_record
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
@@ -91,6 +91,10 @@ def files(tmp_path_factory) -> Path:
     (d / "text.txt").write_text(sentence * 300)
     (d / "non_string.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
     (d / "not_utf8.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    (d / "hf_not_json.json").write_text('{"model_type": "llama",\n "hidden_size": 64,,\n}\n')
+    (d / "hf_gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
+    llama = json.loads((REPO / HF_LLAMA).read_text())
+    (d / "hf_small_vocab.json").write_text(json.dumps(llama | {"vocab_size": 1000}))
 
     ids = Tokenizer(DEFAULT_TOKENIZER_PATH).encode(sentence * 20, bos=True, eos=True)
     good = _write_shards(d / "shards", [ids] * 10)
@@ -123,6 +127,8 @@ MIXTURE = ["--training.dataset", "shards", "--training.dataset_mixture"]
 GENERATE = ["--model.flavor", "tiny", "--prompt", "hello"]
 TAMPERED = ["--model.flavor", "debugmodel", "--prompt", "hello", "--checkpoint.folder", "{d}/tampered"]
 GEN, CONVERT, PREPARE = "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"
+HF_LLAMA = "assets/hf_configs/llama_tiny.json"
+HF = ["--model.name", "hf", "--model.hf_config"]
 
 
 def case(case_id: str, argv: list[str], fragments: list[str], entry: str = "train.py", ranks: int = 1):
@@ -185,6 +191,25 @@ CATALOGUE = [
         ["--job.custom_import", "my_package.my_model"],
         ["job.custom_import = 'my_package.my_model'", "no module named 'my_package'"],
         entry="torchpre.train",
+    ),
+    case("hf-config-missing", ["--model.name", "hf"], ["model.name = 'hf' needs model.hf_config", "config.json"]),
+    case("hf-config-not-a-file", [*HF, "no/such.json"], ["model.hf_config = no/such.json", "does not exist"]),
+    case(
+        "hf-config-not-json",
+        [*HF, "{d}/hf_not_json.json"],
+        ["model.hf_config = {d}/hf_not_json.json", "not valid JSON", "line 2"],
+    ),
+    case(
+        "hf-unknown-model-type",
+        [*HF, "{d}/hf_gpt2.json"],
+        ["model.hf_config = {d}/hf_gpt2.json", "model_type = 'gpt2'", "llama, mistral, qwen2, qwen3", "parallelize"],
+    ),
+    case("hf-vocab-too-small", [*HF, "{d}/hf_small_vocab.json"], ["vocab_size = 1000", "tokenizer's 2048 ids"]),
+    case(
+        "hf-tp-does-not-divide-kv-heads",
+        [*HF, HF_LLAMA, "--parallelism.tensor_parallel_degree", "4"],
+        ["num_key_value_heads = 2", "parallelism.tensor_parallel_degree = 4", "(1, 2)"],
+        ranks=4,
     ),
     case("unknown-flavor", ["--model.flavor", "debugmodell"], ["model.flavor", "'debugmodell'", "'debugmodel'"]),
     case(

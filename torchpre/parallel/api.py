@@ -157,7 +157,7 @@ def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
         siblings = [child for child, _ in module.named_children()]
         position = siblings.index(name)
         before += [prefix + child for child in siblings[:position]]
-        after += [prefix + child for child in siblings[position + 1 :]]
+        after[:0] = [prefix + child for child in siblings[position + 1 :]]  # inner ones run before outer ones
         module, prefix = getattr(module, name), f"{prefix}{name}."
     return before, after
 

@@ -1,0 +1,158 @@
+"""`train.py --model.name hf`: transformers models trained as they are. For two model types (Llama, and Qwen2
+with q/k/v biases and tied embeddings), the per-step losses of tp2 (+SP, +loss parallel), pp2 and dp2 x tp2 equal
+one process's, a pp2 checkpoint resumes under tp2 on the same trajectory, and its export loads with
+`from_pretrained` to the same logits; greedy generation from it matches transformers' own `generate`."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launch import REPO, run_entry, train_and_read_metrics
+from torchpre.convert import _load_dcp_model
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = {"llama": "assets/hf_configs/llama_tiny.json", "qwen2": "assets/hf_configs/qwen2_tiny.json"}
+STEPS, SAVE_AT = 4, 2
+
+
+def job(model_type: str, *extra: str) -> list[str]:
+    return [
+        "--job.config_file", "train_configs/debug_model.toml",
+        "--model.name", "hf",
+        "--model.hf_config", str(REPO / CONFIGS[model_type]),
+        "--training.seq_len", "32",
+        "--training.global_batch_size", "8",
+        "--training.local_batch_size", "4",
+        "--training.steps", str(STEPS),
+        "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+SP_LP = ["--parallelism.enable_sequence_parallel", "--parallelism.enable_loss_parallel"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", str(SAVE_AT)]
+LAYOUTS = {
+    "tp2_sp_lp": (2, [*TP2, *SP_LP]),
+    "pp2_1f1b": (2, PP2),
+    "dp2_tp2": (4, TP2),
+}
+# fp32 on CPU: the layouts differ from one process only in reduction order (TP partial sums, microbatch and DP
+# sums), ~1e-6 on the loss after a few AdamW steps; a wrong or missing term moves it by 1e-2 or more.
+LOSS_ATOL = 1e-4
+# The export holds the trained fp32 weights bitwise; transformers' forward and HFCausalLM's run the same modules
+# with the same rotary tables and causal attention, so only kernel choice can differ (~1e-7).
+LOGITS_ATOL = 1e-5
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def model_type(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(model_type, tmp_path_factory) -> list[dict]:
+    records = train_and_read_metrics(job(model_type), 1, tmp_path_factory.mktemp(f"{model_type}_one"))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert losses(records)[-1] < losses(records)[0]
+    return records
+
+
+@pytest.fixture(scope="module")
+def pipelined(model_type, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """A pp2 run that saves checkpoints: its folder and records."""
+    folder = tmp_path_factory.mktemp(f"{model_type}_pp2")
+    return folder, train_and_read_metrics(job(model_type, *PP2, *CKPT), 2, folder)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "pp2_1f1b"])
+def test_layouts_match_one_process(model_type, reference, layout, tmp_path):
+    nproc, args = LAYOUTS[layout]
+    records = train_and_read_metrics(job(model_type, *args), nproc, tmp_path)
+    assert losses(records) == pytest.approx(losses(reference), abs=LOSS_ATOL)
+
+
+def test_pp2_matches_one_process_and_resumes_under_tp2(model_type, reference, pipelined, tmp_path):
+    folder, records = pipelined
+    assert losses(records) == pytest.approx(losses(reference), abs=LOSS_ATOL)
+    shutil.copytree(folder / "checkpoint" / f"step-{SAVE_AT}", tmp_path / "checkpoint" / f"step-{SAVE_AT}")
+    resumed = train_and_read_metrics(job(model_type, *TP2, *SP_LP, *CKPT), 2, tmp_path)
+    assert [r["step"] for r in resumed] == list(range(SAVE_AT + 1, STEPS + 1))
+    assert losses(resumed) == pytest.approx(losses(reference)[SAVE_AT:], abs=LOSS_ATOL)
+
+
+def test_export_loads_with_from_pretrained_and_imports_back(model_type, pipelined, tmp_path):
+    folder, _ = pipelined
+    step_dir, hf_dir, back_dir = folder / "checkpoint" / f"step-{STEPS}", tmp_path / "hf", tmp_path / "back" / "step-0"
+    convert("dcp-to-hf", step_dir, hf_dir, model_type)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["model_type"] == model_type
+    trained = _load_dcp_model(step_dir)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    for name, tensor in hf_model.state_dict().items():
+        expected = trained.get(name, trained["model.embed_tokens.weight"] if name == "lm_head.weight" else None)
+        assert torch.equal(tensor, expected), name
+    ids = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, torchpre_logits(model_type, trained, ids), rtol=0,
+                                   atol=LOGITS_ATOL)
+
+    convert("hf-to-dcp", hf_dir, back_dir, model_type)
+    back = _load_dcp_model(back_dir)
+    for name, tensor in trained.items():
+        assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("model_type", ["qwen2"], indirect=True)  # one type: generation runs the trained forward
+def test_generation_matches_transformers_generate(pipelined, model_type, tmp_path):
+    """`torchpre.generate` under pp2 decodes greedily what transformers' `generate` decodes from the export."""
+    folder, _ = pipelined
+    convert("dcp-to-hf", folder / "checkpoint" / f"step-{STEPS}", tmp_path / "hf", model_type)
+    prompt = "def main():"
+    result = run_entry(
+        "torchpre.generate",
+        [*job(model_type, *PP2), "--job.dump_folder", str(folder), "--prompt", prompt, "--max_new_tokens", "8",
+         "--temperature", "0", "--json"],
+        nproc=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    prompt_ids = torch.tensor([record["prompt_token_ids"]])
+    mask = torch.ones_like(prompt_ids)
+    expected = hf_model.generate(prompt_ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    expected_ids = expected[0, prompt_ids.shape[1] :].tolist()
+    eos = json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"]
+    expected_ids = expected_ids[: expected_ids.index(eos)] if eos in expected_ids else expected_ids
+    assert record["token_ids"] == expected_ids
+    assert len(expected_ids) >= 4, "decoding stopped at once: the comparison would say little"
+
+
+def convert(command: str, source: Path, target: Path, model_type: str) -> None:
+    result = run_entry("torchpre.convert", [command, str(source), str(target), *job(model_type)])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def torchpre_logits(model_type: str, state_dict: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    """The logits of torchpre's HFCausalLM (the module the trainer trains) with `state_dict`."""
+    from torchpre.config.job_config import JobConfig
+    from torchpre.config.parser import parse_args
+    from torchpre.models.hf import HFCausalLM, hf_args
+
+    args = hf_args(parse_args(JobConfig, job(model_type)), 2048, None)
+    model = HFCausalLM(args)
+    model.load_state_dict(state_dict, strict=False)
+    with torch.no_grad():
+        return model(ids)

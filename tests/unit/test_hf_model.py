@@ -1,0 +1,188 @@
+"""torchpre's view of transformers models: HFCausalLM runs a transformers model exactly as transformers does,
+pipeline stages and pruning keep transformers' names, initialisation does not depend on the split, the
+parallelize API takes dotted paths and hands loss functions the model's own output, and `model.hf_config` is
+checked with messages that name the key and the file."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from tests.launch import REPO
+from torchpre.config.job_config import JobConfig
+from torchpre.errors import ConfigError
+from torchpre.models.hf import HFCausalLM, decoder_stages, hf_args
+from torchpre.models.hf.model import init_weights
+from torchpre.models.hf.parallelize import validate_tensor_parallel
+from torchpre.parallel import ParallelPlan, logits_of, parallelize, pipeline_stages
+from torchpre.parallel.pipeline import prune_to
+
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = {name: REPO / f"assets/hf_configs/{name}_tiny.json" for name in ("llama", "qwen2", "qwen3")}
+VOCAB = 2048  # the shipped tokenizer's
+
+
+def job(path: Path | str, **training) -> JobConfig:
+    config = JobConfig()
+    config.model = dataclasses.replace(config.model, name="hf", hf_config=str(path))
+    config.training = dataclasses.replace(config.training, seq_len=32, **training)
+    return config
+
+
+def build(name: str, seed: int = 0) -> HFCausalLM:
+    with torch.device("meta"):
+        model = HFCausalLM(hf_args(job(CONFIGS[name]), VOCAB, 32))
+    model.to_empty(device="cpu")
+    init_weights(model, seed)
+    return model
+
+
+def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hf_causal_lm_computes_what_transformers_computes(name):
+    """The same weights in transformers' own model give the same logits: HFCausalLM calls its modules in its
+    order, with its rotary tables and causal attention (bitwise: the same kernels on the same inputs)."""
+    model = build(name)
+    reference = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+    missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), reference(tokens()).logits, rtol=0, atol=0)
+
+
+def test_state_dict_names_are_transformers_names():
+    model = build("qwen2")
+    reference = transformers.AutoModelForCausalLM.from_config(model.config)
+    assert list(model.state_dict()) == list(reference.state_dict())
+
+
+def test_pipeline_stages_take_a_dotted_block_path_and_keep_names():
+    """An unmodified transformers model splits at `model.layers`; HFCausalLM's split puts the rotary embedding (no
+    parameters) in every stage; each pruned stage keeps transformers' names (a ModuleList keeps its indices),
+    and the stages run in turn give the whole model's logits."""
+    config = hf_args(job(CONFIGS["llama"]), VOCAB, 32).config
+    with torch.device("meta"):
+        raw = transformers.AutoModelForCausalLM.from_config(config)
+    assert pipeline_stages(raw, 2, blocks="model.layers") == [
+        ["model.embed_tokens", "model.layers.0", "model.layers.1"],
+        ["model.layers.2", "model.layers.3", "model.norm", "model.rotary_emb", "lm_head"],
+    ]
+    model = build("llama")
+    stages = decoder_stages(model, 2, split_points=["model.layers.1"])
+    assert stages == [
+        ["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
+        ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head", "model.rotary_emb"],
+    ]
+    first, second = (prune_to(model, names) for names in stages)
+    names = list(model.state_dict())
+    assert list(first.state_dict()) + list(second.state_dict()) == names
+    assert first.model.layers[1] is None and second.model.embed_tokens is None and first.lm_head is None
+    with torch.no_grad():
+        torch.testing.assert_close(second(first(tokens())), model(tokens()), rtol=0, atol=0)
+
+
+def test_initialisation_depends_on_names_not_on_the_split():
+    """Each stage initialised on its own holds exactly the whole model's initial values; matrices are drawn with
+    the config's initializer_range, biases are zero and norm weights one, as transformers initialises them."""
+    model = build("qwen2", seed=7)
+    whole = model.state_dict()
+    for names in decoder_stages(model, 2):
+        stage = prune_to(model, names)
+        init_weights(stage, 7)
+        for name, value in stage.state_dict().items():
+            assert torch.equal(value, whole[name]), name
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # tied, as the config says
+    std = model.config.initializer_range
+    assert model.model.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(std, rel=0.05)
+    assert not model.model.layers[0].self_attn.q_proj.bias.any()
+    assert bool((model.model.norm.weight == 1).all())
+    rotary = model.model.rotary_emb
+    assert torch.equal(rotary.inv_freq, type(rotary)(config=model.config).inv_freq)
+
+
+def test_logits_of_reads_tensors_tuples_and_output_objects():
+    logits = torch.ones(2, 3)
+    output = transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+    assert logits_of(logits) is logits and logits_of((logits, None)) is logits and logits_of(output) is logits
+    with pytest.raises(TypeError, match="Cannot find logits in a dict"):
+        logits_of({"scores": logits})
+
+
+def test_a_plan_key_that_matches_nothing_is_named():
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_args(job(CONFIGS["llama"]), VOCAB, 32).config)
+    plan = ParallelPlan(tensor_parallel={"model.layers.*.self_attn.qkv_proj": ColwiseParallel()})
+    with pytest.raises(ConfigError, match=r"'model\.layers\.\*\.self_attn\.qkv_proj'.*'model\.layers\.0\.self_attn"
+                       r"\.qkv_proj' is not a submodule.*model\.layers\.0\.self_attn\.q_proj"):
+        parallelize(model, None, plan, device=torch.device("cpu"), init_weights=lambda m: None)
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        from torchpre.distributed.parallel_dims import ParallelDims
+
+        yield ParallelDims.from_degrees(dp=1, tp=1, pp=1, world_size=1).build_mesh("cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_blocks_are_needed_only_by_what_applies_per_block(mesh):
+    """A plan without `blocks` parallelizes; activation checkpointing then asks for it by name, and a wrong
+    dotted path is named with the model's children."""
+    config = hf_args(job(CONFIGS["llama"]), VOCAB, 32).config
+
+    def meta_model():
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+
+    cpu, init = torch.device("cpu"), lambda m: init_weights(m, 0)
+    parallel = parallelize(meta_model(), mesh, ParallelPlan(), device=cpu, init_weights=init, loss_fn=lambda o, y: 0)
+    assert parallel.forward_only(tokens()).shape == (2, 16, VOCAB)  # the logits of the output object
+    with pytest.raises(ConfigError, match=r"activation_checkpoint = 'full' applies per block: set ParallelPlan.blocks"):
+        parallelize(meta_model(), mesh, ParallelPlan(activation_checkpoint="full"), device=cpu, init_weights=init)
+    with pytest.raises(ConfigError, match=r"no submodule 'model\.blocks'.*its children: model, lm_head"):
+        parallelize(meta_model(), mesh, ParallelPlan(blocks="model.blocks", activation_checkpoint="full"), device=cpu,
+                    init_weights=init)
+    checkpointed = parallelize(meta_model(), mesh, ParallelPlan(blocks="model.layers", activation_checkpoint="full"),
+                               device=cpu, init_weights=init)
+    assert type(checkpointed.parts[0].model.layers[0]).__name__ == "CheckpointWrapper"
+    assert [name for name, _ in checkpointed.named_parameters()] == [name for name, _ in parallel.named_parameters()]
+
+
+def write(tmp_path: Path, **changes) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(CONFIGS["llama"].read_text()) | changes))
+    return path
+
+
+def test_hf_config_errors_name_the_key_and_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.name = 'hf' needs model.hf_config"):
+        hf_args(job(""), VOCAB, 32)
+    with pytest.raises(ConfigError, match=r"model.hf_config = .*missing.json does not exist"):
+        hf_args(job(tmp_path / "missing.json"), VOCAB, 32)
+    (tmp_path / "broken.json").write_text("{\n  \"model_type\": \"llama\",\n  oops\n}")
+    with pytest.raises(ConfigError, match=r"broken.json is not valid JSON \(Expecting .* line 3"):
+        hf_args(job(tmp_path / "broken.json"), VOCAB, 32)
+    with pytest.raises(ConfigError, match=r"model_type = 'bert'.*llama, mistral, qwen2, qwen3.*parallelize"):
+        hf_args(job(write(tmp_path, model_type="bert")), VOCAB, 32)
+    with pytest.raises(ConfigError, match=r"vocab_size = 1000 is smaller than the tokenizer's 2048 ids"):
+        hf_args(job(write(tmp_path, vocab_size=1000)), VOCAB, 32)
+    with pytest.raises(ConfigError, match=r"training.seq_len = 1024 is longer than the model's max_position_embed"):
+        hf_args(job(write(tmp_path)), VOCAB, 1024)
+    with pytest.raises(ConfigError, match=r"sliding_window = 16 is shorter than the 32-token sequences"):
+        hf_args(job(write(tmp_path, model_type="mistral", sliding_window=16)), VOCAB, 32)
+    with pytest.raises(ConfigError, match=r"training.document_mask is not supported with model.name = 'hf'"):
+        hf_args(job(write(tmp_path), document_mask=True), VOCAB, 32)
+    assert hf_args(job(tmp_path), VOCAB, 32).config.model_type == "llama"  # a folder holding config.json
+    with pytest.raises(ConfigError, match=r"num_key_value_heads = 2 is not divisible by parallelism.tensor_parallel"):
+        validate_tensor_parallel(hf_args(job(tmp_path), VOCAB, 32), 4)
