@@ -24,10 +24,12 @@ from torchpre.dryrun import (
     check_fits,
     dry_run_ranks,
     dry_run_world_size,
+    probe_rank,
     rank_memory,
     run_dry_run,
 )
 from torchpre.errors import ConfigError
+from torchpre.models.hf import HFCausalLM, hf_args
 from torchpre.trainer import Runtime, Trainer
 
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
@@ -176,3 +178,28 @@ def test_a_mixture_of_experts_gets_its_model_state_and_says_what_it_leaves_out(c
     assert memory.param_bytes > 0 and memory.optimizer_state_bytes > 0
     assert memory.activation_bytes == memory.optimizer_step_bytes == 0
     assert "not counted for model.name = 'moe'" in capsys.readouterr().out
+
+
+def test_a_transformers_model_tied_across_pipeline_stages_dry_runs():
+    """model.name = 'hf' (Qwen2, tied embeddings) at pp2 x tp2 x dp2: each stage holds one copy of the tied weight,
+    and the optimizer step that sums the copies' gradients across stages runs on meta (it crashed there: meta
+    tensors have nothing to exchange). The stages hold the whole model once, each copy of the tied weight once."""
+    pytest.importorskip("transformers")
+    config = _config(
+        "--model.name", "hf",
+        "--model.hf_config", "assets/hf_configs/qwen2_tiny.json",
+        "--parallelism.tensor_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_degree", "2",
+        "--training.seq_len", "32",
+    )  # fmt: skip
+    ranks = dry_run_ranks(config, 8)
+    results = [probe_rank(config, 8, rank)[0] for rank in ranks]
+    assert [(memory.pp, memory.tp) for memory in results] == [(0, 0), (1, 0)]
+    args = hf_args(config, 2048, 32)
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in HFCausalLM(args).parameters())  # the tied weight once
+    tied = args.vocab_size * args.dim
+    # fp32 parameters: tensor-parallel halves of all but the norms (replicated, hidden_size values each)
+    norms = args.dim * (2 * args.n_layers + 1)
+    held = sum(memory.param_bytes for memory in results) // 4
+    assert held == (whole + tied - norms) // 2 + norms

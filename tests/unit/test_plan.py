@@ -102,3 +102,6 @@ def test_the_planner_needs_the_gpu_count_a_known_gpu_and_a_dense_model():
     with pytest.raises(ConfigError, match="cannot count a Mixture of Experts"):
         plan_main(["--model.name", "moe", "--model.flavor", "debugmodel", "--training.global_batch_size", "8",
                    "--gpus", "2"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"this family's args come from elsewhere \(model.hf_config\)"):
+        plan_main(["--model.name", "hf", "--model.hf_config", "assets/hf_configs/llama_tiny.json",
+                   "--training.global_batch_size", "8", "--gpus", "2"])  # fmt: skip

@@ -270,12 +270,13 @@ def sync_tied_gradients(
     else:
         ((name, mine),) = grads.items()
         theirs = torch.empty_like(mine)
-        ops = [
-            dist.P2POp(dist.isend, mine, group=group, group_peer=peer_rank),
-            dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer_rank),
-        ]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+        if not mine.is_meta:  # a dry run's meta tensors have nothing to exchange (their buffer still counts)
+            ops = [
+                dist.P2POp(dist.isend, mine, group=group, group_peer=peer_rank),
+                dist.P2POp(dist.irecv, theirs, group=group, group_peer=peer_rank),
+            ]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
         total = mine + theirs if name == tied[0] else theirs + mine
     for grad in grads.values():
         grad.copy_(total)

@@ -155,6 +155,12 @@ def valid_layouts(base: JobConfig, gpus: int, gpus_per_node: int) -> tuple[list[
             "yet (its router sends tokens by their values, which the dry run's meta tensors do not have). "
             "`--job.dry_run` reports its per-rank model state."
         )
+    if spec.args_from_job is not None:
+        raise ConfigError(
+            f"model.name = '{base.model.name}': the planner sizes a model by cutting its flavor to fewer blocks, and "
+            "this family's args come from elsewhere (model.hf_config), not a flavor. `--job.dry_run` reports the "
+            "per-rank memory of a given layout."
+        )
     valid, rejected = [], 0
     for layout in candidates(base, gpus, gpus_per_node, experts=spec.expert_parallel is not None):
         try:
