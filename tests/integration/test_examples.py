@@ -8,10 +8,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from tests.launch import REPO, train_and_read_metrics
 from torchpre.custom_import import import_custom_module
 from torchpre.errors import ConfigError
+from torchpre.models.hf.model import init_weights
 
 GPT2 = [
     "--model.name", "gpt2",
@@ -49,6 +52,31 @@ def test_parallelize_api_example_trains_under_tp2_pp2():
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
     assert len(losses) == 10
     assert losses[0] == pytest.approx(math.log(256), abs=0.05)
+    assert losses[-1] < losses[0] - 0.5  # one repeated batch: memorised quickly
+
+
+@pytest.mark.slow
+def test_hf_parallelize_example_trains_under_dp2_tp2_like_one_process():
+    """transformers' LlamaForCausalLM under dp2 x tp2, ZeRO-1 and activation checkpointing: its first loss is the
+    one-process model's on the same batch (fp32, reduction order only; printed to 6 decimals), and it falls."""
+    pytest.importorskip("transformers")
+    from examples import hf_parallelize as example  # imports transformers
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+               "examples/hf_parallelize.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) == example.STEPS
+
+    model = example.LlamaForCausalLM(example.CONFIG)
+    init_weights(model, example.SEED)
+    batch = example.global_batch()
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+    reference = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert losses[0] == pytest.approx(reference, rel=0, abs=1e-5)
     assert losses[-1] < losses[0] - 0.5  # one repeated batch: memorised quickly
 
 
