@@ -23,7 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "tests.launch"])
+# transformers (its Llama) for the spawned tests of transformers models; the fork server skips what it cannot import.
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch.distributed", "tests.launch", "transformers.models.llama.modeling_llama"]
+)
 
 # What every launched job gets on top of the caller's environment: two processes share two cores.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
