@@ -3,6 +3,8 @@
 import pytest
 import torch.distributed as dist
 
+from torchpre.distributed.parallel_dims import ParallelDims
+
 
 @pytest.fixture
 def world():
@@ -12,3 +14,9 @@ def world():
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def mesh(world):
+    """The ("pp", "dp", "tp") mesh of a process group of one, for `parallelize` in one process."""
+    return ParallelDims.from_degrees(dp=1, tp=1, pp=1, world_size=1).build_mesh("cpu")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from tests.launch import REPO
@@ -123,17 +122,6 @@ def test_a_plan_key_that_matches_nothing_is_named():
     with pytest.raises(ConfigError, match=r"'model\.layers\.\*\.self_attn\.qkv_proj'.*'model\.layers\.0\.self_attn"
                        r"\.qkv_proj' is not a submodule.*model\.layers\.0\.self_attn\.q_proj"):
         parallelize(model, None, plan, device=torch.device("cpu"), init_weights=lambda m: None)
-
-
-@pytest.fixture
-def mesh(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        from torchpre.distributed.parallel_dims import ParallelDims
-
-        yield ParallelDims.from_degrees(dp=1, tp=1, pp=1, world_size=1).build_mesh("cpu")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_blocks_are_needed_only_by_what_applies_per_block(mesh):

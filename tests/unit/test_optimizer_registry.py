@@ -3,12 +3,10 @@ first step."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
-from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.optim import OptimizerSpec, build_optimizer, get_optimizer, optimizer_names, register_optimizer
 from torchpre.optim.registry import constructor_kwargs, hyperparameters_from_config
@@ -91,15 +89,6 @@ class TwoLayers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers["1"](torch.tanh(self.layers["0"](x)))
-
-
-@pytest.fixture
-def mesh(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield ParallelDims.from_degrees(dp=1, tp=1, pp=1, world_size=1).build_mesh("cpu")
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(mesh, name: str, state_first: bool) -> tuple[dict, dict]:

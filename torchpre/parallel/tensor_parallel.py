@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from fnmatch import fnmatch
 
@@ -37,6 +38,22 @@ def apply_tensor_parallel(
     if tp_mesh.size() == 1:
         return module
     return parallelize_module(module, tp_mesh, plan)
+
+
+def check_whole_heads(query: tuple[str, int], key_value: tuple[str, int], tp: int, where: str, fix: str) -> None:
+    """Rejects a tensor-parallel degree that splits attention heads: column-parallel q/k/v projections give each
+    rank an even share of their output rows, so both head counts (given as (config key, count)) must divide by
+    `tp`; each rank's query heads then map onto its own key/value heads. `where` names the model, `fix` adds a
+    remedy to the message."""
+    for name, heads in (query, key_value):
+        if heads % tp:
+            common = math.gcd(query[1], key_value[1])
+            degrees = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
+            raise ConfigError(
+                f"{where} {name} = {heads} is not divisible by parallelism.tensor_parallel_degree = {tp}: each "
+                f"tensor-parallel rank must hold whole attention heads. Set parallelism.tensor_parallel_degree to "
+                f"a divisor of both {query[0]} = {query[1]} and {key_value[0]} = {key_value[1]} ({degrees}){fix}."
+            )
 
 
 def check_plan(module: nn.Module, plan: dict[str, ParallelStyle]) -> None:

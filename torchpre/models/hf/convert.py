@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchpre.errors import TorchpreError
 from torchpre.models.hf.args import HFArgs
 from torchpre.models.hf.model import EMBEDDING, HEAD, HFCausalLM
+from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
 
 # The keys of config.json that decide the weights' names and shapes.
 SHAPE_KEYS = (
@@ -32,16 +32,18 @@ SHAPE_KEYS = (
 def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: HFArgs) -> dict[str, Tensor]:
     """The checkpoint's tensors under their own names, without the output copy of a tied embedding (transformers
     saves the embedding only), after checking them against the model."""
-    state_dict = _without_tied_copy(state_dict, args)
-    _check_tensors(state_dict, _shapes(args), "checkpoint")
+    if args.tie_word_embeddings:
+        state_dict = without_tied_copy(state_dict, HEAD, EMBEDDING)
+    check_tensors(state_dict, _shapes(args), "checkpoint")
     return dict(state_dict)
 
 
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: HFArgs) -> dict[str, Tensor]:
     """A transformers state dict as the model's state dict (the tied output copy is the embedding tensor)."""
-    state_dict = _without_tied_copy(hf_state_dict, args)
-    _check_tensors(state_dict, _shapes(args), "Hugging Face state dict")
-    state_dict = dict(state_dict)
+    if args.tie_word_embeddings:
+        hf_state_dict = without_tied_copy(hf_state_dict, HEAD, EMBEDDING)
+    check_tensors(hf_state_dict, _shapes(args), "Hugging Face state dict")
+    state_dict = dict(hf_state_dict)
     if args.tie_word_embeddings:
         state_dict[HEAD] = state_dict[EMBEDDING]
     return state_dict
@@ -81,31 +83,3 @@ def _shapes(args: HFArgs) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = HFCausalLM(args)
     return {name: param.shape for name, param in model.named_parameters()}
-
-
-def _without_tied_copy(state_dict: Mapping[str, Tensor], args: HFArgs) -> Mapping[str, Tensor]:
-    if not args.tie_word_embeddings or HEAD not in state_dict:
-        return state_dict
-    if EMBEDDING in state_dict and not torch.equal(state_dict[HEAD], state_dict[EMBEDDING]):
-        raise TorchpreError(
-            f"{HEAD} differs from {EMBEDDING}, but the config ties them (tie_word_embeddings); these weights belong "
-            "to a model with untied embeddings."
-        )
-    return {name: tensor for name, tensor in state_dict.items() if name != HEAD}
-
-
-def _check_tensors(given: Mapping[str, Tensor], expected: Mapping[str, torch.Size], what: str) -> None:
-    missing = sorted(expected.keys() - given.keys())
-    unknown = sorted(given.keys() - expected.keys())
-    misshapen = [
-        f"{name} {tuple(given[name].shape)} (expected {tuple(shape)})"
-        for name, shape in expected.items()
-        if name in given and given[name].shape != shape
-    ]
-    problems = [
-        f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-        for label, names in (("missing", missing), ("unknown", unknown), ("wrong shape", misshapen))
-        if names
-    ]
-    if problems:
-        raise TorchpreError(f"The {what} does not match model.hf_config's model ({'; '.join(problems)}).")

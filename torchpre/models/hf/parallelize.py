@@ -10,8 +10,6 @@ summed over the ranks like the sequence-parallel norms'.
 
 from __future__ import annotations
 
-import math
-
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -22,25 +20,18 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchpre.errors import ConfigError
 from torchpre.models.hf.args import HFArgs
 from torchpre.models.hf.model import HFCausalLM
-from torchpre.parallel.tensor_parallel import apply_tensor_parallel
+from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole_heads
 
 HEAD_NORMS = {"qwen3": ("q_norm", "k_norm")}  # per-head RMSNorms inside attention, by model_type
 
 
 def validate_tensor_parallel(args: HFArgs, tp: int) -> None:
     """Each tensor-parallel rank must hold whole query and key/value heads."""
-    for key, heads in (("num_attention_heads", args.n_heads), ("num_key_value_heads", args.n_kv_heads)):
-        if heads % tp:
-            common = math.gcd(args.n_heads, args.n_kv_heads)
-            degrees = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
-            raise ConfigError(
-                f"{args.path}: {key} = {heads} is not divisible by parallelism.tensor_parallel_degree = {tp}: each "
-                f"tensor-parallel rank must hold whole attention heads. Use a degree dividing both head counts "
-                f"({degrees})."
-            )
+    check_whole_heads(
+        ("num_attention_heads", args.n_heads), ("num_key_value_heads", args.n_kv_heads), tp, f"{args.path}:", ""
+    )
 
 
 def apply_tensor_parallel_plan(

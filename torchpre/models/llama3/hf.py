@@ -22,6 +22,7 @@ from torch import Tensor
 from torchpre.errors import TorchpreError
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
 from torchpre.models.llama3.model import Transformer
+from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -40,7 +41,6 @@ _PER_LAYER = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _TIED = "output.weight"
-_LISTED = 6  # tensors named per kind of problem in an error
 _TIED_HF = "lm_head.weight"
 
 # (TransformerArgs attribute, Hugging Face config key) pairs that must agree for weights to load.
@@ -66,8 +66,8 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: TransformerArgs) ->
     missing, unknown or misshapen tensors.
     """
     if args.tie_word_embeddings:
-        state_dict = _without_tied_copy(state_dict, _TIED, "tok_embeddings.weight")
-    _check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
+        state_dict = without_tied_copy(state_dict, _TIED, "tok_embeddings.weight")
+    check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
     return {_hf_name(fqn): _permute_rope_rows(fqn, tensor, args, to_hf=True) for fqn, tensor in state_dict.items()}
 
 
@@ -80,8 +80,8 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: TransformerArg
     shapes = _torchpre_shapes(args)
     fqns = {_hf_name(fqn): fqn for fqn in shapes}
     if args.tie_word_embeddings:
-        hf_state_dict = _without_tied_copy(hf_state_dict, _TIED_HF, "model.embed_tokens.weight")
-    _check_tensors(hf_state_dict, {name: shapes[fqn] for name, fqn in fqns.items()}, "Hugging Face state dict")
+        hf_state_dict = without_tied_copy(hf_state_dict, _TIED_HF, "model.embed_tokens.weight")
+    check_tensors(hf_state_dict, {name: shapes[fqn] for name, fqn in fqns.items()}, "Hugging Face state dict")
     state_dict = {
         fqns[name]: _permute_rope_rows(fqns[name], tensor, args, to_hf=False) for name, tensor in hf_state_dict.items()
     }
@@ -213,33 +213,6 @@ def _hf_name(fqn: str) -> str:
         return _TOP_LEVEL[fqn]
     _, layer, name = fqn.split(".", 2)  # layers.{i}.{name}
     return f"model.layers.{layer}.{_PER_LAYER[name]}"
-
-
-def _without_tied_copy(state_dict: Mapping[str, Tensor], copy: str, embedding: str) -> dict[str, Tensor]:
-    """`state_dict` without the output copy of a tied embedding, after checking it is one."""
-    if copy in state_dict and embedding in state_dict and not torch.equal(state_dict[copy], state_dict[embedding]):
-        raise TorchpreError(
-            f"{copy} differs from {embedding}, but the model ties them (tie_word_embeddings); "
-            "these weights belong to a model with untied embeddings."
-        )
-    return {name: tensor for name, tensor in state_dict.items() if name != copy}
-
-
-def _check_tensors(given: Mapping[str, Tensor], expected: Mapping[str, torch.Size], what: str) -> None:
-    missing = sorted(expected.keys() - given.keys())
-    unknown = sorted(given.keys() - expected.keys())
-    misshapen = [
-        f"{name} {tuple(given[name].shape)} (expected {tuple(shape)})"
-        for name, shape in expected.items()
-        if name in given and given[name].shape != shape
-    ]
-    problems = [
-        f"{len(names)} {label}: {', '.join(names[:_LISTED])}" + (", ..." if len(names) > _LISTED else "")
-        for label, names in (("missing", missing), ("unknown", unknown), ("with the wrong shape", misshapen))
-        if names
-    ]
-    if problems:
-        raise TorchpreError(f"The {what} does not fit the model args: " + "; ".join(problems) + ".")
 
 
 def _permute_rope_rows(fqn: str, weight: Tensor, args: TransformerArgs, to_hf: bool) -> Tensor:

@@ -27,8 +27,6 @@ gives them their parameters' placements.
 
 from __future__ import annotations
 
-import math
-
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -39,29 +37,17 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
-from torchpre.parallel.tensor_parallel import apply_tensor_parallel
+from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole_heads
 
 
 def validate_llama3_tensor_parallel(args: TransformerArgs, tp: int) -> None:
-    """Fail fast, before any process-group work, if `tp` ranks cannot hold whole heads.
-
-    Column-parallel wq/wk/wv split their output rows evenly, so both head counts must be
-    divisible by tp; then each rank's query heads also map onto its own key/value heads.
-    """
-    for key, heads in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
-        if heads % tp:
-            common = math.gcd(args.n_heads, args.n_kv_heads)
-            degrees = ", ".join(str(d) for d in range(1, common + 1) if common % d == 0)
-            raise ConfigError(
-                f"The model's {key} = {heads} is not divisible by "
-                f"parallelism.tensor_parallel_degree = {tp}: each tensor-parallel rank must hold "
-                f"whole attention heads. Set parallelism.tensor_parallel_degree to a divisor of "
-                f"both n_heads = {args.n_heads} and n_kv_heads = {args.n_kv_heads} ({degrees}), "
-                f"or choose a model.flavor with more heads."
-            )
+    """Fail fast, before any process-group work, if `tp` ranks cannot hold whole heads."""
+    check_whole_heads(
+        ("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), tp, "The model's",
+        ", or choose a model.flavor with more heads",
+    )
 
 
 def apply_llama3_tensor_parallel(
