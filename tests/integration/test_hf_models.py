@@ -139,6 +139,20 @@ def test_export_loads_with_from_pretrained_and_imports_back(model_type, pipeline
         assert torch.equal(back[name], tensor), name
 
 
+def test_a_folder_saved_by_transformers_imports(tmp_path):
+    """Weights a user has, as `save_pretrained` writes them (tied: no lm_head.weight), become a checkpoint that
+    holds them exactly, to start from with --checkpoint.initial_load_path."""
+    config = transformers.AutoConfig.from_pretrained(REPO / CONFIGS["qwen2"])
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    theirs.save_pretrained(tmp_path / "hf")
+    convert("hf-to-dcp", tmp_path / "hf", tmp_path / "imported" / "step-0", "qwen2")
+    imported = _load_dcp_model(tmp_path / "imported" / "step-0")
+    assert imported.keys() == theirs.state_dict().keys()
+    for name, tensor in theirs.state_dict().items():
+        assert torch.equal(imported[name], tensor), name
+
+
 @pytest.mark.parametrize("model_type", ["qwen2"], indirect=True)  # one type: generation runs the trained forward
 def test_generation_matches_transformers_generate(pipelined, model_type, tmp_path):
     """`torchpre.generate` under pp2 decodes greedily what transformers' `generate` decodes from the export."""
