@@ -98,7 +98,8 @@ def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype |
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:
         raise TorchpreError(
-            f"Checkpoint {step_dir}: {error} Check the model keys and model.tokenizer_path against its config.toml."
+            f"Checkpoint {step_dir}: {error} Check model.flavor (model.hf_config for model.name = 'hf') and "
+            "model.tokenizer_path against its config.toml."
         ) from None
     state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in state_dict.items()}
     tokens = {"bos_token_id": model.tokenizer.bos_id, "eos_token_id": model.tokenizer.eos_id}
