@@ -192,6 +192,13 @@ CATALOGUE = [
         ["job.custom_import = 'my_package.my_model'", "no module named 'my_package'"],
         entry="torchpre.train",
     ),
+    case(
+        "selective-op-ac-zero-bubble",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+         "--activation_checkpoint.mode", "selective"],
+        ["activation_checkpoint.selective_ac_option = 'op'", "'ZBVZeroBubble'", "mode = 'full'", "1F1B"],
+        ranks=2,
+    ),  # fmt: skip
     case("hf-config-missing", ["--model.name", "hf"], ["model.name = 'hf' needs model.hf_config", "config.json"]),
     case("hf-config-not-a-file", [*HF, "no/such.json"], ["model.hf_config = no/such.json", "does not exist"]),
     case(

@@ -9,6 +9,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.hardware import get_hardware
 from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.distributed.schedules import names_where
 from torchpre.dryrun import build_rank
 from torchpre.errors import ConfigError
 from torchpre.plan.__main__ import main as plan_main
@@ -92,6 +93,17 @@ def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys):
     rates = [layout["tokens_per_sec"] for layout in layouts if layout["fits"]]
     assert rates == sorted(rates, reverse=True)  # best first
     assert {(layout["dp"], layout["tp"], layout["pp"]) for layout in layouts} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+
+
+def test_layouts_that_start_up_refuses_are_not_offered():
+    """Per-op selective AC cannot run under a zero-bubble schedule (one backward per block, and these run two):
+    start-up refuses it, so the planner drops it and keeps the other AC modes under that schedule."""
+    layouts, rejected = valid_layouts(_job("--model.flavor", "debugmodel", "--training.global_batch_size", "8"), 2, 8)
+    split_backward = set(names_where(zero_bubble=True))
+    pairs = {(checked.layout.activation_checkpoint, checked.layout.schedule) for checked in layouts}
+    assert {("full", "ZBVZeroBubble"), ("none", "ZBVZeroBubble"), ("selective", "1F1B")} <= pairs
+    assert not any(ac == "selective" and schedule in split_backward for ac, schedule in pairs)
+    assert rejected > 0
 
 
 def test_the_planner_needs_the_gpu_count_a_known_gpu_and_a_dense_model():

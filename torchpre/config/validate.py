@@ -34,6 +34,7 @@ def validate_config(config: JobConfig) -> None:
             "so later stages would not know the document boundaries. Set pipeline_parallel_degree = 1 or turn "
             "training.document_mask off."
         )
+    _check_selective_ac_schedule(config)
     _check_optimizer(o)
     _check_zero(config)
     if o.bucket_size_mb <= 0:
@@ -258,6 +259,21 @@ def _check_fsdp(config: JobConfig) -> None:
 def _at_least(key: str, value: float, minimum: float) -> None:
     if value < minimum:
         raise ConfigError(f"{key} = {value}: it must be at least {minimum}.")
+
+
+def _check_selective_ac_schedule(config: JobConfig) -> None:
+    """Per-op selective checkpointing keeps each saved op output for one backward through the block; a zero-bubble
+    schedule runs two (input gradients, then weight gradients), and torch fails in the second."""
+    ac, p = config.activation_checkpoint, config.parallelism
+    per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    if per_op and p.pipeline_parallel_degree > 1 and get_schedule(p.pipeline_parallel_schedule).zero_bubble:
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option = 'op' cannot run under {SCHEDULE_KEY} = "
+            f"'{p.pipeline_parallel_schedule}': a zero-bubble schedule splits each backward in two (input, then "
+            "weight gradients), and torch's per-op selective checkpointing allows one backward per block. Use "
+            "activation_checkpoint.mode = 'full' or selective_ac_option = N (every N-th block, fully), or "
+            f"another schedule ({', '.join(names_where(zero_bubble=False))})."
+        )
 
 
 def _check_optimizer(o: Optimizer) -> None:
