@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from tests.launch import REPO, run_entry, train_and_read_metrics, train_and_read_params
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args
 from torchpre.convert import _load_dcp_model
+from torchpre.models.hf import HFCausalLM, hf_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -185,10 +188,6 @@ def convert(command: str, source: Path, target: Path, model_type: str) -> None:
 
 def torchpre_logits(model_type: str, state_dict: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """The logits of torchpre's HFCausalLM (the module the trainer trains) with `state_dict`."""
-    from torchpre.config.job_config import JobConfig
-    from torchpre.config.parser import parse_args
-    from torchpre.models.hf import HFCausalLM, hf_args
-
     args = hf_args(parse_args(JobConfig, job(model_type)), 2048, None)
     model = HFCausalLM(args)
     model.load_state_dict(state_dict, strict=False)
