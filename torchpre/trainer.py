@@ -27,7 +27,7 @@ from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
-from torchpre.metrics.timer import IntervalTimer, PhaseTimer
+from torchpre.metrics.timer import IntervalTimer, PhaseTimer, StepTimes
 from torchpre.models.registry import get_model_spec
 from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
@@ -403,10 +403,11 @@ class Trainer:
         first_step, start, self.last_loss = self.step, time.perf_counter(), float("nan")
         self.peak = self._peak_flops()
         batches = iter(self.dataloader)
-        timer = IntervalTimer(self.device)
+        timer, step_times = IntervalTimer(self.device), StepTimes(self.device)
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
         profiler = Profiler(self.config.profiling, traces, dist.get_rank(), self.device, first_step=self.step)
         timer.start()
+        step_times.start()
         interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
         with profiler, preemption:
@@ -417,6 +418,7 @@ class Trainer:
                 data_time += time.perf_counter() - fetch_start
                 lr = self.optimizer.inner.param_groups[0]["lr"]
                 health, grad_norm = self.train_step(microbatches, stop_requested=preemption.requested)
+                step_times.step()
                 self.step += 1
                 self.last_loss = health.loss
                 self.consumed_samples += self.global_batch_size
@@ -430,6 +432,7 @@ class Trainer:
                 if log:  # read before validation and checkpointing, which are not part of a step
                     step_time = timer.elapsed() / interval_steps
                     timings = {f"time/{name}_s": v for name, v in self.phases.averages(interval_steps).items()}
+                    timings |= step_times.percentiles()
                     if checkpoint_time:
                         timings["time/checkpoint_s"] = checkpoint_time
                     val_loss = self.validator.evaluate() if validate else None
@@ -440,6 +443,7 @@ class Trainer:
                     checkpoint_time += self._save_checkpoint()
                 if log:
                     timer.start()
+                    step_times.start()
                 if stop:
                     self.checkpoint.wait()  # complete on disk before torchrun's shutdown timeout runs out
                     if self.is_logging_rank:
@@ -643,6 +647,7 @@ class Trainer:
                 "grad_norm": grad_norm.item(),
                 "tokens_per_sec": tokens_per_sec,
                 "tokens_per_sec_per_device": tokens_per_sec / world_size,
+                "samples_per_sec": self.global_batch_size / step_time,
                 "mfu": mfu,
                 "step_time_s": step_time,
                 "data_time_s": data_time,

@@ -14,8 +14,9 @@ from tests.launch import TINY, train_and_read_metrics
 pytestmark = pytest.mark.slow
 
 METRIC_KEYS = {
-    "step", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "mfu",
+    "step", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "samples_per_sec", "mfu",
     "step_time_s", "data_time_s", "max_memory_bytes", "optimizer_state_bytes", "param_bytes", "grad_bytes",
+    "time/step_p50_s", "time/step_p90_s", "time/step_p99_s", "time/step_max_s",
 }
 
 # fp32 on CPU: the only difference between layouts is the order of floating-point reductions
@@ -42,6 +43,11 @@ def test_single_process_run_writes_metrics_and_the_resolved_config(reference, tm
     first = reference[0]
     assert first["tokens_per_sec"] > 0 and 0 < first["mfu"] < 1
     assert first["optimizer_state_bytes"] > 0 and first["max_memory_bytes"] > 0
+    for record in reference:
+        assert record["samples_per_sec"] * 32 == pytest.approx(record["tokens_per_sec"])  # seq_len 32
+        # log_freq 1: each interval is one step, so every percentile is that step, timed as step_time_s is.
+        tail = [record[f"time/step_{name}_s"] for name in ("p50", "p90", "p99", "max")]
+        assert tail == pytest.approx([record["step_time_s"]] * 4, rel=1e-2)
 
 
 def test_loss_decreases(tmp_path):

@@ -68,3 +68,52 @@ class PhaseTimer:
                 seconds[name] = sum(start.elapsed_time(end) for start, end in pairs) / 1000
         self._seconds, self._events = {}, {}
         return {name: total / steps for name, total in seconds.items()}
+
+
+class StepTimes:
+    """Every step's duration over a log interval, for its tail: `time/step_p50_s`, `p90`, `p99` and `max`.
+
+    A straggling step (a GC pause, a slow collective, a data stall) hides in an interval's mean; its percentiles
+    show it. On CUDA each boundary is an event and nothing is read until `percentiles()` (no host sync per step);
+    on CPU, perf_counter. `start()` opens an interval, `step()` closes each step in it.
+    """
+
+    QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self._marks = [self._mark()]
+
+    def step(self) -> None:
+        self._marks.append(self._mark())
+
+    def durations(self) -> list[float]:
+        """Seconds of each step since `start()` (one device sync on CUDA)."""
+        if not self.cuda:
+            return [b - a for a, b in zip(self._marks, self._marks[1:])]
+        self._marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1000 for a, b in zip(self._marks, self._marks[1:])]
+
+    def percentiles(self) -> dict[str, float]:
+        """`time/step_{p50,p90,p99,max}_s` of the interval's steps; quantiles interpolate linearly between the
+        sorted durations (numpy's default)."""
+        durations = sorted(self.durations())
+        values = {name: _quantile(durations, q) for name, q in self.QUANTILES.items()} | {"max": durations[-1]}
+        return {f"time/step_{name}_s": value for name, value in values.items()}
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
