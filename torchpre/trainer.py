@@ -27,7 +27,7 @@ from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
-from torchpre.metrics.timer import IntervalTimer, PhaseTimer, StepTimes
+from torchpre.metrics.timer import PhaseTimer, StepTimes, tail
 from torchpre.models.registry import get_model_spec
 from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
@@ -403,10 +403,9 @@ class Trainer:
         first_step, start, self.last_loss = self.step, time.perf_counter(), float("nan")
         self.peak = self._peak_flops()
         batches = iter(self.dataloader)
-        timer, step_times = IntervalTimer(self.device), StepTimes(self.device)
+        step_times = StepTimes(self.device)
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
         profiler = Profiler(self.config.profiling, traces, dist.get_rank(), self.device, first_step=self.step)
-        timer.start()
         step_times.start()
         interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
@@ -430,9 +429,10 @@ class Trainer:
                 # The record goes out before the checkpoint: a crash after a save never loses the logged
                 # metrics of the step it resumes after.
                 if log:  # read before validation and checkpointing, which are not part of a step
-                    step_time = timer.elapsed() / interval_steps
+                    durations = step_times.durations()
+                    step_time = sum(durations) / interval_steps
                     timings = {f"time/{name}_s": v for name, v in self.phases.averages(interval_steps).items()}
-                    timings |= step_times.percentiles()
+                    timings |= tail(durations)
                     if checkpoint_time:
                         timings["time/checkpoint_s"] = checkpoint_time
                     val_loss = self.validator.evaluate() if validate else None
@@ -442,7 +442,6 @@ class Trainer:
                 if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
                     checkpoint_time += self._save_checkpoint()
                 if log:
-                    timer.start()
                     step_times.start()
                 if stop:
                     self.checkpoint.wait()  # complete on disk before torchrun's shutdown timeout runs out

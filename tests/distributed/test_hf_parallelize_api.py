@@ -9,8 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -19,6 +17,9 @@ from torchpre.optim import build_optimizer
 from torchpre.parallel import ParallelPlan, logits_of, parallelize
 
 transformers = pytest.importorskip("transformers")
+
+# The README's plan (examples/hf_parallelize.py), on transformers' own module paths; the embedding stays replicated.
+from examples.hf_parallelize import TP_PLAN  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +41,6 @@ ATOL = 1e-5
 # visible step (here up to ~1.2e-5 under tp2, ~3.5e-6 under dp2). A wrong or missing gradient
 # term moves whole tensors by ~lr = 1e-2 per step.
 PARAM_ATOL = 1e-4
-# transformers' own module paths; the embedding stays replicated.
-TP_PLAN = {
-    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-    "model.layers.*.mlp.up_proj": ColwiseParallel(),
-    "model.layers.*.mlp.down_proj": RowwiseParallel(),
-    "lm_head": ColwiseParallel(output_layouts=Replicate()),
-}
 
 
 def build_model():

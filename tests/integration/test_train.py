@@ -45,9 +45,10 @@ def test_single_process_run_writes_metrics_and_the_resolved_config(reference, tm
     assert first["optimizer_state_bytes"] > 0 and first["max_memory_bytes"] > 0
     for record in reference:
         assert record["samples_per_sec"] * 32 == pytest.approx(record["tokens_per_sec"])  # seq_len 32
-        # log_freq 1: each interval is one step, so every percentile is that step, timed as step_time_s is.
+        # log_freq 1: each interval is one step (an interval that does not start over holds earlier steps too), so
+        # every percentile is that step's time, whose mean is step_time_s.
         tail = [record[f"time/step_{name}_s"] for name in ("p50", "p90", "p99", "max")]
-        assert tail == pytest.approx([record["step_time_s"]] * 4, rel=1e-2)
+        assert tail == pytest.approx([record["step_time_s"]] * 4)
 
 
 def test_loss_decreases(tmp_path):

@@ -7,30 +7,6 @@ from collections.abc import Iterator
 import torch
 
 
-class IntervalTimer:
-    """Seconds since `start()`. On CUDA it times with events, so kernels still queued when the host
-    reaches `elapsed()` are counted (the host runs ahead of the GPU); on CPU, perf_counter."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._start_time = 0.0
-        self._start_event = torch.cuda.Event(enable_timing=True) if self.cuda else None
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start_event.record()
-        else:
-            self._start_time = time.perf_counter()
-
-    def elapsed(self) -> float:
-        if not self.cuda:
-            return time.perf_counter() - self._start_time
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        return self._start_event.elapsed_time(end) / 1000
-
-
 class PhaseTimer:
     """Time per named phase of a step (data, forward/backward, optimizer, ...), averaged over a log interval.
 
@@ -71,14 +47,13 @@ class PhaseTimer:
 
 
 class StepTimes:
-    """Every step's duration over a log interval, for its tail: `time/step_p50_s`, `p90`, `p99` and `max`.
+    """Every step's duration over a log interval: their mean is `step_time_s`, their tail (`tail`) shows what a
+    mean hides (a GC pause, a slow collective, a data stall).
 
-    A straggling step (a GC pause, a slow collective, a data stall) hides in an interval's mean; its percentiles
-    show it. On CUDA each boundary is an event and nothing is read until `percentiles()` (no host sync per step);
-    on CPU, perf_counter. `start()` opens an interval, `step()` closes each step in it.
+    On CUDA each step boundary is an event and nothing is read until `durations()`: no host sync per step, and
+    kernels still queued when the host reaches a log step are counted (the host runs ahead of the GPU). On CPU,
+    perf_counter. `start()` opens an interval, `step()` closes each step in it.
     """
-
-    QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -104,12 +79,16 @@ class StepTimes:
         self._marks[-1].synchronize()
         return [a.elapsed_time(b) / 1000 for a, b in zip(self._marks, self._marks[1:])]
 
-    def percentiles(self) -> dict[str, float]:
-        """`time/step_{p50,p90,p99,max}_s` of the interval's steps; quantiles interpolate linearly between the
-        sorted durations (numpy's default)."""
-        durations = sorted(self.durations())
-        values = {name: _quantile(durations, q) for name, q in self.QUANTILES.items()} | {"max": durations[-1]}
-        return {f"time/step_{name}_s": value for name, value in values.items()}
+
+TAIL_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
+
+
+def tail(durations: list[float]) -> dict[str, float]:
+    """`time/step_{p50,p90,p99,max}_s` of an interval's step durations; quantiles interpolate linearly between
+    the sorted durations (numpy's default)."""
+    ordered = sorted(durations)
+    values = {name: _quantile(ordered, q) for name, q in TAIL_QUANTILES.items()} | {"max": ordered[-1]}
+    return {f"time/step_{name}_s": value for name, value in values.items()}
 
 
 def _quantile(ordered: list[float], q: float) -> float:
