@@ -1,9 +1,10 @@
 """The training loop, assembled from the config: model, data, optimizer, parallelism, metrics."""
 
 import logging
+import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,16 @@ from torchpre.config.validate import validate_config
 from torchpre.data.loader import build_dataloader, data_shares
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.determinism import configure_determinism
+from torchpre.distributed.comm_timer import CommTimer
 from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import apply_comm_timeout, init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError
 from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
+from torchpre.metrics.rank_times import StragglerWatch, pipeline_bubble_metrics
 from torchpre.metrics.timer import PhaseTimer, StepTimes, tail
 from torchpre.models.registry import get_model_spec
 from torchpre.optim import build_optimizer
@@ -90,6 +94,15 @@ class Runtime:
         hook = sys.excepthook  # torch wraps it with a rank prefix per group: one process joins many fake worlds
         dist.init_process_group("fake", store=FakeStore(), rank=self.fake_rank, world_size=self.world_size)
         sys.excepthook = hook
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's seconds per step over a log interval, gathered from every rank at log steps."""
+
+    busy: float  # step time less time inside collectives: what a straggler has more of
+    pipeline_busy: float  # compute of this rank's pipeline stages (0 without a pipeline)
+    pipeline_window: float  # the forward-backward phase, the schedule step the bubble is a fraction of
 
 
 class Trainer:
@@ -406,10 +419,13 @@ class Trainer:
         step_times = StepTimes(self.device)
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
         profiler = Profiler(self.config.profiling, traces, dist.get_rank(), self.device, first_step=self.step)
+        comm = CommTimer(self.device, self.meshes.all())
+        m = self.config.metrics
+        self.stragglers = StragglerWatch(m.straggler_threshold, m.straggler_window, self._hosts())
         step_times.start()
         interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
-        with profiler, preemption:
+        with profiler, preemption, comm.installed():
             while self.step < t.steps:
                 fetch_start = time.perf_counter()
                 with self.phases.phase("data"):
@@ -431,16 +447,25 @@ class Trainer:
                 if log:  # read before validation and checkpointing, which are not part of a step
                     durations = step_times.durations()
                     step_time = sum(durations) / interval_steps
-                    timings = {f"time/{name}_s": v for name, v in self.phases.averages(interval_steps).items()}
-                    timings |= tail(durations)
+                    phases = self.phases.averages(interval_steps)
+                    comm_seconds = {kind: v / interval_steps for kind, v in comm.totals().items()}
+                    timings = {f"time/{name}_s": v for name, v in phases.items()} | tail(durations)
+                    timings |= {f"time/comm_{kind}_s": comm_seconds[kind] for kind in comm.kinds_in_use}
                     if checkpoint_time:
                         timings["time/checkpoint_s"] = checkpoint_time
-                    val_loss = self.validator.evaluate() if validate else None
-                    data_time /= interval_steps
-                    self._log(health.loss, grad_norm, lr, step_time, data_time, val_loss, timings)
+                    rank_times = RankTimes(
+                        busy=step_time - comm_seconds["total"],
+                        pipeline_busy=self.model.pipeline_busy_seconds() / interval_steps if self.pipeline else 0.0,
+                        pipeline_window=phases["forward_backward"],
+                    )
+                    with comm.paused():
+                        val_loss = self.validator.evaluate() if validate else None
+                        data_time /= interval_steps
+                        self._log(health.loss, grad_norm, lr, step_time, data_time, val_loss, timings, rank_times)
                     interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
                 if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
-                    checkpoint_time += self._save_checkpoint()
+                    with comm.paused():
+                        checkpoint_time += self._save_checkpoint()
                 if log:
                     step_times.start()
                 if stop:
@@ -455,6 +480,12 @@ class Trainer:
                     break
         self._close()
         self._summarize(self.step - first_step, time.perf_counter() - start)
+
+    def _hosts(self) -> list[str]:
+        """Every rank's host name, by rank, for the straggler warning."""
+        hosts = [""] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        return hosts
 
     def _close(self) -> None:
         if self.checkpoint is not None:
@@ -513,6 +544,22 @@ class Trainer:
                 )
             self.peak = achieved_flops
         return achieved_flops / self.peak
+
+    def _rank_time_metrics(self, every_rank: list[list[float]]) -> dict[str, float]:
+        """The straggler metrics over all ranks (when there are several) and the pipeline bubble of rank 0's
+        pipeline (under pipeline parallelism), from every rank's `RankTimes`."""
+        metrics = {}
+        if len(every_rank) > 1:
+            metrics |= self.stragglers.observe([busy for busy, _, _ in every_rank], self.step)
+        if self.pipeline is not None:
+            p = self.pipeline
+            pipeline_ranks = dist.get_process_group_ranks(self.mesh["pp"].get_group())
+            metrics |= pipeline_bubble_metrics(
+                busy=[every_rank[rank][1] for rank in pipeline_ranks],
+                windows=[every_rank[rank][2] for rank in pipeline_ranks],
+                theory=bubble_fraction(p.schedule, p.pp, p.n_microbatches, p.stages_per_rank),
+            )
+        return metrics
 
     def _loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         """This microbatch's share of the global-batch mean token cross-entropy.
@@ -623,8 +670,10 @@ class Trainer:
         data_time: float,
         val_loss: float | None,
         timings: dict[str, float],
+        rank_times: RankTimes,
     ) -> None:
-        """Gathers the per-rank maxima; rank 0 writes the record (`loss` is already global, see step_health)."""
+        """Gathers the per-rank maxima and times; rank 0 writes the record (`loss` is already global, see
+        step_health)."""
         o = self.optimizer
         maxima = torch.tensor(
             [max_memory_bytes(self.device), o.state_bytes(), o.param_bytes(), o.grad_bytes()],
@@ -632,9 +681,13 @@ class Trainer:
             device=self.device,
         )
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        mine = torch.tensor(astuple(rank_times), dtype=torch.float64, device=self.device)
+        every_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every_rank, mine)
         extra = self.model_spec.extra_metrics(self.model.parts, self.model_args, self.device)
         if self.metrics is None:
             return
+        extra |= self._rank_time_metrics(torch.stack(every_rank).tolist())
         tokens_per_sec = self.tokens_per_step / step_time
         world_size = self.parallel_dims.world_size
         mfu = self._mfu(self.flops_per_token * tokens_per_sec / world_size)

@@ -252,6 +252,12 @@ class Metrics:
     enable_tensorboard: bool = _option(
         False, "also write each metrics record as TensorBoard scalars to {job.dump_folder}/tensorboard"
     )
+    straggler_threshold: float = _option(
+        0.2,
+        "warn when the ranks' busy time per step (step time less time in collectives) has (max - median) / median "
+        "above this for straggler_window log intervals in a row",
+    )
+    straggler_window: int = _option(3, "log intervals the straggler spread must stay above the threshold to warn")
 
 
 @dataclass

@@ -20,6 +20,12 @@ def validate_config(config: JobConfig) -> None:
     _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
     _at_least("metrics.log_freq", m.log_freq, 1)
     _at_least("metrics.peak_flops", m.peak_flops, 0)
+    if not m.straggler_threshold > 0:
+        raise ConfigError(
+            f"metrics.straggler_threshold = {m.straggler_threshold}: it must be positive (e.g. 0.2: warn when the "
+            "slowest rank is busy 20% longer per step than the median rank)."
+        )
+    _at_least("metrics.straggler_window", m.straggler_window, 1)
     # Every rank checks the trackers' packages: rank 0 alone failing later would leave its peers waiting.
     if m.enable_wandb:
         import_wandb()

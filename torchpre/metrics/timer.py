@@ -1,49 +1,25 @@
 """Step timing that counts the device's queued work, not just the host's."""
 
-import contextlib
 import time
-from collections.abc import Iterator
 
 import torch
 
+from torchpre.distributed.clock import SpanClock
 
-class PhaseTimer:
+
+class PhaseTimer(SpanClock):
     """Time per named phase of a step (data, forward/backward, optimizer, ...), averaged over a log interval.
 
-    On CUDA each phase is bracketed by two events on the current stream and nothing is read until
-    `averages()`: timing adds no host sync per step, and the events measure the device's timeline, on
-    which the phases of a step follow each other (a phase the GPU waits through, such as the host
-    fetching data while the GPU is idle, counts as that phase). On CPU, perf_counter around each phase.
-    Phases may nest (`grad_comm` inside `optimizer`); each is reported on its own.
+    Phases are `SpanClock` spans: on CUDA they measure the device's timeline, on which the phases of a step
+    follow each other (a phase the GPU waits through, such as the host fetching data while the GPU is idle,
+    counts as that phase). Phases may nest (`grad_comm` inside `optimizer`); each is reported on its own.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._seconds: dict[str, float] = {}
-        self._events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.setdefault(name, []).append((start, end))
-            return
-        began = time.perf_counter()
-        yield
-        self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - began
+    phase = SpanClock.span
 
     def averages(self, steps: int) -> dict[str, float]:
         """Seconds per step of each phase since the last call (one device sync on CUDA), then starts over."""
-        seconds = dict(self._seconds)
-        if self._events:
-            torch.cuda.synchronize()
-            for name, pairs in self._events.items():
-                seconds[name] = sum(start.elapsed_time(end) for start, end in pairs) / 1000
-        self._seconds, self._events = {}, {}
-        return {name: total / steps for name, total in seconds.items()}
+        return {name: total / steps for name, total in self.totals().items()}
 
 
 class StepTimes:

@@ -39,6 +39,7 @@ model must do:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.names import canonical_fqn
 from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
@@ -205,6 +207,8 @@ class ParallelModel:
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
         self._stages: list[Stage] = []
         self._backward_callback: Callable[[int, bool], None] | None = None
+        # The compute time of this rank's stages in training steps (not evaluation): see `pipeline_busy_seconds`.
+        self._pipeline_clock = SpanClock(device)
         # Without a loss_fn (inference) there is no schedule: `forward_only` passes activations itself.
         self.schedule = self._build_schedule() if pipeline and loss_fn is not None else None
 
@@ -214,7 +218,19 @@ class ParallelModel:
             Stage(part, stage, pipeline.num_stages, self.device, group=group, part_index=index)
             for index, (part, stage) in enumerate(zip(self.parts, self.stage_ids))
         ]
-        return build_schedule(self._stages, pipeline.schedule, pipeline.n_microbatches, self.loss_fn)
+        return build_schedule(self._stages, pipeline.schedule, pipeline.n_microbatches, self._stage_loss)
+
+    def _stage_loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        """`loss_fn` as the last stage's schedule calls it, timed as stage compute while a step is timed."""
+        clock = self._stages[0].clock
+        with clock.span("compute") if clock is not None else contextlib.nullcontext():
+            return self.loss_fn(output, labels)
+
+    def pipeline_busy_seconds(self) -> float:
+        """Seconds this rank's stages computed (forward, backward, weight backward, loss) in `forward_backward`
+        calls since the last call: a schedule step's time less this is the rank's share of the pipeline bubble
+        (waiting for peers and P2P). On CUDA measured with events, read here (one device sync)."""
+        return self._pipeline_clock.totals().get("compute", 0.0)
 
     def set_backward_callback(self, callback: Callable[[int, bool], None] | None) -> None:
         """Has `forward_backward` call `callback(part_index, last)` before each backward that produces parameter
@@ -264,7 +280,14 @@ class ParallelModel:
     def _pipeline_forward_backward(self, microbatches: Sequence[Batch]) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in microbatches])
         labels = torch.cat([y for _, y in microbatches])
-        losses = self._run_schedule(self._require_schedule().step, inputs, labels)
+        schedule = self._require_schedule()
+        for stage in self._stages:
+            stage.clock = self._pipeline_clock
+        try:
+            losses = self._run_schedule(schedule.step, inputs, labels)
+        finally:
+            for stage in self._stages:
+                stage.clock = None
         if not losses:
             return torch.zeros((), device=self.device)
         return torch.stack([replicated_value(loss.detach()) for loss in losses]).sum()

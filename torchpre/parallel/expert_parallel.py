@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
@@ -51,7 +51,7 @@ def _dispatch(module: nn.Module, inputs: tuple[Tensor, Tensor], mesh: DeviceMesh
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-    received = all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
+    received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
     # Received rows come grouped by (source rank, local expert); the experts need them by local expert.
     rows = torch.arange(sum(recv_splits), device=tokens.device).split(recv_counts.flatten().tolist())
     order = torch.cat([rows[source * local_experts + e] for e in range(local_experts) for source in range(ep)])
@@ -63,4 +63,6 @@ def _combine(module: nn.Module, output: Tensor, mesh: DeviceMesh) -> Tensor:
     dispatch: _Dispatch = module._ep_dispatch
     del module._ep_dispatch
     received_order = torch.empty_like(output).index_copy(0, dispatch.order, output)
-    return all_to_all_single_autograd(received_order, dispatch.send_splits, dispatch.recv_splits, mesh.get_group())
+    return funcol.all_to_all_single_autograd(
+        received_order, dispatch.send_splits, dispatch.recv_splits, mesh.get_group()
+    )

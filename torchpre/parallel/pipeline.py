@@ -6,6 +6,7 @@ ModuleList, or removed from a ModuleDict). Stages are placed loop-style (rank r 
 or, for the V schedules, as a V (rank r holds stages r and 2 pp - 1 - r).
 """
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 
+from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
 
@@ -209,12 +211,27 @@ class Stage(PipelineStage):
     Before each backward that produces weight gradients (full or weight-only, not input-only) it calls
     `backward_callback(part_index, last_backward)` (set by `ParallelModel.set_backward_callback`), so the
     optimizer knows which microbatch's backward is this stage's last in the step.
+
+    While `clock` is set, its "compute" span times each forward, backward and weight backward of one microbatch:
+    the busy time whose complement in a schedule step is the pipeline bubble (P2P waits stay outside).
     """
 
     def __init__(self, *args, part_index: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.part_index = part_index
         self.backward_callback: Callable[[int, bool], None] | None = None
+        self.clock: SpanClock | None = None
+
+    def _computing(self) -> contextlib.AbstractContextManager:
+        return self.clock.span("compute") if self.clock is not None else contextlib.nullcontext()
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self._computing():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self._computing():
+            return super().backward_one_chunk(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if self.backward_callback is not None and backward_type in ("full", "weight"):
@@ -222,19 +239,20 @@ class Stage(PipelineStage):
         return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
-        if isinstance(self.submod, FSDPModule):
-            # ZeRO-3: FSDP accumulates the unsharded gradients itself and reduce-scatters them after the last
-            # backward (`perform_reduce_grad`); the optimizer registers no hooks to run.
+        with self._computing():
+            if isinstance(self.submod, FSDPModule):
+                # ZeRO-3: FSDP accumulates the unsharded gradients itself and reduce-scatters them after the last
+                # backward (`perform_reduce_grad`); the optimizer registers no hooks to run.
+                super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+                return
+            params = list(self.submod.parameters())
+            before = [_grad_version(p) for p in params]
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-            return
-        params = list(self.submod.parameters())
-        before = [_grad_version(p) for p in params]
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        for param, version in zip(params, before):
-            if param.grad is not None and _grad_version(param) != version:
-                # torch keeps no public way to run these; `register_post_accumulate_grad_hook` fills this dict.
-                for hook in list((param._post_accumulate_grad_hooks or {}).values()):
-                    hook(param)
+            for param, version in zip(params, before):
+                if param.grad is not None and _grad_version(param) != version:
+                    # torch keeps no public way to run these; `register_post_accumulate_grad_hook` fills this dict.
+                    for hook in list((param._post_accumulate_grad_hooks or {}).values()):
+                        hook(param)
 
 
 def _grad_version(param: nn.Parameter) -> tuple[int, int] | None:

@@ -1,0 +1,188 @@
+"""Wall time inside each mesh dimension's collectives: the `time/comm_{dp,tp,pp,ep}_s` metrics.
+
+torch has no hook that times collectives on every backend (NCCL's completion hooks skip gloo, and a dispatch
+mode would slow every operator), so while a `CommTimer` is installed it wraps the Python entry points of
+torch.distributed's collectives and of the functional collectives DTensor uses, and looks up which mesh
+dimension each call's process group is. A synchronous call is timed as a whole; an asynchronous one is timed
+when it is issued and again when it is waited for (`Work.wait`, or the functional collectives' `wait_tensor`),
+so the time counts what the caller spent blocked, not what overlapped with compute. Point-to-point receives of
+the pipeline count their wait for the peer, so `comm_pp` includes the bubble the peer's compute causes.
+
+Not seen: collectives inside `torch.compile`d graphs (they are graph nodes, not calls), and the backward
+collectives of the functional collectives' own autograd (the expert all-to-all's backward), whose waits count as
+`other`: not reported, but part of the communication a rank's busy time excludes (`total`).
+"""
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchpre.distributed.clock import SpanClock
+
+KINDS = ("dp", "tp", "pp", "ep")
+OTHER = "other"  # a group that is no mesh dimension of size > 1: the world, say
+
+# torch.distributed's collectives; each one that the installed torch has is wrapped.
+C10D_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast", "reduce",
+    "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier",
+)
+# The functional collectives (DTensor's redistributions, the expert all-to-all); waited in `wait_tensor`.
+FUNCTIONAL_COLLECTIVES = (
+    "all_reduce", "all_gather_tensor", "all_gather_tensor_autograd", "all_gather_single",
+    "all_gather_single_autograd", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
+    "reduce_scatter_single", "reduce_scatter_single_autograd", "all_to_all_single", "all_to_all_single_autograd",
+    "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+    "broadcast", "permute_tensor",
+)
+
+
+def dimension_kind(name: str) -> str:
+    """The metric a mesh dimension's collectives count under: dp for every data-parallel flavour (dp,
+    dp_replicate, dp_shard, edp, edp_shard)."""
+    return name if name in ("tp", "pp", "ep") else "dp"
+
+
+class CommTimer:
+    """Seconds inside collectives per kind (dp, tp, pp, ep, other) since the last `totals()`, while `installed`.
+
+    `meshes` are the job's device meshes; a dimension of size 1 communicates nothing and has no kind. On CUDA
+    the spans are events on the current stream (`SpanClock`): the time the stream waited for communication,
+    read without a host sync until `totals()`.
+    """
+
+    def __init__(self, device: torch.device, meshes: Iterable[DeviceMesh]) -> None:
+        self.clock = SpanClock(device)
+        self.kinds_in_use: list[str] = []
+        self._kinds_of_group: dict[str, list[str]] = {}
+        for mesh in meshes:
+            for name in mesh.mesh_dim_names:
+                if mesh.size(mesh.mesh_dim_names.index(name)) > 1:
+                    kind = dimension_kind(name)
+                    kinds = self._kinds_of_group.setdefault(mesh.get_group(name).group_name, [])
+                    for known in (kinds, self.kinds_in_use):
+                        if kind not in known:
+                            known.append(kind)
+        self._pending: dict[int, str] = {}  # id of a functional collective's output -> its kind, until waited
+        self._paused = False
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per kind since the last call: every kind in use (0 when it did not communicate), `other`
+        when something else did, and `total`, their sum."""
+        seconds = self.clock.totals()
+        per_kind = {kind: seconds.get(kind, 0.0) for kind in self.kinds_in_use}
+        if OTHER in seconds:
+            per_kind[OTHER] = seconds[OTHER]
+        return per_kind | {"total": sum(seconds.values())}
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collectives here are not counted: validation and checkpoint saves are not part of a step."""
+        self._paused, was = True, self._paused
+        try:
+            yield
+        finally:
+            self._paused = was
+
+    @contextmanager
+    def installed(self) -> Iterator["CommTimer"]:
+        """Wraps the collectives' entry points for the duration of the block, then puts the originals back."""
+        originals: list[tuple[Any, str, Any]] = []
+        try:
+            for name in C10D_COLLECTIVES:
+                if hasattr(c10d, name):
+                    wrapper = self._wrap_c10d(getattr(c10d, name))
+                    # The same object in both namespaces: P2POp checks its op against c10d's isend and irecv.
+                    for module in (c10d, dist):
+                        originals.append((module, name, getattr(module, name)))
+                        setattr(module, name, wrapper)
+            for name in FUNCTIONAL_COLLECTIVES:
+                if hasattr(funcol, name):
+                    originals.append((funcol, name, getattr(funcol, name)))
+                    setattr(funcol, name, self._wrap_functional(getattr(funcol, name)))
+            originals.append((funcol, "wait_tensor", funcol.wait_tensor))
+            funcol.wait_tensor = self._wrap_wait_tensor(funcol.wait_tensor)
+            yield self
+        finally:
+            for module, name, original in reversed(originals):
+                setattr(module, name, original)
+            self._pending.clear()
+
+    def _kind(self, group: Any, collective: str) -> str:
+        """The kind of a call of `collective` on `group`. torch gives dimensions over the same ranks one group
+        (ep spanning all of dp, say): there an all-to-all is expert parallelism's, anything else the first
+        dimension's (the order of the meshes' dimensions)."""
+        if group is None:
+            group = c10d._get_default_group()
+        name = group.group_name if isinstance(group, dist.ProcessGroup) else funcol._resolve_group_name(group)
+        kinds = self._kinds_of_group.get(name, [OTHER])
+        if "ep" in kinds and collective.startswith("all_to_all"):
+            return "ep"
+        return kinds[0]
+
+    def _span(self, kind: str):
+        return self.clock.span(kind) if not self._paused else nullcontext()
+
+    def _wrap_c10d(self, collective: Callable) -> Callable:
+        signature, name = inspect.signature(collective), collective.__name__
+
+        @functools.wraps(collective)
+        def timed(*args, **kwargs):
+            if name == "batch_isend_irecv":
+                ops = args[0] if args else kwargs["p2p_op_list"]
+                kind = self._kind(ops[0].group, name) if ops else OTHER
+            else:
+                kind = self._kind(signature.bind(*args, **kwargs).arguments.get("group"), name)
+            with self._span(kind):
+                result = collective(*args, **kwargs)
+            if isinstance(result, list):
+                return [_TimedWork(work, self, kind) if work is not None else None for work in result]
+            return _TimedWork(result, self, kind) if isinstance(result, dist.Work) else result
+
+        return timed
+
+    def _wrap_functional(self, collective: Callable) -> Callable:
+        signature, name = inspect.signature(collective), collective.__name__
+
+        @functools.wraps(collective)
+        def timed(*args, **kwargs):
+            kind = self._kind(signature.bind(*args, **kwargs).arguments.get("group"), name)
+            with self._span(kind):
+                result = collective(*args, **kwargs)
+            for output in result if isinstance(result, list) else [result]:
+                if isinstance(output, funcol.AsyncCollectiveTensor):
+                    self._pending[id(output.elem)] = kind
+            return result
+
+        return timed
+
+    def _wrap_wait_tensor(self, wait_tensor: Callable) -> Callable:
+        @functools.wraps(wait_tensor)
+        def timed(tensor: torch.Tensor) -> torch.Tensor:
+            with self._span(self._pending.pop(id(tensor), OTHER)):
+                return wait_tensor(tensor)
+
+        return timed
+
+
+class _TimedWork:
+    """A collective's `Work` whose `wait()` counts as communication of its kind; everything else is the Work's."""
+
+    def __init__(self, work: dist.Work, timer: CommTimer, kind: str) -> None:
+        self._work, self._timer, self._kind = work, timer, kind
+
+    def wait(self, *args, **kwargs):
+        with self._timer._span(self._kind):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
