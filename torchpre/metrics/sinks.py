@@ -73,10 +73,11 @@ class WandbSink:
     step the interrupted attempt logged (read from metrics.jsonl). W&B cannot replace logged steps: its
     online backend itself drops a step below the run's last one, and rewinding a run (`resume_from`) is
     a private preview of W&B's server. So a redone step keeps its first attempt's values in W&B: the same
-    loss, lr, grad norm and val_loss (training is deterministic), but the first attempt's timings,
-    throughput, MFU and memory; metrics.jsonl and TensorBoard hold the redone values. This assumes W&B
-    was on in the earlier attempts; a job resumed from an earlier `checkpoint.load_step` likewise keeps
-    W&B's values of the steps the superseded attempt logged.
+    loss, grad norm and val_loss (training is deterministic), the same lr unless the restart changed the
+    schedule (e.g. training.steps), but the first attempt's timings, throughput, MFU and memory;
+    metrics.jsonl and TensorBoard hold the redone values. This assumes W&B was on in the earlier
+    attempts; a job resumed from an earlier `checkpoint.load_step` likewise keeps W&B's values of the
+    steps the superseded attempt logged.
     """
 
     def __init__(
