@@ -391,7 +391,7 @@ class Trainer:
             logger.warning(
                 "job.dump_folder %s already holds metrics of an earlier run (this run resumes no checkpoint): "
                 "moved them to %s; this run writes its own. Give each experiment its own job.dump_folder.",
-                folder, ", ".join(path.name for path in moved),
+                folder, ", ".join(str(path.relative_to(folder)) for path in moved),
             )
         return build_metrics_logger(self.config, resume_step=self.step)
 

@@ -148,7 +148,7 @@ def test_a_resumed_job_keeps_one_tensorboard_run_with_each_step_once(resumed):
 
 def test_a_new_run_in_a_used_folder_gets_its_own_wandb_run_and_tensorboard_directory(tmp_path):
     """No checkpoint to resume: the second job is a new run. It gets a new W&B id, and the first run's
-    events move to tensorboard.1 next to metrics.1.jsonl."""
+    events move to tensorboard.1 next to metrics.1.jsonl (and its W&B id to wandb/run_id.1)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     args = [*TINY, *TRACKERS, "--training.steps", "2"]
@@ -156,9 +156,10 @@ def test_a_new_run_in_a_used_folder_gets_its_own_wandb_run_and_tensorboard_direc
     first_id = (tmp_path / "wandb" / "run_id").read_text()
     result = run_train([*args, "--training.steps", "3"], 1, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "moved them to metrics.1.jsonl, tensorboard.1;" in result.stdout + result.stderr
+    assert "moved them to metrics.1.jsonl, tensorboard.1, wandb/run_id.1;" in result.stdout + result.stderr
     (old_run, old_history), (new_run, new_history) = wandb_runs(tmp_path)
-    assert old_run.run_id == first_id != new_run.run_id == (tmp_path / "wandb" / "run_id").read_text()
+    assert old_run.run_id == first_id == (tmp_path / "wandb" / "run_id.1").read_text()
+    assert new_run.run_id != first_id and new_run.run_id == (tmp_path / "wandb" / "run_id").read_text()
     assert not new_run.resume
     assert sorted(old_history) == [1, 2] and sorted(new_history) == [1, 2, 3]
     assert [json.loads(line) for line in (tmp_path / "metrics.1.jsonl").read_text().splitlines()] == first

@@ -23,8 +23,8 @@ def test_later_steps_move_to_a_fresh_folder_each_time(tmp_path):
     assert set_aside_later_steps(tmp_path, 100) is None  # nothing later: nothing moves
 
 
-def test_an_old_runs_metrics_get_the_next_number_free_for_both(tmp_path):
-    path, events = tmp_path / "metrics.jsonl", tmp_path / "tensorboard"
+def test_an_old_runs_metrics_get_the_next_number_free_for_all(tmp_path):
+    path, events, run_id = tmp_path / "metrics.jsonl", tmp_path / "tensorboard", tmp_path / "wandb" / "run_id"
     assert set_aside_earlier_metrics(tmp_path) == []
     path.write_text("")
     events.mkdir()
@@ -33,10 +33,14 @@ def test_an_old_runs_metrics_get_the_next_number_free_for_both(tmp_path):
     assert set_aside_earlier_metrics(tmp_path) == [tmp_path / "metrics.1.jsonl"]
     path.write_text('{"run": 2}\n')
     (events / "events.out.tfevents.2").write_text("2")
-    assert set_aside_earlier_metrics(tmp_path) == [tmp_path / "metrics.2.jsonl", tmp_path / "tensorboard.2"]
+    run_id.parent.mkdir()
+    run_id.write_text("abc")
+    moved = [tmp_path / "metrics.2.jsonl", tmp_path / "tensorboard.2", tmp_path / "wandb" / "run_id.2"]
+    assert set_aside_earlier_metrics(tmp_path) == moved
     (events := tmp_path / "tensorboard").mkdir()
     (events / "events.out.tfevents.3").write_text("3")
     assert set_aside_earlier_metrics(tmp_path) == [tmp_path / "tensorboard.3"]  # 1 and 2 are taken
-    assert not path.exists() and not events.exists()
+    assert not path.exists() and not events.exists() and not run_id.exists()
     assert (tmp_path / "metrics.1.jsonl").read_text() == '{"run": 1}\n'
     assert (tmp_path / "tensorboard.2" / "events.out.tfevents.2").read_text() == "2"
+    assert (tmp_path / "wandb" / "run_id.2").read_text() == "abc"

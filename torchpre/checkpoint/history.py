@@ -20,10 +20,11 @@ def set_aside_later_steps(folder: Path, step: int) -> Path | None:
 
 
 def set_aside_earlier_metrics(folder: Path) -> list[Path]:
-    """Renames an earlier run's non-empty `metrics.jsonl` and `tensorboard/` in `folder` to `metrics.N.jsonl`
-    and `tensorboard.N` (the first N free for both, so the pair keeps one number), so a new run writes files
-    of its own and TensorBoard never shows two runs as one; returns the new names (none if nothing to move)."""
-    paths = (folder / "metrics.jsonl", folder / "tensorboard")
+    """Renames an earlier run's non-empty `metrics.jsonl`, `tensorboard/` and `wandb/run_id` in `folder` to
+    `metrics.N.jsonl`, `tensorboard.N` and `wandb/run_id.N` (the first N free for all, so they keep one
+    number): a new run writes files of its own, TensorBoard never shows two runs as one, and a resume of
+    the new run never continues the old W&B run. Returns the new names (none if nothing to move)."""
+    paths = (folder / "metrics.jsonl", folder / "tensorboard", folder / "wandb" / "run_id")
     earlier = [path for path in paths if _has_content(path)]
     number = 1
     while any(_numbered(path, number).exists() for path in paths):

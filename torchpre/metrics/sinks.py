@@ -67,17 +67,17 @@ class WandbSink:
 
     The run's id is written to `{dump_folder}/wandb/run_id` when it starts. A job that resumes a checkpoint
     (`logged_through` is not None) continues that run (`resume="allow"`), so the curves stay one line; a
-    new run in the folder starts a new W&B run and replaces the id.
+    new run in the folder starts a new W&B run (the trainer has moved the old id aside).
 
     A step is logged to a W&B run once: a resumed job skips the steps up to `logged_through`, the last
-    step the interrupted attempt logged (read from metrics.jsonl). W&B cannot replace logged steps: its
-    online backend itself drops a step below the run's last one, and rewinding a run (`resume_from`) is
-    a private preview of W&B's server. So a redone step keeps its first attempt's values in W&B: the same
-    loss, grad norm and val_loss (training is deterministic), the same lr unless the restart changed the
-    schedule (e.g. training.steps), but the first attempt's timings, throughput, MFU and memory;
-    metrics.jsonl and TensorBoard hold the redone values. This assumes W&B was on in the earlier
-    attempts; a job resumed from an earlier `checkpoint.load_step` likewise keeps W&B's values of the
-    steps the superseded attempt logged.
+    step the interrupted attempt logged (read from metrics.jsonl). W&B cannot replace logged steps: wandb
+    drops a step below the run's current one (an online resume starts from the server's last step), and
+    rewinding a run (`resume_from`) is a private preview of W&B's server. So a redone step keeps its
+    first attempt's values in W&B: the same loss, grad norm and val_loss (training is deterministic),
+    the same lr unless the restart changed the schedule (e.g. training.steps), but the first attempt's
+    timings, throughput, MFU and memory; metrics.jsonl and TensorBoard hold the redone values. This
+    assumes W&B was on in the earlier attempts; a job resumed from an earlier `checkpoint.load_step`
+    likewise keeps W&B's values of the steps the superseded attempt logged.
     """
 
     def __init__(
