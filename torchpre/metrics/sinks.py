@@ -140,7 +140,7 @@ class TensorBoardSink:
 
 def _stored_run_id(path: Path) -> str | None:
     """The W&B run id an earlier attempt of this run stored, None if it ran without W&B."""
-    return path.read_text(encoding="utf-8").strip() or None if path.is_file() else None
+    return (path.read_text(encoding="utf-8").strip() or None) if path.is_file() else None
 
 
 def _write_atomically(path: Path, text: str) -> None:
