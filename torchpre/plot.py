@@ -2,12 +2,15 @@
 
   python -m torchpre.plot DUMP_FOLDER [DUMP_FOLDER ...] [-o OUT.png]
 
-One panel per metric (loss, val_loss when a run has it, lr, grad norm, tokens/s, MFU) against the
-step; each run is one curve per panel, labelled with its folder's name, so runs overlay for
-comparison. Writes OUT.png (default: metrics.png) with matplotlib's Agg backend, no display needed.
+One panel per quantity against the step (loss, val_loss, lr, grad norm, tokens/s, MFU, pipeline
+bubble, communication time, step time tail), shown when some run logged it. Each run is one curve
+per metric, labelled with its folder's name (and the metric's name in a panel of several), so runs
+overlay for comparison. Writes OUT.png (default: metrics.png) with matplotlib's Agg backend, no
+display needed.
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -24,14 +27,32 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torchpre")
 
-# (metrics.jsonl key, panel title, factor applied to the value for display)
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """One plot: the metrics.jsonl keys it draws, the factor applied to their values for display, and the
+    keys drawn dashed (a theoretical value next to the measured ones)."""
+
+    title: str
+    keys: tuple[str, ...]
+    factor: float = 1.0
+    dashed: tuple[str, ...] = ()
+
+
 PANELS = (
-    ("loss", "loss", 1.0),
-    ("val_loss", "validation loss", 1.0),
-    ("lr", "learning rate", 1.0),
-    ("grad_norm", "grad norm (before clipping)", 1.0),
-    ("tokens_per_sec", "tokens/s (whole job)", 1.0),
-    ("mfu", "MFU (%)", 100.0),
+    Panel("loss", ("loss",)),
+    Panel("validation loss", ("val_loss",)),
+    Panel("learning rate", ("lr",)),
+    Panel("grad norm (before clipping)", ("grad_norm",)),
+    Panel("tokens/s (whole job)", ("tokens_per_sec",)),
+    Panel("MFU (%)", ("mfu",), factor=100.0),
+    Panel(
+        "pipeline bubble (idle fraction)",
+        ("pipeline/bubble", "pipeline/bubble_max", "pipeline/bubble_theory"),
+        dashed=("pipeline/bubble_theory",),
+    ),
+    Panel("communication time (s per step)", ("time/comm_dp_s", "time/comm_tp_s", "time/comm_pp_s", "time/comm_ep_s")),
+    Panel("step time tail (s)", ("time/step_p50_s", "time/step_p90_s", "time/step_p99_s", "time/step_max_s")),
 )
 COLUMNS = 2
 
@@ -50,8 +71,9 @@ def main(argv: list[str]) -> None:
 
 
 def read_metrics(folder: Path) -> list[dict[str, Any]]:
-    """The records of `folder/metrics.jsonl`; a missing or empty file is an error naming it, since a plot
-    without one run's curves would silently mislead a comparison."""
+    """The records of `folder/metrics.jsonl`, one per step in step order: a resumed job appends the steps it
+    redid after a crash, and a step's last record is the one that counts. A missing or empty file is an
+    error naming it, since a plot without one run's curves would silently mislead a comparison."""
     path = folder / "metrics.jsonl"
     if not path.is_file():
         raise TorchpreError(f"{path} does not exist; give the job.dump_folder of a training run.")
@@ -59,29 +81,34 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
     if not lines:
         raise TorchpreError(f"{path} is empty: the run logged no step yet.")
     try:
-        return [json.loads(line) for line in lines]
+        records = [json.loads(line) for line in lines]
     except json.JSONDecodeError as error:
         raise TorchpreError(f"{path} is not JSON lines: {error}.") from None
+    return sorted({record["step"]: record for record in records}.values(), key=lambda record: record["step"])
 
 
 def plot_runs(runs: list[Run]) -> "Figure":
-    """A matplotlib Figure with a panel per metric that any run logged, one curve per run in each."""
+    """A matplotlib Figure with a panel per quantity that any run logged, one curve per run and metric."""
     import_optional("matplotlib", "python -m torchpre.plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    panels = [panel for panel in PANELS if any(panel[0] in record for _, records in runs for record in records)]
+    logged = {key for _, records in runs for record in records for key in record}
+    panels = [panel for panel in PANELS if logged.intersection(panel.keys)]
     rows = math.ceil(len(panels) / COLUMNS)
     figure = Figure(figsize=(6 * COLUMNS, 3.5 * rows), layout="constrained")
     FigureCanvasAgg(figure)
-    for index, (key, title, factor) in enumerate(panels):
+    for index, panel in enumerate(panels):
         axes = figure.add_subplot(rows, COLUMNS, index + 1)
         for name, records in runs:
-            points = [(record["step"], factor * record[key]) for record in records if key in record]
-            if points:
-                steps, values = zip(*points)
-                axes.plot(steps, values, label=name, marker="." if len(points) == 1 else None)
-        axes.set_title(title)
+            for key in panel.keys:
+                points = [(record["step"], panel.factor * record[key]) for record in records if key in record]
+                if points:
+                    steps, values = zip(*points)
+                    label = name if len(panel.keys) == 1 else f"{name}: {key.rsplit('/', 1)[-1]}"
+                    style = "--" if key in panel.dashed else "-"
+                    axes.plot(steps, values, style, label=label, marker="." if len(points) == 1 else None)
+        axes.set_title(panel.title)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")

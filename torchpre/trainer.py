@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchpre.build import check_layout, meta_model, model_args, parallel_plan
-from torchpre.checkpoint.history import set_aside_later_steps, start_new_metrics_file
+from torchpre.checkpoint.history import set_aside_earlier_metrics, set_aside_later_steps
 from torchpre.checkpoint.manager import CheckpointManager, find_step_dir, saved_global_batch_size
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
@@ -394,18 +394,19 @@ class Trainer:
         logger.info("config: %s and the command line; resolved config in %s", source, folder / "config.toml")
 
     def _build_metrics_logger(self) -> MetricsLogger:
-        """A resume appends to metrics.jsonl (a redone step's last record is the one that counts); a new run
-        in a folder that holds an earlier run's file moves that file aside, so runs never mix in one file."""
-        path = Path(self.config.job.dump_folder) / "metrics.jsonl"
+        """A resume appends to metrics.jsonl (a redone step's last record is the one that counts) and continues
+        the W&B run and TensorBoard directory; a new run in a folder that holds an earlier run's metrics moves
+        them aside, so runs never mix."""
+        folder = Path(self.config.job.dump_folder)
         if self.step > 0:
-            logger.info("resuming at step %d: appending to %s", self.step, path)
-        elif (moved := start_new_metrics_file(path)) is not None:
+            logger.info("resuming at step %d: appending to %s", self.step, folder / "metrics.jsonl")
+        elif moved := set_aside_earlier_metrics(folder):
             logger.warning(
-                "job.dump_folder %s already holds metrics.jsonl of an earlier run (this run resumes no checkpoint): "
-                "moved it to %s; this run writes a new metrics.jsonl. Give each experiment its own job.dump_folder.",
-                self.config.job.dump_folder, moved.name,
+                "job.dump_folder %s already holds metrics of an earlier run (this run resumes no checkpoint): "
+                "moved them to %s; this run writes its own. Give each experiment its own job.dump_folder.",
+                folder, ", ".join(str(path.relative_to(folder)) for path in moved),
             )
-        return build_metrics_logger(self.config)
+        return build_metrics_logger(self.config, resume_step=self.step)
 
     def train(self) -> None:
         t = self.config.training

@@ -53,8 +53,8 @@ def test_new_run_in_a_used_dump_folder_starts_a_new_metrics_file(tmp_path):
     succeed(args, 1, tmp_path)
     first = records(tmp_path / "metrics.jsonl")
     output = succeed([*args, "--training.steps", "3"], 1, tmp_path)
-    assert f"job.dump_folder {tmp_path} already holds metrics.jsonl" in output
-    assert "moved it to metrics.1.jsonl" in output
+    assert f"job.dump_folder {tmp_path} already holds metrics of an earlier run" in output
+    assert "moved them to metrics.1.jsonl;" in output
     assert records(tmp_path / "metrics.1.jsonl") == first
     assert [r["step"] for r in records(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 

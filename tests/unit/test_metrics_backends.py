@@ -1,5 +1,6 @@
-"""The metrics sinks and the plot command without training: TensorBoard scalars equal the records, the
-plot draws one curve per run, and a missing optional package or metrics file is a clear error."""
+"""The metrics sinks and the plot command without training: TensorBoard scalars equal the records (each
+step once across a resume), the plot draws one curve per run and metric, readers see one record per
+step, and a missing optional package or metrics file is a clear error."""
 
 import json
 import sys
@@ -11,7 +12,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.errors import TorchpreError
 from torchpre.metrics.logger import MetricsLogger
-from torchpre.metrics.sinks import JsonlSink, TensorBoardSink, WandbSink
+from torchpre.metrics.sinks import JsonlSink, TensorBoardSink, WandbSink, last_logged_step
 from torchpre.plot import main as plot_main
 from torchpre.plot import plot_runs, read_metrics
 
@@ -84,6 +85,107 @@ def test_plot_draws_one_curve_per_run_in_each_panel(tmp_path):
     loss_b = panels["loss"].get_lines()[1]
     assert list(loss_b.get_xdata()) == [1, 2, 3]
     assert list(loss_b.get_ydata()) == pytest.approx([16.0, 8.0, 16.0 / 3])
+
+
+def read_scalars(folder: Path) -> dict[str, dict[int, list[float]]]:
+    """Every scalar TensorBoard shows for the run in `folder/tensorboard`: tag -> step -> values (a step
+    shown twice would hold two)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    shown: dict[str, dict[int, list[float]]] = {}
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            shown.setdefault(tag, {}).setdefault(event.step, []).append(event.value)
+    return shown
+
+
+def test_a_resumed_tensorboard_sink_shows_redone_steps_once_with_their_new_values(tmp_path):
+    """An attempt logs steps 1-5 and stops; the job resumes the checkpoint of step 4 and logs 5-8 again
+    with other values (another scale): TensorBoard shows 1-4 of the first attempt, 5-8 of the second."""
+    pytest.importorskip("tensorboard")
+    first, second = fake_records(5, 1.0), fake_records(8, 3.0)
+    sink = TensorBoardSink(tmp_path, "first")
+    for record in first:
+        sink.log(record)
+    sink.close()
+    sink = TensorBoardSink(tmp_path, "second", resume_step=4)
+    for record in second[4:]:
+        sink.log(record)
+    sink.close()
+
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    shown = read_scalars(tmp_path)["loss"]
+    assert {step: len(values) for step, values in shown.items()} == {step: 1 for step in range(1, 9)}
+    expected = [record["loss"] for record in first[:4] + second[4:]]
+    assert [shown[step][0] for step in range(1, 9)] == pytest.approx(expected, rel=TB_TOLERANCE)
+
+
+def test_read_metrics_keeps_the_last_record_of_each_step_in_step_order(tmp_path):
+    """A resumed job appends the steps it redid (4 and 5 here); they replace the interrupted attempt's."""
+    first, second = fake_records(5, 1.0), fake_records(7, 2.0)
+    write_run(tmp_path / "run", first + second[3:])
+    assert read_metrics(tmp_path / "run") == first[:3] + second[3:]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [second[2], first[0]]))
+    assert read_metrics(tmp_path / "run") == [first[0], second[2]]
+
+
+def test_last_logged_step_is_the_highest_complete_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert last_logged_step(path) == 0
+    path.write_text("")
+    assert last_logged_step(path) == 0
+    records = fake_records(5, 1.0) + fake_records(3, 1.0)  # a resume from step 2 that redid step 3
+    path.write_text("".join(json.dumps(record) + "\n" for record in records) + '{"step": 9, "lo')  # cut mid-write
+    assert last_logged_step(path) == 5
+    path.write_text("x" * 2**21 + "\n" + json.dumps(records[1]) + "\n")  # a long file: only the end is read
+    assert last_logged_step(path) == 2
+
+
+def bubble_and_comm_records(steps: int, scale: float, comm: tuple[str, ...]) -> list[dict]:
+    """Records with the pipeline bubble, the communication time of the mesh dims `comm`, and the step-time tail."""
+    records = []
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": scale / step, "pipeline/bubble": 0.2 * scale + 0.01 * step,
+                  "pipeline/bubble_max": 0.3 * scale + 0.01 * step, "pipeline/bubble_theory": 0.25 * scale}
+        record |= {f"time/comm_{dim}_s": 0.001 * step * scale for dim in comm}
+        record |= {f"time/step_{q}_s": 0.1 * scale + 0.001 * i for i, q in enumerate(("p50", "p90", "p99", "max"))}
+        records.append(record)
+    return records
+
+
+def test_plot_draws_the_bubble_communication_and_tail_panels_per_run_and_key(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_run(tmp_path / "pp", bubble_and_comm_records(4, 1.0, ("dp", "pp")))
+    write_run(tmp_path / "tp", [{k: v for k, v in r.items() if not k.startswith("pipeline/")}
+                                for r in bubble_and_comm_records(3, 2.0, ("tp",))])
+    figure = plot_runs([("pp", read_metrics(tmp_path / "pp")), ("tp", read_metrics(tmp_path / "tp"))])
+    panels = {axes.get_title(): axes for axes in figure.axes}
+    assert list(panels) == ["loss", "pipeline bubble (idle fraction)", "communication time (s per step)",
+                            "step time tail (s)"]
+
+    def lines(title: str) -> dict[str, tuple[list, list, str]]:
+        return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()), line.get_linestyle())
+                for line in panels[title].get_lines()}
+
+    bubble = lines("pipeline bubble (idle fraction)")
+    assert list(bubble) == ["pp: bubble", "pp: bubble_max", "pp: bubble_theory"]
+    assert bubble["pp: bubble"][0] == [1, 2, 3, 4]
+    assert bubble["pp: bubble"][1] == pytest.approx([0.21, 0.22, 0.23, 0.24])
+    assert bubble["pp: bubble_max"][1] == pytest.approx([0.31, 0.32, 0.33, 0.34])
+    assert bubble["pp: bubble_theory"][1] == pytest.approx([0.25] * 4)
+    assert [style for _, _, style in bubble.values()] == ["-", "-", "--"]  # the theory is dashed
+
+    comm = lines("communication time (s per step)")
+    assert list(comm) == ["pp: comm_dp_s", "pp: comm_pp_s", "tp: comm_tp_s"]  # only what each run logged
+    assert comm["tp: comm_tp_s"][:2] == ([1, 2, 3], pytest.approx([0.002, 0.004, 0.006]))
+    assert comm["pp: comm_pp_s"][1] == pytest.approx([0.001, 0.002, 0.003, 0.004])
+
+    tail = lines("step time tail (s)")
+    assert list(tail) == [f"{run}: step_{q}_s" for run in ("pp", "tp") for q in ("p50", "p90", "p99", "max")]
+    assert tail["tp: step_p99_s"][:2] == ([1, 2, 3], pytest.approx([0.202] * 3))
+    assert [line.get_label() for line in panels["loss"].get_lines()] == ["pp", "tp"]  # one key: the run's name
 
 
 def test_plot_command_writes_a_png(tmp_path):

@@ -1,6 +1,6 @@
-"""Moving an earlier run's files aside: later checkpoints and an old metrics.jsonl, never overwritten."""
+"""Moving an earlier run's files aside: later checkpoints and an old run's metrics, never overwritten."""
 
-from torchpre.checkpoint.history import set_aside_later_steps, start_new_metrics_file
+from torchpre.checkpoint.history import set_aside_earlier_metrics, set_aside_later_steps
 
 
 def make_steps(folder, *steps):
@@ -23,13 +23,24 @@ def test_later_steps_move_to_a_fresh_folder_each_time(tmp_path):
     assert set_aside_later_steps(tmp_path, 100) is None  # nothing later: nothing moves
 
 
-def test_an_old_metrics_file_gets_the_next_free_number(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    assert start_new_metrics_file(path) is None
+def test_an_old_runs_metrics_get_the_next_number_free_for_all(tmp_path):
+    path, events, run_id = tmp_path / "metrics.jsonl", tmp_path / "tensorboard", tmp_path / "wandb" / "run_id"
+    assert set_aside_earlier_metrics(tmp_path) == []
     path.write_text("")
-    assert start_new_metrics_file(path) is None  # empty: nothing to keep
-    for number in (1, 2):
-        path.write_text(f'{{"run": {number}}}\n')
-        assert start_new_metrics_file(path) == tmp_path / f"metrics.{number}.jsonl"
-    assert not path.exists()
+    events.mkdir()
+    assert set_aside_earlier_metrics(tmp_path) == []  # empty: nothing to keep
+    path.write_text('{"run": 1}\n')
+    assert set_aside_earlier_metrics(tmp_path) == [tmp_path / "metrics.1.jsonl"]
+    path.write_text('{"run": 2}\n')
+    (events / "events.out.tfevents.2").write_text("2")
+    run_id.parent.mkdir()
+    run_id.write_text("abc")
+    moved = [tmp_path / "metrics.2.jsonl", tmp_path / "tensorboard.2", tmp_path / "wandb" / "run_id.2"]
+    assert set_aside_earlier_metrics(tmp_path) == moved
+    (events := tmp_path / "tensorboard").mkdir()
+    (events / "events.out.tfevents.3").write_text("3")
+    assert set_aside_earlier_metrics(tmp_path) == [tmp_path / "tensorboard.3"]  # 1 and 2 are taken
+    assert not path.exists() and not events.exists() and not run_id.exists()
     assert (tmp_path / "metrics.1.jsonl").read_text() == '{"run": 1}\n'
+    assert (tmp_path / "tensorboard.2" / "events.out.tfevents.2").read_text() == "2"
+    assert (tmp_path / "wandb" / "run_id.2").read_text() == "abc"

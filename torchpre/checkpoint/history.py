@@ -1,5 +1,5 @@
 """What a dump folder already holds from earlier runs: checkpoints after a chosen resume step, and the
-metrics file of an unrelated run. Each is moved aside (never deleted, never mixed with this run's)."""
+metrics of an unrelated run. Each is moved aside (never deleted, never mixed with this run's)."""
 
 from pathlib import Path
 
@@ -19,16 +19,28 @@ def set_aside_later_steps(folder: Path, step: int) -> Path | None:
     return target
 
 
-def start_new_metrics_file(path: Path) -> Path | None:
-    """Renames an earlier run's non-empty `path` (metrics.jsonl) to `metrics.1.jsonl`, `metrics.2.jsonl` ...
-    so a new run writes a file of its own; returns the new name, or None if there was nothing to move."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return None
+def set_aside_earlier_metrics(folder: Path) -> list[Path]:
+    """Renames an earlier run's non-empty `metrics.jsonl`, `tensorboard/` and `wandb/run_id` in `folder` to
+    `metrics.N.jsonl`, `tensorboard.N` and `wandb/run_id.N` (the first N free for all, so they keep one
+    number): a new run writes files of its own, TensorBoard never shows two runs as one, and a resume of
+    the new run never continues the old W&B run. Returns the new names (none if nothing to move)."""
+    paths = (folder / "metrics.jsonl", folder / "tensorboard", folder / "wandb" / "run_id")
+    earlier = [path for path in paths if _has_content(path)]
     number = 1
-    while (moved := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists():
+    while any(_numbered(path, number).exists() for path in paths):
         number += 1
-    path.rename(moved)
+    moved = [_numbered(path, number) for path in earlier]
+    for path, target in zip(earlier, moved):
+        path.rename(target)
     return moved
+
+
+def _has_content(path: Path) -> bool:
+    return path.stat().st_size > 0 if path.is_file() else path.is_dir() and any(path.iterdir())
+
+
+def _numbered(path: Path, number: int) -> Path:
+    return path.with_name(f"{path.stem}.{number}{path.suffix}")
 
 
 def _fresh(path: Path) -> Path:

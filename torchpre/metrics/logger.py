@@ -2,11 +2,12 @@
 (metrics.jsonl always; Weights & Biases and TensorBoard when enabled)."""
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_dict, to_toml
-from torchpre.metrics.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink
+from torchpre.metrics.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, last_logged_step
 
 logger = logging.getLogger("torchpre")
 
@@ -27,14 +28,19 @@ class MetricsLogger:
             sink.close()
 
 
-def build_metrics_logger(config: JobConfig) -> MetricsLogger:
-    """metrics.jsonl plus the trackers that `config.metrics` turns on, all under `job.dump_folder`."""
+def build_metrics_logger(config: JobConfig, resume_step: int = 0) -> MetricsLogger:
+    """metrics.jsonl plus the trackers that `config.metrics` turns on, all under `job.dump_folder`.
+    `resume_step` is the step of the checkpoint the job resumed (0 for a new run): the trackers then
+    continue the run already in the folder, each step once (see torchpre.metrics.sinks)."""
     folder, m = config.job.dump_folder, config.metrics
+    logged_through = last_logged_step(Path(folder) / "metrics.jsonl") if resume_step else None
     sinks: list[Sink] = [JsonlSink(folder)]
     if m.enable_wandb:
-        sinks.append(WandbSink(folder, to_dict(config), m.wandb_project, m.wandb_run_name, m.wandb_entity))
+        sinks.append(
+            WandbSink(folder, to_dict(config), m.wandb_project, m.wandb_run_name, m.wandb_entity, logged_through)
+        )
     if m.enable_tensorboard:
-        sinks.append(TensorBoardSink(folder, to_toml(config)))
+        sinks.append(TensorBoardSink(folder, to_toml(config), resume_step))
     return MetricsLogger(sinks)
 
 

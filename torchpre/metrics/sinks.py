@@ -2,9 +2,15 @@
 
 A record is the dict of one logged step (`step` plus scalar metrics). Every sink stores the same
 names, so a curve found in metrics.jsonl is found under that name in W&B and TensorBoard too.
+
+A job that resumes a checkpoint of step N redoes the steps after N that an interrupted attempt had
+already logged. Each backend keeps one record per step: metrics.jsonl appends them (its readers keep
+a step's last record), TensorBoard hides the earlier attempt's events from step N + 1 on, and W&B
+keeps the records it already has (see `WandbSink`).
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,19 +44,70 @@ class JsonlSink:
         self._file.close()
 
 
-class WandbSink:
-    """One Weights & Biases run per job, kept under `{dump_folder}/wandb` next to the job's other outputs;
-    `WANDB_MODE=offline` keeps it on disk for a later `wandb sync`."""
+def last_logged_step(path: Path) -> int:
+    """The highest step among the complete records at the end of `path` (metrics.jsonl), 0 if none. Reads
+    only the last MiB, which holds hundreds of records, so a long run's large file costs nothing."""
+    if not path.is_file():
+        return 0
+    with path.open("rb") as file:
+        file.seek(max(0, file.seek(0, os.SEEK_END) - 2**20))
+        lines = file.read().split(b"\n")
+    steps = [0]
+    for line in lines:  # a line cut by the window's start or by a crash mid-write does not parse
+        try:
+            steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return max(steps)
 
-    def __init__(self, dump_folder: str | Path, config: dict[str, Any], project: str, run_name: str, entity: str):
+
+class WandbSink:
+    """One Weights & Biases run per training run, kept under `{dump_folder}/wandb` next to the job's other
+    outputs; `WANDB_MODE=offline` keeps it on disk for a later `wandb sync`.
+
+    The run's id is written to `{dump_folder}/wandb/run_id` when it starts. A job that resumes a checkpoint
+    (`logged_through` is not None) continues that run (`resume="allow"`), so the curves stay one line; a
+    new run in the folder starts a new W&B run (the trainer has moved the old id aside).
+
+    A step is logged to a W&B run once: a resumed job skips the steps up to `logged_through`, the last
+    step the interrupted attempt logged (read from metrics.jsonl). W&B cannot replace logged steps: wandb
+    drops a step below the run's current one (an online resume starts from the server's last step), and
+    rewinding a run (`resume_from`) is a private preview of W&B's server. So a redone step keeps its
+    first attempt's values in W&B: the same loss, grad norm and val_loss (training is deterministic),
+    the same lr unless the restart changed the schedule (e.g. training.steps), but the first attempt's
+    timings, throughput, MFU and memory; metrics.jsonl and TensorBoard hold the redone values. This
+    assumes W&B was on in the earlier attempts; a job resumed from an earlier `checkpoint.load_step`
+    likewise keeps W&B's values of the steps the superseded attempt logged.
+    """
+
+    def __init__(
+        self,
+        dump_folder: str | Path,
+        config: dict[str, Any],
+        project: str,
+        run_name: str,
+        entity: str,
+        logged_through: int | None = None,
+    ):
         wandb = import_wandb()
-        Path(dump_folder).mkdir(parents=True, exist_ok=True)
+        id_file = Path(dump_folder) / "wandb" / "run_id"
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        run_id = _stored_run_id(id_file) if logged_through is not None else None
+        self._skip_through = logged_through if run_id else 0
         self._run = wandb.init(
-            project=project, name=run_name or None, entity=entity or None, dir=str(dump_folder), config=config
+            project=project,
+            name=run_name or None,
+            entity=entity or None,
+            dir=str(dump_folder),
+            config=config,
+            id=run_id,
+            resume="allow" if run_id else None,
         )
+        _write_atomically(id_file, self._run.id)
 
     def log(self, record: dict[str, Any]) -> None:
-        self._run.log(scalars(record), step=record["step"])
+        if record["step"] > self._skip_through:
+            self._run.log(scalars(record), step=record["step"])
 
     def close(self) -> None:
         self._run.finish()
@@ -58,12 +115,19 @@ class WandbSink:
 
 class TensorBoardSink:
     """Scalars under `{dump_folder}/tensorboard`, the training step as global_step, and the resolved config
-    as a text summary so the event files say which job produced them."""
+    as a text summary at the step the job starts from (0, or the resumed step), so the event files say which
+    job produced them.
 
-    def __init__(self, dump_folder: str | Path, config_toml: str):
+    A job resumed from step `resume_step` writes a new event file in the same directory that starts with
+    `purge_step = resume_step + 1`: TensorBoard hides the earlier files' events from that step on, so a
+    step redone after a crash shows once, with the redone values."""
+
+    def __init__(self, dump_folder: str | Path, config_toml: str, resume_step: int = 0):
         tensorboard = import_tensorboard()
-        self._writer = tensorboard.SummaryWriter(log_dir=str(Path(dump_folder) / "tensorboard"))
-        self._writer.add_text("config", f"```toml\n{config_toml}```")
+        self._writer = tensorboard.SummaryWriter(
+            log_dir=str(Path(dump_folder) / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
+        )
+        self._writer.add_text("config", f"```toml\n{config_toml}```", global_step=resume_step)
 
     def log(self, record: dict[str, Any]) -> None:
         for name, value in scalars(record).items():
@@ -72,3 +136,15 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _stored_run_id(path: Path) -> str | None:
+    """The W&B run id an earlier attempt of this run stored, None if it ran without W&B."""
+    return (path.read_text(encoding="utf-8").strip() or None) if path.is_file() else None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader (the next attempt) sees the old content or the new one, never a partial file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
