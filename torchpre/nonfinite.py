@@ -13,8 +13,11 @@ one `all_gather_object` gives every rank all of them, and every rank picks the s
 - then the lowest rank (data- and tensor-parallel peers run at the same time).
 
 In backward the module named is the one whose *output* received the first non-finite gradient: the value was
-produced by the backward of what consumes that output, i.e. between that module and the one backward ran just
-before it.
+produced by the backward of what consumes that output. Tensor hooks are used rather than full backward hooks
+(which would name that consumer) because they leave the autograd graph as it is: full backward hooks wrap every
+module's inputs and outputs in extra autograd nodes that in-place updates and split (zero-bubble) backwards trip
+over, and the replay must run wherever the step ran. Modules inside a `torch.compile`d block are compiled without
+the hooks, so there the answer stops at the block.
 """
 
 import functools
