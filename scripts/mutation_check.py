@@ -34,6 +34,9 @@ RNG_TEST = "tests/unit/test_checkpoint_rng.py"
 LOSS_TEST = "tests/unit/test_trainer_loss.py"
 HF_MODELS = "tests/integration/test_hf_models.py"
 FSDP = "tests/distributed/test_fsdp.py"
+FORENSICS_TEST = (
+    "tests/integration/test_observability.py::test_forensics_name_the_block_whose_output_went_inf_and_leave_training_as_it_was"
+)
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
@@ -128,6 +131,14 @@ BREAKS = [
           "            (~torch.isfinite(grad_norm)).float(),",
           "            (~torch.isfinite(grad_norm)).float() * dist.get_rank(),",
           (CORE,), "only rank 1's view of the norm counts"),
+    Break("nonfinite-replay-leaves-reduction-state", "torchpre/trainer.py",
+          "        self.optimizer.reduce_gradients()\n        self.optimizer.discard()\n        self.nonfinite_record",
+          "        self.optimizer.discard()\n        self.nonfinite_record",
+          (FORENSICS_TEST,), "the forensic replay's gradients are dropped without ending their bucket reductions"),
+    Break("nonfinite-backward-finding-wins", "torchpre/nonfinite.py",
+          "return (self.phase != FORWARD, self.microbatch, stage, self.rank)",
+          "return (self.phase == FORWARD, self.microbatch, stage, self.rank)",
+          ("tests/unit/test_nonfinite.py",), "an inherited backward finding is reported over the forward origin"),
     Break("adamw-decays-norm-gains", "torchpre/optim/distributed_optimizer.py",
           '{"params": vectors, "weight_decay": 0.0}', '{"params": vectors, "weight_decay": weight_decay}',
           (CORE,), "biases and norm gains are weight-decayed"),

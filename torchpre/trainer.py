@@ -33,6 +33,7 @@ from torchpre.metrics.memory import max_memory_bytes
 from torchpre.metrics.rank_times import StragglerWatch, pipeline_bubble_metrics
 from torchpre.metrics.timer import PhaseTimer, StepTimes, tail
 from torchpre.models.registry import get_model_spec
+from torchpre.nonfinite import as_metrics, describe, locate_nonfinite, microbatch_samples
 from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
 from torchpre.optim.registry import hyperparameters_from_config
@@ -210,6 +211,8 @@ class Trainer:
         self.step = 0
         self.phases = PhaseTimer(self.device)
         self.skipped_steps, self.loss_spikes = 0, 0
+        # Non-finite steps replayed to find their origin, and the origin's keys for the step's metrics record.
+        self.nonfinite_replays, self.nonfinite_record = 0, {}
         self.spike_detector = LossSpikeDetector(t.spike_zscore, t.spike_window) if t.spike_zscore > 0 else None
         self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
         self.checkpoint = self._build_checkpoint_manager()
@@ -443,6 +446,7 @@ class Trainer:
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
                 stop = health.stop_requested  # some rank got SIGTERM: every rank stops after this step
                 log = validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps or stop
+                log = log or bool(self.nonfinite_record)  # the record of a step the forensics replayed
                 # The record goes out before the checkpoint: a crash after a save never loses the logged
                 # metrics of the step it resumes after.
                 if log:  # read before validation and checkpointing, which are not part of a step
@@ -588,7 +592,7 @@ class Trainer:
                 self.optimizer.apply()
             else:
                 self.optimizer.discard()
-                self._on_nonfinite(health, grad_norm)
+                self._on_nonfinite(health, grad_norm, microbatches)
             self.lr_scheduler.step()
         if health.finite and self.spike_detector is not None:
             self._check_spike(health.loss)
@@ -603,28 +607,58 @@ class Trainer:
         """The global sample indices of the step being taken, to find its data again."""
         return f"global samples [{self.consumed_samples}, {self.consumed_samples + self.global_batch_size})"
 
-    def _on_nonfinite(self, health: StepHealth, grad_norm: torch.Tensor) -> None:
+    def _on_nonfinite(self, health: StepHealth, grad_norm: torch.Tensor, microbatches: list[Batch]) -> None:
         """Handles a step that was not applied: counts it (`skip`) or saves the last good state and stops (`stop`).
 
         Every rank reaches the same verdict (the flags were all-reduced), so all of them skip, or all of
-        them save and raise together.
+        them save and raise together; before that they replay the step to say where it went non-finite.
         """
         step, what = self.step + 1, health.describe_nonfinite()
         values = f"loss {health.loss}, gradient norm {grad_norm.item()}"
+        origin = self._locate_nonfinite(microbatches)
         if self.config.training.on_nonfinite == "skip":
             self.skipped_steps += 1
             if self.is_logging_rank:
                 logger.warning(
-                    "step %d: %s is not finite (%s) on %s; the update was skipped (%d skipped steps so far)",
-                    step, what, values, self._batch_samples(), self.skipped_steps,
+                    "step %d: %s is not finite (%s) on %s; the update was skipped (%d skipped steps so far).%s",
+                    step, what, values, self._batch_samples(), self.skipped_steps, origin,
                 )
             return
         raise NonFiniteError(
             f"step {step}: {what} is not finite ({values}) on {self._batch_samples()}, so the update was not "
-            f"applied and training stopped (training.on_nonfinite = 'stop'). {self._save_last_good_state()} Lower "
+            f"applied and training stopped (training.on_nonfinite = 'stop').{origin} "
+            f"{self._save_last_good_state()} Lower "
             "optimizer.lr or raise lr_scheduler.warmup_steps, check that batch's data, or set "
             "training.on_nonfinite = 'skip' to drop such steps and train on."
         )
+
+    def _locate_nonfinite(self, microbatches: list[Batch]) -> str:
+        """For the first `training.nonfinite_forensics` non-finite steps: replays the step's forward and backward
+        with a check on every module (`torchpre.nonfinite`), keeps the origin for the step's metrics record
+        (`nonfinite_record`) and returns a sentence naming it (" " first), else "". Costs one step's compute.
+
+        The replay's gradients go through `reduce_gradients()` like a step's, so every data-parallel reduction
+        the replay's backward started completes and the buckets reset; `discard()` then drops them.
+        """
+        if self.nonfinite_replays >= self.config.training.nonfinite_forensics:
+            return ""
+        self.nonfinite_replays += 1
+        dp_rank = self.mesh["dp"].get_local_rank()
+        finding = locate_nonfinite(
+            self.model.parts, self.model.stage_ids, dp_rank,
+            lambda: self._forward_backward([(x.to(self.device), y.to(self.device)) for x, y in microbatches]),
+        )
+        self.optimizer.reduce_gradients()
+        self.optimizer.discard()
+        self.nonfinite_record = as_metrics(finding)
+        if finding is None:
+            return " " + describe(None, [])
+        local = self.config.training.local_batch_size
+        rows = local * self.accumulation_steps // self.pipeline.n_microbatches if self.pipeline else local
+        samples = microbatch_samples(
+            self.consumed_samples, local, self.parallel_dims.dp, finding.dp_rank, rows, finding.microbatch
+        )
+        return " " + describe(finding, samples)
 
     def _save_last_good_state(self) -> str:
         """Checkpoints the state before the failed step (unless that step is saved already); says where."""
@@ -686,6 +720,7 @@ class Trainer:
         every_rank = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every_rank, mine)
         extra = self.model_spec.extra_metrics(self.model.parts, self.model_args, self.device)
+        nonfinite, self.nonfinite_record = self.nonfinite_record, {}
         if self.metrics is None:
             return
         extra |= self._rank_time_metrics(torch.stack(every_rank).tolist())
@@ -714,6 +749,7 @@ class Trainer:
                 "loss_spikes": self.loss_spikes,
                 **data_shares(self.dataloader, self.consumed_samples),
                 **({"val_loss": val_loss} if val_loss is not None else {}),
+                **nonfinite,
             }
         )
 

@@ -1,11 +1,13 @@
-"""End to end: a non-finite step is skipped or stops the run as configured, phase timers add up to the
-step time, and the profiler writes a trace per rank.
+"""End to end: a non-finite step is skipped or stops the run as configured, and its replay names where it
+started; phase timers add up to the step time, and the profiler writes a trace per rank.
 
 A learning rate of 1e30 makes the first update blow the weights up, so from step 2 on the gradients
-are NaN on CPU, deterministically: no test hook in the trainer is needed to inject a failure.
+are NaN on CPU, deterministically: no test hook in the trainer is needed to inject a failure. To put an inf
+into one chosen module, tests/nonfinite_injection.py is imported through job.custom_import.
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -36,6 +38,13 @@ def test_non_finite_step_stops_every_rank_after_saving_the_last_good_state(tmp_p
     for rank in (0, 1):
         assert f"error (rank {rank}): step 2: the gradient norm is not finite" in result.stderr
     assert "The last good state (step 1) is saved" in result.stderr
+    # The final norm's backward turns the gradient NaN (the forward stays finite at this learning rate).
+    replay = (
+        "Replaying the step, the forward stayed finite and the first non-finite value was the gradient of the output "
+        "of layers.1 (backward; computed by the backward of what consumes that output) on rank 0, pipeline stage 0, "
+        "microbatch 0 (global samples [8, 12))."
+    )
+    assert result.stderr.count(replay) == 2  # in each rank's error message
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
 
 
@@ -51,6 +60,7 @@ def test_phase_timers_add_up_and_the_profiler_writes_a_trace_per_rank(tmp_path):
         assert min(phases) >= 0 and 0 <= record["time/grad_comm_s"] <= record["time/optimizer_s"]
         assert sum(phases) <= record["step_time_s"] * 1.05 + 1e-3
         assert record["skipped_steps"] == 0 and record["loss_spikes"] == 0
+        assert not _nonfinite_keys(record)
     # Each record is written before its step's checkpoint (a crash after the save keeps the record), so the
     # step-2 save is timed on the step-4 record.
     assert "time/checkpoint_s" not in records[0] and records[1]["time/checkpoint_s"] > 0
@@ -58,3 +68,59 @@ def test_phase_timers_add_up_and_the_profiler_writes_a_trace_per_rank(tmp_path):
         for rank in (0, 1):
             trace = json.loads((tmp_path / "profile_traces" / f"step-{step}" / f"rank{rank}_trace.json").read_text())
             assert any(event.get("name", "").startswith("ProfilerStep") for event in trace["traceEvents"])
+
+
+# NaN forensics: tests/nonfinite_injection.py puts an inf into one module's output (or into its gradient) at step 2
+# of 3, in the step and in its replay only. Under pp2 the tiny model's layers.0 is on rank 0, layers.1 on rank 1;
+# pipeline microbatches of one sequence, so microbatch 0 of step 2 is global sample 4.
+INJECTED = [
+    *TINY, "--parallelism.pipeline_parallel_degree", "2", "--job.custom_import", "tests.nonfinite_injection",
+    "--training.steps", "3", "--training.on_nonfinite", "skip",
+]
+
+
+def _nonfinite_keys(record: dict) -> dict:
+    return {key: value for key, value in record.items() if key.startswith("nonfinite/")}
+
+
+def _train_injected(args: list[str], dump_folder) -> tuple[str, list[dict]]:
+    result = run_train(args, 2, dump_folder)
+    assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    records = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    return result.stdout + result.stderr, records
+
+
+def test_forensics_name_the_block_whose_output_went_inf_and_leave_training_as_it_was(tmp_path, monkeypatch):
+    monkeypatch.setenv("NONFINITE_INJECTION", "forward:layers.1:2")
+    log, records = _train_injected(INJECTED, tmp_path / "on")
+    assert (
+        "the update was skipped (1 skipped steps so far). Replaying the step, the first non-finite value was the "
+        "output of layers.1 (forward) on rank 1, pipeline stage 1, microbatch 0 (global samples [4, 5))."
+    ) in log
+    finding = {
+        "nonfinite/first_module": "layers.1", "nonfinite/phase": "forward", "nonfinite/rank": 1,
+        "nonfinite/stage": 1, "nonfinite/microbatch": 0,
+    }
+    assert [_nonfinite_keys(r) for r in records] == [{}, finding, {}]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 1]
+    # The replay leaves no trace: the same job without it (the same arithmetic in the same order) has bitwise the
+    # same losses and gradient norms at the other steps, and no nonfinite/* keys.
+    _, without = _train_injected([*INJECTED, "--training.nonfinite_forensics", "0"], tmp_path / "off")
+    assert [_nonfinite_keys(r) for r in without] == [{}, {}, {}]
+    for record, reference in zip(records[::2], without[::2]):
+        assert (record["loss"], record["grad_norm"]) == (reference["loss"], reference["grad_norm"])
+
+
+def test_forensics_name_the_backward_when_a_gradient_went_inf(tmp_path, monkeypatch):
+    monkeypatch.setenv("NONFINITE_INJECTION", "backward:layers.0:2")
+    log, records = _train_injected(INJECTED, tmp_path)
+    assert (
+        "Replaying the step, the forward stayed finite and the first non-finite value was the gradient of the output "
+        "of layers.0 (backward; computed by the backward of what consumes that output) on rank 0, pipeline stage 0, "
+        "microbatch 0 (global samples [4, 5))."
+    ) in log
+    assert math.isfinite(records[1]["loss"]) and math.isnan(records[1]["grad_norm"])
+    assert _nonfinite_keys(records[1]) == {
+        "nonfinite/first_module": "layers.0", "nonfinite/phase": "backward", "nonfinite/rank": 0,
+        "nonfinite/stage": 0, "nonfinite/microbatch": 0,
+    }

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "optional"),
     ("distributed", "determinism", "preemption"),
     ("parallel",),
-    ("optim", "models", "data", "checkpoint", "metrics", "config", "health", "profiling", "cli"),
+    ("optim", "models", "data", "checkpoint", "metrics", "config", "health", "nonfinite", "profiling", "cli"),
     ("build", "validation"),
     ("trainer", "generate", "convert", "plot", "custom_import", "train", "plan", "dryrun"),
 )

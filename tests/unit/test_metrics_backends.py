@@ -55,6 +55,7 @@ def test_tensorboard_sink_writes_the_records_scalars_and_the_config(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     records = fake_records(4, 1.0, val_every=2)
+    records[1]["nonfinite/first_module"] = "layers.1"  # a string: TensorBoard keeps it as text
     metrics = MetricsLogger([JsonlSink(tmp_path), TensorBoardSink(tmp_path, "[training]\nsteps = 4\n")])
     for record in records:
         metrics.log(record)
@@ -63,11 +64,15 @@ def test_tensorboard_sink_writes_the_records_scalars_and_the_config(tmp_path):
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == records
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    assert set(events.Tags()["scalars"]) == {name for record in records for name in record} - {"step"}
+    assert set(events.Tags()["scalars"]) == {name for record in records for name in record} - {
+        "step", "nonfinite/first_module"
+    }
     for name in events.Tags()["scalars"]:
         expected = {record["step"]: record[name] for record in records if name in record}
         logged = {event.step: event.value for event in events.Scalars(name)}
         assert logged == pytest.approx(expected, rel=TB_TOLERANCE), name
+    (text,) = events.Tensors("nonfinite/first_module/text_summary")
+    assert (text.step, text.tensor_proto.string_val[0].decode()) == (2, "layers.1")
     (config,) = events.Tensors("config/text_summary")
     assert "[training]\nsteps = 4" in config.tensor_proto.string_val[0].decode()
 

@@ -93,6 +93,12 @@ class Training:
         "a step whose loss or gradient norm is NaN/inf is never applied; 'stop': save the last good state "
         "(if checkpoint.enable) and exit with an error; 'skip': drop the step, count it, and train on",
     )
+    nonfinite_forensics: int = _option(
+        1,
+        "replay the first N non-finite steps with a check on every module to name where the NaN/inf started "
+        "(module, forward or backward, rank, samples; logged and in metrics.jsonl as nonfinite/*); each replay "
+        "costs one step's compute; 0 = off",
+    )
     spike_zscore: float = _option(
         0.0, "warn about a loss this many standard deviations above the mean of the last spike_window; 0 = off"
     )

@@ -196,6 +196,7 @@ def _same_source(dataset: str, path: str, other_dataset: str, other_path: str) -
 def _validate_health_and_profiling(config: JobConfig) -> None:
     t, p = config.training, config.profiling
     _at_least("training.spike_zscore", t.spike_zscore, 0)
+    _at_least("training.nonfinite_forensics", t.nonfinite_forensics, 0)
     _at_least("training.spike_window", t.spike_window, 2)
     _at_least("profiling.profile_active", p.profile_active, 1)
     if p.profile_freq < p.profile_active:

@@ -1,7 +1,8 @@
 """Where a metrics record goes: one small class per backend, each with `log(record)` and `close()`.
 
-A record is the dict of one logged step (`step` plus scalar metrics). Every sink stores the same
-names, so a curve found in metrics.jsonl is found under that name in W&B and TensorBoard too.
+A record is the dict of one logged step (`step` plus scalar metrics, and a few strings such as
+`nonfinite/first_module`, which TensorBoard stores as text). Every sink stores the same names, so a curve
+found in metrics.jsonl is found under that name in W&B and TensorBoard too.
 
 A job that resumes a checkpoint of step N redoes the steps after N that an interrupted attempt had
 already logged. Each backend keeps one record per step: metrics.jsonl appends them (its readers keep
@@ -131,7 +132,10 @@ class TensorBoardSink:
 
     def log(self, record: dict[str, Any]) -> None:
         for name, value in scalars(record).items():
-            self._writer.add_scalar(name, value, global_step=record["step"])
+            if isinstance(value, str):  # e.g. nonfinite/first_module
+                self._writer.add_text(name, value, global_step=record["step"])
+            else:
+                self._writer.add_scalar(name, value, global_step=record["step"])
         self._writer.flush()
 
     def close(self) -> None:
