@@ -17,7 +17,7 @@ from torchpre.checkpoint.manager import CheckpointManager, find_step_dir, saved_
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.config.validate import validate_config
-from torchpre.data.loader import build_dataloader, data_shares
+from torchpre.data.loader import build_dataloader, data_shares, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.determinism import configure_determinism
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -167,6 +167,8 @@ class Trainer:
             dataset_mixture=t.dataset_mixture,
             num_workers=t.num_workers,
             held_out_fraction=held_out_fraction(config.validation),
+            vocab_size=self.model_args.vocab_size,
+            pin_memory=pins_memory(self.device),
         )
         # Global samples the steps so far trained on: the checkpointed data position. Not the sampler's
         # counter, which runs ahead of training by the batches that loader workers prefetch.
@@ -530,8 +532,9 @@ class Trainer:
         A step whose loss or gradient norm is not finite on any rank is never applied; see `_on_nonfinite`.
         The LR schedule advances either way, so a skipped step shifts nothing after it.
         """
-        with self.phases.phase("forward_backward"):
-            loss = self._forward_backward([(x.to(self.device), y.to(self.device)) for x, y in microbatches])
+        with self.phases.phase("forward_backward"):  # from pinned memory (pins_memory) the copies do not block
+            on_device = [tuple(part.to(self.device, non_blocking=True) for part in batch) for batch in microbatches]
+            loss = self._forward_backward(on_device)
         with self.phases.phase("optimizer"):
             with self.phases.phase("grad_comm"):
                 grad_norm = self.optimizer.reduce_gradients()

@@ -51,14 +51,20 @@ class Model:
         "with model.name = 'hf': a transformers config.json (or its folder) of a Llama-layout causal LM (llama, "
         "mistral, qwen2, qwen3); model.flavor is then not used",
     )
+    vocab_size: int = _option(
+        0,
+        "the model's vocabulary (embedding and output rows); 0 = the tokenizer's; with a text dataset it must hold "
+        "every token id (e.g. 128256, Llama 3's, with training.dataset = 'synthetic')",
+    )
 
 
 @dataclass
 class Training:
-    dataset: Literal["stdlib", "text", "shards"] = _option(
+    dataset: Literal["stdlib", "text", "shards", "synthetic"] = _option(
         "stdlib",
         "'stdlib': docstrings and comments of Python's standard library; 'text': training.dataset_path; "
-        "'shards': pre-tokenized shards (training.dataset_path or training.dataset_mixture)",
+        "'shards': pre-tokenized shards (training.dataset_path or training.dataset_mixture); 'synthetic': "
+        "uniformly random tokens in [0, model.vocab_size), seeded by training.seed (for benchmarks)",
     )
     dataset_path: str = _option(
         "", "'text': a .txt or .jsonl file, or a folder of them; 'shards': a folder written by torchpre.data.prepare"

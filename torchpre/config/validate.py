@@ -83,7 +83,13 @@ def _validate_dataset(config: JobConfig) -> None:
     """The data keys: a source that exists for the chosen `training.dataset`, sane mixture weights."""
     t = config.training
     _at_least("training.num_workers", t.num_workers, 0)
+    _at_least("model.vocab_size", config.model.vocab_size, 0)
     _validate_text_source("training", t.dataset, t.dataset_path)
+    if t.dataset == "synthetic" and t.dataset_path:
+        raise ConfigError(
+            "training.dataset_path is set but training.dataset = 'synthetic' (random tokens) reads no files: "
+            "remove training.dataset_path, or set training.dataset = 'text' or 'shards'."
+        )
     if t.dataset_mixture and t.dataset != "shards":
         raise ConfigError(
             f"training.dataset_mixture is set but training.dataset = '{t.dataset}' ignores it: "
@@ -156,6 +162,12 @@ def _validate_validation(config: JobConfig) -> None:
             f"{', '.join(names_where(forward_only=True))}, or turn validation off."
         )
     if not v.dataset:
+        if t.dataset == "synthetic":
+            raise ConfigError(
+                "validation.enable with training.dataset = 'synthetic': random tokens hold nothing to learn, so a "
+                "held-out part of them measures nothing. Set validation.dataset (and dataset_path), or turn "
+                "validation off."
+            )
         if v.dataset_path:
             raise ConfigError(
                 "validation.dataset_path is set but validation.dataset is empty (hold out part of the training "
