@@ -21,8 +21,16 @@ from torchpre.data.loader import build_dataloader, data_shares, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.determinism import configure_determinism
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import apply_comm_timeout, init_distributed, select_device, world_size_from_env
+from torchpre.distributed.utils import (
+    apply_comm_timeout,
+    configure_flight_recorder,
+    init_distributed,
+    select_device,
+    set_comm_timeout,
+    world_size_from_env,
+)
 from torchpre.errors import ConfigError
+from torchpre.garbage_collection import GarbageCollection
 from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
@@ -145,7 +153,9 @@ class Trainer:
 
         configure_determinism(t.deterministic, t.seed)
         self.device = runtime.device()
-        runtime.join(self.device, config.comm.timeout_seconds)
+        if self.device.type == "cuda":
+            configure_flight_recorder(config.comm.trace_buf_size, Path(config.job.dump_folder) / "comm_traces")
+        runtime.join(self.device, config.comm.init_timeout_seconds)  # comm.timeout_seconds after the first step
         mesh_device = "cpu" if runtime.fake else self.device.type
         self.meshes = dims.build_meshes(mesh_device, fsdp=config.optimizer.zero_stage == 3)
         self.mesh, self.expert_mesh = self.meshes.mesh, self.meshes.expert_mesh
@@ -411,7 +421,7 @@ class Trainer:
         step_times.start()
         interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
-        with profiler, preemption:
+        with profiler, preemption, GarbageCollection(t.gc_freq) as garbage:
             while self.step < t.steps:
                 fetch_start = time.perf_counter()
                 with self.phases.phase("data"):
@@ -424,6 +434,7 @@ class Trainer:
                 self.last_loss = health.loss
                 self.consumed_samples += self.global_batch_size
                 interval_steps += 1
+                garbage.step(self.step)
                 profiler.step()
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
                 stop = health.stop_requested  # some rank got SIGTERM: every rank stops after this step
@@ -443,6 +454,8 @@ class Trainer:
                     interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
                 if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
                     checkpoint_time += self._save_checkpoint()
+                if self.step == first_step + 1:  # start-up, with its compilation and loading, is over
+                    set_comm_timeout(self.config.comm.timeout_seconds, "comm.timeout_seconds")
                 if log:
                     step_times.start()
                 if stop:

@@ -180,6 +180,9 @@ CATALOGUE = [
     case("lr-scheduler-decay-type", ["--lr_scheduler.decay_type", "cosin"], ["lr_scheduler.decay_type", "'cosine'"]),
     case("zero-stage", ["--optimizer.zero_stage", "5"], ["optimizer.zero_stage = 5"]),
     case("vocab-size-negative", ["--model.vocab_size", "-1"], ["model.vocab_size = -1"]),
+    case("gc-freq-negative", ["--training.gc_freq", "-1"], ["training.gc_freq = -1", "at least 0"]),
+    case("init-timeout-zero", ["--comm.init_timeout_seconds", "0"], ["comm.init_timeout_seconds = 0.0", "positive"]),
+    case("trace-buffer-negative", ["--comm.trace_buf_size", "-1"], ["comm.trace_buf_size = -1", "at least 0"]),
     case(
         "vocab-size-below-the-tokenizers",
         ["--model.vocab_size", "1000"],

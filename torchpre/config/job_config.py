@@ -103,6 +103,11 @@ class Training:
         0.0, "warn about a loss this many standard deviations above the mean of the last spike_window; 0 = off"
     )
     spike_window: int = _option(100, "recent losses the spike detector compares each loss with")
+    gc_freq: int = _option(
+        50,
+        "Python's automatic garbage collection is off during training and every rank collects (generation 1) "
+        "every this many steps, all at the same step; 0 = leave the garbage collector alone",
+    )
     deterministic: bool = _option(
         False,
         "bitwise-reproducible reruns on the same layout: seed every RNG, use only deterministic kernels "
@@ -236,10 +241,20 @@ class Checkpoint:
 
 @dataclass
 class Comm:
+    init_timeout_seconds: float = _option(
+        900.0,
+        "during start-up (rendezvous, model build, checkpoint load, the first step and its compilation), a rank "
+        "waiting this long for a peer fails with an error instead of hanging",
+    )
     timeout_seconds: float = _option(
         600.0,
-        "a rank waiting this long for a peer in a collective fails with an error instead of hanging; must exceed "
-        "the longest gap between collectives (a checkpoint save, a first-step compile)",
+        "after the first step, a rank waiting this long for a peer in a collective fails with an error instead of "
+        "hanging; must exceed the longest gap between collectives (a checkpoint save, a validation pass)",
+    )
+    trace_buf_size: int = _option(
+        20000,
+        "NCCL flight recorder: the last this many collectives of each rank are recorded and, on a timeout, dumped "
+        "to {job.dump_folder}/comm_traces/rank_N (read with torch.distributed.flight_recorder); 0 = off",
     )
 
 

@@ -58,11 +58,15 @@ def validate_config(config: JobConfig) -> None:
             "checkpoint.save_on_preemption saves a checkpoint on SIGTERM, but checkpoint.enable is off. "
             "Set checkpoint.enable = true, or turn checkpoint.save_on_preemption off."
         )
-    if not config.comm.timeout_seconds > 0:
-        raise ConfigError(
-            f"comm.timeout_seconds = {config.comm.timeout_seconds}: it must be positive (seconds a rank waits for "
-            "a peer before failing)."
-        )
+    for key in ("init_timeout_seconds", "timeout_seconds"):
+        seconds = getattr(config.comm, key)
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(
+                f"comm.{key} = {seconds}: it must be a positive number (seconds a rank waits for a peer before "
+                "failing)."
+            )
+    _at_least("comm.trace_buf_size", config.comm.trace_buf_size, 0)
+    _at_least("training.gc_freq", t.gc_freq, 0)
     parts = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
     unknown = [part for part in c.exclude_from_loading if part not in parts]
     if unknown:
