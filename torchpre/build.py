@@ -26,21 +26,46 @@ from torchpre.parallel.pipeline import PipelinePlan
 
 
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """The flavor's args with the tokenizer's vocabulary and `max_seq_len` (default: training.seq_len); a family
-    with `args_from_job` (model.name = 'hf') builds its own."""
+    """The flavor's args with the job's vocabulary (`vocab_size`) and `max_seq_len` (default: training.seq_len); a
+    family with `args_from_job` (model.name = 'hf') builds its own."""
     seq_len = config.training.seq_len if max_seq_len is None else max_seq_len
     spec = get_model_spec(config.model.name)
     if spec.args_from_job is not None:
-        return spec.args_from_job(config, tokenizer.vocab_size, seq_len)
+        if config.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size = {config.model.vocab_size} with model.name = '{config.model.name}': this family "
+                "takes its vocabulary from its own config (model.hf_config's vocab_size). Set model.vocab_size = 0."
+            )
+        return spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
     flavor = get_flavor(config.model.name, config.model.flavor)
-    return dataclasses.replace(flavor, vocab_size=tokenizer.vocab_size, max_seq_len=seq_len)
+    return dataclasses.replace(flavor, vocab_size=vocab_size(config, tokenizer), max_seq_len=seq_len)
+
+
+def vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
+    """model.vocab_size, or the tokenizer's when it is 0. A vocabulary smaller than the tokenizer's is only for
+    random tokens: text would hold ids the embedding has no row for."""
+    size = config.model.vocab_size or tokenizer.vocab_size
+    texts = [f"{section}.dataset = '{name}'" for section, name in _datasets(config) if name != "synthetic"]
+    if size < tokenizer.vocab_size and texts:
+        raise ConfigError(
+            f"model.vocab_size = {size} is smaller than the tokenizer's {tokenizer.vocab_size} ids "
+            f"(model.tokenizer_path), which {texts[0]} holds. Set model.vocab_size = 0 (the tokenizer's) or at "
+            f"least {tokenizer.vocab_size}, or train on training.dataset = 'synthetic'."
+        )
+    return size
+
+
+def _datasets(config: JobConfig) -> list[tuple[str, str]]:
+    """(section, dataset) of every source the job reads tokens from."""
+    v = config.validation
+    return [("training", config.training.dataset)] + ([("validation", v.dataset)] if v.enable and v.dataset else [])
 
 
 def model_context(config: JobConfig, tokenizer: Tokenizer) -> int:
     """The longest sequence the model is designed for: its flavor's max_seq_len, or the model's own context."""
     spec = get_model_spec(config.model.name)
     if spec.args_from_job is not None:
-        return spec.args_from_job(config, tokenizer.vocab_size, None).max_seq_len
+        return spec.args_from_job(config, vocab_size(config, tokenizer), None).max_seq_len
     return get_flavor(config.model.name, config.model.flavor).max_seq_len
 
 

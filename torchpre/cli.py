@@ -75,18 +75,18 @@ def _is_comm_failure(error: RuntimeError) -> bool:
 
 def _comm_failure_message(error: RuntimeError) -> str:
     """Names the likely cause and the key that bounds the wait, with the backend's own first line."""
-    from torchpre.distributed.utils import comm_timeout
+    from torchpre.distributed.utils import comm_timeout, comm_timeout_key
 
-    timeout = comm_timeout()
+    timeout, key = comm_timeout(), comm_timeout_key()
     limit = f"{timeout.total_seconds():g} s" if timeout else "its default"
     lines = str(error).strip().splitlines()
     detail = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__  # drop gloo's [file:line]
     return (
         f"communication with the other ranks failed ({detail}). A peer process most likely died, hung "
         "(stopped, deadlocked, stuck in I/O) or lost its network; the first failure in the other ranks' output "
-        f"or torchrun's summary says which. A rank waits for a silent peer comm.timeout_seconds = {limit} before "
-        "failing; raise it if the ranks legitimately drift apart longer (a slow checkpoint save, a long first-step "
-        "compile)."
+        f"or torchrun's summary says which. A rank waits for a silent peer {key} = {limit} before failing "
+        "(comm.init_timeout_seconds until the first step is done, comm.timeout_seconds after); raise it if the ranks "
+        "legitimately drift apart longer (a long first-step compile or checkpoint load, a slow checkpoint save)."
     )
 
 

@@ -18,14 +18,22 @@ from torchpre.checkpoint.manager import CheckpointManager, find_step_dir, saved_
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.config.validate import validate_config
-from torchpre.data.loader import build_dataloader, data_shares
+from torchpre.data.loader import build_dataloader, data_shares, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.determinism import configure_determinism
 from torchpre.distributed.comm_timer import CommTimer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import bubble_fraction
-from torchpre.distributed.utils import apply_comm_timeout, init_distributed, select_device, world_size_from_env
+from torchpre.distributed.utils import (
+    apply_comm_timeout,
+    configure_flight_recorder,
+    init_distributed,
+    select_device,
+    set_comm_timeout,
+    world_size_from_env,
+)
 from torchpre.errors import ConfigError
+from torchpre.garbage_collection import GarbageCollection
 from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
@@ -159,7 +167,9 @@ class Trainer:
 
         configure_determinism(t.deterministic, t.seed)
         self.device = runtime.device()
-        runtime.join(self.device, config.comm.timeout_seconds)
+        if self.device.type == "cuda":
+            configure_flight_recorder(config.comm.trace_buf_size, Path(config.job.dump_folder) / "comm_traces")
+        runtime.join(self.device, config.comm.init_timeout_seconds)  # comm.timeout_seconds after the first step
         mesh_device = "cpu" if runtime.fake else self.device.type
         self.meshes = dims.build_meshes(mesh_device, fsdp=config.optimizer.zero_stage == 3)
         self.mesh, self.expert_mesh = self.meshes.mesh, self.meshes.expert_mesh
@@ -181,6 +191,8 @@ class Trainer:
             dataset_mixture=t.dataset_mixture,
             num_workers=t.num_workers,
             held_out_fraction=held_out_fraction(config.validation),
+            vocab_size=self.model_args.vocab_size,
+            pin_memory=pins_memory(self.device),
         )
         # Global samples the steps so far trained on: the checkpointed data position. Not the sampler's
         # counter, which runs ahead of training by the batches that loader workers prefetch.
@@ -429,7 +441,7 @@ class Trainer:
         step_times.start()
         interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
-        with profiler, preemption, comm.installed():
+        with profiler, preemption, comm.installed(), GarbageCollection(t.gc_freq) as garbage:
             while self.step < t.steps:
                 fetch_start = time.perf_counter()
                 with self.phases.phase("data"):
@@ -442,6 +454,7 @@ class Trainer:
                 self.last_loss = health.loss
                 self.consumed_samples += self.global_batch_size
                 interval_steps += 1
+                garbage.step(self.step)
                 profiler.step()
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
                 stop = health.stop_requested  # some rank got SIGTERM: every rank stops after this step
@@ -471,6 +484,9 @@ class Trainer:
                 if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
                     with comm.paused():
                         checkpoint_time += self._save_checkpoint()
+                if self.step == first_step + 1:  # start-up, with its compilation and loading, is over
+                    with comm.paused():
+                        set_comm_timeout(self.config.comm.timeout_seconds, "comm.timeout_seconds")
                 if log:
                     step_times.start()
                 if stop:
@@ -582,8 +598,9 @@ class Trainer:
         A step whose loss or gradient norm is not finite on any rank is never applied; see `_on_nonfinite`.
         The LR schedule advances either way, so a skipped step shifts nothing after it.
         """
-        with self.phases.phase("forward_backward"):
-            loss = self._forward_backward([(x.to(self.device), y.to(self.device)) for x, y in microbatches])
+        with self.phases.phase("forward_backward"):  # from pinned memory (pins_memory) the copies do not block
+            on_device = [tuple(part.to(self.device, non_blocking=True) for part in batch) for batch in microbatches]
+            loss = self._forward_backward(on_device)
         with self.phases.phase("optimizer"):
             with self.phases.phase("grad_comm"):
                 grad_norm = self.optimizer.reduce_gradients()

@@ -179,6 +179,25 @@ CATALOGUE = [
     case("lr-scheduler-warmup-negative", ["--lr_scheduler.warmup_steps", "-1"], ["lr_scheduler.warmup_steps = -1"]),
     case("lr-scheduler-decay-type", ["--lr_scheduler.decay_type", "cosin"], ["lr_scheduler.decay_type", "'cosine'"]),
     case("zero-stage", ["--optimizer.zero_stage", "5"], ["optimizer.zero_stage = 5"]),
+    case("vocab-size-negative", ["--model.vocab_size", "-1"], ["model.vocab_size = -1"]),
+    case("gc-freq-negative", ["--training.gc_freq", "-1"], ["training.gc_freq = -1", "at least 0"]),
+    case("init-timeout-zero", ["--comm.init_timeout_seconds", "0"], ["comm.init_timeout_seconds = 0.0", "positive"]),
+    case("trace-buffer-negative", ["--comm.trace_buf_size", "-1"], ["comm.trace_buf_size = -1", "at least 0"]),
+    case(
+        "vocab-size-below-the-tokenizers",
+        ["--model.vocab_size", "1000"],
+        ["model.vocab_size = 1000", "tokenizer's 2048 ids", "training.dataset = 'stdlib'", "'synthetic'"],
+    ),
+    case(
+        "synthetic-with-a-path",
+        ["--training.dataset", "synthetic", "--training.dataset_path", "{d}/text.txt"],
+        ["training.dataset_path", "'synthetic'"],
+    ),
+    case(
+        "synthetic-held-out-validation",
+        ["--training.dataset", "synthetic", "--validation.enable"],
+        ["validation.enable with training.dataset = 'synthetic'", "validation.dataset"],
+    ),
     case(
         "hsdp-without-zero-3",
         ["--parallelism.data_parallel_replicate_degree", "2"],

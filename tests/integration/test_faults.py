@@ -214,8 +214,10 @@ def test_sigterm_saves_the_step_every_rank_stopped_at_and_resuming_continues_exa
 
 @pytest.mark.slow
 def test_a_hung_peer_fails_the_job_within_comm_timeout(jobs, tmp_path):
+    """After the first step the training timeout is in force, not the (here far longer) start-up one."""
     timeout = 10
     args = [*TINY, "--training.steps", "100000", "--comm.timeout_seconds", str(timeout)]
+    args += ["--comm.init_timeout_seconds", "600"]
     job = jobs(args, tmp_path / "run")
     job.wait_until(lambda: logged_steps(tmp_path / "run") >= 2)
     hung = job.worker(rank=1)
@@ -283,6 +285,10 @@ def test_only_a_restarted_attempt_on_a_shared_store_gets_its_own_keys(monkeypatc
     [
         ("checkpoint", "save_on_preemption", True, "checkpoint.enable is off"),
         ("comm", "timeout_seconds", 0.0, "comm.timeout_seconds = 0.0"),
+        ("comm", "init_timeout_seconds", -1.0, "comm.init_timeout_seconds = -1.0"),
+        ("comm", "timeout_seconds", float("inf"), "comm.timeout_seconds = inf"),
+        ("comm", "trace_buf_size", -1, "comm.trace_buf_size = -1"),
+        ("training", "gc_freq", -5, "training.gc_freq = -5"),
     ],
 )
 def test_new_keys_reject_impossible_values(section, key, value, message):

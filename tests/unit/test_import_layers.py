@@ -22,7 +22,7 @@ PACKAGE = "torchpre"
 # components because `python -m torchpre.data.prepare` is one.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "optional"),
-    ("distributed", "determinism", "preemption"),
+    ("distributed", "determinism", "preemption", "garbage_collection"),
     ("parallel",),
     ("optim", "models", "data", "checkpoint", "metrics", "config", "health", "nonfinite", "profiling", "cli"),
     ("build", "validation"),

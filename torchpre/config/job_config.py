@@ -51,14 +51,20 @@ class Model:
         "with model.name = 'hf': a transformers config.json (or its folder) of a Llama-layout causal LM (llama, "
         "mistral, qwen2, qwen3); model.flavor is then not used",
     )
+    vocab_size: int = _option(
+        0,
+        "the model's vocabulary (embedding and output rows); 0 = the tokenizer's; with a text dataset it must hold "
+        "every token id (e.g. 128256, Llama 3's, with training.dataset = 'synthetic')",
+    )
 
 
 @dataclass
 class Training:
-    dataset: Literal["stdlib", "text", "shards"] = _option(
+    dataset: Literal["stdlib", "text", "shards", "synthetic"] = _option(
         "stdlib",
         "'stdlib': docstrings and comments of Python's standard library; 'text': training.dataset_path; "
-        "'shards': pre-tokenized shards (training.dataset_path or training.dataset_mixture)",
+        "'shards': pre-tokenized shards (training.dataset_path or training.dataset_mixture); 'synthetic': "
+        "uniformly random tokens in [0, model.vocab_size), seeded by training.seed (for benchmarks)",
     )
     dataset_path: str = _option(
         "", "'text': a .txt or .jsonl file, or a folder of them; 'shards': a folder written by torchpre.data.prepare"
@@ -103,6 +109,11 @@ class Training:
         0.0, "warn about a loss this many standard deviations above the mean of the last spike_window; 0 = off"
     )
     spike_window: int = _option(100, "recent losses the spike detector compares each loss with")
+    gc_freq: int = _option(
+        50,
+        "Python's automatic garbage collection is off during training and every rank collects (generation 1) "
+        "every this many steps, all at the same step; 0 = leave the garbage collector alone",
+    )
     deterministic: bool = _option(
         False,
         "bitwise-reproducible reruns on the same layout: seed every RNG, use only deterministic kernels "
@@ -236,10 +247,20 @@ class Checkpoint:
 
 @dataclass
 class Comm:
+    init_timeout_seconds: float = _option(
+        900.0,
+        "during start-up (rendezvous, model build, checkpoint load, the first step and its compilation), a rank "
+        "waiting this long for a peer fails with an error instead of hanging",
+    )
     timeout_seconds: float = _option(
         600.0,
-        "a rank waiting this long for a peer in a collective fails with an error instead of hanging; must exceed "
-        "the longest gap between collectives (a checkpoint save, a first-step compile)",
+        "after the first step, a rank waiting this long for a peer in a collective fails with an error instead of "
+        "hanging; must exceed the longest gap between collectives (a checkpoint save, a validation pass)",
+    )
+    trace_buf_size: int = _option(
+        20000,
+        "NCCL flight recorder: the last this many collectives of each rank are recorded and, on a timeout, dumped "
+        "to {job.dump_folder}/comm_traces/rank_N (read with torch.distributed.flight_recorder); 0 = off",
     )
 
 

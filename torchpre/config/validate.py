@@ -64,11 +64,15 @@ def validate_config(config: JobConfig) -> None:
             "checkpoint.save_on_preemption saves a checkpoint on SIGTERM, but checkpoint.enable is off. "
             "Set checkpoint.enable = true, or turn checkpoint.save_on_preemption off."
         )
-    if not config.comm.timeout_seconds > 0:
-        raise ConfigError(
-            f"comm.timeout_seconds = {config.comm.timeout_seconds}: it must be positive (seconds a rank waits for "
-            "a peer before failing)."
-        )
+    for key in ("init_timeout_seconds", "timeout_seconds"):
+        seconds = getattr(config.comm, key)
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ConfigError(
+                f"comm.{key} = {seconds}: it must be a positive number (seconds a rank waits for a peer before "
+                "failing)."
+            )
+    _at_least("comm.trace_buf_size", config.comm.trace_buf_size, 0)
+    _at_least("training.gc_freq", t.gc_freq, 0)
     parts = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
     unknown = [part for part in c.exclude_from_loading if part not in parts]
     if unknown:
@@ -89,7 +93,13 @@ def _validate_dataset(config: JobConfig) -> None:
     """The data keys: a source that exists for the chosen `training.dataset`, sane mixture weights."""
     t = config.training
     _at_least("training.num_workers", t.num_workers, 0)
+    _at_least("model.vocab_size", config.model.vocab_size, 0)
     _validate_text_source("training", t.dataset, t.dataset_path)
+    if t.dataset == "synthetic" and t.dataset_path:
+        raise ConfigError(
+            "training.dataset_path is set but training.dataset = 'synthetic' (random tokens) reads no files: "
+            "remove training.dataset_path, or set training.dataset = 'text' or 'shards'."
+        )
     if t.dataset_mixture and t.dataset != "shards":
         raise ConfigError(
             f"training.dataset_mixture is set but training.dataset = '{t.dataset}' ignores it: "
@@ -162,6 +172,12 @@ def _validate_validation(config: JobConfig) -> None:
             f"{', '.join(names_where(forward_only=True))}, or turn validation off."
         )
     if not v.dataset:
+        if t.dataset == "synthetic":
+            raise ConfigError(
+                "validation.enable with training.dataset = 'synthetic': random tokens hold nothing to learn, so a "
+                "held-out part of them measures nothing. Set validation.dataset (and dataset_path), or turn "
+                "validation off."
+            )
         if v.dataset_path:
             raise ConfigError(
                 "validation.dataset_path is set but validation.dataset is empty (hold out part of the training "

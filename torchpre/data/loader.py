@@ -4,6 +4,7 @@ import math
 import warnings
 from pathlib import Path
 
+import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -12,6 +13,7 @@ from torchpre.data.documents import load_documents
 from torchpre.data.mixture import MixtureOrder, Source
 from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler, SampleOrder
 from torchpre.data.shard_dataset import ShardWindows
+from torchpre.data.synthetic import SyntheticTokens, in_order
 from torchpre.data.tokenizer import Tokenizer, tokenizer_hash
 from torchpre.errors import ConfigError, TorchpreError
 
@@ -33,6 +35,8 @@ def build_dataloader(
     dataset_mixture: dict[str, float] | None = None,
     num_workers: int = 0,
     held_out_fraction: float = 0.0,
+    vocab_size: int = 0,
+    pin_memory: bool = False,
 ) -> StatefulDataLoader:
     """Returns a loader of (inputs, labels) microbatches of `training.dataset`.
 
@@ -45,15 +49,27 @@ def build_dataloader(
     `held_out_fraction` > 0 sets aside the last windows of every source for validation (see
     `split_held_out` and `held_out_samples`) and the order runs over the rest only; 0 leaves the
     samples and their order exactly as they are.
+
+    `dataset = "synthetic"` draws tokens in [0, `vocab_size`) (see `SyntheticTokens`); the tokenizer is not
+    used. `pin_memory` (see `pins_memory`) puts each batch in page-locked memory, so that its copy to the
+    GPU can run asynchronously (`non_blocking=True`).
     """
-    if dataset == "shards" and dataset_mixture:
+    if dataset == "synthetic":
+        samples, order = SyntheticTokens(seq_len, vocab_size, seed), in_order
+    elif dataset == "shards" and dataset_mixture:
         samples, order = _mixture(dataset_mixture, seq_len, tokenizer, seed, held_out_fraction, held_out=False)
     else:
         samples, order = _single_source(
             dataset, dataset_path, seq_len, tokenizer, global_batch_size, seed, held_out_fraction
         )
     sampler = GlobalBatchSampler(order, local_batch_size, dp_rank, dp_size)
-    return StatefulDataLoader(samples, batch_sampler=sampler, num_workers=num_workers)
+    return StatefulDataLoader(samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
+
+
+def pins_memory(device: torch.device) -> bool:
+    """Whether batches bound for `device` are pinned: on CUDA only, where a copy from pinned memory runs
+    asynchronously (CPU training has no copy to overlap, and pinning needs a CUDA driver)."""
+    return device.type == "cuda"
 
 
 def data_shares(loader: StatefulDataLoader, consumed_samples: int) -> dict[str, float]:

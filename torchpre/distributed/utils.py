@@ -1,8 +1,10 @@
 """Process-group setup: the one place where the device and the backend are chosen."""
 
 import gc
+import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -10,8 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.errors import TorchpreError
 
-# comm.timeout_seconds of this process's job, once joined: groups created later and error messages need it.
+logger = logging.getLogger("torchpre")
+
+# The timeout in force for this process's groups, and the config key that set it: groups created later and error
+# messages need them. comm.init_timeout_seconds from joining until the first step is done, then comm.timeout_seconds.
 _timeout: timedelta | None = None
+_timeout_key = "comm.init_timeout_seconds"
 
 
 def world_size_from_env() -> int:
@@ -28,16 +34,40 @@ def select_device() -> torch.device:
     return torch.device("cpu")
 
 
+# The NCCL flight recorder's settings (torch reads them once, when the first NCCL group is created); torch >= 2.9
+# also reads the TORCH_FR_ names, which win over the TORCH_NCCL_ ones.
+FLIGHT_RECORDER_SIZE_VARIABLES = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
+FLIGHT_RECORDER_FILE_VARIABLES = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_FR_DUMP_TEMP_FILE")
+
+
+def configure_flight_recorder(buffer_size: int, folder: Path) -> None:
+    """Sets the environment of the NCCL flight recorder (comm.trace_buf_size) before any process group exists:
+    each rank keeps its last `buffer_size` collectives and, when one times out, dumps them to `folder`/rank_N,
+    which `python -m torch.distributed.flight_recorder.fr_trace` merges to show which rank stopped where.
+    0 turns the recorder off. Variables a user exported are overridden, with a warning, as torchtitan does."""
+    values = {name: str(buffer_size) for name in FLIGHT_RECORDER_SIZE_VARIABLES}
+    if buffer_size > 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        values["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        values |= {name: f"{folder}/rank_" for name in FLIGHT_RECORDER_FILE_VARIABLES}
+    for name, value in values.items():
+        if os.environ.get(name, value) != value:
+            logger.warning("comm.trace_buf_size replaces %s=%s of the environment by %s", name, os.environ[name], value)
+        os.environ[name] = value
+
+
 def init_distributed(device: torch.device, timeout_s: float = 600) -> None:
     """Joins the job's process group: NCCL on CUDA, gloo on CPU.
 
     A plain single process gets a world of one (an in-memory store), so the training code runs the
-    same collectives whatever the launch. `timeout_s` (comm.timeout_seconds) bounds every wait for a
-    peer, so a rank whose peer hung or died fails instead of waiting forever.
+    same collectives whatever the launch. `timeout_s` (comm.init_timeout_seconds) bounds every wait for a
+    peer during start-up, so a rank whose peer hung or died fails instead of waiting forever;
+    `set_comm_timeout` replaces it once training runs.
     """
-    global _timeout
+    global _timeout, _timeout_key
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = _timeout = timedelta(seconds=timeout_s)
+    _timeout_key = "comm.init_timeout_seconds"
     if "WORLD_SIZE" in os.environ:
         device_id = device if device.type == "cuda" else None
         store = _restart_store(timeout)
@@ -75,20 +105,41 @@ def _restart_store(timeout: timedelta) -> dist.Store | None:
 
 
 def comm_timeout() -> timedelta | None:
-    """The timeout `init_distributed` gave the job; None before it ran."""
+    """The timeout in force (see `comm_timeout_key`); None before `init_distributed` ran."""
     return _timeout
 
 
+def comm_timeout_key() -> str:
+    """The config key of the timeout in force: comm.init_timeout_seconds during start-up, then comm.timeout_seconds."""
+    return _timeout_key
+
+
 def apply_comm_timeout(*meshes: DeviceMesh | None) -> None:
-    """Gives every group of `meshes` (None: a mesh the layout does not use) the job's timeout.
+    """Gives every group of `meshes` (None: a mesh the layout does not use) the timeout in force.
 
     PyTorch creates a mesh's sub-groups with its own defaults (30 min on gloo, 10 on NCCL), not the
     world group's timeout, so without this a hung peer would stall a tensor- or pipeline-parallel
-    collective far longer than comm.timeout_seconds.
+    collective far longer than the configured timeout.
     """
     for mesh in meshes:
         for group in mesh.get_all_groups() if mesh is not None else []:
             _set_group_timeout(group, _timeout)
+
+
+def set_comm_timeout(timeout_s: float, key: str) -> None:
+    """From now on every group of this process (the world, the meshes' sub-groups, a checkpoint's background
+    group) waits `timeout_s` for a peer; `key` names the setting in error messages.
+
+    The trainer calls it on every rank after the first step, whose compilation and checkpoint loading may keep
+    ranks apart far longer than a training step does. A barrier first, under the start-up timeout: a rank
+    still in start-up must not make a faster peer time out under the shorter training timeout (torchtitan's
+    `set_pg_timeouts` does the same).
+    """
+    global _timeout, _timeout_key
+    dist.barrier()
+    _timeout, _timeout_key = timedelta(seconds=timeout_s), key
+    for group in list(dist.distributed_c10d._world.pg_map):
+        _set_group_timeout(group, _timeout)
 
 
 def _set_group_timeout(group: dist.ProcessGroup, timeout: timedelta) -> None:
