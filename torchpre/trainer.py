@@ -1,5 +1,6 @@
 """The training loop, assembled from the config: model, data, optimizer, parallelism, metrics."""
 
+import contextlib
 import logging
 import socket
 import sys
@@ -103,6 +104,15 @@ class Runtime:
         hook = sys.excepthook  # torch wraps it with a rank prefix per group: one process joins many fake worlds
         dist.init_process_group("fake", store=FakeStore(), rank=self.fake_rank, world_size=self.world_size)
         sys.excepthook = hook
+
+
+@dataclass
+class Interval:
+    """What the steps since the last metrics record add up."""
+
+    steps: int = 0
+    data_s: float = 0.0  # waiting for batches
+    checkpoint_s: float = 0.0  # saves (they happen between steps, so no step time holds them)
 
 
 @dataclass(frozen=True)
@@ -435,25 +445,27 @@ class Trainer:
         step_times = StepTimes(self.device)
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
         profiler = Profiler(self.config.profiling, traces, dist.get_rank(), self.device, first_step=self.step)
-        comm = CommTimer(self.device, self.meshes.all())
+        comm = CommTimer(self.device, self.meshes.all() if self.config.metrics.time_collectives else [])
         m = self.config.metrics
         self.stragglers = StragglerWatch(m.straggler_threshold, m.straggler_window, self._hosts())
+        self.metrics_seconds = 0.0  # what the last record cost to gather and write: outside every step's time
         step_times.start()
-        interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
+        interval = Interval()
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
-        with profiler, preemption, comm.installed(), GarbageCollection(t.gc_freq) as garbage:
+        timing = comm.installed() if self.config.metrics.time_collectives else contextlib.nullcontext()
+        with profiler, preemption, timing, GarbageCollection(t.gc_freq) as garbage:
             while self.step < t.steps:
                 fetch_start = time.perf_counter()
                 with self.phases.phase("data"):
                     microbatches = [next(batches) for _ in range(self.accumulation_steps)]
-                data_time += time.perf_counter() - fetch_start
+                interval.data_s += time.perf_counter() - fetch_start
                 lr = self.optimizer.inner.param_groups[0]["lr"]
                 health, grad_norm = self.train_step(microbatches, stop_requested=preemption.requested)
                 step_times.step()
                 self.step += 1
                 self.last_loss = health.loss
                 self.consumed_samples += self.global_batch_size
-                interval_steps += 1
+                interval.steps += 1
                 garbage.step(self.step)
                 profiler.step()
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
@@ -463,27 +475,11 @@ class Trainer:
                 # The record goes out before the checkpoint: a crash after a save never loses the logged
                 # metrics of the step it resumes after.
                 if log:  # read before validation and checkpointing, which are not part of a step
-                    durations = step_times.durations()
-                    step_time = sum(durations) / interval_steps
-                    phases = self.phases.averages(interval_steps)
-                    comm_seconds = {kind: v / interval_steps for kind, v in comm.totals().items()}
-                    timings = {f"time/{name}_s": v for name, v in phases.items()} | tail(durations)
-                    timings |= {f"time/comm_{kind}_s": comm_seconds[kind] for kind in comm.kinds_in_use}
-                    if checkpoint_time:
-                        timings["time/checkpoint_s"] = checkpoint_time
-                    rank_times = RankTimes(
-                        busy=step_time - comm_seconds["total"],
-                        pipeline_busy=self.model.pipeline_busy_seconds() / interval_steps if self.pipeline else 0.0,
-                        pipeline_window=phases["forward_backward"],
-                    )
-                    with comm.paused():
-                        val_loss = self.validator.evaluate() if validate else None
-                        data_time /= interval_steps
-                        self._log(health.loss, grad_norm, lr, step_time, data_time, val_loss, timings, rank_times)
-                    interval_steps, data_time, checkpoint_time = 0, 0.0, 0.0
+                    self._record_interval(interval, step_times, comm, health, grad_norm, lr, validate)
+                    interval = Interval()
                 if self.config.checkpoint.enable and (self.checkpoint.should_save(self.step, t.steps) or stop):
                     with comm.paused():
-                        checkpoint_time += self._save_checkpoint()
+                        interval.checkpoint_s += self._save_checkpoint()
                 if self.step == first_step + 1:  # start-up, with its compilation and loading, is over
                     with comm.paused():
                         set_comm_timeout(self.config.comm.timeout_seconds, "comm.timeout_seconds")
@@ -501,6 +497,42 @@ class Trainer:
                     break
         self._close()
         self._summarize(self.step - first_step, time.perf_counter() - start)
+
+    def _record_interval(
+        self,
+        interval: Interval,
+        step_times: StepTimes,
+        comm: CommTimer,
+        health: StepHealth,
+        grad_norm: torch.Tensor,
+        lr: float,
+        validate: bool,
+    ) -> None:
+        """Reads the interval's timers, validates if due, and writes the record of this step. The record's own
+        cost (reading and gathering, not validation) goes into the next record as `time/metrics_s`."""
+        record_start = time.perf_counter()
+        steps = interval.steps
+        durations = step_times.durations()
+        step_time = sum(durations) / steps
+        phases = self.phases.averages(steps)
+        comm_seconds = {kind: total / steps for kind, total in comm.totals().items()}
+        timings = {f"time/{name}_s": v for name, v in phases.items()} | tail(durations)
+        timings |= {f"time/comm_{kind}_s": comm_seconds[kind] for kind in comm.kinds_in_use}
+        if interval.checkpoint_s:
+            timings["time/checkpoint_s"] = interval.checkpoint_s
+        if self.metrics_seconds:
+            timings["time/metrics_s"] = self.metrics_seconds
+        rank_times = RankTimes(
+            busy=step_time - comm_seconds["total"],
+            pipeline_busy=self.model.pipeline_busy_seconds() / steps if self.pipeline else 0.0,
+            pipeline_window=phases["forward_backward"],
+        )
+        with comm.paused():
+            self.metrics_seconds = time.perf_counter() - record_start
+            val_loss = self.validator.evaluate() if validate else None
+            record_start = time.perf_counter()
+            self._log(health.loss, grad_norm, lr, step_time, interval.data_s / steps, val_loss, timings, rank_times)
+            self.metrics_seconds += time.perf_counter() - record_start
 
     def _hosts(self) -> list[str]:
         """Every rank's host name, by rank, for the straggler warning."""
@@ -570,7 +602,7 @@ class Trainer:
         """The straggler metrics over all ranks (when there are several) and the pipeline bubble of rank 0's
         pipeline (under pipeline parallelism), from every rank's `RankTimes`."""
         metrics = {}
-        if len(every_rank) > 1:
+        if len(every_rank) > 1 and self.config.metrics.time_collectives:
             metrics |= self.stragglers.observe([busy for busy, _, _ in every_rank], self.step)
         if self.pipeline is not None:
             p = self.pipeline

@@ -279,6 +279,11 @@ class Metrics:
     enable_tensorboard: bool = _option(
         False, "also write each metrics record as TensorBoard scalars to {job.dump_folder}/tensorboard"
     )
+    time_collectives: bool = _option(
+        True,
+        "time each mesh dimension's collectives (time/comm_*_s) and find stragglers from them; off removes the "
+        "wrappers around torch.distributed's collectives that measure them",
+    )
     straggler_threshold: float = _option(
         0.2,
         "warn when the ranks' busy time per step (step time less time in collectives) has (max - median) / median "
