@@ -289,6 +289,8 @@ def test_only_a_restarted_attempt_on_a_shared_store_gets_its_own_keys(monkeypatc
         ("comm", "timeout_seconds", float("inf"), "comm.timeout_seconds = inf"),
         ("comm", "trace_buf_size", -1, "comm.trace_buf_size = -1"),
         ("training", "gc_freq", -5, "training.gc_freq = -5"),
+        ("metrics", "straggler_threshold", 0.0, "metrics.straggler_threshold = 0.0"),
+        ("metrics", "straggler_window", 0, "metrics.straggler_window = 0"),
     ],
 )
 def test_new_keys_reject_impossible_values(section, key, value, message):
