@@ -10,8 +10,10 @@ from collections import Counter
 
 import pytest
 import torch
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchpre.models import attention
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel import activation_checkpoint
@@ -35,8 +37,8 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def attention_runs(mode: str, option: str = "op") -> tuple[int, int]:
-    """How often the attention kernel runs in forward and in backward of the tiny model under `mode`."""
+def attention_runs(mode: str, option: str = "op", kernel=ATTENTION) -> tuple[int, int]:
+    """How often the attention `kernel` runs in forward and in backward of the tiny model under `mode`."""
     torch.manual_seed(0)
     model = Transformer(ARGS)
     model.init_weights(0)
@@ -46,7 +48,7 @@ def attention_runs(mode: str, option: str = "op") -> tuple[int, int]:
         loss = model(tokens).square().mean()
     with OpCounter() as backward:
         loss.backward()
-    return forward.counts[ATTENTION], backward.counts[ATTENTION]
+    return forward.counts[kernel], backward.counts[kernel]
 
 
 def test_the_counted_op_is_the_one_sdpa_runs_on_cpu():
@@ -90,3 +92,42 @@ def test_the_fast_attention_kernels_and_collectives_are_saved(op):
 def test_the_sequence_parallel_all_gather_is_recomputed():
     """Its output is tp times its input: keeping it would undo sequence parallelism's memory saving."""
     assert torch.ops._c10d_functional.all_gather_into_tensor.default not in activation_checkpoint._saved_ops()
+
+
+# flash-attn (>= 2.6) registers its forward as the operator `flash_attn::_flash_attn_forward`. flash-attn needs CUDA;
+# a stand-in registered under its name (SDPA, with SDPA's gradients) lets the CPU count it like the real one.
+@torch.library.custom_op("flash_attn::_flash_attn_forward", mutates_args=())
+def _flash_attn_stand_in(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return attention.sdpa(q, k, v, mask=None, is_causal=True)
+
+
+@_flash_attn_stand_in.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return torch.empty_like(q)
+
+
+def _stand_in_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _stand_in_backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    _, vjp = torch.func.vjp(lambda q, k, v: attention.sdpa(q, k, v, mask=None, is_causal=True), *ctx.saved_tensors)
+    return vjp(grad)
+
+
+_flash_attn_stand_in.register_autograd(_stand_in_backward, setup_context=_stand_in_setup)
+
+
+def test_op_selective_checkpointing_does_not_recompute_flash_attn(monkeypatch: pytest.MonkeyPatch):
+    """The path `causal_attention` takes on CUDA when flash-attn is installed: its op is kept too."""
+    monkeypatch.setattr(attention, "flash_attention_applies", lambda device, dtype: True)
+    monkeypatch.setattr(
+        attention, "flash_attn_func", lambda q, k, v, causal, deterministic: _flash_attn_stand_in(q, k, v)
+    )
+    activation_checkpoint._saved_ops.cache_clear()  # the list is built once, after flash-attn registered its op
+    flash = torch.ops.flash_attn._flash_attn_forward.default
+    try:
+        assert attention_runs("selective", "op", kernel=flash) == (ARGS.n_layers, 0)
+        assert attention_runs("full", kernel=flash) == (ARGS.n_layers, ARGS.n_layers)
+    finally:
+        activation_checkpoint._saved_ops.cache_clear()
