@@ -61,6 +61,49 @@ def test_causal_attention_passes_flash_attn_causal_and_deterministic_when_it_app
     assert calls == [True]
 
 
+# Kernel choices on CUDA, decided here (the kernels themselves need CUDA) ----------------------------------
+
+
+def test_sdpa_tries_cudnn_then_flash_then_efficient_then_math_on_cuda():
+    priority = [backend.name for backend in attention.sdpa_backend_priority(torch.device("cuda"))]
+    assert priority == ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+
+
+def test_sdpa_keeps_its_own_choice_off_cuda():
+    assert attention.sdpa_backend_priority(torch.device("cpu")) is None
+
+
+def test_sdpa_under_the_priority_context_compiles_in_one_graph(monkeypatch):
+    """The CUDA path's `sdpa_kernel(priority)` context, run on CPU (whose kernel counts as flash): it must not
+    break a block's fullgraph compile, and gives the reference result."""
+    monkeypatch.setattr(attention, "sdpa_backend_priority", lambda device: attention.CUDA_SDPA_PRIORITY)
+    q, k, v = torch.randn(2, 7, 4, 8), torch.randn(2, 7, 2, 8), torch.randn(2, 7, 2, 8)
+    compiled = torch.compile(attention.sdpa, backend="eager", fullgraph=True)
+    out = compiled(q, k, v, mask=None, is_causal=True)
+    torch.testing.assert_close(out, reference_causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "device, deterministic, expected", [("cuda", False, True), ("cuda", True, False), ("cpu", False, False)]
+)
+def test_flex_attention_autotunes_on_cuda_unless_deterministic(device, deterministic, expected):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        assert attention.flex_max_autotune(torch.device(device)) is expected
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+@pytest.mark.parametrize("max_autotune", [False, True])
+def test_flex_compile_options_are_inductor_options(max_autotune):
+    """torch.compile rejects unknown options only when it first compiles, which happens on CUDA alone."""
+    options = attention.flex_compile_options(max_autotune)
+    assert options.keys() <= torch._inductor.config.get_config_copy().keys()
+    assert options.get("max_autotune", False) is max_autotune
+    assert options["wrap_inductor_compiled_regions"]  # what lets per-op AC keep its output
+
+
 # Document-causal attention ------------------------------------------------------------------------
 
 # Row 0: three documents, the first a tail left from the previous row; row 1: one document.
@@ -68,6 +111,8 @@ DOCUMENT_IDS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2], [0] * 11])
 # Per document the same sums as SDPA over the whole row, minus masked terms that are exactly zero:
 # fp32 reduction-order noise only.
 DOCUMENT_ATOL = 1e-6
+# The module's compiled flex_attention, before `eager_flex` swaps it out.
+COMPILED_FLEX_ATTENTION = attention._compiled_flex_attention
 
 
 def grouped_query_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +142,7 @@ def eager_flex(monkeypatch) -> Iterator[None]:
     """The CUDA path (flex_attention with a BlockMask) on CPU, through flex's eager reference
     implementation: checks our mask function and layout, not torch's compiled kernel."""
     monkeypatch.setattr(attention, "flex_attention_applies", lambda device: True)
-    monkeypatch.setattr(attention, "_compiled_flex_attention", attention.flex_attention)
+    monkeypatch.setattr(attention, "_compiled_flex_attention", dict.fromkeys((False, True), attention.flex_attention))
     monkeypatch.setattr(attention, "_compiled_create_block_mask", attention.create_block_mask)
     with warnings.catch_warnings():  # "flex_attention called without torch.compile()": on purpose
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
@@ -137,3 +182,14 @@ def test_one_document_per_row_is_plain_causal_attention():
     one_document = torch.zeros_like(DOCUMENT_IDS)
     out = attention.document_causal_attention(q, k, v, attention.document_mask(one_document))
     torch.testing.assert_close(out, attention.causal_attention(q, k, v), rtol=0, atol=DOCUMENT_ATOL)
+
+
+def test_flex_path_compiles_in_one_graph(eager_flex, monkeypatch):
+    """A compiled block calls the compiled flex_attention chosen by `flex_max_autotune`: dynamo traces through
+    that choice without a graph break (backend "eager": no kernel is generated)."""
+    monkeypatch.setattr(attention, "_compiled_flex_attention", COMPILED_FLEX_ATTENTION)
+    q, k, v = grouped_query_inputs()
+    mask = attention.document_mask(DOCUMENT_IDS)
+    compiled = torch.compile(attention.document_causal_attention, backend="eager", fullgraph=True)
+    out = compiled(q, k, v, mask)
+    torch.testing.assert_close(out, per_document_attention(q, k, v, DOCUMENT_IDS), rtol=0, atol=DOCUMENT_ATOL)

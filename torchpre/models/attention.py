@@ -5,11 +5,13 @@ All take and return [batch, seq, heads, head_dim] tensors and handle grouped-que
 (fewer key/value heads than query heads) without repeating the keys and values.
 """
 
+import contextlib
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 try:  # the `gpu` extra
@@ -33,12 +35,31 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return sdpa(q, k, v, mask=None, is_causal=True)
 
 
+# SDPA's backends on CUDA in the order to try them: cuDNN's attention is the fastest on Hopper, then flash,
+# memory-efficient and math. SDPA takes the first one that supports the inputs (dtype, mask, head size,
+# deterministic mode), so the order never makes a call fail.
+CUDA_SDPA_PRIORITY = (
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+def sdpa_backend_priority(device: torch.device) -> tuple[SDPBackend, ...] | None:
+    """The SDPA backends to try, in order, on `device`; None leaves SDPA its own choice (off CUDA, one kernel
+    serves). `sdpa_kernel(..., set_priority=True)` exists since torch 2.6; torchpre needs 2.11."""
+    return CUDA_SDPA_PRIORITY if device.type == "cuda" else None
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-    """`F.scaled_dot_product_attention` in the [batch, seq, heads, head_dim] layout; SDPA picks its own
-    backend (flash, memory-efficient, cuDNN or the CPU kernel)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal, enable_gqa=True
-    )
+    """`F.scaled_dot_product_attention` in the [batch, seq, heads, head_dim] layout, trying the backends in
+    the order of `sdpa_backend_priority`."""
+    priority = sdpa_backend_priority(q.device)
+    backends = sdpa_kernel(list(priority), set_priority=True) if priority else contextlib.nullcontext()
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    with backends:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
     return out.transpose(1, 2)
 
 
@@ -46,10 +67,29 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) 
 # every layer reuses it.
 DocumentMask = Tensor | BlockMask
 
+
+def flex_max_autotune(device: torch.device) -> bool:
+    """Autotune flex_attention's kernels on CUDA (max-autotune without CUDA graphs, as torchtitan does),
+    except under deterministic algorithms: autotuning picks kernels by timing them, so two runs may differ."""
+    return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
+
+
+def flex_compile_options(max_autotune: bool) -> dict[str, bool]:
+    """Inductor options for flex_attention. The compiled call is always wrapped as one operator
+    (`inductor_compiled_code`), so that per-op activation checkpointing can keep its output."""
+    options = {"wrap_inductor_compiled_regions": True}
+    if max_autotune:
+        options |= {"max_autotune": True, "coordinate_descent_tuning": True, "triton.cudagraphs": False}
+    return options
+
+
 # Eager flex_attention is a slow reference implementation; compiled, it is a block-sparse kernel that
-# skips the blocks the mask removes (compiled lazily, on the first call). Eager create_block_mask
-# materializes the whole [batch, seq, seq] mask; compiled, it evaluates it block by block.
-_compiled_flex_attention = torch.compile(flex_attention)
+# skips the blocks the mask removes (compiled lazily, on the first call), one per value of `flex_max_autotune`.
+# Eager create_block_mask materializes the whole [batch, seq, seq] mask; compiled, it evaluates it block by block.
+_compiled_flex_attention = {
+    max_autotune: torch.compile(flex_attention, options=flex_compile_options(max_autotune))
+    for max_autotune in (False, True)
+}
 _compiled_create_block_mask = partial(create_block_mask, _compile=True)
 
 
@@ -82,7 +122,7 @@ def _document_block_mask(document_ids: Tensor) -> BlockMask:
 def document_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     """Causal attention that does not cross document boundaries, with a mask from `document_mask`."""
     if isinstance(mask, BlockMask):
-        out = _compiled_flex_attention(
+        out = _compiled_flex_attention[flex_max_autotune(q.device)](
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True
         )
         return out.transpose(1, 2)
