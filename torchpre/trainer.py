@@ -445,14 +445,15 @@ class Trainer:
         step_times = StepTimes(self.device)
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
         profiler = Profiler(self.config.profiling, traces, dist.get_rank(), self.device, first_step=self.step)
-        comm = CommTimer(self.device, self.meshes.all() if self.config.metrics.time_collectives else [])
+        time_collectives = self.config.metrics.time_collectives and dist.get_world_size() > 1
+        comm = CommTimer(self.device, self.meshes.all() if time_collectives else [])
         m = self.config.metrics
         self.stragglers = StragglerWatch(m.straggler_threshold, m.straggler_window, self._hosts())
         self.metrics_seconds = 0.0  # what the last record cost to gather and write: outside every step's time
         step_times.start()
         interval = Interval()
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
-        timing = comm.installed() if self.config.metrics.time_collectives else contextlib.nullcontext()
+        timing = comm.installed() if time_collectives else contextlib.nullcontext()
         with profiler, preemption, timing, GarbageCollection(t.gc_freq) as garbage:
             while self.step < t.steps:
                 fetch_start = time.perf_counter()
