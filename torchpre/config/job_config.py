@@ -231,7 +231,14 @@ class Checkpoint:
     keep_latest_k: int = _option(0, "keep only the newest k complete checkpoints; 0 keeps all")
     load_step: int = _option(-1, "step to resume from; -1 = the latest complete checkpoint")
     async_mode: Literal["disabled", "async"] = _option(
-        "disabled", "'async': training waits only while the state is copied, not while it is written"
+        "disabled",
+        "'async': training waits only while the state is copied (into pinned buffers kept across saves on CUDA), "
+        "not while it is written",
+    )
+    checksums: Literal["write", "off"] = _option(
+        "write",
+        "'write': the manifest records each file's CRC-32, taken while it is written, and loading checks it; "
+        "'off': sizes only (a truncated file is still caught, altered bytes are not)",
     )
     exclude_from_loading: list[str] = _option(
         [], "parts not to load: model, optimizer, lr_scheduler, dataloader, rng (e.g. optimizer,dataloader)"
