@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import torchpre.checkpoint.manager as manager
 from tests.launch import spawn
@@ -235,9 +236,13 @@ def test_a_save_reads_none_of_its_files_back_and_its_crcs_are_the_files(async_mo
     assert reads == []
     step_dir = tmp_path / "step-2"
     manifest = json.loads((step_dir / MANIFEST).read_text())
-    on_disk = {p.name: {"size": p.stat().st_size, "crc32": zlib.crc32(p.read_bytes())} for p in step_dir.iterdir()}
-    del on_disk[MANIFEST]
-    assert manifest == {"checksums": "write", "files": on_disk}
+    assert manifest == {"checksums": "write", "files": _records_on_disk(step_dir)}
+
+
+def _records_on_disk(step_dir: Path) -> dict[str, dict[str, int]]:
+    """What the manifest should say: zlib's CRC-32 and the size of every other file in the folder."""
+    files = [path for path in step_dir.iterdir() if path.name != MANIFEST]
+    return {path.name: {"size": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())} for path in files}
 
 
 def test_checksums_off_records_sizes_only_and_says_so_on_load(world, tmp_path, caplog):
@@ -264,18 +269,21 @@ def test_staging_is_pinned_on_cuda_and_torchs_plain_copy_elsewhere():
     assert not (cpu.use_pinned_memory or cpu.use_shared_memory or cpu.use_async_staging or cpu.use_non_blocking_copy)
 
 
-def test_async_saves_through_one_stager_round_trip_bitwise(world, tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_mode", ["async", "async_process"])
+def test_async_saves_through_one_stager_round_trip_bitwise(async_mode, world, tmp_path, monkeypatch):
     """Two async saves with the weights changed in between: the stager's reused host buffers must hold the second
-    save's values, not the first's, and each checkpoint loads back bit for bit."""
+    save's values, not the first's, and each checkpoint loads back bit for bit. Written by DCP's checkpoint
+    process, the manifest still holds every file's CRC (handed back through files that are then removed)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # where DCP's checkpoint process starts its own store
     stagers = []
     async_save = manager.dcp.async_save
 
-    def spy(*args, async_stager, **kwargs):
-        stagers.append(async_stager)
-        return async_save(*args, async_stager=async_stager, **kwargs)
+    def spy(*args, async_stager, async_checkpointer_type, **kwargs):
+        stagers.append((async_stager, async_checkpointer_type))
+        return async_save(*args, async_stager=async_stager, async_checkpointer_type=async_checkpointer_type, **kwargs)
 
     monkeypatch.setattr(manager.dcp, "async_save", spy)
-    checkpoints = _manager(tmp_path, async_mode="async")
+    checkpoints = _manager(tmp_path, async_mode=async_mode)
     weight = checkpoints.model_parts[0].weight
     saved = {}
     for step in (2, 4):
@@ -284,8 +292,13 @@ def test_async_saves_through_one_stager_round_trip_bitwise(world, tmp_path, monk
         saved[step] = weight.detach().clone()
         checkpoints.save(step)
     checkpoints.close()
-    assert (stagers[0] is stagers[1]) == stager_keeps_buffers()
+    (first, kind), (second, _) = stagers
+    assert (first is second) == stager_keeps_buffers()
+    assert kind == (AsyncCheckpointerType.PROCESS if async_mode == "async_process" else AsyncCheckpointerType.THREAD)
     for step, expected in saved.items():
+        step_dir = tmp_path / f"step-{step}"
+        manifest = json.loads((step_dir / MANIFEST).read_text())["files"]
+        assert manifest == _records_on_disk(step_dir)
         resumed = _manager(tmp_path)
         assert resumed.load(resumed.find(step)).step == step
         assert torch.equal(resumed.model_parts[0].weight, expected)

@@ -33,8 +33,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from torchpre.checkpoint.storage import RecordingWriter, make_stager, model_device, stager_keeps_buffers
+from torchpre.checkpoint.storage import (
+    RecordingWriter,
+    make_stager,
+    model_device,
+    published_records,
+    stager_keeps_buffers,
+)
 from torchpre.distributed.utils import comm_timeout
 from torchpre.errors import TorchpreError
 
@@ -124,13 +131,15 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         # Background writes run their collectives on a group of their own, never interleaved with training's.
         self.async_group = (
-            dist.new_group(backend=_background_backend(), timeout=comm_timeout()) if async_mode == "async" else None
+            dist.new_group(backend=_background_backend(), timeout=comm_timeout()) if async_mode != "disabled" else None
         )
+        # "async_process": DCP's checkpoint process writes (its own gloo group), so the write holds no GIL of ours.
+        self.in_process = async_mode == "async_process"
         # Under async_mode the checksums of a finished write are gathered off the training thread too.
         self._background = ThreadPoolExecutor(max_workers=1) if self.async_group is not None else None
         self.device = model_device(model_parts)
         # One stager for every async save, so its host buffers (pinned on CUDA) are allocated once.
-        self._stager = make_stager(self.device) if self.async_group is not None and stager_keeps_buffers() else None
+        self._stager = self._new_stager() if self.async_group is not None and stager_keeps_buffers() else None
         self._pending: tuple[Future, int, float] | None = None
         self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
 
@@ -151,7 +160,7 @@ class CheckpointManager:
         in the background (the rename to step-N happens when the next save or `close()` waits for it)."""
         self.wait()
         tmp = self.folder / f".tmp-step-{step}"
-        writer = RecordingWriter(tmp, crc=self.checksums == "write")
+        writer = RecordingWriter(tmp, crc=self.checksums == "write", publish=self.in_process)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -164,8 +173,15 @@ class CheckpointManager:
             dcp.save(state, storage_writer=writer)
             self._finish(step, time.perf_counter() - start, self._manifest_files(writer))
         else:
-            stager = self._stager or make_stager(self.device)
-            write = dcp.async_save(state, storage_writer=writer, process_group=self.async_group, async_stager=stager)
+            stager = self._stager or self._new_stager()
+            kind = AsyncCheckpointerType.PROCESS if self.in_process else AsyncCheckpointerType.THREAD
+            write = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self.async_group,
+                async_checkpointer_type=kind,
+                async_stager=stager,
+            )
             if stager is not self._stager:
                 stager.close()  # staging is done on return (use_async_staging=False)
             staging = time.perf_counter() - start
@@ -187,10 +203,17 @@ class CheckpointManager:
         if self._stager is not None:
             self._stager.close()
 
+    def _new_stager(self):
+        return make_stager(self.device, shared=self.in_process)
+
     def _manifest_files(
         self, writer: RecordingWriter, group: dist.ProcessGroup | None = None
     ) -> dict[str, dict[str, int]]:
-        """Once every rank has written its files, each file's size and CRC-32, as each rank's writer took them."""
+        """Once every rank has written its files, each file's size and CRC-32, as each rank's writer took them
+        (rank 0 alone needs them). A write in DCP's checkpoint process left them in small files: its coordinator
+        finishes after every rank has written, so rank 0 finds them all once its own write is done."""
+        if self.in_process:
+            return published_records(writer.path) if self.rank == 0 else {}
         records = _all_gather(writer.fs.records, group)
         return {name: record for part in records for name, record in part.items()}
 

@@ -3,6 +3,7 @@ bytes as it writes them (so the manifest costs no second read of the checkpoint)
 state to host memory for an async save (pinned, reused buffers on CUDA)."""
 
 import functools
+import json
 import logging
 import threading
 import zlib
@@ -13,9 +14,13 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
 logger = logging.getLogger("torchpre")
+
+RECORDS = "records.json"  # a rank's file records, for a writer in DCP's checkpoint process: `__{rank}_records.json`
 
 
 class _RecordingStream:
@@ -77,24 +82,63 @@ class RecordingFileSystem(FileSystem):
             if (record := self.records.pop(Path(path).name, None)) is not None:
                 self.records[Path(new_path).name] = record
 
+    def __getstate__(self) -> dict:
+        """Without the lock, which does not pickle (DCP sends the writer to its checkpoint process)."""
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
 
 class RecordingWriter(FileSystemWriter):
-    """`FileSystemWriter` whose `fs.records` lists the files this process wrote, with their sizes and CRCs."""
+    """`FileSystemWriter` whose `fs.records` lists the files this process wrote, with their sizes and CRCs.
 
-    def __init__(self, path: Path, crc: bool) -> None:
+    With `publish`, for a writer that runs in DCP's checkpoint process (whose memory the trainer never sees), it
+    also writes them to `__{rank}_records.json` once its files are written, and again with `.metadata` once it
+    is (the coordinator); `published_records` reads them back and removes them."""
+
+    def __init__(self, path: Path, crc: bool, publish: bool = False) -> None:
         super().__init__(path)
         self.fs = RecordingFileSystem(crc)
+        self.publish = publish
+        self._prefix = ""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        self._prefix = plan.storage_data.prefix
+        written = super().write_data(plan, planner)
+        self._publish()
+        return written
+
+    def finish(self, metadata: Metadata, results) -> None:
+        super().finish(metadata, results)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.publish:
+            (Path(self.path) / f"{self._prefix}{RECORDS}").write_text(json.dumps(self.fs.records), encoding="utf-8")
 
 
-def staging_options(device: torch.device) -> StagingOptions:
+def published_records(folder: Path) -> dict[str, dict[str, int]]:
+    """Every rank's records that `RecordingWriter(publish=True)` left in `folder`, merged; the files are removed."""
+    records = {}
+    for path in sorted(folder.glob(f"*{RECORDS}")):
+        records.update(json.loads(path.read_text(encoding="utf-8")))
+        path.unlink()
+    return records
+
+
+def staging_options(device: torch.device, shared: bool = False) -> StagingOptions:
     """How an async save copies the state to the host. On CUDA: into pinned buffers (a fast DMA copy instead of a
     pageable one), kept from one save to the next, with non-blocking copies waited for once at the end. Staging
     stays on the training thread (use_async_staging=False): staged in the background, the next optimizer step
-    would overwrite parameters mid-copy unless the loop waited for it. Elsewhere torch's own default: plain copies."""
+    would overwrite parameters mid-copy unless the loop waited for it. Elsewhere torch's own default: plain copies.
+    `shared` (a write in DCP's checkpoint process): in shared memory, so the state reaches that process without
+    being pickled."""
     on_cuda = device.type == "cuda"
     return StagingOptions(
         use_pinned_memory=on_cuda,
-        use_shared_memory=False,
+        use_shared_memory=shared,
         use_async_staging=False,
         use_non_blocking_copy=on_cuda,
     )
@@ -116,8 +160,8 @@ def stager_keeps_buffers() -> bool:
         stager.close()
 
 
-def make_stager(device: torch.device) -> AsyncStager:
-    return DefaultStager(staging_options(device))
+def make_stager(device: torch.device, shared: bool = False) -> AsyncStager:
+    return DefaultStager(staging_options(device, shared))
 
 
 def model_device(parts: list[torch.nn.Module]) -> torch.device:

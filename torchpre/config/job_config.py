@@ -230,10 +230,11 @@ class Checkpoint:
     interval: int = _option(500, "save every this many steps (and at the last step)")
     keep_latest_k: int = _option(0, "keep only the newest k complete checkpoints; 0 keeps all")
     load_step: int = _option(-1, "step to resume from; -1 = the latest complete checkpoint")
-    async_mode: Literal["disabled", "async"] = _option(
+    async_mode: Literal["disabled", "async", "async_process"] = _option(
         "disabled",
         "'async': training waits only while the state is copied (into pinned buffers kept across saves on CUDA), "
-        "not while it is written",
+        "not while it is written (by a thread); 'async_process': written by DCP's checkpoint process instead, "
+        "which does not compete for the GIL (the copy goes to shared memory)",
     )
     checksums: Literal["write", "off"] = _option(
         "write",
