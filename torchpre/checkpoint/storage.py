@@ -4,10 +4,10 @@ state to host memory for an async save (pinned, reused buffers on CUDA)."""
 
 import functools
 import json
-import logging
 import threading
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,8 +17,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
-
-logger = logging.getLogger("torchpre")
+from torch.distributed.checkpoint.storage import WriteResult
 
 RECORDS = "records.json"  # a rank's file records, for a writer in DCP's checkpoint process: `__{rank}_records.json`
 
@@ -104,13 +103,13 @@ class RecordingWriter(FileSystemWriter):
         self.publish = publish
         self._prefix = ""
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner):
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix
         written = super().write_data(plan, planner)
         self._publish()
         return written
 
-    def finish(self, metadata: Metadata, results) -> None:
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
         self._publish()
 
