@@ -12,7 +12,6 @@ import json
 import shutil
 import time
 import warnings
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.launch import REPO, TINY, ForkServer, run_train
+from tests.launch import REPO, TINY, ForkServer, manifest_record, run_train
 from torchpre.checkpoint.manager import MANIFEST
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
@@ -66,9 +65,7 @@ def _save_other_flavor_checkpoint(step_dir: Path) -> None:
 
 def _tamper_with(step_dir: Path) -> None:
     """Writes the manifest a save would, then flips a byte of the data file as a bad disk or copy might."""
-    files = {
-        path.name: {"size": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())} for path in step_dir.iterdir()
-    }
+    files = {path.name: manifest_record(path) for path in sorted(step_dir.iterdir())}
     (step_dir / MANIFEST).write_text(json.dumps({"files": files}))
     with open(step_dir / "__0_0.distcp", "r+b") as data:
         data.seek(100)

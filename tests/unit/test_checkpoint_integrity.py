@@ -7,7 +7,6 @@ import io
 import json
 import logging
 import os
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import torchpre.checkpoint.manager as manager
-from tests.launch import spawn
+from tests.launch import manifest_record, spawn
 from torchpre.checkpoint.manager import MANIFEST, CheckpointManager
 from torchpre.checkpoint.storage import stager_keeps_buffers, staging_options
 from torchpre.errors import TorchpreError
@@ -242,7 +241,7 @@ def test_a_save_reads_none_of_its_files_back_and_its_crcs_are_the_files(async_mo
 def _records_on_disk(step_dir: Path) -> dict[str, dict[str, int]]:
     """What the manifest should say: zlib's CRC-32 and the size of every other file in the folder."""
     files = [path for path in step_dir.iterdir() if path.name != MANIFEST]
-    return {path.name: {"size": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())} for path in files}
+    return {path.name: manifest_record(path) for path in files}
 
 
 def test_checksums_off_records_sizes_only_and_says_so_on_load(world, tmp_path, caplog):
