@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -58,6 +59,11 @@ TINY = [
     "--metrics.log_freq",
     "1",
 ]
+
+
+def manifest_record(path: Path) -> dict[str, int]:
+    """A file's entry in a checkpoint's manifest.json, as a save writes it: its size and zlib's CRC-32."""
+    return {"size": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}
 
 
 def run_entry(

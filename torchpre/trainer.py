@@ -293,6 +293,7 @@ class Trainer:
             interval=c.interval,
             keep_latest_k=c.keep_latest_k,
             async_mode=c.async_mode,
+            checksums=c.checksums,
             model_only=c.model_only,
             exclude_from_loading=c.exclude_from_loading,
         )

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.launch import REPO, TINY, ForkServer, run_train
-from torchpre.checkpoint.manager import MANIFEST, _file_record
+from tests.launch import REPO, TINY, ForkServer, manifest_record, run_train
+from torchpre.checkpoint.manager import MANIFEST
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
@@ -65,7 +65,7 @@ def _save_other_flavor_checkpoint(step_dir: Path) -> None:
 
 def _tamper_with(step_dir: Path) -> None:
     """Writes the manifest a save would, then flips a byte of the data file as a bad disk or copy might."""
-    files = {path.name: _file_record(path) for path in sorted(step_dir.iterdir())}
+    files = {path.name: manifest_record(path) for path in sorted(step_dir.iterdir())}
     (step_dir / MANIFEST).write_text(json.dumps({"files": files}))
     with open(step_dir / "__0_0.distcp", "r+b") as data:
         data.seek(100)
@@ -213,8 +213,14 @@ CATALOGUE = [
     ),
     case(
         "selective-op-ac-zero-bubble",
-        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
-         "--activation_checkpoint.mode", "selective"],
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            "ZBVZeroBubble",
+            "--activation_checkpoint.mode",
+            "selective",
+        ],
         ["activation_checkpoint.selective_ac_option = 'op'", "'ZBVZeroBubble'", "mode = 'full'", "1F1B"],
         ranks=2,
     ),  # fmt: skip
@@ -465,9 +471,7 @@ def test_bad_input_fails_fast_with_one_message(server, files, tmp_path, entry, a
 DRY_RUN_CASES = ("tp-does-not-divide-heads", "sequence-parallel-seq-len", "pp-too-few-microbatches", "global-batch-dp2")
 
 
-@pytest.mark.parametrize(
-    "entry, argv, fragments, ranks", [param for param in CATALOGUE if param.id in DRY_RUN_CASES]
-)
+@pytest.mark.parametrize("entry, argv, fragments, ranks", [param for param in CATALOGUE if param.id in DRY_RUN_CASES])
 def test_a_dry_run_stops_on_the_same_bad_input(server, files, tmp_path, entry, argv, fragments, ranks):
     """One process playing the launch's world with the fake process group meets the same check, same message."""
     argv = [*TINY, "--job.dump_folder", str(tmp_path / "out"), *argv]

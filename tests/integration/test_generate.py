@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from tests.launch import run_entry
-from torchpre.checkpoint.manager import MANIFEST, _file_record
+from tests.launch import manifest_record, run_entry
+from torchpre.checkpoint.manager import MANIFEST
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.generate import generate_ids, main, sample, whole_model
@@ -192,7 +192,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(trained, token
     model, dump = trained
     shutil.copytree(dump / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
     newest = shutil.copytree(dump / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-6")
-    manifest = {path.name: _file_record(path) for path in newest.iterdir()}
+    manifest = {path.name: manifest_record(path) for path in newest.iterdir()}
     (newest / MANIFEST).write_text(json.dumps({"files": manifest}))
     (newest / "__0_0.distcp").write_bytes(b"truncated")
     result = run_generate(tmp_path, 1, "--temperature", "0", "--json")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import run_train, train_and_read_metrics
+from tests.launch import manifest_record, run_train, train_and_read_metrics
 from tests.reshard_worker import REPORT
-from torchpre.checkpoint.manager import MANIFEST, _file_record
+from torchpre.checkpoint.manager import MANIFEST
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def _drop_keys(step_dir: Path, prefix: str) -> list[str]:
         del metadata.state_dict_metadata[key]
     path.write_bytes(pickle.dumps(metadata))
     manifest = json.loads((step_dir / MANIFEST).read_text())
-    manifest["files"][".metadata"] = _file_record(path)
+    manifest["files"][".metadata"] = manifest_record(path)
     (step_dir / MANIFEST).write_text(json.dumps(manifest))
     return dropped
 

@@ -1,7 +1,10 @@
 """Checkpoint integrity without a training job: a save that dies part-way never leaves a folder that loads as
 complete, a damaged file is named, and `load_step = -1` falls back past a corrupt checkpoint, on every rank
-alike."""
+alike; the manifest's checksums are taken while writing, and async saves stage through one reused stager."""
 
+import builtins
+import io
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -11,10 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import torchpre.checkpoint.manager as manager
-from tests.launch import spawn
+from tests.launch import manifest_record, spawn
 from torchpre.checkpoint.manager import MANIFEST, CheckpointManager
+from torchpre.checkpoint.storage import stager_keeps_buffers, staging_options
 from torchpre.errors import TorchpreError
 
 
@@ -41,6 +46,8 @@ def _manager(
     folder: Path,
     data_position: Callable[[], int] = lambda: 0,
     set_data_position: Callable[[int], None] = lambda position: None,
+    async_mode: str = "disabled",
+    checksums: str = "write",
 ) -> CheckpointManager:
     model = nn.Linear(4, 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=0.1), lambda step: 1.0)
@@ -54,9 +61,10 @@ def _manager(
         config_text="[job]\n",
         interval=2,
         keep_latest_k=0,
-        async_mode="disabled",
+        async_mode=async_mode,
         model_only=False,
         exclude_from_loading=[],
+        checksums=checksums,
     )
 
 
@@ -75,10 +83,10 @@ def _die(*args, **kwargs):
     raise Killed
 
 
-def _write_then_die(state_dict, checkpoint_id):
+def _write_then_die(state_dict, storage_writer):
     """Writes the files, then truncates one as a kill in the middle of the write would, and dies."""
-    dcp_save(state_dict, checkpoint_id=checkpoint_id)
-    shard = next(Path(checkpoint_id).glob("*.distcp"))
+    dcp_save(state_dict, storage_writer=storage_writer)
+    shard = next(Path(storage_writer.path).glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:10])
     raise Killed
 
@@ -90,9 +98,9 @@ def _die_renaming_the_folder(path: Path, target: Path) -> Path:
 
 
 dcp_save, path_rename = manager.dcp.save, Path.rename
-CRASH_POINTS = {  # where the save dies: writing the files, checksumming them, renaming the folder
+CRASH_POINTS = {  # where the save dies: writing the files, gathering their checksums, renaming the folder
     "writing": (manager.dcp, "save", _write_then_die),
-    "checksumming": (manager, "_file_record", _die),
+    "checksumming": (CheckpointManager, "_manifest_files", _die),
     "renaming": (Path, "rename", _die_renaming_the_folder),
 }
 
@@ -195,3 +203,101 @@ def test_every_rank_picks_the_same_fallback(tmp_path, monkeypatch):
     """Each rank checks a share of the files; the findings are gathered, so all ranks skip the same folder."""
     monkeypatch.setenv("INTEGRITY_TEST_FOLDER", str(tmp_path / "checkpoint"))  # the spawned workers inherit it
     spawn(_ranks_agree, 2, tmp_path / "store")
+
+
+def _record_reads(monkeypatch, folder: Path) -> list[str]:
+    """The files under `folder` opened for reading from now on, through `open` or `Path.open` (which calls
+    `io.open`), by any thread."""
+    reads: list[str] = []
+
+    def recording(original):
+        def open_(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and str(folder) in str(file) and ("r" in mode or "+" in mode):
+                reads.append(Path(file).name)
+            return original(file, mode, *args, **kwargs)
+
+        return open_
+
+    monkeypatch.setattr(builtins, "open", recording(builtins.open))
+    monkeypatch.setattr(io, "open", recording(io.open))
+    return reads
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_save_reads_none_of_its_files_back_and_its_crcs_are_the_files(async_mode, world, tmp_path, monkeypatch):
+    """The manifest's CRCs come from the bytes as they are written: reading the checkpoint back to checksum it
+    would double a save's I/O. They must still be exactly zlib's CRC-32 of each file as it lies on disk."""
+    checkpoints = _manager(tmp_path, async_mode=async_mode)
+    with monkeypatch.context() as patch:
+        reads = _record_reads(patch, tmp_path)
+        checkpoints.save(2)
+        checkpoints.close()
+    assert reads == []
+    step_dir = tmp_path / "step-2"
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    assert manifest == {"checksums": "write", "files": _records_on_disk(step_dir)}
+
+
+def _records_on_disk(step_dir: Path) -> dict[str, dict[str, int]]:
+    """What the manifest should say: zlib's CRC-32 and the size of every other file in the folder."""
+    files = [path for path in step_dir.iterdir() if path.name != MANIFEST]
+    return {path.name: manifest_record(path) for path in files}
+
+
+def test_checksums_off_records_sizes_only_and_says_so_on_load(world, tmp_path, caplog):
+    """Without checksums a truncated file is still caught by its size; loading says that altered bytes would not be."""
+    _manager(tmp_path, checksums="off").save(2)
+    manifest = json.loads((tmp_path / "step-2" / MANIFEST).read_text())
+    assert manifest["checksums"] == "off"
+    assert manifest["files"] and all(set(record) == {"size"} for record in manifest["files"].values())
+    with caplog.at_level(logging.INFO, logger="torchpre"):
+        assert _manager(tmp_path).find(2) == tmp_path / "step-2"
+    assert any('saved without checksums (checkpoint.checksums = "off")' in r.getMessage() for r in caplog.records)
+    shard = next((tmp_path / "step-2").glob("*.distcp"))
+    _truncate(shard)
+    with pytest.raises(TorchpreError, match="bytes, not the"):
+        _manager(tmp_path).find(2)
+
+
+def test_staging_is_pinned_on_cuda_and_torchs_plain_copy_elsewhere():
+    """Pinned host buffers make the device-to-host copy a DMA at full bandwidth; staging stays on the training
+    thread so the next optimizer step cannot overwrite parameters mid-copy. On the CPU: torch's default."""
+    cuda = staging_options(torch.device("cuda", 0))
+    assert (cuda.use_pinned_memory, cuda.use_non_blocking_copy, cuda.use_async_staging) == (True, True, False)
+    cpu = staging_options(torch.device("cpu"))
+    assert not (cpu.use_pinned_memory or cpu.use_shared_memory or cpu.use_async_staging or cpu.use_non_blocking_copy)
+
+
+@pytest.mark.parametrize("async_mode", ["async", "async_process"])
+def test_async_saves_through_one_stager_round_trip_bitwise(async_mode, world, tmp_path, monkeypatch):
+    """Two async saves with the weights changed in between: the stager's reused host buffers must hold the second
+    save's values, not the first's, and each checkpoint loads back bit for bit. Written by DCP's checkpoint
+    process, the manifest still holds every file's CRC (handed back through files that are then removed)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # where DCP's checkpoint process starts its own store
+    stagers = []
+    async_save = manager.dcp.async_save
+
+    def spy(*args, async_stager, async_checkpointer_type, **kwargs):
+        stagers.append((async_stager, async_checkpointer_type))
+        return async_save(*args, async_stager=async_stager, async_checkpointer_type=async_checkpointer_type, **kwargs)
+
+    monkeypatch.setattr(manager.dcp, "async_save", spy)
+    checkpoints = _manager(tmp_path, async_mode=async_mode)
+    weight = checkpoints.model_parts[0].weight
+    saved = {}
+    for step in (2, 4):
+        with torch.no_grad():
+            weight.copy_(torch.randn(4, 4))
+        saved[step] = weight.detach().clone()
+        checkpoints.save(step)
+    checkpoints.close()
+    (first, kind), (second, _) = stagers
+    assert (first is second) == stager_keeps_buffers()
+    assert kind == (AsyncCheckpointerType.PROCESS if async_mode == "async_process" else AsyncCheckpointerType.THREAD)
+    for step, expected in saved.items():
+        step_dir = tmp_path / f"step-{step}"
+        manifest = json.loads((step_dir / MANIFEST).read_text())["files"]
+        assert manifest == _records_on_disk(step_dir)
+        resumed = _manager(tmp_path)
+        assert resumed.load(resumed.find(step)).step == step
+        assert torch.equal(resumed.model_parts[0].weight, expected)

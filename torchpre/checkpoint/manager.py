@@ -11,7 +11,9 @@ A checkpoint is `{folder}/step-N/`, a DCP folder holding
 It is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank has finished, so a
 `step-N` folder is always complete; loaders only ever look at `step-N` names, and a restarted job removes
 the `.tmp-*` folders a killed one left. Before the rename, `manifest.json` records every file's size and
-CRC-32; loading checks them, so a file truncated or altered afterwards is named instead of loaded.
+CRC-32, taken from the bytes as they are written (storage.py), never by reading the files back; loading checks
+them, so a file truncated or altered afterwards is named instead of loaded. With checkpoint.checksums = "off" the
+manifest holds the sizes only.
 """
 
 import json
@@ -31,7 +33,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from torchpre.checkpoint.storage import (
+    RecordingWriter,
+    make_stager,
+    model_device,
+    published_records,
+    stager_keeps_buffers,
+)
 from torchpre.distributed.utils import comm_timeout
 from torchpre.errors import TorchpreError
 
@@ -103,6 +113,7 @@ class CheckpointManager:
         async_mode: str,
         model_only: bool,
         exclude_from_loading: list[str],
+        checksums: str = "write",
     ):
         self.folder = folder
         self.model_parts = model_parts
@@ -116,13 +127,19 @@ class CheckpointManager:
         self.keep_latest_k = keep_latest_k
         self.model_only = model_only
         self.exclude = set(exclude_from_loading)
+        self.checksums = checksums
         self.rank = dist.get_rank()
         # Background writes run their collectives on a group of their own, never interleaved with training's.
         self.async_group = (
-            dist.new_group(backend=_background_backend(), timeout=comm_timeout()) if async_mode == "async" else None
+            dist.new_group(backend=_background_backend(), timeout=comm_timeout()) if async_mode != "disabled" else None
         )
-        # Under async_mode the checksums of a finished write are computed off the training thread too.
+        # "async_process": DCP's checkpoint process writes (its own gloo group), so the write holds no GIL of ours.
+        self.in_process = async_mode == "async_process"
+        # Under async_mode the checksums of a finished write are gathered off the training thread too.
         self._background = ThreadPoolExecutor(max_workers=1) if self.async_group is not None else None
+        self.device = model_device(model_parts)
+        # One stager for every async save, so its host buffers (pinned on CUDA) are allocated once.
+        self._stager = self._new_stager() if self.async_group is not None and stager_keeps_buffers() else None
         self._pending: tuple[Future, int, float] | None = None
         self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
 
@@ -143,21 +160,33 @@ class CheckpointManager:
         in the background (the rename to step-N happens when the next save or `close()` waits for it)."""
         self.wait()
         tmp = self.folder / f".tmp-step-{step}"
+        writer = RecordingWriter(tmp, crc=self.checksums == "write", publish=self.in_process)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            (tmp / "config.toml").write_text(self.config_text, encoding="utf-8")
+            with writer.fs.create_stream(tmp / "config.toml", "wb") as config:
+                config.write(self.config_text.encode("utf-8"))
         dist.barrier()
         state = self.state_dict(step, model_only=self.model_only)
         start = time.perf_counter()
         if self.async_group is None:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self._finish(step, time.perf_counter() - start, self._checksum(tmp))
+            dcp.save(state, storage_writer=writer)
+            self._finish(step, time.perf_counter() - start, self._manifest_files(writer))
         else:
-            write = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.async_group)
+            stager = self._stager or self._new_stager()
+            kind = AsyncCheckpointerType.PROCESS if self.in_process else AsyncCheckpointerType.THREAD
+            write = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self.async_group,
+                async_checkpointer_type=kind,
+                async_stager=stager,
+            )
+            if stager is not self._stager:
+                stager.close()  # staging is done on return (use_async_staging=False)
             staging = time.perf_counter() - start
             logger.info("checkpoint step-%d staged in %.2f s; writing in the background", step, staging)
-            self._pending = (self._background.submit(self._checksum_when_written, write, tmp), step, start)
+            self._pending = (self._background.submit(self._manifest_files_when_written, write, writer), step, start)
 
     def wait(self) -> None:
         """Completes a background save, if one is running."""
@@ -171,26 +200,34 @@ class CheckpointManager:
         self.wait()
         if self._background is not None:
             self._background.shutdown()
+        if self._stager is not None:
+            self._stager.close()
 
-    def _checksum(self, tmp: Path, group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:
-        """Once every rank's files are in `tmp`, the size and CRC-32 of each file; every rank reads a share."""
-        dist.barrier(group=group)
-        names = sorted(path.name for path in tmp.iterdir() if path.is_file() and path.name != MANIFEST)
-        share = names[self.rank :: dist.get_world_size()]
-        records = _all_gather({name: _file_record(tmp / name) for name in share}, group)
+    def _new_stager(self):
+        return make_stager(self.device, shared=self.in_process)
+
+    def _manifest_files(
+        self, writer: RecordingWriter, group: dist.ProcessGroup | None = None
+    ) -> dict[str, dict[str, int]]:
+        """Once every rank has written its files, each file's size and CRC-32, as each rank's writer took them
+        (rank 0 alone needs them). A write in DCP's checkpoint process left them in small files: its coordinator
+        finishes after every rank has written, so rank 0 finds them all once its own write is done."""
+        if self.in_process:
+            return published_records(writer.path) if self.rank == 0 else {}
+        records = _all_gather(writer.fs.records, group)
         return {name: record for part in records for name, record in part.items()}
 
-    def _checksum_when_written(self, write: Future, tmp: Path) -> dict[str, dict[str, int]]:
-        """`_checksum` after a background write, still in the background and on the save's own group, so
-        training does not wait for the files to be read back."""
+    def _manifest_files_when_written(self, write: Future, writer: RecordingWriter) -> dict[str, dict[str, int]]:
+        """`_manifest_files` after a background write, still in the background and on the save's own group."""
         write.result()
-        return self._checksum(tmp, self.async_group)
+        return self._manifest_files(writer, self.async_group)
 
     def _finish(self, step: int, seconds: float, checksums: dict[str, dict[str, int]]) -> None:
         """The manifest, then the rename that makes the checkpoint visible."""
         tmp = self.folder / f"{TMP_PREFIX}step-{step}"
         if self.rank == 0:
-            (tmp / MANIFEST).write_text(json.dumps({"files": checksums}, indent=1, sort_keys=True), encoding="utf-8")
+            manifest = {"checksums": self.checksums, "files": checksums}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
             final = self.folder / f"step-{step}"
             if final.exists():
                 _remove(final)
@@ -388,16 +425,22 @@ def require_intact(step_dir: Path, key: str) -> None:
 
 def verify_share(step_dir: Path, rank: int, world_size: int) -> list[str]:
     """This rank's share (every world_size-th file of the manifest) of checking `step_dir`: one line per file
-    that is missing, has another size or fails its checksum. A folder without a manifest predates them and
-    is trusted, as its atomic rename already vouches for its completeness."""
+    that is missing, has another size or fails its checksum (when the save took checksums). A folder without a
+    manifest predates them and is trusted, as its atomic rename already vouches for its completeness."""
     path = step_dir / MANIFEST
     if not path.is_file():
         return []
     try:
         files = json.loads(path.read_text(encoding="utf-8"))["files"]
-        expected = [(name, int(files[name]["size"]), int(files[name]["crc32"])) for name in sorted(files)]
-    except (ValueError, KeyError, TypeError) as error:
+        expected = [(name, int(files[name]["size"]), _optional_int(files[name].get("crc32"))) for name in sorted(files)]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         return [f"{path} is unreadable ({type(error).__name__}: {error})"] if rank == 0 else []
+    if rank == 0 and any(crc is None for _, _, crc in expected):
+        logger.info(
+            'checkpoint %s was saved without checksums (checkpoint.checksums = "off"): only its file sizes are '
+            "checked, so altered bytes would go unnoticed",
+            step_dir,
+        )
     problems = []
     for name, size, crc in expected[rank::world_size]:
         file = step_dir / name
@@ -406,15 +449,15 @@ def verify_share(step_dir: Path, rank: int, world_size: int) -> list[str]:
                 problems.append(f"{file} is missing")
             elif file.stat().st_size != size:
                 problems.append(f"{file} has {file.stat().st_size} bytes, not the {size} it was saved with")
-            elif _crc32(file) != crc:
+            elif crc is not None and _crc32(file) != crc:
                 problems.append(f"{file} fails its CRC-32 check (its bytes changed after the save)")
         except OSError as error:
             problems.append(f"{file} cannot be read ({error})")
     return problems
 
 
-def _file_record(path: Path) -> dict[str, int]:
-    return {"size": path.stat().st_size, "crc32": _crc32(path)}
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _crc32(path: Path) -> int:

@@ -230,8 +230,16 @@ class Checkpoint:
     interval: int = _option(500, "save every this many steps (and at the last step)")
     keep_latest_k: int = _option(0, "keep only the newest k complete checkpoints; 0 keeps all")
     load_step: int = _option(-1, "step to resume from; -1 = the latest complete checkpoint")
-    async_mode: Literal["disabled", "async"] = _option(
-        "disabled", "'async': training waits only while the state is copied, not while it is written"
+    async_mode: Literal["disabled", "async", "async_process"] = _option(
+        "disabled",
+        "'async': training waits only while the state is copied (into pinned buffers kept across saves on CUDA), "
+        "not while it is written (by a thread); 'async_process': written by DCP's checkpoint process instead, "
+        "which does not compete for the GIL (the copy goes to shared memory)",
+    )
+    checksums: Literal["write", "off"] = _option(
+        "write",
+        "'write': the manifest records each file's CRC-32, taken while it is written, and loading checks it; "
+        "'off': sizes only (a truncated file is still caught, altered bytes are not)",
     )
     exclude_from_loading: list[str] = _option(
         [], "parts not to load: model, optimizer, lr_scheduler, dataloader, rng (e.g. optimizer,dataloader)"
