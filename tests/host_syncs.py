@@ -1,0 +1,172 @@
+"""Counts, on CPU, the calls that would make the host wait for a GPU: the host-sync budget's instrument.
+
+On CUDA the host runs ahead of the device until it needs a value the device computes. On CPU nothing waits, so
+`HostSyncCounter` records the calls instead, each with the Python stack that made it:
+- ops that read a value on the host: `item()`, `bool(t)` / `if t:`, `int(t)`, `float(t)` (all
+  `aten._local_scalar_dense`), `torch.equal`, `torch.allclose`;
+- ops whose output size depends on the values (the host must read that size): `nonzero` (and one-argument
+  `torch.where`, `argwhere`), `masked_select`, boolean-mask indexing and assignment, `unique`, `bincount`,
+  `repeat_interleave` with a tensor of repeats and no `output_size`;
+- copies to the host: `tolist()`, `numpy()`, `cpu()`, a blocking `to("cpu")`. On CPU these dispatch nothing
+  (`tolist` reads the memory directly, `cpu()` returns the tensor itself), so the Tensor methods are wrapped.
+
+The ops are seen by a `TorchDispatchMode`: it sees the ops of a DTensor (with its local tensors) and those the
+autograd engine runs in the backward, so collectives' and pipelining's internals count too.
+"""
+
+import contextlib
+import functools
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+# Ops that return a host value, or whose output shape the host can only know by reading device memory.
+_SYNCING_OPS = {
+    aten._local_scalar_dense.default: "item()/bool()/int()/float()",
+    aten.equal.default: "torch.equal",
+    aten.allclose.default: "torch.allclose",
+    aten.nonzero.default: "nonzero (torch.where(cond), argwhere)",
+    aten.masked_select.default: "masked_select",
+    aten._unique.default: "unique",
+    aten._unique2.default: "unique",
+    aten.unique_dim.default: "unique",
+    aten.unique_consecutive.default: "unique_consecutive",
+    aten.unique_dim_consecutive.default: "unique_consecutive",
+    aten.bincount.default: "bincount",
+}
+_BOOL_MASK_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+_HELPER = str(Path(__file__).resolve())
+
+
+@dataclass(frozen=True)
+class HostSync:
+    """One call that would block the host on a GPU, and the innermost frames of the stack that made it."""
+
+    what: str
+    stack: tuple[str, ...]
+
+    @property
+    def site(self) -> str:
+        """The innermost frame outside torch: the line of torchpre (or of a test) that led to the sync."""
+        return next((frame for frame in self.stack if _TORCH not in frame), self.stack[-1])
+
+    def describe(self) -> str:
+        return f"{self.what} from {self.site}, stack:\n    " + "\n    ".join(self.stack)
+
+
+# Frames of the machinery between a call and the mode that sees it (dynamo's wrapper of every mode).
+_PLUMBING = (_HELPER, str(Path(torch._dynamo.__file__).parent), str(Path(torch.__file__).parent / "_compile.py"))
+_TORCH = str(Path(torch.__file__).parent)
+
+
+def _stack(depth: int = 10) -> tuple[str, ...]:
+    """The caller's innermost `depth` frames, innermost first, without the counter's and dynamo's own."""
+    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_PLUMBING)]
+    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames[-depth:]))
+
+
+def _syncing_op(func, args: tuple, kwargs: dict) -> str | None:
+    """What makes this op a host sync, or None."""
+    if func in _SYNCING_OPS:
+        return _SYNCING_OPS[func]
+    if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        return "repeat_interleave without output_size"
+    if func in _BOOL_MASK_OPS:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            return "boolean-mask indexing"
+    return None
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, record: Callable[[str, tuple], None]) -> None:
+        super().__init__()
+        self._record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = _syncing_op(func, args, kwargs)
+        if what is not None:
+            self._record(f"{what} ({func})", args)
+        return func(*args, **kwargs)
+
+
+class HostSyncCounter:
+    """Records host syncs while `counting()` is open; `pause()` excludes a span inside it (e.g. host-side data).
+
+    `host_resident()`, called as counting starts, names tensors that stay in host memory on a GPU machine too
+    (e.g. a torch optimizer's step counts): reading those waits for nothing, so calls on them alone are not counted.
+    """
+
+    def __init__(self, host_resident: Callable[[], Iterable[torch.Tensor]] = tuple) -> None:
+        self.syncs: list[HostSync] = []
+        self._active = False
+        self._host_resident = host_resident
+        self._host_ids: set[int] = set()
+
+    def _record(self, what: str, args: tuple) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if self._active and not (tensors and all(id(t) in self._host_ids for t in tensors)):
+            self.syncs.append(HostSync(what, _stack()))
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator["HostSyncCounter"]:
+        resident = list(self._host_resident())  # held, so that their ids stay theirs while counting
+        self._host_ids = {id(t) for t in resident}
+        with _CountOps(self._record), self._wrapped_copies():
+            self._active = True
+            try:
+                yield self
+            finally:
+                self._active = False
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        active, self._active = self._active, False
+        try:
+            yield
+        finally:
+            self._active = active
+
+    @contextlib.contextmanager
+    def _wrapped_copies(self) -> Iterator[None]:
+        """Wraps the Tensor methods that copy to the host without dispatching on CPU."""
+        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to")}
+
+        def wrap(name: str, is_sync: Callable[..., bool]):
+            original = originals[name]
+
+            @functools.wraps(original)
+            def wrapper(tensor, *args, **kwargs):
+                if not self._active or not is_sync(*args, **kwargs):
+                    return original(tensor, *args, **kwargs)
+                self._record(f"Tensor.{name}()", (tensor,))
+                with self.pause():  # the copy's own ops are this one sync
+                    return original(tensor, *args, **kwargs)
+
+            return wrapper
+
+        try:
+            torch.Tensor.tolist = wrap("tolist", lambda *a, **k: True)
+            torch.Tensor.numpy = wrap("numpy", lambda *a, **k: True)
+            torch.Tensor.cpu = wrap("cpu", lambda *a, **k: True)
+            torch.Tensor.to = wrap("to", _blocking_copy_to_host)
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+
+
+def _blocking_copy_to_host(*args, **kwargs) -> bool:
+    """Whether `Tensor.to(*args, **kwargs)` copies to the CPU without `non_blocking=True`."""
+    device = kwargs.get("device", args[0] if args else None)
+    if not isinstance(device, str | torch.device) or torch.device(device).type != "cpu":
+        return False
+    return not kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
