@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
     counter = HostSyncCounter(host_resident=lambda: host_step_counts(trainer.optimizer.inner))
     trainer.dataloader = _MeasuredLoader(trainer.dataloader, counter, steps - 1, trainer.accumulation_steps)
     trainer.train()
-    syncs = [dataclasses.asdict(sync) | {"site": sync.site} for sync in counter.syncs]
+    syncs = [dataclasses.asdict(sync) for sync in counter.syncs]
     out = Path(config.job.dump_folder) / f"host_syncs_rank{dist.get_rank()}.json"
     out.write_text(json.dumps(syncs, indent=1))
 

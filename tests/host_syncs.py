@@ -47,15 +47,12 @@ _HELPER = str(Path(__file__).resolve())
 
 @dataclass(frozen=True)
 class HostSync:
-    """One call that would block the host on a GPU, and the innermost frames of the stack that made it."""
+    """One call that would block the host on a GPU: what, the innermost frame outside torch that led to it (the line
+    of torchpre or of a test) and the innermost frames of its stack."""
 
     what: str
+    site: str
     stack: tuple[str, ...]
-
-    @property
-    def site(self) -> str:
-        """The innermost frame outside torch: the line of torchpre (or of a test) that led to the sync."""
-        return next((frame for frame in self.stack if _TORCH not in frame), self.stack[-1])
 
     def describe(self) -> str:
         return f"{self.what} from {self.site}, stack:\n    " + "\n    ".join(self.stack)
@@ -66,10 +63,15 @@ _PLUMBING = (_HELPER, str(Path(torch._dynamo.__file__).parent), str(Path(torch._
 _TORCH = str(Path(torch.__file__).parent)
 
 
-def _stack(depth: int = 10) -> tuple[str, ...]:
-    """The caller's innermost `depth` frames, innermost first, without the counter's and dynamo's own."""
-    frames = [f for f in traceback.extract_stack() if not f.filename.startswith(_PLUMBING)]
-    return tuple(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed(frames[-depth:]))
+def _host_sync(what: str, depth: int = 10) -> HostSync:
+    """`what`, made by the caller's stack (innermost first, without the counter's and dynamo's frames)."""
+    frames = [
+        f"{f.filename}:{f.lineno} in {f.name}"
+        for f in reversed(traceback.extract_stack())
+        if not f.filename.startswith(_PLUMBING)
+    ]
+    site = next((frame for frame in frames if not frame.startswith(_TORCH)), frames[0])
+    return HostSync(what, site, tuple(frames[:depth]))
 
 
 def _syncing_op(func, args: tuple, kwargs: dict) -> str | None:
@@ -80,9 +82,19 @@ def _syncing_op(func, args: tuple, kwargs: dict) -> str | None:
         return "repeat_interleave without output_size"
     if func in _BOOL_MASK_OPS:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        masks = [i for i in indices if i is not None and i.dtype in (torch.bool, torch.uint8)]
+        if masks and not (func is not aten.index.Tensor and _is_masked_fill(args, kwargs, masks)):
             return "boolean-mask indexing"
     return None
+
+
+def _is_masked_fill(args: tuple, kwargs: dict, masks: list[torch.Tensor]) -> bool:
+    """Whether an `index_put` is ATen's masked_fill case (no sync): one mask, no accumulation and a one-element host
+    value, as `t[mask] = 0.0` makes on CUDA (Python puts the scalar on the host for exactly this). On CPU a
+    one-element device tensor as the value cannot be told from it."""
+    value = args[2] if len(args) > 2 else kwargs["values"]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    return len(masks) == 1 and not accumulate and value.numel() == 1 and value.device.type == "cpu"
 
 
 class _CountOps(TorchDispatchMode):
@@ -114,7 +126,7 @@ class HostSyncCounter:
     def _record(self, what: str, args: tuple) -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if self._active and not (tensors and all(id(t) in self._host_ids for t in tensors)):
-            self.syncs.append(HostSync(what, _stack()))
+            self.syncs.append(_host_sync(what))
 
     @contextlib.contextmanager
     def counting(self) -> Iterator["HostSyncCounter"]:

@@ -1,5 +1,6 @@
 """The host-sync budget: the calls of one whole training step that would make the host wait for a GPU, counted
-on CPU (tests/host_syncs.py) in the real Trainer on two gloo ranks, for dp2, pp2 (1F1B) and MoE ep2.
+on CPU (tests/host_syncs.py) in the real Trainer on two gloo ranks, for dp2, tp2 (sequence and loss parallel:
+DTensor), pp2 (1F1B) and MoE ep2.
 
 The step measured is a non-log step after the first (tests/count_host_syncs.py), and its syncs must be exactly
 the budget below, by call site (file and function, not line). A new `.item()`, `.tolist()`, `bool(tensor)` or
@@ -37,6 +38,11 @@ DISPATCH = "torchpre/parallel/expert_parallel.py in _dispatch"
 
 LAYOUTS = {
     "dp2": (TINY, {VERDICT: 1}),
+    "tp2-sp-loss-parallel": (
+        [*TINY, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+         "--parallelism.enable_loss_parallel"],
+        {VERDICT: 1},
+    ),
     "pp2-1F1B": (
         [*TINY, "--training.global_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", "1F1B"],

@@ -18,7 +18,7 @@ SYNCS = {
     "cpu": lambda: x.cpu(),
     "to cpu": lambda: x.to("cpu"),
     "mask index": lambda: x[x > 0],
-    "mask assign": lambda: x.clone().__setitem__(x > 1, 0.0),
+    "mask assign": lambda: x.clone().__setitem__(x > 0, torch.tensor([5.0, 6.0])),
     "where one-arg": lambda: torch.where(x > 0),
     "nonzero": lambda: x.nonzero(),
     "masked_select": lambda: x.masked_select(x > 0),
@@ -33,6 +33,7 @@ FREE = {
     "non-blocking to": lambda: x.to("cpu", non_blocking=True),
     "dtype to": lambda: x.to(torch.float64),
     "index by ints": lambda: x[torch.tensor([0, 2])],
+    "mask fill by a scalar": lambda: x.clone().__setitem__(x > 1, 0.0),  # ATen's masked_fill_
     "repeat_interleave output_size": lambda: x.repeat_interleave(repeats, output_size=6),
     "repeat_interleave int": lambda: x.repeat_interleave(2),
 }
