@@ -7,11 +7,14 @@ On CUDA the host runs ahead of the device until it needs a value the device comp
 - ops whose output size depends on the values (the host must read that size): `nonzero` (and one-argument
   `torch.where`, `argwhere`), `masked_select`, boolean-mask indexing and assignment, `unique`, `bincount`,
   `repeat_interleave` with a tensor of repeats and no `output_size`;
-- copies to the host: `tolist()`, `numpy()`, `cpu()`, a blocking `to("cpu")`. On CPU these dispatch nothing
-  (`tolist` reads the memory directly, `cpu()` returns the tensor itself), so the Tensor methods are wrapped.
+- copies to the host: `tolist()`, `numpy()`, `cpu()`, a blocking `to("cpu")`; and from host data to a device,
+  `torch.tensor(data, device=...)` / `torch.as_tensor` (blocking from pageable memory). On CPU these dispatch
+  nothing (`tolist` reads the memory directly, `cpu()` returns the tensor itself), so the functions are wrapped.
 
-The ops are seen by a `TorchDispatchMode`: it sees the ops of a DTensor (with its local tensors) and those the
-autograd engine runs in the backward, so collectives' and pipelining's internals count too.
+The ops are seen by a `TorchDispatchMode`: every op dispatched while counting, on plain tensors and DTensors, in
+torch's Python code (DTensor redistribution, collectives, pipelining) and in the backward the autograd engine runs.
+Blind spots: code that runs only on CUDA (e.g. `torch.cuda.synchronize()`, reading CUDA events), and a one-element
+device tensor used as a mask-assignment value (taken for a host scalar, see `_is_masked_fill`).
 """
 
 import contextlib
@@ -149,35 +152,51 @@ class HostSyncCounter:
 
     @contextlib.contextmanager
     def _wrapped_copies(self) -> Iterator[None]:
-        """Wraps the Tensor methods that copy to the host without dispatching on CPU."""
-        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to")}
+        """Wraps the functions that copy between host and device without dispatching anything on CPU."""
+        wrapped = [
+            (torch.Tensor, "tolist", _always),
+            (torch.Tensor, "numpy", _always),
+            (torch.Tensor, "cpu", _always),
+            (torch.Tensor, "to", _blocking_copy_to_host),
+            (torch, "tensor", _built_on_a_device),
+            (torch, "as_tensor", _built_on_a_device),
+        ]
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
 
-        def wrap(name: str, is_sync: Callable[..., bool]):
-            original = originals[name]
+        def wrap(owner, name: str, is_sync: Callable[..., bool]):
+            original = getattr(owner, name)
 
             @functools.wraps(original)
-            def wrapper(tensor, *args, **kwargs):
-                if not self._active or not is_sync(*args, **kwargs):
-                    return original(tensor, *args, **kwargs)
-                self._record(f"Tensor.{name}()", (tensor,))
+            def wrapper(first, *args, **kwargs):
+                if not self._active or not is_sync(first, *args, **kwargs):
+                    return original(first, *args, **kwargs)
+                self._record(f"{owner.__name__}.{name}()", (first,) if isinstance(first, torch.Tensor) else ())
                 with self.pause():  # the copy's own ops are this one sync
-                    return original(tensor, *args, **kwargs)
+                    return original(first, *args, **kwargs)
 
             return wrapper
 
         try:
-            torch.Tensor.tolist = wrap("tolist", lambda *a, **k: True)
-            torch.Tensor.numpy = wrap("numpy", lambda *a, **k: True)
-            torch.Tensor.cpu = wrap("cpu", lambda *a, **k: True)
-            torch.Tensor.to = wrap("to", _blocking_copy_to_host)
+            for owner, name, is_sync in wrapped:
+                setattr(owner, name, wrap(owner, name, is_sync))
             yield
         finally:
-            for name, original in originals.items():
-                setattr(torch.Tensor, name, original)
+            for owner, name, original in originals:
+                setattr(owner, name, original)
 
 
-def _blocking_copy_to_host(*args, **kwargs) -> bool:
-    """Whether `Tensor.to(*args, **kwargs)` copies to the CPU without `non_blocking=True`."""
+def _always(*args, **kwargs) -> bool:
+    return True
+
+
+def _built_on_a_device(data, *args, **kwargs) -> bool:
+    """Whether `torch.tensor(data, ..., device=...)` copies host data to a device: a blocking copy from pageable
+    memory on a GPU. On CPU the device cannot be told from the host, so any explicit device counts."""
+    return not isinstance(data, torch.Tensor) and kwargs.get("device") is not None
+
+
+def _blocking_copy_to_host(tensor: torch.Tensor, *args, **kwargs) -> bool:
+    """Whether `tensor.to(*args, **kwargs)` copies to the CPU without `non_blocking=True`."""
     device = kwargs.get("device", args[0] if args else None)
     if not isinstance(device, str | torch.device) or torch.device(device).type != "cpu":
         return False

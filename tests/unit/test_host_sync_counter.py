@@ -25,6 +25,8 @@ SYNCS = {
     "unique": lambda: torch.unique(x),
     "repeat_interleave": lambda: x.repeat_interleave(repeats),
     "equal": lambda: torch.equal(x, x),
+    "tensor from host data on a device": lambda: torch.tensor([1.0, 2.0], device=x.device),
+    "as_tensor from host data on a device": lambda: torch.as_tensor([1.0, 2.0], device=x.device),
 }
 FREE = {
     "arithmetic": lambda: (x * 2 + 1).sum(),
@@ -36,6 +38,7 @@ FREE = {
     "mask fill by a scalar": lambda: x.clone().__setitem__(x > 1, 0.0),  # ATen's masked_fill_
     "repeat_interleave output_size": lambda: x.repeat_interleave(repeats, output_size=6),
     "repeat_interleave int": lambda: x.repeat_interleave(2),
+    "tensor on the host": lambda: torch.tensor([1.0, 2.0]),
 }
 
 
@@ -58,11 +61,15 @@ def test_free_calls_and_paused_spans_count_nothing():
     assert counter.syncs == [], [s.describe() for s in counter.syncs]
 
 
-def test_tensor_methods_are_restored():
-    methods = [torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy]
+def test_wrapped_functions_are_restored():
+    def current():
+        t = torch.Tensor
+        return [t.tolist, t.cpu, t.to, t.numpy, torch.tensor, torch.as_tensor]
+
+    before = current()
     with HostSyncCounter().counting():
-        pass
-    assert [torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.to, torch.Tensor.numpy] == methods
+        assert current() != before
+    assert current() == before
 
 
 def test_host_resident_tensors_are_not_counted():
