@@ -5,7 +5,7 @@ expert e, for all E experts. `ExpertParallel` shards its weights [E, ...] on dim
 (rank r holds experts r E/ep .. (r + 1) E/ep - 1) and wraps its forward:
 - dispatch: the ranks exchange their counts, then their token rows (all-to-all), so each rank receives
   every rank's tokens for its own experts; those are regrouped by local expert;
-- the module runs its local experts on them;
+- the module runs its local experts on them, given their row counts as a list: one host read per dispatch;
 - combine: the outputs go back (the reverse all-to-all) in the order the tokens came in.
 Both all-to-alls are differentiable, so the backward sends each token's gradient back to its expert's
 rank and the expert weights receive the gradients of every rank's tokens.
@@ -43,20 +43,23 @@ def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(key, sharded)
 
 
-def _dispatch(module: nn.Module, inputs: tuple[Tensor, Tensor], mesh: DeviceMesh) -> tuple[Tensor, Tensor]:
+def _dispatch(module: nn.Module, inputs: tuple[Tensor, Tensor], mesh: DeviceMesh) -> tuple[Tensor, list[int]]:
     tokens, counts = inputs
     group, ep = mesh.get_group(), mesh.size()
     local_experts = counts.numel() // ep
     send_counts = counts.view(ep, local_experts).contiguous()
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    # The one host sync of a dispatch: a dropless all-to-all's split sizes, and the row counts of the local
+    # experts' loop, must be known on the host. Everything else derives from this one copy ([ep][local expert]).
+    sent_counts, received_counts = torch.stack([send_counts, recv_counts]).tolist()
+    send_splits, recv_splits = [sum(row) for row in sent_counts], [sum(row) for row in received_counts]
     received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
     # Received rows come grouped by (source rank, local expert); the experts need them by local expert.
-    rows = torch.arange(sum(recv_splits), device=tokens.device).split(recv_counts.flatten().tolist())
+    rows = torch.arange(sum(recv_splits), device=tokens.device).split([n for row in received_counts for n in row])
     order = torch.cat([rows[source * local_experts + e] for e in range(local_experts) for source in range(ep)])
     module._ep_dispatch = _Dispatch(send_splits, recv_splits, order)
-    return received[order], recv_counts.sum(0)
+    return received[order], [sum(row[e] for row in received_counts) for e in range(local_experts)]
 
 
 def _combine(module: nn.Module, output: Tensor, mesh: DeviceMesh) -> Tensor:

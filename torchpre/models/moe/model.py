@@ -51,15 +51,17 @@ class GroupedExperts(nn.Module):
         for weight in (self.w1, self.w2, self.w3):
             nn.init.trunc_normal_(weight, std=0.02)
 
-    def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, counts: Tensor | list[int]) -> Tensor:
         """tokens [N, dim] grouped by expert (counts[i] consecutive rows for local expert i) -> [N, dim].
 
-        Rows after the last group (padding an expert-parallel dispatch may add) come back as zeros.
+        Rows after the last group (padding an expert-parallel dispatch may add) come back as zeros. `counts` may
+        already be on the host (an expert-parallel dispatch reads them there for its all-to-all); from a tensor,
+        reading them is this module's one host sync: the loop over experts needs each group's size.
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
-        if counts.shape[0] != w1.shape[0]:
-            raise ValueError(f"got token counts for {counts.shape[0]} experts, this module holds {w1.shape[0]}")
-        sizes = counts.tolist()
+        sizes = counts if isinstance(counts, list) else counts.tolist()
+        if len(sizes) != w1.shape[0]:
+            raise ValueError(f"got token counts for {len(sizes)} experts, this module holds {w1.shape[0]}")
         groups = torch.split(tokens[: sum(sizes)], sizes)
         # A loop over experts: torch._grouped_mm needs 16-byte-aligned groups and CUDA for most dtypes.
         outputs = [(F.silu(x @ w1[i]) * (x @ w3[i])) @ w2[i] for i, x in enumerate(groups)]
@@ -119,7 +121,8 @@ class MoE(nn.Module):
         # Group the (token, k) assignments by expert; a stable sort keeps token order within each expert.
         flat_ids = expert_ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)
+        # Not bincount: on CUDA it reads the largest id on the host to size its output, a sync per call.
+        counts = flat_ids.new_zeros(self.num_experts).scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         expert_out = self.experts(tokens[order // self.top_k], counts)
         expert_out = expert_out * weights.flatten()[order, None].to(expert_out.dtype)
         # Back to (token, k) order through the permutation, then a sum over k: deterministic on every device.
