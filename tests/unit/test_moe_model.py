@@ -202,6 +202,43 @@ def test_grouped_experts_runs_local_dtensor_weights_and_zero_pads(world: object)
         experts(tokens, torch.tensor([7]))
 
 
+@pytest.mark.parametrize(
+    "dtype, dim, grouped_matmuls",
+    [(torch.bfloat16, 8, 3), (torch.float32, 8, 0), (torch.bfloat16, 4, 0)],
+    ids=["bf16-grouped", "fp32-loop", "bf16-unaligned-loop"],
+)
+def test_grouped_experts_equal_each_expert_apart_with_their_gradients(
+    dtype: torch.dtype, dim: int, grouped_matmuls: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One grouped matmul per weight in bf16 with rows of 16-byte multiples, else the loop (fp32, or 4 bf16 values:
+    8 bytes): each expert's rows get exactly that expert's SwiGLU, an empty expert gets nothing, and the input and
+    weight gradients are those of the experts computed one by one; padding rows come back as zeros. Tolerances: one rounding of sums taken in
+    another order (fp32), or of bf16 products."""
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: calls.append(1) or grouped_mm(*args, **kwargs))
+    torch.manual_seed(0)
+    experts = GroupedExperts(num_experts=4, dim=dim, hidden_dim=16).to(dtype)
+    tokens = torch.randn(13, dim, dtype=dtype, requires_grad=True)  # 11 grouped rows and 2 of padding
+    counts = torch.tensor([3, 0, 6, 2])
+    upstream = torch.randn(13, dim, dtype=dtype)
+    (experts(tokens, counts) * upstream).sum().backward()
+    assert len(calls) == grouped_matmuls
+    grads = [t.grad.clone() for t in (tokens, experts.w1, experts.w2, experts.w3)]
+
+    reference = copy.deepcopy(experts)
+    reference.zero_grad(set_to_none=True)
+    x = tokens.detach().clone().requires_grad_()
+    rows = x[:11].split(counts.tolist())
+    out = torch.cat([swiglu(r, reference.w1[e], reference.w2[e], reference.w3[e]) for e, r in enumerate(rows)])
+    out = torch.cat([out, out.new_zeros(2, dim)])
+    (out * upstream).sum().backward()
+    tolerance = {"rtol": 0, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    for got, expected in zip(grads, [x.grad, reference.w1.grad, reference.w2.grad, reference.w3.grad]):
+        torch.testing.assert_close(got, expected, **tolerance)
+    torch.testing.assert_close(experts(tokens, counts.tolist()), out, **tolerance)
+
+
 def test_init_is_deterministic_and_covers_every_parameter() -> None:
     a, b, c = build(seed=0), build(seed=0), build(seed=1)
     for name, tensor in a.state_dict().items():

@@ -54,19 +54,46 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: Tensor, counts: Tensor | list[int]) -> Tensor:
         """tokens [N, dim] grouped by expert (counts[i] consecutive rows for local expert i) -> [N, dim].
 
-        Rows after the last group (padding an expert-parallel dispatch may add) come back as zeros. `counts` may
-        already be on the host (an expert-parallel dispatch reads them there for its all-to-all); from a tensor,
-        reading them is this module's one host sync: the loop over experts needs each group's size.
+        Rows after the last group (padding) come back as zeros. `counts` may be on the device or already on the
+        host (an expert-parallel dispatch reads them there for its all-to-all).
+
+        In bf16, one grouped matmul per weight (`torch._grouped_mm`) runs every expert at once, from the counts
+        where they are: no loop over experts, no host sync. Otherwise (see `_grouped_mm_takes`) a loop over the
+        experts, which reads the counts on the host.
         """
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if len(counts) != w1.shape[0]:
+            raise ValueError(f"got token counts for {len(counts)} experts, this module holds {w1.shape[0]}")
+        if _grouped_mm_takes(tokens, w1, w2):
+            return _grouped_swiglu(tokens, torch.as_tensor(counts, device=tokens.device), w1, w2, w3)
         sizes = counts if isinstance(counts, list) else counts.tolist()
-        if len(sizes) != w1.shape[0]:
-            raise ValueError(f"got token counts for {len(sizes)} experts, this module holds {w1.shape[0]}")
         groups = torch.split(tokens[: sum(sizes)], sizes)
-        # A loop over experts: torch._grouped_mm needs 16-byte-aligned groups and CUDA for most dtypes.
         outputs = [(F.silu(x @ w1[i]) * (x @ w3[i])) @ w2[i] for i, x in enumerate(groups)]
         outputs.append(tokens.new_zeros(tokens.shape[0] - sum(sizes), w2.shape[-1]))
         return torch.cat(outputs)
+
+
+def _grouped_mm_takes(tokens: Tensor, *weights: Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs these operands everywhere we run: bf16 (its CUDA kernel's dtype, and the
+    only one its meta kernel, hence compile and the dry run, accepts; on CPU it runs fp32 too, but not traced),
+    rows of 16-byte multiples (a tiny model's or an odd tensor-parallel shard's are not), and on CUDA a Hopper
+    or newer GPU."""
+    operands = (tokens, *weights)
+    if any(t.dtype != torch.bfloat16 or t.shape[-1] * t.element_size() % 16 for t in operands):
+        return False
+    return tokens.device.type != "cuda" or torch.cuda.get_device_capability(tokens.device) >= (9, 0)
+
+
+def _grouped_swiglu(tokens: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+    """Every expert's SwiGLU on its group of rows in three grouped matmuls. `_grouped_mm` leaves the rows past
+    the last group unwritten, forward and backward (whatever memory held, NaN included): each masked fill sets
+    them to zero in its output and, in backward, in its input's gradient."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    padding = (torch.arange(tokens.shape[0], device=tokens.device) >= offsets[-1]).unsqueeze(-1)
+    tokens = tokens.masked_fill(padding, 0)
+    hidden = F.silu(torch._grouped_mm(tokens, w1, offs=offsets)) * torch._grouped_mm(tokens, w3, offs=offsets)
+    hidden = hidden.masked_fill(padding, 0)
+    return torch._grouped_mm(hidden, w2, offs=offsets).masked_fill(padding, 0)
 
 
 class MoE(nn.Module):
