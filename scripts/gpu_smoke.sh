@@ -9,4 +9,4 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 python3 train.py --job.config_file train_configs/debug_model.toml --training.steps 60 \
     --job.dump_folder "$out/debug" 2>&1 | grep -E "step |model|error"
 python3 train.py --model.flavor 1B --training.seq_len 2048 --training.local_batch_size 2 --training.steps 4 \
-    --metrics.log_freq 1 --lr_scheduler.warmup_steps 1 --job.dump_folder "$out/1B" 2>&1 | grep -E "step |model|error"
+    --training.mixed_precision_param bfloat16 --metrics.log_freq 1 --lr_scheduler.warmup_steps 1 --job.dump_folder "$out/1B" 2>&1 | grep -E "step |model|error"

@@ -28,6 +28,7 @@ from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import (
     apply_comm_timeout,
     configure_flight_recorder,
+    configure_float32_matmuls,
     init_distributed,
     select_device,
     set_comm_timeout,
@@ -177,6 +178,7 @@ class Trainer:
 
         configure_determinism(t.deterministic, t.seed)
         self.device = runtime.device()
+        configure_float32_matmuls(self.device, t.tf32)
         if self.device.type == "cuda":
             configure_flight_recorder(config.comm.trace_buf_size, Path(config.job.dump_folder) / "comm_traces")
         runtime.join(self.device, config.comm.init_timeout_seconds)  # comm.timeout_seconds after the first step

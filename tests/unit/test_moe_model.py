@@ -210,10 +210,10 @@ def test_grouped_experts_runs_local_dtensor_weights_and_zero_pads(world: object)
 def test_grouped_experts_equal_each_expert_apart_with_their_gradients(
     dtype: torch.dtype, dim: int, grouped_matmuls: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One grouped matmul per weight in bf16 with rows of 16-byte multiples, else the loop (fp32, or 4 bf16 values:
-    8 bytes): each expert's rows get exactly that expert's SwiGLU, an empty expert gets nothing, and the input and
-    weight gradients are those of the experts computed one by one; padding rows come back as zeros. Tolerances: one rounding of sums taken in
-    another order (fp32), or of bf16 products."""
+    """One grouped matmul per weight in bf16 with rows of 16-byte multiples, else the loop (fp32, or 4 bf16
+    values: 8 bytes): each expert's rows get exactly that expert's SwiGLU, an empty expert gets nothing, padding
+    rows come back as zeros, and the input and weight gradients are those of the experts computed one by one.
+    Tolerances: one rounding of sums taken in another order (fp32), or of bf16 products."""
     calls = []
     grouped_mm = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: calls.append(1) or grouped_mm(*args, **kwargs))

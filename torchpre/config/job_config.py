@@ -119,6 +119,11 @@ class Training:
         "bitwise-reproducible reruns on the same layout: seed every RNG, use only deterministic kernels "
         "(slower on GPU)",
     )
+    tf32: bool = _option(
+        True,
+        "on CUDA, fp32 matmuls use TF32 tensor cores (torch's float32 matmul precision 'high'; bf16 and CPU runs "
+        "are unaffected); false keeps full fp32 ('highest')",
+    )
 
 
 @dataclass

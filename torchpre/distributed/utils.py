@@ -34,6 +34,13 @@ def select_device() -> torch.device:
     return torch.device("cpu")
 
 
+def configure_float32_matmuls(device: torch.device, tf32: bool) -> None:
+    """On CUDA, fp32 matmuls on TF32 tensor cores (`tf32`, torch's "high") or in full fp32 ("highest"). Process-
+    wide, so set only for a CUDA job: CPU numerics stay as they are (the layout parity tests compare fp32)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+
+
 # The NCCL flight recorder's settings (torch reads them once, when the first NCCL group is created); torch >= 2.9
 # also reads the TORCH_FR_ names, which win over the TORCH_NCCL_ ones.
 FLIGHT_RECORDER_SIZE_VARIABLES = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE")
