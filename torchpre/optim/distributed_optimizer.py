@@ -232,9 +232,9 @@ class DistributedOptimizer:
                 entries = [self.entries[i] for i in bucket.members]
                 all_gather_into(bucket.layout, [e.master for e in entries], [e.local for e in entries], bucket.group)
             return
-        for entry in self.entries:
-            if entry.owns_master:
-                entry.local.copy_(entry.master)
+        owned = [entry for entry in self.entries if entry.owns_master]
+        if owned:  # bf16 parameters: their fp32 masters written back in one foreach copy
+            torch._foreach_copy_([entry.local for entry in owned], [entry.master for entry in owned])
 
     def _zero_grads(self) -> None:
         for entry in self.entries:
