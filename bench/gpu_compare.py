@@ -62,8 +62,9 @@ ROWS = (
 TWO_GPU_ROW = Row("1B", 4096, 8, compile=True, nproc=2)
 
 
-def launcher(nproc: int) -> list[str]:
-    if nproc == 1:
+def launcher(nproc: int, torchrun: bool = False) -> list[str]:
+    """Plain Python for one process, torchrun for several (torchtitan always wants torchrun's LOCAL_RANK)."""
+    if nproc == 1 and not torchrun:
         return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
@@ -83,7 +84,7 @@ def titan_command(row: Row, steps: int, folder: Path) -> list[str]:
     """torchtitan's flags for the same run. On several GPUs torchtitan shards with FSDP, which cannot keep
     the tied embedding in one piece, so that row runs torchtitan untied (262M more parameters for the 1B)."""
     return [
-        *launcher(row.nproc), "-m", "bench.titan_llama", *(["--untied"] if row.nproc > 1 else []),
+        *launcher(row.nproc, torchrun=True), "-m", "bench.titan_llama", *(["--untied"] if row.nproc > 1 else []),
         "--model.name", "torchpre_llama3", "--model.flavor", row.flavor,
         "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
         "--training.global_batch_size", str(row.global_batch), "--training.steps", str(steps),

@@ -148,7 +148,8 @@ def register(tied: bool) -> None:
 
 def check(argv: list[str]) -> None:
     """What can be proven without a GPU: torchtitan accepts the flags, builds the flavor on meta with
-    torchpre's parameter count, and a tiny model of the same code trains one step on CPU."""
+    torchpre's parameter count, the data loader yields the batch shape, and a tiny model of the same code
+    trains one step on CPU."""
     from torchpre.models.llama3.model import Transformer as TorchpreTransformer
 
     config = ConfigManager().parse_args(argv)
@@ -161,6 +162,10 @@ def check(argv: list[str]) -> None:
     ours_count = sum(p.numel() for p in ours.parameters())
     assert titan_count == ours_count, f"torchtitan {titan_count:,} != torchpre {ours_count:,} parameters"
     print(f"check: flavor {config.model.flavor}: {titan_count:,} parameters in both, flags accepted")
+    inputs, labels = next(iter(build_synthetic_dataloader(1, 0, None, config)))
+    batch = (config.training.local_batch_size, config.training.seq_len)
+    assert inputs["input"].shape == labels.shape == batch, f"batch {tuple(labels.shape)}, expected {batch}"
+    assert int(labels.max()) < args.vocab_size and torch.equal(inputs["input"][:, 1:], labels[:, :-1])
     _tiny_step(config)
 
 
