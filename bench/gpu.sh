@@ -4,7 +4,7 @@
 # eager, the same global batch and steps for both (bench/gpu_compare.py). Needs bench/wheels from
 # `bash bench/prepare_gpu_wheels.sh` (run where there is network); installs them offline into /tmp.
 # Writes gpu_table.md, gpu_raw.jsonl and gpu_log.txt into $OUT (or ./outputs/bench_gpu).
-# Usage: bash bench/gpu.sh [--steps 15] [--budget-s 450]
+# Usage: bash bench/gpu.sh [--steps 15] [--budget-s 420]
 # CPU check of every command line: GPU_BENCH_SMOKE=1 bash bench/gpu.sh [--max-rows N]; PYTHON picks the
 # interpreter, GPU_BENCH_SITE the install folder.
 set -euo pipefail

@@ -2,12 +2,17 @@
 offline install from bench/wheels, torchpre's dry run of the real 1B shape, torchtitan's check of the
 same shape, a tiny torchpre run) passes on CPU."""
 
+import argparse
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+from bench import gpu_compare
 from bench.gpu_compare import ROWS, TWO_GPU_ROW, titan_command, torchpre_command
 from tests.launch import REPO, WORKER_ENV
 
@@ -50,3 +55,49 @@ def test_smoke_mode_installs_offline_and_checks_the_first_row(tmp_path):
     assert f"smoke {row}: torchpre dry run ok" in result.stdout
     assert f"smoke {row}: torchtitan check ok" in result.stdout
     assert "torchpre trains 2 steps with these flags on a tiny model: ok" in result.stdout
+
+
+def _fake_run(rates: dict[str, float]):
+    """Stands in for a training job: writes a metrics.jsonl of 15 steps into the job's dump folder, the
+    first 5 slow (compilation), then the framework's steady rate."""
+
+    def run(command: list[str], timeout_s: float, log) -> bool:
+        folder = Path(command[command.index("--job.dump_folder") + 1])
+        name = "torchpre" if "train.py" in command else "torchtitan"
+        key = "tokens_per_sec_per_device" if name == "torchpre" else "tokens_per_sec"
+        folder.mkdir(parents=True)
+        records = [{"step": step, key: 10.0 if step <= 5 else rates[name], "max_memory_bytes": step * 2**30}
+                   for step in range(1, 16)]  # fmt: skip
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return True
+
+    return run
+
+
+def test_a_row_reports_steady_rates_mfu_memory_and_the_ratio(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1100.0, "torchtitan": 1000.0}))
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: 1e15)
+    row = ROWS[0]
+    cells = gpu_compare.measure(row, 15, tmp_path / "work", tmp_path, timeout_s=60)
+    mfu = 1100.0 * gpu_compare.flops_of(row) / 1e15
+    assert cells == [row.label, "1,100", f"{mfu:.1%}", "15.0", "1,000", f"{mfu / 1.1:.1%}", "15.0", "1.10x"]
+    raw = [json.loads(line) for line in (tmp_path / "gpu_raw.jsonl").read_text().splitlines()]
+    assert len(raw) == 30 and {r["framework"] for r in raw} == {"torchpre", "torchtitan"}
+
+
+def test_the_flop_count_is_torchpres_for_the_real_1b():
+    # 6 x (1,235,814,400 parameters, the tied table counted once as the output projection) + 12 x 16 x 2048 x 4096
+    assert gpu_compare.flops_of(ROWS[0]) == 6 * 1_235_814_400 + 12 * 16 * 2048 * 4096
+
+
+def test_rows_past_the_budget_are_skipped_and_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1.0, "torchtitan": 1.0}))
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: 1e15)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(out=tmp_path, work=tmp_path / "work", steps=15, budget_s=100.0)
+    gpu_compare.benchmark(args)  # the eager guess (90 s) fits, the compiled one (200 s) does not
+    table = (tmp_path / "gpu_table.md").read_text()
+    ran = [line.split(" | ")[0].strip("| ") for line in table.splitlines()[2:] if line.startswith("| ")]
+    assert ran == [row.label for row in ROWS if not row.compile]
+    assert f"Skipped for the time budget: {', '.join(r.label for r in ROWS if r.compile)}." in table
