@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -218,7 +219,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU: check every command line without training")
     parser.add_argument("--max-rows", type=int, default=len(ROWS), help="with --smoke: the first N rows only")
     args = parser.parse_args()
+    # A fresh start: the runs' dump folders, the raw file and the log would otherwise keep an earlier call's lines.
+    shutil.rmtree(args.work, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    for name in ("gpu_table.md", "gpu_raw.jsonl", "gpu_log.txt"):
+        (args.out / name).unlink(missing_ok=True)
     smoke(args) if args.smoke else benchmark(args)
 
 

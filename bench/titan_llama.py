@@ -7,7 +7,8 @@ or `tests/assets/c4_test`, which the wheel does not ship). This module registers
 of a tokenizer and a dataset, and a metrics.jsonl (tokens/s, peak memory per step) in `job.dump_folder`.
 Everything else, parallelism, compile, AMP, the optimizer and the training loop, is torchtitan's.
 
-    python -m bench.titan_llama --model.flavor 1B --training.seq_len 4096 ...   (torchtitan's own flags)
+    python -m bench.titan_llama --model.flavor 1B --training.seq_len 4096 ...   (torchtitan's own flags;
+                                               under torchrun, which torchtitan needs; --untied for FSDP)
     python -m bench.titan_llama --check ...   (CPU: parse the flags, build the model on meta, compare its
                                                parameter count with torchpre's, one tiny step on CPU)
 """
@@ -53,7 +54,8 @@ from torchtitan.train import Trainer, main  # noqa: E402
 
 
 def titan_args(args: TransformerArgs) -> llama3.TransformerModelArgs:
-    """torchtitan's model args for one of torchpre's Llama 3 flavors (same FFN rounding, heads, RoPE theta)."""
+    """torchtitan's model args for one of torchpre's Llama 3 flavors: same FFN rounding, heads and RoPE theta
+    (torchtitan's fixed RoPE scaling only changes a precomputed buffer, not the work)."""
     return llama3.TransformerModelArgs(
         dim=args.dim,
         n_layers=args.n_layers,
