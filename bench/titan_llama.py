@@ -46,7 +46,7 @@ def _stub_hf_datasets() -> None:
 _stub_hf_datasets()
 
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
-from torchtitan.components.metrics import BaseLogger  # noqa: E402
+from torchtitan.components.metrics import BaseLogger, LoggerContainer  # noqa: E402
 from torchtitan.config import ConfigManager, JobConfig  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
 from torchtitan.protocols.train_spec import register_train_spec  # noqa: E402
@@ -131,8 +131,11 @@ class BenchTrainer(Trainer):
     def __init__(self, job_config: JobConfig) -> None:
         super().__init__(job_config)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            path = Path(job_config.job.dump_folder) / "metrics.jsonl"
-            self.metrics_processor.logger.add_logger(JsonlLogger(path))
+            # torchtitan's logger is a bare BaseLogger when neither TensorBoard nor W&B is on: keep it beside ours.
+            loggers = LoggerContainer()
+            loggers.add_logger(self.metrics_processor.logger)
+            loggers.add_logger(JsonlLogger(Path(job_config.job.dump_folder) / "metrics.jsonl"))
+            self.metrics_processor.logger = loggers
 
 
 def register(tied: bool) -> None:

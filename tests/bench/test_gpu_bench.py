@@ -3,7 +3,9 @@ offline install from bench/wheels, torchpre's dry run of the real 1B shape, torc
 same shape, a tiny torchpre run) passes on CPU."""
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,8 +15,10 @@ import pytest
 import torch
 
 from bench import gpu_compare
-from bench.gpu_compare import ROWS, TWO_GPU_ROW, titan_command, torchpre_command
+from bench.gpu_compare import ROWS, TWO_GPU_ROW, Row, titan_command, torchpre_command
 from tests.launch import REPO, WORKER_ENV
+from torchpre.models.llama3.args import LLAMA3_FLAVORS
+from torchpre.models.llama3.model import Transformer
 
 
 def _flags(command: list[str]) -> dict[str, str]:
@@ -40,8 +44,25 @@ def test_both_frameworks_get_the_same_run(row, tmp_path):
     assert theirs["--activation_checkpoint.mode"] == "none"  # torchpre's default; torchtitan's is selective
 
 
+WHEELS = REPO / "bench" / "wheels"
+needs_wheels = pytest.mark.skipif(not WHEELS.is_dir(), reason="run bash bench/prepare_gpu_wheels.sh first")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """bench/wheels installed offline, as bench/gpu.sh installs them on the GPU machine."""
+    folder = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(folder),
+         "--find-links", str(WHEELS), "torchtitan", "torchdata", "tyro", "docstring-parser", "typeguard",
+         "typing-extensions"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return folder
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not (REPO / "bench" / "wheels").is_dir(), reason="run bash bench/prepare_gpu_wheels.sh first")
+@needs_wheels
 def test_smoke_mode_installs_offline_and_checks_the_first_row(tmp_path):
     env = {**os.environ, **WORKER_ENV, "GPU_BENCH_SMOKE": "1", "PYTHON": sys.executable,
            "GPU_BENCH_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out")}  # fmt: skip
@@ -55,6 +76,29 @@ def test_smoke_mode_installs_offline_and_checks_the_first_row(tmp_path):
     assert f"smoke {row}: torchpre dry run ok" in result.stdout
     assert f"smoke {row}: torchtitan check ok" in result.stdout
     assert "torchpre trains 2 steps with these flags on a tiny model: ok" in result.stdout
+
+
+@pytest.mark.slow
+@needs_wheels
+def test_torchtitans_trainer_runs_the_benchmarks_spec_on_cpu(site, tmp_path):
+    """torchtitan's real Trainer and loop with the spec of bench/titan_llama.py (tied tiny model, synthetic
+    tokens, metrics.jsonl) and the command line bench/gpu.sh gives it, on CPU (tests/bench/titan_on_cpu.py)."""
+    command = titan_command(Row("tiny", 32, 2, compile=False), 8, tmp_path)
+    at = command.index("bench.titan_llama")
+    command[at - 1 : at + 1] = ["tests/bench/titan_on_cpu.py"]
+    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{REPO}:{site}"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with torch.device("meta"):
+        tied = Transformer(dataclasses.replace(LLAMA3_FLAVORS["tiny"], tie_word_embeddings=True))
+    tied_count = sum(p.numel() for p in tied.parameters())
+    assert f"size: {tied_count:,} total parameters" in result.stdout + result.stderr  # the tie held
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    # Random labels: the expected cross-entropy is ln(vocab) plus the model's distance from uniform, so at
+    # least ln(2048) = 7.62 up to the noise of 64 tokens; a fresh model's logits add well under 2 nats.
+    assert all(r["tokens_per_sec"] > 0 for r in records)
+    assert math.log(2048) - 0.3 < min(r["loss"] for r in records) and records[0]["loss"] < math.log(2048) + 2
 
 
 def _fake_run(rates: dict[str, float]):
