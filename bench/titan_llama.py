@@ -43,7 +43,17 @@ def _stub_hf_datasets() -> None:
     sys.modules.update({"datasets": stub, "datasets.distributed": distributed})
 
 
+def _pop_flag(flag: str) -> bool:
+    """Takes one of this module's own flags out of sys.argv, before torchtitan is imported: its config
+    parser binds sys.argv[1:] as a default argument at import time and rejects flags it does not know."""
+    present = flag in sys.argv
+    if present:
+        sys.argv.remove(flag)
+    return present
+
+
 _stub_hf_datasets()
+CHECK, UNTIED = (_pop_flag("--check"), _pop_flag("--untied")) if __name__ == "__main__" else (False, False)
 
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.metrics import BaseLogger, LoggerContainer  # noqa: E402
@@ -187,12 +197,5 @@ def _tiny_step(config: JobConfig) -> None:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if "--check" in argv:
-        argv.remove("--check")
-        register(tied=True)
-        check(argv)
-    else:
-        register(tied="--untied" not in argv)
-        sys.argv = [sys.argv[0], *(a for a in argv if a != "--untied")]
-        main(BenchTrainer)
+    register(tied=not UNTIED)
+    check(sys.argv[1:]) if CHECK else main(BenchTrainer)

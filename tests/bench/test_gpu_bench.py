@@ -80,19 +80,21 @@ def test_smoke_mode_installs_offline_and_checks_the_first_row(tmp_path):
 
 @pytest.mark.slow
 @needs_wheels
-def test_torchtitans_trainer_runs_the_benchmarks_spec_on_cpu(site, tmp_path):
-    """torchtitan's real Trainer and loop with the spec of bench/titan_llama.py (tied tiny model, synthetic
-    tokens, metrics.jsonl) and the command line bench/gpu.sh gives it, on CPU (tests/bench/titan_on_cpu.py)."""
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+def test_torchtitans_trainer_runs_the_benchmarks_spec_on_cpu(site, tmp_path, untied):
+    """torchtitan's real Trainer and loop with the spec of bench/titan_llama.py (tiny model, synthetic
+    tokens, metrics.jsonl) and the command line bench/gpu.sh gives it, on CPU (tests/bench/titan_on_cpu.py);
+    `--untied` (the 2-GPU row's) must reach bench.titan_llama, not torchtitan's parser."""
     command = titan_command(Row("tiny", 32, 2, compile=False), 8, tmp_path)
     at = command.index("bench.titan_llama")
-    command[at - 1 : at + 1] = ["tests/bench/titan_on_cpu.py"]
+    command[at - 1 : at + 1] = ["tests/bench/titan_on_cpu.py", *(["--untied"] if untied else [])]
     env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{REPO}:{site}"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with torch.device("meta"):
-        tied = Transformer(dataclasses.replace(LLAMA3_FLAVORS["tiny"], tie_word_embeddings=True))
-    tied_count = sum(p.numel() for p in tied.parameters())
-    assert f"size: {tied_count:,} total parameters" in result.stdout + result.stderr  # the tie held
+        model = Transformer(dataclasses.replace(LLAMA3_FLAVORS["tiny"], tie_word_embeddings=not untied))
+    count = sum(p.numel() for p in model.parameters())
+    assert f"size: {count:,} total parameters" in result.stdout + result.stderr  # tied or not, as asked
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 9))
     # Random labels: the expected cross-entropy is ln(vocab) plus the model's distance from uniform, so at
