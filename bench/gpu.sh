@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# One CUDA GPU: a Llama 3 of about 1B parameters in bf16 at seq_len 4096, compiled, with flash-attn
-# (the `gpu` extra) or SDPA. Prints tokens/s and MFU against the GPU's datasheet bf16 peak; step
-# times come from CUDA events. Runs torchtitan on the same model and batch when it is installed.
-# Usage: bash bench/gpu.sh [--section.key value ...]   (extra options override the defaults below)
+# One prepared device call: torchpre and torchtitan side by side on one (or two) CUDA GPUs, Llama 3.2 1B and
+# 3B shapes with the 128,256-id vocabulary, bf16, seq 4096 (8192 if the time budget allows), compiled and
+# eager, the same global batch and steps for both (bench/gpu_compare.py). Needs bench/wheels from
+# `bash bench/prepare_gpu_wheels.sh` (run where there is network); installs them offline into /tmp.
+# Writes gpu_table.md, gpu_raw.jsonl and gpu_log.txt into $OUT (or ./outputs/bench_gpu).
+# Usage: bash bench/gpu.sh [--steps 15] [--budget-s 420]
+# CPU check of every command line: GPU_BENCH_SMOKE=1 bash bench/gpu.sh [--max-rows N]; PYTHON picks the
+# interpreter, GPU_BENCH_SITE the install folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT_DIR:-./outputs/bench_gpu}"
-rm -rf "$out" && mkdir -p "$out"
-python3 -c "import torch; print('torch', torch.__version__, '| device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')"
-python3 -c "from torchpre.models.attention import flash_attn_func; print('attention:', 'flash-attn' if flash_attn_func else 'SDPA')"
-python3 train.py --model.flavor 1B --training.seq_len 4096 --training.local_batch_size 4 --training.steps 20 \
-    --training.mixed_precision_param bfloat16 --compile.enable --lr_scheduler.warmup_steps 2 --metrics.log_freq 1 \
-    --job.dump_folder "$out/torchpre" "$@" 2>&1 | grep -E "step |model |error"
-python3 -m bench.summarize "$out/torchpre/metrics.jsonl" --warmup 5 --label "torchpre 1B bf16 seq 4096 $*"
-if python3 -c "import torchtitan" 2>/dev/null; then
-    echo "torchtitan is installed, but bench/gpu.sh does not yet translate this model into a torchtitan config"
+out="${OUT:-./outputs/bench_gpu}"
+site="${GPU_BENCH_SITE:-/tmp/gpu_bench_site}"
+python="${PYTHON:-python3}"
+mkdir -p "$out"
+[ -d bench/wheels ] || { echo "bench/wheels is missing: run 'bash bench/prepare_gpu_wheels.sh' first" >&2; exit 1; }
+"$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    --find-links bench/wheels torchtitan torchdata tyro docstring-parser typeguard typing-extensions
+export PYTHONPATH="$PWD:$site" PYTHONUNBUFFERED=1
+"$python" -c "import torch, torchtitan; print('torch', torch.__version__, '| torchtitan', torchtitan.__version__, \
+'| GPUs', torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')"
+if [ "${GPU_BENCH_SMOKE:-0}" = 1 ]; then
+    "$python" -m bench.gpu_compare --out "$out" --smoke "$@"
 else
-    echo "torchtitan: not installed here (pip install torchtitan), no side-by-side ratio"
+    "$python" -m bench.gpu_compare --out "$out" "$@"
 fi

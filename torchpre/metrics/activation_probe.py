@@ -39,14 +39,20 @@ _COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd", "monitored_barrier_"}
 
 
+def _query_heads(query: torch.Size, kv: torch.Size) -> tuple[int, ...]:
+    """A key or value shape with the query's head count: grouped-query attention costs as many FLOPs as
+    repeating each key/value head for its queries, and torch 2.11's formulas reject unequal head counts."""
+    return (*kv[:-3], query[-3], *kv[-2:])
+
+
 @shape_wrapper
 def _sdpa_for_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, key, value)
+    return sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value))
 
 
 @shape_wrapper
 def _sdpa_for_cpu_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
+    return sdpa_backward_flop_count(grad_out, query, _query_heads(query, key), _query_heads(query, value))
 
 
 # torch's formulas (matmuls, convolutions, the GPU attention kernels) and the CPU flash kernel's, which torch

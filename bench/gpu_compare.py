@@ -1,0 +1,231 @@
+"""torchpre and torchtitan one after the other on the same Llama 3.2 shapes, tokens and global batch.
+
+Each row of `ROWS` runs torchpre's train.py, then torchtitan (bench/titan_llama.py), for the same number of
+steps with random tokens over Llama 3's 128,256-id vocabulary, bf16, no activation checkpointing and SDPA
+(PyTorch picks its flash kernel for bf16 causal attention). Rows run in priority order and stop at the time
+budget, so the table fits one device call. Writes `gpu_table.md`, `gpu_raw.jsonl` (every step of every run)
+and `gpu_log.txt` (the tail of any failed run) into --out.
+
+    python -m bench.gpu_compare --out DIR [--steps 15] [--budget-s 420]
+    python -m bench.gpu_compare --out DIR --smoke   (CPU: every row's command lines, without training)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from bench.common import REPO, steady
+from torchpre.metrics.flops import peak_flops
+from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
+from torchpre.models.llama3.model import Transformer
+
+VOCAB_SIZE = 128256  # Llama 3's tokenizer
+WARMUP = 5  # steps left out of the median: compilation, allocator and cache warm-up
+
+
+@dataclass(frozen=True)
+class Row:
+    flavor: str
+    seq_len: int
+    global_batch: int  # sequences per optimizer step, the same for both frameworks
+    compile: bool
+    nproc: int = 1
+
+    @property
+    def label(self) -> str:
+        mode = "compiled" if self.compile else "eager"
+        return f"{self.flavor} seq {self.seq_len} batch {self.global_batch} {mode} {self.nproc} GPU"
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.nproc
+
+
+# Most wanted first: the budget cuts from the end.
+ROWS = (
+    Row("1B", 4096, 4, compile=True),
+    Row("1B", 4096, 4, compile=False),
+    Row("3B", 4096, 2, compile=True),
+    Row("3B", 4096, 2, compile=False),
+    Row("1B", 8192, 2, compile=True),
+    Row("3B", 8192, 1, compile=True),
+)
+TWO_GPU_ROW = Row("1B", 4096, 8, compile=True, nproc=2)
+
+
+def launcher(nproc: int, torchrun: bool = False) -> list[str]:
+    """Plain Python for one process, torchrun for several (torchtitan always wants torchrun's LOCAL_RANK)."""
+    if nproc == 1 and not torchrun:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
+    return [
+        *launcher(row.nproc), "train.py",
+        "--model.flavor", row.flavor, "--model.vocab_size", str(VOCAB_SIZE), "--training.dataset", "synthetic",
+        "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
+        "--training.steps", str(steps), "--training.mixed_precision_param", "bfloat16",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(folder),
+        *(["--compile.enable"] if row.compile else []),
+    ]  # fmt: skip
+
+
+def titan_command(row: Row, steps: int, folder: Path) -> list[str]:
+    """torchtitan's flags for the same run. On several GPUs torchtitan shards with FSDP, which cannot keep
+    the tied embedding in one piece, so that row runs torchtitan untied (262M more parameters for the 1B)."""
+    return [
+        *launcher(row.nproc, torchrun=True), "-m", "bench.titan_llama", *(["--untied"] if row.nproc > 1 else []),
+        "--model.name", "torchpre_llama3", "--model.flavor", row.flavor,
+        "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
+        "--training.global_batch_size", str(row.global_batch), "--training.steps", str(steps),
+        "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+        "--job.dump_folder", str(folder), *(["--compile.enable"] if row.compile else []),
+    ]  # fmt: skip
+
+
+def run(command: list[str], timeout_s: float, log: Path) -> bool:
+    """Runs one job from the repository root; on failure or timeout appends its output's tail to `log`."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        ok, output = result.returncode == 0, result.stdout + result.stderr
+    except subprocess.TimeoutExpired as error:
+        ok, output = False, f"timed out after {timeout_s:.0f} s\n{error.stdout or ''}{error.stderr or ''}"
+    if not ok:
+        with log.open("a") as file:
+            file.write(f"\n## failed: {' '.join(command)}\n{output[-6000:]}\n")
+    return ok
+
+
+def flops_of(row: Row) -> int:
+    """FLOPs per token of the row's model by torchpre's count, the one used for both frameworks' MFU."""
+    args = replace(LLAMA3_FLAVORS[row.flavor], vocab_size=VOCAB_SIZE)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in Transformer(args).parameters())
+    return flops_per_token(args, num_params, row.seq_len)
+
+
+def measure(row: Row, steps: int, work: Path, out: Path, timeout_s: float) -> list[object]:
+    """One table row: both frameworks' steady tokens/s (per GPU), MFU, peak memory and the ratio."""
+    cells: list[object] = [row.label]
+    rates = []
+    for name, command in (("torchpre", torchpre_command), ("torchtitan", titan_command)):
+        folder = work / row.label.replace(" ", "_") / name
+        started = time.monotonic()
+        ok = run(command(row, steps, folder), timeout_s, out / "gpu_log.txt")
+        elapsed = time.monotonic() - started
+        metrics = folder / "metrics.jsonl"
+        if not ok or not metrics.exists():
+            cells += ["failed", "", ""]
+            rates.append(None)
+            continue
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        with (out / "gpu_raw.jsonl").open("a") as file:
+            for record in records:
+                file.write(json.dumps({"row": row.label, "framework": name, **record}) + "\n")
+        # torchpre logs the whole job's tokens/s and per device; torchtitan's "tps" is per device.
+        rate = steady(records, "tokens_per_sec_per_device" if name == "torchpre" else "tokens_per_sec", WARMUP)
+        rates.append(rate)
+        mfu = rate * flops_of(row) / peak_flops(torch.device("cuda"))
+        memory = max(r["max_memory_bytes"] for r in records) / 2**30
+        cells += [f"{rate:,.0f}", f"{mfu:.1%}", f"{memory:.1f}"]
+        print(f"{row.label} {name}: {rate:,.0f} tok/s, MFU {mfu:.1%}, {memory:.1f} GiB ({elapsed:.0f} s)", flush=True)
+    cells.append(f"{rates[0] / rates[1]:.2f}x" if None not in rates else "")
+    return cells
+
+
+HEADERS = [
+    "run", "torchpre tok/s", "torchpre MFU", "torchpre peak GiB",
+    "torchtitan tok/s", "torchtitan MFU", "torchtitan peak GiB", "torchpre / torchtitan",
+]  # fmt: skip
+
+
+def write_table(rows: list[list[object]], out: Path, notes: list[str]) -> None:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    text = "\n".join(lines + [""] + notes) + "\n"
+    (out / "gpu_table.md").write_text(text)
+    print("\n" + text, flush=True)
+
+
+def benchmark(args: argparse.Namespace) -> None:
+    device = torch.cuda.get_device_name(0)
+    rows = list(ROWS) + ([TWO_GPU_ROW] if torch.cuda.device_count() >= 2 else [])
+    # Seconds a row takes, by compile mode: a guess until a row of that mode has run, then the longest seen.
+    row_s, started, table, skipped = {True: 200.0, False: 90.0}, time.monotonic(), [], []
+    for row in rows:
+        left = args.budget_s - (time.monotonic() - started)
+        if left < row_s[row.compile]:
+            skipped.append(row.label)
+            continue
+        row_started = time.monotonic()
+        table.append(measure(row, args.steps, args.work, args.out, timeout_s=left / 2))
+        row_s[row.compile] = max(row_s[row.compile], time.monotonic() - row_started)
+        write_table(table, args.out, [])
+    notes = [
+        f"One {device}, torch {torch.__version__}, {args.steps} steps, median tokens/s of the steps after "
+        f"{WARMUP} (per GPU); MFU by torchpre's FLOP count against {peak_flops(torch.device('cuda')) / 1e12:.0f} "
+        "TFLOP/s for both. torchpre: bf16 parameters, fp32 master weights, peak = max allocated; torchtitan "
+        "0.2.2: fp32 parameters under bf16 autocast (its single-GPU mixed precision), peak = max active.",
+        *([f"Skipped for the time budget: {', '.join(skipped)}."] if skipped else []),
+    ]
+    write_table(table, args.out, notes)
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """On CPU: torchpre's dry run of every row's command (it builds the real shape on meta and checks its
+    memory against an H200; eager, as the dry run's memory probe cannot run under torch.compile) and
+    torchtitan's `--check` of its command (flags accepted, same parameter count as torchpre, one tiny step),
+    then 2 training steps of torchpre with the same flags on a tiny model (its 128,256-row embedding
+    included)."""
+    log, failures = args.out / "gpu_log.txt", 0
+    for row in ROWS[: args.max_rows]:
+        folder = args.work / row.label.replace(" ", "_")
+        checks = {
+            "torchpre dry run": [*torchpre_command(replace(row, compile=False), args.steps, folder / "torchpre"),
+                                 "--job.dry_run", "--job.dry_run_gpu", "h200-141gb",
+                                 "--job.dry_run_world_size", str(row.nproc)],
+            "torchtitan check": [*titan_command(row, args.steps, folder / "torchtitan"), "--check"],
+        }  # fmt: skip
+        for name, command in checks.items():
+            ok = run(command, 600, log)
+            failures += not ok
+            print(f"smoke {row.label}: {name} {'ok' if ok else 'FAILED'}", flush=True)
+    ok = run(torchpre_command(Row("tiny", 32, 2, compile=False), 2, args.work / "tiny"), 600, log)
+    failures += not ok
+    print(f"smoke: torchpre trains 2 steps with these flags on a tiny model: {'ok' if ok else 'FAILED'}")
+    if failures:
+        sys.exit(f"{failures} smoke check(s) failed: see {log}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_table.md, gpu_raw.jsonl, gpu_log.txt")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_bench"), help="the runs' dump folders")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--budget-s", type=float, default=420, help="no row starts that would end past this")
+    parser.add_argument("--smoke", action="store_true", help="CPU: check every command line without training")
+    parser.add_argument("--max-rows", type=int, default=len(ROWS), help="with --smoke: the first N rows only")
+    args = parser.parse_args()
+    # A fresh start: the runs' dump folders, the raw file and the log would otherwise keep an earlier call's lines.
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in ("gpu_table.md", "gpu_raw.jsonl", "gpu_log.txt"):
+        (args.out / name).unlink(missing_ok=True)
+    smoke(args) if args.smoke else benchmark(args)
+
+
+if __name__ == "__main__":
+    main()

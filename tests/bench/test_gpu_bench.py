@@ -1,0 +1,149 @@
+"""bench/gpu.sh, the prepared device call: its two frameworks get the same run, and its smoke mode (the
+offline install from bench/wheels, torchpre's dry run of the real 1B shape, torchtitan's check of the
+same shape, a tiny torchpre run) passes on CPU."""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu_compare
+from bench.gpu_compare import ROWS, TWO_GPU_ROW, Row, titan_command, torchpre_command
+from tests.launch import REPO, WORKER_ENV
+from torchpre.models.llama3.args import LLAMA3_FLAVORS
+from torchpre.models.llama3.model import Transformer
+
+
+def _flags(command: list[str]) -> dict[str, str]:
+    """`--key value` pairs of a command line; flags without a value map to ''."""
+    flags, key = {}, None
+    for token in command:
+        if token.startswith("--"):
+            key, flags[token] = token, ""
+        elif key is not None:
+            flags[key], key = token, None
+    return flags
+
+
+@pytest.mark.parametrize("row", [*ROWS, TWO_GPU_ROW], ids=lambda row: row.label)
+def test_both_frameworks_get_the_same_run(row, tmp_path):
+    ours, theirs = _flags(torchpre_command(row, 15, tmp_path)), _flags(titan_command(row, 15, tmp_path))
+    for key in ("--model.flavor", "--training.seq_len", "--training.local_batch_size", "--training.steps",
+                "--training.mixed_precision_param", "--lr_scheduler.warmup_steps", "--metrics.log_freq"):
+        assert ours[key] == theirs[key], key
+    assert int(theirs["--training.global_batch_size"]) == int(ours["--training.local_batch_size"]) * row.nproc
+    assert ours["--model.vocab_size"] == "128256" and ours["--training.dataset"] == "synthetic"
+    assert ("--compile.enable" in ours) == ("--compile.enable" in theirs) == row.compile
+    assert theirs["--activation_checkpoint.mode"] == "none"  # torchpre's default; torchtitan's is selective
+
+
+WHEELS = REPO / "bench" / "wheels"
+needs_wheels = pytest.mark.skipif(not WHEELS.is_dir(), reason="run bash bench/prepare_gpu_wheels.sh first")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """bench/wheels installed offline, as bench/gpu.sh installs them on the GPU machine."""
+    folder = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(folder),
+         "--find-links", str(WHEELS), "torchtitan", "torchdata", "tyro", "docstring-parser", "typeguard",
+         "typing-extensions"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return folder
+
+
+@pytest.mark.slow
+@needs_wheels
+def test_smoke_mode_installs_offline_and_checks_the_first_row(tmp_path):
+    env = {**os.environ, **WORKER_ENV, "GPU_BENCH_SMOKE": "1", "PYTHON": sys.executable,
+           "GPU_BENCH_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out")}  # fmt: skip
+    result = subprocess.run(
+        ["bash", "bench/gpu.sh", "--max-rows", "1", "--work", str(tmp_path / "work")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "torchtitan 0.2.2" in result.stdout
+    row = ROWS[0].label
+    assert f"smoke {row}: torchpre dry run ok" in result.stdout
+    assert f"smoke {row}: torchtitan check ok" in result.stdout
+    assert "torchpre trains 2 steps with these flags on a tiny model: ok" in result.stdout
+
+
+@pytest.mark.slow
+@needs_wheels
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+def test_torchtitans_trainer_runs_the_benchmarks_spec_on_cpu(site, tmp_path, untied):
+    """torchtitan's real Trainer and loop with the spec of bench/titan_llama.py (tiny model, synthetic
+    tokens, metrics.jsonl) and the command line bench/gpu.sh gives it, on CPU (tests/bench/titan_on_cpu.py);
+    `--untied` (the 2-GPU row's) must reach bench.titan_llama, not torchtitan's parser."""
+    command = titan_command(Row("tiny", 32, 2, compile=False), 8, tmp_path)
+    at = command.index("bench.titan_llama")
+    command[at - 1 : at + 1] = ["tests/bench/titan_on_cpu.py", *(["--untied"] if untied else [])]
+    env = {**os.environ, **WORKER_ENV, "PYTHONPATH": f"{REPO}:{site}"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(LLAMA3_FLAVORS["tiny"], tie_word_embeddings=not untied))
+    count = sum(p.numel() for p in model.parameters())
+    assert f"size: {count:,} total parameters" in result.stdout + result.stderr  # tied or not, as asked
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    # Random labels: the expected cross-entropy is ln(vocab) plus the model's distance from uniform, so at
+    # least ln(2048) = 7.62 up to the noise of 64 tokens; a fresh model's logits add well under 2 nats.
+    assert all(r["tokens_per_sec"] > 0 for r in records)
+    assert math.log(2048) - 0.3 < min(r["loss"] for r in records) and records[0]["loss"] < math.log(2048) + 2
+
+
+def _fake_run(rates: dict[str, float]):
+    """Stands in for a training job: writes a metrics.jsonl of 15 steps into the job's dump folder, the
+    first 5 slow (compilation), then the framework's steady rate."""
+
+    def run(command: list[str], timeout_s: float, log) -> bool:
+        folder = Path(command[command.index("--job.dump_folder") + 1])
+        name = "torchpre" if "train.py" in command else "torchtitan"
+        key = "tokens_per_sec_per_device" if name == "torchpre" else "tokens_per_sec"
+        folder.mkdir(parents=True)
+        records = [{"step": step, key: 10.0 if step <= 5 else rates[name], "max_memory_bytes": step * 2**30}
+                   for step in range(1, 16)]  # fmt: skip
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return True
+
+    return run
+
+
+def test_a_row_reports_steady_rates_mfu_memory_and_the_ratio(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1100.0, "torchtitan": 1000.0}))
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: 1e15)
+    row = ROWS[0]
+    cells = gpu_compare.measure(row, 15, tmp_path / "work", tmp_path, timeout_s=60)
+    mfu = 1100.0 * gpu_compare.flops_of(row) / 1e15
+    assert cells == [row.label, "1,100", f"{mfu:.1%}", "15.0", "1,000", f"{mfu / 1.1:.1%}", "15.0", "1.10x"]
+    raw = [json.loads(line) for line in (tmp_path / "gpu_raw.jsonl").read_text().splitlines()]
+    assert len(raw) == 30 and {r["framework"] for r in raw} == {"torchpre", "torchtitan"}
+
+
+def test_the_flop_count_is_torchpres_for_the_real_1b():
+    # 6 x (1,235,814,400 parameters, the tied table counted once as the output projection) + 12 x 16 x 2048 x 4096
+    assert gpu_compare.flops_of(ROWS[0]) == 6 * 1_235_814_400 + 12 * 16 * 2048 * 4096
+
+
+def test_rows_past_the_budget_are_skipped_and_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1.0, "torchtitan": 1.0}))
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: 1e15)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "fake GPU")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = argparse.Namespace(out=tmp_path, work=tmp_path / "work", steps=15, budget_s=100.0)
+    gpu_compare.benchmark(args)  # the eager guess (90 s) fits, the compiled one (200 s) does not
+    table = (tmp_path / "gpu_table.md").read_text()
+    ran = [line.split(" | ")[0].strip("| ") for line in table.splitlines()[2:] if line.startswith("| ")]
+    assert ran == [row.label for row in ROWS if not row.compile]
+    assert f"Skipped for the time budget: {', '.join(r.label for r in ROWS if r.compile)}." in table
