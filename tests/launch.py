@@ -46,6 +46,15 @@ DEBUG = [
     "1",
 ]
 
+# The tiny MoE model: 2 microbatches of 2 sequences per rank at dp2 (global batch 8).
+MOE_TINY = [
+    "--model.name", "moe",
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    "--training.global_batch_size", "8",
+]  # fmt: skip
+
 # A model small enough that a 2-core machine trains it in seconds, big enough to exercise GQA.
 TINY = [
     "--model.flavor",

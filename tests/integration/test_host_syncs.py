@@ -18,21 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch import REPO, run_train
+from tests.launch import MOE_TINY, REPO, run_train
 
 pytestmark = pytest.mark.slow
 
 STEPS = ["--training.steps", "4", "--metrics.log_freq", "100"]  # step 3 is measured: not the first, not a log step
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "4", *STEPS]
 MOE_LAYERS, MOE_MICROBATCHES = 2, 2  # the tiny MoE flavor's layers; global 8 = 2 microbatches x 2 x ep2 ranks
-MOE = [
-    "--model.name", "moe",
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "8",
-    *STEPS,
-]
+MOE = [*MOE_TINY, *STEPS]
 VERDICT = "torchpre/health.py in step_health"
 DISPATCH = "torchpre/parallel/expert_parallel.py in _dispatch"
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from tests.launch import run_train, train_and_read_metrics
+from tests.launch import MOE_TINY, run_train, train_and_read_metrics
 from torchpre.errors import ConfigError
 from torchpre.models.moe.args import MOE_FLAVORS
 from torchpre.models.moe.spec import SPEC
@@ -14,11 +14,7 @@ from torchpre.models.moe.spec import SPEC
 pytestmark = pytest.mark.slow
 
 MOE = [
-    "--model.name", "moe",
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.global_batch_size", "8",
+    *MOE_TINY,
     "--training.steps", "8",
     "--lr_scheduler.warmup_steps", "2",
     "--optimizer.lr", "3e-3",
