@@ -645,7 +645,7 @@ class Trainer:
                 self.optimizer.apply()
             else:
                 self.optimizer.discard()
-                self._on_nonfinite(health, grad_norm, microbatches)
+                self._on_nonfinite(health, grad_norm, on_device)
             self.lr_scheduler.step()
         if health.finite and self.spike_detector is not None:
             self._check_spike(health.loss)
@@ -687,8 +687,9 @@ class Trainer:
 
     def _locate_nonfinite(self, microbatches: list[Batch]) -> str:
         """For the first `training.nonfinite_forensics` non-finite steps: replays the step's forward and backward
-        with a check on every module (`torchpre.nonfinite`), keeps the origin for the step's metrics record
-        (`nonfinite_record`) and returns a sentence naming it (" " first), else "". Costs one step's compute.
+        on its `microbatches` (already on the device) with a check on every module (`torchpre.nonfinite`), keeps
+        the origin for the step's metrics record (`nonfinite_record`) and returns a sentence naming it (" "
+        first), else "". Costs one step's compute.
 
         The replay's gradients go through `reduce_gradients()` like a step's, so every data-parallel reduction
         the replay's backward started completes and the buckets reset; `discard()` then drops them.
@@ -699,7 +700,7 @@ class Trainer:
         dp_rank = self.mesh["dp"].get_local_rank()
         finding = locate_nonfinite(
             self.model.parts, self.model.stage_ids, dp_rank,
-            lambda: self._forward_backward([(x.to(self.device), y.to(self.device)) for x, y in microbatches]),
+            lambda: self._forward_backward(microbatches),
         )
         self.optimizer.reduce_gradients()
         self.optimizer.discard()
