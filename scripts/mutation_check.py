@@ -37,6 +37,14 @@ FSDP = "tests/distributed/test_fsdp.py"
 FORENSICS_TEST = (
     "tests/integration/test_observability.py::test_forensics_name_the_block_whose_output_went_inf_and_leave_training_as_it_was"
 )
+READ_LATE_SKIP_TEST = (
+    "tests/integration/test_observability.py::"
+    "test_steps_skipped_on_the_device_and_read_late_leave_the_parameters_bitwise_unchanged"
+)
+READ_LATE_STOP_TEST = (
+    "tests/integration/test_observability.py::"
+    "test_non_finite_step_stops_every_rank_after_saving_the_last_good_state[read-during-the-next]"
+)
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
@@ -124,9 +132,17 @@ BREAKS = [
           "    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)",
           (CORE,), "single-stage schedules divide gradients by the microbatch count a second time"),
     Break("nonfinite-verdict-per-rank", "torchpre/health.py",
-          "loss=loss / tp_degree, loss_finite=bad_loss == 0,",
-          "loss=loss / tp_degree, loss_finite=bool(torch.isfinite(loss_share)),",
-          (CORE,), "each rank decides on its own loss whether to apply the step"),
+          "    dist.all_reduce(values)\n",
+          "    dist.all_reduce(values[:1])\n",
+          (CORE,), "each rank decides on its own flags whether to apply the step"),
+    Break("update-read-late-applied-unconditionally", "torchpre/trainer.py",
+          "                self.optimizer.apply(skip=verdict.skip)\n",
+          "                self.optimizer.apply()\n",
+          (READ_LATE_SKIP_TEST,), "a fused step whose verdict is read late is applied even when not finite"),
+    Break("stop-read-late-saves-the-later-data-position", "torchpre/trainer.py",
+          "            self.step, self.consumed_samples = previous.number - 1, previous.first_sample\n",
+          "            self.step = previous.number - 1\n",
+          (READ_LATE_STOP_TEST,), "a non-finite step read late saves the data position of the step after it"),
     Break("nonfinite-norm-verdict-per-rank", "torchpre/health.py",
           "            (~torch.isfinite(grad_norm)).float(),",
           "            (~torch.isfinite(grad_norm)).float() * dist.get_rank(),",

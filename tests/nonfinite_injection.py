@@ -3,7 +3,8 @@ one training step, in the step itself and in the trainer's forensic replay of it
 
 Imported by the training processes through `--job.custom_import tests.nonfinite_injection`, so torchpre holds
 no test code. `NONFINITE_INJECTION = "phase:module:step"` (e.g. "forward:layers.1:2") says what; the step is
-read from the trainer as each `train_step` starts, and the replay runs inside that `train_step`.
+read from the trainer as each `train_step` starts, and from the trainer's replay, which names its step (which
+runs in the next `train_step` when that step's verdict is read late).
 """
 
 import os
@@ -17,6 +18,7 @@ from torchpre.trainer import Trainer
 PHASE, MODULE, STEP = os.environ["NONFINITE_INJECTION"].split(":")
 _current_step = 0
 _original_train_step = Trainer.train_step
+_original_locate_nonfinite = Trainer._locate_nonfinite
 
 
 def _with_inf(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,4 +52,14 @@ def _train_step(self: Trainer, *args, **kwargs):
     return _original_train_step(self, *args, **kwargs)
 
 
+def _locate_nonfinite(self: Trainer, microbatches, step: int, first_sample: int) -> str:
+    global _current_step
+    step_being_taken, _current_step = _current_step, step
+    try:
+        return _original_locate_nonfinite(self, microbatches, step, first_sample)
+    finally:
+        _current_step = step_being_taken
+
+
 Trainer.train_step = _train_step
+Trainer._locate_nonfinite = _locate_nonfinite

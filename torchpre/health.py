@@ -36,12 +36,41 @@ class StepHealth:
         return " and ".join(name for name, ok in checks if not ok)
 
 
-def step_health(
+class StepVerdict:
+    """Every rank's verdict on a step, from one all-reduce of four numbers: [loss, loss not finite, gradient norm
+    not finite, stop requested], summed over ranks, so identical on all of them.
+
+    It stays on the device: `skip` is the flag a conditional optimizer step takes (torch's fused optimizers skip
+    the update where it is 1), and a copy to pinned host memory starts at once, behind the work queued so far.
+    `read()` waits for that copy only: read during the next step, it never waits for the work queued after it.
+    """
+
+    def __init__(self, values: torch.Tensor, tp_degree: int) -> None:
+        self.values, self.tp_degree = values, tp_degree
+        self.skip = (values[1] + values[2] > 0).float()
+        if values.is_cuda:
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._copied: torch.cuda.Event | None = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = values, None
+
+    def read(self) -> StepHealth:
+        """The verdict on the host (the step's one host sync)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        loss, bad_loss, bad_norm, stops = self._host.tolist()
+        return StepHealth(
+            loss=loss / self.tp_degree, loss_finite=bad_loss == 0, grad_norm_finite=bad_norm == 0,
+            stop_requested=stops > 0,
+        )
+
+
+def step_verdict(
     loss_share: torch.Tensor, grad_norm: torch.Tensor, tp_degree: int, stop_requested: bool = False
-) -> StepHealth:
-    """Every rank's verdict on the step, identical on all ranks, from one all-reduce of four numbers and
-    one host sync (the only per-step sync of the loop: the update must not be queued before it is known
-    to be safe).
+) -> StepVerdict:
+    """The step's verdict (`StepVerdict`), all-reduced without a host sync.
 
     `loss_share` is this rank's part of the global mean loss (0 off the last pipeline stage); each
     tensor-parallel rank holds the same share, hence the division by `tp_degree`. The norm is already
@@ -59,10 +88,7 @@ def step_health(
         ]
     )
     dist.all_reduce(values)
-    loss, bad_loss, bad_norm, stops = values.tolist()
-    return StepHealth(
-        loss=loss / tp_degree, loss_finite=bad_loss == 0, grad_norm_finite=bad_norm == 0, stop_requested=stops > 0
-    )
+    return StepVerdict(values, tp_degree)
 
 
 class LossSpikeDetector:

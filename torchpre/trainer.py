@@ -36,7 +36,7 @@ from torchpre.distributed.utils import (
 )
 from torchpre.errors import ConfigError
 from torchpre.garbage_collection import GarbageCollection
-from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, step_health
+from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, StepVerdict, step_verdict
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
@@ -114,6 +114,19 @@ class Interval:
     steps: int = 0
     data_s: float = 0.0  # waiting for batches
     checkpoint_s: float = 0.0  # saves (they happen between steps, so no step time holds them)
+
+
+@dataclass(frozen=True)
+class UnreadStep:
+    """A step applied conditionally on the device (`DistributedOptimizer.applies_conditionally`) whose verdict the
+    host reads during the next step, with what handling a non-finite verdict then needs."""
+
+    number: int
+    verdict: StepVerdict
+    grad_norm: torch.Tensor
+    microbatches: list[Batch]  # on the device, for the forensics replay
+    first_sample: int  # the global sample it started at
+    lr_scheduler_state: dict[str, Any]  # before its LR step: the state before it is the last good one
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,7 @@ class Trainer:
             reduce_dtype=getattr(torch, o.reduce_dtype),
             overlap_grad_reduce=o.overlap_grad_reduce,
             zero2_accumulate_locally=o.zero2_accumulate_locally,
+            implementation=o.implementation,
             **hyperparameters_from_config(vars(o)),
         )
         self.lr_scheduler = build_lr_scheduler(
@@ -237,6 +251,8 @@ class Trainer:
         self.skipped_steps, self.loss_spikes = 0, 0
         # Non-finite steps replayed to find their origin, and the origin's keys for the step's metrics record.
         self.nonfinite_replays, self.nonfinite_record = 0, {}
+        self.unread: UnreadStep | None = None  # the previous step, while its verdict is on its way to the host
+        self.stopping = False  # a rank asked to stop (SIGTERM) in a step read late: stop after this one
         self.spike_detector = LossSpikeDetector(t.spike_zscore, t.spike_window) if t.spike_zscore > 0 else None
         self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
         self.checkpoint = self._build_checkpoint_manager()
@@ -467,13 +483,14 @@ class Trainer:
                 health, grad_norm = self.train_step(microbatches, stop_requested=preemption.requested)
                 step_times.step()
                 self.step += 1
-                self.last_loss = health.loss
+                if health is not None:  # None: read during the next step, which is then not a log step
+                    self.last_loss = health.loss
                 self.consumed_samples += self.global_batch_size
                 interval.steps += 1
                 garbage.step(self.step)
                 profiler.step()
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
-                stop = health.stop_requested  # some rank got SIGTERM: every rank stops after this step
+                stop = health is not None and health.stop_requested  # some rank got SIGTERM: all stop after it
                 log = validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps or stop
                 log = log or bool(self.nonfinite_record)  # the record of a step the forensics replayed
                 # The record goes out before the checkpoint: a crash after a save never loses the logged
@@ -626,66 +643,132 @@ class Trainer:
         """
         return self._cross_entropy_sum(logits_of(output), labels) / self.tokens_per_step
 
-    def train_step(self, microbatches: list[Batch], stop_requested: bool = False) -> tuple[StepHealth, torch.Tensor]:
+    def train_step(
+        self, microbatches: list[Batch], stop_requested: bool = False
+    ) -> tuple[StepHealth | None, torch.Tensor]:
         """One optimizer step over this rank's microbatches; returns (the step's global loss and whether it
         was finite, the global grad norm before clipping). `stop_requested` (this rank got SIGTERM) rides
         the step's all-reduce; the result says whether any rank asked to stop.
 
         A step whose loss or gradient norm is not finite on any rank is never applied; see `_on_nonfinite`.
-        The LR schedule advances either way, so a skipped step shifts nothing after it.
+        With an optimizer that can skip a step on the device (fused), the update is applied conditionally and,
+        unless this step is logged, checkpointed, validated or the last, its verdict is read during the next step
+        (`_settle_previous`), after that step's forward and backward are queued: the host then never waits for
+        the device to run dry. The result is then (None, grad norm). The LR schedule advances either way, so a
+        skipped step shifts nothing after it.
         """
         with self.phases.phase("forward_backward"):  # from pinned memory (pins_memory) the copies do not block
             on_device = [tuple(part.to(self.device, non_blocking=True) for part in batch) for batch in microbatches]
             loss = self._forward_backward(on_device)
         with self.phases.phase("optimizer"):
+            if self.unread is not None:
+                loss = self._settle_previous(on_device, loss)
             with self.phases.phase("grad_comm"):
                 grad_norm = self.optimizer.reduce_gradients()
-            health = step_health(loss, grad_norm, self.parallel_dims.tp, stop_requested)
-            if health.finite:
-                self.optimizer.apply()
+            verdict = step_verdict(loss, grad_norm, self.parallel_dims.tp, stop_requested)
+            if self.optimizer.applies_conditionally:
+                self.optimizer.apply(skip=verdict.skip)
+                if not self._reads_verdict_now():
+                    self.unread = UnreadStep(
+                        self.step + 1, verdict, grad_norm, on_device, self.consumed_samples,
+                        self.lr_scheduler.state_dict(),
+                    )
+                    self.lr_scheduler.step()
+                    return None, grad_norm
+                health = verdict.read()
             else:
-                self.optimizer.discard()
-                self._on_nonfinite(health, grad_norm, on_device)
+                health = verdict.read()
+                if health.finite:
+                    self.optimizer.apply()
+                else:
+                    self.optimizer.discard()
+            if not health.finite:
+                self._on_nonfinite(health, grad_norm, on_device, self.step + 1, self.consumed_samples)
             self.lr_scheduler.step()
         if health.finite and self.spike_detector is not None:
-            self._check_spike(health.loss)
+            self._check_spike(health.loss, self.step + 1, self.consumed_samples)
         return health, grad_norm
+
+    def _reads_verdict_now(self) -> bool:
+        """Whether the step being taken needs its verdict at its end: it is logged, checkpointed, validated or
+        the last, or the job stops after it, or it carries the record of a replayed non-finite step."""
+        step, last = self.step + 1, self.config.training.steps
+        return (
+            step % self.config.metrics.log_freq == 0
+            or step == last
+            or (self.validator is not None and self.validator.due(step, last))
+            or (self.config.checkpoint.enable and self.checkpoint.should_save(step, last))
+            or self.stopping
+            or bool(self.nonfinite_record)
+        )
+
+    def _settle_previous(self, on_device: list[Batch], loss: torch.Tensor) -> torch.Tensor:
+        """Reads the previous step's verdict while this step's forward and backward are queued, and handles it as
+        `train_step` would have; returns this step's loss share.
+
+        A non-finite previous step was skipped on the device, so this step's gradients were taken on the state
+        before it, as they would have been. They are dropped (and this step's forward and backward redone) only
+        when the previous step is replayed for forensics, which needs the gradients empty; under
+        `on_nonfinite = "stop"` the job saves the state before that step (the host's step, data position and
+        LR schedule put back to it) and stops.
+        """
+        previous, self.unread = self.unread, None
+        health = previous.verdict.read()
+        self.last_loss = health.loss
+        self.stopping = health.stop_requested
+        if health.finite:
+            if self.spike_detector is not None:
+                self._check_spike(health.loss, previous.number, previous.first_sample)
+            return loss
+        replay = self.nonfinite_replays < self.config.training.nonfinite_forensics
+        stop = self.config.training.on_nonfinite == "stop"
+        if replay or stop:
+            self.optimizer.reduce_gradients()
+            self.optimizer.discard()
+        if stop:
+            self.step, self.consumed_samples = previous.number - 1, previous.first_sample
+            self.lr_scheduler.load_state_dict(previous.lr_scheduler_state)
+        self._on_nonfinite(health, previous.grad_norm, previous.microbatches, previous.number, previous.first_sample)
+        return self._forward_backward(on_device) if replay else loss
 
     def _forward_backward(self, microbatches: list[Batch]) -> torch.Tensor:
         """Accumulates this rank's gradients over its microbatches; returns its share of the global loss."""
         with loss_parallel_context(self.config.parallelism.enable_loss_parallel and self.parallel_dims.tp > 1):
             return self.model.forward_backward(microbatches, self._forward_kwargs)
 
-    def _batch_samples(self) -> str:
-        """The global sample indices of the step being taken, to find its data again."""
-        return f"global samples [{self.consumed_samples}, {self.consumed_samples + self.global_batch_size})"
+    def _batch_samples(self, first_sample: int) -> str:
+        """The global sample indices of the step that started at `first_sample`, to find its data again."""
+        return f"global samples [{first_sample}, {first_sample + self.global_batch_size})"
 
-    def _on_nonfinite(self, health: StepHealth, grad_norm: torch.Tensor, microbatches: list[Batch]) -> None:
-        """Handles a step that was not applied: counts it (`skip`) or saves the last good state and stops (`stop`).
+    def _on_nonfinite(
+        self, health: StepHealth, grad_norm: torch.Tensor, microbatches: list[Batch], step: int, first_sample: int
+    ) -> None:
+        """Handles step `step` (from global sample `first_sample`), which was not applied: counts it (`skip`) or
+        saves the last good state and stops (`stop`).
 
         Every rank reaches the same verdict (the flags were all-reduced), so all of them skip, or all of
         them save and raise together; before that they replay the step to say where it went non-finite.
         """
-        step, what = self.step + 1, health.describe_nonfinite()
+        what = health.describe_nonfinite()
         values = f"loss {health.loss}, gradient norm {grad_norm.item()}"
-        origin = self._locate_nonfinite(microbatches)
+        origin = self._locate_nonfinite(microbatches, step, first_sample)
         if self.config.training.on_nonfinite == "skip":
             self.skipped_steps += 1
             if self.is_logging_rank:
                 logger.warning(
                     "step %d: %s is not finite (%s) on %s; the update was skipped (%d skipped steps so far).%s",
-                    step, what, values, self._batch_samples(), self.skipped_steps, origin,
+                    step, what, values, self._batch_samples(first_sample), self.skipped_steps, origin,
                 )
             return
         raise NonFiniteError(
-            f"step {step}: {what} is not finite ({values}) on {self._batch_samples()}, so the update was not "
-            f"applied and training stopped (training.on_nonfinite = 'stop').{origin} "
+            f"step {step}: {what} is not finite ({values}) on {self._batch_samples(first_sample)}, so the update "
+            f"was not applied and training stopped (training.on_nonfinite = 'stop').{origin} "
             f"{self._save_last_good_state()} Lower "
             "optimizer.lr or raise lr_scheduler.warmup_steps, check that batch's data, or set "
             "training.on_nonfinite = 'skip' to drop such steps and train on."
         )
 
-    def _locate_nonfinite(self, microbatches: list[Batch]) -> str:
+    def _locate_nonfinite(self, microbatches: list[Batch], step: int, first_sample: int) -> str:
         """For the first `training.nonfinite_forensics` non-finite steps: replays the step's forward and backward
         on its `microbatches` (already on the device) with a check on every module (`torchpre.nonfinite`), keeps
         the origin for the step's metrics record (`nonfinite_record`) and returns a sentence naming it (" "
@@ -704,13 +787,13 @@ class Trainer:
         )
         self.optimizer.reduce_gradients()
         self.optimizer.discard()
-        self.nonfinite_record = as_metrics(finding)
+        self.nonfinite_record = {"nonfinite/step": step} | as_metrics(finding)
         if finding is None:
             return " " + describe(None, [])
         local = self.config.training.local_batch_size
         rows = local * self.accumulation_steps // self.pipeline.n_microbatches if self.pipeline else local
         samples = microbatch_samples(
-            self.consumed_samples, local, self.parallel_dims.dp, finding.dp_rank, rows, finding.microbatch
+            first_sample, local, self.parallel_dims.dp, finding.dp_rank, rows, finding.microbatch
         )
         return " " + describe(finding, samples)
 
@@ -731,7 +814,7 @@ class Trainer:
         self.last_checkpoint_step = self.step
         return time.perf_counter() - start
 
-    def _check_spike(self, loss: float) -> None:
+    def _check_spike(self, loss: float, step: int, first_sample: int) -> None:
         zscore = self.spike_detector.check(loss)
         if zscore is None:
             return
@@ -739,7 +822,7 @@ class Trainer:
         if self.is_logging_rank:
             logger.warning(
                 "step %d: loss spike: %.4f is %.1f standard deviations above the mean of the last %d losses, on %s",
-                self.step + 1, loss, zscore, self.config.training.spike_window, self._batch_samples(),
+                step, loss, zscore, self.config.training.spike_window, self._batch_samples(first_sample),
             )
 
     def _forward_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -762,7 +845,7 @@ class Trainer:
         rank_times: RankTimes,
     ) -> None:
         """Gathers the per-rank maxima and times; rank 0 writes the record (`loss` is already global, see
-        step_health)."""
+        step_verdict)."""
         o = self.optimizer
         maxima = torch.tensor(
             [max_memory_bytes(self.device), o.state_bytes(), o.param_bytes(), o.grad_bytes()],

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tests.gpt2_model import GPT2, GPT2Args
 from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.health import step_health
+from torchpre.health import step_verdict
 from torchpre.models.moe.model import GroupedExperts
 from torchpre.optim import build_optimizer
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
@@ -153,13 +153,16 @@ def _check_expert_parallel(mesh: DeviceMesh) -> None:
 
 
 def _check_nonfinite_verdict_is_global() -> None:
+    """Every rank gets the same verdict, on the host and as the device flag a conditional update skips on."""
     rank = dist.get_rank()
-    bad_loss_on_rank1 = step_health(torch.tensor(math.nan if rank == 1 else 1.0), torch.tensor(1.0), tp_degree=1)
-    assert not bad_loss_on_rank1.finite and not bad_loss_on_rank1.loss_finite, (rank, bad_loss_on_rank1)
-    bad_norm_on_rank0 = step_health(torch.tensor(1.0), torch.tensor(math.inf if rank == 0 else 1.0), tp_degree=1)
-    assert not bad_norm_on_rank0.finite and not bad_norm_on_rank0.grad_norm_finite, (rank, bad_norm_on_rank0)
-    finite = step_health(torch.tensor(float(rank + 1)), torch.tensor(1.0), tp_degree=1)
-    assert finite.finite and finite.loss == 3.0, (rank, finite)
+    bad_loss_on_rank1 = step_verdict(torch.tensor(math.nan if rank == 1 else 1.0), torch.tensor(1.0), tp_degree=1)
+    health = bad_loss_on_rank1.read()
+    assert not health.finite and not health.loss_finite and bad_loss_on_rank1.skip.item() == 1.0, (rank, health)
+    bad_norm_on_rank0 = step_verdict(torch.tensor(1.0), torch.tensor(math.inf if rank == 0 else 1.0), tp_degree=1)
+    health = bad_norm_on_rank0.read()
+    assert not health.finite and not health.grad_norm_finite and bad_norm_on_rank0.skip.item() == 1.0, (rank, health)
+    finite = step_verdict(torch.tensor(float(rank + 1)), torch.tensor(1.0), tp_degree=1)
+    assert finite.read().finite and finite.read().loss == 3.0 and finite.skip.item() == 0.0, (rank, finite.read())
 
 
 def _check_all(mesh: DeviceMesh) -> None:

@@ -12,12 +12,16 @@ import math
 import pytest
 import torch
 
+from tests.integration.test_checkpoint import _flatten, read_checkpoint
 from tests.launch import TINY, run_train, train_and_read_metrics, train_and_read_params
 
 pytestmark = pytest.mark.slow
 
 # Constant lr (no warmup, no decay), so step 1 is the same whatever training.steps is.
 EXPLODING = ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0"]
+# As on CUDA: the update is applied conditionally on the device and the verdict of a step that is not logged,
+# saved or the last is read during the next step.
+READ_LATE = ["--optimizer.implementation", "fused", "--metrics.log_freq", "100"]
 
 
 def test_skipped_steps_leave_the_parameters_bitwise_unchanged(tmp_path):
@@ -31,8 +35,26 @@ def test_skipped_steps_leave_the_parameters_bitwise_unchanged(tmp_path):
         assert torch.equal(value, after_three[name]), f"{name} changed in a skipped step"
 
 
-def test_non_finite_step_stops_every_rank_after_saving_the_last_good_state(tmp_path):
+def test_steps_skipped_on_the_device_and_read_late_leave_the_parameters_bitwise_unchanged(tmp_path):
+    _, after_one = train_and_read_params(
+        [*TINY, *EXPLODING, *READ_LATE, "--training.steps", "1"], 1, tmp_path / "one"
+    )
+    (record,), after_three = train_and_read_params(
+        [*TINY, *EXPLODING, *READ_LATE, "--training.steps", "3", "--training.on_nonfinite", "skip"], 1,
+        tmp_path / "three",
+    )
+    assert record["step"] == 3 and record["skipped_steps"] == 2  # step 2 read during step 3, step 3 at its end
+    assert after_one.keys() == after_three.keys()
+    for name, value in after_one.items():
+        assert torch.equal(value, after_three[name]), f"{name} changed in a skipped step"
+
+
+@pytest.mark.parametrize("read_late", [False, True], ids=["read-in-its-step", "read-during-the-next"])
+def test_non_finite_step_stops_every_rank_after_saving_the_last_good_state(read_late: bool, tmp_path):
+    """Read late, step 2's verdict arrives during step 3, whose gradients are then dropped; the host's step, data
+    position and LR schedule go back to step 1, so the saved state is bitwise that of a run saved at step 1."""
     args = [*TINY, *EXPLODING, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "10"]
+    args += READ_LATE if read_late else []
     result = run_train(args, 2, tmp_path)
     assert result.returncode != 0
     for rank in (0, 1):
@@ -46,6 +68,14 @@ def test_non_finite_step_stops_every_rank_after_saving_the_last_good_state(tmp_p
     )
     assert result.stderr.count(replay) == 2  # in each rank's error message
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+    if read_late:
+        assert run_train([*args, "--training.steps", "1"], 2, tmp_path / "one").returncode == 0
+        saved = _flatten(read_checkpoint(tmp_path / "checkpoint" / "step-1", tmp_path))
+        reference = _flatten(read_checkpoint(tmp_path / "one" / "checkpoint" / "step-1", tmp_path / "one"))
+        assert saved.keys() == reference.keys()
+        for key, value in reference.items():
+            same = torch.equal(value, saved[key]) if isinstance(value, torch.Tensor) else value == saved[key]
+            assert same, f"{key}: saved {saved[key]}, a run saved at step 1 has {value}"
 
 
 def test_phase_timers_add_up_and_the_profiler_writes_a_trace_per_rank(tmp_path):
@@ -90,6 +120,12 @@ def _train_injected(args: list[str], dump_folder) -> tuple[str, list[dict]]:
     return result.stdout + result.stderr, records
 
 
+FINDING = {
+    "nonfinite/step": 2, "nonfinite/first_module": "layers.1", "nonfinite/phase": "forward", "nonfinite/rank": 1,
+    "nonfinite/stage": 1, "nonfinite/microbatch": 0,
+}
+
+
 def test_forensics_name_the_block_whose_output_went_inf_and_leave_training_as_it_was(tmp_path, monkeypatch):
     monkeypatch.setenv("NONFINITE_INJECTION", "forward:layers.1:2")
     log, records = _train_injected(INJECTED, tmp_path / "on")
@@ -97,11 +133,7 @@ def test_forensics_name_the_block_whose_output_went_inf_and_leave_training_as_it
         "the update was skipped (1 skipped steps so far). Replaying the step, the first non-finite value was the "
         "output of layers.1 (forward) on rank 1, pipeline stage 1, microbatch 0 (global samples [4, 5))."
     ) in log
-    finding = {
-        "nonfinite/first_module": "layers.1", "nonfinite/phase": "forward", "nonfinite/rank": 1,
-        "nonfinite/stage": 1, "nonfinite/microbatch": 0,
-    }
-    assert [_nonfinite_keys(r) for r in records] == [{}, finding, {}]
+    assert [_nonfinite_keys(r) for r in records] == [{}, FINDING, {}]
     assert [r["skipped_steps"] for r in records] == [0, 1, 1]
     # The replay leaves no trace: the same job without it (the same arithmetic in the same order) has bitwise the
     # same losses and gradient norms at the other steps, and no nonfinite/* keys.
@@ -109,6 +141,24 @@ def test_forensics_name_the_block_whose_output_went_inf_and_leave_training_as_it
     assert [_nonfinite_keys(r) for r in without] == [{}, {}, {}]
     for record, reference in zip(records[::2], without[::2]):
         assert (record["loss"], record["grad_norm"]) == (reference["loss"], reference["grad_norm"])
+
+
+def test_forensics_of_a_step_read_late_replay_it_on_its_own_state_and_leave_training_as_it_was(tmp_path, monkeypatch):
+    """Step 2's verdict arrives during step 3: step 3's gradients are dropped, step 2 is replayed on the state
+    before it (which the device kept: it skipped the update), step 3 is redone and carries the record."""
+    monkeypatch.setenv("NONFINITE_INJECTION", "forward:layers.1:2")
+    args = [*INJECTED, *READ_LATE, "--training.steps", "4"]
+    log, records = _train_injected(args, tmp_path / "on")
+    assert (
+        "step 2: the loss and the gradient norm is not finite (loss nan, gradient norm nan) on global samples [4, 8); "
+        "the update was skipped (1 skipped steps so far). Replaying the step, the first non-finite value was the "
+        "output of layers.1 (forward) on rank 1, pipeline stage 1, microbatch 0 (global samples [4, 5))."
+    ) in log
+    assert [r["step"] for r in records] == [3, 4]
+    assert [_nonfinite_keys(r) for r in records] == [FINDING, {}]
+    _, without = _train_injected([*args, "--training.nonfinite_forensics", "0"], tmp_path / "off")
+    assert [r["step"] for r in without] == [4] and without[0]["skipped_steps"] == 1
+    assert (records[1]["loss"], records[1]["grad_norm"]) == (without[0]["loss"], without[0]["grad_norm"])
 
 
 def test_forensics_name_the_backward_when_a_gradient_went_inf(tmp_path, monkeypatch):
@@ -121,6 +171,6 @@ def test_forensics_name_the_backward_when_a_gradient_went_inf(tmp_path, monkeypa
     ) in log
     assert math.isfinite(records[1]["loss"]) and math.isnan(records[1]["grad_norm"])
     assert _nonfinite_keys(records[1]) == {
-        "nonfinite/first_module": "layers.0", "nonfinite/phase": "backward", "nonfinite/rank": 0,
+        "nonfinite/step": 2, "nonfinite/first_module": "layers.0", "nonfinite/phase": "backward", "nonfinite/rank": 0,
         "nonfinite/stage": 0, "nonfinite/microbatch": 0,
     }

@@ -77,6 +77,16 @@ def test_fused_only_on_cuda_where_the_class_has_it():
     assert not get_optimizer("Adagrad").uses_fused(cuda)  # declared off in the registry
 
 
+def test_the_implementation_key_forces_or_forbids_the_fused_kernel_on_any_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert get_optimizer("AdamW").uses_fused(cpu, "fused") and get_optimizer("SGD").uses_fused(cpu, "fused")
+    assert not get_optimizer("AdamW").uses_fused(cuda, "foreach")
+    with pytest.raises(ConfigError, match="optimizer.implementation = 'fused': RMSprop has no fused implementation"):
+        get_optimizer("RMSprop").uses_fused(cpu, "fused")
+    with pytest.raises(ConfigError, match="Adagrad has no fused implementation"):  # declared off in the registry
+        get_optimizer("Adagrad").uses_fused(cuda, "fused")
+
+
 def test_registering_a_taken_name_is_an_error():
     with pytest.raises(ConfigError, match="'SGD' is already registered"):
         register_optimizer("SGD", OptimizerSpec(torch.optim.SGD, ("lr", "weight_decay")))
@@ -147,7 +157,9 @@ def test_build_optimizer_asks_for_the_fused_kernel_on_cuda_only(mesh, monkeypatc
     model = parallelize(module, mesh, ParallelPlan(blocks="layers"), device=torch.device("cpu"), init_weights=_no_init)
     assert not build_optimizer(model, name="AdamW").inner.defaults["fused"]
     asked = []  # the device it decides on is the parameters'
-    monkeypatch.setattr(OptimizerSpec, "uses_fused", lambda spec, device: asked.append(device) or False)
+    monkeypatch.setattr(
+        OptimizerSpec, "uses_fused", lambda spec, device, implementation: asked.append(device) or False
+    )
     build_optimizer(model, name="AdamW")
     assert asked == [torch.device("cpu")]
 

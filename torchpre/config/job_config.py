@@ -160,6 +160,11 @@ class Optimizer:
         "ZeRO-2 with gradient accumulation: sum the microbatches in a full fp32 buffer and reduce-scatter once "
         "(ZeRO-1's gradient memory, fewer collectives); false reduce-scatters every microbatch into the fp32 shard",
     )
+    implementation: Literal["auto", "fused", "foreach"] = _option(
+        "auto",
+        "auto = fused kernels on CUDA where the optimizer has them (a non-finite step is then skipped on the device, "
+        "its verdict read during the next step), torch's default elsewhere; fused = also on CPU; foreach = never fused",
+    )
 
 
 @dataclass

@@ -23,6 +23,7 @@ def build_optimizer(
     reduce_dtype: torch.dtype = torch.float32,
     overlap_grad_reduce: bool = True,
     zero2_accumulate_locally: bool = False,
+    implementation: str = "auto",
     **hyperparameters: object,
 ) -> DistributedOptimizer:
     """The optimizer `name` (see `torchpre.optim.registry`) on fp32 masters for `model`, its state replicated
@@ -41,8 +42,10 @@ def build_optimizer(
     spec = get_optimizer(name)
     hyperparameters = {**DEFAULT_HYPERPARAMETERS, **hyperparameters}
     kwargs = constructor_kwargs(spec, hyperparameters)
-    if spec.uses_fused(model.device):
+    if spec.uses_fused(model.device, implementation):
         kwargs["fused"] = True
+    elif implementation == "foreach":
+        kwargs["foreach"] = True
     fsdp = zero_stage == 3
     if fsdp and model.dp_mesh is None:
         raise ValueError("zero_stage 3 needs a model sharded by FSDP: parallelize(..., dp_mesh=...) with plan.fsdp")

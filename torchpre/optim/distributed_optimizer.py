@@ -213,11 +213,33 @@ class DistributedOptimizer:
         groups = [self.ep_group, self.edp_group] if sharded_over_dp else [self.ep_group]
         return sum_of_squares(shards, groups)
 
-    def apply(self) -> None:
-        """Steps the inner optimizer on the gradients `reduce_gradients()` finalised and writes the new parameters."""
-        self.inner.step()
+    @property
+    def applies_conditionally(self) -> bool:
+        """Whether `apply(skip=...)` can leave the step undone on the device: torch's fused implementations take a
+        `found_inf` flag and skip the update (step counts included) where it is 1, without a host sync."""
+        return bool(self.inner.defaults.get("fused"))
+
+    def apply(self, skip: torch.Tensor | None = None) -> None:
+        """Steps the inner optimizer on the gradients `reduce_gradients()` finalised and writes the new parameters.
+
+        `skip` (a one-element float tensor on the device, see `applies_conditionally`): where it is 1, parameters
+        and optimizer state stay bitwise as they were, as after `discard()`.
+        """
+        self._step_inner(skip)
         self._write_parameters()
         self._zero_grads()
+
+    def _step_inner(self, skip: torch.Tensor | None) -> None:
+        if skip is None:
+            self.inner.step()
+            return
+        if not self.applies_conditionally:
+            raise ValueError(f"{type(self.inner).__name__} without fused=True cannot skip a step on the device")
+        self.inner.found_inf = skip  # read by torch's fused step, as GradScaler sets it
+        try:
+            self.inner.step()
+        finally:
+            del self.inner.found_inf
 
     def discard(self) -> None:
         """Drops the finalised gradients: parameters and optimizer state (step counts included) stay

@@ -64,9 +64,9 @@ class FullyShardedOptimizer(DistributedOptimizer):
     def _set_master_grads(self, shards: list[torch.Tensor]) -> None:
         """The shards are the local tensors of the parameters' own gradients, already clipped in place."""
 
-    def apply(self) -> None:
+    def apply(self, skip: torch.Tensor | None = None) -> None:
         """Steps the inner optimizer on the FSDP parameters; FSDP gathers the new values at the next forward."""
-        self.inner.step()
+        self._step_inner(skip)
         self._zero_grads()
 
     def _zero_grads(self) -> None:

@@ -41,7 +41,7 @@ class OptimizerSpec:
     """A torch optimizer class and the constructor arguments (keys of `HYPERPARAMETER_KEYS`) it takes from the
     config; the others keep the class's defaults.
 
-    `fused`: use the fused implementation on CUDA; None = whenever the constructor takes `fused`.
+    `fused`: use the fused implementation on CUDA; None = whenever the constructor takes `fused`; False = never.
     """
 
     cls: type[torch.optim.Optimizer]
@@ -60,13 +60,23 @@ class OptimizerSpec:
         """The `optimizer.*` keys this optimizer reads."""
         return {key for argument in self.arguments for key in HYPERPARAMETER_KEYS[argument]}
 
-    def uses_fused(self, device: torch.device) -> bool:
-        """Whether to build the fused implementation for parameters on `device` (CUDA only: CPU stays as is)."""
-        if device.type != "cuda":
+    def has_fused(self) -> bool:
+        """Whether the class has a fused implementation that the registry allows."""
+        return self.fused is not False and "fused" in inspect.signature(self.cls.__init__).parameters
+
+    def uses_fused(self, device: torch.device, implementation: str = "auto") -> bool:
+        """Whether to build the fused implementation for parameters on `device`: by default (`optimizer.implementation
+        = "auto"`) on CUDA only, so CPU runs keep the implementation their reference numbers were measured with."""
+        if implementation == "fused":
+            if not self.has_fused():
+                raise ConfigError(
+                    f"optimizer.implementation = 'fused': {self.cls.__name__} has no fused implementation here; "
+                    "use 'auto' or 'foreach'."
+                )
+            return True
+        if implementation == "foreach" or device.type != "cuda":
             return False
-        if self.fused is not None:
-            return self.fused
-        return "fused" in inspect.signature(self.cls.__init__).parameters
+        return self.fused if self.fused is not None else self.has_fused()
 
 
 _ADAM = ("lr", "weight_decay", "betas", "eps")
