@@ -490,7 +490,8 @@ class Trainer:
                 garbage.step(self.step)
                 profiler.step()
                 validate = self.validator is not None and self.validator.due(self.step, t.steps)
-                stop = health is not None and health.stop_requested  # some rank got SIGTERM: all stop after it
+                # Some rank got SIGTERM: every rank stops after this step (or after the next, if read late).
+                stop = self.stopping or (health is not None and health.stop_requested)
                 log = validate or self.step % self.config.metrics.log_freq == 0 or self.step == t.steps or stop
                 log = log or bool(self.nonfinite_record)  # the record of a step the forensics replayed
                 # The record goes out before the checkpoint: a crash after a save never loses the logged

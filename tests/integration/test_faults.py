@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -116,7 +116,7 @@ def reference(tmp_path_factory) -> dict[int, dict]:
     return records_by_step(folder)
 
 
-def assert_same_losses(records: dict[int, dict], reference: dict[int, dict], steps: Iterable[int]) -> None:
+def assert_same_losses(records: dict[int, dict], reference: dict[int, dict], steps: range) -> None:
     assert sorted(records) == list(steps)
     for step in steps:
         assert records[step]["loss"] == pytest.approx(reference[step]["loss"], abs=RESUME_ATOL), f"step {step}"
@@ -194,33 +194,39 @@ def test_a_killed_rank_restarts_the_job_which_resumes_exactly(reference, jobs, t
     assert not list((tmp_path / "run" / "checkpoint").glob(".tmp-*"))
 
 
-# The stop request read late: it rides a step whose verdict is read during the next one (fused optimizer, log
-# steps apart), so every rank stops after that next step.
-READ_LATE = ["--optimizer.implementation", "fused", "--metrics.log_freq", "4"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("read_late", [False, True], ids=["read-in-its-step", "read-during-the-next"])
-def test_sigterm_saves_the_step_every_rank_stopped_at_and_resuming_continues_exactly(
-    read_late, reference, jobs, tmp_path
-):
+def test_sigterm_saves_the_step_every_rank_stopped_at_and_resuming_continues_exactly(reference, jobs, tmp_path):
     """torchrun forwards SIGTERM to its workers, which stop after the same step, save it and exit 0; torchrun
     itself then exits 1 (it re-raises the signal as an exception)."""
-    args = [*ARGS, *(READ_LATE if read_late else [])]
-    job = jobs([*args, *ONLY_LAST, "--checkpoint.save_on_preemption"], tmp_path / "run")
-    job.wait_until(lambda: logged_steps(tmp_path / "run") >= (1 if read_late else 3))
+    job = jobs([*ARGS, *ONLY_LAST, "--checkpoint.save_on_preemption"], tmp_path / "run")
+    job.wait_until(lambda: logged_steps(tmp_path / "run") >= 3)
     job.process.send_signal(signal.SIGTERM)
     job.wait()
-    stopped = max(records_by_step(tmp_path / "run"))  # the stop step is logged
+    stopped = max(records_by_step(tmp_path / "run"))
     assert stopped < STEPS
     assert f"SIGTERM received: stopped after step {stopped} and saved" in job.output()
     assert "exitcode" not in job.output(), "a worker failed"  # torchrun reports a worker's non-zero exit code
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == [f"step-{stopped}"]
-    logged_before = sorted(records_by_step(tmp_path / "run"))
-    result = run_train([*args, *ONLY_LAST, "--metrics.log_freq", "1"], 2, tmp_path / "run")
+    result = run_train([*ARGS, *ONLY_LAST], 2, tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = [*logged_before, *range(stopped + 1, STEPS + 1)]
-    assert_same_losses(records_by_step(tmp_path / "run"), reference, steps)
+    assert_same_losses(records_by_step(tmp_path / "run"), reference, range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_a_stop_request_read_late_stops_every_rank_one_step_later_and_resumes_exactly(reference, tmp_path, monkeypatch):
+    """With a fused optimizer and log steps apart, step 3's verdict (carrying rank 1's SIGTERM, received as step 2
+    started) is read during step 4: every rank stops after step 4 and saves it."""
+    monkeypatch.setenv("SIGTERM_AT_STEP", "2")
+    read_late = [*ARGS, *ONLY_LAST, "--optimizer.implementation", "fused", "--metrics.log_freq", "100"]
+    args = [*read_late, "--checkpoint.save_on_preemption", "--job.custom_import", "tests.sigterm_at_step"]
+    result = run_train(args, 2, tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SIGTERM received: stopped after step 4 and saved" in result.stdout + result.stderr
+    assert sorted(records_by_step(tmp_path / "run")) == [4]  # the stop step is logged
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == ["step-4"]
+    result = run_train([*read_late, "--metrics.log_freq", "1"], 2, tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_losses(records_by_step(tmp_path / "run"), reference, range(4, STEPS + 1))
 
 
 @pytest.mark.slow
