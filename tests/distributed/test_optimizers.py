@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 # ~1e-7 per operation. A lost momentum buffer, a shard stepped twice or a wrong chunk moves losses and
 # parameters by far more than 1e-5 within a step or two at these learning rates.
 LOSS_ATOL = 1e-5
-PARAM_ATOL = 1e-5
+# RMSprop divides by the root of its squared-gradient average, which is tiny where an element's gradients are,
+# so that reduction noise reaches the parameters larger: measured 2.5e-6 on an idle machine, 1.2e-5 once in CI.
+PARAM_ATOL = {"SGD": 1e-5, "RMSprop": 3e-5}
 
 STEPS = ["--training.steps", "5"]
 OPTIMIZERS = {
@@ -45,7 +47,7 @@ def one_process(tmp_path_factory) -> Callable[[str], tuple[list[dict], dict]]:
             # of ~0.
             _, frozen = train_and_read_params([*one, "--optimizer.lr", "1e-12"], 1, folder / "frozen")
             moved = max((params[name] - value).abs().max().item() for name, value in frozen.items())
-            assert moved > 100 * PARAM_ATOL, f"{optimizer} moved the parameters by {moved} only"
+            assert moved > 100 * PARAM_ATOL[optimizer], f"{optimizer} moved the parameters by {moved} only"
             runs[optimizer] = records, params
         return runs[optimizer]
 
@@ -61,4 +63,4 @@ def test_zero_layout_matches_one_process(optimizer, layout, one_process, tmp_pat
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=LOSS_ATOL)
     assert params.keys() == reference_params.keys()
     for name, value in reference_params.items():
-        assert (params[name] - value).abs().max() <= PARAM_ATOL, name
+        assert (params[name] - value).abs().max() <= PARAM_ATOL[optimizer], name
