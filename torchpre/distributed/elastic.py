@@ -29,12 +29,11 @@ def usable_world_sizes(tp: int, pp: int, ep: int = 1, batch_rounds: int | None =
 
 def world_sizes_hint(tp: int, pp: int, ep: int = 1, batch_rounds: int | None = None) -> str:
     """One sentence naming the world sizes that fit, for the messages that stop a job launched on another one."""
-    sizes = usable_world_sizes(tp, pp, ep, batch_rounds)
-    listed = ", ".join(map(str, sizes))
     if batch_rounds is None:
-        listed += ", ... (multiples of tensor x pipeline x expert parallel degree)"
-    elif len(sizes) < len(usable_world_sizes(tp, pp, ep, batch_rounds, count=batch_rounds)):
-        listed += ", ..."
+        sizes = usable_world_sizes(tp, pp, ep)
+        listed = ", ".join(map(str, sizes)) + ", ... (multiples of tensor x pipeline x expert parallel degree)"
+    else:  # every one: a number has few divisors
+        listed = ", ".join(map(str, usable_world_sizes(tp, pp, ep, batch_rounds, count=batch_rounds)))
     return (
         f"World sizes this job can run on: {listed}. Under torchrun --nnodes MIN:MAX, give each node a number of "
         "processes (--nproc-per-node) such that every node count from MIN to MAX gives one of them."

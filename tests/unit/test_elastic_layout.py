@@ -1,0 +1,46 @@
+"""The pieces of elastic training that need no processes: which world sizes a layout can use, and the one line a
+resume under another layout logs. The end-to-end runs are in tests/integration/test_elastic.py."""
+
+from pathlib import Path
+
+from torchpre.checkpoint.layout import layout_change
+from torchpre.distributed.elastic import usable_world_sizes, world_sizes_hint
+
+DP2 = {"world_size": 2, "dp": 2, "tp": 1, "pp": 1, "ep": 1, "accumulation_steps": 1}
+DP1 = {"world_size": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "accumulation_steps": 2}
+
+
+def test_usable_world_sizes_are_the_fixed_degrees_times_every_dp_that_fits():
+    assert usable_world_sizes(tp=2, pp=1) == [2, 4, 6, 8, 10, 12]
+    assert usable_world_sizes(tp=2, pp=2, ep=2) == [8, 16, 24, 32, 40, 48]  # ep must divide dp
+    assert usable_world_sizes(tp=2, pp=1, batch_rounds=2) == [2, 4]  # a global batch of 2 local batches: dp 1 or 2
+    assert usable_world_sizes(tp=1, pp=1, ep=2, batch_rounds=12) == [2, 4, 6, 12]
+    assert "2, 4." in world_sizes_hint(2, 1, batch_rounds=2)
+    assert "run on: 1, 2, 3, 4, 6, 8, 12, 24. Under" in world_sizes_hint(1, 1, batch_rounds=24)
+
+
+def test_a_resume_under_the_saving_layout_logs_nothing():
+    assert layout_change(DP2, DP2, Path("ckpt/step-4"), 4, 8) is None
+    assert layout_change({}, DP1, Path("ckpt/step-4"), 4, 8) is None  # a checkpoint without a recorded layout
+
+
+def test_a_changed_layout_is_one_line_with_both_layouts_the_reason_and_the_step(monkeypatch):
+    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    line = layout_change(DP2, DP1, Path("ckpt/step-4"), 4, 8)
+    assert line == (
+        "layout changed: ckpt/step-4 was saved by 2 ranks as dp 2 x tp 1 x pp 1 (ep 1), 1 microbatch per step; "
+        "this job runs 1 rank as dp 1 x tp 1 x pp 1 (ep 1), 2 microbatches per step (global batch 8), because the "
+        "world size changed from 2 to 1. Resuming at step 4."
+    )
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    line = layout_change(DP2, DP1, Path("ckpt/step-4"), 4, 8)
+    assert "from 2 to 1 (torchrun's rendezvous round: 1 node, restart count 1; a node left or joined)." in line
+    tp2 = {**DP2, "dp": 1, "tp": 2, "accumulation_steps": 2}
+    assert "because the parallelism.* degrees changed on the same world size" in layout_change(
+        DP2, tp2, Path("ckpt/step-4"), 4, 8
+    )
+    legacy = layout_change({"world_size": 2}, DP1, Path("ckpt/step-4"), 4, 8)  # saved before the degrees were
+    assert "was saved by 2 ranks (degrees not recorded); this job runs 1 rank as dp 1" in legacy
