@@ -42,5 +42,9 @@ def test_a_changed_layout_is_one_line_with_both_layouts_the_reason_and_the_step(
     assert "because the parallelism.* degrees changed on the same world size" in layout_change(
         DP2, tp2, Path("ckpt/step-4"), 4, 8
     )
+    smaller_microbatches = {**DP2, "accumulation_steps": 2}
+    assert "because training.local_batch_size or training.global_batch_size changed" in layout_change(
+        DP2, smaller_microbatches, Path("ckpt/step-4"), 4, 8
+    )
     legacy = layout_change({"world_size": 2}, DP1, Path("ckpt/step-4"), 4, 8)  # saved before the degrees were
     assert "was saved by 2 ranks (degrees not recorded); this job runs 1 rank as dp 1" in legacy

@@ -35,8 +35,10 @@ def layout_change(
         return None
     if saved["world_size"] != current["world_size"]:
         why = f"the world size changed from {saved['world_size']} to {current['world_size']}{_torchrun_round()}"
-    else:
+    elif any(saved[key] != current[key] for key in ("dp", "tp", "pp", "ep") if key in saved):
         why = "the parallelism.* degrees changed on the same world size"
+    else:
+        why = "training.local_batch_size or training.global_batch_size changed the microbatches per step"
     return (
         f"layout changed: {step_dir} was saved by {describe_layout(saved)}; this job runs "
         f"{describe_layout(current)} (global batch {global_batch_size}), because {why}. Resuming at step {step}."

@@ -46,7 +46,8 @@ def die_with_agent() -> None:
     torchrun's workers outlive a killed agent: they train on with the other nodes, which therefore never see the node
     leave, and at the end the other agents wait out torchrun's 300 s exit barrier for the dead one. A worker that
     dies with its agent makes the loss of a node what it is on real hardware: the others' next collective fails and
-    torchrun restarts them without it.
+    torchrun restarts them without it. (An agent that dies before this call, in the worker's first second, is not
+    noticed: the parent pid alone cannot tell, as torchrun may itself be pid 1 in a container.)
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
@@ -56,6 +57,3 @@ def die_with_agent() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     except (OSError, AttributeError) as error:
         logger.warning("cannot tie this worker's life to its torchrun agent's (%s)", error)
-        return
-    if os.getppid() == 1:  # the agent died before the request was made: no signal will come
-        os.kill(os.getpid(), signal.SIGKILL)
