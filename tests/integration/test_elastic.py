@@ -59,10 +59,11 @@ class Node:
 
     def __init__(self, name: str, port: int, nproc: int, args: list[str], folder: Path, host: bool, restarts: int):
         self.log = folder / f"{name}.log"
+        self.run_id = f"elastic-{port}"
         command = [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"elastic-{port}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", self.run_id,
             "--rdzv-conf", f"is_host={int(host)},last_call_timeout=2", "--local-addr", "127.0.0.1",
             "train.py", *args,
         ]  # fmt: skip
@@ -95,12 +96,20 @@ class Node:
 
     def kill(self) -> None:
         """The whole node dies: its agent and its workers, each by pid (torchrun's workers have their own sessions)."""
-        for pid in [self.process.pid, *children(self.process.pid), *self.seen]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        for pids in (self.seen, children(self.process.pid)):  # the known workers first, at once
+            for pid in pids:
+                if self.started(pid):
+                    os.kill(pid, signal.SIGKILL)
+        self.process.kill()
         self.process.wait(timeout=30)
+
+    def started(self, pid: int) -> bool:
+        """Whether `pid` is still a worker of this job (a pid that ended may since belong to another process)."""
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # ended
+            return False
+        return f"TORCHELASTIC_RUN_ID={self.run_id}".encode() in environ
 
 
 @pytest.fixture
@@ -210,7 +219,7 @@ def test_shrink_under_tp2_continues_at_dp1_x_tp2_when_a_node_agent_dies(referenc
     start = time.monotonic()
     assert host.wait() == 0, host.output()[-3000:]
     assert time.monotonic() - start < 120, "the surviving agent waited on torchrun's exit barrier"
-    assert not [pid for pid in orphans if Path(f"/proc/{pid}").exists()], "workers outlived their agent"
+    assert not [pid for pid in orphans if other.started(pid)], "workers outlived their agent"
 
     assert_same_losses(run, reference, TP_LOSS_TOLERANCE)
     output = host.output()

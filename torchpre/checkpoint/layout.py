@@ -13,8 +13,8 @@ from torchpre.checkpoint.manager import LAYOUT_KEYS
 
 
 def describe_layout(layout: dict[str, int]) -> str:
-    """"2 ranks as dp 2 x tp 1 x pp 1 (ep 1), 1 microbatch per step"; the world size alone for a checkpoint saved
-    before the degrees were recorded."""
+    """The layout in words, e.g. "2 ranks as dp 2 x tp 1 x pp 1 (ep 1), 1 microbatch per step"; the world size
+    alone for a checkpoint saved before the degrees were recorded."""
     ranks = f"{layout['world_size']} rank{'s' if layout['world_size'] != 1 else ''}"
     if "dp" not in layout:
         return f"{ranks} (degrees not recorded)"
@@ -46,7 +46,8 @@ def layout_change(
 
 
 def _torchrun_round() -> str:
-    """" (torchrun's rendezvous round: 1 node, restart count 1; a node left or joined)" under torchrun, else ""."""
+    """Under torchrun, e.g. " (torchrun's rendezvous round: 1 node, restart count 1; a node left or joined)"; else
+    ""."""
     nodes = os.environ.get("GROUP_WORLD_SIZE")
     if "TORCHELASTIC_RUN_ID" not in os.environ or nodes is None:
         return ""
