@@ -243,3 +243,11 @@ def test_a_world_size_the_layout_cannot_use_stops_with_the_sizes_that_work(nodes
     assert "World sizes this job can run on: 2, 4, 6, 8, 10, 12, ..." in output
     assert "exitcode: 2" in output
     assert sum(line.startswith("error (rank ") for line in output.splitlines()) == 3  # every worker says it
+
+
+def test_a_world_size_that_cannot_split_the_global_batch_names_those_that_can(tmp_path):
+    """3 ranks at dp 3 cannot split a global batch of 2 local batches: the same rule, for the batch."""
+    result = run_train(ARGS, 3, tmp_path / "run")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "training.global_batch_size = 8 is not divisible by" in result.stderr
+    assert "World sizes this job can run on: 1, 2. Under torchrun --nnodes MIN:MAX" in result.stderr
