@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from torchpre.build import check_layout, meta_model, model_args, parallel_plan
 from torchpre.checkpoint.history import set_aside_earlier_metrics, set_aside_later_steps
+from torchpre.checkpoint.layout import layout_change
 from torchpre.checkpoint.manager import CheckpointManager, find_step_dir, saved_global_batch_size
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
@@ -23,6 +24,7 @@ from torchpre.data.loader import build_dataloader, data_shares, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.determinism import configure_determinism
 from torchpre.distributed.comm_timer import CommTimer
+from torchpre.distributed.elastic import world_sizes_hint
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import (
@@ -272,13 +274,13 @@ class Trainer:
         t = self.config.training
         saved = saved_global_batch_size(self.resume_dir) if self.resume_dir is not None else 0
         if not saved or t.global_batch_size == saved:
-            return resolve_batch_sizes(t.local_batch_size, t.global_batch_size, dp)
+            return self._resolve_batch_sizes(t.global_batch_size, dp)
         if t.global_batch_size != -1:
             logger.info(
                 "training.global_batch_size changes from %d (the checkpoint's) to %d at step %s",
                 saved, t.global_batch_size, self.resume_dir.name,
             )
-            return resolve_batch_sizes(t.local_batch_size, t.global_batch_size, dp)
+            return self._resolve_batch_sizes(t.global_batch_size, dp)
         per_round = t.local_batch_size * dp
         if saved % per_round:
             raise ConfigError(
@@ -286,7 +288,7 @@ class Trainer:
                 "training.global_batch_size = -1 keeps on a resume, but that is not divisible by "
                 f"training.local_batch_size x data-parallel degree = {t.local_batch_size} x {dp} = {per_round}. "
                 f"Choose a local_batch_size that makes {saved} divisible, or set training.global_batch_size to "
-                "change the global batch."
+                f"change the global batch. {self._world_sizes_hint(saved)}"
             )
         logger.info(
             "global batch %d from the checkpoint (training.global_batch_size = -1 keeps a resumed run's batch): "
@@ -294,6 +296,30 @@ class Trainer:
             saved, saved // per_round, t.local_batch_size, dp,
         )
         return saved, saved // per_round
+
+    def _resolve_batch_sizes(self, global_batch_size: int, dp: int) -> tuple[int, int]:
+        """`resolve_batch_sizes`; a global batch this world size cannot split also names the world sizes that can
+        (an elastic job re-formed on another number of nodes meets it)."""
+        try:
+            return resolve_batch_sizes(self.config.training.local_batch_size, global_batch_size, dp)
+        except ConfigError as error:
+            raise ConfigError(f"{error} {self._world_sizes_hint(global_batch_size)}") from None
+
+    def _world_sizes_hint(self, global_batch_size: int) -> str:
+        """`world_sizes_hint` for this job's fixed degrees and a fixed global batch of `global_batch_size`."""
+        p, local = self.config.parallelism, self.config.training.local_batch_size
+        if global_batch_size % local:
+            return ""  # no data-parallel degree splits it: local_batch_size must change, not the world size
+        rounds = global_batch_size // local
+        return world_sizes_hint(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.expert_parallel_degree, rounds)
+
+    def _layout(self) -> dict[str, int]:
+        """This job's layout, as a checkpoint records it (`LAYOUT_KEYS`)."""
+        d = self.parallel_dims
+        return {
+            "world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
+            "accumulation_steps": self.accumulation_steps,
+        }  # fmt: skip
 
     def _build_checkpoint_manager(self) -> CheckpointManager | None:
         c = self.config.checkpoint
@@ -307,6 +333,7 @@ class Trainer:
             data_position=lambda: self.consumed_samples,
             set_data_position=self._set_data_position,
             global_batch_size=self.global_batch_size,
+            layout={key: value for key, value in self._layout().items() if key != "world_size"},
             config_text=to_toml(self.config),
             interval=c.interval,
             keep_latest_k=c.keep_latest_k,
@@ -329,6 +356,9 @@ class Trainer:
         if step_dir is not None:
             state = self.checkpoint.load(step_dir)
             self.step = self.last_checkpoint_step = state.step
+            change = layout_change(state.layout, self._layout(), step_dir, state.step, self.global_batch_size)
+            if change is not None and self.is_logging_rank:
+                logger.warning(change)
             derived = self.config.training.global_batch_size == -1
             if derived and state.global_batch_size not in (0, self.global_batch_size) and self.is_logging_rank:
                 logger.warning(  # the batch was sized from another checkpoint: the latest one, found damaged

@@ -6,7 +6,8 @@ A checkpoint is `{folder}/step-N/`, a DCP folder holding
   writes its own names), so DCP reshards them to whatever layout loads them;
 - "optimizer": per parameter, the optimizer's state (AdamW: its moments and step) and the fp32 master, as
   (dp, tp) DTensors;
-- "lr_scheduler", "train" (step, global sample position of the data, world size) and "rng" (per rank
+- "lr_scheduler", "train" (step, global sample position of the data, global batch size, and the saving layout:
+  world size, dp, tp, pp, ep and microbatches per step) and "rng" (per rank
   the CPU generator state and, under CUDA, the current device's), plus the resolved `config.toml`.
 It is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank has finished, so a
 `step-N` folder is always complete; loaders only ever look at `step-N` names, and a restarted job removes
@@ -24,7 +25,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +54,23 @@ MANIFEST = "manifest.json"
 TMP_PREFIX = ".tmp-"
 
 
+# The layout of the job that saved a checkpoint: how many ranks, the degrees and the microbatches per optimizer step.
+# They describe the run, not its state: a resume under another layout compares them, it loads nothing into them.
+LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "accumulation_steps")
 # Entries of the "train" state that older checkpoints lack.
-OPTIONAL_TRAIN_KEYS = ("global_batch_size",)
+OPTIONAL_TRAIN_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "accumulation_steps")
 
 
 @dataclass
 class TrainState:
     """What the training loop must know to continue: its step, the data position and the global batch
-    size it trained with (0: a checkpoint from before it was stored)."""
+    size it trained with (0: a checkpoint from before it was stored), and the saving job's `LAYOUT_KEYS`
+    (those the checkpoint holds)."""
 
     step: int = 0
     consumed_samples: int = 0
     global_batch_size: int = 0
+    layout: dict[str, int] = field(default_factory=dict)
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -94,7 +100,8 @@ class CheckpointManager:
     `model_parts` are this rank's modules (pipeline stages); `optimizer` has `state_dict()`, `aliases`,
     `masters()` and `parameters_from_masters()` (torchpre's DistributedOptimizer);
     `lr_scheduler` a torch scheduler; `data_position` / `set_data_position` read and restore the
-    global sample position of the data loader.
+    global sample position of the data loader; `layout` (dp, tp, pp, ep, accumulation_steps) is saved with the
+    world size so that a resume under another layout can say what changed.
     """
 
     def __init__(
@@ -107,6 +114,7 @@ class CheckpointManager:
         data_position: Callable[[], int],
         set_data_position: Callable[[int], None],
         global_batch_size: int = 0,
+        layout: dict[str, int] | None = None,
         config_text: str,
         interval: int,
         keep_latest_k: int,
@@ -122,6 +130,7 @@ class CheckpointManager:
         self.data_position = data_position
         self.set_data_position = set_data_position
         self.global_batch_size = global_batch_size
+        self.layout = dict(layout or {})
         self.config_text = config_text
         self.interval = interval
         self.keep_latest_k = keep_latest_k
@@ -288,6 +297,7 @@ class CheckpointManager:
         if "train" in request:
             train.step = int(request["train"]["step"])
             train.global_batch_size = int(request["train"].get("global_batch_size", 0))
+            train.layout = {key: int(request["train"][key]) for key in LAYOUT_KEYS if key in request["train"]}
             if "dataloader" in parts:
                 train.consumed_samples = int(request["train"]["consumed_samples"])
                 self.set_data_position(train.consumed_samples)
@@ -335,6 +345,7 @@ class CheckpointManager:
                 "consumed_samples": self.data_position(),
                 "global_batch_size": self.global_batch_size,
                 "world_size": dist.get_world_size(),
+                **self.layout,
             },
             "rng": _rng_state(self.rank),
         }

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchpre.distributed.elastic import world_sizes_hint
 from torchpre.errors import ConfigError
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
@@ -88,7 +89,7 @@ class ParallelDims:
                 raise ConfigError(
                     f"The world size {world_size} is not divisible by tensor_parallel_degree x "
                     f"pipeline_parallel_degree = {tp} x {pp}. Launch a multiple of {tp * pp} processes "
-                    "or change the parallelism.* degrees."
+                    f"or change the parallelism.* degrees. {world_sizes_hint(tp, pp, ep)}"
                 )
             dp = world_size // (tp * pp)
         elif dp < 1:
@@ -103,7 +104,7 @@ class ParallelDims:
             raise ConfigError(
                 f"parallelism.expert_parallel_degree = {ep} must divide the data-parallel degree {dp}: expert "
                 "parallelism splits the experts over groups of data-parallel ranks. Use a divisor of "
-                f"{dp} or launch more processes."
+                f"{dp} or launch more processes. {world_sizes_hint(tp, pp, ep)}"
             )
         dp_replicate, dp_shard = _resolve_hsdp(dp, dp_replicate, dp_shard)
         if dp_shard % ep:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchpre.distributed.elastic import die_with_agent
 from torchpre.errors import TorchpreError
 
 logger = logging.getLogger("torchpre")
@@ -69,13 +70,14 @@ def init_distributed(device: torch.device, timeout_s: float = 600) -> None:
     A plain single process gets a world of one (an in-memory store), so the training code runs the
     same collectives whatever the launch. `timeout_s` (comm.init_timeout_seconds) bounds every wait for a
     peer during start-up, so a rank whose peer hung or died fails instead of waiting forever;
-    `set_comm_timeout` replaces it once training runs.
+    `set_comm_timeout` replaces it once training runs. A torchrun worker dies with its agent (`die_with_agent`).
     """
     global _timeout, _timeout_key
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = _timeout = timedelta(seconds=timeout_s)
     _timeout_key = "comm.init_timeout_seconds"
     if "WORLD_SIZE" in os.environ:
+        die_with_agent()
         device_id = device if device.type == "cuda" else None
         store = _restart_store(timeout)
         if store is None:
@@ -99,9 +101,18 @@ def _restart_store(timeout: timedelta) -> dist.Store | None:
     store must not be shared. None (plain env:// init) on a first attempt or an unshared store.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+    multi_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+    if attempt == "0":
+        if multi_node and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0" and os.environ.get("RANK") == "0":
+            logger.warning(
+                "this multi-node job may be restarted (--max-restarts) but shares torchrun's rendezvous store: a "
+                "restart would stop with an error, and a node joining an elastic job (--nnodes MIN:MAX) makes the "
+                "agents fail. Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
+            )
+        return None
+    if multi_node:
         raise TorchpreError(
             "torchrun restarted this multi-node job, but its rendezvous store still holds the addresses of the "
             "workers that died, and restarted workers would connect to them. Launch torchrun with the environment "
