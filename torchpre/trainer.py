@@ -542,7 +542,8 @@ class Trainer:
                     if self.is_logging_rank:
                         logger.warning(
                             "SIGTERM received: stopped after step %d and saved %s (checkpoint.save_on_preemption). "
-                            "Run the same command again to resume from it.",
+                            "Run the same command again to resume from it (an elastic torchrun that sent it for a "
+                            "node joining restarts the workers itself).",
                             self.step,
                             self.checkpoint.folder / f"step-{self.step}",
                         )

@@ -5,7 +5,7 @@ import pytest
 
 from bench.memory import DP, Result, loss_mismatches, run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 
 @pytest.fixture(scope="module")

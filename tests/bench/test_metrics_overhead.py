@@ -4,7 +4,7 @@ import pytest
 
 from bench.metrics_overhead import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 
 def test_quick_mode_measures_the_record_and_the_collective_timing(capsys):

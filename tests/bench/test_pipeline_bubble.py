@@ -5,7 +5,7 @@ import pytest
 
 from bench.pipeline_bubble import main, parse, run, theory
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 
 @pytest.fixture(scope="module")

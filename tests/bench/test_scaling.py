@@ -6,7 +6,7 @@ import pytest
 
 from bench import scaling
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 # Every layout sums the same per-token losses in a different order (fp32): ~1e-7 per step apart.
 LOSS_ATOL = 1e-4

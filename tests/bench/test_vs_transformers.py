@@ -19,7 +19,7 @@ from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 VOCAB_SIZE = 2048  # the shipped tokenizer
 # The FLOP formula counts the norm gains (which do no matmul) too: 1,920 of 1,476,480 FLOPs per token for the

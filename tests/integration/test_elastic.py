@@ -205,7 +205,6 @@ def test_grow_a_joining_node_makes_the_job_dp2_after_a_save_and_the_losses_stay_
     assert "the world size changed from 1 to 2 (torchrun's rendezvous round: 2 nodes, restart count 0" in output
 
 
-@pytest.mark.elastic_tp  # four workers start twice on 2 cores: ~90 s, so opt-in (-m elastic_tp)
 def test_shrink_under_tp2_continues_at_dp1_x_tp2_when_a_node_agent_dies(reference, nodes, tmp_path):
     """Four ranks as two nodes of two (dp2 x tp2). Only the second node's agent is killed: its workers die with it
     (torchpre ties them to it), so the first node restarts alone at dp1 x tp2 and its agent exits at once instead of
