@@ -27,6 +27,9 @@ GRAD_BUCKETS_TEST = "tests/distributed/test_grad_buckets.py"
 ZERO_COLLECTIVES = "tests/distributed/test_zero_collectives.py"
 TENSOR_PARALLEL = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
 TP_GRAD_NORM = "tests/distributed/test_tensor_parallel_grad_norm.py"
+# On torch 2.14 a single-stage schedule rescales gradients only on FSDP modules (`perform_reduce_grad`).
+FSDP_PIPELINE_TEST = "tests/distributed/test_zero3_parity.py::test_zero3_gives_zero0_losses[dp2_pp2_1f1b_tied]"
+RANK_CHUNK_TEST = "tests/unit/test_chunk_layout.py::test_rank_chunk_is_torch_chunk_of_that_rank"
 CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
 MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file_and_a_folder_without_one_is_trusted"
 DATA_POSITION_TEST = f"{CHECKPOINT}::test_the_data_position_comes_back_exactly"
@@ -88,7 +91,7 @@ BREAKS = [
     Break("zero-chunk-start", "torchpre/distributed/collectives.py",
           "    start = min(rank * per_chunk, tensor.shape[dim])",
           "    start = min(rank * per_chunk - rank, tensor.shape[dim])",
-          (ZERO_COLLECTIVES,), "chunks overlap: the rank offset is one row short per rank"),
+          (RANK_CHUNK_TEST,), "chunks overlap: the rank offset is one row short per rank"),
     Break("zero-all-gather-skipped", "torchpre/distributed/collectives.py",
           "    layout.unpack_all(gathered, outputs)", "    pass",
           (CORE,), "updated parameters are not all-gathered: each rank sees only its own chunk's update"),
@@ -130,7 +133,7 @@ BREAKS = [
     Break("pipeline-scaling-by-microbatches", "torchpre/parallel/pipeline.py",
           "    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)",
           "    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)",
-          (CORE,), "single-stage schedules divide gradients by the microbatch count a second time"),
+          (FSDP_PIPELINE_TEST,), "single-stage schedules divide gradients by the microbatch count a second time"),
     Break("nonfinite-verdict-per-rank", "torchpre/health.py",
           "    dist.all_reduce(values)\n",
           "    dist.all_reduce(values[:1])\n",

@@ -76,3 +76,16 @@ def test_the_vectorised_layout_equals_the_loop_bitwise(world):
     layout.unpack_all(packed, outputs)
     reference.unpack_all(packed, expected)
     assert all(torch.equal(o, e) and torch.equal(o, t) for o, e, t in zip(outputs, expected, tensors))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("shape, dim", SHAPES)
+def test_rank_chunk_is_torch_chunk_of_that_rank(shape, dim, world_size):
+    """The ZeRO masters' shards (`DistributedOptimizer`) are cut by `rank_chunk`: each rank's rows must be exactly
+    `torch.chunk`'s, the same rows DTensor's Shard gives that rank, and empty past the last non-empty chunk."""
+    tensor = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    chunks = torch.chunk(tensor, world_size, dim)
+    for rank in range(world_size):
+        expected = chunks[rank] if rank < len(chunks) else tensor.narrow(dim, 0, 0)
+        assert torch.equal(rank_chunk(tensor, dim, world_size, rank), expected), (rank, shape, dim)
+        assert chunk_rows(shape[dim], world_size, rank) == expected.shape[dim]
