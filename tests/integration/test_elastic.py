@@ -3,7 +3,6 @@ that leave (killed) or join a running job. torchrun re-forms the job, the worker
 dp absorbing the new world size and gradient accumulation keeping the global batch, and every step's loss (the last
 record of each step in metrics.jsonl) equals that of an uninterrupted dp2 run."""
 
-import json
 import os
 import signal
 import socket
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_faults import records_by_step
 from tests.launch import REPO, TINY, WORKER_ENV, run_train
 
 pytestmark = pytest.mark.slow
@@ -134,12 +134,6 @@ def wait_for(condition: Callable[[], bool], what: str, logs: list[Node], timeout
             tails = "\n".join(f"--- {node.log.name}\n{node.output()[-2000:]}" for node in logs)
             pytest.fail(f"waited {timeout_s} s for {what} in vain\n{tails}")
         time.sleep(0.02)
-
-
-def records_by_step(dump_folder: Path) -> dict[int, dict]:
-    """metrics.jsonl by step; a step logged again after a re-formed job counts with its last record."""
-    lines = (dump_folder / "metrics.jsonl").read_text().splitlines()
-    return {record["step"]: record for record in map(json.loads, lines)}
 
 
 def assert_same_losses(run: Path, reference: dict[int, dict], tolerance: float) -> None:
