@@ -6,7 +6,7 @@ work from a checkout; `python train.py ...` runs the same job as a single proces
 
 import sys
 
-from torchpre.cli import run_entry_point
+from torchpre.runtime.cli import run_entry_point
 from torchpre.train import main
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchpre.cli import run_entry_point
 from torchpre.metrics.tensor_memory import TensorMemory
+from torchpre.runtime.cli import run_entry_point
 
 FIELDS = ("step_start_bytes", "activation_bytes", "tensor_peak_bytes")
 
@@ -35,7 +35,7 @@ FIELDS = ("step_start_bytes", "activation_bytes", "tensor_peak_bytes")
 def main(argv: list[str]) -> None:
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
-    from torchpre.trainer import Trainer
+    from torchpre.training.trainer import Trainer
 
     config = parse_args(JobConfig, argv)
     memory = TensorMemory()

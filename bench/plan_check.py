@@ -1,7 +1,7 @@
 """The planner's predictions against measurements on this machine, layout by layout.
 
-For each layout below, `python -m torchpre.plan`'s own prediction (`torchpre.plan.predict`, with a machine profile
-that `torchpre.plan.calibrate` measured here) is compared with:
+For each layout below, `python -m torchpre.plan`'s own prediction (`torchpre.planner.predict`, with a machine profile
+that `torchpre.planner.calibrate` measured here) is compared with:
 
 - memory: the tensor peak of a training step on the busiest rank, measured by bench/memory_worker.py (the real
   Trainer under the storage counter that bench/memory.py reports), for the debug model;
@@ -25,8 +25,8 @@ from bench.common import print_table, run_torchpre
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.distributed.hardware import Hardware, get_hardware
-from torchpre.plan.layouts import Layout, check
-from torchpre.plan.predict import model_flops_per_token, predict
+from torchpre.planner.layouts import Layout, check
+from torchpre.planner.predict import model_flops_per_token, predict
 
 MEMORY_TOLERANCE = 0.10
 TIME_TOLERANCE = 0.25
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.profile:
         hardware = get_hardware(args.profile)
     else:
-        from torchpre.plan.calibrate import calibrate
+        from torchpre.planner.calibrate import calibrate
 
         hardware = calibrate()
     rows = [compare(name, hardware) for name in args.layouts.split(",")]

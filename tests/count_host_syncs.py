@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.host_syncs import HostSyncCounter  # noqa: E402
-from torchpre.cli import run_entry_point  # noqa: E402
+from torchpre.runtime.cli import run_entry_point  # noqa: E402
 
 
 class _MeasuredLoader:
@@ -67,7 +67,7 @@ def host_step_counts(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]
 def main(argv: list[str]) -> None:
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
-    from torchpre.trainer import Trainer
+    from torchpre.training.trainer import Trainer
 
     config = parse_args(JobConfig, argv)
     steps = config.training.steps

@@ -78,7 +78,7 @@ def _preload_transformers() -> None:
 
 def _child(main: Callable[[list[str]], None], prog: str, argv: list[str]) -> int:
     """What the interpreter does for `python ENTRY argv`: the entry point, then SystemExit or a traceback."""
-    from torchpre.cli import run_entry_point
+    from torchpre.runtime.cli import run_entry_point
 
     sys.argv = [prog, *argv]
     try:

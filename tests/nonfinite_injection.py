@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchpre.distributed.names import canonical_fqn
-from torchpre.trainer import Trainer
+from torchpre.training.trainer import Trainer
 
 PHASE, MODULE, STEP = os.environ["NONFINITE_INJECTION"].split(":")
 _current_step = 0

@@ -17,10 +17,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.gpt2_model import NAME, SPEC  # noqa: E402
-from torchpre.cli import run_entry_point  # noqa: E402
 from torchpre.models.llama3.args import LLAMA3_FLAVORS  # noqa: E402
 from torchpre.models.llama3.spec import SPEC as LLAMA3_SPEC  # noqa: E402
 from torchpre.models.registry import register_model  # noqa: E402
+from torchpre.runtime.cli import run_entry_point  # noqa: E402
 
 REPORT = "roundtrip.json"
 LLAMA_NAME = "llama3-matrix"
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
     from torchpre.checkpoint.roundtrip import check_round_trip
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
-    from torchpre.trainer import Trainer
+    from torchpre.training.trainer import Trainer
 
     register_model(NAME, SPEC)
     register_model(LLAMA_NAME, LLAMA_SPEC)

@@ -5,7 +5,7 @@
 import os
 import signal
 
-from torchpre.trainer import Trainer
+from torchpre.training.trainer import Trainer
 
 _train_step = Trainer.train_step
 

@@ -4,7 +4,7 @@
 import os
 import time
 
-from torchpre.trainer import Trainer
+from torchpre.training.trainer import Trainer
 
 DELAY_S = 1.0
 

@@ -13,13 +13,13 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchpre.cli import run_entry_point  # noqa: E402
+from torchpre.runtime.cli import run_entry_point  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
-    from torchpre.trainer import Trainer
+    from torchpre.training.trainer import Trainer
 
     config = parse_args(JobConfig, argv)
     trainer = Trainer(config)

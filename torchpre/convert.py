@@ -41,15 +41,15 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchpre.build import model_args, model_context
 from torchpre.checkpoint.manager import require_intact
-from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
-from torchpre.custom_import import import_custom_module
 from torchpre.data.tokenizer import BOS, DEFAULT_TOKENIZER_PATH, EOS, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.models.registry import HFAdapter, get_model_spec
+from torchpre.runtime.cli import run_entry_point
+from torchpre.runtime.custom_import import import_custom_module
+from torchpre.training.model import model_args, model_context
 
 logger = logging.getLogger("torchpre")
 
@@ -171,7 +171,7 @@ def _size(text: str) -> int:
 
 
 def _job_model(config: JobConfig) -> _Model:
-    """The model args every entry point derives from `config` (`torchpre.build.model_args`)."""
+    """The model args every entry point derives from `config` (`torchpre.training.model.model_args`)."""
     spec = get_model_spec(config.model.name)
     if spec.hf is None:
         raise TorchpreError(

@@ -7,7 +7,7 @@
 The flags are `GenerateConfig`: the job's options (of which generation reads job.*, model.*,
 training.mixed_precision_param, parallelism.* and checkpoint.folder/load_step) plus the
 generation flags, parsed, checked and listed by --help like training's. The model is built by the trainer's
-code (`torchpre.build`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
+code (`torchpre.training.model`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
 loss parallelism, activation checkpointing, compile), and DCP reshards the checkpoint into it. Decoding uses
 the model's KV caches: one forward over the prompt, then one token at a time, each through
 `ParallelModel.forward_only`. Under pipeline parallelism that passes the hidden states stage to stage
@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from torchpre.build import check_layout, meta_model, model_args, model_context, parallel_plan
 from torchpre.checkpoint.manager import (
     STEP_DIR,
     check_shapes,
@@ -43,7 +42,6 @@ from torchpre.checkpoint.manager import (
 )
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.custom_import import import_custom_module
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import get_schedule
@@ -52,6 +50,8 @@ from torchpre.errors import ConfigError, TorchpreError
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan, stages_per_rank
+from torchpre.runtime.custom_import import import_custom_module
+from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan
 
 
 def _flag(default: object, doc: str):
@@ -300,6 +300,6 @@ def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: Any) -> Pipeline
 
 
 if __name__ == "__main__":
-    from torchpre.cli import run_entry_point
+    from torchpre.runtime.cli import run_entry_point
 
     run_entry_point(main, sys.argv[1:], prog="python -m torchpre.generate")

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchpre.cli import run_entry_point
 from torchpre.errors import TorchpreError
 from torchpre.optional import import_optional
+from torchpre.runtime.cli import run_entry_point
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -8,23 +8,23 @@ e.g. one that registers a model family.
 
 import sys
 
-from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.custom_import import import_custom_module
+from torchpre.runtime.cli import run_entry_point
+from torchpre.runtime.custom_import import import_custom_module
 
 PROG = "python -m torchpre.train"
 
 
 def main(argv: list[str]) -> None:
     """Parses the job, imports `job.custom_import` (so what it registers exists), then checks the job and trains
-    it, or with job.dry_run reports its per-rank memory (torchpre.dryrun)."""
+    it, or with job.dry_run reports its per-rank memory (torchpre.planner.dryrun)."""
     config = parse_args(JobConfig, argv)
-    from torchpre.trainer import Trainer  # torch loads here: `--help` and a mistyped flag answer without it
+    from torchpre.training.trainer import Trainer  # torch loads here: `--help` and a mistyped flag answer without it
 
     import_custom_module(config.job.custom_import)
     if config.job.dry_run:
-        from torchpre.dryrun import run_dry_run
+        from torchpre.planner.dryrun import run_dry_run
 
         run_dry_run(config)
         return

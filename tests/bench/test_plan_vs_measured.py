@@ -1,5 +1,5 @@
 """The planner's predictions against this machine's measurements (bench/plan_check.py), the issue's tolerances:
-peak tensor memory within 10%, step time within 25%, once calibrated here (`torchpre.plan.calibrate`).
+peak tensor memory within 10%, step time within 25%, once calibrated here (`torchpre.planner.calibrate`).
 
 Memory is a count, so it is checked in CI on two layouts whose peak is set by something other than backward's
 activations (ZeRO-1's optimizer step; GPipe's cached logits), over data and pipeline parallelism; `-m plan_matrix`
@@ -21,7 +21,7 @@ from bench.plan_check import (
     predicted,
 )
 from torchpre.distributed.hardware import get_hardware
-from torchpre.plan.calibrate import calibrate
+from torchpre.planner.calibrate import calibrate
 
 pytestmark = pytest.mark.slow
 CI_SAMPLE = ("dp2-zero1-ac-full", "pp2-gpipe-ac-full")

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.utils import shutdown_distributed
-from torchpre.trainer import Trainer
+from torchpre.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tests.gpt2_model import GPT2, GPT2Args
 from tests.launch import spawn
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.health import step_verdict
+from torchpre.health.verdict import step_verdict
 from torchpre.models.moe.model import GroupedExperts
 from torchpre.optim import build_optimizer
 from torchpre.optim.distributed_optimizer import DistributedOptimizer

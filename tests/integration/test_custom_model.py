@@ -116,7 +116,7 @@ def test_a_plan_naming_a_missing_module_is_a_clear_error():
 
 
 if __name__ == "__main__":
-    from torchpre.cli import run_entry_point
+    from torchpre.runtime.cli import run_entry_point
 
     register_model("gpt2-test", SPEC)
     argv = sys.argv[1:]

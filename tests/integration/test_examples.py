@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.launch import REPO, train_and_read_metrics
-from torchpre.custom_import import import_custom_module
 from torchpre.errors import ConfigError
 from torchpre.models.hf.model import init_weights
+from torchpre.runtime.custom_import import import_custom_module
 
 GPT2 = [
     "--model.name", "gpt2",

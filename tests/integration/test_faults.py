@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from tests.launch import REPO, TINY, run_train
-from torchpre.cli import EXIT_COMM_FAILURE, run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.distributed.utils import _restart_store
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.preemption import PreemptionHandler
+from torchpre.runtime.cli import EXIT_COMM_FAILURE, run_entry_point
+from torchpre.runtime.preemption import PreemptionHandler
 
 STEPS = 30
 ARGS = [*TINY, "--training.steps", str(STEPS), "--training.deterministic"]
@@ -129,7 +129,7 @@ DETERMINISM_PROBE = """
 import json, os, random, sys
 import numpy as np
 import torch
-from torchpre.determinism import configure_determinism
+from torchpre.runtime.determinism import configure_determinism
 
 def settings():
     return {

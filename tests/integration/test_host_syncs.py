@@ -30,7 +30,7 @@ STEPS = ["--training.steps", "4", "--metrics.log_freq", "100", "--optimizer.impl
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "4", *STEPS]
 MOE_LAYERS, MOE_MICROBATCHES = 2, 2  # the tiny MoE flavor's layers; global 8 = 2 microbatches x 2 x ep2 ranks
 MOE = [*MOE_TINY, *STEPS]
-VERDICT = "torchpre/health.py in read"
+VERDICT = "torchpre/health/verdict.py in read"
 READ_LATE = "in _settle_previous"
 DISPATCH = "torchpre/parallel/expert_parallel.py in _dispatch"
 
@@ -54,7 +54,7 @@ LAYOUTS = {
 
 
 def _site(sync: dict) -> str:
-    """'torchpre/health.py in read' from '/.../torchpre/health.py:63 in read'."""
+    """'torchpre/health/verdict.py in read' from '/.../torchpre/health/verdict.py:63 in read'."""
     location, _, function = sync["site"].partition(" in ")
     path = Path(location.rsplit(":", 1)[0])
     return f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path} in {function}"

@@ -3,7 +3,7 @@
 import pytest
 
 from torchpre.distributed.hardware import load_profile
-from torchpre.plan.calibrate import calibrate, fit_latency_bandwidth
+from torchpre.planner.calibrate import calibrate, fit_latency_bandwidth
 
 
 def test_the_fit_recovers_latency_and_bandwidth_exactly():

@@ -216,10 +216,10 @@ def test_every_import_is_declared() -> None:
 def test_the_check_sees_entry_point_imports() -> None:
     """The walk reaches the trainer through train.py's function-level import, and finds numpy there."""
     always = always_imported_files()
-    assert REPO / "torchpre/trainer.py" in always
-    assert REPO / "torchpre/determinism.py" in always
+    assert REPO / "torchpre/training/trainer.py" in always
+    assert REPO / "torchpre/runtime/determinism.py" in always
     assert REPO / "torchpre/plot.py" not in always
-    numpy_imports = [i for i in imports_of(REPO / "torchpre/determinism.py") if i.module == "numpy"]
+    numpy_imports = [i for i in imports_of(REPO / "torchpre/runtime/determinism.py") if i.module == "numpy"]
     assert numpy_imports and numpy_imports[0].eager
 
 
@@ -235,4 +235,4 @@ def test_a_missing_base_dependency_is_reported(monkeypatch) -> None:
     base, extras = declared()
     monkeypatch.setattr(sys.modules[__name__], "declared", lambda: (base - {"numpy"}, extras))
     problems = undeclared_imports()
-    assert any("torchpre/determinism.py" in p and "'numpy'" in p for p in problems), problems
+    assert any("torchpre/runtime/determinism.py" in p and "'numpy'" in p for p in problems), problems

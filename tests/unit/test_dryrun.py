@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.hardware import get_hardware
-from torchpre.dryrun import (
+from torchpre.errors import ConfigError
+from torchpre.models.hf import HFCausalLM, hf_args
+from torchpre.planner.dryrun import (
     DoesNotFit,
     RankMemory,
     build_rank,
@@ -28,9 +30,7 @@ from torchpre.dryrun import (
     rank_memory,
     run_dry_run,
 )
-from torchpre.errors import ConfigError
-from torchpre.models.hf import HFCausalLM, hf_args
-from torchpre.trainer import Runtime, Trainer
+from torchpre.training.trainer import Runtime, Trainer
 
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
 ROW_PARALLEL = ("wo", "w2")

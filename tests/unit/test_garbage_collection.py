@@ -4,8 +4,8 @@ import gc
 
 import pytest
 
-from torchpre import garbage_collection
-from torchpre.garbage_collection import GarbageCollection
+from torchpre.runtime import garbage_collection
+from torchpre.runtime.garbage_collection import GarbageCollection
 
 
 @pytest.fixture

@@ -5,13 +5,13 @@ import dataclasses
 
 import pytest
 
-from torchpre.cli import run_entry_point
 from torchpre.config.parser import parse_args
 from torchpre.errors import ConfigError
 from torchpre.generate import GenerateConfig, decoding_config, main
 from torchpre.models import registry
 from torchpre.models.llama3.spec import SPEC as LLAMA3
 from torchpre.models.registry import get_model_spec
+from torchpre.runtime.cli import run_entry_point
 
 PROMPT = ["--model.flavor", "tiny", "--prompt", "hello"]
 
@@ -74,7 +74,7 @@ def test_decoding_turns_off_only_the_training_options():
 
 
 def test_generation_rejects_a_layout_with_the_trainers_message(monkeypatch):
-    """The layout checks are the trainer's (`torchpre.build.check_layout`), not a copy: a family without a
+    """The layout checks are the trainer's (`torchpre.training.model.check_layout`), not a copy: a family without a
     tensor-parallel plan gets the trainer's message, naming the ModelSpec field, before any process group."""
     get_model_spec("llama3")  # registers the built-in families first
     monkeypatch.setitem(registry._REGISTRY, "llama3-no-tp", dataclasses.replace(LLAMA3, tensor_parallel=None))

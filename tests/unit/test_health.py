@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchpre.health import LossSpikeDetector, step_verdict
+from torchpre.health.verdict import LossSpikeDetector, step_verdict
 from torchpre.metrics.timer import PhaseTimer
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 

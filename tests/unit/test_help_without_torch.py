@@ -38,3 +38,11 @@ def test_a_mistyped_flag_gets_its_suggestion_without_torch(env_without_torch):
 
 def run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], cwd=Path(REPO), env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_config_package_imports_without_torch(env_without_torch):
+    """Every section, the parser and the value checks: what --help, the planner's flags and any tool that reads a
+    job's TOML need, without loading torch (the optimizer registry's checks, which need it, run at start-up)."""
+    code = "import torchpre.config.job_config, torchpre.config.parser, torchpre.config.validate; print('ok')"
+    result = run(["-c", code], env_without_torch)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -13,36 +13,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "torchpre"
 
-# Bottom to top. A unit (a subpackage or top-level module of torchpre, or `train`) may import its own layer's
-# and lower layers' units, never a higher one's. Within a layer, imports are allowed as long as they form no
-# cycle between units. `errors` and `optional` are the leaves; `distributed` the mesh, collectives and name
-# helpers; `parallel` the parallelize machinery; then the components built on it (config among them: it
-# checks names against the optimizer registry, and the metrics logger writes it out); then the loop and the
-# entry points that assemble them. `cli` (the runner of every entry point: logging, exit codes) sits with the
-# components because `python -m torchpre.data.prepare` is one.
+# Bottom to top. A unit (a subpackage or top-level module of torchpre, or `train` for train.py) may import its own
+# layer's and lower layers' units, never a higher one's. Within a layer, imports are allowed as long as they form no
+# cycle between units. `errors` and `optional` are the leaves; `distributed` the mesh, collectives and name helpers;
+# `config` the job's sections (torch-free: tests/unit/test_help_without_torch.py), which the layers above read;
+# `parallel` the parallelize machinery and the data-parallel strategy; then the components built on it, each from
+# its config section; then the training loop that sequences them; then the planner (dry run included) and the
+# entry points (`python -m torchpre.X`). `runtime` holds what every entry point shares (the runner of entry points,
+# custom imports) and the job's runtime services (determinism, preemption, GC, profiling, the world it runs in).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "optional"),
-    ("distributed", "determinism", "preemption", "garbage_collection"),
+    ("distributed",),
+    ("config",),
     ("parallel",),
-    ("optim", "models", "data", "checkpoint", "metrics", "config", "health", "nonfinite", "profiling", "cli"),
-    ("build", "validation"),
-    ("trainer", "generate", "convert", "plot", "custom_import", "train", "plan", "dryrun"),
+    ("optim", "models", "data", "checkpoint", "metrics", "health", "runtime"),
+    ("training",),
+    ("planner", "train", "generate", "convert", "plot", "plan"),
 )
 
 # Function-level imports of torchpre modules, by (importing module, imported module): each with its reason.
 # Function-level imports of other packages are allowed (optional dependencies; tests/unit/test_dependencies.py
 # checks that they are declared).
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
-    ("torchpre.train", "torchpre.trainer"): "entry point: `--help` and bad flags answer before torch loads "
+    ("torchpre.train", "torchpre.training.trainer"): "entry point: `--help` and bad flags answer before torch loads "
     "(tests/unit/test_help_without_torch.py)",
-    ("torchpre.train", "torchpre.dryrun"): "entry point: loads torch, like the trainer it builds",
-    ("torchpre.plan.__main__", "torchpre.plan.search"): "entry point: `--help` and bad flags answer before torch "
+    ("torchpre.train", "torchpre.planner.dryrun"): "entry point: loads torch, like the trainer it builds",
+    ("torchpre.plan", "torchpre.planner.search"): "entry point: `--help` and bad flags answer before torch "
     "loads",
-    ("torchpre.plan.__main__", "torchpre.plan.calibrate"): "entry point: only --calibrate needs it (and torch)",
-    ("torchpre.plan.__main__", "torchpre.plan.plot"): "entry point: only --plot needs it (and matplotlib)",
-    ("torchpre.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
-    ("torchpre.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
-    ("torchpre.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",
+    ("torchpre.plan", "torchpre.planner.calibrate"): "entry point: only --calibrate needs it (and torch)",
+    ("torchpre.plan", "torchpre.planner.plot"): "entry point: only --plot needs it (and matplotlib)",
+    ("torchpre.runtime.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
+    ("torchpre.runtime.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
+    ("torchpre.runtime.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",
     ("torchpre.data.documents", "torchpre.data.corpus"): "the built-in corpus reads the standard library's "
     "sources; only the 'stdlib' dataset needs it",
 }

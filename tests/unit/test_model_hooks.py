@@ -19,7 +19,7 @@ from torchpre.models.aux_loss import AddAuxLoss
 from torchpre.models.init import InitRule, ParamInit, ones
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.spec import SPEC as LLAMA3_SPEC
-from torchpre.trainer import Trainer
+from torchpre.training.trainer import Trainer
 
 LOCAL_BATCH, GLOBAL_BATCH, STEPS = 2, 4, 2  # two microbatches per step: the aux terms must add up over them
 

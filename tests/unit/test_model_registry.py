@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from torchpre.custom_import import import_custom_module
 from torchpre.errors import ConfigError
 from torchpre.models import registry
 from torchpre.models.llama3.spec import SPEC as LLAMA3_SPEC
 from torchpre.models.registry import get_model_spec, register_model
+from torchpre.runtime.custom_import import import_custom_module
 
 OTHER = dataclasses.replace(LLAMA3_SPEC, blocks="layers2")  # equal in all but one field: still another spec
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from torchpre.data.sampler import GlobalBatchSampler
-from torchpre.nonfinite import BACKWARD, FORWARD, Finding, NonFiniteProbe, microbatch_samples
+from torchpre.health.forensics import BACKWARD, FORWARD, Finding, NonFiniteProbe, microbatch_samples
 
 
 def _model() -> nn.Sequential:

@@ -6,10 +6,9 @@ import torch
 from torch import nn
 
 from torchpre.config.job_config import JobConfig
-from torchpre.config.validate import validate_config
 from torchpre.errors import ConfigError
 from torchpre.optim import OptimizerSpec, build_optimizer, get_optimizer, optimizer_names, register_optimizer
-from torchpre.optim.registry import constructor_kwargs, hyperparameters_from_config
+from torchpre.optim.registry import check_config, constructor_kwargs, hyperparameters_from_config
 from torchpre.parallel import ParallelPlan, parallelize
 
 HYPERPARAMETERS = {"lr": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1, "momentum": 0.5}
@@ -57,16 +56,16 @@ def _config(tmp_path, **optimizer) -> JobConfig:
 
 def test_config_validation_names_the_unknown_optimizer(tmp_path):
     with pytest.raises(ConfigError, match="optimizer.name = 'Lion' is not a registered optimizer"):
-        validate_config(_config(tmp_path, name="Lion"))
+        check_config(_config(tmp_path, name="Lion").optimizer)
 
 
 def test_a_changed_key_the_optimizer_does_not_read_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"optimizer.beta2 = 0.99: SGD does not use this key") as error:
-        validate_config(_config(tmp_path, name="SGD", momentum=0.9, beta2=0.99))
+        check_config(_config(tmp_path, name="SGD", momentum=0.9, beta2=0.99).optimizer)
     assert "optimizer.lr, optimizer.momentum, optimizer.weight_decay" in str(error.value)
     with pytest.raises(ConfigError, match="optimizer.momentum = 0.9: AdamW does not use this key"):
-        validate_config(_config(tmp_path, name="AdamW", momentum=0.9))
-    validate_config(_config(tmp_path, name="SGD", momentum=0.9, lr=0.1))  # keys it reads, others at defaults
+        check_config(_config(tmp_path, name="AdamW", momentum=0.9).optimizer)
+    check_config(_config(tmp_path, name="SGD", momentum=0.9, lr=0.1).optimizer)  # keys it reads, others at defaults
 
 
 def test_fused_only_on_cuda_where_the_class_has_it():

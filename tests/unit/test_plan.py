@@ -10,11 +10,11 @@ from torchpre.config.parser import parse_args
 from torchpre.distributed.hardware import get_hardware
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import names_where
-from torchpre.dryrun import build_rank
 from torchpre.errors import ConfigError
-from torchpre.plan.__main__ import main as plan_main
-from torchpre.plan.layouts import Layout, check, valid_layouts
-from torchpre.plan.predict import model_flops_per_token, predict
+from torchpre.plan import main as plan_main
+from torchpre.planner.dryrun import build_rank
+from torchpre.planner.layouts import Layout, check, valid_layouts
+from torchpre.planner.predict import model_flops_per_token, predict
 
 JSON_KEYS = {
     "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",

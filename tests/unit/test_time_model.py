@@ -8,7 +8,7 @@ rounding only; the model is closed-form.
 import pytest
 
 from torchpre.distributed.hardware import HARDWARE, Hardware
-from torchpre.plan.time_model import (
+from torchpre.planner.time_model import (
     Collective,
     Layout,
     RankWork,

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from torchpre.trainer import Trainer, cross_entropy_sum
+from torchpre.training.trainer import Trainer, cross_entropy_sum
 
 DP, ACCUMULATION, SEQ_LEN, VOCAB = 2, 2, 8, 16
 

@@ -4,10 +4,10 @@ FSDP settings of ZeRO-3 follow them."""
 import pytest
 import torch
 
-from torchpre.build import fsdp_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.errors import ConfigError
+from torchpre.training.model import fsdp_plan
 
 
 def _config(tmp_path, **keys: object) -> JobConfig:

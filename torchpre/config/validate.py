@@ -6,7 +6,6 @@ from pathlib import Path
 from torchpre.config.job_config import JobConfig, Optimizer
 from torchpre.distributed.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.errors import ConfigError
-from torchpre.optim.registry import check_hyperparameters, config_keys
 from torchpre.optional import import_tensorboard, import_wandb
 
 
@@ -300,8 +299,7 @@ def _check_selective_ac_schedule(config: JobConfig) -> None:
 
 
 def _check_optimizer(o: Optimizer) -> None:
-    """`optimizer.name` is registered, and no `optimizer.*` key it does not read is set away from its default."""
-    keys, defaults = config_keys(), Optimizer()
-    check_hyperparameters(o.name, {k: getattr(o, k) for k in keys}, {k: getattr(defaults, k) for k in keys})
+    """The optimizer's values; its name and the keys it reads are the optimizer registry's to check
+    (`torchpre.optim.registry.check_config`), which needs torch."""
     if o.momentum < 0:
         raise ConfigError(f"optimizer.momentum = {o.momentum}: it must be >= 0.")

@@ -623,6 +623,6 @@ def _summary(manifest: Manifest, folder: Path, stats: Stats, resumed_shards: int
 
 
 if __name__ == "__main__":
-    from torchpre.cli import run_entry_point
+    from torchpre.runtime.cli import run_entry_point
 
     run_entry_point(main, sys.argv[1:], prog=PROG)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchpre.config.job_config import Optimizer
 from torchpre.errors import ConfigError
 
 # Constructor arguments the registry knows, each filled from `optimizer.*` config keys, and their defaults in
@@ -125,6 +126,14 @@ def hyperparameters_from_config(values: dict[str, object]) -> dict[str, object]:
         argument: tuple(values[k] for k in keys) if len(keys) > 1 else values[keys[0]]
         for argument, keys in HYPERPARAMETER_KEYS.items()
     }
+
+
+def check_config(section: Optimizer) -> None:
+    """`optimizer.name` is registered, and no `optimizer.*` key it does not read is set away from its default."""
+    keys, defaults = config_keys(), Optimizer()
+    check_hyperparameters(
+        section.name, {k: getattr(section, k) for k in keys}, {k: getattr(defaults, k) for k in keys}
+    )
 
 
 def check_hyperparameters(name: str, values: dict[str, float], defaults: dict[str, float]) -> None:

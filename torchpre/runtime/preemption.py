@@ -3,7 +3,7 @@
 Clusters announce a preemption with SIGTERM (torchrun forwards it to every worker, then waits its
 `--shutdown-timeout`, 30 s by default, before SIGKILL). Dying on it loses the steps since the last
 checkpoint; recording it instead lets the loop finish the step, save, and exit cleanly. The flag is
-only this rank's wish: the loop folds it into the step's all-reduce (`torchpre.health.step_verdict`)
+only this rank's wish: the loop folds it into the step's all-reduce (`torchpre.health.verdict.step_verdict`)
 so every rank stops after the same step.
 """
 

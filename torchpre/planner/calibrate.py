@@ -41,7 +41,7 @@ from torchpre.metrics.activation_probe import ProbeMode, probe_microbatch
 from torchpre.metrics.flops import measure_matmul_flops
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
-from torchpre.plan.time_model import MEMORY_TRAFFIC
+from torchpre.planner.time_model import MEMORY_TRAFFIC
 
 GEMM_SHAPE = (1024, 512, 1536)  # [m, k] x [k, n]
 GLOO_SIZES = (64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)

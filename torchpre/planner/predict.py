@@ -12,14 +12,13 @@ from typing import Any
 
 import torch
 
-from torchpre.build import meta_model
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
 from torchpre.distributed.schedules import in_flight_microbatches
-from torchpre.dryrun import peak_bytes
 from torchpre.models.registry import get_model_spec
-from torchpre.plan.layouts import CheckedLayout
-from torchpre.plan.pieces import (
+from torchpre.planner.dryrun import peak_bytes
+from torchpre.planner.layouts import CheckedLayout
+from torchpre.planner.pieces import (
     MicrobatchCost,
     Pieces,
     StateCost,
@@ -28,8 +27,9 @@ from torchpre.plan.pieces import (
     state_pieces,
     step_transient,
 )
-from torchpre.plan.time_model import Collective, RankWork, StepTime, Work, step_time
-from torchpre.plan.time_model import Layout as TimeLayout
+from torchpre.planner.time_model import Collective, RankWork, StepTime, Work, step_time
+from torchpre.planner.time_model import Layout as TimeLayout
+from torchpre.training.model import meta_model
 
 OPTIMIZER_OPS_PER_TENSOR = 12  # eager ops of single-tensor AdamW per parameter tensor (torch's _single_tensor_adamw)
 
@@ -163,7 +163,7 @@ def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
 def _activation_bytes(
     checked: CheckedLayout, pp_rank: int, costs: list[MicrobatchCost], states: Pieces, chunks: list
 ) -> int:
-    """What `torchpre.dryrun.probe_rank` adds up for a built rank, from the pieces."""
+    """What `torchpre.planner.dryrun.probe_rank` adds up for a built rank, from the pieces."""
     layout, pipeline = checked.layout, checked.pipeline
     in_flight = 1
     if pipeline is not None:

@@ -1,6 +1,6 @@
 """NaN forensics: where a non-finite step started, found by replaying it with a hook on every module.
 
-The trainer's guard (`torchpre.health.step_verdict`) knows only that a step's loss or gradient norm is not
+The trainer's guard (`torchpre.health.verdict.step_verdict`) knows only that a step's loss or gradient norm is not
 finite. `locate_nonfinite` runs the same step's forward and backward again (the caller's `replay`, through the
 same schedule, so every layout works) while `NonFiniteProbe` watches each module of this rank's model parts:
 in forward, its output; in backward, the gradient with respect to its output (a tensor hook). Each rank keeps,

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchpre.build import check_layout, meta_model, model_args, parallel_plan
 from torchpre.checkpoint.history import set_aside_earlier_metrics, set_aside_later_steps
 from torchpre.checkpoint.layout import layout_change
 from torchpre.checkpoint.manager import CheckpointManager, find_step_dir, saved_global_batch_size
@@ -22,7 +21,6 @@ from torchpre.config.parser import to_toml
 from torchpre.config.validate import validate_config
 from torchpre.data.loader import build_dataloader, data_shares, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchpre.determinism import configure_determinism
 from torchpre.distributed.comm_timer import CommTimer
 from torchpre.distributed.elastic import world_sizes_hint
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -37,24 +35,27 @@ from torchpre.distributed.utils import (
     world_size_from_env,
 )
 from torchpre.errors import ConfigError
-from torchpre.garbage_collection import GarbageCollection
-from torchpre.health import LossSpikeDetector, NonFiniteError, StepHealth, StepVerdict, step_verdict
+from torchpre.health.forensics import as_metrics, describe, locate_nonfinite, microbatch_samples
+from torchpre.health.verdict import LossSpikeDetector, NonFiniteError, StepHealth, StepVerdict, step_verdict
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 from torchpre.metrics.memory import max_memory_bytes
 from torchpre.metrics.rank_times import StragglerWatch, pipeline_bubble_metrics
 from torchpre.metrics.timer import PhaseTimer, StepTimes, tail
 from torchpre.models.registry import get_model_spec
-from torchpre.nonfinite import as_metrics, describe, locate_nonfinite, microbatch_samples
 from torchpre.optim import build_optimizer
 from torchpre.optim.lr_scheduler import build_lr_scheduler
+from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.optim.registry import hyperparameters_from_config
 from torchpre.parallel.api import ParallelModel, logits_of, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
-from torchpre.preemption import PreemptionHandler
-from torchpre.profiling import Profiler
-from torchpre.validation import Validator, build_validator, held_out_fraction
+from torchpre.runtime.determinism import configure_determinism
+from torchpre.runtime.garbage_collection import GarbageCollection
+from torchpre.runtime.preemption import PreemptionHandler
+from torchpre.runtime.profiling import Profiler
+from torchpre.training.model import check_layout, meta_model, model_args, parallel_plan
+from torchpre.training.validation import Validator, build_validator, held_out_fraction
 
 logger = logging.getLogger("torchpre")
 
@@ -150,6 +151,7 @@ class Trainer:
 
     def __init__(self, config: JobConfig, runtime: Runtime | None = None):
         validate_config(config)
+        check_optimizer_config(config.optimizer)
         t, p = config.training, config.parallelism
         self.config = config
         self.runtime = runtime = runtime or Runtime.from_env()
@@ -802,7 +804,7 @@ class Trainer:
 
     def _locate_nonfinite(self, microbatches: list[Batch], step: int, first_sample: int) -> str:
         """For the first `training.nonfinite_forensics` non-finite steps: replays the step's forward and backward
-        on its `microbatches` (already on the device) with a check on every module (`torchpre.nonfinite`), keeps
+        on its `microbatches` (already on the device) with a check on every module (`torchpre.health.forensics`), keeps
         the origin for the step's metrics record (`nonfinite_record`) and returns a sentence naming it (" "
         first), else "". Costs one step's compute.
 

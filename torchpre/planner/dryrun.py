@@ -28,7 +28,7 @@ from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_f
 from torchpre.metrics.tensor_memory import TensorMemory
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel.tensor_parallel import loss_parallel_context
-from torchpre.trainer import Runtime, Trainer
+from torchpre.training.trainer import Runtime, Trainer
 
 logger = logging.getLogger("torchpre")
 

@@ -15,11 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from torchpre.cli import run_entry_point
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.hardware import HARDWARE, Hardware, get_hardware
 from torchpre.errors import ConfigError
+from torchpre.runtime.cli import run_entry_point
 
 PROG = "python -m torchpre.plan"
 
@@ -40,7 +40,7 @@ def planner_arguments() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     planner, job_argv = planner_arguments().parse_known_args(argv)
     if planner.calibrate:
-        from torchpre.plan.calibrate import calibrate
+        from torchpre.planner.calibrate import calibrate
 
         hardware = calibrate(Path(planner.calibrate))
         print(json.dumps(dataclasses.asdict(hardware), indent=2))
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> None:
     hardware = _hardware(planner)
     if planner.gpus < 1:
         raise ConfigError(f"{PROG} needs --gpus N: the number of GPUs the job will run on.")
-    from torchpre.plan.search import search  # torch loads here: a mistyped flag answers without it
+    from torchpre.planner.search import search  # torch loads here: a mistyped flag answers without it
 
     logging.getLogger("torchpre").setLevel(logging.WARNING)  # the planner builds thousands of trainers
     start = time.perf_counter()
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
         print(result.table(planner.top))
         print(f"planned in {seconds:.0f} s")
     if planner.plot:
-        from torchpre.plan.plot import plot_plan
+        from torchpre.planner.plot import plot_plan
 
         plot_plan(result, planner.top, Path(planner.plot))
 

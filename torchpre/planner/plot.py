@@ -8,7 +8,7 @@ against the GPU's usable memory. Right: its predicted step time split into compu
 from pathlib import Path
 
 from torchpre.optional import import_optional
-from torchpre.plan.search import PlanResult
+from torchpre.planner.search import PlanResult
 
 GiB = 2**30
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes")

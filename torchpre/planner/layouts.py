@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from torchpre.build import check_layout, model_args
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -16,7 +15,8 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.trainer import resolve_batch_sizes
+from torchpre.training.model import check_layout, model_args
+from torchpre.training.trainer import resolve_batch_sizes
 
 AC_MODES = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)

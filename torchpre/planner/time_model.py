@@ -7,7 +7,7 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   activations, adds, copies) is memory-bound: it moves MEMORY_TRAFFIC = 2.5 bytes per byte it writes (about half
   of a block's elementwise ops are unary: read 1, write 1; half binary, as most of backward's grad x saved
   products: read 2, write 1). `mem_bw` is read + write traffic, as datasheets and
-  `torchpre.plan.calibrate` state it.
+  `torchpre.planner.calibrate` state it.
 - TP and EP collectives run inside the microbatch and are exposed (no async TP): ring model
   t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
   dimension lies within one node, else inter_node_bw.

@@ -5,9 +5,9 @@ from typing import Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
-from torchpre.plan.layouts import valid_layouts
-from torchpre.plan.predict import Prediction, model_flops_per_token, predict
-from torchpre.plan.time_model import assumptions
+from torchpre.planner.layouts import valid_layouts
+from torchpre.planner.predict import Prediction, model_flops_per_token, predict
+from torchpre.planner.time_model import assumptions
 
 GiB = 2**30
 

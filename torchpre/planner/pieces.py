@@ -6,7 +6,7 @@ blocks sit beside it: a stage costs `ends + blocks x block`. So the planner dry-
 and expert sharding on shortened copies of the model (`shortened_flavor`), pipelined over two stages:
 2 blocks (stage 0: embedding + 1 block; stage 1: 1 block + norm and head) and 4 blocks (stage 0: embedding + 2
 blocks). Then block = stage 0 of 4 blocks - stage 0 of 2 blocks, and the first and last stage's ends are what
-remains of the 2-block stages. Every number is what `torchpre.dryrun.rank_memory` reports for a real build:
+remains of the 2-block stages. Every number is what `torchpre.planner.dryrun.rank_memory` reports for a real build:
 no separate formula that could drift from it (`tests/unit/test_plan_pieces.py` pins the sum to full dry runs).
 """
 
@@ -22,12 +22,12 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
-from torchpre.dryrun import leave_fake_world, optimizer_step_bytes, probe_rank, rank_memory
 from torchpre.metrics.activation_probe import ActivationProbe
 from torchpre.models.registry import get_model_spec
-from torchpre.plan.layouts import CheckedLayout
-from torchpre.plan.time_model import Collective, Work
-from torchpre.trainer import Runtime, Trainer
+from torchpre.planner.dryrun import leave_fake_world, optimizer_step_bytes, probe_rank, rank_memory
+from torchpre.planner.layouts import CheckedLayout
+from torchpre.planner.time_model import Collective, Work
+from torchpre.training.trainer import Runtime, Trainer
 
 T = TypeVar("T")
 
@@ -42,7 +42,7 @@ class StateCost:
     optimizer_state_bytes: int = 0
     tp_numel: int = 0
     param_tensors: int = 0
-    optimizer_step_bytes: int = 0  # the optimizer step's transient (`torchpre.dryrun.optimizer_step_bytes`)
+    optimizer_step_bytes: int = 0  # the optimizer step's transient (`torchpre.planner.dryrun.optimizer_step_bytes`)
 
     def __add__(self, other: "StateCost") -> "StateCost":
         return StateCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -63,8 +63,8 @@ class MicrobatchCost:
     transient_bytes: float = 0.0
     forward: Work = Work(0.0)
     backward: Work = Work(0.0)
-    # What a pipeline stage keeps per microbatch in flight (`torchpre.dryrun.PartProbe`): its received input and,
-    # on the last stage, its output. Only the ends' are measured (`Pieces.stage` places them).
+    # What a pipeline stage keeps per microbatch in flight (`torchpre.planner.dryrun.PartProbe`): its received input
+    # and, on the last stage, its output. Only the ends' are measured (`Pieces.stage` places them).
     received_bytes: float = 0.0
     held_output_bytes: float = 0.0
 

@@ -1,0 +1,1 @@
+"""Runtime services of a job: the world it runs in, entry-point plumbing, determinism, preemption, GC, profiling."""
