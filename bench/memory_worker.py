@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
         trainer.train()
     per_step = _max_over_ranks(per_step)
     if dist.get_rank() == 0:
-        _append_records(Path(config.job.dump_folder) / "metrics.jsonl", per_step, trainer.num_params)
+        _append_records(Path(config.job.dump_folder) / "metrics.jsonl", per_step, trainer.job.num_params)
 
 
 def _measure_steps(trainer, memory: TensorMemory) -> list[tuple[int, int, int]]:

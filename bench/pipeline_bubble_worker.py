@@ -68,7 +68,8 @@ def time_pipeline_steps(trainer: Trainer, clock: BusyClock, warmup: int, steps: 
     outside the window: it is not part of the pipeline schedule the theory describes.
     """
     records: list[tuple[float, float]] = []
-    forward_backward = trainer.model.forward_backward
+    model = trainer.job.model
+    forward_backward = model.forward_backward
 
     def bracketed(microbatches, *args, **kwargs):
         dist.barrier()
@@ -79,10 +80,9 @@ def time_pipeline_steps(trainer: Trainer, clock: BusyClock, warmup: int, steps: 
         records.append((clock.busy, time.perf_counter() - start))
         return loss
 
-    trainer.model.forward_backward = bracketed
-    batches = iter(trainer.dataloader)
+    model.forward_backward = bracketed
     for _ in range(warmup + steps):
-        trainer.train_step([next(batches) for _ in range(trainer.accumulation_steps)])
+        trainer.train_step(trainer.job.data.next_step())
     return records[warmup:]
 
 

@@ -73,8 +73,9 @@ def main(argv: list[str]) -> None:
     steps = config.training.steps
     assert steps >= 3 and config.metrics.log_freq > steps, "measure a non-log step after the first"
     trainer = Trainer(config)
-    counter = HostSyncCounter(host_resident=lambda: host_step_counts(trainer.optimizer.inner))
-    trainer.dataloader = _MeasuredLoader(trainer.dataloader, counter, steps - 1, trainer.accumulation_steps)
+    job = trainer.job
+    counter = HostSyncCounter(host_resident=lambda: host_step_counts(job.optimizer.inner))
+    job.data.loader = _MeasuredLoader(job.data.loader, counter, steps - 1, job.batches.accumulation_steps)
     trainer.train()
     syncs = [dataclasses.asdict(sync) for sync in counter.syncs]
     out = Path(config.job.dump_folder) / f"host_syncs_rank{dist.get_rank()}.json"

@@ -1,9 +1,9 @@
 """Test-only: puts an inf into one module's output (forward) or into the gradient of that output (backward) at
-one training step, in the step itself and in the trainer's forensic replay of it, and nowhere else.
+one training step, in the step itself and in the step guard's forensic replay of it, and nowhere else.
 
 Imported by the training processes through `--job.custom_import tests.nonfinite_injection`, so torchpre holds
 no test code. `NONFINITE_INJECTION = "phase:module:step"` (e.g. "forward:layers.1:2") says what; the step is
-read from the trainer as each `train_step` starts, and from the trainer's replay, which names its step (which
+read from the trainer as each `train_step` starts, and from the guard's replay, which names its step (which
 runs in the next `train_step` when that step's verdict is read late).
 """
 
@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from torchpre.distributed.names import canonical_fqn
+from torchpre.health.guard import StepGuard, TakenStep
 from torchpre.training.trainer import Trainer
 
 PHASE, MODULE, STEP = os.environ["NONFINITE_INJECTION"].split(":")
 _current_step = 0
 _original_train_step = Trainer.train_step
-_original_locate_nonfinite = Trainer._locate_nonfinite
+_original_locate = StepGuard._locate
 
 
 def _with_inf(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,7 @@ def _inject(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor | Non
 
 def _install(trainer: Trainer) -> None:
     """A forward hook on the outermost module named MODULE, on the rank whose model parts hold it."""
-    for part in trainer.model.parts:
+    for part in trainer.job.model.parts:
         module = next((m for name, m in part.named_modules() if canonical_fqn(name) == MODULE), None)
         if module is not None:
             module.register_forward_hook(_inject)
@@ -52,14 +53,14 @@ def _train_step(self: Trainer, *args, **kwargs):
     return _original_train_step(self, *args, **kwargs)
 
 
-def _locate_nonfinite(self: Trainer, microbatches, step: int, first_sample: int) -> str:
+def _locate(self: StepGuard, step: TakenStep, loop) -> str:
     global _current_step
-    step_being_taken, _current_step = _current_step, step
+    step_being_taken, _current_step = _current_step, step.number
     try:
-        return _original_locate_nonfinite(self, microbatches, step, first_sample)
+        return _original_locate(self, step, loop)
     finally:
         _current_step = step_being_taken
 
 
 Trainer.train_step = _train_step
-Trainer._locate_nonfinite = _locate_nonfinite
+StepGuard._locate = _locate

@@ -41,8 +41,8 @@ def main(argv: list[str]) -> None:
     config = parse_args(JobConfig, argv)
     trainer = Trainer(config)
     if trainer.last_checkpoint_step is not None:
-        step_dir = trainer.checkpoint.folder / f"step-{trainer.last_checkpoint_step}"
-        report = check_round_trip(trainer.checkpoint, step_dir, trainer.step)
+        step_dir = trainer.job.checkpoint.folder / f"step-{trainer.last_checkpoint_step}"
+        report = check_round_trip(trainer.job.checkpoint, step_dir)
         if dist.get_rank() == 0:
             summary = {**dataclasses.asdict(report), "ok": report.ok, "text": str(report)}
             (Path(config.job.dump_folder) / REPORT).write_text(json.dumps(summary, indent=1), encoding="utf-8")

@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     trainer.train()
     params = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
-        for part in trainer.model.parts
+        for part in trainer.job.model.parts
         for name, p in part.named_parameters()
     }
     torch.save(params, Path(config.job.dump_folder) / f"params_rank{dist.get_rank()}.pt")

@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchpre.checkpoint.manager import require_intact
+from torchpre.checkpoint.integrity import require_intact
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.data.tokenizer import BOS, DEFAULT_TOKENIZER_PATH, EOS, Tokenizer

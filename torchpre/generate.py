@@ -32,14 +32,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from torchpre.checkpoint.manager import (
-    STEP_DIR,
-    check_shapes,
-    checkpoint_metadata,
-    find_intact_step,
-    find_step_dir,
-    require_intact,
-)
+from torchpre.checkpoint.folders import STEP_DIR, find_step_dir
+from torchpre.checkpoint.integrity import find_intact_step, require_intact
+from torchpre.checkpoint.state import check_shapes, checkpoint_metadata
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer

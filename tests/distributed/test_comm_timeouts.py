@@ -26,8 +26,8 @@ INIT_S, TRAIN_S = 77.0, 33.0
 
 def group_timeouts(trainer: Trainer) -> dict[str, float]:
     """The timeout of each group the trainer's collectives run on, read back from its gloo backend."""
-    groups = {"world": dist.group.WORLD, "async checkpoint": trainer.checkpoint.async_group}
-    groups |= {f"mesh {name}": trainer.mesh[name].get_group() for name in trainer.mesh.mesh_dim_names}
+    groups = {"world": dist.group.WORLD, "async checkpoint": trainer.job.checkpoint.async_group}
+    groups |= {f"mesh {name}": trainer.job.mesh[name].get_group() for name in trainer.job.mesh.mesh_dim_names}
     cpu = torch.device("cpu")
     return {name: group._get_backend(cpu).options._timeout.total_seconds() for name, group in groups.items()}
 

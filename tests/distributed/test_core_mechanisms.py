@@ -18,11 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tests.gpt2_model import GPT2, GPT2Args
 from tests.launch import spawn
+from tests.optimizers import entries, plain_optimizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.health.verdict import step_verdict
 from torchpre.models.moe.model import GroupedExperts
 from torchpre.optim import build_optimizer
-from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
 from torchpre.parallel.expert_parallel import apply_expert_parallel
 from torchpre.parallel.pipeline import sync_tied_gradients
@@ -72,7 +72,7 @@ def _check_data_parallel(zero_stage: int, mesh: DeviceMesh, microbatches: int = 
     microbatch's gradients into its shard while the next runs."""
     norms, expected = _one_process()
     model = _model()
-    optimizer = DistributedOptimizer(
+    optimizer = plain_optimizer(
         list(model.named_parameters()), zero_stage=zero_stage, state_mesh=mesh, dp_group=mesh["dp"].get_group(),
         tp_group=mesh["tp"].get_group(), pp_group=mesh["tp"].get_group(), accumulate_in_fp32=True,
         weight_decay=WEIGHT_DECAY, max_norm=MAX_NORM, build_inner=functools.partial(torch.optim.AdamW, **ADAMW),
@@ -83,7 +83,7 @@ def _check_data_parallel(zero_stage: int, mesh: DeviceMesh, microbatches: int = 
         for i, (inputs, targets) in enumerate(batches):
             loss = _loss(model, inputs, targets)
             if microbatches > 1:
-                optimizer.buckets.on_backward(0, last=i == microbatches - 1)
+                optimizer.reduction.buckets.on_backward(0, last=i == microbatches - 1)
             loss.backward()
         norm = optimizer.step()
         what = f"zero {zero_stage}: step {step} norm"
@@ -131,7 +131,7 @@ def _check_pipeline_gradients() -> None:
                         loss_fn=_microbatch_loss)
     optimizer = build_optimizer(model)
     model.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-    grads = {e.name: g for e, g in zip(optimizer.entries, optimizer.collect_gradients()) if e.name not in TIED}
+    grads = {e.name: g for e, g in zip(entries(optimizer), optimizer.reduction.local_gradients()) if e.name not in TIED}
     assert grads, "this stage holds no untied parameter"
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tests.gpt2_model import GPT2, GPT2Args
 from tests.launch import spawn
+from tests.optimizers import entries
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
@@ -70,15 +71,15 @@ def _check_one_step_matches_zero0(meshes) -> None:
     ref_norm, norm = ref_opt.reduce_gradients(), opt.reduce_gradients()
     torch.testing.assert_close(norm, ref_norm, rtol=0, atol=ATOL)
     assert norm > 0.05, "the norm must exceed max_norm, so clipping is part of the comparison"
-    ref_grads = {e.name: e.master.grad for e in ref_opt.entries}
-    for entry in opt.entries:  # divided by dp instead of summed, these would be half the reference
+    ref_grads = {e.name: e.master.grad for e in entries(ref_opt)}
+    for entry in entries(opt):  # divided by dp instead of summed, these would be half the reference
         torch.testing.assert_close(entry.param.grad.full_tensor(), ref_grads[entry.name], rtol=0, atol=ATOL,
                                    msg=f"gradient of {entry.name}")
 
     before = {name: p.detach().full_tensor() for name, p in model.named_parameters()}
     state_before = {name: {k: _full(v).clone() for k, v in s.items()} for name, s in opt.state_dict().items()}
     opt.discard()
-    assert all(e.param.grad is None for e in opt.entries)
+    assert all(e.param.grad is None for e in entries(opt))
     for name, p in model.named_parameters():
         assert torch.equal(p.detach().full_tensor(), before[name]), f"discard moved {name}"
     for name, state in opt.state_dict().items():
@@ -94,7 +95,7 @@ def _check_one_step_matches_zero0(meshes) -> None:
                                    msg=lambda m, name=name: f"{name} after apply: {m}")
     state = opt.state_dict()
     assert TIED[1] in state and "master" not in state[TIED[0]], sorted(state[TIED[0]])
-    for entry in opt.entries:
+    for entry in entries(opt):
         moment = state[entry.name]["exp_avg"]
         assert moment.placements == entry.param.placements and moment.device_mesh == entry.param.device_mesh
 

@@ -13,12 +13,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import torchpre.distributed.collectives as collectives
-import torchpre.optim.grad_buckets as grad_buckets
+import torchpre.parallel.grad_buckets as grad_buckets
 from tests.launch import spawn
+from tests.optimizers import entries
 from torchpre.distributed.collectives import rank_chunk
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.optim import build_optimizer
 from torchpre.parallel import ParallelModel, ParallelPlan, parallelize
+from torchpre.parallel.data_parallel import DataParallel
 
 pytestmark = pytest.mark.slow
 
@@ -67,12 +69,15 @@ def _microbatches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(n, 4, generator=generator), torch.randn(n, 4, generator=generator)) for n in (3, 3, 2)]
 
 
-def _setup(mesh: DeviceMesh, count: int = 40, rows: int = 4, **options) -> tuple[ParallelModel, object]:
+def _setup(
+    mesh: DeviceMesh, count: int = 40, rows: int = 4, zero2_accumulate_locally: bool = False, **options
+) -> tuple[ParallelModel, object]:
     with torch.device("meta"):
         model = Stack(count, rows)
     model = parallelize(model, mesh, ParallelPlan(blocks="layers"), device=torch.device("cpu"),
                         init_weights=lambda m: m.init_weights(), loss_fn=_loss)
-    return model, build_optimizer(model, max_norm=0.0, bucket_bytes=BUCKET_BYTES, **options)
+    strategy = DataParallel(bucket_bytes=BUCKET_BYTES, accumulate_locally=zero2_accumulate_locally, **options)
+    return model, build_optimizer(model, max_norm=0.0, data_parallel=strategy)
 
 
 class CountingCollectives:
@@ -99,7 +104,7 @@ def _step_counts(mesh: DeviceMesh, count: int, rows: int, zero_stage: int) -> tu
         counting = CountingCollectives(monkeypatch)
         model.forward_backward(_microbatches())
         optimizer.step()
-    return len(optimizer.buckets.buckets), counting.counts
+    return len(optimizer.reduction.buckets.buckets), counting.counts
 
 
 def _check_collective_counts(mesh: DeviceMesh) -> None:
@@ -118,7 +123,7 @@ def _reduced_gradients(mesh: DeviceMesh, **options) -> dict[str, torch.Tensor]:
     model, optimizer = _setup(mesh, **options)
     model.forward_backward(_microbatches())
     optimizer.reduce_gradients()
-    grads = {e.name: e.master.grad.clone() for e in optimizer.entries}
+    grads = {e.name: e.master.grad.clone() for e in entries(optimizer)}
     optimizer.discard()
     return grads
 
@@ -156,22 +161,22 @@ def _check_late_gradient_raises(mesh: DeviceMesh) -> None:
         _loss(model.parts[0](inputs), labels).backward()
     for layer in model.parts[0].layers.values():
         layer.weight.grad = None
-    optimizer.buckets.finish()
+    optimizer.reduction.buckets.finish()
 
 
 def _check_overlap(mesh: DeviceMesh) -> None:
     for zero_stage in (0, 1, 2):
         model, optimizer = _setup(mesh, zero_stage=zero_stage)
         model.forward_backward(_microbatches())
-        in_flight = len(optimizer.buckets.in_flight())
+        in_flight = len(optimizer.reduction.buckets.in_flight())
         # All but the bucket holding layer 1 (no gradient on the last microbatch: launched by reduce_gradients);
         # stage 2 keeps at most 2 reduce-scatters in flight (each holds a full transient bucket).
-        expected = len(optimizer.buckets.buckets) - 1 if zero_stage < 2 else grad_buckets.MAX_IN_FLIGHT
+        expected = len(optimizer.reduction.buckets.buckets) - 1 if zero_stage < 2 else grad_buckets.MAX_IN_FLIGHT
         assert in_flight == expected, (zero_stage, in_flight)
         optimizer.step()
         model, optimizer = _setup(mesh, zero_stage=zero_stage, overlap_grad_reduce=False)
         model.forward_backward(_microbatches())
-        assert optimizer.buckets.in_flight() == [], zero_stage
+        assert optimizer.reduction.buckets.in_flight() == [], zero_stage
         optimizer.step()
 
 
@@ -199,9 +204,10 @@ def _check_gradient_memory(mesh: DeviceMesh) -> None:
         model, optimizer = _setup(mesh, zero_stage=zero_stage)
         model.forward_backward(_microbatches())
         optimizer.step()
-        assert optimizer.buckets.grad_bytes() == expected, (zero_stage, optimizer.buckets.grad_bytes())
+        measured = optimizer.reduction.buckets.grad_bytes()
+        assert measured == expected, (zero_stage, measured)
     _, optimizer = _setup(mesh, zero_stage=2, zero2_accumulate_locally=True)
-    assert optimizer.buckets.grad_bytes() == 4 * numel // 2
+    assert optimizer.reduction.buckets.grad_bytes() == 4 * numel // 2
 
 
 def _check_all(_mesh: DeviceMesh) -> None:

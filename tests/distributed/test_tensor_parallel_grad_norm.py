@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from tests.launch import spawn
+from tests.optimizers import plain_optimizer
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel
-from torchpre.optim.distributed_optimizer import DistributedOptimizer
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def _check_norm(_mesh: DeviceMesh) -> None:
     apply_llama3_tensor_parallel(model, mesh["tp"], sequence_parallel=True, loss_parallel=False)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    optimizer = DistributedOptimizer(
+    optimizer = plain_optimizer(
         list(model.named_parameters()), zero_stage=0, state_mesh=mesh, dp_group=mesh["dp"].get_group(),
         tp_group=mesh["tp"].get_group(), pp_group=mesh["dp"].get_group(), accumulate_in_fp32=True,
         build_inner=functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), eps=1e-8), weight_decay=0.0,

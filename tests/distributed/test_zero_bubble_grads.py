@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from tests.gpt2_model import GPT2, TP_PLAN, GPT2Args
 from tests.launch import spawn
+from tests.optimizers import entries
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.optim import build_optimizer
 from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
@@ -53,7 +54,7 @@ def fp32_gradients(schedule: str) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, ARGS.vocab_size, (MICROBATCHES, 17), generator=generator)
     model.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
-    return {entry.name: grad.clone() for entry, grad in zip(optimizer.entries, optimizer.collect_gradients())}
+    return {e.name: grad.clone() for e, grad in zip(entries(optimizer), optimizer.reduction.local_gradients())}
 
 
 def run_schedules(out: Path, _mesh) -> None:

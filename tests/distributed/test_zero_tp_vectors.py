@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.gpt2_model import GPT2, TP_PLAN, GPT2Args
 from tests.launch import spawn
+from tests.optimizers import entries
 from torchpre.distributed.collectives import all_gather_chunks
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.optim import build_optimizer
@@ -77,7 +78,7 @@ def true_full_state(mesh, optimizer) -> dict[str, torch.Tensor]:
     """Every moment and master as a full tensor, gathered the way the optimizer writes its parameters (its
     own all-gather over dp into the TP-local tensor), independently of how `state_dict()` describes it."""
     full = {}
-    for entry in optimizer.entries:
+    for entry in entries(optimizer):
         adam = optimizer.inner.state[entry.master]
         tensors = {"exp_avg": adam["exp_avg"], "exp_avg_sq": adam["exp_avg_sq"]}
         if entry.owns_master:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.launch import REPO, TINY, ForkServer, manifest_record, run_train
-from torchpre.checkpoint.manager import MANIFEST
+from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
 from torchpre.models.llama3.args import LLAMA3_FLAVORS

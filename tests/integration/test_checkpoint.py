@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import DEBUG as DEBUG_MODEL
 from tests.launch import TINY, run_train, train_and_read_metrics
-from torchpre.checkpoint.manager import MANIFEST, verify_share
+from torchpre.checkpoint.integrity import MANIFEST, verify_share
 
 pytestmark = pytest.mark.slow
 

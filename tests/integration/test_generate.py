@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from tests.launch import manifest_record, run_entry
-from torchpre.checkpoint.manager import MANIFEST
+from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.generate import generate_ids, main, sample, whole_model

@@ -14,7 +14,7 @@ import pytest
 
 from tests.launch import manifest_record, run_train, train_and_read_metrics
 from tests.reshard_worker import REPORT
-from torchpre.checkpoint.manager import MANIFEST
+from torchpre.checkpoint.integrity import MANIFEST
 
 pytestmark = pytest.mark.slow
 

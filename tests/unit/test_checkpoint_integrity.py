@@ -7,7 +7,6 @@ import io
 import json
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,61 +17,71 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import torchpre.checkpoint.manager as manager
 from tests.launch import manifest_record, spawn
-from torchpre.checkpoint.manager import MANIFEST, CheckpointManager
+from torchpre.checkpoint.integrity import MANIFEST
+from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.storage import stager_keeps_buffers, staging_options
+from torchpre.config.job_config import Checkpoint
 from torchpre.errors import TorchpreError
 
 
-class _Optimizer:
-    """What the manager needs of torchpre's optimizer: a state dict and the master weights (none here: the
-    parameters load as they are)."""
+class _Value:
+    """A toy component: named plain values (a step, a data position), loaded back through `load_state_dict`."""
 
-    aliases: dict[str, str] = {}
+    def __init__(self, **values: int) -> None:
+        self.values = values
+        self.loaded: list[dict[str, int]] = []
 
-    def __init__(self) -> None:
-        self.state = {"weight": {"exp_avg": torch.zeros(4, 4)}}
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.values)
 
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        return self.state
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.values = dict(state_dict)
+        self.loaded.append(dict(state_dict))
 
-    def masters(self) -> dict[str, torch.Tensor]:
-        return {}
 
-    def parameters_from_masters(self) -> None:
+class _Tensors:
+    """A toy component whose tensors DCP loads in place."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         pass
 
 
-def _manager(
-    folder: Path,
-    data_position: Callable[[], int] = lambda: 0,
-    set_data_position: Callable[[int], None] = lambda position: None,
-    async_mode: str = "disabled",
-    checksums: str = "write",
-) -> CheckpointManager:
+def _components(step: int = 0, consumed: int = 0) -> dict[str, object]:
     model = nn.Linear(4, 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=0.1), lambda step: 1.0)
-    return CheckpointManager(
-        folder=folder,
-        model_parts=[model],
-        optimizer=_Optimizer(),
-        lr_scheduler=scheduler,
-        data_position=data_position,
-        set_data_position=set_data_position,
-        config_text="[job]\n",
-        interval=2,
-        keep_latest_k=0,
-        async_mode=async_mode,
-        model_only=False,
-        exclude_from_loading=[],
-        checksums=checksums,
-    )
+    return {
+        "model": _Tensors(model.state_dict()),
+        "optimizer": _Tensors({"weight": {"exp_avg": torch.zeros(4, 4)}}),
+        "lr_scheduler": scheduler,
+        "dataloader": _Value(consumed_samples=consumed),
+        "train": _Value(step=step),
+    }
+
+
+def _manager(
+    folder: Path, async_mode: str = "disabled", checksums: str = "write", components: dict | None = None
+) -> CheckpointManager:
+    settings = Checkpoint(enable=True, interval=2, async_mode=async_mode, checksums=checksums)
+    return CheckpointManager(folder, components or _components(), settings, config_text="[job]\n")
 
 
 def _save(folder: Path, *steps: int) -> CheckpointManager:
     checkpoints = _manager(folder)
     for step in steps:
+        checkpoints.components["train"].values["step"] = step
         checkpoints.save(step)
     return checkpoints
+
+
+def _loaded_step(checkpoints: CheckpointManager, step_dir: Path) -> int:
+    checkpoints.load(step_dir)
+    return checkpoints.components["train"].values["step"]
 
 
 class Killed(BaseException):
@@ -108,11 +117,11 @@ CRASH_POINTS = {  # where the save dies: writing the files, gathering their chec
 def test_the_data_position_comes_back_exactly(world, tmp_path):
     """The loader resumes at the sample after the last one trained on: one sample early or late shifts every
     later batch."""
-    _manager(tmp_path, data_position=lambda: 24).save(3)
-    restored: list[int] = []
-    resumed = _manager(tmp_path, set_data_position=restored.append)
-    train = resumed.load(resumed.find(-1))
-    assert (train.step, train.consumed_samples, restored) == (3, 24, [24])
+    _manager(tmp_path, components=_components(step=3, consumed=24)).save(3)
+    resumed = _manager(tmp_path)
+    assert resumed.load(resumed.find(-1)) == ["model", "optimizer", "lr_scheduler", "dataloader", "train"]
+    assert resumed.components["dataloader"].loaded == [{"consumed_samples": 24}]
+    assert resumed.components["train"].values == {"step": 3}
 
 
 @pytest.mark.parametrize("crash_point", CRASH_POINTS)
@@ -127,7 +136,7 @@ def test_a_save_killed_part_way_leaves_no_complete_folder(crash_point, world, tm
     restarted.remove_unfinished()  # what a restarted job's trainer does first: clear what the dead one left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
     assert restarted.find(-1) == tmp_path / "step-2"
-    assert restarted.load(tmp_path / "step-2").step == 2
+    assert _loaded_step(restarted, tmp_path / "step-2") == 2
 
 
 def test_the_manifest_records_every_file_and_a_folder_without_one_is_trusted(world, tmp_path):
@@ -179,7 +188,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(world, tmp_p
     assert len(warnings) == 2
     assert f"checkpoint {tmp_path / 'step-6'} is corrupt" in warnings[0]
     assert f"checkpoint {tmp_path / 'step-4'} is corrupt" in warnings[1]
-    assert checkpoints.load(tmp_path / "step-2").step == 2
+    assert _loaded_step(checkpoints, tmp_path / "step-2") == 2
 
 
 def test_every_checkpoint_corrupt_is_an_error(world, tmp_path):
@@ -283,12 +292,13 @@ def test_async_saves_through_one_stager_round_trip_bitwise(async_mode, world, tm
 
     monkeypatch.setattr(manager.dcp, "async_save", spy)
     checkpoints = _manager(tmp_path, async_mode=async_mode)
-    weight = checkpoints.model_parts[0].weight
+    weight = checkpoints.components["model"].tensors["weight"]
     saved = {}
     for step in (2, 4):
         with torch.no_grad():
             weight.copy_(torch.randn(4, 4))
         saved[step] = weight.detach().clone()
+        checkpoints.components["train"].values["step"] = step
         checkpoints.save(step)
     checkpoints.close()
     (first, kind), (second, _) = stagers
@@ -299,5 +309,5 @@ def test_async_saves_through_one_stager_round_trip_bitwise(async_mode, world, tm
         manifest = json.loads((step_dir / MANIFEST).read_text())["files"]
         assert manifest == _records_on_disk(step_dir)
         resumed = _manager(tmp_path)
-        assert resumed.load(resumed.find(step)).step == step
-        assert torch.equal(resumed.model_parts[0].weight, expected)
+        assert _loaded_step(resumed, resumed.find(step)) == step
+        assert torch.equal(resumed.components["model"].tensors["weight"], expected)

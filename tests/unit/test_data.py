@@ -7,7 +7,7 @@ import torch
 
 from torchpre.data.dataset import PackedWindows, pack_documents
 from torchpre.data.documents import load_documents
-from torchpre.data.loader import build_dataloader
+from torchpre.data.loader import TrainingData, build_dataloader
 from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
@@ -106,6 +106,27 @@ def test_loader_resumes_exactly_from_its_state_dict(tmp_path):
     resumed.load_state_dict(state)
     got = [b for _, b in zip(range(5), resumed)]
     for (x, y), (x2, y2) in zip(expected, got):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+def test_a_resumed_data_position_gives_the_batches_training_would_have_read(tmp_path):
+    """The training data's checkpointed position counts the samples trained on (not the loader's prefetch), and a
+    job that loads it reads the very batches the uninterrupted job reads next; one sample off shifts them all."""
+    data = tmp_path / "data.jsonl"
+    write_jsonl(data, [f"document number {i} says something about topic {i % 7}." for i in range(200)])
+    running = TrainingData(build(data), global_batch_size=4, accumulation_steps=2)
+    for _ in range(3):
+        running.next_step()
+        running.step_done()
+    state = running.state_dict()
+    assert state == {"consumed_samples": 12}
+    expected = running.next_step()
+
+    resumed = TrainingData(build(data), global_batch_size=4, accumulation_steps=2)
+    resumed.load_state_dict(state)
+    got = resumed.next_step()
+    assert resumed.consumed_samples == 12
+    for (x, y), (x2, y2) in zip(expected, got, strict=True):
         assert torch.equal(x, x2) and torch.equal(y, y2)
 
 

@@ -1,4 +1,4 @@
-"""The dry run builds the real trainer for one rank of a large fake world and reports exactly what it holds.
+"""The dry run builds the real training job for one rank of a large fake world and reports exactly what it holds.
 
 The oracle is the layout's arithmetic, not the optimizer's own accounting: each parameter's local size from its
 global shape and the tensor-parallel plan (column-parallel weights and the embedding split dim 0, row-parallel
@@ -30,7 +30,9 @@ from torchpre.planner.dryrun import (
     rank_memory,
     run_dry_run,
 )
-from torchpre.training.trainer import Runtime, Trainer
+from torchpre.runtime.world import Runtime
+from torchpre.training.job import TrainingJob, build_job
+from torchpre.training.trainer import Trainer
 
 COLUMN_PARALLEL = ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings")
 ROW_PARALLEL = ("wo", "w2")
@@ -79,10 +81,10 @@ def _analytic(shapes: dict[str, torch.Size], tp: int, dp: int) -> tuple[int, int
     return 2 * params, 4 * params, state
 
 
-def _global_shapes(trainer: Trainer) -> dict[str, torch.Size]:
+def _global_shapes(job: TrainingJob) -> dict[str, torch.Size]:
     """This rank's parameters under their plain-model names, with their global (unsharded) shapes."""
     shapes = {}
-    for part in trainer.model.parts:
+    for part in job.model.parts:
         for name, param in part.named_parameters():
             shapes[name.replace("._checkpoint_wrapped_module", "")] = param.shape
     return shapes
@@ -100,10 +102,10 @@ def test_dry_run_reports_the_layouts_analytic_bytes(flavor, dp, tp, pp):
     assert ranks == [stage * dp * tp for stage in range(pp)]
     model_params = 0
     for stage, rank in enumerate(ranks):
-        trainer = Trainer(config, Runtime(world, fake_rank=rank))
+        job = build_job(config, Runtime(world, fake_rank=rank))
         try:
-            shapes = _global_shapes(trainer)
-            memory = rank_memory(trainer)
+            shapes = _global_shapes(job)
+            memory = rank_memory(job)
         finally:
             dist.destroy_process_group()
         assert (memory.rank, memory.pp, memory.dp, memory.tp) == (rank, stage, 0, 0)
@@ -114,7 +116,7 @@ def test_dry_run_reports_the_layouts_analytic_bytes(flavor, dp, tp, pp):
         # The checkpoint holds this rank's parameters (as their fp32 masters' shards) and optimizer state.
         assert memory.checkpoint_bytes >= memory.optimizer_state_bytes
         model_params += sum(math.prod(s) for s in shapes.values())
-    assert model_params == trainer.num_params  # the stages together hold the whole model, each block once
+    assert model_params == job.num_params  # the stages together hold the whole model, each block once
 
 
 def test_a_fake_rank_holds_what_a_real_process_holds(monkeypatch):
@@ -124,11 +126,11 @@ def test_a_fake_rank_holds_what_a_real_process_holds(monkeypatch):
     config.training.mixed_precision_param = "bfloat16"
     real = Trainer(config)
     try:
-        expected = rank_memory(real)
+        expected = rank_memory(real.job)
     finally:
         dist.destroy_process_group()
     initialised = []
-    spec = real.model_spec
+    spec = real.job.preflight.model_spec
     monkeypatch.setattr(type(spec), "init_weights", lambda *args: initialised.append(args), raising=True)
     fake = build_rank(config, 1, 0)
     assert not initialised  # a fake rank never draws full parameters
@@ -141,9 +143,9 @@ def test_the_last_rank_of_a_1024_rank_world_is_the_last_of_every_dimension():
     config = _large("8B", 8, 8, 16)
     assert dry_run_world_size(config) == 1024
     assert dry_run_ranks(config, 1024) == [stage * 64 for stage in range(16)]
-    trainer = Trainer(config, Runtime(1024, fake_rank=1023))
+    job = build_job(config, Runtime(1024, fake_rank=1023))
     try:
-        assert tuple(trainer.mesh.get_coordinate()) == (15, 7, 7)
+        assert tuple(job.mesh.get_coordinate()) == (15, 7, 7)
         assert dist.get_world_size() == 1024
     finally:
         dist.destroy_process_group()

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchpre.health.verdict import LossSpikeDetector, step_verdict
+from tests.optimizers import plain_optimizer
+from torchpre.health.spikes import LossSpikeDetector
+from torchpre.health.verdict import step_verdict
 from torchpre.metrics.timer import PhaseTimer
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 
@@ -54,7 +56,7 @@ def test_step_verdict_names_what_is_not_finite_and_flags_the_skip_on_the_device(
 def test_discarded_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    optimizer = DistributedOptimizer(
+    optimizer = plain_optimizer(
         list(model.named_parameters()), zero_stage=0, state_mesh=None, dp_group=world, tp_group=world,
         pp_group=world, accumulate_in_fp32=True, weight_decay=0.1, max_norm=1.0,
         build_inner=functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
@@ -80,7 +82,7 @@ def test_discarded_step_leaves_parameters_and_optimizer_state_bitwise_unchanged(
 def _two_layers_and_optimizer(world, **implementation) -> tuple[nn.Module, DistributedOptimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    optimizer = DistributedOptimizer(
+    optimizer = plain_optimizer(
         list(model.named_parameters()), zero_stage=0, state_mesh=None, dp_group=world, tp_group=world,
         pp_group=world, accumulate_in_fp32=True, weight_decay=0.1, max_norm=1.0,
         build_inner=functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **implementation),

@@ -6,9 +6,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tests.optimizers import plain_optimizer
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
-from torchpre.optim.distributed_optimizer import DistributedOptimizer
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=256)
 MICROBATCHES = 16
@@ -22,7 +22,7 @@ def accumulated_gradients(dtype: torch.dtype, accumulate_in_fp32: bool, group) -
     finally:
         torch.set_default_dtype(torch.float32)
     model.init_weights(seed=0)
-    optimizer = DistributedOptimizer(
+    optimizer = plain_optimizer(
         list(model.named_parameters()),
         zero_stage=0,
         state_mesh=None,
@@ -39,7 +39,7 @@ def accumulated_gradients(dtype: torch.dtype, accumulate_in_fp32: bool, group) -
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten()) / MICROBATCHES
         loss.backward()
-    return [g.clone() for g in optimizer.collect_gradients()]
+    return [g.clone() for g in optimizer.reduction.local_gradients()]
 
 
 def relative_error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -68,19 +68,19 @@ def test_bf16_parameters_keep_fp32_masters_and_grads(world):
     model.init_weights(seed=0)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope_cache.dtype == torch.float32
-    optimizer = DistributedOptimizer(
+    optimizer = plain_optimizer(
         list(model.named_parameters()), zero_stage=0, state_mesh=None, dp_group=world, tp_group=world, pp_group=world,
         accumulate_in_fp32=True, weight_decay=0.0, max_norm=1.0,
         build_inner=functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
     )
-    assert all(e.master.dtype == torch.float32 and e.owns_master for e in optimizer.entries)
+    assert all(m.dtype == torch.float32 and optimizer.owns_master(i) for i, m in enumerate(optimizer.masters))
     before = model.layers["0"].attention.wq.weight.detach().clone()
     model(torch.randint(0, ARGS.vocab_size, (2, 8))).float().sum().backward()
     assert all(p.grad is None for p in model.parameters())  # moved into the fp32 accumulators
     optimizer.step()
     after = model.layers["0"].attention.wq.weight
     assert after.dtype == torch.bfloat16 and not torch.equal(after, before)
-    master = optimizer.entries[[e.name for e in optimizer.entries].index("layers.0.attention.wq.weight")].master
+    master = optimizer.masters[[p.name for p in optimizer.params].index("layers.0.attention.wq.weight")]
     torch.testing.assert_close(after, master.to(torch.bfloat16), rtol=0, atol=0)
     # 2 fp32 moments + an fp32 master per element, and AdamW's 4-byte step counter per parameter
     params = list(model.parameters())

@@ -109,16 +109,17 @@ def test_the_trainer_calls_every_hook(tmp_path: Path) -> None:
     trainer, records = train("toy-hooked", tmp_path)
 
     [(args, dims)] = CALLS["validate_layout"]
-    assert args == trainer.model_args and args.vocab_size == trainer.tokenizer.vocab_size  # the resolved args
+    job = trainer.job
+    assert args == job.preflight.model_args and args.vocab_size == job.preflight.tokenizer.vocab_size  # resolved
     assert (dims.dp, dims.tp, dims.pp, dims.ep) == (1, 1, 1, 1)
 
     assert [(part, scale) for part, scale in CALLS["set_aux_loss_scale"]] == [
-        (part, 1 / GLOBAL_BATCH) for part in trainer.model.parts
+        (part, 1 / GLOBAL_BATCH) for part in job.model.parts
     ]
 
     assert len(CALLS["extra_metrics"]) == STEPS  # once per logged step, on every rank
     parts, args, device = CALLS["extra_metrics"][0]
-    assert list(parts) == list(trainer.model.parts) and args == trainer.model_args and device == trainer.device
+    assert list(parts) == list(job.model.parts) and args == job.preflight.model_args and device == job.device
     assert [r["toy/calls"] for r in records] == [1.0, 2.0]
 
 

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
-from torchpre.training.trainer import resolve_batch_sizes
+from torchpre.training.batches import resolve_batch_sizes
 
 
 def test_dp_minus_one_takes_the_remaining_processes():

@@ -25,6 +25,7 @@ from torchpre.errors import ConfigError
 from torchpre.models import registry
 from torchpre.models.registry import default_init_buffers, get_flavor, get_model_spec
 from torchpre.parallel.api import parallelize
+from torchpre.training import job as training_job
 from torchpre.training.model import meta_model, parallel_plan
 from torchpre.training.trainer import Trainer
 
@@ -191,10 +192,10 @@ def state_after_start(config: JobConfig) -> dict[str, object]:
     """Everything a started job holds that training reads: parameters, buffers (non-persistent ones too) and
     the optimizer state, as local tensors."""
     try:
-        trainer = Trainer(config)
-        state = {f"buffer.{name}": t for part in trainer.model.parts for name, t in part.named_buffers()}
-        state.update((f"model.{name}", t) for name, t in trainer.model.named_parameters())
-        for name, entries in trainer.optimizer.state_dict().items():
+        trained = Trainer(config).job
+        state = {f"buffer.{name}": t for part in trained.model.parts for name, t in part.named_buffers()}
+        state.update((f"model.{name}", t) for name, t in trained.model.named_parameters())
+        for name, entries in trained.optimizer.state_dict().items():
             state.update((f"optimizer.{name}.{key}", value) for key, value in entries.items())
         return {
             key: (value.to_local() if isinstance(value, DTensor) else value).clone()
@@ -231,7 +232,7 @@ def test_a_resumed_job_skips_initialisation_and_starts_in_the_state_an_initialis
     assert CALLS == {"init_weights": 0, "init_buffers": 1}
     assert f"skipped weight initialisation: loading {tmp_path / 'checkpoint' / 'step-2'}" in caplog.text
 
-    monkeypatch.setattr(Trainer, "_weights_source", lambda self: None)  # as before: initialise, then load
+    monkeypatch.setattr(training_job, "_weights_source", lambda config, resume_dir: None)  # initialise, then load
     initialised = state_after_start(job(family, tmp_path, 3, *checkpoint))
     assert CALLS == {"init_weights": 1, "init_buffers": 1}
     assert_bitwise_equal(skipped, initialised)

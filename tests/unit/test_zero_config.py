@@ -1,5 +1,5 @@
-"""The ZeRO and HSDP keys are checked before any process group exists, with messages that name the key; the
-FSDP settings of ZeRO-3 follow them."""
+"""The ZeRO and HSDP keys are checked before any process group exists (the config's values, then the data-parallel
+strategy built from them), with messages that name the key; the FSDP settings of ZeRO-3 follow them."""
 
 import pytest
 import torch
@@ -7,7 +7,17 @@ import torch
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.errors import ConfigError
+from torchpre.parallel.data_parallel import DataParallel
 from torchpre.training.model import fsdp_plan
+
+
+def check(config: JobConfig) -> DataParallel:
+    validate_config(config)
+    return DataParallel.from_config(config)
+
+
+def settings(config: JobConfig, pipeline: object):
+    return fsdp_plan(config, pipeline, DataParallel.from_config(config))
 
 
 def _config(tmp_path, **keys: object) -> JobConfig:
@@ -44,17 +54,17 @@ def _config(tmp_path, **keys: object) -> JobConfig:
 )
 def test_impossible_zero_keys_are_named(tmp_path, keys, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
-        validate_config(_config(tmp_path, **keys))
+        check(_config(tmp_path, **keys))
 
 
 def test_the_defaults_are_valid(tmp_path):
-    validate_config(_config(tmp_path))
-    validate_config(_config(tmp_path, optimizer__zero_stage=1, parallelism__data_parallel_shard_degree=2))
+    check(_config(tmp_path))
+    check(_config(tmp_path, optimizer__zero_stage=1, parallelism__data_parallel_shard_degree=2))
 
 
 def test_zero3_and_hsdp_are_valid(tmp_path):
-    validate_config(_config(tmp_path, optimizer__zero_stage=3))
-    validate_config(_config(tmp_path, optimizer__zero_stage=3, parallelism__data_parallel_replicate_degree=2))
+    check(_config(tmp_path, optimizer__zero_stage=3))
+    check(_config(tmp_path, optimizer__zero_stage=3, parallelism__data_parallel_replicate_degree=2))
 
 
 @pytest.mark.parametrize(
@@ -66,13 +76,24 @@ def test_fsdp_reshard_after_forward_defaults_to_off_under_pipelines(tmp_path, se
     the step's backwards anyway: resharding after each forward would only add all-gathers."""
     config = _config(tmp_path, optimizer__zero_stage=3, parallelism__fsdp_reshard_after_forward=setting)
     pipeline = object() if pipelined else None
-    assert fsdp_plan(config, pipeline).reshard_after_forward is reshard
+    assert settings(config, pipeline).reshard_after_forward is reshard
 
 
 def test_fsdp_mixed_precision_follows_the_config(tmp_path):
     config = _config(tmp_path, optimizer__zero_stage=3, training__mixed_precision_param="bfloat16")
-    plan = fsdp_plan(config, None)
-    assert (plan.param_dtype, plan.reduce_dtype) == (torch.bfloat16, torch.float32)
+    fsdp = settings(config, None)
+    assert (fsdp.param_dtype, fsdp.reduce_dtype) == (torch.bfloat16, torch.float32)
     config.optimizer.reduce_dtype = "bfloat16"
-    assert fsdp_plan(config, None).reduce_dtype == torch.bfloat16
-    assert fsdp_plan(_config(tmp_path, optimizer__zero_stage=3), None).param_dtype is None
+    assert settings(config, None).reduce_dtype == torch.bfloat16
+    assert settings(_config(tmp_path, optimizer__zero_stage=3), None).param_dtype is None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_strategy_answers_by_capability(stage):
+    """What each ZeRO stage shards, the one place the stage number is read."""
+    strategy = DataParallel(zero_stage=stage)
+    capabilities = (strategy.shards_optimizer_state, strategy.shards_gradients, strategy.shards_parameters)
+    assert capabilities == ((False, False, False), (True, False, False), (True, True, False), (True, True, True))[stage]
+    assert strategy.reduces_each_microbatch == (stage == 2)
+    assert not DataParallel(zero_stage=2, accumulate_locally=True).reduces_each_microbatch
+    assert not DataParallel(zero_stage=2, overlap_grad_reduce=False).reduces_each_microbatch

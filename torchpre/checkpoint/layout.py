@@ -9,7 +9,10 @@ leaving the reader to diff two "layout" lines. The saving layout is the checkpoi
 import os
 from pathlib import Path
 
-from torchpre.checkpoint.manager import LAYOUT_KEYS
+# The layout of the job that saved a checkpoint (entries of its "train" state): how many ranks, the degrees and the
+# microbatches per optimizer step. They describe the run, not its state: a resume under another layout compares
+# them, it loads nothing into them.
+LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "accumulation_steps")
 
 
 def describe_layout(layout: dict[str, int]) -> str:

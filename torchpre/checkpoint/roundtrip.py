@@ -1,6 +1,6 @@
 """The state round-trip check: does a checkpoint, loaded under this job's layout, hold exactly what was saved?
 
-`check_round_trip(manager, step_dir, step)` runs on every rank of a job that has just loaded `step_dir`: it
+`check_round_trip(manager, step_dir)` runs on every rank of a job that has just loaded `step_dir`: it
 gathers the live training state to full tensors by canonical names (the checkpoint's keys: parameters, fp32
 masters, every optimizer moment and step, the lr scheduler, the train step and data position), reads the
 same from the checkpoint's files, and compares them bitwise. The layout that saved the checkpoint and the
@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
-from torchpre.checkpoint.manager import LAYOUT_KEYS as TRAIN_LAYOUT_KEYS
-from torchpre.checkpoint.manager import CheckpointManager, flatten
+from torchpre.checkpoint.layout import LAYOUT_KEYS as TRAIN_LAYOUT_KEYS
+from torchpre.checkpoint.manager import CheckpointManager
+from torchpre.checkpoint.state import flatten
 
 LAYOUT_KEYS = tuple(f"train.{key}" for key in TRAIN_LAYOUT_KEYS)
 PER_RANK_PREFIX = "rng."
@@ -64,10 +65,10 @@ class RoundTripReport:
         return "\n".join(lines)
 
 
-def check_round_trip(manager: CheckpointManager, step_dir: Path, step: int) -> RoundTripReport:
-    """Compares the live state of `manager`'s job (at train step `step`) with `step_dir`, the checkpoint it
-    loaded; a collective: call it on every rank. Every rank returns rank 0's report."""
-    live, inconsistent = gather_live_state(manager, step)
+def check_round_trip(manager: CheckpointManager, step_dir: Path) -> RoundTripReport:
+    """Compares the live state of `manager`'s job with `step_dir`, the checkpoint it loaded; a collective: call it
+    on every rank. Every rank returns rank 0's report."""
+    live, inconsistent = gather_live_state(manager)
     report = None
     if dist.get_rank() == 0:
         report = compare_states(read_saved_state(step_dir), live)
@@ -77,11 +78,11 @@ def check_round_trip(manager: CheckpointManager, step_dir: Path, step: int) -> R
     return reports[0]
 
 
-def gather_live_state(manager: CheckpointManager, step: int) -> tuple[dict[str, Any], list[str]]:
+def gather_live_state(manager: CheckpointManager) -> tuple[dict[str, Any], list[str]]:
     """The job's full state in canonical form on rank 0 (empty elsewhere), and the keys on which ranks
     disagree. A collective: DTensors are gathered over their meshes, in the same key order on every rank."""
     local = {}
-    for key, value in sorted(flatten(manager.state_dict(step)).items()):
+    for key, value in sorted(flatten(manager.state_dict()).items()):
         if isinstance(value, DTensor):
             value = value.full_tensor()
         local[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value

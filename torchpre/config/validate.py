@@ -41,7 +41,7 @@ def validate_config(config: JobConfig) -> None:
         )
     _check_selective_ac_schedule(config)
     _check_optimizer(o)
-    _check_zero(config)
+    _check_data_parallel_degrees(config)
     if o.bucket_size_mb <= 0:
         raise ConfigError(f"optimizer.bucket_size_mb = {o.bucket_size_mb}: it must be positive.")
     if o.lr <= 0:
@@ -231,51 +231,15 @@ def _check_writable_folder(key: str, folder: Path) -> None:
         raise ConfigError(f"{key} '{folder}' {where}, so the job cannot write there. Give a folder path.")
 
 
-ZERO_STAGES = {
-    0: "0 (replicated state)",
-    1: "1 (optimizer state sharded over DP)",
-    2: "2 (gradients sharded over DP too)",
-    3: "3 (parameters, gradients and state sharded over DP by FSDP2)",
-}
-
-
-def _check_zero(config: JobConfig) -> None:
-    """The ZeRO stage and the data-parallel sharding keys that go with it."""
-    o, p = config.optimizer, config.parallelism
-    if o.zero_stage not in ZERO_STAGES:
-        raise ConfigError(f"optimizer.zero_stage = {o.zero_stage}: use {', '.join(ZERO_STAGES.values())}.")
+def _check_data_parallel_degrees(config: JobConfig) -> None:
+    """The HSDP degrees' values; what they mean for a ZeRO stage is `torchpre.parallel.data_parallel`'s to check."""
+    p = config.parallelism
     _at_least("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1)
     if p.data_parallel_shard_degree != -1 and p.data_parallel_shard_degree < 1:
         raise ConfigError(
             f"parallelism.data_parallel_shard_degree = {p.data_parallel_shard_degree}: use -1 (data-parallel "
             "degree / replicate degree) or >= 1."
         )
-    if p.data_parallel_replicate_degree > 1 and o.zero_stage != 3:
-        raise ConfigError(
-            f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, which "
-            "replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
-        )
-    if o.zero_stage == 3:
-        _check_fsdp(config)
-
-
-def _check_fsdp(config: JobConfig) -> None:
-    """What ZeRO-3 (FSDP2) cannot run yet, or runs differently, said before any process starts."""
-    t, p = config.training, config.parallelism
-    if t.mixed_precision_grad != "float32":
-        raise ConfigError(
-            f"training.mixed_precision_grad = {t.mixed_precision_grad} with optimizer.zero_stage = 3: FSDP keeps the "
-            "sharded gradients in fp32 and reduces them in optimizer.reduce_dtype. Set "
-            "training.mixed_precision_grad = float32, and optimizer.reduce_dtype = bfloat16 for a bf16 reduction."
-        )
-    if p.data_parallel_shard_degree != -1 and p.data_parallel_degree != -1:
-        product = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
-        if product != p.data_parallel_degree:
-            raise ConfigError(
-                f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = "
-                f"{p.data_parallel_replicate_degree} x {p.data_parallel_shard_degree} = {product} must equal "
-                f"parallelism.data_parallel_degree = {p.data_parallel_degree}. Set data_parallel_shard_degree = -1."
-            )
 
 
 def _at_least(key: str, value: float, minimum: float) -> None:

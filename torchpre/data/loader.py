@@ -66,6 +66,43 @@ def build_dataloader(
     return StatefulDataLoader(samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TrainingData:
+    """This rank's training batches, and the job's data position: the global samples the steps so far trained on
+    (`consumed_samples`), which a checkpoint saves (`state_dict`) and a resume, under any layout, continues from.
+
+    Not the sampler's own counter, which runs ahead of training by the batches that loader workers prefetch: the
+    loop says when a step is done (`step_done`), and a resume puts the sampler where training stopped."""
+
+    def __init__(self, loader: StatefulDataLoader, global_batch_size: int, accumulation_steps: int):
+        self.loader, self.global_batch_size, self.accumulation_steps = loader, global_batch_size, accumulation_steps
+        self.consumed_samples = 0
+        self._batches = None
+
+    def next_step(self) -> list[Batch]:
+        """This rank's microbatches of the next optimizer step (`accumulation_steps` of them)."""
+        if self._batches is None:  # from the position a resume set
+            self._batches = iter(self.loader)
+        return [next(self._batches) for _ in range(self.accumulation_steps)]
+
+    def step_done(self) -> None:
+        self.consumed_samples += self.global_batch_size
+
+    def shares(self) -> dict[str, float]:
+        """`data_share/NAME` of the tokens trained on so far (see `data_shares`)."""
+        return data_shares(self.loader, self.consumed_samples)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resumes the data order at the saved global sample (before the loader is first iterated)."""
+        self.consumed_samples = int(state_dict["consumed_samples"])
+        self.loader.batch_sampler.load_state_dict({"consumed_samples": self.consumed_samples})
+
+
 def pins_memory(device: torch.device) -> bool:
     """Whether batches bound for `device` are pinned: on CUDA only, where a copy from pinned memory runs
     asynchronously (CPU training has no copy to overlap, and pinning needs a CUDA driver)."""

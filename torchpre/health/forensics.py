@@ -183,3 +183,30 @@ def as_metrics(finding: Finding | None) -> dict[str, str | int]:
         "nonfinite/stage": finding.stage,
         "nonfinite/microbatch": finding.microbatch,
     }
+
+
+@dataclass(frozen=True)
+class Forensics:
+    """What a replay watches and how its finding maps back to data: this rank's model `parts` and their pipeline
+    `stage_ids`, its `dp_rank` of `dp_size`, the sequences per DP rank per gradient-accumulation microbatch
+    (`local_batch_size`) and per microbatch of the replay (`rows_per_microbatch`: the pipeline's, else the local
+    batch)."""
+
+    parts: Sequence[nn.Module]
+    stage_ids: Sequence[int]
+    dp_rank: int
+    dp_size: int
+    local_batch_size: int
+    rows_per_microbatch: int
+
+    def locate(self, replay: Callable[[], None], first_sample: int) -> tuple[str, dict[str, str | int]]:
+        """Runs `replay()` (a collective, see `locate_nonfinite`) of the step that started at global sample
+        `first_sample`; returns the sentence naming the origin and its `nonfinite/*` metrics."""
+        finding = locate_nonfinite(self.parts, self.stage_ids, self.dp_rank, replay)
+        if finding is None:
+            return describe(None, []), as_metrics(None)
+        samples = microbatch_samples(
+            first_sample, self.local_batch_size, self.dp_size, finding.dp_rank, self.rows_per_microbatch,
+            finding.microbatch,
+        )
+        return describe(finding, samples), as_metrics(finding)

@@ -1,9 +1,6 @@
-"""Training health: what a step does when its loss or gradients are not finite, loss-spike detection, and
-the job-wide agreement to stop (preemption) that travels with the step's verdict."""
+"""Each step's job-wide verdict: its global loss, whether the loss and the gradient norm are finite, and the
+agreement to stop (preemption) that travels with it, from one all-reduce that stays on the device."""
 
-import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -89,27 +86,3 @@ def step_verdict(
     )
     dist.all_reduce(values)
     return StepVerdict(values, tp_degree)
-
-
-class LossSpikeDetector:
-    """Flags a loss more than `zscore` standard deviations above the mean of the previous `window` losses.
-
-    It stays silent until the window is full: a mean and deviation over a handful of early, fast-falling
-    losses would flag noise. Every finite loss enters the window, spikes included, so a lasting jump of
-    the loss level is reported for about a window and then becomes the new normal.
-    """
-
-    def __init__(self, zscore: float, window: int) -> None:
-        self.zscore = zscore
-        self._recent: deque[float] = deque(maxlen=window)
-
-    def check(self, loss: float) -> float | None:
-        """The loss's z-score if it is a spike, else None; then remembers the loss."""
-        spike = None
-        if len(self._recent) == self._recent.maxlen:
-            mean, std = statistics.fmean(self._recent), statistics.pstdev(self._recent)
-            if std > 0 and (loss - mean) / std > self.zscore:
-                spike = (loss - mean) / std
-        if math.isfinite(loss):
-            self._recent.append(loss)
-        return spike

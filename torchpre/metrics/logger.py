@@ -5,6 +5,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from torchpre.checkpoint.history import superseded_records
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_dict, to_toml
 from torchpre.metrics.sinks import JsonlSink, Sink, TensorBoardSink, WandbSink, last_logged_step
@@ -33,7 +34,7 @@ def build_metrics_logger(config: JobConfig, resume_step: int = 0) -> MetricsLogg
     `resume_step` is the step of the checkpoint the job resumed (0 for a new run): the trackers then
     continue the run already in the folder, each step once (see torchpre.metrics.sinks)."""
     folder, m = config.job.dump_folder, config.metrics
-    logged_through = last_logged_step(Path(folder) / "metrics.jsonl") if resume_step else None
+    logged_through = logged_steps(Path(folder)) if resume_step else None
     sinks: list[Sink] = [JsonlSink(folder)]
     if m.enable_wandb:
         sinks.append(
@@ -42,6 +43,13 @@ def build_metrics_logger(config: JobConfig, resume_step: int = 0) -> MetricsLogg
     if m.enable_tensorboard:
         sinks.append(TensorBoardSink(folder, to_toml(config), resume_step))
     return MetricsLogger(sinks)
+
+
+def logged_steps(folder: Path) -> int:
+    """The last step this run's trackers logged: the highest of metrics.jsonl and of the records a resume from an
+    earlier step moved aside (`metrics.superseded-from-step-N.jsonl`), which W&B holds too."""
+    files = [folder / "metrics.jsonl", *superseded_records(folder)]
+    return max(last_logged_step(path) for path in files)
 
 
 def format_step_line(record: dict[str, Any]) -> str:

@@ -5,6 +5,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchpre.config.job_config import LRScheduler
+
 
 def wsd_factor(
     step: int, *, steps: int, warmup_steps: int, decay_ratio: float, decay_type: str, min_lr_factor: float
@@ -31,10 +33,32 @@ def wsd_factor(
     return min_lr_factor + (1 - min_lr_factor) * remaining
 
 
+class WarmupStableDecay(LambdaLR):
+    """`LambdaLR` over `wsd_factor`, stepped once per optimizer step; its state_dict is the step count, and loading
+    it also sets the optimizer's current lr (which a scheduler's state does not hold)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
+            group["lr"] = lr
+
+
+def build_lr_scheduler_from_config(optimizer: Optimizer, section: LRScheduler, steps: int) -> WarmupStableDecay:
+    """`build_lr_scheduler` from the job's [lr_scheduler] section over `steps` (training.steps) optimizer steps."""
+    return build_lr_scheduler(
+        optimizer,
+        steps=steps,
+        warmup_steps=section.warmup_steps,
+        decay_ratio=section.decay_ratio,
+        decay_type=section.decay_type,
+        min_lr_factor=section.min_lr_factor,
+    )
+
+
 def build_lr_scheduler(
     optimizer: Optimizer, *, steps: int, warmup_steps: int, decay_ratio: float, decay_type: str, min_lr_factor: float
-) -> LambdaLR:
-    """A LambdaLR stepped once per optimizer step; its state_dict is the step count."""
+) -> WarmupStableDecay:
+    """The warmup-stable-decay schedule of `optimizer` (see `wsd_factor`)."""
 
     def factor(step: int) -> float:
         return wsd_factor(
@@ -46,4 +70,4 @@ def build_lr_scheduler(
             min_lr_factor=min_lr_factor,
         )
 
-    return LambdaLR(optimizer, factor)
+    return WarmupStableDecay(optimizer, factor)

@@ -1,23 +1,226 @@
-"""ZeRO-3 with PyTorch's FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over DP.
+"""Data parallelism as one strategy object: what ZeRO shards (optimizer state, gradients, parameters), how the
+gradients are reduced, and, for ZeRO-3, PyTorch's FSDP2 (`fully_shard`) as the engine.
 
-FSDP2 is the engine; this module only decides where its groups go. Each block is one FSDP group (its
-parameters are all-gathered before its forward and backward and its gradients reduce-scattered after its
-backward), and the part root is another one, which collects what no block holds: embeddings, the final norm,
-the head, and a weight tied between them (a Parameter belongs to exactly one FSDP group).
+`DataParallel` is built once from the config and asked by capability (`shards_optimizer_state`,
+`shards_gradients`, `shards_parameters`); nothing outside this module tests the stage number. `shard_parameters`
+describes every parameter as data parallelism splits it on this rank (`ShardedParameter`): the gradient reduction
+(`torchpre.parallel.grad_reduction`) and the optimizer that steps on the shards (`torchpre.optim`) both read it.
 
-The sharded fp32 parameters are the optimizer's masters (`MixedPrecisionPolicy` casts them to the compute
-dtype at each all-gather). Gradients are summed, not averaged: the trainer's loss is already divided by the
-global token count, so FSDP's default division by the data-parallel degree would divide twice.
+Under ZeRO-3 each block is one FSDP group (its parameters are all-gathered before its forward and backward and its
+gradients reduce-scattered after its backward), and the part root is another one, which collects what no block
+holds: embeddings, the final norm, the head, and a weight tied between them (a Parameter belongs to exactly one FSDP
+group). The sharded fp32 parameters are the optimizer's masters (`MixedPrecisionPolicy` casts them to the compute
+dtype at each all-gather). Gradients are summed, not averaged: the trainer's loss is already divided by the global
+token count, so FSDP's default division by the data-parallel degree would divide twice.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from torchpre.config.job_config import JobConfig
+from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES, rank_chunk
+from torchpre.errors import ConfigError
+
+ZERO_STAGES = {
+    0: "0 (replicated state)",
+    1: "1 (optimizer state sharded over DP)",
+    2: "2 (gradients sharded over DP too)",
+    3: "3 (parameters, gradients and state sharded over DP by FSDP2)",
+}
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How data parallelism shards the training state and reduces gradients.
+
+    | zero_stage | optimizer state | gradients | parameters | gradient reduction |
+    |---|---|---|---|---|
+    | 0 | replicated | replicated | replicated | all-reduce of flat buckets |
+    | 1 | sharded | replicated (each rank keeps its sum) | replicated | reduce-scatter of flat buckets |
+    | 2 | sharded | sharded | replicated | reduce-scatter into the gradient shard |
+    | 3 | sharded | sharded | sharded (FSDP2) | FSDP2's reduce-scatter per block |
+
+    `reduce_dtype` is the dtype of the reduction's collectives; `bucket_bytes` the size of ZeRO 0-2's flat buckets;
+    `overlap_grad_reduce` starts each bucket's reduction during backward; `accumulate_locally` (ZeRO-2) sums the
+    microbatches in a full fp32 buffer and reduce-scatters once; `accumulate_in_fp32` sums microbatch gradients in
+    fp32 whatever the parameters' dtype (False only to measure the error of bf16 accumulation).
+    """
+
+    zero_stage: int = 0
+    reduce_dtype: torch.dtype = torch.float32
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    overlap_grad_reduce: bool = True
+    accumulate_locally: bool = False
+    accumulate_in_fp32: bool = True
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in ZERO_STAGES:
+            raise ConfigError(
+                f"optimizer.zero_stage = {self.zero_stage}: use {', '.join(ZERO_STAGES.values())}."
+            )
+
+    @classmethod
+    def from_config(cls, config: JobConfig) -> "DataParallel":
+        """The strategy of `config.optimizer` (zero_stage, reduce_dtype, bucket_size_mb, overlap_grad_reduce,
+        zero2_accumulate_locally) and `training.mixed_precision_grad`; rejects combinations it cannot run, naming
+        the keys, before any work."""
+        o, p, t = config.optimizer, config.parallelism, config.training
+        strategy = cls(
+            zero_stage=o.zero_stage,
+            reduce_dtype=getattr(torch, o.reduce_dtype),
+            bucket_bytes=int(o.bucket_size_mb * 2**20),
+            overlap_grad_reduce=o.overlap_grad_reduce,
+            accumulate_locally=o.zero2_accumulate_locally,
+            accumulate_in_fp32=t.mixed_precision_grad == "float32",
+        )
+        if p.data_parallel_replicate_degree > 1 and not strategy.shards_parameters:
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, "
+                "which replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
+            )
+        if strategy.shards_parameters:
+            _check_fully_sharded(config)
+        return strategy
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Each DP rank keeps the optimizer state (and fp32 masters) of its chunk of every parameter only."""
+        return self.zero_stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Each DP rank keeps the reduced gradient of its chunk only (ZeRO-2's transient buckets, FSDP's shards)."""
+        return self.zero_stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """The parameters themselves are sharded, by FSDP2 (ZeRO-3): they are the optimizer's fp32 masters."""
+        return self.zero_stage == 3
+
+    @property
+    def reduces_each_microbatch(self) -> bool:
+        """ZeRO-2 with overlap: every microbatch's gradients are reduce-scattered into the shard as backward
+        produces them, unless `accumulate_locally` sums the microbatches first (as ZeRO-1 does)."""
+        return self.zero_stage == 2 and self.overlap_grad_reduce and not self.accumulate_locally
+
+    def shard_parameters(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        dp_group: dist.ProcessGroup,
+        edp_group: dist.ProcessGroup | None = None,
+        parts: list[int] | None = None,
+    ) -> list["ShardedParameter"]:
+        """Each parameter as this strategy splits it on this rank (`parts[i]`: the pipeline part of the i-th).
+        ZeRO 0-2 shard (when they shard) over `dp_group`, or `edp_group` for expert-parallel experts; ZeRO-3
+        parameters are FSDP's DTensors already."""
+        parts = parts or [0] * len(named_params)
+        if self.shards_parameters:
+            return [_fsdp_parameter(name, param, part) for (name, param), part in zip(named_params, parts)]
+        return [
+            _replicated_parameter(name, param, part, dp_group, edp_group, self.shards_optimizer_state)
+            for (name, param), part in zip(named_params, parts)
+        ]
+
+
+def _check_fully_sharded(config: JobConfig) -> None:
+    """What ZeRO-3 (FSDP2) cannot run, or runs differently, said before any process starts."""
+    t, p = config.training, config.parallelism
+    if t.mixed_precision_grad != "float32":
+        raise ConfigError(
+            f"training.mixed_precision_grad = {t.mixed_precision_grad} with optimizer.zero_stage = 3: FSDP keeps the "
+            "sharded gradients in fp32 and reduces them in optimizer.reduce_dtype. Set "
+            "training.mixed_precision_grad = float32, and optimizer.reduce_dtype = bfloat16 for a bf16 reduction."
+        )
+    if p.data_parallel_shard_degree != -1 and p.data_parallel_degree != -1:
+        product = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+        if product != p.data_parallel_degree:
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = "
+                f"{p.data_parallel_replicate_degree} x {p.data_parallel_shard_degree} = {product} must equal "
+                f"parallelism.data_parallel_degree = {p.data_parallel_degree}. Set data_parallel_shard_degree = -1."
+            )
+
+
+@dataclass(eq=False)
+class ShardedParameter:
+    """One model parameter as data parallelism splits it on this rank.
+
+    `local` is the parameter's local (TP/EP) tensor, sharing its storage (under ZeRO-3 the FSDP DTensor itself);
+    `shard` the part of it whose optimizer state this rank keeps: its `torch.chunk` of `local` along `dim` (the
+    first dimension TP does not shard) over its DP group when the state is sharded, else `local` (ZeRO-3: the
+    parameter, which FSDP shards). `expert`: sharded by expert parallelism, so reduced and sharded over the
+    expert-data-parallel group `edp` instead of `dp`. `part`: the index of its pipeline part in the model.
+    """
+
+    name: str
+    param: nn.Parameter
+    local: torch.Tensor
+    shard: torch.Tensor
+    dim: int
+    tp_sharded: bool
+    expert: bool = False
+    part: int = 0
+
+
+def _replicated_parameter(
+    name: str,
+    param: nn.Parameter,
+    part: int,
+    dp_group: dist.ProcessGroup,
+    edp_group: dist.ProcessGroup | None,
+    shards_state: bool,
+) -> ShardedParameter:
+    with torch.no_grad():
+        local = param.to_local() if isinstance(param, DTensor) else param.data
+    sharded = {p.dim for p in param.placements if isinstance(p, Shard)} if isinstance(param, DTensor) else set()
+    expert = isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("ep",)
+    dim = next((d for d in range(local.ndim) if d not in sharded), 0)
+    shard = local
+    if shards_state:
+        group = edp_group if expert else dp_group
+        shard = rank_chunk(local, dim, dist.get_world_size(group), dist.get_rank(group))
+    return ShardedParameter(name, param, local, shard, dim, bool(sharded) and not expert, expert, part)
+
+
+def _fsdp_parameter(name: str, param: nn.Parameter, part: int) -> ShardedParameter:
+    if not isinstance(param, DTensor) or param.dtype != torch.float32:
+        raise ConfigError(
+            f"optimizer.zero_stage = 3 expects '{name}' to be an fp32 parameter sharded by FSDP (fully_shard), "
+            f"got a {type(param).__name__} of {param.dtype}: build the model in fp32 and pass a ParallelPlan "
+            "with fsdp to parallelize."
+        )
+    _check_checkpointable(name, param)
+    names = param.device_mesh.mesh_dim_names or ()
+    tp_sharded = "tp" in names and isinstance(param.placements[names.index("tp")], Shard)
+    # The parameter is its own local tensor and shard: FSDP may swap its local tensor at lazy init.
+    return ShardedParameter(name, param, param, param, 0, tp_sharded, expert="ep" in names, part=part)
+
+
+def _check_checkpointable(name: str, param: DTensor) -> None:
+    """FSDP shards a dimension TP already shards (a column-parallel bias) as `_StridedShard`, which DCP cuts
+    unlike FSDP's torch.chunk when the size is not divisible by both degrees: a reshard would move values."""
+    strided = [p for p in param.placements if isinstance(p, _StridedShard)]
+    if not strided:
+        return
+    dim = strided[0].dim
+    ranks = 1
+    for size, placement in zip(param.device_mesh.shape, param.placements):
+        if isinstance(placement, Shard) and placement.dim == dim:
+            ranks *= size
+    if param.shape[dim] % ranks:
+        raise ConfigError(
+            f"The ZeRO-3 shards of '{name}' cannot be checkpointed: its size along dim {dim} ({param.shape[dim]}), "
+            f"which tensor parallelism shards, is not divisible by data_parallel_shard_degree x tp = {ranks}. Use "
+            "optimizer.zero_stage = 0 or 1, or a data-parallel degree that divides it."
+        )
 
 
 @dataclass(frozen=True)

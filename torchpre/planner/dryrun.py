@@ -1,6 +1,6 @@
 """Dry run: a job's start-up and memory at its full world size, one rank at a time, in one process.
 
-`python -m torchpre.train ... --job.dry_run` builds the real Trainer for chosen ranks of the configured world
+`python -m torchpre.train ... --job.dry_run` builds the real training job for chosen ranks of the configured world
 (`Runtime.fake`: torch's fake process group stands in for the other ranks, every tensor lives on the meta
 device), so it meets every check a real start-up meets, with the same message. For each rank it reports the
 bytes of parameters, gradients and optimizer state that rank holds (read from the optimizer that would train,
@@ -28,7 +28,8 @@ from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_f
 from torchpre.metrics.tensor_memory import TensorMemory
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel.tensor_parallel import loss_parallel_context
-from torchpre.training.trainer import Runtime, Trainer
+from torchpre.runtime.world import Runtime
+from torchpre.training.job import TrainingJob, build_job
 
 logger = logging.getLogger("torchpre")
 
@@ -123,7 +124,7 @@ def run_dry_run(config: JobConfig) -> list[RankMemory]:
 
 
 def build_rank(config: JobConfig, world_size: int, rank: int, checkpoint: bool = True) -> RankMemory:
-    """One rank of the job, built by the real Trainer in a fake world, and what it holds."""
+    """One rank of the job, built as training builds it (`build_job`) in a fake world, and what it holds."""
     return probe_rank(config, world_size, rank, checkpoint)[0]
 
 
@@ -132,41 +133,41 @@ def probe_rank(
 ) -> tuple[RankMemory, list["PartProbe"]]:
     """`build_rank`, and the probes of the rank's parts its activations were counted from; `data=False` builds
     no data loader (the planner's probes: shortened models of a job whose data need not exist yet)."""
-    trainer = Trainer(config, Runtime(world_size, fake_rank=rank, data=data))
+    job = build_job(config, Runtime(world_size, fake_rank=rank, data=data))
     try:
-        memory = rank_memory(trainer, checkpoint)
-        if routes_by_value(trainer):
+        memory = rank_memory(job, checkpoint)
+        if routes_by_value(job):
             return memory, []
-        in_flight, gathered = _in_flight(trainer), _fsdp_gathered(trainer)
-        step = optimizer_step_bytes(trainer)
-        parts = probe_parts(trainer)
+        in_flight, gathered = _in_flight(job), _fsdp_gathered(job)
+        step = optimizer_step_bytes(job)
+        parts = probe_parts(job)
     finally:
         leave_fake_world()
-    held = trainer.pipeline is not None
+    held = job.pipeline is not None
     saved = max(p.total.saved_bytes + (p.pipeline_held_bytes if held else 0) for p in parts)
     transient = max(p.total.transient_bytes for p in parts)
     activations = in_flight * saved + transient + gathered
     return dataclasses.replace(memory, activation_bytes=activations, optimizer_step_bytes=step), parts
 
 
-def routes_by_value(trainer: Trainer) -> bool:
+def routes_by_value(job: TrainingJob) -> bool:
     """Whether the model sends tokens by their values (a Mixture of Experts' router): meta tensors have none, so
     its activations and optimizer step cannot be counted on them (its model state can)."""
-    return trainer.model_spec.expert_parallel is not None
+    return job.preflight.model_spec.expert_parallel is not None
 
 
-def optimizer_step_bytes(trainer: Trainer) -> int:
+def optimizer_step_bytes(job: TrainingJob) -> int:
     """The transient bytes of one optimizer step on this rank, counted by running it on meta: ZeRO 0-2 reduce
     their (persistent) gradient buckets, ZeRO-3 steps its sharded gradients (made here, outside the count: they
     are `grad_bytes`). The first step's optimizer state already exists (`rank_memory` made it)."""
-    if trainer.config.optimizer.zero_stage == 3:
-        for part in trainer.model.parts:
+    if job.preflight.data_parallel.shards_parameters:
+        for part in job.model.parts:
             for param in part.parameters():
                 param.grad = torch.zeros_like(param)
     counter = TensorMemory(("meta",))
     with counter:
         counter.begin_step()
-        trainer.optimizer.step()
+        job.optimizer.step()
     return counter.peak - counter.step_start
 
 
@@ -181,12 +182,12 @@ def leave_fake_world() -> None:
     _clear_sharding_prop_cache()
 
 
-def rank_memory(trainer: Trainer, checkpoint: bool = True) -> RankMemory:
-    """The model state the rank `trainer` was built for holds, in bytes (its fake process group still joined;
+def rank_memory(job: TrainingJob, checkpoint: bool = True) -> RankMemory:
+    """The model state the rank `job` was built for holds, in bytes (its fake process group still joined;
     activations 0: see `probe_rank`); `checkpoint=False` skips planning the checkpoint (reported as 0)."""
-    optimizer = trainer.optimizer
+    optimizer = job.optimizer
     state = optimizer.state_dict()  # creates the state as the first step (and a first checkpoint) would
-    coordinates = trainer.mesh.get_coordinate()
+    coordinates = job.mesh.get_coordinate()
     return RankMemory(
         rank=dist.get_rank(),
         pp=coordinates[0],
@@ -196,7 +197,7 @@ def rank_memory(trainer: Trainer, checkpoint: bool = True) -> RankMemory:
         grad_bytes=optimizer.grad_bytes(),
         optimizer_state_bytes=optimizer.state_bytes(),
         activation_bytes=0,
-        checkpoint_bytes=_checkpoint_bytes(trainer, state) if checkpoint else 0,
+        checkpoint_bytes=_checkpoint_bytes(job, state) if checkpoint else 0,
     )
 
 
@@ -219,34 +220,34 @@ class PartProbe:
         return self.received_bytes + self.held_output_bytes
 
 
-def probe_parts(trainer: Trainer) -> list[PartProbe]:
+def probe_parts(job: TrainingJob) -> list[PartProbe]:
     """Runs one microbatch of synthetic inputs with the job's shapes through each of this rank's parts on the
-    meta device, as training runs it (loss parallel, the trainer's loss on the last stage), and counts it.
+    meta device, as training runs it (loss parallel, the training loss on the last stage), and counts it.
 
     The first stage takes token ids, a later one the residual stream [microbatch, seq (/ tp under sequence
     parallelism), dim] in the compute dtype that the stage before sends. ZeRO-3 parts are probed on a ZeRO-1
     build of the same rank (FSDP2 cannot run on meta tensors); `activation_bytes` adds the parameters FSDP
     gathers.
     """
-    if trainer.config.optimizer.zero_stage == 3:
-        return _probe_without_fsdp(trainer)
-    config, dims = trainer.config, trainer.parallel_dims
+    if job.preflight.data_parallel.shards_parameters:
+        return _probe_without_fsdp(job)
+    config, dims = job.config, job.dims
     p = config.parallelism
-    microbatch = p.pipeline_parallel_microbatch_size if trainer.pipeline else config.training.local_batch_size
+    microbatch = p.pipeline_parallel_microbatch_size if job.pipeline else config.training.local_batch_size
     seq = config.training.seq_len
     tokens = torch.zeros(microbatch, seq, dtype=torch.long, device="meta")
     sequence_parallel = p.enable_sequence_parallel and dims.tp > 1
-    hidden_shape = (microbatch, seq // dims.tp if sequence_parallel else seq, trainer.model_args.dim)
+    hidden_shape = (microbatch, seq // dims.tp if sequence_parallel else seq, job.preflight.model_args.dim)
     dtype = getattr(torch, config.training.mixed_precision_param)
-    model = trainer.model
+    model = job.model
     model.set_backward_callback(None)
     probes = []
     with loss_parallel_context(p.enable_loss_parallel and dims.tp > 1):
         for part, stage in zip(model.parts, model.stage_ids):
-            first, last = stage == 0, stage == (trainer.pipeline.num_stages - 1 if trainer.pipeline else 0)
+            first, last = stage == 0, stage == (job.pipeline.num_stages - 1 if job.pipeline else 0)
             inputs = tokens if first else torch.empty(hidden_shape, dtype=dtype, device="meta", requires_grad=True)
-            kwargs = trainer._forward_kwargs(tokens)
-            loss_fn = (lambda logits: trainer._loss(logits, tokens)) if last else None
+            kwargs = job.forward_inputs(tokens)
+            loss_fn = (lambda logits: job.loss(logits, tokens)) if last else None
             total = probe_microbatch(part, (inputs,), kwargs, loss_fn=loss_fn, devices=("meta",))
             boundary = 0 if last else _nbytes(hidden_shape, dtype)
             forward, output_bytes = _probe_forward(part, inputs, kwargs)
@@ -269,44 +270,44 @@ def _probe_forward(part: torch.nn.Module, inputs: torch.Tensor, kwargs: dict) ->
     return mode.counts(0, max(0, mode.peak - mode.step_start), 0), _nbytes(tuple(local.shape), local.dtype)
 
 
-def _probe_without_fsdp(trainer: Trainer) -> list[PartProbe]:
-    config = copy.deepcopy(trainer.config)
+def _probe_without_fsdp(job: TrainingJob) -> list[PartProbe]:
+    config = copy.deepcopy(job.config)
     config.optimizer.zero_stage = 1
     rank, world = dist.get_rank(), dist.get_world_size()
-    leave_fake_world()  # the twin joins its own fake world; the ZeRO-3 trainer is not used again
-    return probe_parts(Trainer(config, Runtime(world, fake_rank=rank, data=False)))
+    leave_fake_world()  # the twin joins its own fake world; the ZeRO-3 job is not used again
+    return probe_parts(build_job(config, Runtime(world, fake_rank=rank, data=False)))
 
 
-def _in_flight(trainer: Trainer) -> int:
+def _in_flight(job: TrainingJob) -> int:
     """Microbatch-stage chunks whose saved activations this rank holds at once at the peak of a step: the
     schedule's count (`in_flight_microbatches`, read off torch's action order), or 1 without pipelining
     (microbatches run one after another)."""
-    pipeline = trainer.pipeline
+    pipeline = job.pipeline
     if pipeline is None:
         return 1
-    pp_rank = trainer.mesh["pp"].get_local_rank()
+    pp_rank = job.mesh["pp"].get_local_rank()
     return in_flight_microbatches(
         pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
     )
 
 
-def _fsdp_gathered(trainer: Trainer) -> int:
+def _fsdp_gathered(job: TrainingJob) -> int:
     """Under ZeRO-3, the unsharded compute-dtype parameters FSDP2 holds on top of its shards: with resharding
     after forward, the largest block's twice (the one running and the one prefetched); without (the default
     under pipelining), the whole rank's, from the first forward to the step."""
-    if trainer.config.optimizer.zero_stage != 3:
+    if not job.preflight.data_parallel.shards_parameters:
         return 0
-    itemsize = getattr(torch, trainer.config.training.mixed_precision_param).itemsize
-    dims = trainer.parallel_dims
+    itemsize = getattr(torch, job.config.training.mixed_precision_param).itemsize
+    dims = job.dims
     blocks: dict[str, int] = {}
     total = 0
-    for part in trainer.model.parts:
+    for part in job.model.parts:
         for name, param in part.named_parameters():
             local = param.to_local().numel() * dims.dp_shard * itemsize
             total += local
             block = name.split(".")[:2]
             blocks[".".join(block)] = blocks.get(".".join(block), 0) + local
-    if trainer.model.plan.fsdp.reshard_after_forward:
+    if job.model.plan.fsdp.reshard_after_forward:
         return 2 * max(blocks.values())
     return total
 
@@ -318,11 +319,11 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return numel * dtype.itemsize
 
 
-def _checkpoint_bytes(trainer: Trainer, optimizer_state: dict) -> int:
+def _checkpoint_bytes(job: TrainingJob, optimizer_state: dict) -> int:
     """Bytes this rank writes in a checkpoint of the model and optimizer, from DCP's own save plan (which also
     rejects a state it could not save or reshard, as a real save would)."""
     model = {}
-    for part in trainer.model.parts:
+    for part in job.model.parts:
         model.update(part.state_dict())
     planner = DefaultSavePlanner()
     planner.set_up_planner({"model": model, "optimizer": optimizer_state}, is_coordinator=dist.get_rank() == 0)

@@ -3,20 +3,17 @@ accept, each written as the config a real run of it would use."""
 
 import copy
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 from torchpre.config.job_config import JobConfig
-from torchpre.config.validate import validate_config
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.model import check_layout, model_args
-from torchpre.training.trainer import resolve_batch_sizes
+from torchpre.training.job import preflight
 
 AC_MODES = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -105,24 +102,10 @@ class CheckedLayout:
 
 def check(layout: Layout, base: JobConfig, world_size: int) -> CheckedLayout:
     """`layout` applied to `base`, through the checks a real start-up runs before joining the process group
-    (`Trainer.__init__`'s order): raises their ConfigError when the layout is impossible."""
+    (`torchpre.training.job.preflight`): raises their ConfigError when the layout is impossible."""
     config = layout.apply(base)
-    validate_config(config)
-    p, t = config.parallelism, config.training
-    dims = ParallelDims.from_degrees(p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
-                                     world_size, ep=p.expert_parallel_degree)  # fmt: skip
-    _, accumulation = resolve_batch_sizes(t.local_batch_size, t.global_batch_size, dims.dp)
-    spec = get_model_spec(config.model.name)
-    args = model_args(config, _tokenizer(config.model.tokenizer_path))
-    check_layout(config, spec, args, dims)
-    pipeline = None
-    if dims.pp > 1:
-        pipeline = PipelinePlan.from_config(
-            p,
-            stage_modules=lambda stages: _stage_modules(spec, args, stages, tuple(p.pipeline_parallel_split_points)),
-            sequences_per_step=t.local_batch_size * accumulation,
-        )
-    return CheckedLayout(layout, config, args, accumulation, pipeline)
+    checked = preflight(config, world_size, _tokenizer(config.model.tokenizer_path), _stage_modules)
+    return CheckedLayout(layout, config, checked.model_args, checked.batches.accumulation_steps, checked.pipeline)
 
 
 def candidates(base: JobConfig, gpus: int, gpus_per_node: int, experts: bool = False) -> Iterator[Layout]:
@@ -182,10 +165,10 @@ def _tokenizer(path: str) -> Tokenizer:
 _STAGES: dict[tuple, list[list[str]] | ConfigError] = {}
 
 
-def _stage_modules(spec: ModelSpec, args: Any, stages: int, split_points: tuple[str, ...]) -> list[list[str]]:
+def _stage_modules(spec: ModelSpec, args: Any, stages: int, split_points: Sequence[str]) -> list[list[str]]:
     """`spec.pipeline_stages`, once per model and stage count, refusals included (it builds the model on meta:
     ~1 s at 405B)."""
-    key = (repr(args), stages, split_points)
+    key = (repr(args), stages, tuple(split_points))
     if key not in _STAGES:
         try:
             _STAGES[key] = spec.pipeline_stages(args, stages, split_points)

@@ -27,7 +27,8 @@ from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import leave_fake_world, optimizer_step_bytes, probe_rank, rank_memory
 from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
-from torchpre.training.trainer import Runtime, Trainer
+from torchpre.runtime.world import Runtime
+from torchpre.training.job import TrainingJob, build_job
 
 T = TypeVar("T")
 
@@ -266,21 +267,21 @@ def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
 
 
 def _state(config: JobConfig, world: int, rank: int) -> StateCost:
-    trainer = Trainer(config, Runtime(world, fake_rank=rank, data=False))
+    job = build_job(config, Runtime(world, fake_rank=rank, data=False))
     try:
-        memory = rank_memory(trainer, checkpoint=False)
-        params = [param for part in trainer.model.parts for param in part.parameters()]
-        tp_numel = sum(_tp_numel(param, trainer) for param in params)
-        step = optimizer_step_bytes(trainer)
+        memory = rank_memory(job, checkpoint=False)
+        params = [param for part in job.model.parts for param in part.parameters()]
+        tp_numel = sum(_tp_numel(param, job) for param in params)
+        step = optimizer_step_bytes(job)
     finally:
         leave_fake_world()
     return StateCost(memory.param_bytes, memory.grad_bytes, memory.optimizer_state_bytes, tp_numel, len(params), step)
 
 
-def _tp_numel(param, trainer: Trainer) -> int:
+def _tp_numel(param, job: TrainingJob) -> int:
     """A parameter's elements on this rank before DP sharding (FSDP2 shards them over dp_shard)."""
     local = param.to_local() if isinstance(param, DTensor) else param
-    shard = trainer.parallel_dims.dp_shard if trainer.config.optimizer.zero_stage == 3 else 1
+    shard = job.dims.dp_shard if job.preflight.data_parallel.shards_parameters else 1
     return local.numel() * shard
 
 

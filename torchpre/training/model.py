@@ -21,7 +21,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
 from torchpre.parallel.api import ParallelPlan
-from torchpre.parallel.data_parallel import FSDPPlan
+from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 
 
@@ -101,23 +101,17 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
     spec.validate_layout(args, dims)
 
 
-def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, for_training: bool = False) -> nn.Module:
-    """The whole plain model on the meta device, its parameters in training.mixed_precision_param; in fp32
-    for training under ZeRO-3, whose sharded fp32 parameters are the optimizer's masters (FSDP's mixed
-    precision policy casts them to the compute dtype)."""
-    dtype = torch.float32 if uses_fsdp(config, for_training) else getattr(torch, config.training.mixed_precision_param)
+def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, fp32: bool = False) -> nn.Module:
+    """The whole plain model on the meta device, its parameters in training.mixed_precision_param; in fp32 with
+    `fp32` (training with sharded parameters: FSDP's sharded fp32 parameters are the optimizer's masters, and its
+    mixed precision policy casts them to the compute dtype)."""
+    dtype = torch.float32 if fp32 else getattr(torch, config.training.mixed_precision_param)
     with torch.device("meta"), _default_dtype(dtype):
         return spec.model_cls(args)
 
 
-def uses_fsdp(config: JobConfig, for_training: bool) -> bool:
-    """ZeRO-3 shards parameters with FSDP2 for training; generation and conversion load its checkpoints into
-    an unsharded model (checkpoints reshard)."""
-    return for_training and config.optimizer.zero_stage == 3
-
-
-def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None) -> FSDPPlan:
-    """ZeRO-3's FSDP settings. Resharding after forward defaults to on without a pipeline (the gathered
+def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: DataParallel) -> FSDPPlan:
+    """How FSDP2 shards the parameters. Resharding after forward defaults to on without a pipeline (the gathered
     parameters of a block are freed until its backward) and off with one: a stage runs one forward per
     microbatch, and keeping its gathered parameters saves an all-gather per block and microbatch, while
     torch's pipeline stage keeps them through the step's backwards in any case."""
@@ -125,16 +119,21 @@ def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None) -> FSDPPlan:
     reshard = {"always": True, "never": False, "default": pipeline is None}[p.fsdp_reshard_after_forward]
     return FSDPPlan(
         param_dtype=torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None,
-        reduce_dtype=getattr(torch, config.optimizer.reduce_dtype),
+        reduce_dtype=data_parallel.reduce_dtype,
         reshard_after_forward=reshard,
     )
 
 
 def parallel_plan(
-    config: JobConfig, spec: ModelSpec, args: Any, pipeline: PipelinePlan | None, *, for_training: bool = False
+    config: JobConfig,
+    spec: ModelSpec,
+    args: Any,
+    pipeline: PipelinePlan | None,
+    data_parallel: DataParallel | None = None,
 ) -> ParallelPlan:
-    """What `parallelize` applies for this job: the family's plans and the config's layout options (FSDP only
-    `for_training`)."""
+    """What `parallelize` applies for this job: the family's plans and the config's layout options, and FSDP when
+    `data_parallel` (training's strategy; generation and conversion load any checkpoint unsharded) shards the
+    parameters."""
     p, ac = config.parallelism, config.activation_checkpoint
     tensor_parallel = spec.tensor_parallel
     if callable(tensor_parallel):
@@ -143,6 +142,7 @@ def parallel_plan(
             sequence_parallel=p.enable_sequence_parallel,
             loss_parallel=p.enable_loss_parallel,
         )
+    shards_parameters = data_parallel is not None and data_parallel.shards_parameters
     return ParallelPlan(
         tensor_parallel=tensor_parallel,
         expert_parallel=spec.expert_parallel,
@@ -153,7 +153,7 @@ def parallel_plan(
         selective_ac_option=ac.selective_ac_option,
         compile=config.compile.enable,
         compile_fullgraph=spec.compile_fullgraph,
-        fsdp=fsdp_plan(config, pipeline) if uses_fsdp(config, for_training) else None,
+        fsdp=fsdp_plan(config, pipeline, data_parallel) if shards_parameters else None,
     )
 
 

@@ -1,12 +1,12 @@
-"""Data-parallel gradient buckets of ZeRO stages 0-2: gradients land in flat buffers as backward produces them,
-and each bucket's collective starts as soon as its last gradient is in, while backward goes on.
+"""Data-parallel gradient buckets of ZeRO stages 0-2 (`DataParallel`): gradients land in flat buffers as backward
+produces them, and each bucket's collective starts as soon as its last gradient is in, while backward goes on.
 
 Every parameter has a post-accumulate-grad hook that adds its gradient into its bucket's buffer and frees
 `.grad`. Buckets are built once, per (reduction group, pipeline part, parameter dtype), from the parameters in
 reverse registration order (about the order backward produces them), cut at `bucket_bytes`; each part's
 buckets are launched strictly in index order, so every rank issues the same collectives in the same order even
 when a bucket waits for a parameter that got no gradient (it is launched by `finish()`). What one collective
-moves per stage:
+moves per stage (the strategy's capabilities: replicated state, sharded state, sharded gradients):
 - 0: a persistent buffer, tensor after tensor; all-reduced in place. The gradients are views of it.
 - 1: a persistent buffer laid out rank-major (`ChunkLayout`: rank r's `torch.chunk` of every tensor in section r);
   the hook adds straight into the chunks' slots, one reduce-scatter writes this rank's summed section in place.
@@ -29,27 +29,17 @@ bucket to `finish()` on those ranks only, which keeps each part's order but coul
 
 import functools
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torchpre.distributed.collectives import ChunkLayout, all_reduce_flat, reduce_scatter_flat
+from torchpre.parallel.data_parallel import DataParallel, ShardedParameter
 from torchpre.parallel.tensor_parallel import local_gradient
 
 # Launched, unfinished stage-2 reduce-scatters kept at once: each holds a full transient bucket buffer.
 MAX_IN_FLIGHT = 2
-
-
-class GradEntry(Protocol):
-    """What the buckets need of the optimizer's per-parameter entry."""
-
-    name: str
-    param: nn.Parameter
-    local: torch.Tensor
-    dim: int
-    tp_partial: bool
 
 
 def accumulation_dtype(param_dtype: torch.dtype, accumulate_in_fp32: bool) -> torch.dtype:
@@ -87,37 +77,31 @@ class GradBucket:
 
 
 class GradBuckets:
-    """The gradient buffers and collectives of one `DistributedOptimizer` (stages 0-2); see the module docstring.
+    """The gradient buffers and collectives of ZeRO stages 0-2; see the module docstring.
 
-    `domains` are (entry indices, group) pairs (dense parameters over dp, experts over edp); `parts[i]` is the
-    pipeline part entry i belongs to. `reduce_dtype` is the dtype of the collective (bfloat16 halves its
-    traffic; the result is added into the accumulation dtype).
+    `domains` are (entry indices, group) pairs (dense parameters over dp, experts over edp). `strategy.reduce_dtype`
+    is the dtype of the collective (bfloat16 halves its traffic; the result is added into the accumulation dtype).
+    `tp_partial[i]`: the i-th gradient is a per-rank partial sum over TP (read from its DTensor as it arrives).
     """
 
     def __init__(
         self,
-        entries: list[GradEntry],
+        entries: list[ShardedParameter],
         domains: list[tuple[list[int], dist.ProcessGroup]],
-        parts: list[int],
-        *,
-        zero_stage: int,
-        accumulate_in_fp32: bool,
-        reduce_dtype: torch.dtype,
-        bucket_bytes: int,
-        overlap: bool,
-        accumulate_locally: bool,
+        strategy: DataParallel,
     ):
-        self.entries, self.zero_stage = entries, zero_stage
-        self.reduce_dtype, self.overlap = reduce_dtype, overlap
+        self.entries, self.strategy = entries, strategy
+        self.reduce_dtype, self.overlap = strategy.reduce_dtype, strategy.overlap_grad_reduce
         # Stage 2 reduce-scatters every microbatch, unless it sums them locally first, as stage 1 does.
         # Without overlap every stage reduces once, after the last microbatch.
-        self.per_microbatch = zero_stage == 2 and not accumulate_locally and overlap
-        self.transient = zero_stage == 2
+        self.per_microbatch = strategy.reduces_each_microbatch
+        self.transient = strategy.shards_gradients
+        self.tp_partial = [False] * len(entries)
         self.buckets: list[GradBucket] = []
         for indices, group in domains:
-            for part in sorted({parts[i] for i in indices}, reverse=True):
-                members = [i for i in reversed(indices) if parts[i] == part]
-                self._build(members, group, part, accumulate_in_fp32, bucket_bytes)
+            for part in sorted({entries[i].part for i in indices}, reverse=True):
+                members = [i for i in reversed(indices) if entries[i].part == part]
+                self._build(members, group, part, strategy.accumulate_in_fp32, strategy.bucket_bytes)
         self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.members}
         self.position = {i: k for bucket in self.buckets for k, i in enumerate(bucket.members)}
         # Each (group, part)'s buckets in launch order, and how many of them this round has launched.
@@ -134,7 +118,7 @@ class GradBuckets:
     def _build(
         self, members: list[int], group: dist.ProcessGroup, part: int, accumulate_in_fp32: bool, bucket_bytes: int
     ) -> None:
-        world = 1 if self.zero_stage == 0 else dist.get_world_size(group)
+        world = dist.get_world_size(group) if self.strategy.shards_optimizer_state else 1
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i in members:
             by_dtype.setdefault(self.entries[i].local.dtype, []).append(i)
@@ -163,7 +147,7 @@ class GradBuckets:
         self._announced[part] = self.overlap and (self.per_microbatch or last)
 
     def _hook(self, i: int, param: nn.Parameter) -> None:
-        local, self.entries[i].tp_partial = local_gradient(param, param.grad)
+        local, self.tp_partial[i] = local_gradient(param, param.grad)
         param.grad = None
         bucket = self.bucket_of[i]
         self._add(bucket, i, local)
@@ -207,7 +191,7 @@ class GradBuckets:
         if self.transient and len(self._in_flight) >= MAX_IN_FLIGHT:
             self._complete(self._in_flight[0])
         bucket.sent = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype else bucket.buffer.to(self.reduce_dtype)
-        if self.zero_stage == 0:
+        if not self.strategy.shards_optimizer_state:
             bucket.work = all_reduce_flat(bucket.sent, bucket.group, async_op=True)
         else:
             mine = self._own_section(bucket, bucket.sent)
@@ -228,7 +212,7 @@ class GradBuckets:
             bucket.shard.add_(self._own_section(bucket, sent))
             bucket.buffer = None
         elif sent is not bucket.buffer:
-            if self.zero_stage == 0:
+            if not self.strategy.shards_optimizer_state:
                 bucket.buffer.copy_(sent)
             else:
                 self._own_section(bucket, bucket.buffer).copy_(self._own_section(bucket, sent))
@@ -273,7 +257,7 @@ class GradBuckets:
     def _fold_leftovers(self) -> None:
         for i, entry in enumerate(self.entries):
             if entry.param.grad is not None:
-                local, entry.tp_partial = local_gradient(entry.param, entry.param.grad)
+                local, self.tp_partial[i] = local_gradient(entry.param, entry.param.grad)
                 entry.param.grad = None
                 self._add(self.bucket_of[i], i, local)
 

@@ -1,0 +1,119 @@
+"""What a checkpoint holds: a mapping of components (model, optimizer, LR schedule, data position, step, RNG, step
+health), each saving and loading its own entry through `state_dict`/`load_state_dict` (DCP's `Stateful`), and the
+checks that a checkpoint has what a load asks for, in the shapes it asks for.
+
+A component that loads into other tensors than it saves (the model's weights go through the optimizer's fp32
+masters), or whose entry may lack keys in some checkpoints (RNG states of ranks the saving job did not have,
+entries an older torchpre did not write), says what to load with `load_targets(saved)`, given the checkpoint's
+flattened keys; otherwise its `state_dict()` is what loads, every key required.
+"""
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from torchpre.checkpoint.integrity import all_gather
+from torchpre.errors import TorchpreError
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """A component of the training state: `torch.distributed.checkpoint.stateful.Stateful`. `state_dict()` returns
+    live tensors (DTensors where sharded) so that DCP saves them and loads into them in place; `load_state_dict`
+    gets the loaded entry afterwards (non-tensor values are only there)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def load_targets(component: Checkpointable, saved: set[str]) -> dict[str, Any]:
+    """What `component` loads from a checkpoint with the flattened keys `saved`."""
+    targets = getattr(component, "load_targets", None)
+    return targets(saved) if targets is not None else component.state_dict()
+
+
+class RNGState:
+    """This rank's generator states: the CPU one and, in a process that uses CUDA, its current device's, under
+    `rank{r}` and `cuda_rank{r}`. A rank the saving job did not have finds none, and keeps its own."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {f"rank{self.rank}": torch.get_rng_state()}
+        if torch.cuda.is_initialized():
+            state[f"cuda_rank{self.rank}"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_targets(self, saved: set[str]) -> dict[str, torch.Tensor]:
+        return {key: value for key, value in self.state_dict().items() if f"rng.{key}" in saved}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if f"rank{self.rank}" in state_dict:
+            torch.set_rng_state(state_dict[f"rank{self.rank}"])
+        if f"cuda_rank{self.rank}" in state_dict:
+            torch.cuda.set_rng_state(state_dict[f"cuda_rank{self.rank}"])
+
+
+def checkpoint_metadata(step_dir: Path) -> dict[str, Any]:
+    """The checkpoint's flattened keys ("model.layers.0...") and their metadata; a clear error if the
+    folder is not a readable checkpoint."""
+    try:
+        return dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    except Exception as error:  # DCP raises several types for missing or corrupt metadata
+        raise TorchpreError(
+            f"Cannot read the checkpoint at {step_dir} ({type(error).__name__}: {error}). "
+            "Point checkpoint.folder / checkpoint.initial_load_path at a complete step-N folder."
+        ) from None
+
+
+def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`state` in one level, nested keys joined with dots as DCP names them ("optimizer.w.exp_avg")."""
+    flat = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
+    """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, and
+    the model weights the checkpoint lacks."""
+    mismatched, missing = [], []
+    for key, value in flatten(request).items():
+        meta = saved.get(key)
+        if key.startswith("model.") and meta is None:
+            missing.append(key)
+        elif isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+            if tuple(meta.size) != tuple(value.shape):
+                mismatched.append(f"{key}: checkpoint {tuple(meta.size)} vs model {tuple(value.shape)}")
+    if mismatched or missing:
+        details = "; ".join(mismatched[:8] + [f"{k}: not in the checkpoint" for k in missing[:8]])
+        raise TorchpreError(
+            f"The checkpoint at {step_dir} does not fit this model ({len(mismatched)} tensors with other shapes, "
+            f"{len(missing)} missing): {details}. Check model.flavor and model.tokenizer_path against the "
+            "checkpoint's config.toml."
+        )
+
+
+def require_present(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
+    """Raises on every rank, naming a few of them, their count and the folder, if the checkpoint lacks entries
+    that some rank's `request` asks for."""
+    missing = [key for key in flatten(request) if key not in saved]
+    if dist.is_initialized():
+        missing = sorted({key for part in all_gather(missing) for key in part})
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise TorchpreError(
+            f"The checkpoint {step_dir} lacks {len(missing)} entries this job loads: {shown}. It was saved by "
+            "another model or version of torchpre. Load another checkpoint, or leave that part out on purpose "
+            "with checkpoint.exclude_from_loading (e.g. optimizer, lr_scheduler)."
+        )

@@ -1,0 +1,117 @@
+"""The global batch of a job: how many sequences an optimizer step sees, and how many microbatches each
+data-parallel rank accumulates for it; a resumed job keeps the batch its checkpoint was trained with."""
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from torchpre.checkpoint.state import checkpoint_metadata
+from torchpre.config.job_config import JobConfig
+from torchpre.distributed.elastic import world_sizes_hint
+from torchpre.errors import ConfigError
+
+logger = logging.getLogger("torchpre")
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """`global_batch_size` sequences of `seq_len` labelled tokens per optimizer step, as `accumulation_steps`
+    microbatches of `local_batch_size` on each data-parallel rank."""
+
+    global_batch_size: int
+    accumulation_steps: int
+    local_batch_size: int
+    seq_len: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp: int) -> tuple[int, int]:
+    """(global batch size, gradient-accumulation steps) for `training.global_batch_size`."""
+    per_round = local_batch_size * dp
+    if global_batch_size == -1:
+        return per_round, 1
+    if global_batch_size % per_round:
+        raise ConfigError(
+            f"training.global_batch_size = {global_batch_size} is not divisible by training.local_batch_size x "
+            f"data-parallel degree = {local_batch_size} x {dp} = {per_round}. Use a multiple of {per_round} "
+            "(or -1 for exactly one microbatch per rank)."
+        )
+    return global_batch_size, global_batch_size // per_round
+
+
+def batch_sizes(config: JobConfig, dp: int, resume_dir: Path | None) -> BatchSizes:
+    """`resolve_batch_sizes` for this job, except that a resumed job keeps the global batch its checkpoint
+    (`resume_dir`) was trained with when training.global_batch_size is -1 (derived): under another layout -1 would
+    derive another batch and silently change the run. An explicit value wins and is logged as a change."""
+    t = config.training
+    saved = saved_global_batch_size(resume_dir) if resume_dir is not None else 0
+    if saved and t.global_batch_size != saved and t.global_batch_size == -1:
+        global_batch_size, accumulation = _keep_saved_batch(config, saved, dp, resume_dir)
+    else:
+        if saved and t.global_batch_size != saved:
+            logger.info(
+                "training.global_batch_size changes from %d (the checkpoint's) to %d at step %s",
+                saved, t.global_batch_size, resume_dir.name,
+            )
+        global_batch_size, accumulation = _resolve(config, t.global_batch_size, dp)
+    return BatchSizes(global_batch_size, accumulation, t.local_batch_size, t.seq_len)
+
+
+def _keep_saved_batch(config: JobConfig, saved: int, dp: int, resume_dir: Path) -> tuple[int, int]:
+    local = config.training.local_batch_size
+    per_round = local * dp
+    if saved % per_round:
+        raise ConfigError(
+            f"{resume_dir} was trained with a global batch of {saved} sequences, which "
+            "training.global_batch_size = -1 keeps on a resume, but that is not divisible by "
+            f"training.local_batch_size x data-parallel degree = {local} x {dp} = {per_round}. "
+            f"Choose a local_batch_size that makes {saved} divisible, or set training.global_batch_size to "
+            f"change the global batch. {_world_sizes_hint(config, saved)}"
+        )
+    logger.info(
+        "global batch %d from the checkpoint (training.global_batch_size = -1 keeps a resumed run's batch): "
+        "%d microbatches of %d on each of %d DP ranks",
+        saved, saved // per_round, local, dp,
+    )
+    return saved, saved // per_round
+
+
+def _resolve(config: JobConfig, global_batch_size: int, dp: int) -> tuple[int, int]:
+    """`resolve_batch_sizes`; a global batch this world size cannot split also names the world sizes that can
+    (an elastic job re-formed on another number of nodes meets it)."""
+    try:
+        return resolve_batch_sizes(config.training.local_batch_size, global_batch_size, dp)
+    except ConfigError as error:
+        raise ConfigError(f"{error} {_world_sizes_hint(config, global_batch_size)}") from None
+
+
+def _world_sizes_hint(config: JobConfig, global_batch_size: int) -> str:
+    """`world_sizes_hint` for this job's fixed degrees and a fixed global batch of `global_batch_size`."""
+    p, local = config.parallelism, config.training.local_batch_size
+    if global_batch_size % local:
+        return ""  # no data-parallel degree splits it: local_batch_size must change, not the world size
+    rounds = global_batch_size // local
+    return world_sizes_hint(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.expert_parallel_degree, rounds)
+
+
+def saved_global_batch_size(step_dir: Path) -> int:
+    """The global batch size `step_dir` was trained with, read without a process group so that a resumed job can
+    size its data loader and accumulation before building them; 0 if the checkpoint predates it or cannot be read
+    (a damaged one is named, and skipped, by the checked load that follows). DCP's warnings about loading in one
+    process are expected here and silenced."""
+    request = {"train": {"global_batch_size": 0}}
+    try:
+        if "train.global_batch_size" not in checkpoint_metadata(step_dir):
+            return 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
+    except Exception:  # DCP raises several types for damaged files
+        return 0
+    return int(request["train"]["global_batch_size"])

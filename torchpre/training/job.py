@@ -1,0 +1,326 @@
+"""A training job's components, each built from its config section: the layout and the global batch, the model
+(parallelized and initialised from the seed), the data, the gradient reduction and the optimizer that steps on its
+result, the LR schedule, validation, the step guard, checkpoints and metrics.
+
+Everything that can reject the config (values, layout, batch arithmetic, model shapes, pipeline schedule, files)
+runs first, in `preflight`, before the process group is joined and identically on every rank, so bad input stops
+every rank with the same message instead of leaving some waiting for a peer. The dry run and the planner build
+jobs for ranks of a fake world through the same functions (`Runtime.fake`).
+"""
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchpre.checkpoint.folders import find_step_dir
+from torchpre.checkpoint.manager import CheckpointManager
+from torchpre.checkpoint.state import RNGState
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import to_toml
+from torchpre.config.validate import validate_config
+from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.distributed.parallel_dims import Meshes, ParallelDims
+from torchpre.distributed.schedules import bubble_fraction
+from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
+from torchpre.health.forensics import Forensics
+from torchpre.health.guard import StepGuard
+from torchpre.metrics.logger import build_metrics_logger
+from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
+from torchpre.models.registry import ModelSpec, get_model_spec
+from torchpre.optim.build import build_optimizer_from_config
+from torchpre.optim.distributed_optimizer import DistributedOptimizer
+from torchpre.optim.lr_scheduler import WarmupStableDecay, build_lr_scheduler_from_config
+from torchpre.optim.registry import check_config as check_optimizer_config
+from torchpre.parallel.api import ParallelModel, parallelize
+from torchpre.parallel.data_parallel import DataParallel
+from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
+from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.runtime.determinism import configure_determinism
+from torchpre.runtime.world import Runtime
+from torchpre.training.batches import BatchSizes, batch_sizes
+from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
+from torchpre.training.model import check_layout, meta_model, model_args, parallel_plan
+from torchpre.training.state import ModelState, TrainProgress
+from torchpre.training.validation import Validator, build_validator, held_out_fraction
+
+logger = logging.getLogger("torchpre")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What a job derives from its config before it joins the process group, every check passed."""
+
+    dims: ParallelDims
+    data_parallel: DataParallel
+    batches: BatchSizes
+    model_spec: ModelSpec
+    tokenizer: Tokenizer
+    model_args: Any
+    pipeline: PipelinePlan | None
+    resume_dir: Path | None  # the checkpoint a resume will load
+
+
+def preflight(
+    config: JobConfig,
+    world_size: int,
+    tokenizer: Tokenizer | None = None,
+    stage_modules: Callable[[ModelSpec, Any, int, Sequence[str]], list[list[str]]] | None = None,
+) -> Preflight:
+    """Every check start-up runs before the process group, in order; raises the first ConfigError. The planner,
+    which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:
+    `ModelSpec.pipeline_stages`, which builds the model on the meta device)."""
+    validate_config(config)
+    check_optimizer_config(config.optimizer)
+    data_parallel = DataParallel.from_config(config)
+    p, t, c = config.parallelism, config.training, config.checkpoint
+    dims = ParallelDims.from_degrees(
+        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
+        ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+    )  # fmt: skip
+    # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
+    resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
+    batches = batch_sizes(config, dims.dp, resume_dir)
+    spec = get_model_spec(config.model.name)
+    tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    args = model_args(config, tokenizer)
+    check_layout(config, spec, args, dims)
+    pipeline = None
+    if dims.pp > 1:
+        split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
+        pipeline = PipelinePlan.from_config(
+            p,
+            stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
+            sequences_per_step=t.local_batch_size * batches.accumulation_steps,
+        )
+    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir)
+
+
+@dataclass
+class TrainingJob:
+    """One rank's components of a training job (see the module docstring). `data` is None for a planner's fake
+    ranks, `validator` without validation.enable, `checkpoint` without checkpoint.enable and
+    checkpoint.initial_load_path; `metrics.sink` writes on rank 0 only."""
+
+    config: JobConfig
+    runtime: Runtime
+    preflight: Preflight
+    device: torch.device
+    meshes: Meshes
+    model: ParallelModel
+    num_params: int
+    flops_per_token: int
+    loss: GlobalMeanLoss
+    forward_inputs: ForwardInputs
+    data: TrainingData | None
+    reduction: GradReduction
+    optimizer: DistributedOptimizer
+    lr_scheduler: WarmupStableDecay
+    validator: Validator | None
+    progress: TrainProgress
+    guard: StepGuard
+    checkpoint: CheckpointManager | None
+    metrics: TrainingMetrics
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.preflight.dims
+
+    @property
+    def batches(self) -> BatchSizes:
+        return self.preflight.batches
+
+    @property
+    def pipeline(self) -> PipelinePlan | None:
+        return self.preflight.pipeline
+
+    @property
+    def mesh(self):
+        return self.meshes.mesh
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return dist.get_rank() == 0
+
+    def checkpoint_components(self) -> dict[str, Any]:
+        """The entries of this job's checkpoints (see `torchpre.checkpoint.manager`)."""
+        components = {
+            "model": ModelState(self.model, self.optimizer),
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.lr_scheduler,
+            "dataloader": self.data,
+            "train": self.progress,
+            "rng": RNGState(),
+            "health": self.guard,
+        }
+        return {key: component for key, component in components.items() if component is not None}
+
+
+def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
+    """Checks the job, joins the process group, and builds this rank's components."""
+    c, t = config.checkpoint, config.training
+    pre = preflight(config, runtime.world_size)
+    device = _join(config, runtime)
+    meshes = pre.dims.build_meshes("cpu" if runtime.fake else device.type, fsdp=pre.data_parallel.shards_parameters)
+    if not runtime.fake:
+        apply_comm_timeout(*meshes.all())
+    torch.manual_seed(t.seed)
+    batches = pre.batches
+    data = _training_data(config, pre, meshes, device) if runtime.data else None
+    # Under loss parallel the logits are a vocab-sharded DTensor handled by loss_parallel's dispatch: eager.
+    loss_parallel = config.parallelism.enable_loss_parallel and pre.dims.tp > 1
+    loss = GlobalMeanLoss(batches.tokens_per_step, compile=config.compile.enable and not loss_parallel)
+    forward_inputs = ForwardInputs(t.document_mask, pre.tokenizer.bos_id)
+    model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake)
+    validator = None
+    if config.validation.enable:
+        # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
+        validator = build_validator(
+            config, pre.tokenizer, meshes.mesh, model, forward_kwargs=forward_inputs,
+            loss_scale=batches.tokens_per_step, device=device,
+        )  # fmt: skip
+    reduction = build_grad_reduction(model, pre.data_parallel)
+    optimizer = build_optimizer_from_config(model, reduction, config.optimizer, max_norm=t.max_norm)
+    lr_scheduler = build_lr_scheduler_from_config(optimizer.inner, config.lr_scheduler, steps=t.steps)
+    d = pre.dims
+    progress = TrainProgress(
+        batches.global_batch_size,
+        {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
+         "accumulation_steps": batches.accumulation_steps},
+    )  # fmt: skip
+    guard = StepGuard(
+        t, optimizer, _forensics(model, pre, meshes), tp_degree=d.tp,
+        global_batch_size=batches.global_batch_size, is_logging_rank=dist.get_rank() == 0,
+    )  # fmt: skip
+    metrics = TrainingMetrics(
+        config.metrics, device, None, tokens_per_step=batches.tokens_per_step,
+        global_batch_size=batches.global_batch_size, flops_per_token=flops_per_token, meshes=meshes.all(),
+        pipeline=_pipeline_timing(model, pre.pipeline, meshes),
+    )  # fmt: skip
+    job = TrainingJob(
+        config, runtime, pre, device, meshes, model, num_params, flops_per_token, loss, forward_inputs, data,
+        reduction, optimizer, lr_scheduler, validator, progress, guard, None, metrics,
+    )  # fmt: skip
+    if c.enable or c.initial_load_path:
+        job.checkpoint = CheckpointManager(
+            Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, to_toml(config)
+        )
+    return job
+
+
+def open_metrics_sink(job: TrainingJob) -> None:
+    """Rank 0's metrics logger, once the job knows whether it resumed (see `build_metrics_logger`)."""
+    if job.is_logging_rank:
+        job.metrics.sink = build_metrics_logger(job.config, resume_step=job.progress.step)
+
+
+def _join(config: JobConfig, runtime: Runtime) -> torch.device:
+    """Seeds and configures the device, then joins the process group (comm.timeout_seconds after the first
+    step); returns this rank's device."""
+    t = config.training
+    configure_determinism(t.deterministic, t.seed)
+    device = runtime.device()
+    configure_float32_matmuls(device, t.tf32)
+    if device.type == "cuda":
+        configure_flight_recorder(config.comm.trace_buf_size, Path(config.job.dump_folder) / "comm_traces")
+    runtime.join(device, config.comm.init_timeout_seconds)
+    return device
+
+
+def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: torch.device) -> TrainingData:
+    t = config.training
+    loader = build_dataloader(
+        dataset=t.dataset,
+        dataset_path=t.dataset_path,
+        tokenizer=pre.tokenizer,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        global_batch_size=pre.batches.global_batch_size,
+        dp_rank=meshes.mesh["dp"].get_local_rank(),
+        dp_size=pre.dims.dp,
+        seed=t.seed,
+        dataset_mixture=t.dataset_mixture,
+        num_workers=t.num_workers,
+        held_out_fraction=held_out_fraction(config.validation),
+        vocab_size=pre.model_args.vocab_size,
+        pin_memory=pins_memory(device),
+    )
+    return TrainingData(loader, pre.batches.global_batch_size, pre.batches.accumulation_steps)
+
+
+def _build_model(
+    config: JobConfig,
+    pre: Preflight,
+    meshes: Meshes,
+    device: torch.device,
+    loss: GlobalMeanLoss,
+    fake: bool,
+) -> tuple[ParallelModel, int, int]:
+    """The model, or this rank's pipeline stages of it, with its parameter count and FLOPs per token: built on the
+    meta device in the parameter dtype, parallelized, then materialised and initialised from the seed alone (so
+    every layout starts equal). When a checkpoint will overwrite the weights, only the buffers it does not hold
+    are computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
+    spec, args = pre.model_spec, pre.model_args
+    model = meta_model(config, spec, args, fp32=pre.data_parallel.shards_parameters)
+    num_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = spec.flops_per_token(args, num_params, config.training.seq_len)
+    seed, source = config.training.seed, _weights_source(config, pre.resume_dir)
+    if source is not None:
+        logger.info("skipped weight initialisation: loading %s", source)
+    init_weights = spec.init_buffers if source is not None or fake else lambda part: spec.init_weights(part, seed)
+    parallel = parallelize(
+        model,
+        meshes.mesh,
+        parallel_plan(config, spec, args, pre.pipeline, pre.data_parallel),
+        device=device,
+        init_weights=init_weights,
+        loss_fn=loss,
+        expert_mesh=meshes.expert_mesh,
+        dp_mesh=meshes.fsdp_mesh,
+        expert_dp_mesh=meshes.expert_fsdp_mesh,
+    )
+    batches, d = pre.batches, pre.dims
+    for part in parallel.parts:  # an auxiliary loss (MoE's) is a mean over the global batch's sequences
+        spec.set_aux_loss_scale(part, 1 / batches.global_batch_size)
+    logger.info(
+        "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d (ep %d); "
+        "global batch %d = %d microbatches of %d per DP rank",
+        config.model.name,
+        config.model.hf_config if spec.args_from_job else config.model.flavor,
+        f"{num_params:,}", f"{flops_per_token:,}", d.dp, d.tp, d.pp, d.ep,
+        batches.global_batch_size, batches.accumulation_steps, batches.local_batch_size,
+    )  # fmt: skip
+    if pre.pipeline:
+        logger.info("pipeline: %s", pre.pipeline.describe())
+    return parallel, num_params, flops_per_token
+
+
+def _weights_source(config: JobConfig, resume_dir: Path | None) -> Path | None:
+    """The checkpoint the weights will be loaded from, if any: the resumed one (unless checkpoint.exclude_from_loading
+    names the model), else checkpoint.initial_load_path."""
+    c = config.checkpoint
+    if resume_dir is not None:
+        return None if "model" in c.exclude_from_loading else resume_dir
+    return Path(c.initial_load_path) if c.initial_load_path else None
+
+
+def _forensics(model: ParallelModel, pre: Preflight, meshes: Meshes) -> Forensics:
+    local = pre.batches.local_batch_size
+    rows = local * pre.batches.accumulation_steps // pre.pipeline.n_microbatches if pre.pipeline else local
+    return Forensics(model.parts, model.stage_ids, meshes.mesh["dp"].get_local_rank(), pre.dims.dp, local, rows)
+
+
+def _pipeline_timing(model: ParallelModel, pipeline: PipelinePlan | None, meshes: Meshes) -> PipelineTiming | None:
+    if pipeline is None:
+        return None
+    return PipelineTiming(
+        ranks=dist.get_process_group_ranks(meshes.mesh["pp"].get_group()),
+        theory=bubble_fraction(pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pipeline.stages_per_rank),
+        busy=model.pipeline_busy_seconds,
+    )

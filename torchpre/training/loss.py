@@ -1,0 +1,42 @@
+"""The training loss: the mean token cross-entropy over the whole global batch, for any layout; and the inputs a
+model's forward gets besides the tokens."""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torchpre.parallel.api import logits_of
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
+class GlobalMeanLoss:
+    """A microbatch's share of the global-batch mean token cross-entropy: its summed token losses divided by the
+    global token count (`tokens_per_step`), not the microbatch's. So the sum over microbatches, pipeline chunks and
+    DP ranks is the exact global mean, for any layout. `compile` compiles the sum (not under loss parallel, whose
+    vocab-sharded DTensor logits go through loss_parallel's dispatch)."""
+
+    def __init__(self, tokens_per_step: int, compile: bool = False):
+        self.tokens_per_step = tokens_per_step
+        self.cross_entropy_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        return self.cross_entropy_sum(logits_of(output), labels) / self.tokens_per_step
+
+
+class ForwardInputs:
+    """What a model's forward gets besides the tokens: under training.document_mask, `document_ids`, each position's
+    document in the packed rows. A new one starts at every BOS token (positions before a row's first BOS end a
+    document begun in an earlier row)."""
+
+    def __init__(self, document_mask: bool, bos_id: int):
+        self.document_mask, self.bos_id = document_mask, bos_id
+
+    def __call__(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self.document_mask:
+            return {}
+        return {"document_ids": (inputs == self.bos_id).cumsum(dim=1)}
