@@ -61,9 +61,9 @@ def main(argv: list[str]) -> None:
         print(result.table(planner.top))
         print(f"planned in {seconds:.0f} s")
     if planner.plot:
-        from torchpre.planner.plot import plot_plan
+        from torchpre.planner.plot import plot_layouts
 
-        plot_plan(result, planner.top, Path(planner.plot))
+        plot_layouts(result, planner.top, Path(planner.plot))
 
 
 def _hardware(planner: argparse.Namespace) -> Hardware:

@@ -191,6 +191,6 @@ def test_excluded_parts_are_not_loaded(tmp_path):
     args = [*TINY, *CKPT, "--training.steps", "6", "--checkpoint.exclude_from_loading", "optimizer,dataloader"]
     result = run_train(args, 1, tmp_path)
     assert result.returncode == 0, result.stderr
-    assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}: lr_scheduler, model, rng, train" in result.stdout
+    assert f"loaded {tmp_path / 'checkpoint' / 'step-5'}: health, lr_scheduler, model, rng, train" in result.stdout
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [6]

@@ -37,7 +37,7 @@ def test_workers_resume_exactly_and_change_nothing(folders, tmp_path):
     in_process = train_and_read_metrics([*args, "--training.num_workers", "0"], 1, tmp_path / "no_workers")
     assert losses(in_process) == losses(straight)
     saved = read_checkpoint(tmp_path / "run" / "checkpoint" / "step-5", tmp_path)
-    assert saved["train"]["consumed_samples"] == 5 * 4  # not the sampler's count, which includes prefetched batches
+    assert saved["dataloader"]["consumed_samples"] == 5 * 4  # not the sampler's count (it includes prefetched ones)
     resumed = resume(tmp_path / "run", args, 1, from_step=5)
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert losses(resumed) == losses(straight)[5:]

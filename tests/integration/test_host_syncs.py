@@ -6,7 +6,7 @@ The step measured is a non-log step after the first (tests/count_host_syncs.py),
 the budget below, by call site (file and function, not line). A new `.item()`, `.tolist()`, `bool(tensor)` or
 nonzero-like op on the hot path fails here, with the stack of each call in the message. The budget:
 - `StepVerdict.read`: 1 per step, every layout, and it must be the previous step's verdict, read from
-  `Trainer._settle_previous` after this step's forward and backward are queued. The update itself is applied
+  `StepGuard.settle_previous` after this step's forward and backward are queued. The update itself is applied
   conditionally on the device (the fused optimizer's skip flag), so the read never stands between a step and its
   update; on CUDA it waits for a pinned copy queued behind the previous step's all-reduce, never for the work
   queued after it, so the device does not run dry. (With an unfused optimizer the verdict is read in its own step,
@@ -31,7 +31,7 @@ TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_
 MOE_LAYERS, MOE_MICROBATCHES = 2, 2  # the tiny MoE flavor's layers; global 8 = 2 microbatches x 2 x ep2 ranks
 MOE = [*MOE_TINY, *STEPS]
 VERDICT = "torchpre/health/verdict.py in read"
-READ_LATE = "in _settle_previous"
+READ_LATE = "in settle_previous"
 DISPATCH = "torchpre/parallel/expert_parallel.py in _dispatch"
 
 LAYOUTS = {

@@ -1,5 +1,5 @@
 """What the ranks' times say in metrics.jsonl: communication time per mesh dimension, the pipeline bubble of each
-step against theory and against bench/pipeline_bubble.py, and the straggler a slowed rank becomes."""
+step against theory and against another microbatch count, and the straggler a slowed rank becomes."""
 
 import json
 import socket
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.pipeline_bubble import measure
 from tests.launch import DEBUG, REPO, run_train, train_and_read_metrics
 
 pytestmark = pytest.mark.slow
@@ -64,15 +63,24 @@ def read(folder: Path) -> list[dict]:
 BUBBLE_MODEL = ["--model.flavor", "bench", "--training.seq_len", "128"]
 
 
-def test_pipeline_bubble_of_1f1b_matches_theory_and_the_bench(tmp_path):
-    """pp2 1F1B, 4 microbatches: the median over steps 2-5 of `pipeline/bubble` is within 0.1 of the theory's 0.2
-    (bench/pipeline_bubble.py's target) and of what the bench measures for the same setting."""
-    args = [*BUBBLE_MODEL, "--training.local_batch_size", "4", "--training.steps", "5", "--metrics.log_freq", "1",
-            "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
-            "--parallelism.pipeline_parallel_microbatch_size", "1", "--lr_scheduler.warmup_steps", "2"]
-    records = train_and_read_metrics(args, 2, tmp_path)
-    assert all(r["pipeline/bubble_theory"] == pytest.approx(0.2) for r in records)
-    trained = statistics.median(r["pipeline/bubble"] for r in records[1:])
-    assert trained == pytest.approx(0.2, abs=0.1)
-    bench = measure("1F1B", 4, BUBBLE_MODEL, warmup=1, steps=3)
-    assert trained == pytest.approx(bench.idle, abs=0.1), (trained, bench)
+def _bubbles(tmp_path: Path, microbatches: int) -> list[dict]:
+    args = [*BUBBLE_MODEL, "--training.local_batch_size", str(microbatches), "--training.steps", "4",
+            "--metrics.log_freq", "1", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1",
+            "--lr_scheduler.warmup_steps", "2"]  # fmt: skip
+    return train_and_read_metrics(args, 2, tmp_path / f"m{microbatches}")
+
+
+def test_the_pipeline_bubble_follows_the_schedule_and_shrinks_with_more_microbatches(tmp_path):
+    """pp2 1F1B: every record has the theory's bubble, (p-1)/(m+p-1), and a measured one in [0, bubble_max]; and the
+    bubble measured with 8 microbatches (theory 1/9) is below the one with 2 (theory 1/3), measured in this same
+    test. Its distance to the theory depends on how idle the machine is, so the absolute comparison is
+    bench/pipeline_bubble.py's (`python -m bench.pipeline_bubble`, and its test under the bench marker)."""
+    medians = {}
+    for microbatches, theory in ((2, 1 / 3), (8, 1 / 9)):
+        records = _bubbles(tmp_path, microbatches)
+        for record in records:
+            assert record["pipeline/bubble_theory"] == pytest.approx(theory)
+            assert 0 <= record["pipeline/bubble"] <= record["pipeline/bubble_max"] < 1
+        medians[microbatches] = statistics.median(r["pipeline/bubble"] for r in records[1:])
+    assert medians[8] < medians[2], medians

@@ -1,5 +1,5 @@
 """One dump folder, one run: resumes keep the global batch, a new run never mixes into an earlier run's
-metrics, a finished job says so, and resuming from an earlier step sets the later checkpoints aside."""
+metrics, a finished job says so, and resuming from an earlier step sets the later checkpoints and records aside."""
 
 import json
 import shutil
@@ -35,6 +35,7 @@ def test_resume_under_tp_keeps_the_derived_global_batch(tmp_path):
     (tmp_path / "metrics.jsonl").unlink()
     output = succeed([*args, "--parallelism.tensor_parallel_degree", "2"], 2, tmp_path)
     assert "global batch 8 from the checkpoint" in output
+    assert "Warning" not in output  # reading the checkpoint's batch before the process group warns no more
     resumed = records(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for got, want in zip(resumed, straight[3:]):
@@ -71,7 +72,8 @@ def test_rerunning_a_finished_job_says_so_and_does_nothing(tmp_path):
 
 def test_load_step_before_a_later_checkpoint_sets_the_later_one_aside(tmp_path):
     """Resuming from step-3 while step-6 exists: step-6 moves to `superseded-from-step-3/` (kept, never
-    overwritten, and no longer what a restart with load_step -1 would pick); training then redoes 4-6."""
+    overwritten, and no longer what a restart with load_step -1 would pick), and the records of steps 4-6 to
+    `metrics.superseded-from-step-3.jsonl`; training then redoes 4-6, so metrics.jsonl holds each step once."""
     args = [*TINY, *CKPT, "--training.steps", "6"]
     straight = train_and_read_metrics(args, 1, tmp_path)
     old = (tmp_path / "checkpoint" / "step-6" / "manifest.json").read_text()
@@ -80,9 +82,13 @@ def test_load_step_before_a_later_checkpoint_sets_the_later_one_aside(tmp_path):
     assert f"moved step-6 to {aside}" in output
     assert (aside / "step-6" / "manifest.json").read_text() == old
     assert (tmp_path / "checkpoint" / "step-6").is_dir()
-    redone = records(tmp_path / "metrics.jsonl")[len(straight):]
-    assert [r["step"] for r in redone] == [4, 5, 6]
-    assert [r["loss"] for r in redone] == [r["loss"] for r in straight[3:]]
+    later = tmp_path / "metrics.superseded-from-step-3.jsonl"
+    assert f"moved the metrics records of the steps after it to {later}" in output
+    assert records(later) == straight[3:]
+    now = records(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in now] == [1, 2, 3, 4, 5, 6]
+    assert now[:3] == straight[:3]
+    assert [r["loss"] for r in now[3:]] == [r["loss"] for r in straight[3:]]
 
 
 def test_a_run_prints_a_header_its_steps_and_a_summary_and_no_noise(tmp_path):

@@ -36,8 +36,8 @@ def _job(*argv: str) -> JobConfig:
 
 def test_every_layout_is_one_start_up_accepts():
     base = _job("--model.flavor", "debugmodel", "--training.global_batch_size", "16")
-    valid, rejected = valid_layouts(base, 8, 8)
-    assert rejected > 0  # e.g. fewer microbatches than a schedule needs
+    valid, refusals = valid_layouts(base, 8, 8)
+    assert sum(refusals.values()) > 0  # e.g. fewer microbatches than a schedule needs
     for checked in valid:
         layout, p = checked.layout, checked.config.parallelism
         dims = ParallelDims.from_degrees(p.data_parallel_degree, p.tensor_parallel_degree,
@@ -98,12 +98,23 @@ def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys):
 def test_layouts_that_start_up_refuses_are_not_offered():
     """Per-op selective AC cannot run under a zero-bubble schedule (one backward per block, and these run two):
     start-up refuses it, so the planner drops it and keeps the other AC modes under that schedule."""
-    layouts, rejected = valid_layouts(_job("--model.flavor", "debugmodel", "--training.global_batch_size", "8"), 2, 8)
+    layouts, refusals = valid_layouts(_job("--model.flavor", "debugmodel", "--training.global_batch_size", "8"), 2, 8)
     split_backward = set(names_where(zero_bubble=True))
     pairs = {(checked.layout.activation_checkpoint, checked.layout.schedule) for checked in layouts}
     assert {("full", "ZBVZeroBubble"), ("none", "ZBVZeroBubble"), ("selective", "1F1B")} <= pairs
     assert not any(ac == "selective" and schedule in split_backward for ac, schedule in pairs)
-    assert rejected > 0
+    assert any("selective_ac_option = 'op' cannot run under" in message for message in refusals)
+
+
+def test_with_no_valid_layout_the_planner_fails_naming_why():
+    """A misnamed flavor is named as start-up names it, not hidden behind a count of refused layouts; a job no
+    layout can run lists the most common refusals, and the planner exits with bad input (2)."""
+    with pytest.raises(ConfigError, match="999B"):
+        plan_main(["--model.flavor", "999B", "--gpus", "8", "--training.global_batch_size", "64"])
+    refused = r"None of the \d+ layouts of llama3 tiny on 2 GPUs .* refusals: \(1\) \d+ of them: optimizer\.lr = -1\.0"
+    with pytest.raises(ConfigError, match=refused):
+        plan_main(["--model.flavor", "tiny", "--gpus", "2", "--training.global_batch_size", "4",
+                   "--optimizer.lr", "-1"])  # fmt: skip
 
 
 def test_the_planner_needs_the_gpu_count_a_known_gpu_and_a_dense_model():

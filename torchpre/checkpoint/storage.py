@@ -161,11 +161,3 @@ def stager_keeps_buffers() -> bool:
 
 def make_stager(device: torch.device, shared: bool = False) -> AsyncStager:
     return DefaultStager(staging_options(device, shared))
-
-
-def model_device(parts: list[torch.nn.Module]) -> torch.device:
-    """Where this rank's model lives (its first parameter's device); the CPU if it has none."""
-    for part in parts:
-        for parameter in part.parameters():
-            return parameter.device
-    return torch.device("cpu")

@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.distributed.clock import SpanClock
 
-KINDS = ("dp", "tp", "pp", "ep")
 OTHER = "other"  # a group that is no mesh dimension of size > 1: the world, say
 
 # torch.distributed's collectives; each one that the installed torch has is wrapped.

@@ -137,11 +137,6 @@ class ParallelDims:
         """One 3-D mesh (pp, dp, tp); tp is innermost so tensor-parallel peers are neighbours."""
         return self.build_meshes(device_type).mesh
 
-    def build_expert_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The same ranks as (pp, edp, ep, tp), dp split into edp x ep with ep innermost (dp rank = edp
-        rank x ep + ep rank); None without expert parallelism."""
-        return self.build_meshes(device_type).expert_mesh
-
 
 def _resolve_hsdp(dp: int, replicate: int, shard: int) -> tuple[int, int]:
     """(dp_replicate, dp_shard) with shard = -1 resolved; their product must be the data-parallel degree."""

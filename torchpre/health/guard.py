@@ -180,6 +180,7 @@ class StepGuard:
         """
         what = health.describe_nonfinite()
         values = f"loss {health.loss}, gradient norm {step.grad_norm.item()}"
+        replays_before = self.replays
         origin = self._locate(step, loop)
         if self.on_nonfinite == "skip":
             self.skipped_steps += 1
@@ -189,6 +190,7 @@ class StepGuard:
                     step.number, what, values, self._samples(step), self.skipped_steps, origin,
                 )
             return
+        self.replays = replays_before  # the state saved is the one before the failed step, this counter too
         raise NonFiniteError(
             f"step {step.number}: {what} is not finite ({values}) on {self._samples(step)}, so the update "
             f"was not applied and training stopped (training.on_nonfinite = 'stop').{origin} "

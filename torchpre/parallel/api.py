@@ -21,7 +21,7 @@ The model can be anyone's, unmodified: a transformers `LlamaForCausalLM` takes t
 returns (a tensor, a tuple, or an output object with `.logits`; `logits_of(output)` reads the logits of any of them).
 
 `mesh` has the dimensions ("pp", "dp", "tp") (`ParallelDims.build_mesh`); models with experts also take
-an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_expert_mesh`). ZeRO-3 adds
+an expert mesh ("pp", "edp", "ep", "tp") (`ParallelDims.build_meshes(...).expert_mesh`). ZeRO-3 adds
 `fsdp=FSDPPlan(...)` to the plan and `dp_mesh=meshes.fsdp_mesh` (`ParallelDims.build_meshes(..., fsdp=True)`,
 whose views share one root with `meshes.mesh`), then `build_optimizer(parallel, zero_stage=3)`. What the
 model must do:

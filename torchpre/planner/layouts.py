@@ -3,6 +3,7 @@ accept, each written as the config a real run of it would use."""
 
 import copy
 import itertools
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -14,6 +15,7 @@ from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.training.job import preflight
+from torchpre.training.model import model_args
 
 AC_MODES = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
@@ -125,8 +127,9 @@ def candidates(base: JobConfig, gpus: int, gpus_per_node: int, experts: bool = F
                 yield Layout(dp, tp, pp, ep, zero, ac, mb, schedule, v)
 
 
-def valid_layouts(base: JobConfig, gpus: int, gpus_per_node: int) -> tuple[list[CheckedLayout], int]:
-    """The candidates start-up accepts, and how many it rejected."""
+def valid_layouts(base: JobConfig, gpus: int, gpus_per_node: int) -> tuple[list[CheckedLayout], Counter[str]]:
+    """The candidates start-up accepts, and the messages of those it refused with how many it refused with each.
+    What is wrong whatever the layout (the model's name, its flavor, the batch) is an error at once."""
     if base.training.global_batch_size < 1:
         raise ConfigError(
             "The planner needs training.global_batch_size (sequences per step): set it to the batch you will train."
@@ -144,13 +147,14 @@ def valid_layouts(base: JobConfig, gpus: int, gpus_per_node: int) -> tuple[list[
             "this family's args come from elsewhere (model.hf_config), not a flavor. `--job.dry_run` reports the "
             "per-rank memory of a given layout."
         )
-    valid, rejected = [], 0
+    model_args(base, _tokenizer(base.model.tokenizer_path))  # a misnamed flavor, or a vocabulary that cannot be
+    valid, refusals = [], Counter()
     for layout in candidates(base, gpus, gpus_per_node, experts=spec.expert_parallel is not None):
         try:
             valid.append(check(layout, base, gpus))
-        except ConfigError:
-            rejected += 1
-    return valid, rejected
+        except ConfigError as error:
+            refusals[str(error)] += 1
+    return valid, refusals
 
 
 def _divisors(n: int) -> list[int]:

@@ -7,7 +7,8 @@ and expert sharding on shortened copies of the model (`shortened_flavor`), pipel
 2 blocks (stage 0: embedding + 1 block; stage 1: 1 block + norm and head) and 4 blocks (stage 0: embedding + 2
 blocks). Then block = stage 0 of 4 blocks - stage 0 of 2 blocks, and the first and last stage's ends are what
 remains of the 2-block stages. Every number is what `torchpre.planner.dryrun.rank_memory` reports for a real build:
-no separate formula that could drift from it (`tests/unit/test_plan_pieces.py` pins the sum to full dry runs).
+no separate formula that could drift from it (`tests/unit/test_plan.py::test_planner_memory_is_the_dry_runs` pins
+the sum to full dry runs).
 """
 
 import contextlib

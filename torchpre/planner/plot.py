@@ -8,14 +8,14 @@ against the GPU's usable memory. Right: its predicted step time split into compu
 from pathlib import Path
 
 from torchpre.optional import import_optional
-from torchpre.planner.search import PlanResult
+from torchpre.planner.search import SearchResult
 
 GiB = 2**30
 MEMORY_PARTS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes")
 MEMORY_LABELS = ("parameters", "gradients", "optimizer state", "activations")
 
 
-def plot_plan(result: PlanResult, top: int, path: Path) -> None:
+def plot_layouts(result: SearchResult, top: int, path: Path) -> None:
     """Draws the `top` fastest fitting layouts (or, when none fits, the `top` smallest) into `path`."""
     import_optional("matplotlib", "python -m torchpre.plan --plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg

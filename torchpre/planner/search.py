@@ -5,6 +5,7 @@ from typing import Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
+from torchpre.errors import ConfigError
 from torchpre.planner.layouts import valid_layouts
 from torchpre.planner.predict import Prediction, model_flops_per_token, predict
 from torchpre.planner.time_model import assumptions
@@ -13,7 +14,7 @@ GiB = 2**30
 
 
 @dataclass
-class PlanResult:
+class SearchResult:
     predictions: list[Prediction]  # best first: the fitting ones by tokens/s, then the rest by memory needed
     rejected: int  # candidates start-up's checks refused
     hardware: Hardware
@@ -71,13 +72,21 @@ def _row(p: Prediction) -> str:
     )
 
 
-def search(config: JobConfig, hardware: Hardware, gpus: int) -> PlanResult:
-    """Predicts every layout start-up accepts and ranks them."""
-    checked, rejected = valid_layouts(config, gpus, hardware.gpus_per_node)
+def search(config: JobConfig, hardware: Hardware, gpus: int) -> SearchResult:
+    """Predicts every layout start-up accepts and ranks them; a ConfigError naming the most common refusals when
+    start-up accepts none."""
+    checked, refusals = valid_layouts(config, gpus, hardware.gpus_per_node)
+    rejected = sum(refusals.values())
     if not checked:
-        return PlanResult([], rejected, hardware, gpus, config)
+        reasons = " ".join(
+            f"({i}) {count} of them: {message}" for i, (message, count) in enumerate(refusals.most_common(3), 1)
+        )
+        raise ConfigError(
+            f"None of the {rejected} layouts of {config.model.name} {config.model.flavor} on {gpus} GPUs passes "
+            f"start-up's checks. The most common refusals: {reasons}"
+        )
     flops = model_flops_per_token(checked[0].config, checked[0].model_args)
     predictions = [predict(c, hardware, gpus, flops) for c in checked]
     fits = sorted((p for p in predictions if p.fits), key=lambda p: -p.tokens_per_sec)
     rest = sorted((p for p in predictions if not p.fits), key=lambda p: p.peak.total_bytes)
-    return PlanResult(fits + rest, rejected, hardware, gpus, config)
+    return SearchResult(fits + rest, rejected, hardware, gpus, config)

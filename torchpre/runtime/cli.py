@@ -13,9 +13,9 @@ from torchpre.errors import TorchpreError
 
 EXIT_BAD_INPUT = 2
 EXIT_COMM_FAILURE = 3
-# torchrun stops every worker as soon as one exits: a rank that found bad input waits this long first, so that its
-# peers, which check the same input a moment later, print their message too instead of being cut off.
-PEER_GRACE_S = 3.0
+# torchrun stops every worker as soon as one exits: a rank that found bad input waits, at most this long, until
+# every rank has printed its own message (its peers check the same input a moment later), so that none is cut off.
+PEER_WAIT_S = 20.0
 # gloo reports a timed-out or broken connection as a plain RuntimeError; these mark its messages.
 _GLOO_FAILURES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "gloo/transport")
 
@@ -43,7 +43,7 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
         print(format_help(request.config_cls or JobConfig, prog))
         return
     except TorchpreError as error:
-        _fail(str(error), EXIT_BAD_INPUT, grace_s=PEER_GRACE_S if _under_torchrun_with_peers() else 0.0)
+        _fail(str(error), EXIT_BAD_INPUT, wait_for_peers=_under_torchrun_with_peers())
     except RuntimeError as error:  # torch.distributed.DistError is one too
         if not _is_comm_failure(error):
             raise
@@ -53,13 +53,43 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
     shutdown_distributed()
 
 
-def _fail(message: str, code: int, grace_s: float = 0.0) -> NoReturn:
-    """One paragraph on stderr and in torchrun's summary, then a non-zero exit after `grace_s` seconds."""
+def _fail(message: str, code: int, wait_for_peers: bool = False) -> NoReturn:
+    """One paragraph on stderr and in torchrun's summary, then a non-zero exit; with `wait_for_peers`, once every
+    rank has failed too (`_wait_for_failed_peers`)."""
     rank = os.environ.get("RANK", "0")
-    print(f"error (rank {rank}): {message}", file=sys.stderr, flush=True)
+    # One write of the whole line (print writes the newline apart: with PYTHONUNBUFFERED, two system calls), so
+    # that ranks sharing torchrun's stderr never interleave mid-line.
+    sys.stderr.write(f"error (rank {rank}): {message}\n")
+    sys.stderr.flush()
     _report_to_torchrun(message)
-    time.sleep(grace_s)
+    if wait_for_peers:
+        _wait_for_failed_peers(PEER_WAIT_S)
     sys.exit(code)
+
+
+def _wait_for_failed_peers(timeout_s: float) -> None:
+    """Counts this rank's failure in the store of torchrun's agent and waits until every rank of the job has
+    counted its own, or `timeout_s` has passed (a rank whose input alone is bad). Bad input is checked identically
+    on every rank, so they all fail, at slightly different times: without this, torchrun would stop the slower ones
+    as soon as the first exits, before they print their message."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    key = f"torchpre/failed_ranks/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    deadline = time.monotonic() + timeout_s
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )  # fmt: skip
+        failed = store.add(key, 1)
+        while failed < world_size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            failed = store.add(key, 0)
+    except (RuntimeError, KeyError, ValueError):  # no agent store to reach: wait the time a peer needs at most
+        time.sleep(max(0.0, min(3.0, deadline - time.monotonic())))
 
 
 def _under_torchrun_with_peers() -> bool:

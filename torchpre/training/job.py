@@ -30,7 +30,6 @@ from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
-from torchpre.metrics.logger import build_metrics_logger
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.optim.build import build_optimizer_from_config
@@ -212,12 +211,6 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
             Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, to_toml(config)
         )
     return job
-
-
-def open_metrics_sink(job: TrainingJob) -> None:
-    """Rank 0's metrics logger, once the job knows whether it resumed (see `build_metrics_logger`)."""
-    if job.is_logging_rank:
-        job.metrics.sink = build_metrics_logger(job.config, resume_step=job.progress.step)
 
 
 def _join(config: JobConfig, runtime: Runtime) -> torch.device:
