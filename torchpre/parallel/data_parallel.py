@@ -27,19 +27,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES, rank_chunk
+from torchpre.distributed.zero_stages import zero_stage
 from torchpre.errors import ConfigError
-
-ZERO_STAGES = {
-    0: "0 (replicated state)",
-    1: "1 (optimizer state sharded over DP)",
-    2: "2 (gradients sharded over DP too)",
-    3: "3 (parameters, gradients and state sharded over DP by FSDP2)",
-}
 
 
 @dataclass(frozen=True)
 class DataParallel:
-    """How data parallelism shards the training state and reduces gradients.
+    """How data parallelism shards the training state and reduces gradients: ZeRO stage `zero_stage`
+    (`torchpre.distributed.zero_stages`), asked by capability, and the reduction's settings.
 
     | zero_stage | optimizer state | gradients | parameters | gradient reduction |
     |---|---|---|---|---|
@@ -62,10 +57,7 @@ class DataParallel:
     accumulate_in_fp32: bool = True
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in ZERO_STAGES:
-            raise ConfigError(
-                f"optimizer.zero_stage = {self.zero_stage}: use {', '.join(ZERO_STAGES.values())}."
-            )
+        zero_stage(self.zero_stage)  # an unknown stage is an error naming the valid ones
 
     @classmethod
     def from_config(cls, config: JobConfig) -> "DataParallel":
@@ -93,23 +85,25 @@ class DataParallel:
     @property
     def shards_optimizer_state(self) -> bool:
         """Each DP rank keeps the optimizer state (and fp32 masters) of its chunk of every parameter only."""
-        return self.zero_stage >= 1
+        return zero_stage(self.zero_stage).shards_optimizer_state
 
     @property
     def shards_gradients(self) -> bool:
         """Each DP rank keeps the reduced gradient of its chunk only (ZeRO-2's transient buckets, FSDP's shards)."""
-        return self.zero_stage >= 2
+        return zero_stage(self.zero_stage).shards_gradients
 
     @property
     def shards_parameters(self) -> bool:
         """The parameters themselves are sharded, by FSDP2 (ZeRO-3): they are the optimizer's fp32 masters."""
-        return self.zero_stage == 3
+        return zero_stage(self.zero_stage).shards_parameters
 
     @property
     def reduces_each_microbatch(self) -> bool:
-        """ZeRO-2 with overlap: every microbatch's gradients are reduce-scattered into the shard as backward
-        produces them, unless `accumulate_locally` sums the microbatches first (as ZeRO-1 does)."""
-        return self.zero_stage == 2 and self.overlap_grad_reduce and not self.accumulate_locally
+        """Sharded gradients kept by torchpre's buckets (ZeRO-2) with overlap: every microbatch's gradients are
+        reduce-scattered into the shard as backward produces them, unless `accumulate_locally` sums the
+        microbatches first (as ZeRO-1 does)."""
+        sharded = self.shards_gradients and not self.shards_parameters
+        return sharded and self.overlap_grad_reduce and not self.accumulate_locally
 
     def shard_parameters(
         self,

@@ -2,11 +2,12 @@
 steps, and from the stepped shards back to the parameters. Separate from the optimizer that steps in between
 (Megatron's DDP / distributed-optimizer split), so a new optimizer, or a new reduction, is one change in one place.
 
-Finishing a step's gradients means: the data-parallel sum (ZeRO 0-2: `GradBuckets`, started during backward;
-ZeRO-3: FSDP2's reduce-scatter, done during backward), then the per-rank partial sums over TP (norms under sequence
-parallel), then the two copies of a weight tied across pipeline stages. Both later sums commute with the DP sum,
-and every TP and pp rank cuts its DP chunks alike, so doing them on the shards is the same arithmetic on 1/dp of
-the data. The optimizer then takes the global norm, clips and steps on the result (`torchpre.optim`).
+Finishing a step's gradients means: the data-parallel sum (ZeRO 0-2: `GradBuckets`, started during backward; ZeRO-3:
+FSDP2's reduce-scatter, done during backward; nothing for a data-parallel group of one), then the per-rank partial
+sums over TP (norms under sequence parallel), then the two copies of a weight tied across pipeline stages. Both
+later sums commute with the DP sum, and every TP and pp rank cuts its DP chunks alike, so doing them on the shards
+is the same arithmetic on 1/dp of the data. The optimizer then takes the global norm, clips and steps on the result
+(`torchpre.optim`).
 """
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torchpre.parallel.api import ParallelModel
 from torchpre.parallel.data_parallel import DataParallel, ShardedParameter
 from torchpre.parallel.grad_buckets import GradBuckets
 from torchpre.parallel.pipeline import sync_tied_gradients
+from torchpre.parallel.tensor_parallel import local_gradient
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class GradReduction(Protocol):
     params: list[ShardedParameter]
     strategy: DataParallel
     groups: ReductionGroups
+    grads_in_parameters: bool  # the gradients stay in the parameters' `.grad`, as backward leaves them
 
     def reduce(self) -> list[torch.Tensor]:
         """Ends the step's backward: each parameter's finished gradient of this rank's shard (fp32)."""
@@ -71,6 +74,8 @@ class BucketedReduction:
     """ZeRO 0-2: the gradients go through flat buckets (`GradBuckets`), all-reduced or reduce-scattered over DP as
     backward produces them; updated shards come back by one all-gather per bucket (sharded state) or a copy of the
     fp32 masters into low-precision parameters (replicated state)."""
+
+    grads_in_parameters = False
 
     def __init__(self, params: list[ShardedParameter], strategy: DataParallel, groups: ReductionGroups):
         self.params, self.strategy, self.groups = params, strategy, groups
@@ -95,9 +100,7 @@ class BucketedReduction:
                 outputs = [p.local for p in members]
                 all_gather_into(bucket.layout, [shards[i] for i in bucket.members], outputs, bucket.group)
             return
-        owned = [(p.local, shard) for p, shard in zip(self.params, shards) if shard.dtype != p.local.dtype]
-        if owned:  # bf16 parameters: their fp32 masters written back in one foreach copy
-            torch._foreach_copy_([local for local, _ in owned], [shard for _, shard in owned])
+        _copy_into_low_precision(self.params, shards)
 
     def zero_(self) -> None:
         self.buckets.zero_()
@@ -111,11 +114,71 @@ class BucketedReduction:
         return self.buckets.local_gradients()
 
 
+class LocalReduction:
+    """A data-parallel group of one (every parameter's): no buckets and no hooks. Autograd accumulates each
+    gradient in the parameter's own `.grad` across microbatches, in the parameter's dtype, which is then the
+    accumulation dtype (fp32, or bf16 when `accumulate_in_fp32` is off), and `reduce` takes those: the same sums as
+    the buckets' (there is nothing to reduce over DP), without copying every gradient into a flat buffer from a
+    Python hook, microbatch after microbatch. TP partial sums and tied copies are finished as in `BucketedReduction`.
+
+    `eligible` says when it applies; `build_grad_reduction` picks it then."""
+
+    grads_in_parameters = True
+
+    def __init__(self, params: list[ShardedParameter], strategy: DataParallel, groups: ReductionGroups):
+        self.params, self.strategy, self.groups = params, strategy, groups
+
+    @staticmethod
+    def eligible(params: list[ShardedParameter], strategy: DataParallel, groups: ReductionGroups) -> bool:
+        """Every gradient's DP group has one rank and accumulates in its parameter's own dtype."""
+        single = [groups.dp] + ([groups.edp] if any(p.expert for p in params) else [])
+        same_dtype = all(p.local.dtype == torch.float32 or not strategy.accumulate_in_fp32 for p in params)
+        return not strategy.shards_parameters and all(dist.get_world_size(g) == 1 for g in single) and same_dtype
+
+    @torch.no_grad()
+    def reduce(self) -> list[torch.Tensor]:
+        shards, partial = [], []
+        for p in self.params:
+            if p.param.grad is None:  # no gradient this step: a zero one, as the buckets hold
+                grad = torch.zeros_like(p.local)
+            else:
+                grad, is_partial = local_gradient(p.param, p.param.grad)
+                if is_partial:
+                    partial.append(grad)
+            shards.append(grad.float())
+        all_reduce_tensors(partial, self.groups.tp, self.strategy.bucket_bytes)
+        _sync_tied(self.params, shards, self.groups, contiguous=True)
+        return shards
+
+    @torch.no_grad()
+    def sync_parameters(self, shards: list[torch.Tensor]) -> None:
+        _copy_into_low_precision(self.params, shards)
+
+    def zero_(self) -> None:
+        for p in self.params:
+            p.param.grad = None
+
+    def grad_bytes(self) -> int:
+        """The gradients autograd keeps in `.grad` from the first backward to the step, shaped like the
+        parameters' local tensors and in their dtype."""
+        return sum(p.local.nbytes for p in self.params)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """Every parameter's accumulated gradient in fp32 (zeros for one that got none), for tests."""
+        return [
+            (local_gradient(p.param, p.param.grad)[0] if p.param.grad is not None else torch.zeros_like(p.local))
+            .float()
+            for p in self.params
+        ]
+
+
 class FSDPReduction:
     """ZeRO-3: FSDP2 reduce-scatters each block's gradients over dp_shard during backward (and all-reduces them over
     dp_replicate under HSDP), summing TP partial sums on the way. What is left: a zero gradient for a parameter
     that got none (the other stages step on zeros too) and the tied copies. The parameters are the optimizer's
     masters, so nothing is written back: FSDP gathers the new values at the next forward."""
+
+    grads_in_parameters = True
 
     def __init__(self, params: list[ShardedParameter], strategy: DataParallel, groups: ReductionGroups):
         self.params, self.strategy, self.groups = params, strategy, groups
@@ -163,6 +226,8 @@ def build_grad_reduction(model: ParallelModel, strategy: DataParallel) -> GradRe
     params = strategy.shard_parameters(named, groups.dp, groups.edp, [part_of[name] for name, _ in named])
     if strategy.shards_parameters:
         return FSDPReduction(params, strategy, groups)
+    if LocalReduction.eligible(params, strategy, groups):
+        return LocalReduction(params, strategy, groups)
     reduction = BucketedReduction(params, strategy, groups)
     model.set_backward_callback(reduction.buckets.on_backward)
     return reduction
@@ -189,6 +254,14 @@ def _expert_groups(
     if model.expert_mesh is None:
         return None, None
     return model.expert_mesh["edp"].get_group(), model.expert_mesh["ep"].get_group()
+
+
+def _copy_into_low_precision(params: list[ShardedParameter], shards: list[torch.Tensor]) -> None:
+    """Replicated state: the fp32 masters of low-precision parameters written back in one foreach copy (an fp32
+    parameter's master is a view of it already)."""
+    owned = [(p.local, shard) for p, shard in zip(params, shards) if shard.dtype != p.local.dtype]
+    if owned:
+        torch._foreach_copy_([local for local, _ in owned], [shard for _, shard in owned])
 
 
 def _sync_tied(

@@ -158,9 +158,10 @@ def routes_by_value(job: TrainingJob) -> bool:
 
 def optimizer_step_bytes(job: TrainingJob) -> int:
     """The transient bytes of one optimizer step on this rank, counted by running it on meta: ZeRO 0-2 reduce
-    their (persistent) gradient buckets, ZeRO-3 steps its sharded gradients (made here, outside the count: they
-    are `grad_bytes`). The first step's optimizer state already exists (`rank_memory` made it)."""
-    if job.preflight.data_parallel.shards_parameters:
+    their (persistent) gradient buckets; a reduction that keeps the gradients in the parameters (ZeRO-3's sharded
+    ones, a data-parallel group of one) steps on them (made here, outside the count: they are `grad_bytes`). The
+    first step's optimizer state already exists (`rank_memory` made it)."""
+    if job.reduction.grads_in_parameters:
         for part in job.model.parts:
             for param in part.parameters():
                 param.grad = torch.zeros_like(param)

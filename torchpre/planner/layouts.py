@@ -11,6 +11,7 @@ from typing import Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.distributed.zero_stages import ZERO_STAGES
 from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
@@ -19,7 +20,6 @@ from torchpre.training.model import model_args
 
 AC_MODES = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
-ZERO_STAGES = (0, 1, 2, 3)
 # Pipeline schedules the planner compares (the others are variants of these), with the stages each rank holds.
 PLANNED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
 

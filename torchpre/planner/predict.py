@@ -15,6 +15,7 @@ import torch
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
 from torchpre.distributed.schedules import in_flight_microbatches
+from torchpre.distributed.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import peak_bytes
 from torchpre.planner.layouts import CheckedLayout
@@ -174,7 +175,7 @@ def _activation_bytes(
     saved = max(c.saved_bytes + (c.pipeline_held_bytes if held else 0) for c in costs)
     transient = max(c.transient_bytes for c in costs)
     gathered = 0
-    if layout.zero_stage == 3:
+    if zero_stage(layout.zero_stage).shards_parameters:
         itemsize = getattr(torch, checked.config.training.mixed_precision_param).itemsize
         if _reshards_after_forward(checked.config):
             gathered = 2 * states.block.tp_numel * itemsize

@@ -35,6 +35,7 @@ from typing import Literal
 
 from torchpre.distributed.hardware import Hardware
 from torchpre.distributed.schedules import bubble_fraction
+from torchpre.distributed.zero_stages import zero_stage
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 Dim = Literal["tp", "ep", "dp", "edp", "pp"]
@@ -231,13 +232,14 @@ def _dp_dim_seconds(
     def run(op: Op, nbytes: float) -> float:
         return collective_on(Collective(op, dim, nbytes), layout, hardware)
 
-    zero, m = layout.zero_stage, layout.microbatches
-    reduce_op: Op = "all_reduce" if zero == 0 else "reduce_scatter"
+    zero, m = zero_stage(layout.zero_stage), layout.microbatches
+    reduce_op: Op = "reduce_scatter" if zero.shards_optimizer_state else "all_reduce"
     reduce, last = run(reduce_op, grads), run(reduce_op, min(layout.bucket_bytes, grads))
-    rounds = 1 if zero in (0, 1) else m
-    window = microbatch if zero == 3 else backward
-    during = reduce + (2 * run("all_gather", params) if zero == 3 else 0.0)
-    after = run("all_gather", params) if zero in (1, 2) else 0.0
+    rounds = m if zero.shards_gradients else 1  # sharded gradients are reduced every microbatch
+    window = microbatch if zero.shards_parameters else backward
+    during = reduce + (2 * run("all_gather", params) if zero.shards_parameters else 0.0)
+    # Sharded state gathers the stepped parameters once per step; sharded parameters gather per use instead.
+    after = run("all_gather", params) if zero.shards_optimizer_state and not zero.shards_parameters else 0.0
     total = rounds * during + after
     exposed = rounds * max(last, during - hardware.overlap * window) + after
     return total, exposed

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.checkpoint.folders import find_step_dir
 from torchpre.checkpoint.manager import CheckpointManager
@@ -140,7 +141,7 @@ class TrainingJob:
         return self.preflight.pipeline
 
     @property
-    def mesh(self):
+    def mesh(self) -> DeviceMesh:
         return self.meshes.mesh
 
     @property

@@ -1,0 +1,120 @@
+"""Per-step host overhead on a tiny model, where the training loop's own machinery dominates: torchpre against a
+bare PyTorch loop over the same model (bench/bare_loop.py) and, where torchtitan is importable, torchtitan 0.2.2's
+real Trainer on the same shapes and tokens (bench/titan_llama.py, run on CPU by tests/bench/titan_on_cpu.py).
+
+Same model (Llama 3 `tiny`: dim 64, 2 layers, vocab 2048), sequences of 64, 8 per step, synthetic tokens, AdamW
+(foreach) with clipping, logging every step, one process with one thread each. Each framework runs as a fresh
+process twice, for `--short` and `--long` steps, and the marginal time per step, (T_long - T_short) / (long -
+short), leaves out start-up (imports, model build) and keeps everything a step costs, its logging included. The
+frameworks take turns, `--repeats` rounds, and each figure is the median over the rounds; the ratio is taken
+within each round, so a machine whose speed drifts still compares them fairly.
+
+Usage: python -m bench.step_overhead [--short 40] [--long 240] [--repeats 3] [--quick]
+"""
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common import REPO, print_table
+
+SEQ_LEN, BATCH, VOCAB = 64, 8, 2048
+TARGET = 1.0  # torchpre's step may cost no more than torchtitan's
+
+
+def torchpre_command(steps: int, folder: str) -> list[str]:
+    return [
+        sys.executable, "train.py", "--model.flavor", "tiny", "--model.vocab_size", str(VOCAB),
+        "--training.dataset", "synthetic", "--training.seq_len", str(SEQ_LEN),
+        "--training.local_batch_size", str(BATCH), "--training.steps", str(steps), "--metrics.log_freq", "1",
+        "--optimizer.implementation", "foreach", "--metrics.peak_flops", "1e12", "--job.dump_folder", folder,
+    ]  # fmt: skip
+
+
+def bare_command(steps: int, folder: str) -> list[str]:
+    return [sys.executable, "-m", "bench.bare_loop", "--flavor", "tiny", "--seq-len", str(SEQ_LEN),
+            "--batch-size", str(BATCH), "--steps", str(steps)]  # fmt: skip
+
+
+def titan_on_cpu_command(steps: int, folder: str) -> list[str]:
+    """bench.titan_llama's spec (torchpre's flavors, synthetic tokens) on CPU, in fp32 like the others."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+        "tests/bench/titan_on_cpu.py", "--model.name", "torchpre_llama3", "--model.flavor", "tiny",
+        "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(BATCH),
+        "--training.global_batch_size", str(BATCH), "--training.steps", str(steps),
+        "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
+        "--optimizer.implementation", "foreach", "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1",
+        "--metrics.disable_color_printing", "--job.dump_folder", folder,
+    ]  # fmt: skip
+
+
+FRAMEWORKS = {"torchpre": torchpre_command, "bare PyTorch loop": bare_command, "torchtitan": titan_on_cpu_command}
+
+
+def titan_available() -> bool:
+    return importlib.util.find_spec("torchtitan") is not None
+
+
+def seconds(command: list[str]) -> float:
+    """Wall seconds of one run of `command` as a fresh process with one thread; fails with its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
+        "PYTHONPATH", "")])}
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+    return elapsed
+
+
+def marginal_ms(build, short: int, long: int) -> float:
+    """Milliseconds per step beyond start-up: the difference of a long and a short run of the same command."""
+    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
+        return 1000 * (seconds(build(long, second)) - seconds(build(short, first))) / (long - short)
+
+
+def measure(names: list[str], short: int, long: int, repeats: int) -> dict[str, list[float]]:
+    """Each framework's marginal ms/step in each round, the frameworks taking turns within a round."""
+    rounds: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            rounds[name].append(marginal_ms(FRAMEWORKS[name], short, long))
+    return rounds
+
+
+def report(rounds: dict[str, list[float]]) -> list[list[object]]:
+    """Rows: framework, median ms/step, and torchpre's ratio to it (median of the per-round ratios)."""
+    mine = rounds["torchpre"]
+    rows = []
+    for name, values in rounds.items():
+        ratio = statistics.median(m / v for m, v in zip(mine, values))
+        rows.append([name, f"{statistics.median(values):.2f}", f"{ratio:.2f}x"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--short", type=int, default=40, help="steps of the short run")
+    parser.add_argument("--long", type=int, default=240, help="steps of the long run")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each figure is their median")
+    parser.add_argument("--quick", action="store_true", help="one round of 10 and 30 steps (a smoke test)")
+    options = parser.parse_args(argv)
+    if options.quick:
+        options.short, options.long, options.repeats = 10, 30, 1
+    names = ["torchpre", "bare PyTorch loop"] + (["torchtitan"] if titan_available() else [])
+    rounds = measure(names, options.short, options.long, options.repeats)
+    title = (f"Per-step time, tiny model (seq {SEQ_LEN}, batch {BATCH}), one thread, "
+             f"{options.long - options.short} steps beyond start-up, median of {options.repeats}")  # fmt: skip
+    print_table(title, ["loop", "ms/step", "torchpre / it"], report(rounds))
+    if "torchtitan" not in names:
+        print("\ntorchtitan is not importable here: its row is left out (pip install torchtitan==0.2.2).")
+
+
+if __name__ == "__main__":
+    main()
