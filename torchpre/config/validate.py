@@ -5,6 +5,7 @@ from pathlib import Path
 
 from torchpre.config.job_config import JobConfig, Optimizer
 from torchpre.distributed.schedules import SCHEDULE_KEY, get_schedule, names_where
+from torchpre.distributed.zero_stages import zero_stage
 from torchpre.errors import ConfigError
 from torchpre.optional import import_tensorboard, import_wandb
 
@@ -265,5 +266,6 @@ def _check_selective_ac_schedule(config: JobConfig) -> None:
 def _check_optimizer(o: Optimizer) -> None:
     """The optimizer's values; its name and the keys it reads are the optimizer registry's to check
     (`torchpre.optim.registry.check_config`), which needs torch."""
+    zero_stage(o.zero_stage)  # an unknown ZeRO stage, named with the valid ones
     if o.momentum < 0:
         raise ConfigError(f"optimizer.momentum = {o.momentum}: it must be >= 0.")
