@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     options = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"final loss {train(options.flavor, options.seq_len, options.batch_size, options.steps):.4f}")
+    print(f"final loss {train(options.flavor, options.seq_len, options.batch_size, options.steps)!r}")
 
 
 if __name__ == "__main__":

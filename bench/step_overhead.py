@@ -7,19 +7,24 @@ Same model (Llama 3 `tiny`: dim 64, 2 layers, vocab 2048), sequences of 64, 8 pe
 process twice, for `--short` and `--long` steps, and the marginal time per step, (T_long - T_short) / (long -
 short), leaves out start-up (imports, model build) and keeps everything a step costs, its logging included. The
 frameworks take turns, `--repeats` rounds, and each figure is the median over the rounds; the ratio is taken
-within each round, so a machine whose speed drifts still compares them fairly.
+within each round, so a machine whose speed drifts still compares them fairly. torchpre and the bare loop train
+the same model on the same tokens with the same optimizer and schedule, so their final losses agree (the work
+compared is the same); torchtitan initialises its own way.
 
 Usage: python -m bench.step_overhead [--short 40] [--long 240] [--repeats 3] [--quick]
 """
 
 import argparse
 import importlib.util
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from bench.common import REPO, print_table
 
@@ -61,44 +66,62 @@ def titan_available() -> bool:
     return importlib.util.find_spec("torchtitan") is not None
 
 
-def seconds(command: list[str]) -> float:
-    """Wall seconds of one run of `command` as a fresh process with one thread; fails with its output."""
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    final_loss: float
+
+
+def run(name: str, steps: int) -> Run:
+    """One run of framework `name` as a fresh process with one thread: its wall seconds and its last step's loss.
+    Fails with its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
         "PYTHONPATH", "")])}
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - start
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
-    return elapsed
+    with tempfile.TemporaryDirectory() as folder:
+        command = FRAMEWORKS[name](steps, folder)
+        start = time.perf_counter()
+        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        elapsed = time.perf_counter() - start
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+        if name == "bare PyTorch loop":
+            loss = float(result.stdout.split("final loss ")[-1])
+        else:
+            loss = json.loads((Path(folder) / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+    return Run(elapsed, loss)
 
 
-def marginal_ms(build, short: int, long: int) -> float:
-    """Milliseconds per step beyond start-up: the difference of a long and a short run of the same command."""
-    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
-        return 1000 * (seconds(build(long, second)) - seconds(build(short, first))) / (long - short)
+@dataclass(frozen=True)
+class Round:
+    """One framework in one round: marginal milliseconds per step and the long run's final loss."""
+
+    ms_per_step: float
+    final_loss: float
 
 
-def measure(names: list[str], short: int, long: int, repeats: int) -> dict[str, list[float]]:
-    """Each framework's marginal ms/step in each round, the frameworks taking turns within a round."""
-    rounds: dict[str, list[float]] = {name: [] for name in names}
+def measure(names: list[str], short: int, long: int, repeats: int) -> dict[str, list[Round]]:
+    """Each framework's marginal ms/step, (T_long - T_short) / (long - short), in each round, the frameworks
+    taking turns within a round."""
+    rounds: dict[str, list[Round]] = {name: [] for name in names}
     for _ in range(repeats):
         for name in names:
-            rounds[name].append(marginal_ms(FRAMEWORKS[name], short, long))
+            first, second = run(name, short), run(name, long)
+            rounds[name].append(Round(1000 * (second.seconds - first.seconds) / (long - short), second.final_loss))
     return rounds
 
 
-def report(rounds: dict[str, list[float]]) -> list[list[object]]:
-    """Rows: framework, median ms/step, and torchpre's ratio to it (median of the per-round ratios)."""
-    mine = rounds["torchpre"]
+def report(rounds: dict[str, list[Round]]) -> list[list[object]]:
+    """Rows: framework, median ms/step, torchpre's ratio to it (median of the per-round ratios), final loss."""
+    mine = [r.ms_per_step for r in rounds["torchpre"]]
     rows = []
-    for name, values in rounds.items():
-        ratio = statistics.median(m / v for m, v in zip(mine, values))
-        rows.append([name, f"{statistics.median(values):.2f}", f"{ratio:.2f}x"])
+    for name, results in rounds.items():
+        ratio = statistics.median(m / r.ms_per_step for m, r in zip(mine, results))
+        median = statistics.median(r.ms_per_step for r in results)
+        rows.append([name, f"{median:.2f}", f"{ratio:.2f}x", f"{results[-1].final_loss:.4f}"])
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, list[Round]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--short", type=int, default=40, help="steps of the short run")
     parser.add_argument("--long", type=int, default=240, help="steps of the long run")
@@ -111,9 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     rounds = measure(names, options.short, options.long, options.repeats)
     title = (f"Per-step time, tiny model (seq {SEQ_LEN}, batch {BATCH}), one thread, "
              f"{options.long - options.short} steps beyond start-up, median of {options.repeats}")  # fmt: skip
-    print_table(title, ["loop", "ms/step", "torchpre / it"], report(rounds))
+    print_table(title, ["loop", "ms/step", "torchpre / it", "final loss"], report(rounds))
     if "torchtitan" not in names:
         print("\ntorchtitan is not importable here: its row is left out (pip install torchtitan==0.2.2).")
+    return rounds
 
 
 if __name__ == "__main__":
