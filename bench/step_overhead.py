@@ -4,8 +4,10 @@ real Trainer on the same shapes and tokens (bench/titan_llama.py, run on CPU by 
 
 Same model (Llama 3 `tiny`: dim 64, 2 layers, vocab 2048), sequences of 64, 8 per step, synthetic tokens, AdamW
 (foreach) with clipping, logging every step, one process with one thread each. Each framework runs as a fresh
-process twice, for `--short` and `--long` steps, and the marginal time per step, (T_long - T_short) / (long -
-short), leaves out start-up (imports, model build) and keeps everything a step costs, its logging included. The
+process twice, for `--short` and `--long` steps, and the marginal CPU time per step, (T_long - T_short) / (long -
+short), leaves out start-up (imports, model build) and keeps everything a step costs, its logging included; CPU
+time (user + system, from the operating system's accounting of the finished processes) rather than wall time, so
+that other work on a shared machine does not count. The
 frameworks take turns, `--repeats` rounds, and each figure is the median over the rounds; the ratio is taken
 within each round, so a machine whose speed drifts still compares them fairly. torchpre and the bare loop train
 the same model on the same tokens with the same optimizer and schedule, so their final losses agree (the work
@@ -18,11 +20,11 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,15 +75,17 @@ class Run:
 
 
 def run(name: str, steps: int) -> Run:
-    """One run of framework `name` as a fresh process with one thread: its wall seconds and its last step's loss.
+    """One run of framework `name` as a fresh process with one thread: the CPU seconds (user + system) of its
+    processes, which other work on the machine does not inflate as it does wall time, and its last step's loss.
     Fails with its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get(
         "PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as folder:
         command = FRAMEWORKS[name](steps, folder)
-        start = time.perf_counter()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-        elapsed = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        elapsed = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
         if name == "bare PyTorch loop":
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[Round]]:
         options.short, options.long, options.repeats = 10, 30, 1
     names = ["torchpre", "bare PyTorch loop"] + (["torchtitan"] if titan_available() else [])
     rounds = measure(names, options.short, options.long, options.repeats)
-    title = (f"Per-step time, tiny model (seq {SEQ_LEN}, batch {BATCH}), one thread, "
+    title = (f"CPU time per step, tiny model (seq {SEQ_LEN}, batch {BATCH}), one thread, "
              f"{options.long - options.short} steps beyond start-up, median of {options.repeats}")  # fmt: skip
     print_table(title, ["loop", "ms/step", "torchpre / it", "final loss"], report(rounds))
     if "torchtitan" not in names:

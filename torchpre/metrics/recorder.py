@@ -172,16 +172,11 @@ class TrainingMetrics:
         val_loss: float | None,
     ) -> None:
         """Gathers the per-rank maxima and times; rank 0 writes the record."""
-        local = [max_memory_bytes(self.device), *maxima.values()]
-        reduced = torch.tensor(local, dtype=torch.float64, device=self.device)
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-        mine = torch.tensor(astuple(rank_times), dtype=torch.float64, device=self.device)
-        every_rank = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every_rank, mine)
+        reduced, every_rank = self._gather([max_memory_bytes(self.device), *maxima.values()], astuple(rank_times))
         more = extra()
         if self.sink is None:
             return
-        more |= self._rank_time_metrics(torch.stack(every_rank).tolist(), step)
+        more |= self._rank_time_metrics(every_rank, step)
         tokens_per_sec = self.tokens_per_step / step_time
         mfu = self._mfu(self.flops_per_token * tokens_per_sec / self.world_size)
         self.sink.log(
@@ -195,12 +190,24 @@ class TrainingMetrics:
                 "step_time_s": step_time,
                 "data_time_s": data_time,
                 "max_memory_bytes": int(reduced[0]),
-                **{key: int(value) for key, value in zip(maxima, reduced[1:].tolist())},
+                **{key: int(value) for key, value in zip(maxima, reduced[1:])},
                 **timings,
                 **more,
                 **({"val_loss": val_loss} if val_loss is not None else {}),
             }
         )
+
+    def _gather(self, maxima: list[float], rank_times: tuple[float, ...]) -> tuple[list[float], list[list[float]]]:
+        """The maximum over ranks of each of `maxima`, and every rank's `rank_times` by rank (one process: its own,
+        with no collective)."""
+        if self.world_size == 1:
+            return list(maxima), [list(rank_times)]
+        reduced = torch.tensor(maxima, dtype=torch.float64, device=self.device)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        mine = torch.tensor(rank_times, dtype=torch.float64, device=self.device)
+        every_rank = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every_rank, mine)
+        return reduced.tolist(), torch.stack(every_rank).tolist()
 
     def _rank_time_metrics(self, every_rank: list[list[float]], step: int) -> dict[str, float]:
         """The straggler metrics over all ranks (when there are several) and the pipeline bubble of rank 0's
