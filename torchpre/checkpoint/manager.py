@@ -203,12 +203,12 @@ class CheckpointManager:
 
     def find(self, load_step: int) -> Path | None:
         """`find_intact_step` in this manager's folder; `load` then skips checking it again."""
-        self._verified = find_intact_step(self.folder, load_step)
+        self._verified = find_intact_step(self.folder, load_step, self.settings.allow_unverified)
         return self._verified
 
     def _require_intact(self, step_dir: Path, key: str) -> None:
         if step_dir != self._verified:
-            require_intact(step_dir, key)
+            require_intact(step_dir, key, self.settings.allow_unverified)
         self._verified = step_dir
 
     def load(self, step_dir: Path, weights_only: bool = False) -> list[str]:

@@ -261,6 +261,11 @@ class Checkpoint:
     save_on_preemption: bool = _option(
         False, "on SIGTERM (torchrun forwards it), finish the step, save a checkpoint and exit cleanly"
     )
+    allow_unverified: bool = _option(
+        False,
+        "load a step folder that has no manifest.json (written by another tool or before manifests existed), whose "
+        "files cannot be checked for damage, with a warning naming it; off: such a folder is refused",
+    )
 
 
 @dataclass
