@@ -17,6 +17,11 @@ class ConfigError(TorchpreError):
     """A config key is unknown, has the wrong type, or holds an impossible value."""
 
 
+class StorageError(TorchpreError):
+    """A checkpoint could not be written: its file system is full, read-only or failing. Not the input's fault, so
+    entry points exit with a code of its own."""
+
+
 class FieldError(TorchpreError):
     """A field of a JSON record (a manifest) is missing or holds the wrong type; the reader adds the file's name."""
 

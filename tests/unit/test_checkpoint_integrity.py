@@ -108,9 +108,10 @@ def _die_renaming_the_folder(path: Path, target: Path) -> Path:
 
 
 dcp_save, path_rename = manager.dcp.save, Path.rename
-CRASH_POINTS = {  # where the save dies: writing the files, gathering their checksums, renaming the folder
+CRASH_POINTS = {  # where the save dies: writing the files, gathering their checksums, the manifest, the rename
     "writing": (manager.dcp, "save", _write_then_die),
-    "checksumming": (CheckpointManager, "_manifest_files", _die),
+    "checksumming": (manager, "all_gather", _die),
+    "manifest": (manager, "write_manifest", _die),
     "renaming": (Path, "rename", _die_renaming_the_folder),
 }
 
