@@ -392,6 +392,13 @@ CATALOGUE = [
         ["checkpoint.initial_load_path", "{d}/unverified/step-3 has no manifest.json", "allow_unverified = true"],
     ),
     case(
+        "resume-without-manifest",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/unverified"],
+        ["checkpoint.load_step = -1 (the latest checkpoint)", "{d}/unverified/step-3 has no manifest.json",
+         "checkpoint.allow_unverified = true"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
         "checkpoint-manifest-size-a-string",
         [*TEXT, "--checkpoint.initial_load_path", "{d}/bad_manifest/step-3"],
         ["{d}/bad_manifest/step-3/manifest.json is not a valid manifest", "'files.__0_0.distcp.size' is \"big\""],

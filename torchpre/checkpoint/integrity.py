@@ -24,6 +24,7 @@ logger = logging.getLogger("torchpre")
 
 MANIFEST = "manifest.json"
 ALLOW_UNVERIFIED = "checkpoint.allow_unverified"
+LATEST = "checkpoint.load_step = -1 (the latest checkpoint)"  # the setting that chose the folder, in messages
 CHECKSUMS = ("write", "off")
 
 
@@ -99,7 +100,7 @@ def find_intact_step(folder: Path, load_step: int, allow_unverified: bool) -> Pa
         step_dir = folder / f"step-{step}"
         problems = checkpoint_problems(step_dir)
         if problems is None:
-            accept_unverified(step_dir, "checkpoint.load_step = -1 (the latest checkpoint)", allow_unverified)
+            accept_unverified(step_dir, LATEST, allow_unverified)
             return step_dir
         if not problems:
             return step_dir
@@ -125,6 +126,13 @@ def require_intact(step_dir: Path, key: str, allow_unverified: bool) -> None:
             f"{key}: the checkpoint {step_dir} is corrupt: {'; '.join(problems)}. Load another checkpoint "
             "(checkpoint.load_step = -1 loads the latest intact one) or restore the files."
         )
+
+
+def check_verifiable(step_dir: Path, key: str, allow_unverified: bool) -> None:
+    """Before any work (no process group needed): the error `accept_unverified` would raise when `step_dir` is
+    loaded, if it has no manifest and `allow_unverified` is off. The warning of an allowed one is left to the load."""
+    if not allow_unverified and not (step_dir / MANIFEST).is_file():
+        accept_unverified(step_dir, key, allowed=False)
 
 
 def accept_unverified(step_dir: Path, key: str, allowed: bool) -> None:
