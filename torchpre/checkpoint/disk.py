@@ -42,7 +42,8 @@ class Failure(NamedTuple):
 
 def os_error(error: BaseException) -> OSError | None:
     """The OSError behind a failed save, if any: the error itself, one of the ranks' failures that DCP's
-    CheckpointException carries, or the cause or context of either."""
+    CheckpointException carries, or the cause or context of either. A connection's errors are OSErrors too, but
+    they are a peer's or the network's, not the storage's."""
     seen: set[int] = set()
     pending = [error]
     while pending:
@@ -50,7 +51,7 @@ def os_error(error: BaseException) -> OSError | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError):
+        if isinstance(current, OSError) and not isinstance(current, (ConnectionError, TimeoutError)):
             return current
         if isinstance(current, CheckpointException):
             pending.extend(failure for failure, _ in current.failures.values())
