@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 import torchpre.checkpoint.manager as manager
 from tests.unit.test_checkpoint_integrity import _loaded_step, _manager, _records_on_disk
+from torchpre.checkpoint.disk import Failure, summary
 from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.errors import StorageError
@@ -176,3 +177,14 @@ def test_a_save_that_will_not_fit_is_warned_about_or_skipped(on_low_space, world
         assert list(tmp_path.iterdir()) == []
     else:
         assert saved and record.levelno == logging.WARNING and (tmp_path / "step-2").is_dir()
+
+
+def test_the_storage_is_blamed_for_an_os_error_on_any_rank_but_not_for_a_broken_connection():
+    """DCP hands every rank the failures of all of them; the OSError may also hide behind what torch.save raised."""
+    no_space = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    short_write = RuntimeError("unexpected pos 704 vs 598")
+    short_write.__cause__ = no_space
+    failed = CheckpointException("write", {0: (ValueError("fine"), None), 1: (short_write, None)})
+    assert summary(failed) == Failure(True, errno.ENOSPC, "OSError: [Errno 28] No space left on device")
+    peer = CheckpointException("write", {1: (ConnectionResetError(errno.ECONNRESET, "reset by peer"), None)})
+    assert summary(peer).storage is False
