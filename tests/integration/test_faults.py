@@ -269,10 +269,10 @@ def test_a_save_on_a_full_disk_stops_every_rank_with_the_folder_and_sizes_and_ke
 
 @pytest.mark.slow
 def test_an_async_save_that_fills_the_disk_stops_the_job_within_a_step(small_disk, tmp_path, monkeypatch):
-    """Steps slowed to 0.2 s (tests/slow_rank.py), saves every 5: the background write of step-10 fails, and every
+    """Steps slowed to 0.4 s (tests/slow_rank.py), saves every 5: the background write of step-10 fails, and every
     rank stops after the step in progress when rank 0 logs the failure, with the same paragraph and exit code as a
     synchronous save, long before the next save (step 15) would have waited for it."""
-    monkeypatch.setenv("SLOW_RANK_DELAY_S", "0.2")
+    monkeypatch.setenv("SLOW_RANK_DELAY_S", "0.4")
     folder = small_disk / "checkpoint"
     args = [*TINY, "--training.steps", "20", *EVERY_5, "--checkpoint.folder", str(folder)]
     args += ["--checkpoint.async_mode", "async", "--job.custom_import", "tests.slow_rank"]
