@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchpre.checkpoint.integrity import MANIFEST, write_manifest
+
 REPO = Path(__file__).resolve().parents[1]
 
 # transformers (its Llama) for the spawned tests of transformers models; the fork server skips what it cannot import.
@@ -73,6 +75,14 @@ TINY = [
 def manifest_record(path: Path) -> dict[str, int]:
     """A file's entry in a checkpoint's manifest.json, as a save writes it: its size and zlib's CRC-32."""
     return {"size": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}
+
+
+def add_manifest(step_dir: Path) -> Path:
+    """Gives a step folder written by plain `dcp.save` the manifest a torchpre save writes, so that it loads without
+    checkpoint.allow_unverified; returns the folder."""
+    files = {path.name: manifest_record(path) for path in step_dir.iterdir() if path.name != MANIFEST}
+    write_manifest(step_dir, "write", files)
+    return step_dir
 
 
 def run_entry(

@@ -15,8 +15,10 @@ model.safetensors.index.json above --max_shard_size, like transformers does), pl
 tokenizer.model (the tiktoken file) and tokenizer_config.json, which transformers.AutoTokenizer loads.
 
 hf-to-dcp checks HF_DIR's config.json against the job's model, then writes CKPT_STEP_DIR as a
-checkpoint folder holding only {"model": ...} and the job's config.toml; start training from it
-with --checkpoint.initial_load_path CKPT_STEP_DIR.
+checkpoint folder holding only {"model": ...}, the job's config.toml and the manifest.json (each file's
+size and CRC-32) that loading checks; start training from it with --checkpoint.initial_load_path
+CKPT_STEP_DIR. dcp-to-hf checks the manifest of the folder it reads, and refuses one without a manifest
+unless --checkpoint.allow_unverified is given.
 
 --dtype casts the weights (default: keep the dtype they are stored in). Output folders are
 written under a temporary name next to their final one and renamed when complete; an existing
@@ -41,7 +43,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchpre.checkpoint.integrity import require_intact
+from torchpre.checkpoint.integrity import require_intact, write_manifest
+from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.data.tokenizer import BOS, DEFAULT_TOKENIZER_PATH, EOS, Tokenizer
@@ -87,13 +90,16 @@ def main(argv: list[str]) -> None:
     # DCP warns that it runs without a process group; that is the intent here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     if command == "dcp-to-hf":
-        dcp_to_hf(source, target, model, dtype, _size(options.get("--max_shard_size", "5GB")))
+        max_shard_size = _size(options.get("--max_shard_size", "5GB"))
+        dcp_to_hf(source, target, model, dtype, max_shard_size, config.checkpoint.allow_unverified)
     else:
         hf_to_dcp(source, target, model, dtype, config)
 
 
-def dcp_to_hf(step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int) -> None:
-    dcp_state_dict = _load_dcp_model(step_dir)  # its errors name the folder already
+def dcp_to_hf(
+    step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int, allow_unverified: bool
+) -> None:
+    dcp_state_dict = _load_dcp_model(step_dir, allow_unverified)  # its errors name the folder already
     try:
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:
@@ -134,8 +140,12 @@ def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | 
     state_dict = model.hf.from_hf_state_dict(hf_state_dict, model.args)
 
     def write(folder: Path) -> None:
-        dcp.save({"model": state_dict}, checkpoint_id=folder, no_dist=True)
-        (folder / "config.toml").write_text(to_toml(config), encoding="utf-8")
+        """The checkpoint and its manifest, as a training save writes them (CRCs taken while writing)."""
+        writer = RecordingWriter(folder, crc=True)
+        dcp.save({"model": state_dict}, storage_writer=writer, no_dist=True)
+        with writer.fs.create_stream(folder / "config.toml", "wb") as file:
+            file.write(to_toml(config).encode("utf-8"))
+        write_manifest(folder, "write", writer.fs.records)
 
     _write_atomically(step_dir, write)
     logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}")
@@ -181,8 +191,9 @@ def _job_model(config: JobConfig) -> _Model:
     return _Model(model_args(config, tokenizer), spec.hf, model_context(config, tokenizer), tokenizer)
 
 
-def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:
-    """The "model" entry of a DCP folder, each tensor in the dtype and shape it was saved with."""
+def _load_dcp_model(step_dir: Path, allow_unverified: bool) -> dict[str, Tensor]:
+    """The "model" entry of a DCP folder, each tensor in the dtype and shape it was saved with; a folder without a
+    manifest only with `allow_unverified` (checkpoint.allow_unverified)."""
     if not step_dir.is_dir():
         raise TorchpreError(
             f"Checkpoint folder {step_dir} does not exist. Give a step-N folder that training wrote under "
@@ -190,7 +201,7 @@ def _load_dcp_model(step_dir: Path) -> dict[str, Tensor]:
         )
     if not (step_dir / ".metadata").is_file():
         raise TorchpreError(f"{step_dir} is not a torch.distributed.checkpoint folder: it has no .metadata file.")
-    require_intact(step_dir, "dcp-to-hf CKPT_STEP_DIR")
+    require_intact(step_dir, "dcp-to-hf CKPT_STEP_DIR", allow_unverified)
     try:
         metadata = dcp.FileSystemReader(step_dir).read_metadata()
     except Exception as error:  # a damaged .metadata fails to unpickle in several ways

@@ -5,6 +5,9 @@ file or value at fault and says what to change. Entry points print it as one par
 non-zero instead of showing a traceback.
 """
 
+import json
+from typing import Any
+
 
 class TorchpreError(Exception):
     """An error caused by the user's input (config, files, layout), not by a bug."""
@@ -12,3 +15,43 @@ class TorchpreError(Exception):
 
 class ConfigError(TorchpreError):
     """A config key is unknown, has the wrong type, or holds an impossible value."""
+
+
+class StorageError(TorchpreError):
+    """A checkpoint could not be written: its file system is full, read-only or failing. Not the input's fault, so
+    entry points exit with a code of its own."""
+
+
+class FieldError(TorchpreError):
+    """A field of a JSON record (a manifest) is missing or holds the wrong type; the reader adds the file's name."""
+
+
+_JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "an array",
+               dict: "an object"}  # fmt: skip
+_REQUIRED = object()
+
+
+def field(record: Any, key: str, kinds: type | tuple[type, ...], where: str = "", default: Any = _REQUIRED) -> Any:
+    """`record[key]` if it holds one of `kinds` (JSON's types: a bool is no integer, an integer is a number), or
+    `default` when the key is absent and a default is given; otherwise a FieldError naming the key by its path in
+    the file (`where`, e.g. "shards[0]", is the path of `record`) and what it holds instead."""
+    name = f"{where}.{key}" if where else key
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if not isinstance(record, dict):
+        raise FieldError(f"'{where or 'the file'}' is {_describe(record)}, not an object")
+    if key not in record:
+        if default is not _REQUIRED:
+            return default
+        raise FieldError(f"'{name}' is missing")
+    value = record[key]
+    accepted = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not accepted and not (float in kinds and type(value) is int):
+        expected = " or ".join(_JSON_TYPES.get(kind, kind.__name__) for kind in kinds)
+        raise FieldError(f"'{name}' is {_describe(value)}, not {expected}")
+    return value
+
+
+def _describe(value: Any) -> str:
+    """A JSON value as the file shows it, shortened: null, "abc", 12, [...]."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."

@@ -5,7 +5,7 @@
         [--max_new_tokens K --temperature T --top_k K --seed S] [--json]
 
 The flags are `GenerateConfig`: the job's options (of which generation reads job.*, model.*,
-training.mixed_precision_param, parallelism.* and checkpoint.folder/load_step) plus the
+training.mixed_precision_param, parallelism.* and checkpoint.folder/load_step/allow_unverified) plus the
 generation flags, parsed, checked and listed by --help like training's. The model is built by the trainer's
 code (`torchpre.training.model`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
 loss parallelism, activation checkpointing, compile), and DCP reshards the checkpoint into it. Decoding uses
@@ -230,11 +230,13 @@ def main(argv: list[str]) -> None:
     init_distributed(device)
     mesh = dims.build_mesh(device.type)
     # The manifest check reads every file: the ranks share it, so it waits for the process group.
+    allow_unverified = config.checkpoint.allow_unverified
     if step_dir.parent == folder and load_step == -1:  # the latest: past corrupt ones, as training resumes
-        step_dir = find_intact_step(folder, load_step)
+        step_dir = find_intact_step(folder, load_step, allow_unverified)
         check_checkpoint_fits(model, step_dir)
     else:
-        require_intact(step_dir, "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}")
+        key = "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}"
+        require_intact(step_dir, key, allow_unverified)
     # The checkpoint replaces every parameter: only the buffers it does not hold (RoPE's) are computed.
     parallel = parallelize(
         model, mesh, parallel_plan(config, spec, args, pipeline), device=device, init_weights=spec.init_buffers

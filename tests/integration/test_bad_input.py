@@ -12,14 +12,14 @@ import json
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tests.launch import REPO, TINY, ForkServer, manifest_record, run_train
+from tests.launch import REPO, TINY, ForkServer, add_manifest, manifest_record, run_train
 from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
@@ -61,6 +61,18 @@ def _save_other_flavor_checkpoint(step_dir: Path) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model.state_dict()}, checkpoint_id=step_dir, no_dist=True)
+    add_manifest(step_dir)
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+def _copy_shards_with(good: Path, folder: Path, edit: Callable[[dict], None]) -> None:
+    """A copy of the shard folder `good` whose manifest `edit` changed."""
+    _edit_json(shutil.copytree(good, folder) / "manifest.json", edit)
 
 
 def _tamper_with(step_dir: Path) -> None:
@@ -106,14 +118,22 @@ def files(tmp_path_factory) -> Path:
     _write_shards(d / "shards_tiny", [ids[:10]])
     (d / "shards_bad_manifest").mkdir()
     (d / "shards_bad_manifest" / "manifest.json").write_text('{"version": 1, "shards": [')
+    _copy_shards_with(good, d / "shards_null_sha256", lambda manifest: manifest.update(tokenizer_sha256=None))
+    _copy_shards_with(good, d / "shards_vocab_string", lambda manifest: manifest.update(vocab_size="2048"))
+    _copy_shards_with(good, d / "shards_no_token_count", lambda manifest: manifest["shards"][0].pop("num_tokens"))
+    _copy_shards_with(good, d / "shards_complete_string", lambda manifest: manifest.update(complete="yes"))
     (d / "not_shards").mkdir()
 
     (d / "run" / "checkpoint" / "step-2").mkdir(parents=True)  # the job's checkpoints: only step 2
     (d / "not_a_checkpoint").mkdir()
     (d / "corrupt_checkpoint").mkdir()
     (d / "corrupt_checkpoint" / ".metadata").write_bytes(b"\x00garbage")
+    add_manifest(d / "corrupt_checkpoint")  # the garbage is what was saved: only DCP can tell
     _save_other_flavor_checkpoint(d / "other_flavor" / "step-3")
     _tamper_with(shutil.copytree(d / "other_flavor", d / "tampered") / "step-3")
+    (shutil.copytree(d / "other_flavor", d / "unverified") / "step-3" / MANIFEST).unlink()
+    bad_size = shutil.copytree(d / "other_flavor", d / "bad_manifest") / "step-3" / MANIFEST
+    _edit_json(bad_size, lambda manifest: manifest["files"]["__0_0.distcp"].update(size="big"))
     (d / "full_output").mkdir()
     (d / "full_output" / "keep.txt").write_text("someone's files\n")
     return d
@@ -311,6 +331,26 @@ CATALOGUE = [
     case("shards-incomplete", [*SHARDS, "{d}/shards_incomplete"], ["{d}/shards_incomplete", "incomplete"]),
     case("shards-bad-manifest", [*SHARDS, "{d}/shards_bad_manifest"], ["{d}/shards_bad_manifest/manifest.json"]),
     case(
+        "shards-null-tokenizer-sha256",
+        [*SHARDS, "{d}/shards_null_sha256"],
+        ["{d}/shards_null_sha256/manifest.json", "'tokenizer_sha256' is null, not a string", "prepare"],
+    ),
+    case(
+        "shards-vocab-size-a-string",
+        [*SHARDS, "{d}/shards_vocab_string"],
+        ["{d}/shards_vocab_string/manifest.json", "'vocab_size' is \"2048\", not an integer"],
+    ),
+    case(
+        "shards-token-count-missing",
+        [*SHARDS, "{d}/shards_no_token_count"],
+        ["{d}/shards_no_token_count/manifest.json", "'shards[0].num_tokens' is missing"],
+    ),
+    case(
+        "shards-complete-a-string",
+        [*SHARDS, "{d}/shards_complete_string"],
+        ["{d}/shards_complete_string/manifest.json", "'complete' is \"yes\", not true or false"],
+    ),
+    case(
         "mixture-negative-weight",
         [*MIXTURE, "{d}/shards=1,{d}/shards_tiny=-1"],
         ["training.dataset_mixture", "'{d}/shards_tiny'", "-1.0", "positive"],
@@ -347,6 +387,23 @@ CATALOGUE = [
         ["{d}/other_flavor/step-3 does not fit this model", "model.flavor"],
     ),
     case(
+        "checkpoint-without-manifest",
+        [*TEXT, "--checkpoint.initial_load_path", "{d}/unverified/step-3"],
+        ["checkpoint.initial_load_path", "{d}/unverified/step-3 has no manifest.json", "allow_unverified = true"],
+    ),
+    case(
+        "resume-without-manifest",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/unverified"],
+        ["checkpoint.load_step = -1 (the latest checkpoint)", "{d}/unverified/step-3 has no manifest.json",
+         "checkpoint.allow_unverified = true"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "checkpoint-manifest-size-a-string",
+        [*TEXT, "--checkpoint.initial_load_path", "{d}/bad_manifest/step-3"],
+        ["{d}/bad_manifest/step-3/manifest.json is not a valid manifest", "'files.__0_0.distcp.size' is \"big\""],
+    ),
+    case(
         "checkpoint-load-step-missing",
         [*TEXT, "--checkpoint.enable", "--checkpoint.folder", "{d}/run/checkpoint", "--checkpoint.load_step", "5"],
         ["checkpoint.load_step = 5", "complete steps: 2"],
@@ -370,6 +427,12 @@ CATALOGUE = [
         "generate-checkpoint-other-flavor",
         [*GENERATE, "--checkpoint.folder", "{d}/other_flavor"],
         ["does not fit this model", "model.flavor"],
+        GEN,
+    ),
+    case(
+        "generate-checkpoint-without-manifest",
+        [*GENERATE[2:], "--model.flavor", "debugmodel", "--checkpoint.folder", "{d}/unverified"],
+        ["{d}/unverified/step-3 has no manifest.json", "checkpoint.allow_unverified = true"],
         GEN,
     ),
     case(
@@ -420,6 +483,12 @@ CATALOGUE = [
         "convert-output-not-empty",
         ["dcp-to-hf", "{d}/other_flavor/step-3", "{d}/full_output", "--model.flavor", "debugmodel"],
         ["Output {d}/full_output already exists"],
+        CONVERT,
+    ),
+    case(
+        "convert-checkpoint-without-manifest",
+        ["dcp-to-hf", "{d}/unverified/step-3", "{d}/out", "--model.flavor", "debugmodel"],
+        ["dcp-to-hf CKPT_STEP_DIR", "{d}/unverified/step-3 has no manifest.json", "checkpoint.allow_unverified"],
         CONVERT,
     ),
     case("convert-hf-folder-missing", ["hf-to-dcp", "{d}/no_hf", "{d}/out"], ["{d}/no_hf does not exist"], CONVERT),

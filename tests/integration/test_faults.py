@@ -1,14 +1,16 @@
-"""Faults, end to end under torchrun: a killed rank restarts and resumes exactly, SIGTERM saves and stops at
-a step every rank agrees on, a hung peer fails within comm.timeout_seconds, and deterministic reruns are
-bitwise equal. Plus the cheap pieces in-process: the SIGTERM handler and the new keys' checks."""
+"""Faults, end to end under torchrun: a killed rank restarts and resumes exactly, a job killed after an async save
+was written resumes from it, a full disk stops every rank with one paragraph and keeps the last checkpoint, SIGTERM
+saves and stops at a step every rank agrees on, a hung peer fails within comm.timeout_seconds, and deterministic
+reruns are bitwise equal. Plus the cheap pieces in-process: the SIGTERM handler and the new keys' checks."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,12 +21,13 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.distributed.utils import _restart_store
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.runtime.cli import EXIT_COMM_FAILURE, run_entry_point
+from torchpre.runtime.cli import EXIT_COMM_FAILURE, EXIT_STORAGE_FAILURE, run_entry_point
 from torchpre.runtime.preemption import PreemptionHandler
 
 STEPS = 30
 ARGS = [*TINY, "--training.steps", str(STEPS), "--training.deterministic"]
 EVERY_2 = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+EVERY_5 = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 ONLY_LAST = ["--checkpoint.enable", "--checkpoint.interval", "1000"]
 # fp32 on CPU and the same layout: a resumed run matches to 1e-6 (in practice exactly).
 RESUME_ATOL = 1e-6
@@ -192,6 +195,98 @@ def test_a_killed_rank_restarts_the_job_which_resumes_exactly(reference, jobs, t
     assert "loaded " in job.output(), "the restarted workers did not resume from a checkpoint"
     assert_same_losses(records_by_step(tmp_path / "run"), reference, range(1, STEPS + 1))
     assert not list((tmp_path / "run" / "checkpoint").glob(".tmp-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_mode", ["async", "async_process"])
+def test_a_job_killed_after_an_async_save_is_written_resumes_from_it(
+    async_mode, reference, jobs, tmp_path, monkeypatch
+):
+    """Every process is killed after step-5's background write is done and before the next save (step 10): step-5
+    must be published by then, not at the next save, and the rerun resumes from it exactly. Rank 0 holds the job
+    at step 8 (tests/hold_at_step.py) until step-5 appears."""
+    monkeypatch.setenv("HOLD_AT_STEP", "8")
+    args = [*ARGS, *EVERY_5, "--checkpoint.async_mode", async_mode]
+    job = jobs([*args, "--job.custom_import", "tests.hold_at_step"], tmp_path / "run")
+    job.wait_until(lambda: (tmp_path / "run" / "held").exists())
+    job.wait_until(lambda: (tmp_path / "run" / "checkpoint" / "step-5").is_dir(), timeout=60)
+    job.kill()
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == ["step-5"]
+    result = run_train(args, 2, tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"loaded {tmp_path / 'run' / 'checkpoint' / 'step-5'}" in result.stdout
+    assert_same_losses(records_by_step(tmp_path / "run"), reference, range(1, STEPS + 1))
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Iterator[Path]:
+    """A 7 MB tmpfs: room for one checkpoint of the tiny model (4.5 MB), not for two. Mounting it needs root; where
+    it cannot be mounted the test is skipped (tests/unit/test_checkpoint_publication.py injects the same failures
+    without a mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(disk)]
+    mount = subprocess.run(command, capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()})")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.slow
+def test_a_save_on_a_full_disk_stops_every_rank_with_the_folder_and_sizes_and_keeps_the_last_checkpoint(
+    small_disk, tmp_path
+):
+    """step-5 fits, step-10 does not: every rank exits with code 4 and one paragraph (no traceback) naming the folder,
+    the bytes needed and free and what to do; no .tmp-step-* is left, and step-5, copied elsewhere, resumes to the
+    losses the failed run logged for steps 6-10."""
+    folder = small_disk / "checkpoint"
+    args = [*TINY, "--training.steps", "10", *EVERY_5, "--checkpoint.folder", str(folder)]
+    result = run_train(args, 2, tmp_path / "run")
+    output = result.stdout + result.stderr
+    assert result.returncode == EXIT_STORAGE_FAILURE, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert "the checkpoint of step 10 will not fit" in result.stdout  # the warning before the save
+    lines = sorted(line for line in result.stderr.splitlines() if line.startswith("error (rank "))
+    assert [line[:14] for line in lines] == ["error (rank 0)", "error (rank 1)"], result.stderr[-3000:]
+    for line in lines:
+        for fragment in (
+            f"the checkpoint of step 10 could not be written to {folder}: no space left on the device",
+            "[Errno 28] No space left on device", "bytes; the file system has", "bytes free", "free space there",
+            f"resume from {folder / 'step-5'}",
+        ):  # fmt: skip
+            assert fragment in line, line
+    assert sorted(p.name for p in folder.iterdir()) == ["step-5"]
+    logged = records_by_step(tmp_path / "run")
+    assert sorted(logged) == list(range(1, 11))  # the record of step 10 goes out before its save
+    shutil.copytree(folder / "step-5", tmp_path / "resumed" / "checkpoint" / "step-5")
+    result = run_train([*TINY, "--training.steps", "10", *EVERY_5], 2, tmp_path / "resumed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = records_by_step(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(6, 11))
+    assert [resumed[step]["loss"] for step in resumed] == [logged[step]["loss"] for step in resumed]
+
+
+@pytest.mark.slow
+def test_an_async_save_that_fills_the_disk_stops_the_job_within_a_step(small_disk, tmp_path, monkeypatch):
+    """Steps slowed to 0.4 s (tests/slow_rank.py), saves every 5: the background write of step-10 fails, and every
+    rank stops after the step in progress when rank 0 logs the failure, with the same paragraph and exit code as a
+    synchronous save, long before the next save (step 15) would have waited for it."""
+    monkeypatch.setenv("SLOW_RANK_DELAY_S", "0.4")
+    folder = small_disk / "checkpoint"
+    args = [*TINY, "--training.steps", "20", *EVERY_5, "--checkpoint.folder", str(folder)]
+    args += ["--checkpoint.async_mode", "async", "--job.custom_import", "tests.slow_rank"]
+    result = run_train(args, 2, tmp_path / "run")
+    assert result.returncode == EXIT_STORAGE_FAILURE, (result.stdout + result.stderr)[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    log = result.stdout.splitlines()
+    failed_at = next(i for i, line in enumerate(log) if "the background save of step 10 failed" in line)
+    steps_after = [line for line in log[failed_at:] if "| loss " in line]
+    assert len(steps_after) <= 2, log[failed_at:]  # the step in progress (its record), and the stopping step
+    assert max(records_by_step(tmp_path / "run")) < 15
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error (rank ")]
+    assert len(errors) == 2 and all("could not be written to" in line for line in errors), result.stderr[-3000:]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-5"]
 
 
 @pytest.mark.slow

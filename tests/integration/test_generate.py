@@ -13,8 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
-from tests.launch import manifest_record, run_entry
-from torchpre.checkpoint.integrity import MANIFEST
+from tests.launch import add_manifest, run_entry
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.generate import generate_ids, main, sample, whole_model
@@ -67,6 +66,7 @@ def trained(tokenizer, tmp_path_factory) -> tuple[Transformer, Path]:
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"model": model.state_dict()}, checkpoint_id=dump / "checkpoint" / "step-5", no_dist=True)
+    add_manifest(dump / "checkpoint" / "step-5")
     return model.eval(), dump
 
 
@@ -192,8 +192,6 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_one_before(trained, token
     model, dump = trained
     shutil.copytree(dump / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-5")
     newest = shutil.copytree(dump / "checkpoint" / "step-5", tmp_path / "checkpoint" / "step-6")
-    manifest = {path.name: manifest_record(path) for path in newest.iterdir()}
-    (newest / MANIFEST).write_text(json.dumps({"files": manifest}))
     (newest / "__0_0.distcp").write_bytes(b"truncated")
     result = run_generate(tmp_path, 1, "--temperature", "0", "--json")
     assert f"checkpoint {newest} is corrupt: {newest / '__0_0.distcp'} has 9 bytes" in result.stderr

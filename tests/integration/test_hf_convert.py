@@ -21,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.launch import run_entry
+from tests.launch import add_manifest, run_entry
+from torchpre.checkpoint.integrity import MANIFEST, read_manifest, verify_share
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.convert import main as convert_main
@@ -69,6 +70,7 @@ def save_checkpoint(model: Transformer, config: JobConfig, step_dir: Path) -> No
     """A step folder as the trainer writes it; the non-model entries must be ignored."""
     dcp.save({"model": model.state_dict(), "train": {"step": 5}}, checkpoint_id=step_dir, no_dist=True)
     (step_dir / "config.toml").write_text(to_toml(config))
+    add_manifest(step_dir)
 
 
 def load_checkpoint_model(step_dir: Path, like: Transformer) -> dict[str, torch.Tensor]:
@@ -129,6 +131,9 @@ def test_dcp_to_hf_matches_transformers_and_round_trips_bitwise(flavor, options,
 
     convert_ok("hf-to-dcp", hf_dir, back_dir, "--job.config_file", job)
     assert [p.name for p in back_dir.parent.iterdir()] == ["step-0"], "a temporary folder was left behind"
+    # with the manifest a training save writes: every file's size and CRC, which loading checks
+    assert set(read_manifest(back_dir)) == {path.name for path in back_dir.iterdir()} - {MANIFEST}
+    assert verify_share(back_dir, rank=0, world_size=1) == []
     assert parse_args(JobConfig, ["--job.config_file", str(back_dir / "config.toml")]).model == config.model
     back = load_checkpoint_model(back_dir, like=model)
     for fqn, tensor in model.state_dict().items():

@@ -3,6 +3,7 @@ complete, a damaged file is named, and `load_step = -1` falls back past a corrup
 alike; the manifest's checksums are taken while writing, and async saves stage through one reused stager."""
 
 import builtins
+import dataclasses
 import io
 import json
 import logging
@@ -107,9 +108,10 @@ def _die_renaming_the_folder(path: Path, target: Path) -> Path:
 
 
 dcp_save, path_rename = manager.dcp.save, Path.rename
-CRASH_POINTS = {  # where the save dies: writing the files, gathering their checksums, renaming the folder
+CRASH_POINTS = {  # where the save dies: writing the files, gathering their checksums, the manifest, the rename
     "writing": (manager.dcp, "save", _write_then_die),
-    "checksumming": (CheckpointManager, "_manifest_files", _die),
+    "checksumming": (manager, "all_gather", _die),
+    "manifest": (manager, "write_manifest", _die),
     "renaming": (Path, "rename", _die_renaming_the_folder),
 }
 
@@ -139,13 +141,74 @@ def test_a_save_killed_part_way_leaves_no_complete_folder(crash_point, world, tm
     assert _loaded_step(restarted, tmp_path / "step-2") == 2
 
 
-def test_the_manifest_records_every_file_and_a_folder_without_one_is_trusted(world, tmp_path):
-    checkpoints = _save(tmp_path, 2)
+def test_the_manifest_records_every_file(world, tmp_path):
+    _save(tmp_path, 2)
     step_dir = tmp_path / "step-2"
-    manifest = (step_dir / MANIFEST).read_text()
-    assert all(f'"{p.name}"' in manifest for p in step_dir.iterdir() if p.name != MANIFEST)
-    (step_dir / MANIFEST).unlink()  # as written before manifests existed
-    assert checkpoints.find(-1) == step_dir
+    manifest = json.loads((step_dir / MANIFEST).read_text())
+    assert manifest == {"checksums": "write", "files": _records_on_disk(step_dir)}
+    assert {".metadata", "config.toml", "__0_0.distcp"} <= set(manifest["files"])
+
+
+@pytest.mark.parametrize("load_step", [-1, 4])
+def test_a_folder_without_a_manifest_is_refused_unless_allowed_and_then_named_in_a_warning(
+    load_step, world, tmp_path, caplog
+):
+    """Nothing checks such a folder's files: refused by default, naming it and the option; loaded with a warning
+    naming it when the option is on. The earlier intact checkpoint is never taken instead of it."""
+    _save(tmp_path, 2, 4)
+    step_dir = tmp_path / "step-4"
+    (step_dir / MANIFEST).unlink()  # as another tool, or torchpre before manifests, wrote it
+    with pytest.raises(TorchpreError) as error:
+        _manager(tmp_path).find(load_step)
+    assert f"the checkpoint {step_dir} has no {MANIFEST}" in str(error.value)
+    assert "checkpoint.allow_unverified = true" in str(error.value)
+    allowing = _manager(tmp_path)
+    allowing.settings = dataclasses.replace(allowing.settings, allow_unverified=True)
+    with caplog.at_level(logging.WARNING, logger="torchpre"):
+        assert _loaded_step(allowing, allowing.find(load_step)) == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"loading {step_dir} unchecked: it has no {MANIFEST} (checkpoint.allow_unverified = true), so a damaged file "
+        "in it would go unnoticed"
+    ]
+
+
+def _write_manifest_file(step_dir: Path, manifest: object) -> None:
+    (step_dir / MANIFEST).write_text(json.dumps(manifest))
+
+
+BAD_MANIFESTS = {  # what replaces a valid manifest, and the key the error names
+    "files-missing": (lambda files: {"checksums": "write"}, "'files' is missing"),
+    "size-a-string": (
+        lambda files: {"checksums": "write", "files": files | {".metadata": {"size": "big", "crc32": 1}}},
+        "'files..metadata.size' is \"big\", not an integer",
+    ),
+    "crc-null": (
+        lambda files: {"files": files | {"config.toml": {"size": 6, "crc32": None}}},
+        "'files.config.toml.crc32' is null, not an integer",
+    ),
+    "checksums-unknown": (lambda files: {"checksums": "md5", "files": files}, "'checksums' is 'md5', not 'write'"),
+    "not-json": (lambda files: "{", "Expecting property name"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_MANIFESTS)
+def test_every_field_of_the_manifest_is_checked_and_a_bad_one_is_named(case, world, tmp_path):
+    """A manifest with a missing key or a value of the wrong type names the file and the key: an error for a chosen
+    step (exit 2), a fallback to the step before for the latest."""
+    _save(tmp_path, 2, 4)
+    step_dir = tmp_path / "step-4"
+    replace, finding = BAD_MANIFESTS[case]
+    manifest = replace(json.loads((step_dir / MANIFEST).read_text())["files"])
+    if isinstance(manifest, str):
+        (step_dir / MANIFEST).write_text(manifest)
+    else:
+        _write_manifest_file(step_dir, manifest)
+    with pytest.raises(TorchpreError, match="checkpoint.load_step = 4") as error:
+        _manager(tmp_path).find(4)
+    assert f"{step_dir / MANIFEST} is not a valid manifest" in str(error.value)
+    assert finding in str(error.value)
+    assert _manager(tmp_path).find(-1) == tmp_path / "step-2"
 
 
 def _truncate(path: Path) -> None:

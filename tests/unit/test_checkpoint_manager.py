@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.launch import add_manifest
 from tests.unit.test_checkpoint_integrity import _components, _manager
 from torchpre.errors import TorchpreError
 
@@ -63,6 +64,7 @@ def test_the_data_position_of_an_older_format_loads_from_its_old_place(world, tm
     state["train"]["consumed_samples"] = 24
     folder = tmp_path / "step-3"
     dcp.save(state, checkpoint_id=str(folder))
+    add_manifest(folder)
     loading = _components()
     _manager(tmp_path, components=loading).load(folder)
     assert loading["dataloader"].values == {"consumed_samples": 24}

@@ -1,6 +1,7 @@
 """Where checkpoints live: `{folder}/step-N/` folders, complete by construction (a save writes `.tmp-step-N` and
 renames it once done; a deletion renames first), so the names alone say which steps can be loaded."""
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -39,3 +40,16 @@ def remove_step(step_dir: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
     step_dir.rename(doomed)
     shutil.rmtree(doomed)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Gives a finished `.tmp-` folder its final name (replacing a folder of that name: a step saved again) and
+    flushes the rename to the disk, so that a power loss after it does not undo it."""
+    if final.exists():
+        remove_step(final)
+    tmp.rename(final)
+    folder = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)

@@ -9,48 +9,78 @@ mesh), "lr_scheduler", "dataloader" (the global sample position), "train" (the s
 saving layout), "rng" (per rank) and "health" (the step guard's counters); the folder also holds the resolved
 `config.toml`. DCP reshards every tensor to whatever layout loads it.
 
-A checkpoint is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank has finished, so a
-`step-N` folder is always complete; loaders only ever look at `step-N` names, and a restarted job removes the
-`.tmp-*` folders a killed one left. Before the rename, `manifest.json` records every file's size and CRC-32, taken
-from the bytes as they are written (storage.py), never by reading the files back; loading checks them
-(integrity.py). With checkpoint.checksums = "off" the manifest holds the sizes only.
+A checkpoint is written as `.tmp-step-N` and published, renamed to `step-N` by rank 0, as soon as every rank has
+written its files, so a `step-N` folder is always complete; loaders only ever look at `step-N` names, and a
+restarted job removes the `.tmp-*` folders a killed one left. Before the rename, `manifest.json` records every
+file's size and CRC-32, taken from the bytes as they are written (storage.py), never by reading the files back;
+loading checks them (integrity.py). With checkpoint.checksums = "off" the manifest holds the sizes only. An async
+save is published by a finisher in the background, on the save's own process group, the moment its write is done.
+
+A save that fails (a full disk, no permission, an I/O error) removes its `.tmp-step-N` and raises a StorageError on
+every rank, naming the folder, the bytes it needed and had, and what to do (disk.py); an async save's failure is
+raised by the next `save`, `wait` or `close`, and `failed` tells the training loop at once. Before writing, a save
+that will not fit in the free space is warned about or skipped (checkpoint.on_low_space).
 
 Checkpoints written before the data position was an entry of its own (main at 0a62600 and earlier) hold it as
 "train.consumed_samples"; `LEGACY_LOCATIONS` loads it from there.
 """
 
-import json
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from torchpre.checkpoint.folders import TMP_PREFIX, complete_steps, remove_step
-from torchpre.checkpoint.integrity import MANIFEST, all_gather, find_intact_step, require_intact
+from torchpre.checkpoint.disk import Failure, free_bytes, low_space_message, summary, unwritten_message
+from torchpre.checkpoint.folders import TMP_PREFIX, complete_steps, publish, remove_step
+from torchpre.checkpoint.integrity import all_gather, find_intact_step, require_intact, write_manifest
 from torchpre.checkpoint.state import (
     Checkpointable,
     check_shapes,
     checkpoint_metadata,
     load_targets,
     require_present,
+    state_bytes,
 )
 from torchpre.checkpoint.storage import RecordingWriter, make_stager, published_records, stager_keeps_buffers
 from torchpre.config.job_config import Checkpoint
 from torchpre.distributed.utils import comm_timeout
+from torchpre.errors import StorageError
 
 logger = logging.getLogger("torchpre")
 
 WEIGHTS = "model"
 # Where checkpoints of an older format keep an entry that is now elsewhere: (component, key) -> (component, key).
 LEGACY_LOCATIONS = {("dataloader", "consumed_samples"): ("train", "consumed_samples")}
+
+
+@dataclass(frozen=True)
+class Published:
+    """A checkpoint that got its final name: its step, the seconds from the start of its save to the rename (for
+    an async save, the background write and its publication), and the bytes of its files."""
+
+    step: int
+    seconds: float
+    size: int
+
+
+@dataclass(frozen=True)
+class _Unwritten:
+    """A save that failed on `ranks`: `message` says why when the storage is to blame; without one it is a bug, and
+    each rank raises its own error."""
+
+    ranks: list[int]
+    message: str | None
 
 
 class CheckpointManager:
@@ -73,17 +103,21 @@ class CheckpointManager:
         self.checksums = settings.checksums
         self.rank = dist.get_rank()
         async_mode = settings.async_mode
-        # Background writes run their collectives on a group of their own, never interleaved with training's.
+        # Background writes and their publication run their collectives on a group of their own, never interleaved
+        # with training's.
         self.async_group = (
             dist.new_group(backend=_background_backend(), timeout=comm_timeout()) if async_mode != "disabled" else None
         )
         # "async_process": DCP's checkpoint process writes (its own gloo group), so the write holds no GIL of ours.
         self.in_process = async_mode == "async_process"
-        # Under async_mode the checksums of a finished write are gathered off the training thread too.
+        # Under async_mode the finisher that publishes a written save runs in this thread.
         self._background = ThreadPoolExecutor(max_workers=1) if self.async_group is not None else None
         # One stager for every async save, so its host buffers (pinned on CUDA) are allocated once.
         self._stager = self._new_stager() if self.async_group is not None and stager_keeps_buffers() else None
-        self._pending: tuple[Future, int, float] | None = None
+        self._pending: Future[Published | BaseException] | None = None
+        self._size: int | None = None  # bytes of the last checkpoint saved (every rank's): the next one's estimate
+        self._unreported: Published | None = None  # the latest publication the metrics have not shown yet
+        self._lock = threading.Lock()  # `_unreported` is set by the finisher's thread
         self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,91 +137,212 @@ class CheckpointManager:
     def should_save(self, step: int, last_step: int) -> bool:
         return step % self.interval == 0 or step == last_step
 
-    def save(self, step: int) -> None:
-        """Writes step-N; with async_mode, returns once the state is staged and finishes the write
-        in the background (the rename to step-N happens when the next save or `close()` waits for it)."""
+    def save(self, step: int) -> bool:
+        """Writes step-N; False when it was skipped for lack of space (checkpoint.on_low_space = "skip").
+
+        Synchronous, or with async_mode back once the state is staged: the write, the manifest and the rename to
+        step-N then finish in the background, as soon as the write does. A save that fails leaves no folder and
+        raises on every rank (an async one at the next `save`, `wait` or `close`; `failed` says so at once): a
+        StorageError when the storage is to blame."""
         self.wait()
-        tmp = self.folder / f".tmp-step-{step}"
+        if self._size is not None:
+            needed, estimate = self._size, "the size of the last checkpoint"
+        else:
+            needed, estimate = state_bytes(self.state_dict()), "the size of the state"
+        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
         writer = RecordingWriter(tmp, crc=self.checksums == "write", publish=self.in_process)
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            with writer.fs.create_stream(tmp / "config.toml", "wb") as config:
-                config.write(self.config_text.encode("utf-8"))
-        dist.barrier()
+        if not self._prepare(step, writer, needed, estimate):
+            return False
         state = self.state_dict()
         start = time.perf_counter()
         if self.async_group is None:
-            dcp.save(state, storage_writer=writer)
-            self._finish(step, time.perf_counter() - start, self._manifest_files(writer))
-        else:
-            stager = self._stager or self._new_stager()
-            kind = AsyncCheckpointerType.PROCESS if self.in_process else AsyncCheckpointerType.THREAD
-            write = dcp.async_save(
-                state,
-                storage_writer=writer,
-                process_group=self.async_group,
-                async_checkpointer_type=kind,
-                async_stager=stager,
-            )
-            if stager is not self._stager:
-                stager.close()  # staging is done on return (use_async_staging=False)
-            staging = time.perf_counter() - start
-            logger.info("checkpoint step-%d staged in %.2f s; writing in the background", step, staging)
-            self._pending = (self._background.submit(self._manifest_files_when_written, write, writer), step, start)
+            try:
+                dcp.save(state, storage_writer=writer)
+                error = None
+            except (Exception, CheckpointException) as failure:  # DCP's CheckpointException is no Exception
+                error = failure
+            _raise_if_failed(self._publish(step, start, writer, error, needed, group=None))
+            return True
+        stager = self._stager or self._new_stager()
+        kind = AsyncCheckpointerType.PROCESS if self.in_process else AsyncCheckpointerType.THREAD
+        write = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=self.async_group,
+            async_checkpointer_type=kind,
+            async_stager=stager,
+        )
+        if stager is not self._stager:
+            stager.close()  # staging is done on return (use_async_staging=False)
+        logger.info("checkpoint step-%d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
+        self._pending = self._background.submit(self._publish_when_written, write, step, start, writer, needed)
+        return True
+
+    @property
+    def failed(self) -> bool:
+        """Whether the background save has ended without being published; never waits. Its error is raised by the
+        next `save`, `wait` or `close`."""
+        pending = self._pending
+        if pending is None or not pending.done():
+            return False
+        return pending.exception() is not None or not isinstance(pending.result(), Published)
 
     def wait(self) -> None:
-        """Completes a background save, if one is running."""
+        """Until the background save, if one is running, is published; raises its failure."""
         if self._pending is None:
             return
-        checksums, step, start = self._pending
-        self._pending = None
-        self._finish(step, time.perf_counter() - start, checksums.result())
+        pending, self._pending = self._pending, None
+        _raise_if_failed(pending.result())
+
+    def metrics(self) -> dict[str, float]:
+        """For the metrics record: `checkpoint/published_step` and `checkpoint/write_s` (from the start of its save
+        to its publication) of the latest checkpoint published since the last call; empty if there is none."""
+        with self._lock:
+            published, self._unreported = self._unreported, None
+        if published is None:
+            return {}
+        return {"checkpoint/published_step": published.step, "checkpoint/write_s": published.seconds}
 
     def close(self) -> None:
-        self.wait()
-        if self._background is not None:
-            self._background.shutdown()
-        if self._stager is not None:
-            self._stager.close()
+        try:
+            self.wait()
+        finally:
+            if self._background is not None:
+                self._background.shutdown()
+            if self._stager is not None:
+                self._stager.close()
 
-    def _new_stager(self):
-        return make_stager(self.device, shared=self.in_process)
-
-    def _manifest_files(
-        self, writer: RecordingWriter, group: dist.ProcessGroup | None = None
-    ) -> dict[str, dict[str, int]]:
-        """Once every rank has written its files, each file's size and CRC-32, as each rank's writer took them
-        (rank 0 alone needs them). A write in DCP's checkpoint process left them in small files: its coordinator
-        finishes after every rank has written, so rank 0 finds them all once its own write is done."""
-        if self.in_process:
-            return published_records(writer.path) if self.rank == 0 else {}
-        records = all_gather(writer.fs.records, group)
-        return {name: record for part in records for name, record in part.items()}
-
-    def _manifest_files_when_written(self, write: Future, writer: RecordingWriter) -> dict[str, dict[str, int]]:
-        """`_manifest_files` after a background write, still in the background and on the save's own group."""
-        write.result()
-        return self._manifest_files(writer, self.async_group)
-
-    def _finish(self, step: int, seconds: float, checksums: dict[str, dict[str, int]]) -> None:
-        """The manifest, then the rename that makes the checkpoint visible."""
-        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
+    def _prepare(self, step: int, writer: RecordingWriter, needed: int, estimate: str) -> bool:
+        """Rank 0 checks that the save fits (`needed` bytes, from `estimate`) and creates its folder with the config;
+        every rank learns whether the save goes ahead, or raises the StorageError that stopped it."""
+        tmp = Path(writer.path)
+        go: bool | str = True
         if self.rank == 0:
-            manifest = {"checksums": self.checksums, "files": checksums}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-            final = self.folder / f"step-{step}"
-            if final.exists():
-                remove_step(final)
-            tmp.rename(final)
-            self._apply_retention()
-            logger.info("checkpoint %s written in %.2f s", final, seconds)
-        dist.barrier()
+            try:
+                go = self._fits(step, needed, estimate)
+                if go:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir(parents=True)
+                    with writer.fs.create_stream(tmp / "config.toml", "wb") as config:
+                        config.write(self.config_text.encode("utf-8"))
+            except OSError as error:
+                shutil.rmtree(tmp, ignore_errors=True)
+                failure = summary(error)
+                go = unwritten_message(step, self.folder, {0: failure}, needed, free_bytes(self.folder), self._latest())
+        go = _broadcast(go, group=None)
+        if isinstance(go, str):
+            raise StorageError(go)
+        return go
+
+    def _fits(self, step: int, needed: int, estimate: str) -> bool:
+        """Whether the save goes ahead: yes when the folder's file system has the room; otherwise a warning, or with
+        checkpoint.on_low_space = "skip" an error-level log and no."""
+        free = free_bytes(self.folder)
+        if free >= needed:
+            return True
+        message = low_space_message(step, self.folder, needed, free, estimate)
+        if self.settings.on_low_space == "skip":
+            latest = self._latest()
+            logger.error(
+                "%s: skipped this save, and training goes on (checkpoint.on_low_space = 'skip'); the latest "
+                "checkpoint is %s. Free space there, or point checkpoint.folder at a file system with room.",
+                message, latest if latest is not None else "none yet",
+            )  # fmt: skip
+            return False
+        logger.warning(
+            "%s: the save will likely fail and stop the job (checkpoint.on_low_space = 'warn'; 'skip' skips saves "
+            "that do not fit and trains on)",
+            message,
+        )
+        return True
+
+    def _publish_when_written(
+        self, write: Future, step: int, start: float, writer: RecordingWriter, needed: int
+    ) -> Published | BaseException:
+        """`_publish` as soon as the background write is done, still in the background, on the save's own group."""
+        try:
+            write.result()
+            error = None
+        except (Exception, CheckpointException) as failure:
+            error = failure
+        outcome = self._publish(step, start, writer, error, needed, self.async_group)
+        if self.rank == 0 and not isinstance(outcome, Published):
+            logger.error("the background save of step %d failed: every rank stops after its step in progress", step)
+        return outcome
+
+    def _publish(
+        self,
+        step: int,
+        start: float,
+        writer: RecordingWriter,
+        error: BaseException | None,
+        needed: int,
+        group: dist.ProcessGroup | None,
+    ) -> Published | BaseException:
+        """After this rank's part of a save (`error`: how it failed, if it did): every rank's files and failure
+        gathered on `group`; rank 0 writes the manifest and renames the folder, or removes it if any rank failed;
+        every rank learns the same outcome. Returns the published checkpoint's record, or the error to raise.
+
+        Each rank's writer took its files' sizes and CRCs; a write in DCP's checkpoint process left them in small
+        files instead (its memory is not ours), which rank 0 finds complete once its own write is done: DCP's
+        coordinator finishes after every rank has written."""
+        records = {} if self.in_process else writer.fs.records
+        parts = all_gather((records, None if error is None else summary(error)), group)
+        failures = {rank: failure for rank, (_, failure) in enumerate(parts) if failure is not None}
+        outcome: Published | _Unwritten | None = None
+        if self.rank == 0:
+            files = {name: record for part, _ in parts for name, record in part.items()}
+            try:
+                outcome = self._publish_or_remove(step, start, Path(writer.path), files, failures, needed)
+            except Exception as failure:  # told to the others first: they wait for the outcome
+                error, outcome = failure, _Unwritten([0], None)
+        outcome = _broadcast(outcome, group)
+        if isinstance(outcome, Published):
+            self._size = outcome.size
+            with self._lock:
+                self._unreported = outcome
+            return outcome
+        if outcome.message is not None:
+            return StorageError(outcome.message)
+        return error or RuntimeError(
+            f"the checkpoint of step {step} failed on rank(s) {outcome.ranks}; their errors above say why"
+        )
+
+    def _publish_or_remove(
+        self, step: int, start: float, tmp: Path, files: dict[str, dict[str, int]], failures: dict[int, Failure],
+        needed: int,
+    ) -> Published | _Unwritten:  # fmt: skip
+        """Rank 0's part of `_publish`: the manifest, then the rename that makes the checkpoint visible; or, when a
+        rank failed (or the manifest or the rename does), the folder removed and what went wrong."""
+        final = self.folder / f"step-{step}"
+        if not failures:
+            files = published_records(tmp) if self.in_process else files
+            try:
+                write_manifest(tmp, self.checksums, files)
+                publish(tmp, final)
+            except OSError as error:
+                failures = {0: summary(error)}
+        if failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = free_bytes(self.folder)
+            message = unwritten_message(step, self.folder, failures, needed, free, self._latest())
+            return _Unwritten(sorted(failures), message)
+        seconds, size = time.perf_counter() - start, sum(record["size"] for record in files.values())
+        logger.info("checkpoint %s published %.2f s after its save started (%s bytes)", final, seconds, f"{size:,}")
+        self._apply_retention()
+        return Published(step, seconds, size)
+
+    def _latest(self) -> Path | None:
+        steps = complete_steps(self.folder)
+        return self.folder / f"step-{steps[-1]}" if steps else None
 
     def _apply_retention(self) -> None:
         if self.keep_latest_k > 0:
             for step in complete_steps(self.folder)[: -self.keep_latest_k]:
-                remove_step(self.folder / f"step-{step}")
+                try:
+                    remove_step(self.folder / f"step-{step}")
+                except OSError as error:  # the new checkpoint is published: an old one left over is no failure
+                    logger.warning("could not remove the old checkpoint step-%d (%s); it stays", step, error)
 
     def _new_stager(self):
         return make_stager(self._device(), shared=self.in_process)
@@ -203,12 +358,12 @@ class CheckpointManager:
 
     def find(self, load_step: int) -> Path | None:
         """`find_intact_step` in this manager's folder; `load` then skips checking it again."""
-        self._verified = find_intact_step(self.folder, load_step)
+        self._verified = find_intact_step(self.folder, load_step, self.settings.allow_unverified)
         return self._verified
 
     def _require_intact(self, step_dir: Path, key: str) -> None:
         if step_dir != self._verified:
-            require_intact(step_dir, key)
+            require_intact(step_dir, key, self.settings.allow_unverified)
         self._verified = step_dir
 
     def load(self, step_dir: Path, weights_only: bool = False) -> list[str]:
@@ -254,6 +409,18 @@ def _from_legacy_locations(request: dict[str, Any], saved: set[str]) -> list[tup
 def _to_current_locations(request: dict[str, Any], moved: list[tuple[tuple, tuple]]) -> None:
     for (component, key), (old_component, old_key) in moved:
         request[component][key] = request[old_component].pop(old_key)
+
+
+def _raise_if_failed(outcome: Published | BaseException) -> None:
+    if isinstance(outcome, BaseException):
+        raise outcome
+
+
+def _broadcast(value: Any, group: dist.ProcessGroup | None) -> Any:
+    """Rank 0's `value`, on every rank of `group`."""
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
 
 
 def _background_backend() -> str:

@@ -84,6 +84,17 @@ def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def state_bytes(state: dict[str, Any]) -> int:
+    """The bytes of the tensors a save of `state` (this rank's part) writes over all ranks, each key once as DCP
+    writes it: a DTensor at its global size, a tensor replicated on several ranks once. Every rank calls it."""
+    sizes = {
+        key: value.numel() * value.element_size()
+        for key, value in flatten(state).items()
+        if isinstance(value, torch.Tensor)
+    }
+    return sum({key: size for part in all_gather(sizes) for key, size in part.items()}.values())
+
+
 def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
     """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, and
     the model weights the checkpoint lacks."""

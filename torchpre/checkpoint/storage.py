@@ -1,12 +1,13 @@
 """How a checkpoint's bytes leave the process: a DCP file writer that takes each file's size and CRC-32 from the
-bytes as it writes them (so the manifest costs no second read of the checkpoint), and the stager that copies the
-state to host memory for an async save (pinned, reused buffers on CUDA)."""
+bytes as it writes them (so the manifest costs no second read of the checkpoint) and reports a failed write as the
+OSError it was, and the stager that copies the state to host memory for an async save (pinned, reused buffers on
+CUDA)."""
 
 import functools
 import json
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,15 +25,19 @@ RECORDS = "records.json"  # a rank's file records, for a writer in DCP's checkpo
 
 class _RecordingStream:
     """A file opened for writing that keeps the count and, optionally, the CRC-32 of the bytes written through
-    it. DCP writes each file front to back, so these are the file's; a seek would break that, so it has none."""
+    it. DCP writes each file front to back, so these are the file's; a seek would break that, so it has none.
+    An OSError of the file goes to `failed` before it propagates: torch.save, which writes through this stream,
+    turns it into a RuntimeError about a short write ("unexpected pos")."""
 
-    def __init__(self, file, crc: bool) -> None:
+    def __init__(self, file, crc: bool, failed: Callable[[OSError], None]) -> None:
         self._file = file
         self._crc = 0 if crc else None
+        self._failed = failed
         self.size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        written = self._file.write(data)
+        with self._reporting():
+            written = self._file.write(data)
         if self._crc is not None:
             self._crc = zlib.crc32(data, self._crc)
         self.size += written
@@ -42,13 +47,23 @@ class _RecordingStream:
         return self._file.tell()
 
     def flush(self) -> None:
-        self._file.flush()
+        with self._reporting():
+            self._file.flush()
 
     def fileno(self) -> int:
         return self._file.fileno()
 
     def close(self) -> None:
-        self._file.close()
+        with self._reporting():
+            self._file.close()
+
+    @contextmanager
+    def _reporting(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as error:
+            self._failed(error)
+            raise
 
     def record(self) -> dict[str, int]:
         return {"size": self.size} if self._crc is None else {"size": self.size, "crc32": self._crc}
@@ -56,12 +71,14 @@ class _RecordingStream:
 
 class RecordingFileSystem(FileSystem):
     """DCP's local file system, remembering the size (and with `crc`, the CRC-32) of every file written through
-    it, by file name, after DCP's renames (its `.metadata.tmp` becomes `.metadata`)."""
+    it, by file name, after DCP's renames (its `.metadata.tmp` becomes `.metadata`), and the first OSError a
+    write met (`failure`)."""
 
     def __init__(self, crc: bool) -> None:
         super().__init__()
         self.crc = crc
         self.records: dict[str, dict[str, int]] = {}
+        self.failure: OSError | None = None
         self._lock = threading.Lock()  # DCP may write with several threads
 
     @contextmanager
@@ -70,10 +87,14 @@ class RecordingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            recording = _RecordingStream(stream, self.crc)
+            recording = _RecordingStream(stream, self.crc, self._failed)
             yield recording
         with self._lock:
             self.records[Path(path).name] = recording.record()
+
+    def _failed(self, error: OSError) -> None:
+        with self._lock:
+            self.failure = self.failure or error
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)
@@ -105,13 +126,26 @@ class RecordingWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._prefix = plan.storage_data.prefix
-        written = super().write_data(plan, planner)
-        self._publish()
+        with self._raising_the_os_error():
+            written = super().write_data(plan, planner)
+            self._publish()
         return written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        super().finish(metadata, results)
-        self._publish()
+        with self._raising_the_os_error():
+            super().finish(metadata, results)
+            self._publish()
+
+    @contextmanager
+    def _raising_the_os_error(self) -> Iterator[None]:
+        """A failed write raises the OSError behind it (no space, no permission, an I/O error), which DCP passes on
+        to every rank, rather than what torch.save made of it."""
+        try:
+            yield
+        except Exception:
+            if self.fs.failure is None:
+                raise
+            raise self.fs.failure from None
 
     def _publish(self) -> None:
         if self.publish:

@@ -243,8 +243,9 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_process"] = _option(
         "disabled",
         "'async': training waits only while the state is copied (into pinned buffers kept across saves on CUDA), "
-        "not while it is written (by a thread); 'async_process': written by DCP's checkpoint process instead, "
-        "which does not compete for the GIL (the copy goes to shared memory)",
+        "not while it is written (by a thread), and the checkpoint is published (manifest, rename to step-N) as soon "
+        "as the write is done; 'async_process': written by DCP's checkpoint process instead, which does not compete "
+        "for the GIL (the copy goes to shared memory)",
     )
     checksums: Literal["write", "off"] = _option(
         "write",
@@ -260,6 +261,17 @@ class Checkpoint:
     )
     save_on_preemption: bool = _option(
         False, "on SIGTERM (torchrun forwards it), finish the step, save a checkpoint and exit cleanly"
+    )
+    on_low_space: Literal["warn", "skip"] = _option(
+        "warn",
+        "before each save, the free space of the folder's file system is compared with the size of the last "
+        "checkpoint (or of the state): 'warn' logs a warning and saves anyway (a save that fails stops the job with "
+        "exit code 4, its partial folder removed); 'skip' skips the save with an error-level log and trains on",
+    )
+    allow_unverified: bool = _option(
+        False,
+        "load a step folder that has no manifest.json (written by another tool or before manifests existed), whose "
+        "files cannot be checked for damage, with a warning naming it; off: such a folder is refused",
     )
 
 

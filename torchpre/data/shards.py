@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchpre.errors import TorchpreError
+from torchpre.errors import FieldError, TorchpreError, field
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -76,6 +76,8 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
+        """The manifest of `folder`, every field checked: a missing one or one of the wrong type is an error naming
+        the file and the key, never a crash later on."""
         path = folder / MANIFEST
         if not path.is_file():
             raise TorchpreError(
@@ -83,19 +85,8 @@ class Manifest:
                 "Create one with `python -m torchpre.data.prepare INPUT... --output DIR`."
             )
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-            shards = [ShardInfo(**shard) for shard in record["shards"]]
-            manifest = cls(
-                record["tokenizer_name"],
-                record["tokenizer_sha256"],
-                record["vocab_size"],
-                shards,
-                record["version"],
-                # Absent from manifests written before these fields existed: those were complete.
-                record.get("complete", True),
-                record.get("source", {}),
-            )
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            manifest = cls._from_record(json.loads(path.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError, FieldError) as error:
             raise TorchpreError(f"{path} is not a valid shard manifest ({error}). Re-run prepare.") from None
         if manifest.version != FORMAT_VERSION:
             raise TorchpreError(
@@ -103,6 +94,45 @@ class Manifest:
                 "Re-run prepare with this version."
             )
         return manifest
+
+    @classmethod
+    def _from_record(cls, record: object) -> Manifest:
+        """The manifest a parsed `manifest.json` holds; a FieldError names the first field that is missing, of the
+        wrong type, or (dtype, num_tokens: derived fields) at odds with the others."""
+        shards = [
+            ShardInfo(
+                field(shard, "name", str, f"shards[{i}]"),
+                _count(shard, "num_tokens", f"shards[{i}]"),
+                _count(shard, "num_documents", f"shards[{i}]"),
+            )
+            for i, shard in enumerate(field(record, "shards", list))
+        ]
+        manifest = cls(
+            field(record, "tokenizer_name", str),
+            field(record, "tokenizer_sha256", str),
+            _count(record, "vocab_size"),
+            shards,
+            field(record, "version", int),
+            # Absent from manifests written before these fields existed: those were complete.
+            field(record, "complete", bool, default=True),
+            field(record, "source", dict, default={}),
+        )
+        if field(record, "dtype", str) != manifest.dtype.name:
+            raise FieldError(
+                f"'dtype' is {record['dtype']!r}, but vocab_size {manifest.vocab_size} stores tokens as "
+                f"{manifest.dtype.name!r}"
+            )
+        if _count(record, "num_tokens") != manifest.num_tokens:
+            raise FieldError(f"'num_tokens' is {record['num_tokens']}, but the shards hold {manifest.num_tokens}")
+        return manifest
+
+
+def _count(record: object, key: str, where: str = "") -> int:
+    """A field that counts something: an integer, never negative."""
+    value = field(record, key, int, where)
+    if value < 0:
+        raise FieldError(f"'{f'{where}.{key}' if where else key}' is {value}, not a count (0 or more)")
+    return value
 
 
 def write_shard(folder: Path, name: str, documents: Sequence[Sequence[int]], vocab_size: int) -> ShardInfo:

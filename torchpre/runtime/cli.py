@@ -1,4 +1,5 @@
-"""What every entry point shares: logging per rank, --help, and bad input or a lost peer as one paragraph."""
+"""What every entry point shares: logging per rank, --help, and bad input, a lost peer or a failed checkpoint write as
+one paragraph."""
 
 import json
 import logging
@@ -9,10 +10,11 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from torchpre.errors import TorchpreError
+from torchpre.errors import StorageError, TorchpreError
 
 EXIT_BAD_INPUT = 2
 EXIT_COMM_FAILURE = 3
+EXIT_STORAGE_FAILURE = 4  # a checkpoint could not be written (full disk, no permission, I/O error)
 # torchrun stops every worker as soon as one exits: a rank that found bad input waits, at most this long, until
 # every rank has printed its own message (its peers check the same input a moment later), so that none is cut off.
 PEER_WAIT_S = 20.0
@@ -32,7 +34,8 @@ def configure_logging() -> None:
 
 
 def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: str) -> None:
-    """Runs `main(argv)`; prints help, a TorchpreError's message or a lost peer's diagnosis instead of a traceback."""
+    """Runs `main(argv)`; prints help, a TorchpreError's message (a StorageError's with its own exit code) or a lost
+    peer's diagnosis instead of a traceback."""
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import HelpRequested, format_help
 
@@ -43,7 +46,8 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
         print(format_help(request.config_cls or JobConfig, prog))
         return
     except TorchpreError as error:
-        _fail(str(error), EXIT_BAD_INPUT, wait_for_peers=_under_torchrun_with_peers())
+        code = EXIT_STORAGE_FAILURE if isinstance(error, StorageError) else EXIT_BAD_INPUT
+        _fail(str(error), code, wait_for_peers=_under_torchrun_with_peers())
     except RuntimeError as error:  # torch.distributed.DistError is one too
         if not _is_comm_failure(error):
             raise

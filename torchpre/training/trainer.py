@@ -64,7 +64,10 @@ class Trainer:
                     microbatches = job.data.next_step()
                 metrics.data_wait(time.perf_counter() - fetch_start)
                 lr = job.optimizer.inner.param_groups[0]["lr"]
-                health, grad_norm = self.train_step(microbatches, stop_requested=preemption.requested)
+                # A background save that failed stops every rank after this step, as SIGTERM does; the save that
+                # follows raises its error on all of them.
+                stop = preemption.requested or (job.checkpoint is not None and job.checkpoint.failed)
+                health, grad_norm = self.train_step(microbatches, stop_requested=stop)
                 metrics.step_done()
                 job.progress.step += 1
                 job.data.step_done()
@@ -120,11 +123,14 @@ class Trainer:
         if stop:
             job.checkpoint.wait()  # complete on disk before torchrun's shutdown timeout runs out
             if job.is_logging_rank:
+                saved = self.last_checkpoint_step == step
                 logger.warning(
-                    "SIGTERM received: stopped after step %d and saved %s (checkpoint.save_on_preemption). Run the "
-                    "same command again to resume from it (an elastic torchrun that sent it for a node joining "
-                    "restarts the workers itself).",
-                    step, job.checkpoint.folder / f"step-{step}",
+                    "SIGTERM received: stopped after step %d and %s (checkpoint.save_on_preemption). Run the same "
+                    "command again to resume from %s (an elastic torchrun that sent it for a node joining restarts the "
+                    "workers itself).",
+                    step,
+                    f"saved {job.checkpoint.folder / f'step-{step}'}" if saved else "skipped its save (no room)",
+                    "it" if saved else "the latest checkpoint",
                 )
         return stop
 
@@ -164,6 +170,8 @@ class Trainer:
         if self.last_checkpoint_step != self.step:
             self._save_checkpoint()
         self.job.checkpoint.wait()
+        if self.last_checkpoint_step != self.step:
+            return f"The last good state (step {self.step}) was not saved: see checkpoint.on_low_space's error above."
         return f"The last good state (step {self.step}) is saved in {self.job.checkpoint.folder / f'step-{self.step}'}."
 
     # --------------------------------------------------------------------------------------------------------------
@@ -184,16 +192,18 @@ class Trainer:
                 spec.extra_metrics(job.model.parts, job.preflight.model_args, job.device)
                 | job.guard.metrics()
                 | job.data.shares()
+                | (job.checkpoint.metrics() if job.checkpoint is not None else {})
             ),
             evaluate=job.validator.evaluate if validate else None,
         )
 
     def _save_checkpoint(self) -> float:
-        """Saves step-N of the current state; returns the seconds training waited for it (perf_counter: a
-        save blocks the host until the state is on the host side, so host time is the cost)."""
+        """Saves step-N of the current state (unless checkpoint.on_low_space skips it); returns the seconds training
+        waited for it (perf_counter: a save blocks the host until the state is on the host side, so host time is
+        the cost)."""
         start = time.perf_counter()
-        self.job.checkpoint.save(self.step)
-        self.last_checkpoint_step = self.step
+        if self.job.checkpoint.save(self.step):
+            self.last_checkpoint_step = self.step
         return time.perf_counter() - start
 
     def _resume(self) -> None:
