@@ -191,7 +191,7 @@ def _job_model(config: JobConfig) -> _Model:
     return _Model(model_args(config, tokenizer), spec.hf, model_context(config, tokenizer), tokenizer)
 
 
-def _load_dcp_model(step_dir: Path, allow_unverified: bool) -> dict[str, Tensor]:
+def _load_dcp_model(step_dir: Path, allow_unverified: bool = False) -> dict[str, Tensor]:
     """The "model" entry of a DCP folder, each tensor in the dtype and shape it was saved with; a folder without a
     manifest only with `allow_unverified` (checkpoint.allow_unverified)."""
     if not step_dir.is_dir():
