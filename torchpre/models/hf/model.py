@@ -92,6 +92,11 @@ class HFCausalLM(nn.Module):
             seq_len = inputs.shape[1] * self.sequence_shards
         if self.sequence_shards > 1:
             kwargs["position_ids"] = torch.arange(seq_len, device=inputs.device).unsqueeze(0)
+        if inputs.is_meta:
+            # The dry run: transformers reads the position ids' values to detect packed sequences when it builds the
+            # attention mask, and meta tensors have none. A causal mask given as a tensor is used as it is.
+            causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=inputs.device).tril()
+            kwargs["attention_mask"] = causal.expand(inputs.shape[0], 1, seq_len, seq_len)
         last = self.holds(self.output_layer)
         with self._passing_through():
             if last:

@@ -21,6 +21,7 @@ architecture against one process (docs/hf-models.md).
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 from torchpre.errors import ConfigError
 from torchpre.models.hf.model import HFCausalLM
@@ -38,6 +39,7 @@ from torchpre.models.hf.styles import (
     Conv1DRowwise,
     ExpertShards,
     GatherSequence,
+    RowwiseOutputParallel,
     VocabParallelEmbedding,
 )
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel
@@ -148,7 +150,7 @@ def _plan_projections(module: nn.Module, path: str, inputs: tuple, output: str, 
         conv = _is_conv1d(module.get_submodule(name))
         column = Conv1DColwise if conv else ColwiseParallel
         plan.styles[f"{path}.{name}"] = column(output_layouts=Replicate()) if gathered else column()
-    row = Conv1DRowwise if _is_conv1d(module.get_submodule(output)) else RowwiseParallel
+    row = Conv1DRowwise if _is_conv1d(module.get_submodule(output)) else RowwiseOutputParallel
     inputs_layout = Replicate() if gathered else Shard(-1)
     plan.styles[f"{path}.{output}"] = row(input_layouts=inputs_layout, output_layouts=plan.residual)
     plan.kinds[path] = kind
@@ -175,10 +177,17 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def _is_experts(module: nn.Module) -> bool:
-    """transformers' experts modules: `num_experts` weights stacked on dimension 0 of each parameter."""
+    """transformers' experts modules: `num_experts` weights stacked on dimension 0 of each 3-D parameter, run by
+    `forward(hidden_states, top_k_index, top_k_weights)` (the convention `styles.ExpertShards` relies on)."""
     experts = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
-    return isinstance(experts, int) and bool(params) and all(p.ndim >= 2 and p.shape[0] == experts for p in params)
+    signature = tuple(inspect.signature(inspect.unwrap(type(module).forward)).parameters)
+    return (
+        isinstance(experts, int)
+        and signature == ("self", "hidden_states", "top_k_index", "top_k_weights")
+        and bool(params)
+        and all(p.ndim == 3 and p.shape[0] == experts for p in params)
+    )
 
 
 def _is_router(module: nn.Module, block: nn.Module) -> bool:

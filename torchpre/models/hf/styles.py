@@ -37,7 +37,18 @@ class Conv1DColwise(ColwiseParallel):
         )
 
 
-class Conv1DRowwise(RowwiseParallel):
+class RowwiseOutputParallel(RowwiseParallel):
+    """`RowwiseParallel` whose output is a tensor of its own rather than a view of the reduced DTensor's local
+    tensor: transformers adds into a part's output in place (Falcon's `mlp_output += attention_output`), which
+    autograd refuses on a view made by DTensor's `to_local`. The copy is one activation of the hidden width."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return outputs.clone() if use_local_output else outputs
+
+
+class Conv1DRowwise(RowwiseOutputParallel):
     """`RowwiseParallel` for transformers' Conv1D: the weight is sharded on its input dimension (dim 0), the bias is
     replicated (added once, after the partial sums are reduced)."""
 
