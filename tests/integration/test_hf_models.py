@@ -216,7 +216,6 @@ def test_gemma_under_dp2_zero1_matches_one_process(tmp_path):
     one = train_and_read_metrics(job("gemma", config=config), 1, tmp_path / "one")
     dp2 = train_and_read_metrics(job("gemma", "--optimizer.zero_stage", "1", config=config), 2, tmp_path / "dp2")
     assert losses(dp2) == pytest.approx(losses(one), abs=LOSS_ATOL)
-    assert losses(one)[-1] < losses(one)[0]
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "gemma", "qwen2_moe"])

@@ -151,6 +151,7 @@ def test_the_table_lists_every_decoder_only_causal_lm_of_transformers():
             "qwen3_moe"} <= set(table)  # fmt: skip
 
 
+@pytest.mark.timeout(900)  # a probe of every architecture: about 2 minutes on 2 cores, most of it importing them
 def test_the_committed_table_is_what_torchpre_decides_today():
     """A stale table fails: every "exact" cell is a layout torchpre runs, every refusal the reason it gives now.
     Regenerate it with the command in docs/hf-models.md."""
@@ -171,6 +172,7 @@ def test_a_sampled_architecture_trains_exactly_under_its_layout(model_type, colu
 
 
 @pytest.mark.hf_table
+@pytest.mark.timeout(4 * 3600)
 def test_every_cell_of_the_table(tmp_path):
     """Trains every cell torchpre does not refuse; rewrites docs/hf-models.md with TORCHPRE_WRITE_HF_TABLE=1."""
     rows, failures = {}, []

@@ -208,7 +208,8 @@ def tensor_parallel_refusal(model: HFCausalLM, tp: int) -> str | None:
     counts = {f"{path} num_experts": model.get_submodule(path).num_experts for path in plan.experts[:1]}
     if plan.head_attention:
         heads = model.config.num_attention_heads
-        counts |= {"num_attention_heads": heads, "num_key_value_heads": model.config.num_key_value_heads or heads}
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        counts |= {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
     for key, count in counts.items():
         if count % tp:
             common = math.gcd(*counts.values())
@@ -238,8 +239,9 @@ def apply_tensor_parallel_plan(
         )
     if sequence_parallel:
         styles |= {path: GatherSequence() for path in plan.kinds}
-        styles |= {path: SequenceParallel() for path in plan.norms}
-        styles |= {name: SequenceParallel() for name in _final_norms(model)}
+        # Norms return local tensors: the layer adds them to residuals and to its parts' local outputs.
+        norms = [*plan.norms, *_final_norms(model)]
+        styles |= {path: SequenceParallel(use_local_output=True) for path in norms}
     apply_tensor_parallel(model, tp_mesh, styles)
     for path in plan.head_attention:
         _per_rank_head_counts(model.get_submodule(path), tp_mesh.size())
