@@ -134,7 +134,7 @@ GEN, CONVERT, PREPARE = "torchpre.generate", "torchpre.convert", "torchpre.data.
 HF_LLAMA = "assets/hf_configs/llama_tiny.json"
 HF = ["--model.name", "hf", "--model.hf_config"]
 # Architectures with a refused layout (docs/hf-models.md): every layout (its init), tensor parallel (MLA attention),
-# pipeline parallel (its layers return tuples), sequence parallel (eager attention).
+# pipeline parallel (its layers return tuples), sequence parallel (its eager attention takes a mask tensor).
 HF_REFUSED = ("mamba", "deepseek_v3", "bloom", "gemma2")
 TP2, PP2 = ["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]
 
@@ -266,13 +266,14 @@ CATALOGUE = [
         "hf-pipeline-parallel-refused",
         [*HF, "{d}/hf_bloom.json", *PP2],
         ["BloomForCausalLM (model_type 'bloom') under pipeline parallel: refused",
-         "its decoder layers do not run as pipeline stages", "It trains under data parallel, tensor parallel"],
+         "its decoder layers do not run as pipeline stages", "It trains under data parallel, ZeRO-3 (FSDP), tensor"],
         ranks=2,
     ),  # fmt: skip
     case(
         "hf-sequence-parallel-refused",
         [*HF, "{d}/hf_gemma2.json", *TP2, "--parallelism.enable_sequence_parallel"],
-        ["Gemma2ForCausalLM (model_type 'gemma2') under sequence parallel: refused", "runs 'eager'"],
+        ["Gemma2ForCausalLM (model_type 'gemma2') under sequence and loss parallel: refused",
+         "hands the layers an attention-mask tensor"],
         ranks=2,
     ),
     case("hf-vocab-too-small", [*HF, "{d}/hf_small_vocab.json"], ["vocab_size = 1000", "tokenizer's 2048 ids"]),

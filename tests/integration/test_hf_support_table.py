@@ -3,9 +3,10 @@
 Every decoder-only causal LM of the installed transformers (`torchpre.models.hf.architectures`: read off
 transformers' auto mappings) gets a row, built from the tiny version of its default config
 (`torchpre.models.hf.tiny.default_tiny_config`): one process (HFCausalLM's logits against transformers' own
-model, bit for bit: torchpre's probe), then dp2 ZeRO-1, dp2 ZeRO-3, tp2 and pp2, each either refused by torchpre's
-checks before any work (the reason is the one train.py prints) or trained by train.py for a few steps to the
-one-process losses within LOSS_ATOL. No cell may be anything else: a layout torchpre does not refuse must be exact.
+model, bit for bit: torchpre's probe), then dp2 ZeRO-1, dp2 ZeRO-3, tp2, tp2 with sequence and loss parallel, and
+pp2, each either refused by torchpre's checks before any work (the reason is the one train.py prints) or trained
+by train.py for a few steps to the one-process losses within LOSS_ATOL. No cell may be anything else: a layout
+torchpre does not refuse must be exact.
 
 - CI: the committed table must agree with torchpre's decisions today (every "exact" cell is a layout torchpre
   runs, every refusal the reason it gives), and a seeded sample covering every layout and every structural kind
@@ -27,7 +28,7 @@ import pytest
 from tests.launch import REPO, train_and_read_metrics
 from torchpre.models.hf.architectures import causal_lm_classes, decoder_only_model_types, not_decoder_only
 from torchpre.models.hf.args import HFArgs
-from torchpre.models.hf.layouts import DATA, PIPELINE, TENSOR, refusals
+from torchpre.models.hf.layouts import DATA, FSDP, PIPELINE, SEQUENCE, TENSOR, refusals
 from torchpre.models.hf.model import meta_model
 from torchpre.models.hf.parallelize import tensor_parallel_plan
 from torchpre.models.hf.tiny import default_tiny_config
@@ -45,8 +46,10 @@ LOSS_ATOL = 1e-5
 ONE, PLAN = "1 process", "tp plan"
 LAYOUTS = {
     "dp2 ZeRO-1": (DATA, ["--optimizer.zero_stage", "1"]),
-    "dp2 ZeRO-3": (DATA, ["--optimizer.zero_stage", "3"]),
+    "dp2 ZeRO-3": (FSDP, ["--optimizer.zero_stage", "3"]),
     "tp2": (TENSOR, ["--parallelism.tensor_parallel_degree", "2"]),
+    "tp2 SP+LP": (SEQUENCE, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+                             "--parallelism.enable_loss_parallel"]),
     "pp2": (PIPELINE, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                        "1F1B"]),
 }  # fmt: skip
@@ -136,7 +139,7 @@ def ci_sample() -> list[tuple[str, str]]:
         if cells["tp2"] == EXACT:
             by_kind.setdefault(cells[PLAN], []).append(model_type)
     sample = [(rng.choice(sorted(types)), "tp2") for _, types in sorted(by_kind.items())]
-    for column in ("dp2 ZeRO-1", "dp2 ZeRO-3", "pp2"):
+    for column in ("dp2 ZeRO-1", "dp2 ZeRO-3", "tp2 SP+LP", "pp2"):
         sample.append((rng.choice(sorted(t for t, cells in rows.items() if cells[column] == EXACT)), column))
     return sample
 
@@ -214,7 +217,8 @@ architecture's default config (`torchpre.models.hf.tiny`, no dropout) with train
 
 - **{ONE}**: `HFCausalLM`'s logits equal transformers' own model's with the same parameters, bit for bit, and the
   forward runs on token ids alone, deterministically (torchpre checks this on a tiny copy before any work).
-- **dp2 ZeRO-1 / ZeRO-3, tp2, pp2**: *exact* = every step's loss equals one process's within {LOSS_ATOL:g}; or
+- **dp2 ZeRO-1 / ZeRO-3, tp2, tp2 with sequence and loss parallel, pp2 (1F1B)**: *exact* = every step's loss
+  equals one process's within {LOSS_ATOL:g}; or
   *refused* before any work, by the checks of `torchpre.models.hf.layouts`, with the reason below (train.py exits
   2 with that message). ZeRO-0/2, HSDP, activation checkpointing, torch.compile and bf16 take nothing from an
   architecture beyond what the 1-process column establishes.

@@ -23,6 +23,8 @@ class HFArgs:
     path: str
     max_seq_len: int
     sequence_parallel: bool = False  # parallelism.enable_sequence_parallel (applies under tensor parallel)
+    loss_parallel: bool = False  # parallelism.enable_loss_parallel (idem)
+    fsdp: bool = False  # optimizer.zero_stage = 3
 
     @property
     def vocab_size(self) -> int:
@@ -46,7 +48,7 @@ class HFArgs:
 
     @property
     def tie_word_embeddings(self) -> bool:
-        return bool(self.config.tie_word_embeddings)
+        return bool(getattr(self.config, "tie_word_embeddings", False))
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +78,8 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
             "trains the decoder-only causal LMs of the installed transformers (docs/hf-models.md lists them)."
         )
     transformers = import_optional("transformers", "model.name = 'hf'", extra="hf")
+    # transformers writes Infinity and NaN as {"__float__": "Infinity"}; its own reader turns them back.
+    values = transformers.PretrainedConfig._decode_special_floats(values)
     fields = {key: value for key, value in values.items() if key != "model_type"}
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
@@ -97,7 +101,8 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
             "(model.tokenizer_path). Raise vocab_size in the config to at least that, or use a tokenizer whose "
             "ids fit."
         )
-    context = getattr(config, "max_position_embeddings", None) or max_seq_len or 0
+    context = getattr(config, "max_position_embeddings", None)
+    context = context if isinstance(context, int) and context > 0 else max_seq_len or 0  # no limit of its own
     if max_seq_len is not None and max_seq_len > context:
         raise ConfigError(
             f"training.seq_len = {max_seq_len} is longer than the model's max_position_embeddings = {context} "
@@ -114,6 +119,8 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
         path=str(path),
         max_seq_len=seq_len,
         sequence_parallel=job.parallelism.enable_sequence_parallel,
+        loss_parallel=job.parallelism.enable_loss_parallel,
+        fsdp=job.optimizer.zero_stage == 3,
     )
 
 

@@ -75,6 +75,7 @@ class HFCausalLM(nn.Module):
         self.decoder = self.blocks.split(".")[0]  # the model under the head, whose forward returns hidden states
         # What a PassThrough standing in for each module must carry: its plain (non-tensor) attributes.
         self.attributes = {name: _plain_attributes(module) for name, module in causal_lm.named_modules() if name}
+        _frozen_parameters_as_buffers(causal_lm)
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
         # transformers' model object runs the forward; not registered, so that names and parameters are its
@@ -131,6 +132,16 @@ class HFCausalLM(nn.Module):
         finally:
             for parent, _, name in missing:
                 parent._modules[name] = None
+
+
+def _frozen_parameters_as_buffers(model: nn.Module) -> None:
+    """Parameters transformers does not train (`requires_grad=False`: routers' score-correction biases) become
+    persistent buffers of the same name: kept in state dicts and checkpoints, left alone by the optimizer."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and not param.requires_grad:
+                del module._parameters[name]
+                module.register_buffer(name, param.detach(), persistent=True)
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, Any]:

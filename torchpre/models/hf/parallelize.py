@@ -4,7 +4,9 @@ Each decoder layer is read module by module against a small table of structures,
 them; a layer whose attention or feed-forward matches none is refused by name. What each structure gets:
 - attention with separate q/k/v projections and an output projection, and at most per-head q/k norms: whole heads
   per rank ("heads": q/k/v column-parallel, the output row-parallel; the attention runs on the rank's heads, its
-  head-count attributes divided by the degree; a per-head norm's weight gradient is summed over the ranks);
+  head-count attributes divided by the degree; a per-head norm's weight gradient is summed over the ranks), if
+  its forward runs on a rank's heads: checked on the tiny copy by running each rank's share of heads and adding
+  the shares (an attention that reshapes to the whole width, as XGLM's does, takes "gathered" instead);
 - any other attention whose projections are known (fused q/k/v as in Phi-3, GPT-2 or GPT-NeoX, full-width q/k norms
   as in OLMo2, output gates or sinks): "gathered": each rank computes its share of the input projections' columns,
   the columns are gathered, the attention runs whole on every rank, and the output projection is row-parallel;
@@ -21,19 +23,24 @@ architecture against one process (docs/hf-models.md).
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, SequenceParallel
 
 from torchpre.errors import ConfigError
+from torchpre.models.hf.args import ConfigKey
 from torchpre.models.hf.model import HFCausalLM
-from torchpre.models.hf.probe import probe
+from torchpre.models.hf.probe import probe, tiny_model
 from torchpre.models.hf.styles import (
     Conv1DColwise,
     Conv1DRowwise,
@@ -71,6 +78,7 @@ class Plan:
     modules whose head-count attributes become per-rank counts."""
 
     residual: Placement = Replicate()  # of the hidden states between a layer's parts: Shard(1) under SP
+    gathered: frozenset[str] = frozenset()  # attention classes that do not run on a rank's heads
     styles: dict[str, ParallelStyle] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # module path -> "heads" | "gathered" | "neurons" | "experts"
     head_attention: list[str] = field(default_factory=list)
@@ -81,11 +89,73 @@ class Plan:
 def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool = False) -> Plan:
     """The plan of the decoder layers of `model` (a whole model or a pipeline stage), by structure. Raises
     Unplanned naming the first module no rule covers."""
-    plan = Plan(residual=Shard(1) if sequence_parallel else Replicate())
+    return _structural_plan(model, sequence_parallel, gathered=_attention_without_whole_heads(model.config))
+
+
+def _structural_plan(model: HFCausalLM, sequence_parallel: bool, gathered: frozenset[str] = frozenset()) -> Plan:
+    """The plan read off the modules, with the attention classes in `gathered` taking "gathered" for "heads"."""
+    plan = Plan(residual=Shard(1) if sequence_parallel else Replicate(), gathered=gathered)
     for index, layer in model.get_submodule(model.blocks).named_children():
         if layer is not None:
             _plan_module(layer, f"{model.blocks}.{index}", plan, top=True)
     return plan
+
+
+@functools.lru_cache(maxsize=16)
+def _attention_cache(key: ConfigKey) -> frozenset[str]:
+    model = tiny_model(key.config)
+    plan = _structural_plan(model, sequence_parallel=False)
+    calls: dict[str, tuple[tuple, dict, Tensor]] = {}
+
+    def record(path: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        calls[path] = (args, kwargs, _first(output))
+
+    handles = [
+        model.get_submodule(path).register_forward_hook(functools.partial(record, path), with_kwargs=True)
+        for path in plan.head_attention
+    ]
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)))
+    for handle in handles:
+        handle.remove()
+    return frozenset(
+        type(model.get_submodule(path)).__name__
+        for path, (args, kwargs, output) in calls.items()
+        if not _whole_heads_add_up(model.get_submodule(path), args, kwargs, output)
+    )
+
+
+def _attention_without_whole_heads(config: Any) -> frozenset[str]:
+    """The attention classes of `config`'s architecture whose forward does not run on a rank's share of the heads:
+    on the tiny copy, each of two ranks' heads (q/k/v rows, output columns, head counts halved) must run, and
+    their outputs must add up to the whole attention's."""
+    return _attention_cache(ConfigKey(config))
+
+
+def _whole_heads_add_up(attention: nn.Module, args: tuple, kwargs: dict, output: Tensor, tp: int = 2) -> bool:
+    outputs = []
+    for rank in range(tp):
+        shard = copy.deepcopy(attention)
+        for name, child in shard.named_children():
+            if name in QKV:
+                for param in child.parameters():
+                    param.data = param.data.chunk(tp, dim=0)[rank]
+            elif name in ATTENTION_OUTPUTS:
+                child.weight.data = child.weight.data.chunk(tp, dim=1)[rank]
+                if child.bias is not None and rank > 0:
+                    child.bias.data.zero_()
+        _per_rank_head_counts(shard, tp)
+        try:
+            with torch.no_grad():
+                outputs.append(_first(shard(*args, **kwargs)))
+        except (RuntimeError, ValueError, IndexError):
+            return False
+    total = torch.stack(outputs).sum(0)
+    return total.shape == output.shape and torch.allclose(total, output, rtol=0, atol=1e-5)
+
+
+def _first(output: Any) -> Tensor:
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _plan_module(module: nn.Module, path: str, plan: Plan, top: bool = False) -> None:
@@ -131,7 +201,8 @@ def _plan_attention(
     head_dim = getattr(module, "head_dim", None)
     per_head = all(name in HEAD_NORMS and _norm_size(children[name]) == head_dim for name in extra)
     own = any(True for _ in module.parameters(recurse=False))  # sinks, differential-attention lambdas, ...
-    kind = "heads" if set(inputs) == set(QKV) and per_head and not own else "gathered"
+    runs_on_heads = type(module).__name__ not in plan.gathered
+    kind = "heads" if set(inputs) == set(QKV) and per_head and not own and runs_on_heads else "gathered"
     _plan_projections(module, path, tuple(inputs), output, kind, plan)
     if kind == "heads":
         plan.head_attention.append(path)
@@ -240,7 +311,7 @@ def apply_tensor_parallel_plan(
     if sequence_parallel:
         styles |= {path: GatherSequence() for path in plan.kinds}
         # Norms return local tensors: the layer adds them to residuals and to its parts' local outputs.
-        norms = [*plan.norms, *_final_norms(model)]
+        norms = [*plan.norms, *_after_layers(model)]
         styles |= {path: SequenceParallel(use_local_output=True) for path in norms}
     apply_tensor_parallel(model, tp_mesh, styles)
     for path in plan.head_attention:
@@ -248,10 +319,16 @@ def apply_tensor_parallel_plan(
     model.sequence_shards = tp_mesh.size() if sequence_parallel else 1
 
 
-def _final_norms(model: HFCausalLM) -> list[str]:
-    """The norms this part holds after the decoder layers (the final norm)."""
+def _after_layers(model: HFCausalLM) -> list[str]:
+    """The modules with parameters this part holds that run after the decoder layers, but the output layer (the
+    final norm)."""
     roles = probe(model.config).roles
-    return [name for name, role in roles.items() if role == "last" and model.holds(name) and name != model.output_layer]
+    return [
+        name
+        for name, role in roles.items()
+        if role == "last" and model.holds(name) and name != model.output_layer
+        and _has_parameters(model.get_submodule(name))
+    ]
 
 
 def _per_rank_head_counts(attention: nn.Module, tp: int) -> None:
@@ -263,29 +340,34 @@ def _per_rank_head_counts(attention: nn.Module, tp: int) -> None:
 
 def sequence_parallel_refusal(model: HFCausalLM, seq_len: int) -> str | None:
     """Why sequence parallelism would not run `model` exactly (None: it runs it): the hidden states between the
-    layers' parts are this rank's slice of the sequence, so every module on the residual stream must be a norm or
-    a part (attention, feed-forward) that gathers the sequence, the attention must be causal SDPA without a mask
-    (a mask tensor would be built for the slice), and nothing but the token embedding may act on the hidden
-    states before the layers (a position-embedding table would add the whole sequence's positions to a slice)."""
-    config = model.config
+    layers' parts are this rank's slice of the sequence, so every module with parameters on the residual stream
+    must be a norm (without submodules) or a part (attention, feed-forward) that gathers the sequence, the
+    forward must build no mask tensor for the slice and take positions from `position_ids` (the probe), and
+    nothing but the token embedding may act on the hidden states before the layers (a position-embedding table
+    would add the whole sequence's positions to a slice)."""
     try:
         plan = tensor_parallel_plan(model, sequence_parallel=True)
     except Unplanned as error:
         return str(error)
-    window = getattr(config, "sliding_window", None)
-    if config._attn_implementation != "sdpa":
-        return f"its attention runs '{config._attn_implementation}' with a mask tensor built for a sequence slice"
-    if isinstance(window, int) and window < seq_len:
-        return f"its sliding window ({window}) is shorter than training.seq_len = {seq_len} (a mask per slice)"
     if plan.experts:
         return "its experts reduce a replicated output, not a sequence slice"
     layers = {f"{model.blocks}.{index}" for index, _ in model.get_submodule(model.blocks).named_children()}
     inside = [path for path in plan.kinds if path.rpartition(".")[0] not in layers]
     if inside:
         return f"{inside[0]} is not a part of its own in the layer, to gather the sequence for"
-    roles = probe(config).roles
+    window = getattr(model.config, "sliding_window", None)
+    if isinstance(window, int) and window < seq_len:
+        return f"its sliding window ({window}) is shorter than training.seq_len = {seq_len}: it masks each slice"
+    after = [name for name in _after_layers(model) if not _is_norm(model.get_submodule(name))]
+    if after:
+        return f"{after[0]} acts on the hidden states after the layers"
+    nested = [path for path in [*plan.norms, *_after_layers(model)] if len(model.get_submodule(path)._modules)]
+    if nested:
+        return f"{nested[0]} is a norm with submodules"
+    found = probe(model.config)
+    roles = found.roles
     before = [name for name, role in roles.items() if role == "first" and name != model.input_embedding
               and not isinstance(model.get_submodule(name), nn.Dropout)]  # fmt: skip
     if before:
         return f"{before[0]} acts on the hidden states before the layers"
-    return None
+    return found.sequence_refusal

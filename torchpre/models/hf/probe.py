@@ -9,7 +9,11 @@ architecture is narrow, and it establishes it by running the model, not from a l
   layers and holding parameters (embeddings: the first pipeline stage), run before them with an output the
   layers take as it is (rotary tables: every stage), or run after them (final norm, output layer: the last);
 - the decoder layers run as pipeline stages: two stages of one layer each reproduce the whole model's logits
-  bit for bit.
+  bit for bit;
+- the forward can take a slice of the sequence between the layers (sequence parallelism): it hands the layers no
+  attention-mask tensor (one would be built for the slice) and takes the positions from `position_ids`;
+- every parameter gets a gradient: one that some inputs leave unused (Longcat's identity experts) would make
+  ZeRO-3's per-block collectives differ between ranks.
 
 The copy is `tiny_config(config)`: the same architecture and switches at tiny sizes. A probe costs well under
 a second for most architectures and is made once per config.
@@ -44,6 +48,8 @@ class Probe:
     refusal: str | None
     pipeline_refusal: str | None
     roles: dict[str, str]
+    sequence_refusal: str | None = None
+    fsdp_refusal: str | None = None
 
 
 def probe(config: Any) -> Probe:
@@ -54,23 +60,28 @@ def probe(config: Any) -> Probe:
 @functools.lru_cache(maxsize=16)
 def _probe(key: ConfigKey) -> Probe:
     try:
-        model = _tiny_model(key.config)
+        model = tiny_model(key.config)
     except ConfigError as error:
         return Probe(refusal=str(error), pipeline_refusal=None, roles={})
     except Exception as error:  # noqa: BLE001 - transformers' own complaint about the config, reported by name
         return Probe(f"torchpre cannot build a tiny copy of it to check it on ({_brief(error)})", None, {})
     tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     try:
-        logits, roles = _run_recording_roles(model, tokens)
+        logits, roles, masked = _run_recording_roles(model, tokens)
         refusal = _whole_model_refusal(model, tokens, logits)
     except Exception as error:  # noqa: BLE001
         return Probe(f"its forward and backward on token ids alone fail on a tiny copy ({_brief(error)})", None, {})
     if refusal is not None:
         return Probe(refusal, None, roles)
-    return Probe(None, _pipeline_refusal(model, roles, tokens, logits), roles)
+    pipeline = _pipeline_refusal(model, roles, tokens, logits)
+    unused = [name for name, param in model.named_parameters() if param.grad is None]
+    fsdp = f"its parameters {', '.join(unused[:3])} get no gradient from some inputs" if unused else None
+    return Probe(None, pipeline, roles, _sequence_refusal(model, tokens, logits, masked), fsdp)
 
 
-def _tiny_model(config: Any) -> HFCausalLM:
+def tiny_model(config: Any) -> HFCausalLM:
+    """`config`'s architecture at tiny sizes on the CPU, initialised (every buffer checked: NaN until set), in
+    training mode."""
     tiny = tiny_config(config)
     tiny.use_cache = False
     with torch.device("meta"):
@@ -83,10 +94,11 @@ def _tiny_model(config: Any) -> HFCausalLM:
     return model.train()
 
 
-def _run_recording_roles(model: HFCausalLM, tokens: Tensor) -> tuple[Tensor, dict[str, str]]:
-    """The logits of a forward (and its backward, which must run) and each outside module's role in it."""
+def _run_recording_roles(model: HFCausalLM, tokens: Tensor) -> tuple[Tensor, dict[str, str], bool]:
+    """The logits of a forward (and its backward, which must run), each outside module's role in it, and whether
+    the layers were handed an attention-mask tensor ([..., seq, seq])."""
     around = outside_blocks(model)
-    calls: list[tuple[str, str, set[int]]] = []  # (kind, name, tensor ids): "module" outputs, "layer" inputs
+    calls: list[tuple[str, str, list[Tensor]]] = []  # (kind, name, tensors): "module" outputs, "layer" inputs
     handles = []
     for name in around:
         module = model.get_submodule(name)
@@ -99,22 +111,24 @@ def _run_recording_roles(model: HFCausalLM, tokens: Tensor) -> tuple[Tensor, dic
     finally:
         for handle in handles:
             handle.remove()
-    return logits.detach(), _roles(model, around, calls)
+    seq = tokens.shape[1]
+    masked = any(t.ndim >= 2 and t.shape[-2:] == (seq, seq) for kind, _, ts in calls if kind == "layer" for t in ts)
+    return logits.detach(), _roles(model, around, calls), masked
 
 
 def _recorder(calls: list, kind: str, name: str, outputs: bool = False):
     if outputs:
-        return lambda module, args, output: calls.append((kind, name, _tensor_ids(output)))
-    return lambda module, args, kwargs: calls.append((kind, name, _tensor_ids((args, kwargs))))
+        return lambda module, args, output: calls.append((kind, name, list(_tensors(output))))
+    return lambda module, args, kwargs: calls.append((kind, name, list(_tensors((args, kwargs)))))
 
 
-def _roles(model: HFCausalLM, around: list[str], calls: list[tuple[str, str, set[int]]]) -> dict[str, str]:
+def _roles(model: HFCausalLM, around: list[str], calls: list[tuple[str, str, list[Tensor]]]) -> dict[str, str]:
     first_layer = next((i for i, (kind, _, _) in enumerate(calls) if kind == "layer"), len(calls))
-    layer_inputs = set().union(*(ids for kind, _, ids in calls if kind == "layer"))
+    layer_inputs = {id(t) for kind, _, ts in calls if kind == "layer" for t in ts}
     roles = {}
     for name in around:
-        index, ids = next(((i, ids) for i, (kind, n, ids) in enumerate(calls) if n == name and kind == "module"),
-                          (None, set()))  # fmt: skip
+        index, ids = next(((i, {id(t) for t in ts}) for i, (kind, n, ts) in enumerate(calls)
+                           if n == name and kind == "module"), (None, set()))  # fmt: skip
         has_parameters = any(True for _ in model.get_submodule(name).parameters())
         if index is not None and index > first_layer:
             roles[name] = "last"
@@ -167,8 +181,19 @@ def _pipeline_refusal(model: HFCausalLM, roles: dict[str, str], tokens: Tensor, 
     return None
 
 
-def _tensor_ids(value: Any) -> set[int]:
-    return {id(tensor) for tensor in _tensors(value)}
+def _sequence_refusal(model: HFCausalLM, tokens: Tensor, logits: Tensor, masked: bool) -> str | None:
+    """Why the forward cannot take this rank's slice of the sequence between the layers (None: it can)."""
+    if masked:
+        return "its forward hands the layers an attention-mask tensor, which it would build for a slice of the sequence"
+    positions = 2 * torch.arange(tokens.shape[1]).unsqueeze(0)  # other distances between tokens: logits must change
+    try:
+        with torch.no_grad():
+            moved = model.causal_lm(input_ids=tokens, position_ids=positions, use_cache=False).logits
+    except TypeError:
+        return "its forward takes no position_ids"
+    if torch.equal(moved, logits):
+        return "its forward takes the positions from the length of its input, not from position_ids"
+    return None
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:
