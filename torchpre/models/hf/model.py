@@ -72,7 +72,7 @@ class HFCausalLM(nn.Module):
         self.input_embedding = names[causal_lm.get_input_embeddings()]
         self.output_layer = names[causal_lm.get_output_embeddings()]
         self.blocks = block_container_name(causal_lm)
-        self.decoder = self.blocks.split(".")[0]  # the model under the head, whose forward returns hidden states
+        self.decoder_path = self.blocks.split(".")[0]  # the model under the head: its forward returns hidden states
         # What a PassThrough standing in for each module must carry: its plain (non-tensor) attributes.
         self.attributes = {name: _plain_attributes(module) for name, module in causal_lm.named_modules() if name}
         _frozen_parameters_as_buffers(causal_lm)
@@ -102,7 +102,7 @@ class HFCausalLM(nn.Module):
         with self._passing_through():
             if last:
                 return self.causal_lm(**kwargs).logits
-            return self.causal_lm.get_submodule(self.decoder)(**kwargs).last_hidden_state
+            return self.causal_lm.get_submodule(self.decoder_path)(**kwargs).last_hidden_state
 
     def holds(self, name: str) -> bool:
         """Whether this model (or pipeline stage) holds the submodule `name`."""
