@@ -23,6 +23,7 @@ from tests.launch import REPO, TINY, ForkServer, add_manifest, manifest_record, 
 from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
+from torchpre.models.hf.tiny import default_tiny_config
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 
@@ -105,6 +106,9 @@ def files(tmp_path_factory) -> Path:
     (d / "not_utf8.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     (d / "hf_not_json.json").write_text('{"model_type": "llama",\n "hidden_size": 64,,\n}\n')
     (d / "hf_gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
+    (d / "hf_bert.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
+    for model_type in HF_REFUSED:  # tiny configs of architectures torchpre refuses some layouts of
+        (d / f"hf_{model_type}.json").write_text(default_tiny_config(model_type).to_json_string())
     llama = json.loads((REPO / HF_LLAMA).read_text())
     (d / "hf_small_vocab.json").write_text(json.dumps(llama | {"vocab_size": 1000}))
 
@@ -149,6 +153,10 @@ TAMPERED = ["--model.flavor", "debugmodel", "--prompt", "hello", "--checkpoint.f
 GEN, CONVERT, PREPARE = "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"
 HF_LLAMA = "assets/hf_configs/llama_tiny.json"
 HF = ["--model.name", "hf", "--model.hf_config"]
+# Architectures with a refused layout (docs/hf-models.md): every layout (its init), tensor parallel (MLA attention),
+# pipeline parallel (its layers return tuples), sequence parallel (its eager attention takes a mask tensor).
+HF_REFUSED = ("mamba", "deepseek_v3", "bloom", "gemma2")
+TP2, PP2 = ["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]
 
 
 def case(case_id: str, argv: list[str], fragments: list[str], entry: str = "train.py", ranks: int = 1):
@@ -252,15 +260,48 @@ CATALOGUE = [
         ["model.hf_config = {d}/hf_not_json.json", "not valid JSON", "line 2"],
     ),
     case(
-        "hf-unknown-model-type",
+        "hf-encoder-model-type",
+        [*HF, "{d}/hf_bert.json"],
+        ["model.hf_config = {d}/hf_bert.json", "model_type = 'bert' is not a model torchpre trains", "encoder family"],
+    ),
+    case(
+        "hf-dropout",
         [*HF, "{d}/hf_gpt2.json"],
-        ["model.hf_config = {d}/hf_gpt2.json", "model_type = 'gpt2'", "llama, mistral, qwen2, qwen3", "parallelize"],
+        ["model.hf_config = {d}/hf_gpt2.json", "resid_pdrop = 0.1", "each parallel layout", "Set them to 0.0"],
+    ),
+    case(
+        "hf-refused-under-every-layout",
+        [*HF, "{d}/hf_mamba.json"],
+        ["model.hf_config = {d}/hf_mamba.json", "MambaForCausalLM (model_type 'mamba') is refused under every layout",
+         "A_log"],
+    ),  # fmt: skip
+    case(
+        "hf-tensor-parallel-refused",
+        [*HF, "{d}/hf_deepseek_v3.json", *TP2],
+        ["DeepseekV3ForCausalLM (model_type 'deepseek_v3') under tensor parallel: refused",
+         "model.layers.0.self_attn.q_a_proj (Linear) has no tensor-parallel rule", "It trains under data parallel"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "hf-pipeline-parallel-refused",
+        [*HF, "{d}/hf_bloom.json", *PP2],
+        ["BloomForCausalLM (model_type 'bloom') under pipeline parallel: refused",
+         "its decoder layers do not run as pipeline stages", "It trains under data parallel, ZeRO-3 (FSDP), tensor"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "hf-sequence-parallel-refused",
+        [*HF, "{d}/hf_gemma2.json", *TP2, "--parallelism.enable_sequence_parallel"],
+        ["Gemma2ForCausalLM (model_type 'gemma2') under sequence and loss parallel: refused",
+         "hands the layers an attention-mask tensor"],
+        ranks=2,
     ),
     case("hf-vocab-too-small", [*HF, "{d}/hf_small_vocab.json"], ["vocab_size = 1000", "tokenizer's 2048 ids"]),
     case(
         "hf-tp-does-not-divide-kv-heads",
         [*HF, HF_LLAMA, "--parallelism.tensor_parallel_degree", "4"],
-        ["num_key_value_heads = 2", "parallelism.tensor_parallel_degree = 4", "(1, 2)"],
+        ["LlamaForCausalLM (model_type 'llama') under tensor parallel: refused", "num_key_value_heads = 2",
+         "parallelism.tensor_parallel_degree = 4", "1, 2)"],
         ranks=4,
     ),
     case("unknown-flavor", ["--model.flavor", "debugmodell"], ["model.flavor", "'debugmodell'", "'debugmodel'"]),

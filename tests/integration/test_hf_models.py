@@ -1,7 +1,10 @@
 """`train.py --model.name hf`: transformers models trained as they are. For two model types (Llama, and Qwen2
 with q/k/v biases and tied embeddings), the per-step losses of tp2 (+SP, +loss parallel), pp2 and dp2 x tp2 equal
 one process's, a pp2 checkpoint resumes under tp2 on the same trajectory, and its export loads with
-`from_pretrained` to the same logits; greedy generation from it matches transformers' own `generate`."""
+`from_pretrained` to the same logits; greedy generation from it matches transformers' own `generate`. Gemma (its
+embedding scale is a buffer, its norms start at 0) trains under dp2 ZeRO-1 as in one process, and architectures
+beyond the Llama layout (GPT-2's Conv1D and tied embeddings, Gemma, Qwen2-MoE's experts) export and import.
+docs/hf-models.md (tests/integration/test_hf_support_table.py) covers every architecture and layout."""
 
 import json
 import shutil
@@ -15,6 +18,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.convert import _load_dcp_model
 from torchpre.models.hf import HFCausalLM, hf_args
+from torchpre.models.hf.tiny import default_tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,11 +28,11 @@ CONFIGS = {name: f"assets/hf_configs/{name}_tiny.json" for name in ("llama", "qw
 STEPS, SAVE_AT = 4, 2
 
 
-def job(model_type: str, *extra: str) -> list[str]:
+def job(model_type: str, *extra: str, config: Path | None = None) -> list[str]:
     return [
         "--job.config_file", "train_configs/debug_model.toml",
         "--model.name", "hf",
-        "--model.hf_config", str(REPO / CONFIGS[model_type]),
+        "--model.hf_config", str(config or REPO / CONFIGS[model_type]),
         "--training.seq_len", "32",
         "--training.global_batch_size", "8",
         "--training.local_batch_size", "4",
@@ -181,15 +185,56 @@ def test_generation_matches_transformers_generate(pipelined, model_type, tmp_pat
     assert len(expected_ids) >= 4, "decoding stopped at once: the comparison would say little"
 
 
-def convert(command: str, source: Path, target: Path, model_type: str) -> None:
-    result = run_entry("torchpre.convert", [command, str(source), str(target), *job(model_type)])
+def convert(command: str, source: Path, target: Path, model_type: str, config: Path | None = None) -> None:
+    result = run_entry("torchpre.convert", [command, str(source), str(target), *job(model_type, config=config)])
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def torchpre_logits(model_type: str, state_dict: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+def torchpre_logits(
+    model_type: str, state_dict: dict[str, torch.Tensor], ids: torch.Tensor, config: Path | None = None
+) -> torch.Tensor:
     """The logits of torchpre's HFCausalLM (the module the trainer trains) with `state_dict`."""
-    args = hf_args(parse_args(JobConfig, job(model_type)), 2048, None)
+    args = hf_args(parse_args(JobConfig, job(model_type, config=config)), 2048, None)
     model = HFCausalLM(args)
     model.load_state_dict(state_dict, strict=False)
     with torch.no_grad():
         return model(ids)
+
+
+def tiny_config_file(model_type: str, folder: Path) -> Path:
+    """The tiny version of `model_type`'s default config (no dropout), as a config.json for train.py."""
+    path = folder / f"{model_type}.json"
+    path.write_text(default_tiny_config(model_type).to_json_string())
+    return path
+
+
+def test_gemma_under_dp2_zero1_matches_one_process(tmp_path):
+    """Gemma multiplies its embeddings by a buffer (sqrt(hidden_size)) and its RMSNorm by (1 + weight): both must be
+    what transformers makes them on every rank. An uninitialised buffer (as before: 1e-4 on one rank, 1e31 on the
+    other) moved the losses by 1.27."""
+    config = tiny_config_file("gemma", tmp_path)
+    one = train_and_read_metrics(job("gemma", config=config), 1, tmp_path / "one")
+    dp2 = train_and_read_metrics(job("gemma", "--optimizer.zero_stage", "1", config=config), 2, tmp_path / "dp2")
+    assert losses(dp2) == pytest.approx(losses(one), abs=LOSS_ATOL)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gemma", "qwen2_moe"])
+def test_other_architectures_export_and_import(model_type, tmp_path):
+    """A checkpoint of an architecture beyond the Llama layout exports to a folder `from_pretrained` loads, with
+    torchpre's logits, and imports back bitwise."""
+    config = tiny_config_file(model_type, tmp_path)
+    train_and_read_metrics(job(model_type, "--training.steps", "2", *CKPT, config=config), 1, tmp_path / "run")
+    step_dir, hf_dir, back_dir = tmp_path / "run/checkpoint/step-2", tmp_path / "hf", tmp_path / "back/step-0"
+    for command, source, target in (("dcp-to-hf", step_dir, hf_dir), ("hf-to-dcp", hf_dir, back_dir)):
+        convert(command, source, target, model_type, config)
+    trained = _load_dcp_model(step_dir)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == hf_model.config.model_type == model_type
+    ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, torchpre_logits(model_type, trained, ids, config), rtol=0,
+                                   atol=LOGITS_ATOL)
+    back = _load_dcp_model(back_dir)
+    assert back.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(back[name], tensor), name

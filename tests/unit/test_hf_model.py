@@ -1,7 +1,8 @@
-"""torchpre's view of transformers models: HFCausalLM runs a transformers model exactly as transformers does,
-pipeline stages and pruning keep transformers' names, initialisation does not depend on the split, the
-parallelize API takes dotted paths and hands loss functions the model's own output, and `model.hf_config` is
-checked with messages that name the key and the file."""
+"""torchpre's view of transformers models: HFCausalLM runs a transformers model exactly as transformers does, with
+every parameter and buffer initialised as transformers initialises it; pipeline stages and pruning keep
+transformers' names, initialisation does not depend on the split, the parallelize API takes dotted paths and hands
+loss functions the model's own output, and `model.hf_config` is checked with messages that name the key and the
+file."""
 
 import dataclasses
 import json
@@ -14,9 +15,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from tests.launch import REPO
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
-from torchpre.models.hf import HFCausalLM, decoder_stages, hf_args
+from torchpre.models.hf import HFArgs, HFCausalLM, decoder_stages, hf_args
+from torchpre.models.hf.init import init_plan
+from torchpre.models.hf.layouts import validate_tensor_parallel
 from torchpre.models.hf.model import init_weights
-from torchpre.models.hf.parallelize import validate_tensor_parallel
+from torchpre.models.hf.tiny import default_tiny_config
 from torchpre.parallel import ParallelPlan, logits_of, parallelize, pipeline_stages
 from torchpre.parallel.pipeline import prune_to
 
@@ -24,6 +27,10 @@ transformers = pytest.importorskip("transformers")
 
 CONFIGS = {name: REPO / f"assets/hf_configs/{name}_tiny.json" for name in ("llama", "qwen2", "qwen3")}
 VOCAB = 2048  # the shipped tokenizer's
+# One architecture of each structure torchpre's support derives from modules: Llama's layout, Gemma's scaled
+# embedding and (1 + weight) norms, GPT-2's Conv1D and position table, GPT-NeoX's fused q/k/v, Phi-3's fused
+# projections, OLMo2's full-width q/k norms, Qwen2-MoE's experts. docs/hf-models.md covers every architecture.
+ARCHITECTURES = ("gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "phi3", "olmo2", "qwen2_moe", "qwen3_moe")
 
 
 def job(path: Path | str, **training) -> JobConfig:
@@ -41,20 +48,66 @@ def build(name: str, seed: int = 0) -> HFCausalLM:
     return model
 
 
-def tokens(batch: int = 2, seq: int = 16) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+def tokens(batch: int = 2, seq: int = 16, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_hf_causal_lm_computes_what_transformers_computes(name):
-    """The same weights in transformers' own model give the same logits: HFCausalLM calls its modules in its
-    order, with its rotary tables and causal attention (bitwise: the same kernels on the same inputs)."""
-    model = build(name)
-    reference = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+def tiny(model_type: str) -> HFArgs:
+    config = default_tiny_config(model_type)
+    config.use_cache = False
+    return HFArgs(config=config, path=f"<tiny {model_type}>", max_seq_len=32)
+
+
+def initialised(args: HFArgs, seed: int = 0) -> HFCausalLM:
+    """HFCausalLM built on the meta device and initialised as the trainer does, every buffer first set to NaN so
+    that one the initialisation misses shows in the logits."""
+    with torch.device("meta"):
+        model = HFCausalLM(args)
+    model.to_empty(device="cpu")
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            buffer.fill_(float("nan"))
+    init_weights(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("args", [*CONFIGS, *ARCHITECTURES])
+def test_hf_causal_lm_computes_what_transformers_computes(args):
+    """The same parameters in transformers' own model give the same logits, bit for bit: HFCausalLM runs
+    transformers' forward, and its buffers (rotary tables, Gemma's embedding scale) are the ones transformers
+    computes."""
+    args = hf_args(job(CONFIGS[args]), VOCAB, 32) if args in CONFIGS else tiny(args)
+    model = initialised(args).train()
+    reference = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).train()
     missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ids = tokens(vocab=model.config.vocab_size)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens()), reference(tokens()).logits, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids), reference(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_gemma_is_initialised_as_transformers_initialises_it():
+    """Gemma's RMSNorm computes (1 + weight): its weights start at 0 (gain 1), not at 1; its embedding scale is
+    sqrt(hidden_size) and the padding row of the embedding is 0, as `_init_weights` makes them."""
+    model = initialised(tiny("gemma"))
+    config = model.config
+    assert all(bool((m.weight == 0).all()) for m in model.modules() if type(m).__name__ == "GemmaRMSNorm")
+    assert model.model.embed_tokens.embed_scale.item() == config.hidden_size**0.5
+    assert not model.model.embed_tokens.weight[config.pad_token_id].any()
+    assert model.model.layers[0].mlp.up_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.1)
+
+
+def test_the_init_plan_is_read_off_transformers_own_init_weights():
+    """GPT-2's residual projections draw from a smaller normal (std / sqrt(2 x layers)) than its other matrices, as
+    its `_init_weights` says; the output layer tied to the embedding takes the embedding's draws (one key)."""
+    args = tiny("gpt2")
+    plan = init_plan(transformers.GPT2LMHeadModel, args.config)
+    std = args.config.initializer_range
+    *_, scaled = plan.ops["transformer.h.0.mlp.c_proj.weight"]
+    *_, plain = plan.ops["transformer.h.0.mlp.c_fc.weight"]
+    assert dict(scaled.kwargs)["std"] == pytest.approx(std / (2 * args.config.n_layer) ** 0.5)
+    assert dict(plain.kwargs)["std"] == std
+    assert plan.keys["lm_head.weight"] == "transformer.wte.weight"
 
 
 def test_state_dict_names_are_transformers_names():
@@ -64,9 +117,11 @@ def test_state_dict_names_are_transformers_names():
 
 
 def test_pipeline_stages_take_a_dotted_block_path_and_keep_names():
-    """An unmodified transformers model splits at `model.layers`; HFCausalLM's split puts the rotary embedding (no
-    parameters) in every stage; each pruned stage keeps transformers' names (a ModuleList keeps its indices),
-    and the stages run in turn give the whole model's logits."""
+    """An unmodified transformers model splits at `model.layers`; HFCausalLM's split places the modules around the
+    layers by their role in the forward: the rotary embedding (registered after the layers, but its output is every
+    layer's input) in every stage, the final norm (registered before the rotary embedding) on the last; each pruned
+    stage keeps transformers' names (a ModuleList keeps its indices), and the stages run in turn give the whole
+    model's logits."""
     config = hf_args(job(CONFIGS["llama"]), VOCAB, 32).config
     with torch.device("meta"):
         raw = transformers.AutoModelForCausalLM.from_config(config)
@@ -77,8 +132,8 @@ def test_pipeline_stages_take_a_dotted_block_path_and_keep_names():
     model = build("llama")
     stages = decoder_stages(model, 2, split_points=["model.layers.1"])
     assert stages == [
-        ["model.embed_tokens", "model.layers.0", "model.rotary_emb"],
-        ["model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head", "model.rotary_emb"],
+        ["model.embed_tokens", "model.rotary_emb", "model.layers.0"],
+        ["model.rotary_emb", "model.layers.1", "model.layers.2", "model.layers.3", "model.norm", "lm_head"],
     ]
     first, second = (prune_to(model, names) for names in stages)
     names = list(model.state_dict())
@@ -161,16 +216,20 @@ def test_hf_config_errors_name_the_key_and_the_file(tmp_path):
     (tmp_path / "broken.json").write_text("{\n  \"model_type\": \"llama\",\n  oops\n}")
     with pytest.raises(ConfigError, match=r"broken.json is not valid JSON \(Expecting .* line 3"):
         hf_args(job(tmp_path / "broken.json"), VOCAB, 32)
-    with pytest.raises(ConfigError, match=r"model_type = 'bert'.*llama, mistral, qwen2, qwen3.*parallelize"):
+    with pytest.raises(ConfigError, match=r"model_type = 'bert' is not a model torchpre trains: .* encoder family"):
         hf_args(job(write(tmp_path, model_type="bert")), VOCAB, 32)
+    with pytest.raises(ConfigError, match=r"model_type = 'gemma3' is not a model torchpre trains: .* multimodal"):
+        hf_args(job(write(tmp_path, model_type="gemma3")), VOCAB, 32)
+    with pytest.raises(ConfigError, match=r"attention_dropout = 0.1: a random training forward .* Set them to 0.0"):
+        hf_args(job(write(tmp_path, attention_dropout=0.1)), VOCAB, 32)
     with pytest.raises(ConfigError, match=r"vocab_size = 1000 is smaller than the tokenizer's 2048 ids"):
         hf_args(job(write(tmp_path, vocab_size=1000)), VOCAB, 32)
     with pytest.raises(ConfigError, match=r"training.seq_len = 1024 is longer than the model's max_position_embed"):
         hf_args(job(write(tmp_path)), VOCAB, 1024)
-    with pytest.raises(ConfigError, match=r"sliding_window = 16 is shorter than the 32-token sequences"):
-        hf_args(job(write(tmp_path, model_type="mistral", sliding_window=16)), VOCAB, 32)
+    assert hf_args(job(write(tmp_path, model_type="mistral", sliding_window=16)), VOCAB, 32)  # transformers' own masks
     with pytest.raises(ConfigError, match=r"training.document_mask is not supported with model.name = 'hf'"):
         hf_args(job(write(tmp_path), document_mask=True), VOCAB, 32)
     assert hf_args(job(tmp_path), VOCAB, 32).config.model_type == "llama"  # a folder holding config.json
-    with pytest.raises(ConfigError, match=r"num_key_value_heads = 2 is not divisible by parallelism.tensor_parallel"):
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLM \(model_type 'llama'\) under tensor parallel: refused: "
+                       r"num_key_value_heads = 2 is not divisible by parallelism.tensor_parallel_degree = 4 .*1, 2\)"):
         validate_tensor_parallel(hf_args(job(tmp_path), VOCAB, 32), 4)

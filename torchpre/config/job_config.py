@@ -48,8 +48,8 @@ class Model:
     )
     hf_config: str = _option(
         "",
-        "with model.name = 'hf': a transformers config.json (or its folder) of a Llama-layout causal LM (llama, "
-        "mistral, qwen2, qwen3); model.flavor is then not used",
+        "with model.name = 'hf': a transformers config.json (or its folder) of any decoder-only causal LM of the "
+        "installed transformers (docs/hf-models.md: what each layout does with it); model.flavor is then not used",
     )
     vocab_size: int = _option(
         0,

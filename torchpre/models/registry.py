@@ -44,7 +44,8 @@ class ModelSpec:
     gives `args_from_job(job_config, tokenizer_vocab_size, max_seq_len)` instead (None: the model's own context),
     e.g. `model.name = "hf"` reads them from `model.hf_config`.
     `model_cls(args)` builds the plain model; the trainer builds it on the meta device, parallelizes it
-    (see `torchpre.parallel.api`), materialises it and calls `init_weights(module, seed)`.
+    (see `torchpre.parallel.api`), materialises it and calls `init_weights(module, seed)`. `blocks` is the dotted
+    path of its container of repeated blocks, or `blocks(args)` for a family whose path depends on its args.
 
     Optional parts (a missing one turns the matching feature into a clear error, never a silent no-op):
     - `tensor_parallel`: a `parallelize_module` plan, or `fn(module, tp_mesh, *, sequence_parallel,
@@ -74,7 +75,7 @@ class ModelSpec:
     model_cls: Callable[[Any], nn.Module]
     flavors: dict[str, Any]
     args_from_job: Callable[[Any, int, int | None], Any] | None = None
-    blocks: str = "layers"
+    blocks: str | Callable[[Any], str] = "layers"
     init_weights: Callable[[nn.Module, int], None] = lambda module, seed: module.init_weights(seed)
     tensor_parallel: dict[str, ParallelStyle] | Callable[..., None] | None = None
     validate_tensor_parallel: Callable[[Any, int], None] = lambda args, tp: None
@@ -92,13 +93,17 @@ class ModelSpec:
     )
     init_buffers: Callable[[nn.Module], None] = lambda module: default_init_buffers(module)
 
+    def blocks_of(self, args: Any) -> str:
+        """The dotted path of the block container of the model `args` describe."""
+        return self.blocks(args) if callable(self.blocks) else self.blocks
+
     def pipeline_stages(self, args: Any, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
         """The module names of each of `num_stages` pipeline stages."""
         if self.stage_modules is not None:
             return self.stage_modules(args, num_stages, split_points)
         with torch.device("meta"):
             model = self.model_cls(args)
-        return pipeline_stages(model, num_stages, split_points=split_points, blocks=self.blocks)
+        return pipeline_stages(model, num_stages, split_points=split_points, blocks=self.blocks_of(args))
 
 
 def default_init_buffers(module: nn.Module) -> None:

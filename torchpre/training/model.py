@@ -147,7 +147,7 @@ def parallel_plan(
         tensor_parallel=tensor_parallel,
         expert_parallel=spec.expert_parallel,
         pipeline=pipeline,
-        blocks=spec.blocks,
+        blocks=spec.blocks_of(args),
         tied_weights=spec.tied_weights(args),
         activation_checkpoint=ac.mode,
         selective_ac_option=ac.selective_ac_option,

@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from torchpre.errors import ConfigError
+from torchpre.models.hf.architectures import not_decoder_only
+from torchpre.models.hf.tiny import stochastic_keys
 from torchpre.optional import import_optional
 
-# Decoder-only models whose layers follow Llama's layout (embed_tokens, layers of self_attn q/k/v/o_proj and
-# mlp gate/up/down_proj, norm, rotary_emb, lm_head): the tensor-parallel plan and HFCausalLM's forward know them.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 KEY = "model.hf_config"
 
 
@@ -23,6 +22,9 @@ class HFArgs:
     config: Any  # transformers.PretrainedConfig
     path: str
     max_seq_len: int
+    sequence_parallel: bool = False  # parallelism.enable_sequence_parallel (applies under tensor parallel)
+    loss_parallel: bool = False  # parallelism.enable_loss_parallel (idem)
+    fsdp: bool = False  # optimizer.zero_stage = 3
 
     @property
     def vocab_size(self) -> int:
@@ -38,15 +40,28 @@ class HFArgs:
 
     @property
     def n_heads(self) -> int:
-        return self.config.num_attention_heads
+        return getattr(self.config, "num_attention_heads", None) or 1
 
     @property
     def n_kv_heads(self) -> int:
-        return self.config.num_key_value_heads or self.config.num_attention_heads
+        return getattr(self.config, "num_key_value_heads", None) or self.n_heads
 
     @property
     def tie_word_embeddings(self) -> bool:
-        return bool(self.config.tie_word_embeddings)
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+
+@dataclass(frozen=True, eq=False)
+class ConfigKey:
+    """A transformers config as a cache key (configs are mutable and unhashable): equal when their JSON is."""
+
+    config: Any
+
+    def __hash__(self) -> int:
+        return hash(self.config.to_json_string())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConfigKey) and self.config.to_json_string() == other.config.to_json_string()
 
 
 def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
@@ -56,15 +71,15 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
     path = _config_path(job.model.hf_config)
     values = _read_json(path)
     model_type = values.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    why = not_decoder_only(model_type) if isinstance(model_type, str) else "the config has no model_type"
+    if why is not None:
         raise ConfigError(
-            f"{KEY} = {path}: model_type = {model_type!r} is not one torchpre's Hugging Face support knows "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)}: Llama-layout decoders, whose tensor-parallel plan and pipeline "
-            "stages it builds). For another architecture, build the model yourself and pass a plan to "
-            "torchpre.parallel.parallelize (ParallelPlan(tensor_parallel={...module paths...}, blocks=...); see "
-            "the README, 'Train a Hugging Face model'), or register a ModelSpec for it (job.custom_import)."
+            f"{KEY} = {path}: model_type = {model_type!r} is not a model torchpre trains: {why}. model.name = 'hf' "
+            "trains the decoder-only causal LMs of the installed transformers (docs/hf-models.md lists them)."
         )
     transformers = import_optional("transformers", "model.name = 'hf'", extra="hf")
+    # transformers writes Infinity and NaN as {"__float__": "Infinity"}; its own reader turns them back.
+    values = transformers.PretrainedConfig._decode_special_floats(values)
     fields = {key: value for key, value in values.items() if key != "model_type"}
     try:
         config = transformers.AutoConfig.for_model(model_type, **fields)
@@ -73,26 +88,40 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
             f"{KEY} = {path}: transformers cannot build a '{model_type}' config from it: {error}"
         ) from None
     config.use_cache = False  # training: no KV cache is kept
+    random = stochastic_keys(config)
+    if random:
+        raise ConfigError(
+            f"{KEY} = {path}: {', '.join(f'{name} = {getattr(config, name)}' for name in random)}: a random training "
+            "forward (dropout, router jitter) draws differently under each parallel layout, so torchpre's layouts "
+            "would not give one process's losses. Set them to 0.0 (pretraining runs without dropout)."
+        )
     if config.vocab_size < vocab_size:
         raise ConfigError(
             f"{KEY} = {path}: vocab_size = {config.vocab_size} is smaller than the tokenizer's {vocab_size} ids "
             "(model.tokenizer_path). Raise vocab_size in the config to at least that, or use a tokenizer whose "
             "ids fit."
         )
-    context = config.max_position_embeddings
+    context = getattr(config, "max_position_embeddings", None)
+    context = context if isinstance(context, int) and context > 0 else max_seq_len or 0  # no limit of its own
     if max_seq_len is not None and max_seq_len > context:
         raise ConfigError(
             f"training.seq_len = {max_seq_len} is longer than the model's max_position_embeddings = {context} "
             f"({path}). Lower training.seq_len or raise max_position_embeddings in the config."
         )
     seq_len = context if max_seq_len is None else max_seq_len
-    _check_full_attention(config, path, seq_len)
     if job.training.document_mask:
         raise ConfigError(
-            "training.document_mask is not supported with model.name = 'hf' (its attention runs one causal mask "
-            "per row). Turn training.document_mask off."
+            "training.document_mask is not supported with model.name = 'hf' (transformers' models take no "
+            "document boundaries from torchpre). Turn training.document_mask off."
         )
-    return HFArgs(config=config, path=str(path), max_seq_len=seq_len)
+    return HFArgs(
+        config=config,
+        path=str(path),
+        max_seq_len=seq_len,
+        sequence_parallel=job.parallelism.enable_sequence_parallel,
+        loss_parallel=job.parallelism.enable_loss_parallel,
+        fsdp=job.optimizer.zero_stage == 3,
+    )
 
 
 def _config_path(value: str) -> Path:
@@ -117,16 +146,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{KEY} = {path} holds a JSON {type(values).__name__}, not a config object.")
     return values
-
-
-def _check_full_attention(config: Any, path: Path, seq_len: int) -> None:
-    """HFCausalLM runs plain causal attention; a sliding window shorter than the sequence would change it."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    sliding = window is not None and (layer_types is None or "sliding_attention" in layer_types)
-    if sliding and window < seq_len:
-        raise ConfigError(
-            f"{KEY} = {path}: sliding_window = {window} is shorter than the {seq_len}-token sequences, and "
-            "torchpre runs these models with full causal attention. Lower training.seq_len to at most "
-            f"{window}, or set sliding_window to null (or use_sliding_window to false) in the config."
-        )

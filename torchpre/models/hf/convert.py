@@ -9,43 +9,31 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from torchpre.errors import TorchpreError
 from torchpre.models.hf.args import HFArgs
-from torchpre.models.hf.model import EMBEDDING, HEAD, HFCausalLM
+from torchpre.models.hf.model import meta_model, tied_weights
 from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
-
-# The keys of config.json that decide the weights' names and shapes.
-SHAPE_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "attention_bias",
-    "mlp_bias",
-)
 
 
 def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: HFArgs) -> dict[str, Tensor]:
     """The checkpoint's tensors under their own names, without the output copy of a tied embedding (transformers
     saves the embedding only), after checking them against the model."""
-    if args.tie_word_embeddings:
-        state_dict = without_tied_copy(state_dict, HEAD, EMBEDDING)
+    tied = tied_weights(args)
+    if tied is not None:
+        state_dict = without_tied_copy(state_dict, tied[1], tied[0])
     check_tensors(state_dict, _shapes(args), "checkpoint")
     return dict(state_dict)
 
 
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: HFArgs) -> dict[str, Tensor]:
     """A transformers state dict as the model's state dict (the tied output copy is the embedding tensor)."""
-    if args.tie_word_embeddings:
-        hf_state_dict = without_tied_copy(hf_state_dict, HEAD, EMBEDDING)
+    tied = tied_weights(args)
+    if tied is not None:
+        hf_state_dict = without_tied_copy(hf_state_dict, tied[1], tied[0])
     check_tensors(hf_state_dict, _shapes(args), "Hugging Face state dict")
     state_dict = dict(hf_state_dict)
-    if args.tie_word_embeddings:
-        state_dict[HEAD] = state_dict[EMBEDDING]
+    if tied is not None:
+        state_dict[tied[1]] = state_dict[tied[0]]
     return state_dict
 
 
@@ -54,32 +42,37 @@ def hf_config(
 ) -> dict[str, Any]:
     """The job's transformers config with the tokenizer's special ids and the weights' dtype."""
     config = args.config.to_dict()
-    with torch.device("meta"):
-        architecture = HFCausalLM(args).architecture
     config.update(
-        architectures=[architecture],
+        architectures=[meta_model(args).architecture],
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         torch_dtype=torch_dtype,
         dtype=torch_dtype,
         use_cache=True,
     )
-    if max_position_embeddings is not None:
-        config["max_position_embeddings"] = max(max_position_embeddings, config["max_position_embeddings"])
+    context = type(args.config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    if max_position_embeddings is not None and context in config:
+        config[context] = max(max_position_embeddings, config[context])
     return config
 
 
 def hf_config_mismatches(config: Mapping[str, Any], args: HFArgs) -> list[str]:
-    """The shape-deciding keys where a folder's config.json differs from the job's model.hf_config."""
-    ours = args.config.to_dict()
+    """Where the model a folder's config.json describes differs from the job's (model.hf_config): its model_type,
+    or the parameters it names and their shapes."""
+    if config.get("model_type") != args.config.model_type:
+        return [f"model_type = {config.get('model_type')!r}, but model.hf_config has {args.config.model_type!r}"]
+    try:
+        theirs = HFArgs(config=type(args.config).from_dict(dict(config)), path=args.path, max_seq_len=args.max_seq_len)
+    except (TypeError, ValueError, KeyError) as error:
+        raise TorchpreError(f"transformers cannot build a '{args.config.model_type}' config from it: {error}") from None
+    ours, other = _shapes(args), _shapes(theirs)
     return [
-        f"{key} = {config.get(key)!r}, but model.hf_config has {ours.get(key)!r}"
-        for key in SHAPE_KEYS
-        if key in config and config.get(key) != ours.get(key)
-    ]
+        f"{name} is {tuple(other[name]) if name in other else 'absent'}, but model.hf_config makes it "
+        f"{tuple(ours[name]) if name in ours else 'absent'}"
+        for name in sorted(ours.keys() | other.keys())
+        if ours.get(name) != other.get(name)
+    ][:6]
 
 
 def _shapes(args: HFArgs) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        model = HFCausalLM(args)
-    return {name: param.shape for name, param in model.named_parameters()}
+    return {name: param.shape for name, param in meta_model(args).named_parameters()}

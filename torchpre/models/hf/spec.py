@@ -1,6 +1,6 @@
 """transformers causal LMs as a registered model family: `model.name = "hf"`, args from `model.hf_config`."""
 
-from torchpre.models.hf import convert, model, parallelize
+from torchpre.models.hf import convert, init, layouts, model, parallelize, probe
 from torchpre.models.hf.args import hf_args
 from torchpre.models.registry import HFAdapter, ModelSpec
 
@@ -8,14 +8,16 @@ SPEC = ModelSpec(
     model_cls=model.HFCausalLM,
     flavors={},
     args_from_job=hf_args,
-    blocks=model.BLOCKS,
-    init_weights=model.init_weights,
-    init_buffers=model.init_buffers,
+    blocks=model.block_path,
+    init_weights=init.init_weights,
+    init_buffers=init.init_buffers,
     tensor_parallel=parallelize.apply_tensor_parallel_plan,
-    validate_tensor_parallel=parallelize.validate_tensor_parallel,
-    stage_modules=model.stage_modules,
+    validate_tensor_parallel=layouts.validate_tensor_parallel,
+    validate_layout=layouts.validate_layout,
+    stage_modules=probe.stage_modules,
     tied_weights=model.tied_weights,
     flops_per_token=model.flops_per_token,
+    compile_fullgraph=False,  # any architecture's blocks: data-dependent ones (experts) compile around graph breaks
     hf=HFAdapter(
         to_hf_state_dict=convert.to_hf_state_dict,
         from_hf_state_dict=convert.from_hf_state_dict,
