@@ -52,9 +52,9 @@ def children(pid: int) -> list[int]:
 class Node:
     """One torchrun agent of an elastic job (`--nnodes 1:2`) with its workers, output in a file.
 
-    As the README's elastic example: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` gives each rendezvous round a fresh
-    worker store, `is_host` says which agent hosts the rendezvous store (both see that 127.0.0.1 is theirs), and
-    `last_call_timeout=2` lets a round complete 2 s after its first node instead of torchrun's 30.
+    As docs/fault-tolerance.md's elastic example: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` gives each rendezvous
+    round a fresh worker store, `is_host` says which agent hosts the rendezvous store (both see that 127.0.0.1 is
+    theirs), and `last_call_timeout=2` lets a round complete 2 s after its first node instead of torchrun's 30.
     """
 
     def __init__(self, name: str, port: int, nproc: int, args: list[str], folder: Path, host: bool, restarts: int):
