@@ -12,7 +12,7 @@ from pathlib import Path
 # The layout of the job that saved a checkpoint (entries of its "train" state): how many ranks, the degrees and the
 # microbatches per optimizer step. They describe the run, not its state: a resume under another layout compares
 # them, it loads nothing into them.
-LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "accumulation_steps")
+LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps")
 
 
 def describe_layout(layout: dict[str, int]) -> str:
@@ -22,8 +22,9 @@ def describe_layout(layout: dict[str, int]) -> str:
     if "dp" not in layout:
         return f"{ranks} (degrees not recorded)"
     microbatches = layout["accumulation_steps"]
+    cp = f" x cp {layout['cp']}" if layout.get("cp", 1) > 1 else ""
     return (
-        f"{ranks} as dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']} (ep {layout['ep']}), "
+        f"{ranks} as dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']}{cp} (ep {layout['ep']}), "
         f"{microbatches} microbatch{'es' if microbatches != 1 else ''} per step"
     )
 
@@ -38,7 +39,7 @@ def layout_change(
         return None
     if saved["world_size"] != current["world_size"]:
         why = f"the world size changed from {saved['world_size']} to {current['world_size']}{_torchrun_round()}"
-    elif any(saved[key] != current[key] for key in ("dp", "tp", "pp", "ep") if key in saved):
+    elif any(saved[key] != current[key] for key in ("dp", "tp", "pp", "ep", "cp") if key in saved):
         why = "the parallelism.* degrees changed on the same world size"
     else:
         why = "training.local_batch_size or training.global_batch_size changed the microbatches per step"

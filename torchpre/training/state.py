@@ -10,7 +10,7 @@ from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.parallel.api import ParallelModel
 
 # Entries of the "train" state that checkpoints written before they were recorded lack.
-OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "accumulation_steps")
+OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps")
 
 
 class ModelState:

@@ -88,6 +88,8 @@ class Trainer:
         job = self.job
         with job.metrics.phase("forward_backward"):  # from pinned memory (pins_memory) the copies do not block
             on_device = [tuple(part.to(job.device, non_blocking=True) for part in batch) for batch in microbatches]
+            if job.context_parallel is not None:  # each cp rank keeps its positions of the sequences
+                on_device = [job.context_parallel.shard(batch) for batch in on_device]
             loss = self.forward_backward(on_device)
         with job.metrics.phase("optimizer"):
             loss = job.guard.settle_previous(loss, on_device, self)
