@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed.nn.functional as dist_autograd
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
@@ -89,6 +90,11 @@ class ContextParallel:
             documents = (rows == self.document_bos).cumsum(dim=1)
             self._documents = (documents[:, self.positions], documents[:, self.key_positions])
         return {}
+
+    def sequence_sum(self, statistic: Tensor) -> Tensor:
+        """A per-sequence statistic summed over the cp ranks (each holds part of the sequence); its gradient flows
+        back to every rank's part (MoE's load-balancing loss)."""
+        return dist_autograd.all_reduce(statistic, group=self.mesh.get_group())
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attention of this rank's queries [batch, seq/cp, heads, head_dim] over the whole sequence's keys and
