@@ -386,12 +386,6 @@ CATALOGUE = [
         ["context_parallel_degree = 2 is not supported with compile.enable yet", "Turn compile.enable off"],
         ranks=2,
     ),
-    case(
-        "cp-with-validation",
-        [*CP2, "--validation.enable"],
-        ["context_parallel_degree = 2 is not supported with validation.enable yet"],
-        ranks=2,
-    ),
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

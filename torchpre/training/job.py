@@ -198,7 +198,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
         validator = build_validator(
             config, pre.tokenizer, meshes.mesh, model, forward_kwargs=forward_inputs,
-            loss_scale=batches.tokens_per_step, device=device,
+            loss_scale=batches.tokens_per_step, device=device, data_rank=meshes.data_rank(),
+            shard=context_parallel.shard if context_parallel else None,
         )  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
     optimizer = build_optimizer_from_config(model, reduction, config.optimizer, max_norm=t.max_norm)

@@ -112,11 +112,6 @@ CONTEXT_PARALLEL_UNSUPPORTED = (
         "compile.enable",
         "the attention hooks that place RoPE rows and gather keys and values are not traced by torch.compile yet",
     ),
-    (
-        lambda config: config.validation.enable,
-        "validation.enable",
-        "validation batches are not split over the cp ranks yet",
-    ),
 )
 
 
