@@ -61,6 +61,7 @@ LAYOUTS = {
     "dp2_tp2_pp2": (8, [*per_rank_batch(2), *TP2, *SP, *LP, *pp("1F1B")]),
     "cp2": (2, CP2),
     "cp2_full_ac": (2, [*CP2, "--activation_checkpoint.mode", "full"]),
+    "cp2_compile": (2, [*CP2, "--compile.enable"]),
     "cp2_dp2_zero1": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "1"]),
     "cp2_dp2_zero3": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "3"]),
     "cp2_tp2_sp_lp": (4, [*CP2, *TP2, *SP, *LP]),

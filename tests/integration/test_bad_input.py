@@ -380,12 +380,6 @@ CATALOGUE = [
         ["context_parallel_degree = 2", "model.name = 'hf' has no context-parallel attention", "llama3, moe"],
         ranks=2,
     ),
-    case(
-        "cp-with-compile",
-        [*CP2, "--compile.enable"],
-        ["context_parallel_degree = 2 is not supported with compile.enable yet", "Turn compile.enable off"],
-        ranks=2,
-    ),
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

@@ -105,16 +105,6 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
     spec.validate_layout(args, dims)
 
 
-# What context parallelism does not run with yet: (is it on, its name and why).
-CONTEXT_PARALLEL_UNSUPPORTED = (
-    (
-        lambda config: config.compile.enable,
-        "compile.enable",
-        "the attention hooks that place RoPE rows and gather keys and values are not traced by torch.compile yet",
-    ),
-)
-
-
 def check_context_parallel(config: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
     """Rejects what parallelism.context_parallel_degree cannot run, naming it, before any work."""
     name, cp, seq_len = config.model.name, dims.cp, config.training.seq_len
@@ -136,12 +126,6 @@ def check_context_parallel(config: JobConfig, spec: ModelSpec, dims: ParallelDim
             f"again over tensor_parallel_degree = {dims.tp}, which does not divide them. Use a training.seq_len that "
             f"is a multiple of {math.lcm(2 * cp, cp * dims.tp)}."
         )
-    for enabled, feature, why in CONTEXT_PARALLEL_UNSUPPORTED:
-        if enabled(config):
-            raise ConfigError(
-                f"{key} is not supported with {feature} yet: {why}. Turn {feature} off or set "
-                "context_parallel_degree = 1."
-            )
 
 
 def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, fp32: bool = False) -> nn.Module:
