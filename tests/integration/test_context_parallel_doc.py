@@ -12,5 +12,5 @@ DOC = REPO / "docs" / "context-parallel.md"
 @pytest.mark.timeout(900)
 def test_every_command_of_the_context_parallel_page_runs(tmp_path):
     blocks = [block for block in readme_blocks(DOC) if block.language == "bash"]
-    assert len(blocks) == 3
+    assert len(blocks) == 5
     run_blocks(blocks, make_clone(tmp_path))

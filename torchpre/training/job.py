@@ -208,7 +208,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     progress = TrainProgress(
         batches.global_batch_size,
         {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
-         "accumulation_steps": batches.accumulation_steps},
+         "accumulation_steps": batches.accumulation_steps, "seq_len": t.seq_len},
     )  # fmt: skip
     guard = StepGuard(
         t, optimizer, _forensics(model, pre, meshes), tp_degree=d.tp,

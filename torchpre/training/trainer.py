@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchpre.checkpoint.layout import layout_change
+from torchpre.checkpoint.layout import layout_change, stage_change
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.utils import set_comm_timeout
 from torchpre.health.guard import Batch, TakenStep
@@ -223,6 +223,10 @@ class Trainer:
         change = layout_change(progress.saved_layout, progress.layout, step_dir, progress.step, global_batch_size)
         if change is not None and job.is_logging_rank:
             logger.warning(change)
+        seq_len = self.config.training.seq_len
+        stage = stage_change(progress.saved.get("seq_len"), seq_len, global_batch_size, progress.step)
+        if stage is not None and job.is_logging_rank:
+            logger.warning(stage)
         saved_batch = progress.saved.get("global_batch_size", 0)
         derived = self.config.training.global_batch_size == -1
         if derived and saved_batch not in (0, global_batch_size) and job.is_logging_rank:
