@@ -6,7 +6,7 @@ activations (ZeRO-1's optimizer step; GPipe's cached logits), over data and pipe
 checks all eight. Time is checked only under `-m plan_matrix`, on an otherwise idle machine: in the parallel test
 run the other pytest worker loads the cores during calibration and measurement alike, by different amounts (a
 CI run measured 2x off in both directions), so a timing there tests the neighbour, not the planner. tp2 + SP's
-step time is predicted 27-36% short on this machine (README, "Plan a large run"): an expected failure (not
+step time is predicted 27-36% short on this machine (docs/planning.md): an expected failure (not
 strict: at the edge of the tolerance, a quiet machine may pass it)."""
 
 import pytest

@@ -1,5 +1,5 @@
 """bench.startup on a small flavor: it builds, resumes and initialises rank 0 under the fake process group and
-prints one row per phase (the 8B numbers it reports in the README take minutes)."""
+prints one row per phase (the 8B numbers it reports in docs/performance.md take minutes)."""
 
 import os
 import subprocess

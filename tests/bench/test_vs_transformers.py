@@ -43,7 +43,8 @@ def test_quick_run_reports_real_throughput_mfu_and_losses(capsys):
     for result in (hf, torchpre):
         mfu = comparison.mfu(result, report.peak_flops)
         assert mfu == pytest.approx(comparison.flops_per_token * result.tokens_per_sec / report.peak_flops)
-        # Both timings move with the machine's load: unloaded 78-89% at the debug and bench dims (README); on
+        # Both timings move with the machine's load: unloaded 78-89% at the debug and bench dims (docs/performance.md);
+        # on
         # 2 cores shared by 4 jobs, tiny: peak 8.9 GFLOP/s, transformers 43%, torchpre 22%. The bounds only
         # catch a unit error (a factor of 1,000, or a peak of all cores against one thread's loop).
         assert MFU_RANGE[0] < mfu < MFU_RANGE[1], mfu

@@ -1,4 +1,4 @@
-"""The public parallelize API used directly, as the README shows it, against plain PyTorch: a GPT-2-style
+"""The public parallelize API used directly, as docs/models.md shows it, against plain PyTorch: a GPT-2-style
 model (defined in tests/integration/test_custom_model.py) trained 3 steps under tp2 and under pp2 reaches
 the losses and weights of the same model trained with torch.optim.AdamW in one process."""
 
@@ -61,7 +61,7 @@ def train_with_plain_pytorch() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def train_with_the_api(layout: str, out: Path, mesh) -> None:
-    """The README's snippet: meta model, plan, parallelize, build_optimizer, forward_backward, step."""
+    """docs/models.md's snippet: meta model, plan, parallelize, build_optimizer, forward_backward, step."""
     tp, pp = (2, 1) if layout == "tp2" else (1, 2)
     mesh = ParallelDims.from_degrees(dp=1, tp=tp, pp=pp, world_size=2).build_mesh("cpu")
     with torch.device("meta"):

@@ -4,6 +4,7 @@ dp absorbing the new world size and gradient accumulation keeping the global bat
 record of each step in metrics.jsonl) equals that of an uninterrupted dp2 run."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,9 +53,9 @@ def children(pid: int) -> list[int]:
 class Node:
     """One torchrun agent of an elastic job (`--nnodes 1:2`) with its workers, output in a file.
 
-    As the README's elastic example: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` gives each rendezvous round a fresh
-    worker store, `is_host` says which agent hosts the rendezvous store (both see that 127.0.0.1 is theirs), and
-    `last_call_timeout=2` lets a round complete 2 s after its first node instead of torchrun's 30.
+    As docs/fault-tolerance.md's elastic example: `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` gives each rendezvous
+    round a fresh worker store, `is_host` says which agent hosts the rendezvous store (both see that 127.0.0.1 is
+    theirs), and `last_call_timeout=2` lets a round complete 2 s after its first node instead of torchrun's 30.
     """
 
     def __init__(self, name: str, port: int, nproc: int, args: list[str], folder: Path, host: bool, restarts: int):
@@ -234,7 +235,10 @@ def test_a_world_size_the_layout_cannot_use_stops_with_the_sizes_that_work(nodes
     output = node.output()
     assert "The world size 3 is not divisible by tensor_parallel_degree x pipeline_parallel_degree = 2 x 1" in output
     assert "World sizes this job can run on: 2, 4, 6, 8, 10, 12, ..." in output
-    assert "exitcode: 2" in output, output[-4000:]
+    # A worker's exit code 2, in the agent's log line or its summary: once the first worker exits, torchrun
+    # SIGTERMs the others (still in their wait for each other's message), and under load it may log one of those
+    # first, so the summary's "exitcode  : 2" is where the 2 shows.
+    assert re.search(r"exitcode\s*:\s*2\b", output), output[-4000:]
     assert sum(line.startswith("error (rank ") for line in output.splitlines()) == 3, output[-4000:]  # all say it
 
 

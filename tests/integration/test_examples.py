@@ -1,4 +1,4 @@
-"""The runnable examples the README quotes: a model registered through `job.custom_import` and trained by
+"""The runnable examples docs/models.md quotes: a model registered through `job.custom_import` and trained by
 train.py, and the parallelize API driven by hand."""
 
 import math

@@ -161,7 +161,7 @@ def generated(result: subprocess.CompletedProcess) -> dict:
         (1, []),
         (2, ["--parallelism.tensor_parallel_degree", "2"]),
         (2, ["--parallelism.pipeline_parallel_degree", "2"]),
-        (2, []),  # the README's command: two data-parallel replicas decode the same sequence
+        (2, []),  # docs/generation.md's command: two data-parallel replicas decode the same sequence
         (4, ["--parallelism.pipeline_parallel_degree", "2"]),  # two replicas of a two-stage pipeline
     ],
     ids=["1proc", "tp2", "pp2", "dp2", "dp2xpp2"],

@@ -1,22 +1,23 @@
-"""The README runs as written: every ```bash block, in order, in a fresh folder that looks like a clone.
+"""README.md and docs/ run as written: every ```bash block, in order, in a fresh folder that looks like a clone.
 
-Each block is one bash script (`set -eo pipefail`) run in the same temporary folder, so later blocks find
-what earlier ones wrote (the checkpoint that generation and export read, for instance). To keep the run
-short every `train.py`, `torchpre.generate` and `torchpre.convert` command gets SHRINK appended (a smaller
+The README's blocks come first, then each docs page's in the order the README first links it
+(`tests/doc_blocks.py`). Each block is one bash script (`set -eo pipefail`) run in the same temporary folder, so
+later blocks find what earlier ones wrote (the checkpoint that generation and export read, for instance). To keep
+the run short every `train.py`, `torchpre.generate` and `torchpre.convert` command gets SHRINK appended (a smaller
 model on shorter sequences; step counts, and so checkpoint names, stay as written); `torchrun` runs with
-`--standalone` so it never collides with another job's port. A block is skipped when the README marks it
-with `<!-- readme-test: skip (reason) -->` on the line before it (GPUs, Slurm, several machines), and the
-"Quick start" blocks are skipped by name: `.ci/run` runs them. A ```python block must be marked
-`<!-- readme-test: quoted from PATH -->`, and each of its lines must be a line of PATH, a runnable example
-that the README quotes.
+`--standalone` so it never collides with another job's port. A block is skipped when its document marks it with
+`<!-- readme-test: skip (reason) -->` on the line before it (GPUs, Slurm, several machines), and the README's
+"Quick start" blocks are skipped by name: `.ci/run` runs them. A skipped block's command lines are still checked:
+every flag it passes to torchrun or to a torchpre entry point must be one that entry point's `--help` lists
+(`tests/unit/test_docs.py`, for every block). A ```python block must be marked
+`<!-- readme-test: quoted from PATH -->`, and each of its lines must be a line of PATH, a runnable example that the
+document quotes.
 
     python -m pytest -q -p no:cacheprovider tests/integration/test_readme.py            # CI's sample
     python -m pytest -q -p no:cacheprovider -m readme tests/integration/test_readme.py  # every block
 """
 
-import dataclasses
 import os
-import re
 import subprocess
 import sys
 import time
@@ -24,81 +25,30 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+from tests.doc_blocks import REPO, Block, all_blocks, shell_blocks
+
 # What a clone holds that the README's commands use.
 CLONE = ["train.py", "train_configs", "torchpre", "examples", "assets", "scripts", "bench", "multinode.slurm"]
-SKIPPED_SECTIONS = {"Quick start": "run by .ci/run"}
+SKIPPED_README_SECTIONS = ("Quick start #",)  # run by .ci/run
 SHRINK = ["--model.flavor", "tiny", "--training.seq_len", "32"]
 # Blocks that need more than SHRINK gives, or a test-only change to run unattended.
+LAYOUTS_BLOCK = "docs/parallelism.md: DP x TP x PP on one DeviceMesh #1"
+PREEMPTION_BLOCK = "docs/fault-tolerance.md: Fault tolerance #2"
 BLOCK_ARGS = {
     # The ZBV schedule puts 2 stages on each of 2 ranks: 4 layers at least (tiny has 2).
-    "Parallelism: DP x TP x PP on one DeviceMesh #1": ["--model.flavor", "debugmodel", "--training.steps", "10"],
+    LAYOUTS_BLOCK: ["--model.flavor", "debugmodel", "--training.steps", "10"],
     # Long enough that the SIGTERM arrives mid-run, and a record to wait for instead of a minute.
-    "Fault tolerance #2": ["--training.steps", "100000", "--metrics.log_freq", "1"],
+    PREEMPTION_BLOCK: ["--training.steps", "100000", "--metrics.log_freq", "1"],
 }
-BLOCK_TEXT = {"Fault tolerance #2": ("sleep 60", "until [ -s outputs/preempt/metrics.jsonl ]; do sleep 0.2; done")}
-# CI's sample: overrides, a checkpoint resumed under another layout, generation and export from it, and the
-# bad-input exit codes (3.2 minutes measured on a 2-core machine shared with other jobs).
+BLOCK_TEXT = {PREEMPTION_BLOCK: ("sleep 60", "until [ -s outputs/preempt/metrics.jsonl ]; do sleep 0.2; done")}
+# CI's sample: the README's tour up to the planner (dp, tp, pp, ZeRO-3, a checkpoint resumed under another
+# layout, export and generation from it), overrides, and the bad-input exit codes.
 SAMPLE = [
-    "Configuration #1",
-    "Checkpoints #1",
-    "Hugging Face import and export #1",
-    "Text generation #1",
-    "Errors #1",
+    "Tour #1", "Tour #2", "Tour #3", "Tour #4", "Tour #5", "Tour #6",
+    "docs/configuration.md: Configuration #1",
+    "docs/errors.md: Errors and exit codes #1",
 ]
 BLOCK_TIMEOUT_S = 600
-
-_HEADING = re.compile(r"^#{2,4} (.+)$")
-_MARKER = re.compile(r"^<!-- readme-test: (skip \((?P<reason>.+)\)|quoted from (?P<source>\S+)) -->$")
-
-
-@dataclasses.dataclass(frozen=True)
-class Block:
-    name: str  # "<heading> #<n>": the n-th fenced block of its language under that heading
-    language: str
-    text: str
-    line: int
-    skip: str | None = None  # why it does not run here
-    quoted_from: str | None = None
-
-
-def readme_blocks(path: Path = README) -> list[Block]:
-    """The fenced blocks of the README with their names and markers, in order."""
-    blocks: list[Block] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    heading, counts, marker, i = "", {}, None, 0
-    while i < len(lines):
-        line = lines[i]
-        if match := _HEADING.match(line):
-            heading, counts = match.group(1), {}
-        elif match := _MARKER.match(line):
-            marker = match
-        elif line.startswith("```"):
-            language, start = line[3:].strip(), i + 1
-            end = next(j for j in range(start, len(lines)) if lines[j].startswith("```"))
-            counts[language] = counts.get(language, 0) + 1
-            skip = SKIPPED_SECTIONS.get(heading) or (marker.group("reason") if marker else None)
-            blocks.append(
-                Block(
-                    name=f"{heading} #{counts[language]}",
-                    language=language,
-                    text="\n".join(lines[start:end]),
-                    line=start,
-                    skip=skip,
-                    quoted_from=marker.group("source") if marker else None,
-                )
-            )
-            marker, i = None, end
-        elif line.strip():
-            marker = None  # a marker belongs to the block right after it
-        i += 1
-    return blocks
-
-
-def shell_blocks() -> list[Block]:
-    return [b for b in readme_blocks() if b.language in ("bash", "sh", "shell")]
-
 
 @pytest.fixture
 def clone(tmp_path: Path) -> Path:
@@ -151,10 +101,10 @@ def run_blocks(blocks: list[Block], folder: Path, verbose: bool = False) -> list
                 timeout=BLOCK_TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:
-            pytest.fail(f"README block '{block.name}' (README.md line {block.line}) ran past {BLOCK_TIMEOUT_S} s")
+            pytest.fail(f"block '{block.name}' ({block.where}) ran past {BLOCK_TIMEOUT_S} s")
         if result.returncode != 0:
             pytest.fail(
-                f"README block '{block.name}' (README.md line {block.line}) failed with exit code "
+                f"block '{block.name}' ({block.where}) failed with exit code "
                 f"{result.returncode}:\n{script}\n--- output (tail) ---\n"
                 f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
             )
@@ -164,28 +114,32 @@ def run_blocks(blocks: list[Block], folder: Path, verbose: bool = False) -> list
     return timings
 
 
+def runnable(block: Block) -> bool:
+    return not block.skip and not block.name.startswith(SKIPPED_README_SECTIONS)
+
+
 def test_block_names_and_markers_are_well_formed():
     """The sample and the per-block settings name real blocks; only marked blocks and Quick start are skipped;
     every python block is quoted from a file that exists."""
-    blocks = readme_blocks()
     names = {b.name for b in shell_blocks()}
     assert set(SAMPLE) <= names and set(BLOCK_ARGS) <= names and set(BLOCK_TEXT) <= names
-    skipped = {b.name for b in shell_blocks() if b.skip}
+    skipped = {b.name for b in shell_blocks() if not runnable(b)}
     assert skipped == {
-        "Quick start #1", "Quick start #2", "Elastic training #1", "Elastic training #2", "Two nodes by hand #1",
-        "Slurm #1",
+        "Quick start #1", "Quick start #2", "docs/fault-tolerance.md: Elastic training #1",
+        "docs/fault-tolerance.md: Elastic training #2", "docs/multinode.md: Two nodes by hand #1",
+        "docs/multinode.md: Slurm #1", "docs/testing.md: Testing #1",
     }, "a block is skipped that should run (or a new skip marker: add it here with its reason)"
-    for block in blocks:
+    for block in all_blocks():
         if block.language == "python":
             assert block.quoted_from, f"python block '{block.name}' must be quoted from a runnable example"
 
 
-@pytest.mark.parametrize("block", [b for b in readme_blocks() if b.quoted_from], ids=lambda b: b.name)
+@pytest.mark.parametrize("block", [b for b in all_blocks() if b.quoted_from], ids=lambda b: b.name)
 def test_quoted_python_is_the_example_file(block):
-    """Each line of the quoted block is a line of the example, so the README shows code that runs."""
+    """Each line of the quoted block is a line of the example, so the document shows code that runs."""
     source = {line.strip() for line in (REPO / block.quoted_from).read_text(encoding="utf-8").splitlines()}
     missing = [line for line in block.text.splitlines() if line.strip() and line.strip() not in source]
-    assert not missing, f"README block '{block.name}' has lines not in {block.quoted_from}: {missing}"
+    assert not missing, f"block '{block.name}' ({block.where}) has lines not in {block.quoted_from}: {missing}"
 
 
 @pytest.mark.slow
@@ -198,6 +152,6 @@ def test_readme_sample_runs(clone):
 @pytest.mark.readme
 @pytest.mark.timeout(3600)
 def test_every_readme_block_runs_in_order(clone):
-    """About 9 minutes on an idle 2-core machine: deselected unless `-m readme` (tests/conftest.py)."""
-    timings = run_blocks([b for b in shell_blocks() if not b.skip], clone)
+    """Every block of README.md and docs/ but the skipped ones: deselected unless `-m readme` (tests/conftest.py)."""
+    timings = run_blocks([b for b in shell_blocks() if runnable(b)], clone)
     print("\n".join(f"{seconds:7.1f} s  {name}" for name, seconds in timings))

@@ -26,7 +26,7 @@ def succeed(args: list[str], nproc: int, folder) -> str:
 
 
 def test_resume_under_tp_keeps_the_derived_global_batch(tmp_path):
-    """The README's example: trained on 2 processes as dp2 with global_batch_size = -1 (2 x 4 = 8 sequences),
+    """docs/checkpoints.md's example: trained on 2 processes as dp2 with global_batch_size = -1 (2 x 4 = 8 sequences),
     resumed under tp2 (dp1, where -1 alone would mean 4): the checkpoint's global batch is used, with 2
     accumulation steps, so the resumed losses are the uninterrupted ones."""
     args = [*TINY, *CKPT, "--training.steps", "6", "--training.global_batch_size", "-1"]

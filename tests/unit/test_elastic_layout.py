@@ -62,8 +62,8 @@ def test_a_changed_layout_is_one_line_with_both_layouts_the_reason_and_the_step(
 
 
 def test_a_restartable_multi_node_job_on_the_shared_store_is_warned_at_start(monkeypatch, caplog):
-    """Its restart would stop with an error and a joining node would make the agents fail (README "Elastic
-    training"): rank 0 says so before it happens."""
+    """Its restart would stop with an error and a joining node would make the agents fail (docs/fault-tolerance.md,
+    "Elastic training"): rank 0 says so before it happens."""
     timeout = timedelta(seconds=5)
     for name, value in (
         ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("TORCHELASTIC_RESTART_COUNT", "0"), ("GROUP_WORLD_SIZE", "2"),
@@ -95,8 +95,9 @@ time.sleep(60)
 
 
 def test_a_torchrun_worker_dies_with_its_agent():
-    """What makes a killed agent a lost node instead of a node whose orphaned workers train on unseen (README
-    "Elastic training", the exit barrier); end to end in test_shrink_under_tp2_continues_at_dp1_x_tp2_when_a_node_...
+    """What makes a killed agent a lost node instead of a node whose orphaned workers train on unseen
+    (docs/fault-tolerance.md, "Elastic training", the exit barrier); end to end in
+    test_shrink_under_tp2_continues_at_dp1_x_tp2_when_a_node_...
     """
     agent = subprocess.Popen([sys.executable, "-c", AGENT, WORKER], cwd=REPO, stdout=subprocess.PIPE, text=True)
     worker = 0

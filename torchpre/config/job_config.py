@@ -14,6 +14,8 @@ def _option(default, doc: str):
 
 @dataclass
 class Job:
+    """Where the run writes, what it imports first, and the full-world-size dry run."""
+
     config_file: str = _option("", "TOML file with the job's options; command-line flags override it")
     dump_folder: str = _option("./outputs", "folder for metrics.jsonl, config.toml and checkpoints")
     description: str = _option("", "free text describing the job, saved with its config")
@@ -41,6 +43,8 @@ class Job:
 
 @dataclass
 class Model:
+    """The model family and size, its tokenizer and vocabulary."""
+
     name: str = _option("llama3", "model family from the model registry")
     flavor: str = _option("debugmodel", "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B)")
     tokenizer_path: str = _option(
@@ -60,6 +64,8 @@ class Model:
 
 @dataclass
 class Training:
+    """Data, batch sizes, sequence length, steps, precision and the step's health checks."""
+
     dataset: Literal["stdlib", "text", "shards", "synthetic"] = _option(
         "stdlib",
         "'stdlib': docstrings and comments of Python's standard library; 'text': training.dataset_path; "
@@ -128,6 +134,8 @@ class Training:
 
 @dataclass
 class Optimizer:
+    """The optimizer by name, its hyperparameters, the ZeRO stage and gradient reduction."""
+
     name: str = _option(
         "AdamW",
         "a torch.optim class from torchpre.optim.registry: AdamW, Adam, SGD, Adagrad, RMSprop; a key below that "
@@ -169,6 +177,8 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
+    """The warmup-stable-decay learning-rate schedule."""
+
     warmup_steps: int = _option(10, "steps of linear warmup from lr/(warmup_steps+1) to lr")
     decay_ratio: float = _option(
         1.0,
@@ -181,6 +191,9 @@ class LRScheduler:
 
 @dataclass
 class Parallelism:
+    """The degrees of data, tensor, pipeline, context and expert parallelism on one DeviceMesh, and the pipeline
+    schedule."""
+
     data_parallel_degree: int = _option(-1, "data-parallel replicas; -1 = world_size / (tp x pp x cp)")
     data_parallel_replicate_degree: int = _option(
         1,
@@ -225,6 +238,8 @@ class Parallelism:
 
 @dataclass
 class ActivationCheckpoint:
+    """Which activations are recomputed in backward instead of kept."""
+
     mode: Literal["none", "full", "selective"] = _option(
         "none", "recompute activations in backward: 'full' every block, 'selective' by selective_ac_option"
     )
@@ -235,11 +250,15 @@ class ActivationCheckpoint:
 
 @dataclass
 class Compile:
+    """torch.compile of each block."""
+
     enable: bool = _option(False, "torch.compile each transformer block (fullgraph) and the loss")
 
 
 @dataclass
 class Checkpoint:
+    """Saving, resuming, retention, integrity and storage behaviour of DCP checkpoints."""
+
     enable: bool = _option(False, "save checkpoints and resume from the latest one in the folder")
     folder: str = _option("checkpoint", "checkpoint folder, under job.dump_folder unless absolute")
     interval: int = _option(500, "save every this many steps (and at the last step)")
@@ -282,6 +301,8 @@ class Checkpoint:
 
 @dataclass
 class Comm:
+    """Collective timeouts and the NCCL flight recorder."""
+
     init_timeout_seconds: float = _option(
         900.0,
         "during start-up (rendezvous, model build, checkpoint load, the first step and its compilation), a rank "
@@ -301,6 +322,8 @@ class Comm:
 
 @dataclass
 class Metrics:
+    """What each logged step records and where it goes (metrics.jsonl, W&B, TensorBoard)."""
+
     log_freq: int = _option(10, "log metrics every this many steps (and at the last step)")
     peak_flops: float = _option(
         0.0, "peak FLOP/s of one device for MFU; 0 = known GPU table, or a matmul benchmark on CPU"
@@ -329,6 +352,8 @@ class Metrics:
 
 @dataclass
 class Profiling:
+    """torch.profiler traces of chosen steps."""
+
     enable_profiling: bool = _option(
         False, "write a torch.profiler trace (and on CUDA a memory snapshot) every profile_freq steps"
     )
@@ -341,6 +366,8 @@ class Profiling:
 
 @dataclass
 class Validation:
+    """A validation loss measured during training."""
+
     enable: bool = _option(
         False, "evaluate the mean token loss on held-out data every validation.freq steps (and at the last step)"
     )
@@ -363,6 +390,8 @@ class Validation:
 
 @dataclass
 class JobConfig:
+    """Every option of a training job: one field per TOML section."""
+
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)

@@ -35,7 +35,7 @@ else:
 
 from torchpre.errors import ConfigError
 
-__all__ = ["CONFIG_FILE_KEY", "HelpRequested", "format_help", "parse_args", "to_dict", "to_toml"]
+__all__ = ["CONFIG_FILE_KEY", "HelpRequested", "format_help", "format_reference", "parse_args", "to_dict", "to_toml"]
 
 T = TypeVar("T")
 
@@ -125,6 +125,44 @@ def format_help(config_cls: type, prog: str) -> str:
             else:
                 lines.append(f"{usage.ljust(width)}  {option.help}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def format_reference(config_cls: type, skip: type | None = None) -> str:
+    """Every option of `config_cls` as Markdown tables, a section each (with the section class's docstring), with
+    the type, default and doc ``--help`` prints; options that `skip` also has are left out (a config that extends
+    another documents only its own)."""
+    skipped = set(_options(skip)) if skip else set()
+    sections: dict[str, list[_Option]] = {}
+    for option in _options(config_cls).values():
+        if option.key not in skipped:
+            sections.setdefault(option.key.rpartition(".")[0], []).append(option)
+    lines = []
+    for section, members in sections.items():
+        if section:
+            cls = _section_class(config_cls, section)
+            lines += [f"### [{section}]", "", *([cls.__doc__.strip(), ""] if _has_docstring(cls) else [])]
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for o in members:
+            cells = (f"`--{o.key}`", _cell(o.type_name), f"`{_cell(_show(o.default))}`", _cell(o.help))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _section_class(config_cls: type, section: str) -> type:
+    cls = config_cls
+    for name in section.split("."):
+        cls = get_type_hints(cls)[name]
+    return cls
+
+
+def _has_docstring(cls: type) -> bool:
+    """Whether `cls` has its own docstring (a dataclass without one gets its signature as __doc__)."""
+    return bool(cls.__doc__) and not cls.__doc__.startswith(f"{cls.__name__}(")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def to_toml(config: Any) -> str:

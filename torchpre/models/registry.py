@@ -4,7 +4,7 @@ A family is a `ModelSpec`; `register_model("mymodel", spec)` makes `model.name =
 `python -m torchpre.train`, checkpoint, generate and (with an `hf` adapter) convert like the built-in Llama 3.
 Register it in a module that `job.custom_import` names (every entry point imports it before checking the job),
 or in your own launcher that calls `register_model` and then
-`torchpre.runtime.cli.run_entry_point(torchpre.train.main, ...)` (see the README, "Bring your own model").
+`torchpre.runtime.cli.run_entry_point(torchpre.train.main, ...)` (docs/models.md, "Bring your own model").
 """
 
 from __future__ import annotations
