@@ -9,18 +9,19 @@ import pytest
 import torch
 
 from tests.launch import spawn
-from torchpre.models.attention import causal_attention, document_causal_attention, document_mask, masked_sdpa
+from torchpre.models.attention import causal_attention, document_causal_attention, document_mask, masked_attention
 from torchpre.parallel.context_parallel import ContextParallel
 
 pytestmark = pytest.mark.slow
 
 BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 2, 32, 4, 2, 8
 BOS = 7
-# fp32 on CPU: the gathered attention computes each output row from the same keys as one process, through a masked
-# kernel instead of the causal one (another summation order): outputs and dq within 2.4e-7 (measured). The gradients
-# of k and v are sums over every query, which the cp ranks add as partial sums in another order: measured up to
-# 1.4e-6 on dv entries of magnitude up to 4.7 (fp32 spacing at 4 is 4.8e-7). So 1e-6 relative to the largest
-# entry of each tensor (at least 1). A wrong position or mask offset moves rows by O(0.1).
+# fp32 on CPU: the gathered attention computes each output row from the same keys as one process, through the
+# blockwise masked kernel instead of the causal one (another summation order): outputs within 4.8e-7, dq within
+# 1.2e-6 on entries up to 2.4 (measured). The gradients of k and v are sums over every query, which the cp ranks add
+# as partial sums in another order: measured up to 1.4e-6 on dv entries of magnitude up to 4.7 (fp32 spacing at 4 is
+# 4.8e-7). So 1e-6 relative to the largest entry of each tensor (at least 1). A wrong position or mask offset moves
+# rows by O(0.1).
 RTOL_OF_MAX = 1e-6
 
 
@@ -52,7 +53,7 @@ def reference(documents: bool) -> tuple[torch.Tensor, ...]:
 
 def _check(documents: bool, mesh) -> None:
     out_ref, dq_ref, dk_ref, dv_ref, weights = reference(documents)
-    cp = ContextParallel(mesh, SEQ, torch.device("cpu"), masked_sdpa, document_bos=BOS if documents else None)
+    cp = ContextParallel(mesh, SEQ, torch.device("cpu"), masked_attention, document_bos=BOS if documents else None)
     q, k, v, tokens = inputs()
     local = [t.index_select(1, cp.positions).clone().requires_grad_() for t in (q, k, v)]
     assert cp.forward_kwargs(tokens.index_select(1, cp.positions)) == {}

@@ -15,6 +15,8 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from torchpre.models.blockwise_attention import blockwise_masked_attention
+
 try:  # the `gpu` extra
     from flash_attn import flash_attn_func
 except ImportError:
@@ -64,9 +66,14 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) 
     return out.transpose(1, 2)
 
 
-def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """SDPA with an explicit boolean mask (True: attend), as context parallelism's gathered attention calls it."""
-    return sdpa(q, k, v, mask=mask, is_causal=False)
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention with an explicit boolean mask (True: attend), as context parallelism's gathered attention calls it.
+    On CUDA SDPA's fused kernels (memory-efficient, cuDNN) take the mask without holding the scores; elsewhere
+    SDPA's masked kernel would keep every head's [queries, keys] probabilities for backward, so the attention runs
+    a block of queries at a time (`blockwise_masked_attention`)."""
+    if q.device.type == "cuda":
+        return sdpa(q, k, v, mask=mask, is_causal=False)
+    return blockwise_masked_attention(q, k, v, mask)
 
 
 # A document mask as the kernel of its device wants it: `document_mask` builds it once per forward,

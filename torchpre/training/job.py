@@ -33,7 +33,7 @@ from torchpre.distributed.utils import apply_comm_timeout, configure_flight_reco
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
-from torchpre.models.attention import masked_sdpa
+from torchpre.models.attention import masked_attention
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.optim.build import build_optimizer_from_config
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
@@ -188,7 +188,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     context_parallel = None
     if meshes.context_mesh is not None:
         bos = pre.tokenizer.bos_id if t.document_mask else None
-        context_parallel = ContextParallel(meshes.context_mesh["cp"], t.seq_len, device, masked_sdpa, bos)
+        context_parallel = ContextParallel(meshes.context_mesh["cp"], t.seq_len, device, masked_attention, bos)
     forward_inputs = (
         context_parallel.forward_kwargs if context_parallel else ForwardInputs(t.document_mask, pre.tokenizer.bos_id)
     )
