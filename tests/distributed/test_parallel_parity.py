@@ -66,6 +66,10 @@ LAYOUTS = {
     "cp2_dp2_zero3": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "3"]),
     "cp2_tp2_sp_lp": (4, [*CP2, *TP2, *SP, *LP]),
     "cp2_pp2_1f1b": (4, [*CP2, *pp("1F1B")]),
+    "cp2_pp2_zbv": (4, [*CP2, *pp("ZBVZeroBubble")]),
+    "cp2_selective_ac": (2, [*CP2, "--activation_checkpoint.mode", "selective"]),
+    "cp2_hsdp": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "3",
+                     "--parallelism.data_parallel_replicate_degree", "2"]),
 }
 
 
