@@ -52,6 +52,8 @@ READ_LATE_STOP_TEST = (
     "tests/integration/test_observability.py::"
     "test_non_finite_step_stops_every_rank_after_saving_the_last_good_state[read-during-the-next]"
 )
+CP_ATTENTION = "tests/distributed/test_context_parallel_attention.py"
+CP_MODEL = "tests/distributed/test_context_parallel_model.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
@@ -219,6 +221,17 @@ BREAKS = [
           "    for name, buffer in [(n, b) for n, b in module.named_buffers() if not n.endswith(\"embed_scale\")]:",
           ("tests/unit/test_hf_model.py::test_hf_causal_lm_computes_what_transformers_computes",),
           "Gemma's embedding scale (a buffer) keeps what to_empty left in it"),
+    Break("cp-causal-mask-of-local-positions", "torchpre/parallel/context_parallel.py",
+          "        self._causal = self.positions[:, None] >= self.key_positions[None, :]",
+          "        self._causal = torch.ones(len(self.positions), len(self.key_positions)).tril().bool()",
+          (CP_ATTENTION,), "context parallelism masks by local indices, without the shard's global offsets"),
+    Break("cp-rope-at-local-positions", "torchpre/models/llama3/parallelize.py",
+          "    return (x, cp.rope_rows(rope_cache), *rest)", "    return (x, rope_cache, *rest)",
+          (CP_MODEL,), "under context parallelism RoPE rotates a shard as if it began at position 0"),
+    Break("cp-moe-aux-loss-of-a-shard", "torchpre/models/moe/parallelize.py",
+          "            module.sequence_sum = cp.sequence_sum", "            pass",
+          ("tests/integration/test_moe.py::test_layout_matches_one_process[cp2xep2]",),
+          "under context parallelism each rank's MoE load-balancing loss sees only its part of each sequence"),
     Break("docs-flag-misspelt", "docs/multinode.md",
           "    train.py --job.config_file train_configs/debug_model.toml --model.flavor 8B\n",
           "    train.py --job.config_file train_configs/debug_model.toml --model.flavour 8B\n",

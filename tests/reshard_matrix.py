@@ -42,6 +42,7 @@ ZERO1 = ("--optimizer.zero_stage", "1")
 ZERO2 = ("--optimizer.zero_stage", "2")
 ZERO3 = ("--optimizer.zero_stage", "3")
 EP2 = ("--parallelism.expert_parallel_degree", "2")
+CP2 = ("--parallelism.context_parallel_degree", "2")
 
 
 def _pp2(schedule: str) -> tuple[str, ...]:
@@ -54,6 +55,7 @@ class Layout:
     args: tuple[str, ...] = ()
     experts: bool = False  # expert parallelism: Mixture-of-Experts models only
     dense: bool = False  # ZeRO-3 (FSDP) of a dense model; ep2-zero3 is the Mixture-of-Experts one
+    context: bool = False  # context parallelism: the models with a context-parallel attention (not GPT-2's)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -80,6 +82,8 @@ LAYOUTS: dict[str, Layout] = {
     "ep2": Layout(2, EP2, experts=True),
     "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
     "ep2-zero3": Layout(2, (*EP2, *ZERO3), experts=True),
+    "cp2": Layout(2, CP2, context=True),
+    "cp2xtp2": Layout(4, (*CP2, *TP2, *SP), context=True),
 }
 WRAPPERS = (("none", False), ("full", False), ("none", True), ("full", True))  # (AC mode, compile)
 
@@ -156,6 +160,8 @@ class Case:
 
 
 def supports(model: str, layout: str) -> bool:
+    if LAYOUTS[layout].context and model == "gpt2":
+        return False
     if model == "moe":
         return not LAYOUTS[layout].dense
     return not LAYOUTS[layout].experts

@@ -276,10 +276,14 @@ def main(argv: list[str]) -> None:
 
 def decoding_config(config: GenerateConfig) -> GenerateConfig:
     """The job's config with the options that only training uses off: decoding feeds one token at a time
-    (nothing to shard over the sequence, no loss) under no_grad (nothing to recompute), in eager mode."""
+    (nothing to shard over the sequence, no loss; a context-parallel job's cp ranks decode as replicas) under
+    no_grad (nothing to recompute), in eager mode."""
+    p = config.parallelism
     return dataclasses.replace(
         config,
-        parallelism=dataclasses.replace(config.parallelism, enable_sequence_parallel=False, enable_loss_parallel=False),
+        parallelism=dataclasses.replace(
+            p, enable_sequence_parallel=False, enable_loss_parallel=False, context_parallel_degree=1
+        ),
         activation_checkpoint=dataclasses.replace(config.activation_checkpoint, mode="none"),
         compile=dataclasses.replace(config.compile, enable=False),
     )

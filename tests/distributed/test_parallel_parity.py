@@ -17,6 +17,10 @@ pytestmark = pytest.mark.slow
 # counted twice) moves the loss by far more than 1e-3 within a step or two.
 LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
+# Context-parallel layouts (names starting "cp") are held to 1e-5: the gathered attention reorders only the sums of
+# the key/value gradients over the cp ranks (measured: losses within 1.9e-6 of one process over 10 steps, for
+# every cp row below).
+CP_LOSS_ATOL = 1e-5
 
 DEBUG = [*DEBUG_MODEL, "--training.local_batch_size", "8", "--training.steps", "10"]
 
@@ -33,6 +37,7 @@ def pp(schedule: str, *extra: str) -> list[str]:
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 SP = ["--parallelism.enable_sequence_parallel"]
 LP = ["--parallelism.enable_loss_parallel"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 
 LAYOUTS = {
     "tp2": (2, TP2),
@@ -54,12 +59,23 @@ LAYOUTS = {
     "dp2_pp2": (4, [*per_rank_batch(2), *pp("1F1B")]),
     "tp2_pp2": (4, [*TP2, *SP, *pp("Interleaved1F1B", "--parallelism.pipeline_parallel_virtual_stages", "2")]),
     "dp2_tp2_pp2": (8, [*per_rank_batch(2), *TP2, *SP, *LP, *pp("1F1B")]),
+    "cp2": (2, CP2),
+    "cp2_full_ac": (2, [*CP2, "--activation_checkpoint.mode", "full"]),
+    "cp2_compile": (2, [*CP2, "--compile.enable"]),
+    "cp2_dp2_zero1": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "1"]),
+    "cp2_dp2_zero3": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "3"]),
+    "cp2_tp2_sp_lp": (4, [*CP2, *TP2, *SP, *LP]),
+    "cp2_pp2_1f1b": (4, [*CP2, *pp("1F1B")]),
+    "cp2_pp2_zbv": (4, [*CP2, *pp("ZBVZeroBubble")]),
+    "cp2_selective_ac": (2, [*CP2, "--activation_checkpoint.mode", "selective"]),
+    "cp2_hsdp": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "3",
+                     "--parallelism.data_parallel_replicate_degree", "2"]),
 }
 
 
-def assert_same_curve(records: list[dict], reference: list[dict]) -> None:
+def assert_same_curve(records: list[dict], reference: list[dict], loss_atol: float = LOSS_ATOL) -> None:
     assert [r["step"] for r in records] == [r["step"] for r in reference]
-    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=LOSS_ATOL)
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=loss_atol)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=GRAD_NORM_RTOL)
 
 
@@ -72,7 +88,7 @@ def reference(tmp_path_factory) -> list[dict]:
 def test_layout_matches_one_process(layout, reference, tmp_path):
     nproc, args = LAYOUTS[layout]
     records = train_and_read_metrics([*DEBUG, *args], nproc, tmp_path)
-    assert_same_curve(records, reference)
+    assert_same_curve(records, reference, CP_LOSS_ATOL if layout.startswith("cp") else LOSS_ATOL)
 
 
 def test_pp2_with_tied_embeddings_matches_one_process(tmp_path):

@@ -159,6 +159,9 @@ HF_REFUSED = ("mamba", "deepseek_v3", "bloom", "gemma2")
 TP2, PP2 = ["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]
 
 
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+
+
 def case(case_id: str, argv: list[str], fragments: list[str], entry: str = "train.py", ranks: int = 1):
     """One bad input: `argv` for `entry` ({d} is the files folder), launched as `ranks` processes, and the
     fragments that every rank's one-line message must contain."""
@@ -352,6 +355,31 @@ CATALOGUE = [
         ranks=2,
     ),
     case("global-batch-dp2", ["--training.global_batch_size", "12"], ["global_batch_size = 12", "4 x 2 = 8"], ranks=2),
+    case(
+        "cp-seq-len-not-divisible",
+        [*CP2, "--training.seq_len", "30"],
+        ["context_parallel_degree = 2", "training.seq_len = 30", "2 x 2 = 4", "multiple of 4"],
+        ranks=2,
+    ),
+    case(
+        "cp-does-not-divide-the-world",
+        CP2,
+        ["world size 3", "context_parallel_degree = 1 x 1 x 2", "multiple of 2"],
+        ranks=3,
+    ),
+    case(
+        "cp-sequence-parallel-seq-len",
+        [*CP2, "--model.flavor", "debugmodel", "--parallelism.tensor_parallel_degree", "4"]
+        + ["--parallelism.enable_sequence_parallel", "--training.seq_len", "36"],
+        ["context_parallel_degree = 2", "18 positions", "tensor_parallel_degree = 4", "multiple of 8"],
+        ranks=8,
+    ),
+    case(
+        "cp-model-family-without-cp-attention",
+        [*HF, HF_LLAMA, *CP2],
+        ["context_parallel_degree = 2", "model.name = 'hf' has no context-parallel attention", "llama3, moe"],
+        ranks=2,
+    ),
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

@@ -15,6 +15,7 @@ LAYOUTS = {
     "dp2": ["--training.local_batch_size", "2", "--validation.local_batch_size", "2"],
     "tp2_loss_parallel": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel"],
     "pp2_1f1b": PP2,
+    "cp2": ["--parallelism.context_parallel_degree", "2"],  # each rank evaluates half of every sequence
 }
 # fp32 on CPU: layouts differ only in reduction order (sharded matmuls, sums over ranks and pipeline
 # microbatches), ~1e-7 relative; the training steps before an evaluation amplify it mildly. A wrong

@@ -76,3 +76,27 @@ def test_expert_mesh_views_carve_ep_from_the_shard_dim(fake_world_16):
 def test_global_batch_that_does_not_divide():
     with pytest.raises(ConfigError, match=r"global_batch_size = 20 is not divisible .* 4 x 2 = 8"):
         resolve_batch_sizes(4, 20, 2)
+
+
+def test_context_parallel_ranks_reduce_and_shard_with_data_parallel(fake_world_16):
+    """pp2 x dp2 x cp2 x tp2 at rank 13 = (pp 1, dp 1, cp 0, tp 1): the gradient views' dp spans dp x cp = 4 ranks
+    (cp innermost, so this rank is dp coordinate 1 x 2 + 0 = 2 there), ZeRO-3 shards over dp_shard x cp, and the
+    context mesh tells the data coordinate (dp 1: the sequences it reads) from the cp coordinate (its part of them)."""
+    dims = ParallelDims.from_degrees(-1, 2, 2, 16, cp=2)
+    assert (dims.dp, dims.cp) == (2, 2)
+    meshes = dims.build_meshes("cpu", fsdp=True)
+    assert meshes.mesh.shape == (2, 4, 2) and meshes.mesh["dp"].get_local_rank() == 2
+    assert meshes.dense_mesh["dp_shard"].size() == 4
+    context = meshes.context_mesh
+    assert context.mesh_dim_names == ("pp", "dp", "cp", "tp") and context.shape == (2, 2, 2, 2)
+    assert context["cp"].get_local_rank() == 0 and meshes.data_rank() == (1, 2)
+    assert ParallelDims.from_degrees(-1, 2, 2, 16).build_meshes("cpu").context_mesh is None
+
+
+def test_context_parallel_degree_must_divide_the_world():
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by .*context_parallel_degree = 1 x 1 x 4"):
+        ParallelDims.from_degrees(-1, 1, 1, 6, cp=4)
+    with pytest.raises(ConfigError, match=r"context_parallel_degree = 0"):
+        ParallelDims.from_degrees(-1, 1, 1, 2, cp=0)
+    with pytest.raises(ConfigError, match=r"dp x tp x pp x cp = 2 x 1 x 1 x cp 2 = 4 does not match the 2"):
+        ParallelDims.from_degrees(2, 1, 1, 2, cp=2)

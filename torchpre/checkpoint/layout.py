@@ -12,7 +12,9 @@ from pathlib import Path
 # The layout of the job that saved a checkpoint (entries of its "train" state): how many ranks, the degrees and the
 # microbatches per optimizer step. They describe the run, not its state: a resume under another layout compares
 # them, it loads nothing into them.
-LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "accumulation_steps")
+LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps")
+# What the saving job trained on, beside its layout: a resume that changes it starts a new stage of the run.
+STAGE_KEYS = ("seq_len",)
 
 
 def describe_layout(layout: dict[str, int]) -> str:
@@ -22,8 +24,9 @@ def describe_layout(layout: dict[str, int]) -> str:
     if "dp" not in layout:
         return f"{ranks} (degrees not recorded)"
     microbatches = layout["accumulation_steps"]
+    cp = f" x cp {layout['cp']}" if layout.get("cp", 1) > 1 else ""
     return (
-        f"{ranks} as dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']} (ep {layout['ep']}), "
+        f"{ranks} as dp {layout['dp']} x tp {layout['tp']} x pp {layout['pp']}{cp} (ep {layout['ep']}), "
         f"{microbatches} microbatch{'es' if microbatches != 1 else ''} per step"
     )
 
@@ -38,7 +41,7 @@ def layout_change(
         return None
     if saved["world_size"] != current["world_size"]:
         why = f"the world size changed from {saved['world_size']} to {current['world_size']}{_torchrun_round()}"
-    elif any(saved[key] != current[key] for key in ("dp", "tp", "pp", "ep") if key in saved):
+    elif any(saved[key] != current[key] for key in ("dp", "tp", "pp", "ep", "cp") if key in saved):
         why = "the parallelism.* degrees changed on the same world size"
     else:
         why = "training.local_batch_size or training.global_batch_size changed the microbatches per step"
@@ -57,3 +60,23 @@ def _torchrun_round() -> str:
     restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     plural = "s" if nodes != "1" else ""
     return f" (torchrun's rendezvous round: {nodes} node{plural}, restart count {restarts}; a node left or joined)"
+
+
+def stage_change(saved_seq_len: int | None, seq_len: int, global_batch_size: int, step: int) -> str | None:
+    """The line to log when a resume at train step `step` changes training.seq_len from the checkpoint's
+    `saved_seq_len` (None: not recorded): a context-extension stage, and what it keeps; else None."""
+    if saved_seq_len is None or saved_seq_len == seq_len:
+        return None
+    kind = "context extension" if seq_len > saved_seq_len else "shorter sequences"
+    kept_tokens = global_batch_size * saved_seq_len
+    same_tokens = (
+        f"set training.global_batch_size = {kept_tokens // seq_len} to keep {kept_tokens} tokens per step"
+        if kept_tokens % seq_len == 0
+        else f"a global batch of {kept_tokens} tokens is no whole number of {seq_len}-token sequences"
+    )
+    return (
+        f"stage change at step {step}: training.seq_len {saved_seq_len} -> {seq_len} ({kind}). RoPE is computed for "
+        f"{seq_len} positions; the data position is kept in sequences (the next ones are {seq_len + 1}-token "
+        f"windows of the same data, in their own seeded order); the global batch is {global_batch_size} sequences "
+        f"= {global_batch_size * seq_len} tokens per step ({same_tokens})."
+    )

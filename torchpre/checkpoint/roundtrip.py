@@ -11,8 +11,8 @@ Canonical form, so that any two layouts compare:
   parameter, the parameter itself when it is fp32;
 - a parameter saved and loaded in different dtypes is compared in the lower precision of the two (the
   fp32 values are compared in full through the masters);
-- `train.world_size`, `train.dp` ... (the saving layout) describe the layout, not the state, and are left
-  out; `rng.rank<r>` keys are compared for the ranks both sides have.
+- `train.world_size`, `train.dp` ... (the saving layout) and `train.seq_len` describe the run, not the state,
+  and are left out; `rng.rank<r>` keys are compared for the ranks both sides have.
 A key held by several ranks (DP replicas, the two pipeline copies of a tied weight) must agree bitwise
 across them too.
 """
@@ -29,10 +29,11 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from torchpre.checkpoint.layout import LAYOUT_KEYS as TRAIN_LAYOUT_KEYS
+from torchpre.checkpoint.layout import STAGE_KEYS
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.state import flatten
 
-LAYOUT_KEYS = tuple(f"train.{key}" for key in TRAIN_LAYOUT_KEYS)
+LAYOUT_KEYS = tuple(f"train.{key}" for key in (*TRAIN_LAYOUT_KEYS, *STAGE_KEYS))
 PER_RANK_PREFIX = "rng."
 
 

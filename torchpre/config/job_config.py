@@ -191,9 +191,10 @@ class LRScheduler:
 
 @dataclass
 class Parallelism:
-    """The degrees of data, tensor, pipeline and expert parallelism on one DeviceMesh, and the pipeline schedule."""
+    """The degrees of data, tensor, pipeline, context and expert parallelism on one DeviceMesh, and the pipeline
+    schedule."""
 
-    data_parallel_degree: int = _option(-1, "data-parallel replicas; -1 = world_size / (tp x pp)")
+    data_parallel_degree: int = _option(-1, "data-parallel replicas; -1 = world_size / (tp x pp x cp)")
     data_parallel_replicate_degree: int = _option(
         1,
         "HSDP (optimizer.zero_stage = 3): groups that each hold one sharded copy of the model; gradients are "
@@ -216,6 +217,11 @@ class Parallelism:
     )
     expert_parallel_degree: int = _option(
         1, "MoE models: data-parallel ranks that split the experts among them and exchange tokens (divides dp)"
+    )
+    context_parallel_degree: int = _option(
+        1,
+        "context-parallel degree: ranks that split each sequence (head-tail load balanced) and gather keys and "
+        "values in attention; they reduce gradients and shard ZeRO state like data-parallel ranks",
     )
     pipeline_parallel_degree: int = _option(1, "pipeline-parallel degree (ranks that hold consecutive stages)")
     pipeline_parallel_schedule: Literal[SCHEDULE_NAMES] = _option("1F1B", f"pipeline schedule ({aliases_text()})")

@@ -154,6 +154,8 @@ class CommTimer:
 
         @functools.wraps(collective)
         def timed(*args, **kwargs):
+            if torch.compiler.is_compiling():  # being traced into a compiled graph: a node there, not a call
+                return collective(*args, **kwargs)
             kind = self._kind(signature.bind(*args, **kwargs).arguments.get("group"), name)
             with self._span(kind):
                 result = collective(*args, **kwargs)
@@ -167,6 +169,8 @@ class CommTimer:
     def _wrap_wait_tensor(self, wait_tensor: Callable) -> Callable:
         @functools.wraps(wait_tensor)
         def timed(tensor: torch.Tensor) -> torch.Tensor:
+            if torch.compiler.is_compiling():
+                return wait_tensor(tensor)
             with self._span(self._pending.pop(id(tensor), OTHER)):
                 return wait_tensor(tensor)
 

@@ -6,6 +6,7 @@ All take and return [batch, seq, heads, head_dim] tensors and handle grouped-que
 """
 
 import contextlib
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from torchpre.models.blockwise_attention import blockwise_masked_attention
 
 try:  # the `gpu` extra
     from flash_attn import flash_attn_func
@@ -63,9 +66,20 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) 
     return out.transpose(1, 2)
 
 
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention with an explicit boolean mask (True: attend), as context parallelism's gathered attention calls it.
+    On CUDA SDPA's fused kernels (memory-efficient, cuDNN) take the mask without holding the scores; elsewhere
+    SDPA's masked kernel would keep every head's [queries, keys] probabilities for backward, so the attention runs
+    a block of queries at a time (`blockwise_masked_attention`)."""
+    if q.device.type == "cuda":
+        return sdpa(q, k, v, mask=mask, is_causal=False)
+    return blockwise_masked_attention(q, k, v, mask)
+
+
 # A document mask as the kernel of its device wants it: `document_mask` builds it once per forward,
-# every layer reuses it.
-DocumentMask = Tensor | BlockMask
+# every layer reuses it. Or the attention itself, (q, k, v) -> output, when an outside hook owns the mask
+# (context parallelism: `torchpre.parallel.context_parallel.ContextParallel.attend`).
+DocumentMask = Tensor | BlockMask | Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def flex_max_autotune(device: torch.device) -> bool:
@@ -120,7 +134,10 @@ def _document_block_mask(document_ids: Tensor) -> BlockMask:
 
 
 def document_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
-    """Causal attention that does not cross document boundaries, with a mask from `document_mask`."""
+    """Causal attention that does not cross document boundaries, with a mask from `document_mask` (or an
+    attention function that holds its own mask)."""
+    if callable(mask) and not isinstance(mask, (Tensor, BlockMask)):
+        return mask(q, k, v)
     if isinstance(mask, BlockMask):
         out = _compiled_flex_attention[flex_max_autotune(q.device)](
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.parallel.api import pipeline_stages
+from torchpre.parallel.context_parallel import ContextParallel
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class ModelSpec:
       loss_parallel)` that shards a model or stage; `validate_tensor_parallel(args, tp)` rejects shapes
       that do not shard, before any work.
     - `expert_parallel(module, ep_mesh)` shards the experts; `validate_expert_parallel(args, ep)`.
+    - `context_parallel(module, cp)` makes a model's or stage's attention attend over the whole sequence while
+      it holds cp's positions (`torchpre.parallel.context_parallel.ContextParallel`: its RoPE rows and `attend`).
     - `stage_modules(args, num_stages, split_points)` names the modules of each pipeline stage; default:
       read off the model's children around `blocks` (`torchpre.parallel.api.pipeline_stages`).
     - `tied_weights(args)`: the two names of a weight shared by two modules (tied embeddings).
@@ -81,6 +84,7 @@ class ModelSpec:
     validate_tensor_parallel: Callable[[Any, int], None] = lambda args, tp: None
     expert_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
     validate_expert_parallel: Callable[[Any, int], None] = lambda args, ep: None
+    context_parallel: Callable[[nn.Module, ContextParallel], None] | None = None
     stage_modules: Callable[[Any, int, Sequence[str]], list[list[str]]] | None = None
     tied_weights: Callable[[Any], tuple[str, str] | None] = lambda args: None
     flops_per_token: Callable[[Any, int, int], int] = lambda args, num_params, seq_len: 6 * num_params

@@ -81,7 +81,10 @@ class ParallelPlan:
     per block (without it, the whole part at once), and pipeline stages split it. A plan that only shards
     over TP and DP needs none. `compile_fullgraph = False` is for blocks
     with data-dependent shapes (Mixture of Experts). `fsdp` shards the parameters over DP with FSDP2
-    (ZeRO-3, see `parallel.data_parallel`); `parallelize` then needs the DP mesh.
+    (ZeRO-3, see `parallel.data_parallel`); `parallelize` then needs the DP mesh. `context_parallel` makes a
+    part's attention context-parallel in place (a family's `ModelSpec.context_parallel` bound to this rank's
+    `parallel.context_parallel.ContextParallel`); it runs after the tensor-parallel plan and before activation
+    checkpointing, which then recomputes the key/value gather with the rest of a block.
     """
 
     tensor_parallel: TensorParallelPlan | None = None
@@ -94,6 +97,7 @@ class ParallelPlan:
     compile: bool = False
     compile_fullgraph: bool = True
     fsdp: FSDPPlan | None = None
+    context_parallel: Callable[[nn.Module], None] | None = None
 
 
 def pipeline_stages(
@@ -404,6 +408,8 @@ def parallelize(
             plan.expert_parallel(part, expert_mesh["ep"])
         if plan.tensor_parallel is not None and tp_mesh.size() > 1:
             apply_tensor_parallel_plan(part, tp_mesh, plan.tensor_parallel)
+        if plan.context_parallel is not None:
+            plan.context_parallel(part)
         if plan.activation_checkpoint != "none":
             blocks = block_container(part, plan.blocks, f"activation_checkpoint = '{plan.activation_checkpoint}'")
             apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)

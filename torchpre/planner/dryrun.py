@@ -225,7 +225,7 @@ def probe_parts(job: TrainingJob) -> list[PartProbe]:
     """Runs one microbatch of synthetic inputs with the job's shapes through each of this rank's parts on the
     meta device, as training runs it (loss parallel, the training loss on the last stage), and counts it.
 
-    The first stage takes token ids, a later one the residual stream [microbatch, seq (/ tp under sequence
+    The first stage takes token ids, a later one the residual stream [microbatch, seq (/ cp) (/ tp under sequence
     parallelism), dim] in the compute dtype that the stage before sends. ZeRO-3 parts are probed on a ZeRO-1
     build of the same rank (FSDP2 cannot run on meta tensors); `activation_bytes` adds the parameters FSDP
     gathers.
@@ -235,7 +235,7 @@ def probe_parts(job: TrainingJob) -> list[PartProbe]:
     config, dims = job.config, job.dims
     p = config.parallelism
     microbatch = p.pipeline_parallel_microbatch_size if job.pipeline else config.training.local_batch_size
-    seq = config.training.seq_len
+    seq = config.training.seq_len // dims.cp  # a cp rank holds its share of each sequence, gathers k and v
     tokens = torch.zeros(microbatch, seq, dtype=torch.long, device="meta")
     sequence_parallel = p.enable_sequence_parallel and dims.tp > 1
     hidden_shape = (microbatch, seq // dims.tp if sequence_parallel else seq, job.preflight.model_args.dim)

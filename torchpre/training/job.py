@@ -33,12 +33,14 @@ from torchpre.distributed.utils import apply_comm_timeout, configure_flight_reco
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
+from torchpre.models.attention import masked_attention
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.optim.build import build_optimizer_from_config
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import WarmupStableDecay, build_lr_scheduler_from_config
 from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.api import ParallelModel, parallelize
+from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
 from torchpre.parallel.pipeline import PipelinePlan
@@ -83,7 +85,7 @@ def preflight(
     dims = ParallelDims.from_degrees(
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
         ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
+        dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
     )  # fmt: skip
     # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
     resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
@@ -112,7 +114,7 @@ def preflight(
 class TrainingJob:
     """One rank's components of a training job (see the module docstring). `data` is None for a planner's fake
     ranks, `validator` without validation.enable, `checkpoint` without checkpoint.enable and
-    checkpoint.initial_load_path; `metrics.sink` writes on rank 0 only."""
+    checkpoint.initial_load_path, `context_parallel` without cp; `metrics.sink` writes on rank 0 only."""
 
     config: JobConfig
     runtime: Runtime
@@ -133,6 +135,7 @@ class TrainingJob:
     guard: StepGuard
     checkpoint: CheckpointManager | None
     metrics: TrainingMetrics
+    context_parallel: ContextParallel | None = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -182,14 +185,21 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     # Under loss parallel the logits are a vocab-sharded DTensor handled by loss_parallel's dispatch: eager.
     loss_parallel = config.parallelism.enable_loss_parallel and pre.dims.tp > 1
     loss = GlobalMeanLoss(batches.tokens_per_step, compile=config.compile.enable and not loss_parallel)
-    forward_inputs = ForwardInputs(t.document_mask, pre.tokenizer.bos_id)
-    model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake)
+    context_parallel = None
+    if meshes.context_mesh is not None:
+        bos = pre.tokenizer.bos_id if t.document_mask else None
+        context_parallel = ContextParallel(meshes.context_mesh["cp"], t.seq_len, device, masked_attention, bos)
+    forward_inputs = (
+        context_parallel.forward_kwargs if context_parallel else ForwardInputs(t.document_mask, pre.tokenizer.bos_id)
+    )
+    model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
     validator = None
     if config.validation.enable:
         # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
         validator = build_validator(
             config, pre.tokenizer, meshes.mesh, model, forward_kwargs=forward_inputs,
-            loss_scale=batches.tokens_per_step, device=device,
+            loss_scale=batches.tokens_per_step, device=device, data_rank=meshes.data_rank(),
+            shard=context_parallel.shard if context_parallel else None,
         )  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
     optimizer = build_optimizer_from_config(model, reduction, config.optimizer, max_norm=t.max_norm)
@@ -197,8 +207,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     d = pre.dims
     progress = TrainProgress(
         batches.global_batch_size,
-        {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep,
-         "accumulation_steps": batches.accumulation_steps},
+        {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
+         "accumulation_steps": batches.accumulation_steps, "seq_len": t.seq_len},
     )  # fmt: skip
     guard = StepGuard(
         t, optimizer, _forensics(model, pre, meshes), tp_degree=d.tp,
@@ -211,7 +221,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     )  # fmt: skip
     job = TrainingJob(
         config, runtime, pre, device, meshes, model, num_params, flops_per_token, loss, forward_inputs, data,
-        reduction, optimizer, lr_scheduler, validator, progress, guard, None, metrics,
+        reduction, optimizer, lr_scheduler, validator, progress, guard, None, metrics, context_parallel,
     )  # fmt: skip
     if c.enable or c.initial_load_path:
         job.checkpoint = CheckpointManager(
@@ -235,6 +245,7 @@ def _join(config: JobConfig, runtime: Runtime) -> torch.device:
 
 def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: torch.device) -> TrainingData:
     t = config.training
+    dp_rank, dp_size = meshes.data_rank()
     loader = build_dataloader(
         dataset=t.dataset,
         dataset_path=t.dataset_path,
@@ -242,8 +253,8 @@ def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: to
         seq_len=t.seq_len,
         local_batch_size=t.local_batch_size,
         global_batch_size=pre.batches.global_batch_size,
-        dp_rank=meshes.mesh["dp"].get_local_rank(),
-        dp_size=pre.dims.dp,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
         seed=t.seed,
         dataset_mixture=t.dataset_mixture,
         num_workers=t.num_workers,
@@ -261,6 +272,7 @@ def _build_model(
     device: torch.device,
     loss: GlobalMeanLoss,
     fake: bool,
+    context_parallel: ContextParallel | None,
 ) -> tuple[ParallelModel, int, int]:
     """The model, or this rank's pipeline stages of it, with its parameter count and FLOPs per token: built on the
     meta device in the parameter dtype, parallelized, then materialised and initialised from the seed alone (so
@@ -277,7 +289,7 @@ def _build_model(
     parallel = parallelize(
         model,
         meshes.mesh,
-        parallel_plan(config, spec, args, pre.pipeline, pre.data_parallel),
+        parallel_plan(config, spec, args, pre.pipeline, pre.data_parallel, context_parallel),
         device=device,
         init_weights=init_weights,
         loss_fn=loss,
@@ -289,11 +301,11 @@ def _build_model(
     for part in parallel.parts:  # an auxiliary loss (MoE's) is a mean over the global batch's sequences
         spec.set_aux_loss_scale(part, 1 / batches.global_batch_size)
     logger.info(
-        "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d (ep %d); "
+        "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d%s (ep %d); "
         "global batch %d = %d microbatches of %d per DP rank",
         config.model.name,
         config.model.hf_config if spec.args_from_job else config.model.flavor,
-        f"{num_params:,}", f"{flops_per_token:,}", d.dp, d.tp, d.pp, d.ep,
+        f"{num_params:,}", f"{flops_per_token:,}", d.dp, d.tp, d.pp, f" x cp {d.cp}" if d.cp > 1 else "", d.ep,
         batches.global_batch_size, batches.accumulation_steps, batches.local_batch_size,
     )  # fmt: skip
     if pre.pipeline:
@@ -313,7 +325,7 @@ def _weights_source(config: JobConfig, resume_dir: Path | None) -> Path | None:
 def _forensics(model: ParallelModel, pre: Preflight, meshes: Meshes) -> Forensics:
     local = pre.batches.local_batch_size
     rows = local * pre.batches.accumulation_steps // pre.pipeline.n_microbatches if pre.pipeline else local
-    return Forensics(model.parts, model.stage_ids, meshes.mesh["dp"].get_local_rank(), pre.dims.dp, local, rows)
+    return Forensics(model.parts, model.stage_ids, *meshes.data_rank(), local, rows)
 
 
 def _pipeline_timing(model: ParallelModel, pipeline: PipelinePlan | None, meshes: Meshes) -> PipelineTiming | None:

@@ -9,7 +9,8 @@ plain model on the meta device in the parameter dtype, and hands it to `torchpre
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
 from torchpre.parallel.api import ParallelPlan
+from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 
@@ -98,7 +100,32 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
             f"ranks, but training.seq_len = {config.training.seq_len} is not divisible by it. Use a multiple of "
             f"{dims.tp}."
         )
+    if dims.cp > 1:
+        check_context_parallel(config, spec, dims)
     spec.validate_layout(args, dims)
+
+
+def check_context_parallel(config: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
+    """Rejects what parallelism.context_parallel_degree cannot run, naming it, before any work."""
+    name, cp, seq_len = config.model.name, dims.cp, config.training.seq_len
+    key = f"parallelism.context_parallel_degree = {cp}"
+    if spec.context_parallel is None:
+        raise ConfigError(
+            f"{key}: model.name = '{name}' has no context-parallel attention (ModelSpec.context_parallel), so its "
+            "attention cannot be split over the sequence. Set context_parallel_degree = 1, or use a family that "
+            "has it (llama3, moe)."
+        )
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"{key}: training.seq_len = {seq_len} is not divisible by 2 x {cp} = {2 * cp}. Head-tail load balancing "
+            f"cuts each sequence into 2 x cp equal chunks; use a multiple of {2 * cp}."
+        )
+    if config.parallelism.enable_sequence_parallel and (seq_len // cp) % dims.tp:
+        raise ConfigError(
+            f"{key} with parallelism.enable_sequence_parallel: each cp rank's {seq_len // cp} positions are sharded "
+            f"again over tensor_parallel_degree = {dims.tp}, which does not divide them. Use a training.seq_len that "
+            f"is a multiple of {math.lcm(2 * cp, cp * dims.tp)}."
+        )
 
 
 def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, fp32: bool = False) -> nn.Module:
@@ -130,10 +157,11 @@ def parallel_plan(
     args: Any,
     pipeline: PipelinePlan | None,
     data_parallel: DataParallel | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> ParallelPlan:
-    """What `parallelize` applies for this job: the family's plans and the config's layout options, and FSDP when
+    """What `parallelize` applies for this job: the family's plans and the config's layout options, FSDP when
     `data_parallel` (training's strategy; generation and conversion load any checkpoint unsharded) shards the
-    parameters."""
+    parameters, and the family's context-parallel attention bound to `context_parallel` (training under cp)."""
     p, ac = config.parallelism, config.activation_checkpoint
     tensor_parallel = spec.tensor_parallel
     if callable(tensor_parallel):
@@ -154,7 +182,15 @@ def parallel_plan(
         compile=config.compile.enable,
         compile_fullgraph=spec.compile_fullgraph,
         fsdp=fsdp_plan(config, pipeline, data_parallel) if shards_parameters else None,
+        context_parallel=None if context_parallel is None else _bind(spec.context_parallel, context_parallel),
     )
+
+
+def _bind(
+    apply: Callable[[nn.Module, ContextParallel], None], context_parallel: ContextParallel
+) -> Callable[[nn.Module], None]:
+    """`apply(part, context_parallel)` as the one-argument function `ParallelPlan.context_parallel` calls."""
+    return lambda part: apply(part, context_parallel)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.parallel.api import ParallelModel
 
 # Entries of the "train" state that checkpoints written before they were recorded lack.
-OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "accumulation_steps")
+OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps", "seq_len")
 
 
 class ModelState:
@@ -37,8 +37,9 @@ class ModelState:
 
 class TrainProgress:
     """The "train" entry: the optimizer steps taken, the global batch size they were taken with (a resume with
-    training.global_batch_size = -1 keeps it), and this job's layout (`LAYOUT_KEYS`, with the world size), so that a
-    resume under another one can say what changed. After a load, `saved` holds the checkpoint's values."""
+    training.global_batch_size = -1 keeps it), and this job's layout (`LAYOUT_KEYS`, with the world size) and sequence
+    length (`STAGE_KEYS`), so that a resume under another one can say what changed. After a load, `saved` holds the
+    checkpoint's values."""
 
     def __init__(self, global_batch_size: int, layout: dict[str, int]):
         self.step = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchpre.checkpoint.layout import layout_change
+from torchpre.checkpoint.layout import layout_change, stage_change
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.utils import set_comm_timeout
 from torchpre.health.guard import Batch, TakenStep
@@ -88,6 +88,8 @@ class Trainer:
         job = self.job
         with job.metrics.phase("forward_backward"):  # from pinned memory (pins_memory) the copies do not block
             on_device = [tuple(part.to(job.device, non_blocking=True) for part in batch) for batch in microbatches]
+            if job.context_parallel is not None:  # each cp rank keeps its positions of the sequences
+                on_device = [job.context_parallel.shard(batch) for batch in on_device]
             loss = self.forward_backward(on_device)
         with job.metrics.phase("optimizer"):
             loss = job.guard.settle_previous(loss, on_device, self)
@@ -221,6 +223,10 @@ class Trainer:
         change = layout_change(progress.saved_layout, progress.layout, step_dir, progress.step, global_batch_size)
         if change is not None and job.is_logging_rank:
             logger.warning(change)
+        seq_len = self.config.training.seq_len
+        stage = stage_change(progress.saved.get("seq_len"), seq_len, global_batch_size, progress.step)
+        if stage is not None and job.is_logging_rank:
+            logger.warning(stage)
         saved_batch = progress.saved.get("global_batch_size", 0)
         derived = self.config.training.global_batch_size == -1
         if derived and saved_batch not in (0, global_batch_size) and job.is_logging_rank:

@@ -26,7 +26,7 @@ from torchpre.data.loader import held_out_samples, source_samples
 from torchpre.data.sampler import GlobalBatchSampler, SampleOrder
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError
-from torchpre.parallel.api import ParallelModel
+from torchpre.parallel.api import Batch, ParallelModel
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 
 
@@ -69,10 +69,13 @@ class Validator:
         forward_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
         loss_scale: float = 1.0,
         loss_parallel: bool = False,
+        shard: Callable[[Batch], Batch] | None = None,
     ):
         """`model.forward_only(inputs, labels)` gives its loss_fn's value, which times `loss_scale` is the
         summed token cross-entropy; `groups` are the process groups the loss is summed over (DP and PP: the
-        ranks that hold different parts of it), none for one process."""
+        ranks that hold different parts of it), none for one process. `shard` cuts each batch to this rank's
+        positions under context parallelism (its tokens are then counted here, and the cp ranks' sums add up
+        over the DP group, which spans them)."""
         pipeline = model.plan.pipeline
         if pipeline is not None and len(batches[0]) % pipeline.n_microbatches:
             raise ConfigError(
@@ -89,6 +92,7 @@ class Validator:
         self.forward_kwargs = forward_kwargs
         self.loss_scale = loss_scale
         self.loss_parallel = loss_parallel
+        self.shard = shard
 
     def due(self, step: int, last_step: int) -> bool:
         """Evaluate every `freq` steps and after the last one."""
@@ -122,7 +126,7 @@ class Validator:
         pairs = [self.samples[i] for i in indices]
         inputs = torch.stack([x for x, _ in pairs]).to(self.device)
         labels = torch.stack([y for _, y in pairs]).to(self.device)
-        return inputs, labels
+        return (inputs, labels) if self.shard is None else self.shard((inputs, labels))
 
 
 def build_validator(
@@ -134,9 +138,13 @@ def build_validator(
     forward_kwargs: Callable[[torch.Tensor], dict],
     loss_scale: float,
     device: torch.device,
+    data_rank: tuple[int, int] | None = None,
+    shard: Callable[[Batch], Batch] | None = None,
 ) -> Validator:
     """The job's validator: its data (separate, or the held-out split of the training data) and
-    this rank's batches of it, evaluated through the training model (or pipeline schedule)."""
+    this rank's batches of it, evaluated through the training model (or pipeline schedule). `data_rank` (this
+    rank's data-parallel coordinate and degree; default `mesh`'s "dp") and `shard` for context parallelism,
+    whose ranks read the same sequences (`Meshes.data_rank`, `ContextParallel.shard`)."""
     v, t = config.validation, config.training
     if v.dataset:
         samples, order = source_samples(
@@ -153,9 +161,8 @@ def build_validator(
             fraction=v.split_fraction,
         )
     local_batch_size = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
-    batches = validation_batches(
-        order, len(samples), v.steps, local_batch_size, mesh["dp"].get_local_rank(), mesh["dp"].size()
-    )
+    dp_rank, dp_size = data_rank or (mesh["dp"].get_local_rank(), mesh["dp"].size())
+    batches = validation_batches(order, len(samples), v.steps, local_batch_size, dp_rank, dp_size)
     return Validator(
         samples,
         batches,
@@ -166,5 +173,6 @@ def build_validator(
         forward_kwargs=forward_kwargs,
         loss_scale=loss_scale,
         loss_parallel=config.parallelism.enable_loss_parallel and mesh["tp"].size() > 1,
+        shard=shard,
     )
 

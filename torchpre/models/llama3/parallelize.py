@@ -27,6 +27,10 @@ gives them their parameters' placements.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -39,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
+from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole_heads
 
 
@@ -139,3 +144,19 @@ def feed_forward_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     if sequence_parallel:
         plan["ffn_norm"] = SequenceParallel()
     return plan
+
+
+def apply_llama3_context_parallel(model: Transformer, cp: ContextParallel) -> None:
+    """Makes every attention layer this stage holds attend over the whole sequence while its input holds this
+    rank's cp positions (`torchpre.parallel.context_parallel`): a forward pre-hook gives it the RoPE rows of
+    those positions and `cp.attend` as the attention that owns the mask. The model code stays unaware of cp;
+    for the families built on Llama 3's `Transformer`."""
+    for block in model.layers.values():
+        block.attention.register_forward_pre_hook(partial(_context_parallel_inputs, cp), with_kwargs=True)
+
+
+def _context_parallel_inputs(
+    cp: ContextParallel, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    x, rope_cache, *rest = args
+    return (x, cp.rope_rows(rope_cache), *rest), {**kwargs, "doc_mask": cp.attend}

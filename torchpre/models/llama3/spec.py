@@ -3,7 +3,11 @@
 from torchpre.models.llama3 import hf
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs, flops_per_token
 from torchpre.models.llama3.model import Transformer
-from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel, validate_llama3_tensor_parallel
+from torchpre.models.llama3.parallelize import (
+    apply_llama3_context_parallel,
+    apply_llama3_tensor_parallel,
+    validate_llama3_tensor_parallel,
+)
 from torchpre.models.registry import HFAdapter, ModelSpec
 
 
@@ -17,6 +21,7 @@ SPEC = ModelSpec(
     flavors=LLAMA3_FLAVORS,
     tensor_parallel=apply_llama3_tensor_parallel,
     validate_tensor_parallel=validate_llama3_tensor_parallel,
+    context_parallel=apply_llama3_context_parallel,
     tied_weights=llama3_tied_weights,
     flops_per_token=flops_per_token,
     hf=HFAdapter(

@@ -15,7 +15,7 @@ returns (see `AddAuxLoss`), so the trainer's loss and pipeline schedules need no
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -105,6 +105,10 @@ class MoE(nn.Module):
     data-parallel ranks does not depend on how the global batch is split. `aux_loss_scale` is `scale`:
     None means 1 / this call's batch (a mean); the trainer sets 1 / global batch size.
 
+    When x holds only part of each sequence (context parallelism), `sequence_sum` (set from outside) sums a
+    per-sequence statistic over the ranks that hold the rest: f_e and P_e are then the whole sequence's, every such
+    rank computes the same aux_b, and each adds its share of the sequence's tokens of it to the gradient.
+
     Router statistics accumulate in non-persistent buffers in training mode (`reset_stats` zeroes them):
     `tokens_per_expert` (assignments per expert), `aux_loss_sum` (sum_b aux_b, unscaled) and
     `aux_loss_sequences` (how many b). Activation-checkpoint recomputation counts a forward twice; only ratios
@@ -120,6 +124,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = args.num_experts, args.top_k
         self.norm_topk_prob, self.aux_loss_coeff = args.norm_topk_prob, args.aux_loss_coeff
         self.aux_loss_scale: float | None = None
+        self.sequence_sum: Callable[[Tensor], Tensor] | None = None
         self.router = nn.Linear(args.dim, args.num_experts, bias=False)
         self.experts = GroupedExperts(args.num_experts, args.dim, args.moe_hidden_dim)
         self.shared_expert = (
@@ -160,20 +165,27 @@ class MoE(nn.Module):
         out = out.view(bsz, seqlen, dim)
 
         if self.training:
-            aux_per_sequence = self._aux_loss(probs.view(bsz, seqlen, -1), expert_ids.view(bsz, -1))
+            aux_per_sequence, share = self._aux_loss(probs.view(bsz, seqlen, -1), expert_ids.view(bsz, -1))
             self._record(counts, aux_per_sequence)
             if torch.is_grad_enabled() and self.aux_loss_coeff > 0:
                 scale = 1.0 / bsz if self.aux_loss_scale is None else self.aux_loss_scale
-                out = AddAuxLoss.apply(out, self.aux_loss_coeff * scale * aux_per_sequence.sum())
+                out = AddAuxLoss.apply(out, self.aux_loss_coeff * scale * share * aux_per_sequence.sum())
         return out
 
-    def _aux_loss(self, probs: Tensor, expert_ids: Tensor) -> Tensor:
-        """aux_b per sequence [batch] from probs [batch, seq, experts] and expert_ids [batch, seq * top_k]."""
+    def _aux_loss(self, probs: Tensor, expert_ids: Tensor) -> tuple[Tensor, float | Tensor]:
+        """aux_b per sequence [batch] from probs [batch, seq, experts] and expert_ids [batch, seq * top_k], and this
+        rank's share of the sequences' tokens (1 unless `sequence_sum` spreads them over ranks)."""
         assignments = torch.zeros_like(probs[:, 0]).scatter_add_(
             1, expert_ids, torch.ones_like(expert_ids, dtype=probs.dtype)
         )
-        fraction = assignments / expert_ids.shape[1]  # f_e: not differentiable, the router learns through P_e
-        return self.num_experts * (fraction * probs.mean(dim=1)).sum(dim=-1)
+        if self.sequence_sum is None:
+            fraction = assignments / expert_ids.shape[1]  # f_e: not differentiable, the router learns through P_e
+            return self.num_experts * (fraction * probs.mean(dim=1)).sum(dim=-1), 1.0
+        assignments = self.sequence_sum(assignments.detach())
+        tokens = assignments.sum(dim=-1, keepdim=True) / self.top_k  # the whole sequence's
+        mean_probs = self.sequence_sum(probs.sum(dim=1)) / tokens
+        aux = self.num_experts * (assignments / (tokens * self.top_k) * mean_probs).sum(dim=-1)
+        return aux, probs.shape[1] / tokens[0, 0]
 
     @torch.no_grad()
     def _record(self, counts: Tensor, aux_per_sequence: Tensor) -> None:

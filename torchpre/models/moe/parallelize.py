@@ -25,9 +25,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchpre.errors import ConfigError
-from torchpre.models.llama3.parallelize import apply_transformer_plan, attention_plan, validate_llama3_tensor_parallel
+from torchpre.models.llama3.parallelize import (
+    apply_llama3_context_parallel,
+    apply_transformer_plan,
+    attention_plan,
+    validate_llama3_tensor_parallel,
+)
 from torchpre.models.moe.args import MoEArgs
-from torchpre.models.moe.model import MoETransformer
+from torchpre.models.moe.model import MoE, MoETransformer
+from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.expert_parallel import apply_expert_parallel
 
 
@@ -105,3 +111,12 @@ def validate_moe_expert_parallel(args: MoEArgs, ep: int) -> None:
             f"= {ep}: each expert-parallel rank must hold the same number of whole experts. Use a divisor of "
             f"{args.num_experts}."
         )
+
+
+def apply_moe_context_parallel(model: MoETransformer, cp: ContextParallel) -> None:
+    """Llama 3's context-parallel attention, and each MoE layer's load-balancing statistics summed over the cp
+    ranks of a sequence, so that its aux loss is the whole sequence's as in one process."""
+    apply_llama3_context_parallel(model, cp)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.sequence_sum = cp.sequence_sum

@@ -8,6 +8,7 @@ from torchpre.models.llama3.spec import llama3_tied_weights
 from torchpre.models.moe.args import MOE_FLAVORS, flops_per_token
 from torchpre.models.moe.model import MoETransformer
 from torchpre.models.moe.parallelize import (
+    apply_moe_context_parallel,
     apply_moe_expert_parallel,
     apply_moe_tensor_parallel,
     validate_moe_expert_parallel,
@@ -23,6 +24,7 @@ SPEC = ModelSpec(
     validate_tensor_parallel=validate_moe_tensor_parallel,
     expert_parallel=apply_moe_expert_parallel,
     validate_expert_parallel=validate_moe_expert_parallel,
+    context_parallel=apply_moe_context_parallel,
     tied_weights=llama3_tied_weights,
     flops_per_token=flops_per_token,
     compile_fullgraph=False,

@@ -1,0 +1,108 @@
+"""Context parallelism: each sequence split over the cp ranks, attention still over the whole sequence.
+
+Load balance (head-tail, as torch's `_HeadTailLoadBalancer`): the sequence is cut into 2 x cp chunks and cp rank i
+holds chunks i and 2 x cp - 1 - i. Under a causal mask a query at position p sees p + 1 keys, so an early chunk
+paired with a late one gives every rank the same attention work; a contiguous split would leave the last rank with
+2 x cp - 1 times the first one's.
+
+Attention: each rank projects only its own positions' queries, keys and values; the keys and values are
+all-gathered over cp with an autograd-aware functional collective (its backward reduce-scatters their gradients
+back), and the queries attend to them with the causal mask of their global positions (and, with
+training.document_mask, the document mask of the whole rows): SDPA with an explicit mask, the same numbers as one
+process. All-gather rather than a ring of point-to-point passes: gloo runs collectives synchronously (nothing to
+overlap on a CPU), one all-gather per layer is one collective to keep in step under activation checkpointing and
+pipeline schedules, and on CUDA SDPA's masked kernels (memory-efficient, cuDNN) still serve. The price is that a
+rank holds every key and value of the sequence for one layer at a time.
+
+RoPE follows the shard: the attention gets the RoPE rows of its global positions. Labels are sharded like the
+inputs, and the loss (summed token losses over the global token count) adds up over cp ranks as over dp ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed.nn.functional as dist_autograd
+from torch import Tensor
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+# torch 2.14 renamed the autograd all-gather (the old name warns on every call); older torch has only that one.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+Batch = tuple[Tensor, Tensor]
+MaskedAttention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+"""(q, k, v, boolean mask) -> attention output, all [batch, seq, heads, head_dim] (`torchpre.models.attention.sdpa`
+with is_causal=False): the kernel is the model layer's choice."""
+
+
+def head_tail_positions(seq_len: int, cp: int, rank: int) -> Tensor:
+    """The global positions cp rank `rank` holds: chunks `rank` and 2 x cp - 1 - `rank` of 2 x cp equal chunks."""
+    chunk = seq_len // (2 * cp)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk)
+    tail = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat((head, tail))
+
+
+class ContextParallel:
+    """One rank's part of context parallelism over the 1-D `mesh` (cp ranks), for sequences of `seq_len`.
+
+    `shard` cuts a batch to this rank's positions; `rope_rows` and `attend` are what a model family's attention
+    hook (`ModelSpec.context_parallel`) uses instead of the positions 0.. and the local causal kernel. With
+    `document_bos` (the BOS id, under training.document_mask) `forward_kwargs` reads each microbatch's document
+    boundaries from the whole rows before its forward. `kernel` computes the masked attention.
+    """
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        seq_len: int,
+        device: torch.device,
+        kernel: MaskedAttention,
+        document_bos: int | None = None,
+    ):
+        self.mesh, self.kernel, self.document_bos = mesh, kernel, document_bos
+        cp, rank = mesh.size(), mesh.get_local_rank()
+        self.positions = head_tail_positions(seq_len, cp, rank).to(device)
+        # The positions of the gathered keys: every rank's, in rank order (the order of the all-gather).
+        self.key_positions = torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)]).to(device)
+        self._causal = self.positions[:, None] >= self.key_positions[None, :]
+        self._documents: tuple[Tensor, Tensor] | None = None  # (query, key) document ids of the microbatch
+
+    def shard(self, batch: Batch) -> Batch:
+        """This rank's positions of (inputs, labels) [batch, seq]."""
+        inputs, labels = batch
+        return inputs.index_select(1, self.positions), labels.index_select(1, self.positions)
+
+    def rope_rows(self, rope_cache: Tensor) -> Tensor:
+        """The rows of a [max_seq, ...] RoPE table at this rank's positions, in its order."""
+        return rope_cache.index_select(0, self.positions)
+
+    def forward_kwargs(self, inputs: Tensor) -> dict:
+        """Called with each microbatch's local inputs before its forward: under the document mask, gathers the
+        rows' tokens over cp and numbers their documents (a new one at every BOS). The model gets no kwargs: the
+        mask lives in `attend`."""
+        if self.document_bos is not None:
+            gathered = funcol.all_gather_tensor(inputs.contiguous(), 1, self.mesh)
+            rows = torch.empty_like(gathered)
+            rows[:, self.key_positions] = gathered
+            documents = (rows == self.document_bos).cumsum(dim=1)
+            self._documents = (documents[:, self.positions], documents[:, self.key_positions])
+        return {}
+
+    def sequence_sum(self, statistic: Tensor) -> Tensor:
+        """A per-sequence statistic summed over the cp ranks (each holds part of the sequence); its gradient flows
+        back to every rank's part (MoE's load-balancing loss)."""
+        return dist_autograd.all_reduce(statistic, group=self.mesh.get_group())
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention of this rank's queries [batch, seq/cp, heads, head_dim] over the whole sequence's keys and
+        values (gathered here), causal in global positions and within documents under the document mask."""
+        k = _all_gather_autograd(k.contiguous(), 1, self.mesh)
+        v = _all_gather_autograd(v.contiguous(), 1, self.mesh)
+        mask = self._causal
+        if self._documents is not None:
+            query_docs, key_docs = self._documents
+            mask = (mask & (query_docs[:, :, None] == key_docs[:, None, :]))[:, None]
+        return self.kernel(q, k, v, mask)
