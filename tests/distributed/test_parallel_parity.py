@@ -84,7 +84,14 @@ def reference(tmp_path_factory) -> list[dict]:
     return train_and_read_metrics(DEBUG, 1, tmp_path_factory.mktemp("reference"))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# Rows each of whose parts another row already checks under context parallelism (compile, a second AC mode, a second
+# pipeline schedule, HSDP's replicas): opt-in with `-m parity_matrix`, to keep CI's time.
+OPT_IN_ROWS = ("cp2_compile", "cp2_selective_ac", "cp2_pp2_zbv", "cp2_hsdp")
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=pytest.mark.parity_matrix) if name in OPT_IN_ROWS else name for name in LAYOUTS]
+)
 def test_layout_matches_one_process(layout, reference, tmp_path):
     nproc, args = LAYOUTS[layout]
     records = train_and_read_metrics([*DEBUG, *args], nproc, tmp_path)
