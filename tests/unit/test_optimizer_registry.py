@@ -8,6 +8,7 @@ from torch import nn
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
 from torchpre.optim import OptimizerSpec, build_optimizer, get_optimizer, optimizer_names, register_optimizer
+from torchpre.optim.muon import Muon
 from torchpre.optim.registry import check_config, constructor_kwargs, hyperparameters_from_config
 from torchpre.parallel import ParallelPlan, parallelize
 
@@ -21,6 +22,7 @@ def test_names_select_torch_classes():
         "SGD": torch.optim.SGD,
         "Adagrad": torch.optim.Adagrad,
         "RMSprop": torch.optim.RMSprop,
+        "Muon": Muon,
     }
     assert {name: get_optimizer(name).cls for name in optimizer_names()} == expected
 
@@ -35,15 +37,22 @@ def test_each_optimizer_gets_only_the_arguments_it_takes():
 def test_config_keys_make_the_constructor_arguments():
     config = JobConfig().optimizer
     config.beta1, config.beta2, config.momentum = 0.8, 0.9, 0.5
+    muon = {key: getattr(config, key) for key in vars(config) if key.startswith("muon_")}
+    assert len(muon) == 7
     assert hyperparameters_from_config(vars(config)) == {
-        "lr": config.lr, "weight_decay": config.weight_decay, "betas": (0.8, 0.9), "eps": config.eps, "momentum": 0.5
+        "lr": config.lr,
+        "weight_decay": config.weight_decay,
+        "betas": (0.8, 0.9),
+        "eps": config.eps,
+        "momentum": 0.5,
+        **muon,
     }
 
 
 def test_an_unknown_name_lists_the_valid_ones_and_the_closest():
     with pytest.raises(ConfigError, match="'adamw' is not a registered optimizer. Did you mean 'AdamW'?") as error:
         get_optimizer("adamw")
-    assert "Choose one of: AdamW, Adam, SGD, Adagrad, RMSprop." in str(error.value)
+    assert "Choose one of: AdamW, Adam, SGD, Adagrad, RMSprop, Muon." in str(error.value)
 
 
 def _config(tmp_path, **optimizer) -> JobConfig:
@@ -56,16 +65,52 @@ def _config(tmp_path, **optimizer) -> JobConfig:
 
 def test_config_validation_names_the_unknown_optimizer(tmp_path):
     with pytest.raises(ConfigError, match="optimizer.name = 'Lion' is not a registered optimizer"):
-        check_config(_config(tmp_path, name="Lion").optimizer)
+        check_config(_config(tmp_path, name="Lion").optimizer, {})
 
 
 def test_a_changed_key_the_optimizer_does_not_read_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"optimizer.beta2 = 0.99: SGD does not use this key") as error:
-        check_config(_config(tmp_path, name="SGD", momentum=0.9, beta2=0.99).optimizer)
+        check_config(_config(tmp_path, name="SGD", momentum=0.9, beta2=0.99).optimizer, {})
     assert "optimizer.lr, optimizer.momentum, optimizer.weight_decay" in str(error.value)
     with pytest.raises(ConfigError, match="optimizer.momentum = 0.9: AdamW does not use this key"):
-        check_config(_config(tmp_path, name="AdamW", momentum=0.9).optimizer)
-    check_config(_config(tmp_path, name="SGD", momentum=0.9, lr=0.1).optimizer)  # keys it reads, others at defaults
+        check_config(_config(tmp_path, name="AdamW", momentum=0.9).optimizer, {})
+    check_config(_config(tmp_path, name="SGD", momentum=0.9, lr=0.1).optimizer, {})  # keys it reads, others at defaults
+
+
+def test_muon_keys_are_refused_for_other_optimizers_and_read_by_muon(tmp_path):
+    with pytest.raises(ConfigError, match="optimizer.muon_momentum = 0.9: AdamW does not use this key"):
+        check_config(_config(tmp_path, name="AdamW", muon_momentum=0.9).optimizer, {})
+    with pytest.raises(ConfigError, match="optimizer.momentum = 0.9: Muon does not use this key"):
+        check_config(_config(tmp_path, name="Muon", momentum=0.9).optimizer, {})
+    with pytest.raises(ConfigError, match=r"optimizer.muon_ns_steps = 0 must be between 1 and 99"):
+        check_config(_config(tmp_path, name="Muon", muon_ns_steps=0).optimizer, {})
+    check_config(_config(tmp_path, name="Muon", muon_momentum=0.9, beta2=0.99).optimizer, {})
+
+
+SHARDS = {"optimizer.zero_stage": 0, "parallelism.tensor_parallel_degree": 1, "parallelism.expert_parallel_degree": 1}
+
+
+@pytest.mark.parametrize(
+    "sharded", ["optimizer.zero_stage", "parallelism.tensor_parallel_degree", "parallelism.expert_parallel_degree"]
+)
+def test_an_update_that_is_not_elementwise_is_refused_on_shards(tmp_path, sharded, monkeypatch):
+    """An optimizer that reads whole matrices and cannot assemble them would step each shard on its own: refused
+    where ranks hold shards, allowed where they hold whole matrices (data and pipeline parallelism), and Muon,
+    which assembles them, is allowed everywhere."""
+    from torchpre.optim import registry
+
+    spec = OptimizerSpec(torch.optim.Muon, ("lr", "weight_decay"), elementwise=False)
+    monkeypatch.setitem(registry._REGISTRY, "TorchMuon", spec)
+    config = _config(tmp_path, name="TorchMuon").optimizer
+    check_config(config, SHARDS)
+    with pytest.raises(ConfigError, match=f"optimizer.name = 'TorchMuon': its update is not elementwise.*{sharded}"):
+        check_config(config, {**SHARDS, sharded: 2})
+    check_config(_config(tmp_path, name="Muon").optimizer, {**SHARDS, sharded: 2})
+
+
+def test_a_torch_class_known_not_elementwise_cannot_be_registered_as_elementwise():
+    with pytest.raises(ValueError, match="Muon's update is not elementwise"):
+        OptimizerSpec(torch.optim.Muon, ("lr", "weight_decay"))
 
 
 def test_fused_only_on_cuda_where_the_class_has_it():
@@ -113,7 +158,8 @@ def _train(mesh, name: str, state_first: bool) -> tuple[dict, dict]:
 
     model = parallelize(model, mesh, ParallelPlan(blocks="layers"), device=torch.device("cpu"), init_weights=init)
     momentum = 0.9 if name in ("SGD", "RMSprop") else 0.0
-    optimizer = build_optimizer(model, name=name, lr=0.01, momentum=momentum, max_norm=0.0)
+    # vocab_size: Muon's output layer (TwoLayers' last, 4 wide) stays in AdamW, its first layer is Muon's
+    optimizer = build_optimizer(model, name=name, lr=0.01, momentum=momentum, max_norm=0.0, vocab_size=4)
     if state_first:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         state = optimizer.state_dict()
@@ -135,7 +181,7 @@ def _plain(state: dict) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD", "Adagrad", "RMSprop"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD", "Adagrad", "RMSprop", "Muon"])
 def test_state_created_before_the_first_step_changes_nothing(mesh, name):
     """A checkpoint may be saved, or loaded into, before the first step: the state it creates then has the
     keys the first step would create, and the training afterwards is bitwise the same."""

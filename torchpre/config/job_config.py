@@ -138,8 +138,9 @@ class Optimizer:
 
     name: str = _option(
         "AdamW",
-        "a torch.optim class from torchpre.optim.registry: AdamW, Adam, SGD, Adagrad, RMSprop; a key below that "
-        "it does not read must stay at its default",
+        "an optimizer from torchpre.optim.registry: AdamW, Adam, SGD, Adagrad, RMSprop, or Muon (Muon for the hidden "
+        "matrices, AdamW for the rest, whole matrices under every layout); a key below that it does not read must "
+        "stay at its default",
     )
     lr: float = _option(8e-4, "peak learning rate")
     eps: float = _option(1e-8, "term added to the denominator (AdamW, Adam, Adagrad, RMSprop)")
@@ -149,6 +150,25 @@ class Optimizer:
     beta1: float = _option(0.9, "first-moment decay (AdamW, Adam)")
     beta2: float = _option(0.95, "second-moment decay (AdamW, Adam)")
     momentum: float = _option(0.0, "momentum (SGD, RMSprop); 0 = none")
+    muon_momentum: float = _option(0.95, "Muon: momentum of the hidden matrices' gradients")
+    muon_nesterov: bool = _option(True, "Muon: Nesterov momentum (the update looks ahead along the momentum)")
+    muon_ns_steps: int = _option(5, "Muon: Newton-Schulz iterations of each orthogonalisation")
+    muon_ns_coefficients: list[float] = _option(
+        [3.4445, -4.775, 2.0315], "Muon: the quintic Newton-Schulz coefficients a, b, c (Keller Jordan's)"
+    )
+    muon_ns_dtype: Literal["bfloat16", "float32"] = _option(
+        "bfloat16", "Muon: dtype the Newton-Schulz iteration runs in (float32 for exact parity across layouts)"
+    )
+    muon_lr_adjust: Literal["match_rms_adamw", "original", "spectral_unclamped", "none"] = _option(
+        "match_rms_adamw",
+        "Muon: learning-rate factor per matrix (rows x cols): match_rms_adamw = 0.2*sqrt(max(rows, cols)), so that "
+        "AdamW's lr and weight decay carry over (Moonlight); original = sqrt(max(1, rows/cols)); as torch.optim.Muon",
+    )
+    muon_adamw_params: list[str] = _option(
+        [],
+        "Muon: parameter-name patterns (fnmatch) stepped by AdamW besides embeddings, the output layer (any matrix "
+        "with a dimension of the vocabulary's size), norms and biases",
+    )
     zero_stage: int = _option(
         0,
         "0 = optimizer state replicated over DP; 1 = ZeRO-1, state sharded over DP; 2 = ZeRO-2, gradients sharded "

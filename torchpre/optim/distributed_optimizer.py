@@ -45,6 +45,8 @@ class DistributedOptimizer:
     `build_inner(param_groups)`: matrices decay by `weight_decay`, vectors (norm gains, biases) do not.
     `state_mesh` is the 2-D (dp, tp) mesh the state is laid out on in `state_dict()` (ZeRO 0-2);
     `expert_state_mesh`, the 2-D (edp, ep) mesh of expert-parallel experts' state (None without experts).
+    Each param group also holds its parameters' "names"; `whole_matrices` adds their "layouts" (the DTensor each
+    master is a shard of) for an inner optimizer whose update needs whole matrices (`torchpre.optim.muon`).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class DistributedOptimizer:
         max_norm: float,
         state_mesh: DeviceMesh | None = None,
         expert_state_mesh: DeviceMesh | None = None,
+        whole_matrices: bool = False,
     ):
         self.reduction = reduction
         self.params: list[ShardedParameter] = reduction.params
@@ -63,11 +66,20 @@ class DistributedOptimizer:
         self.state_mesh, self.expert_state_mesh = state_mesh, expert_state_mesh
         self.max_norm = max_norm
         self.masters = [self._master(p) for p in self.params]
-        matrices = [m for p, m in zip(self.params, self.masters) if p.local.ndim >= 2]
-        vectors = [m for p, m in zip(self.params, self.masters) if p.local.ndim < 2]
         # Norm gains are not decayed: pulling a gain towards 0 fights the normalisation it scales.
-        groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+        groups = [self._group(weight_decay, whole_matrices, lambda p: p.local.ndim >= 2),
+                  self._group(0.0, whole_matrices, lambda p: p.local.ndim < 2)]  # fmt: skip
         self.inner = build_inner([g for g in groups if g["params"]])
+
+    def _group(self, weight_decay: float, layouts: bool, member: Callable[[ShardedParameter], bool]) -> dict:
+        """A param group of the inner optimizer: the masters of the parameters `member` selects and their names,
+        and, for an optimizer that assembles whole matrices (`layouts`), the DTensor each master is a shard of."""
+        chosen = [i for i, p in enumerate(self.params) if member(p)]
+        group = {"params": [self.masters[i] for i in chosen], "weight_decay": weight_decay,
+                 "names": [self.params[i].name for i in chosen]}  # fmt: skip
+        if layouts:
+            group["layouts"] = [self._as_dtensor(i, self.masters[i]) for i in chosen]
+        return group
 
     def _master(self, param: ShardedParameter) -> torch.Tensor:
         """The fp32 tensor the inner optimizer steps: under ZeRO-3 the FSDP parameter itself (its gradient is the
@@ -257,7 +269,8 @@ class DistributedOptimizer:
         for group in self.inner.param_groups:
             group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
             group["weight_decay"] = 0.0
-        self.inner.step()
+        # An optimizer whose step is a collective (Muon assembles matrices) creates its state without one.
+        getattr(self.inner, "initialise_state", self.inner.step)()
         for group, (lr, weight_decay) in zip(self.inner.param_groups, settings):
             group["lr"], group["weight_decay"] = lr, weight_decay
         for master, grad in zip(self.masters, grads):
@@ -319,6 +332,15 @@ class DistributedOptimizer:
             _local(v).nbytes for s in self.inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)
         )
         return moments + sum(m.nbytes for i, m in enumerate(self.masters) if self.owns_master(i))
+
+    @property
+    def assembles_matrices(self) -> bool:
+        """Whether each step assembles whole matrices from their shards (a matrix-aware optimizer, Muon)."""
+        return hasattr(self.inner, "sent_bytes")
+
+    def sent_bytes(self) -> int:
+        """Bytes this rank sent in the last step to assemble whole matrices and return their updates' shards."""
+        return getattr(self.inner, "sent_bytes", 0)
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameter storage: the local (TP/EP/FSDP-sharded) tensors of the model's

@@ -1,8 +1,10 @@
 """Optimizers by name: what `optimizer.name` resolves to, and which `optimizer.*` keys each one reads.
 
-Any `torch.optim` class whose per-parameter state is tensors shaped like the parameter (plus a scalar `step`)
-works under ZeRO-1, since the distributed optimizer shards and checkpoints that state like the fp32 master.
-Adding one is one entry here, or `register_optimizer` from a module named by `job.custom_import`:
+Any `torch.optim` class whose update is elementwise (each element's from its own gradient and state) and whose
+per-parameter state is tensors shaped like the parameter (plus a scalar `step`) works under ZeRO, TP and EP, since
+the distributed optimizer shards and checkpoints that state like the fp32 master, and an elementwise update is the
+same computed on any shard. Adding one is one entry here, or `register_optimizer` from a module named by
+`job.custom_import`:
 
     register_optimizer("Adadelta", OptimizerSpec(torch.optim.Adadelta, ("lr", "weight_decay", "eps")))
 
@@ -11,6 +13,10 @@ creates it with one step on zero gradients at lr 0 and puts `step` back to 0 (`_
 exact when a zero gradient leaves the other state at its initial value, as for every entry here and Adadelta;
 NAdam's `mu_product` and Adamax's `exp_inf` would move, so such a class needs a test of that before joining.
 
+An update that reads whole matrices (Muon, Shampoo, SOAP) is declared `elementwise=False`: it is refused where a
+rank holds shards of a matrix unless its class assembles whole matrices (`whole_matrices=True`, as Muon does
+through `torchpre.optim.whole_matrices`); elsewhere it would silently train a different model than one process.
+
 `lr` and `weight_decay` are read by every optimizer (weight decay is decoupled for AdamW, an L2 term in the
 gradient for the others, as torch defines them; norm gains are never decayed). A key an optimizer does not
 read must stay at its default: `check_hyperparameters` rejects a changed one instead of ignoring it.
@@ -18,12 +24,14 @@ read must stay at its default: `check_hyperparameters` rejects a changed one ins
 
 import difflib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from torchpre.config.job_config import Optimizer
 from torchpre.errors import ConfigError
+from torchpre.optim.muon import NS_COEFFICIENTS, Muon, check_settings
 
 # Constructor arguments the registry knows, each filled from `optimizer.*` config keys, and their defaults in
 # `build_optimizer`. A new one is a row here and a field of the config's `Optimizer` section.
@@ -33,8 +41,19 @@ HYPERPARAMETER_KEYS = {
     "betas": ("beta1", "beta2"),
     "eps": ("eps",),
     "momentum": ("momentum",),
+    "muon_momentum": ("muon_momentum",),
+    "muon_nesterov": ("muon_nesterov",),
+    "muon_ns_steps": ("muon_ns_steps",),
+    "muon_ns_coefficients": ("muon_ns_coefficients",),
+    "muon_ns_dtype": ("muon_ns_dtype",),
+    "muon_lr_adjust": ("muon_lr_adjust",),
+    "muon_adamw_params": ("muon_adamw_params",),
 }
-DEFAULT_HYPERPARAMETERS = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "momentum": 0.0}
+DEFAULT_HYPERPARAMETERS = {
+    "lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "momentum": 0.0,
+    "muon_momentum": 0.95, "muon_nesterov": True, "muon_ns_steps": 5, "muon_ns_coefficients": NS_COEFFICIENTS,
+    "muon_ns_dtype": "bfloat16", "muon_lr_adjust": "match_rms_adamw", "muon_adamw_params": (),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,11 +62,19 @@ class OptimizerSpec:
     config; the others keep the class's defaults.
 
     `fused`: use the fused implementation on CUDA; None = whenever the constructor takes `fused`; False = never.
+    `elementwise`: whether the update of each element depends on that element's gradient and state only (every
+    torch.optim class but Muon and LBFGS). Such an update is the same computed on any shard; one that is not sees
+    whole matrices only if the class assembles them (`whole_matrices`: it takes the param groups' "layouts", see
+    `DistributedOptimizer`), and is refused where a rank holds shards (ZeRO >= 1, TP, EP) otherwise.
+    `check`: validates the values of the keys it reads (by constructor argument), before any work.
     """
 
     cls: type[torch.optim.Optimizer]
     arguments: tuple[str, ...]
     fused: bool | None = None
+    elementwise: bool = True
+    whole_matrices: bool = False
+    check: Callable[[dict[str, object]], None] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.arguments) - set(HYPERPARAMETER_KEYS)
@@ -56,6 +83,8 @@ class OptimizerSpec:
                 f"{self.cls.__name__}: arguments must include lr and weight_decay and come from "
                 f"{sorted(HYPERPARAMETER_KEYS)}; got {self.arguments}"
             )
+        if self.elementwise and self.cls in NOT_ELEMENTWISE:
+            raise ValueError(f"{self.cls.__name__}'s update is not elementwise: register it with elementwise=False")
 
     def config_keys(self) -> set[str]:
         """The `optimizer.*` keys this optimizer reads."""
@@ -80,7 +109,12 @@ class OptimizerSpec:
         return self.fused if self.fused is not None else self.has_fused()
 
 
+# torch.optim classes whose update of an element reads other elements: they cannot be registered as elementwise.
+NOT_ELEMENTWISE = (torch.optim.Muon, torch.optim.LBFGS)
+
 _ADAM = ("lr", "weight_decay", "betas", "eps")
+_MUON = (*_ADAM, "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_coefficients", "muon_ns_dtype",
+         "muon_lr_adjust", "muon_adamw_params")  # fmt: skip
 
 _REGISTRY: dict[str, OptimizerSpec] = {
     "AdamW": OptimizerSpec(torch.optim.AdamW, _ADAM),
@@ -89,6 +123,7 @@ _REGISTRY: dict[str, OptimizerSpec] = {
     # Fused Adagrad was CPU-only in the torch releases this was checked against.
     "Adagrad": OptimizerSpec(torch.optim.Adagrad, ("lr", "weight_decay", "eps"), fused=False),
     "RMSprop": OptimizerSpec(torch.optim.RMSprop, ("lr", "weight_decay", "eps", "momentum")),
+    "Muon": OptimizerSpec(Muon, _MUON, fused=False, elementwise=False, whole_matrices=True, check=check_settings),
 }
 
 
@@ -128,12 +163,25 @@ def hyperparameters_from_config(values: dict[str, object]) -> dict[str, object]:
     }
 
 
-def check_config(section: Optimizer) -> None:
-    """`optimizer.name` is registered, and no `optimizer.*` key it does not read is set away from its default."""
+def check_config(section: Optimizer, shards: dict[str, int]) -> None:
+    """`optimizer.name` is registered, no `optimizer.*` key it does not read is set away from its default, the
+    values it reads are valid, and an update that is not elementwise is not computed on shards (`shards`: the
+    degrees of tensor_parallel, expert_parallel, the ZeRO stage)."""
     keys, defaults = config_keys(), Optimizer()
-    check_hyperparameters(
-        section.name, {k: getattr(section, k) for k in keys}, {k: getattr(defaults, k) for k in keys}
-    )
+    values = {k: getattr(section, k) for k in keys}
+    check_hyperparameters(section.name, values, {k: getattr(defaults, k) for k in keys})
+    spec = get_optimizer(section.name)
+    if spec.check is not None:
+        spec.check(hyperparameters_from_config(values))
+    sharded = [f"{key} = {value}" for key, value in shards.items() if value > (0 if key.endswith("zero_stage") else 1)]
+    if not spec.elementwise and not spec.whole_matrices and sharded:
+        raise ConfigError(
+            f"optimizer.name = '{section.name}': its update is not elementwise (it reads whole matrices), and it has "
+            f"no distributed implementation, so with {' and '.join(sharded)} each rank would update its shards on "
+            "their own and train a different model than one process. Use optimizer.zero_stage = 0 without tensor "
+            "or expert parallelism (data and pipeline parallelism keep matrices whole), or Muon, which assembles "
+            "whole matrices under every layout."
+        )
 
 
 def check_hyperparameters(name: str, values: dict[str, float], defaults: dict[str, float]) -> None:

@@ -79,9 +79,13 @@ def preflight(
     which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:
     `ModelSpec.pipeline_stages`, which builds the model on the meta device)."""
     validate_config(config)
-    check_optimizer_config(config.optimizer)
-    data_parallel = DataParallel.from_config(config)
     p, t, c = config.parallelism, config.training, config.checkpoint
+    check_optimizer_config(config.optimizer, {
+        "optimizer.zero_stage": config.optimizer.zero_stage,
+        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
+    })  # fmt: skip
+    data_parallel = DataParallel.from_config(config)
     dims = ParallelDims.from_degrees(
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
         ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
@@ -202,7 +206,9 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
             shard=context_parallel.shard if context_parallel else None,
         )  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
-    optimizer = build_optimizer_from_config(model, reduction, config.optimizer, max_norm=t.max_norm)
+    optimizer = build_optimizer_from_config(
+        model, reduction, config.optimizer, max_norm=t.max_norm, vocab_size=pre.model_args.vocab_size
+    )
     lr_scheduler = build_lr_scheduler_from_config(optimizer.inner, config.lr_scheduler, steps=t.steps)
     d = pre.dims
     progress = TrainProgress(

@@ -189,6 +189,7 @@ class Trainer:
                 "optimizer_state_bytes": optimizer.state_bytes(),
                 "param_bytes": optimizer.param_bytes(),
                 "grad_bytes": optimizer.grad_bytes(),
+                **({"optimizer_sent_bytes": optimizer.sent_bytes()} if optimizer.assembles_matrices else {}),
             },
             extra=lambda: (
                 spec.extra_metrics(job.model.parts, job.preflight.model_args, job.device)
