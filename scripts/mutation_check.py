@@ -54,6 +54,7 @@ READ_LATE_STOP_TEST = (
 )
 CP_ATTENTION = "tests/distributed/test_context_parallel_attention.py"
 CP_MODEL = "tests/distributed/test_context_parallel_model.py"
+OPTIMIZER_MATRIX = "tests/distributed/test_optimizers.py::test_zero_layout_matches_one_process"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
@@ -232,6 +233,15 @@ BREAKS = [
           "            module.sequence_sum = cp.sequence_sum", "            pass",
           ("tests/integration/test_moe.py::test_layout_matches_one_process[cp2xep2]",),
           "under context parallelism each rank's MoE load-balancing loss sees only its part of each sequence"),
+    Break("muon-orthogonalizes-shards", "torchpre/optim/muon.py",
+          "self.whole.apply(self._orthogonalize, updates)", "[self._orthogonalize(u) for u in updates]",
+          (f"{OPTIMIZER_MATRIX}[Muon-dp2_zero1]",),
+          "Muon orthogonalizes each rank's shard of a matrix on its own (what torch.optim.Muon does on shards)"),
+    Break("whole-matrices-miss-strided-shards", "torchpre/optim/whole_matrices.py",
+          "isinstance(placement, (Shard, _StridedShard))", "isinstance(placement, Shard)",
+          ("tests/distributed/test_whole_matrices.py::test_every_layout_is_assembled_and_returned",
+           f"{OPTIMIZER_MATRIX}[Muon-dp2_tp2_zero1]"),
+          "ZeRO's cut within a TP shard is not gathered: Muon sees half of each column-parallel matrix under dp x tp"),
     Break("docs-flag-misspelt", "docs/multinode.md",
           "    train.py --job.config_file train_configs/debug_model.toml --model.flavor 8B\n",
           "    train.py --job.config_file train_configs/debug_model.toml --model.flavour 8B\n",

@@ -28,12 +28,15 @@ DTYPES: dict[str, tuple[str, str]] = {  # (saved in, resumed in)
     "fp32>bf16": ("float32", "bfloat16"),
 }
 
-# AdamW everywhere, plus two optimizers whose state differs from it (a momentum buffer; a sum created with the
-# optimizer, before any step), with learning rates at which they train these models.
+# AdamW everywhere, plus optimizers whose state differs from it (a momentum buffer; a sum created with the
+# optimizer, before any step; Muon's momenta beside AdamW's moments), with learning rates at which they train these
+# models.
 OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "AdamW": (),
     "SGD": ("--optimizer.name", "SGD", "--optimizer.momentum", "0.9", "--optimizer.lr", "0.05"),
     "Adagrad": ("--optimizer.name", "Adagrad", "--optimizer.lr", "0.01"),
+    # A momentum per hidden matrix, stepped on whole matrices; fp32 Newton-Schulz, so that layouts agree to fp32.
+    "Muon": ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"),
 }
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.launch import MOE_TINY, TINY, train_and_read_params
+from torchpre.optim.muon import hidden_matrices
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,13 @@ CASES = [
 ]
 
 
+# Muon's bytes each rank sends per step, a fraction of its hidden matrices' fp32 bytes (optim/whole_matrices.py):
+# split over 2 ranks, each sends half of every matrix (its shard to the owner, or the other's result back); whole on
+# every rank (pipeline stages, experts over ep of these models), nothing.
+MUON_SENT_FRACTION = {"dp2_zero1": 0.5, "dp2_zero2": 0.5, "dp2_zero3": 0.5, "tp2_sp": 0.5, "pp2_1f1b_tied": 0.0,
+                      "moe_ep2": 0.0}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory) -> Callable[[str, str], tuple[list[dict], dict]]:
     """Per optimizer and model, the one-process run's records and final parameters, trained on first use."""
@@ -94,3 +102,8 @@ def test_zero_layout_matches_one_process(optimizer, layout, one_process, tmp_pat
     assert expected.keys() >= reference_params.keys()
     for name, value in expected.items():
         assert (params[name] - value).abs().max() <= PARAM_ATOL[optimizer], name
+    if optimizer == "Muon" and layout in MUON_SENT_FRACTION:
+        vocab = reference_params["tok_embeddings.weight"].shape[0]
+        hidden = hidden_matrices(list(reference_params.items()), vocab, [], {"tok_embeddings.weight"})
+        matrix_bytes = sum(reference_params[name].numel() * 4 for name in hidden)
+        assert {r["optimizer_sent_bytes"] for r in records} == {MUON_SENT_FRACTION[layout] * matrix_bytes}

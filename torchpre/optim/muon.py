@@ -122,28 +122,25 @@ class Muon(torch.optim.Optimizer):
         muon_ns_dtype: str,
         muon_lr_adjust: str,
     ):
+        # Muon's group first, then AdamW's part of each given group, empty ones kept: every pipeline stage has the
+        # same groups (some without embeddings or without hidden matrices), so LR-schedule state reloads anywhere.
+        decay = next((g["weight_decay"] for g in param_groups if any(p.ndim >= 2 for p in g["params"])), 0.0)
+        muon: dict = {"params": [], "names": [], "layouts": [], "weight_decay": decay}  # the matrices' decay
         split: list[dict] = []
-        muon: dict[str, list] = {"params": [], "names": [], "layouts": []}
         for group in param_groups:
             chosen = [name in hidden for name in group["names"]]
             for key in ("params", "names", "layouts"):
                 muon[key] += [value for value, take in zip(group[key], chosen) if take]
-            if any(chosen):
-                muon["weight_decay"] = group["weight_decay"]  # the matrices' group
-            if not all(chosen):
-                split.append({"params": [p for p, take in zip(group["params"], chosen) if not take],
-                              "names": [n for n, take in zip(group["names"], chosen) if not take],
-                              "weight_decay": group["weight_decay"], "muon": False})  # fmt: skip
+            split.append({"params": [p for p, take in zip(group["params"], chosen) if not take],
+                          "names": [n for n, take in zip(group["names"], chosen) if not take],
+                          "weight_decay": group["weight_decay"], "muon": False})  # fmt: skip
         muon_layouts = muon.pop("layouts")
-        if muon["params"]:
-            split.insert(0, {**muon, "muon": True})
+        split.insert(0, {**muon, "muon": True})
         defaults = {"lr": lr, "momentum": muon_momentum, "nesterov": muon_nesterov}
         super().__init__(split, defaults)
-        self.adamw_groups = [g for g in self.param_groups if not g["muon"]]
-        self.adamw = torch.optim.AdamW(self.adamw_groups, lr=lr, betas=betas, eps=eps) if self.adamw_groups else None
-        if self.adamw is not None:
-            self.adamw.state = self.state  # one state mapping: checkpoints read every master's entry from here
-        self.muon_group = self.param_groups[0] if self.param_groups[0]["muon"] else None
+        self.muon_group = self.param_groups[0]
+        self.adamw = torch.optim.AdamW(self.param_groups[1:], lr=lr, betas=betas, eps=eps)
+        self.adamw.state = self.state  # one state mapping: checkpoints read every master's entry from here
         self.layouts = muon_layouts
         self.whole = WholeMatrices(muon_layouts)
         self._orthogonalize: Callable[[torch.Tensor], torch.Tensor] = lambda m: orthogonalize(
@@ -158,11 +155,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
-        if self.adamw is not None:
-            self.adamw.step()
-        if self.muon_group is None:
-            self.whole.apply(self._orthogonalize, [])
-            return
+        self.adamw.step()
         group = self.muon_group
         momentum, lr, decay = group["momentum"], group["lr"], group["weight_decay"]
         updates = []
@@ -184,8 +177,6 @@ class Muon(torch.optim.Optimizer):
         """The state before the first step, without assembling any matrix (no collective): the momentum buffers at 0,
         which is where a zero gradient leaves them, and AdamW's state from its own step (on the zero gradients and
         zero learning rate `DistributedOptimizer._initialise_state` sets)."""
-        if self.adamw is not None:
-            self.adamw.step()
-        if self.muon_group is not None:
-            for param in self.muon_group["params"]:
-                self.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+        self.adamw.step()
+        for param in self.muon_group["params"]:
+            self.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
