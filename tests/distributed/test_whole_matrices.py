@@ -56,7 +56,7 @@ def assemble(mesh: DeviceMesh) -> None:
         layouts.append(DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
                                           stride=full.stride()))  # fmt: skip
         expected.append(_shard(mesh, _whole_function(full), placements))
-    whole = WholeMatrices(layouts)
+    whole = WholeMatrices(layouts, torch.device("cpu"))
     for _ in range(2):  # the routes are built on the first call and reused
         results = whole.apply(_whole_function, shards)
         for (shape, placements), result, want in zip(LAYOUTS, results, expected):
@@ -84,7 +84,7 @@ def owners_balance(mesh: DeviceMesh) -> None:
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     layouts = [DTensor.from_local(torch.zeros(2, 8), mesh, [Shard(0)], run_check=False, shape=torch.Size((8, 8)),
                                   stride=(8, 1)) for _ in range(8)]  # fmt: skip
-    whole = WholeMatrices(layouts)
+    whole = WholeMatrices(layouts, torch.device("cpu"))
     assert [m.owner for m in whole.matrices].count(dist.get_rank()) == 2
 
 

@@ -104,7 +104,7 @@ class Muon(torch.optim.Optimizer):
 
     One learning rate for both (the LR schedule's); Muon's is scaled per matrix by `lr_scale(muon_lr_adjust)`.
     Weight decay is decoupled for both (`p ← p·(1 − lr·wd)`), on the matrices only. Nesterov momentum as torch's:
-    `buf ← lerp(buf, g, 1 − μ)`, update `lerp(g, buf, μ)`.
+    `buf ← lerp(buf, g, 1 − μ)`, update `lerp(g, buf, μ)`. `foreach` is AdamW's (`optimizer.implementation`).
     """
 
     def __init__(
@@ -121,6 +121,7 @@ class Muon(torch.optim.Optimizer):
         muon_ns_coefficients: Sequence[float],
         muon_ns_dtype: str,
         muon_lr_adjust: str,
+        foreach: bool | None = None,
     ):
         # Muon's group first, then AdamW's part of each given group, empty ones kept: every pipeline stage has the
         # same groups (some without embeddings or without hidden matrices), so LR-schedule state reloads anywhere.
@@ -139,10 +140,11 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "momentum": muon_momentum, "nesterov": muon_nesterov}
         super().__init__(split, defaults)
         self.muon_group = self.param_groups[0]
-        self.adamw = torch.optim.AdamW(self.param_groups[1:], lr=lr, betas=betas, eps=eps)
+        self.adamw = torch.optim.AdamW(self.param_groups[1:], lr=lr, betas=betas, eps=eps, foreach=foreach)
         self.adamw.state = self.state  # one state mapping: checkpoints read every master's entry from here
         self.layouts = muon_layouts
-        self.whole = WholeMatrices(muon_layouts)
+        device = next(p.device for group in param_groups for p in group["params"])
+        self.whole = WholeMatrices(muon_layouts, device)
         self._orthogonalize: Callable[[torch.Tensor], torch.Tensor] = lambda m: orthogonalize(
             m, muon_ns_coefficients, muon_ns_steps, NS_DTYPES[muon_ns_dtype]
         )

@@ -18,7 +18,7 @@ Bytes each rank sends per step: its shards of the matrices other ranks own, and 
 the other members, about 2 · (g − 1)/g of its share of the matrices for groups of g (4 bytes per fp32 element).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +77,12 @@ class WholeMatrices:
     belongs to). `apply(fn, shards)` returns this rank's shards of `fn(block)`, per matrix. It is one collective
     over the world (where any matrix is sharded): every rank calls it at the same point, in the same order.
 
-    `sent_bytes`: what this rank sent to other ranks in its last `apply`.
+    `device`: where the collectives' buffers live (the backend's device: CUDA for NCCL). `sent_bytes`: what this rank
+    sent to other ranks in its last `apply`.
     """
 
-    def __init__(self, layouts: Sequence[DTensor]):
+    def __init__(self, layouts: Sequence[DTensor], device: torch.device):
+        self.device = device
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.matrices: list[_Matrix] = []
@@ -107,7 +109,7 @@ class WholeMatrices:
         received = routes.to_owners([s.flatten() for s in shards], dtype)
         results = {}
         for k, positions in routes.positions.items():
-            block = torch.empty(self.matrices[k].block.numel(), dtype=dtype, device=shards[k].device)
+            block = torch.empty(self.matrices[k].block.numel(), dtype=dtype, device=self.device)
             for source, where in positions.items():
                 block[where] = received[(k, source)]
             result = fn(block.view(self.matrices[k].block)).flatten()
@@ -127,6 +129,7 @@ class _Routes:
     owners: list[int]
     sizes: dict[tuple[int, int], int]
     positions: dict[int, dict[int, torch.Tensor]]
+    device: torch.device = torch.device("cpu")
     world: int = 1
     rank: int = 0
     numels: list[int] | None = None
@@ -141,16 +144,16 @@ class _Routes:
         """The routes of `matrices`, agreed with the other ranks: each member sends the owner its shard's size and
         positions once (collectives over the world, so every rank builds them at its first `apply`)."""
         sharded = any(len(m.members) > 1 for m in matrices.matrices)
-        flag = torch.tensor([int(sharded)])
+        flag = torch.tensor([int(sharded)], device=matrices.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return _Routes.local()
         owned = [(source, k) for source in range(matrices.world) for k, m in enumerate(matrices.matrices)
                  if m.owner == matrices.rank and source in m.members]  # fmt: skip
         routes = _Routes(True, [m.owner for m in matrices.matrices], {(k, source): 1 for source, k in owned}, {},
-                         matrices.world, matrices.rank)  # fmt: skip
+                         matrices.device, matrices.world, matrices.rank)  # fmt: skip
         positions = [_positions(m) for m in matrices.matrices]
-        sizes = routes.to_owners([torch.tensor([len(p)]) for p in positions], torch.int64)
+        sizes = routes.to_owners([torch.tensor([len(p)], device=matrices.device) for p in positions], torch.int64)
         routes.sizes = {key: int(value) for key, value in sizes.items()}
         for (k, source), where in routes.to_owners(positions, torch.int64).items():
             routes.positions.setdefault(k, {})[source] = where
@@ -159,7 +162,7 @@ class _Routes:
 
     def _incoming(self) -> list[tuple[int, int]]:
         """(source, matrix) of what this rank receives as owner, in the order the sources send it."""
-        return sorted(((source, k) for k, source in self.sizes), key=lambda key: key)
+        return sorted((source, k) for k, source in self.sizes)
 
     def to_owners(self, pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> dict[tuple[int, int], torch.Tensor]:
         """Sends `pieces[k]` to matrix k's owner; returns what this rank received, by (matrix, source)."""
@@ -186,15 +189,15 @@ class _Routes:
     def _all_to_all(
         self, pieces: list[torch.Tensor], send_counts: list[int], receive_counts: list[int], dtype: torch.dtype
     ) -> torch.Tensor:
-        device = pieces[0].device if pieces else torch.device("cpu")
-        payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=device)
-        output = torch.empty(sum(receive_counts), dtype=dtype, device=device)
+        payload = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=self.device)
+        output = torch.empty(sum(receive_counts), dtype=dtype, device=self.device)
         dist.all_to_all_single(output, payload, receive_counts, send_counts)
         self.sent_bytes += (sum(send_counts) - send_counts[self.rank]) * dtype.itemsize
         return output
 
 
-def _counts(world: int, entries) -> list[int]:
+def _counts(world: int, entries: Iterable[tuple[int, int]]) -> list[int]:
+    """Elements per rank, from (rank, elements) pairs."""
     counts = [0] * world
     for rank, count in entries:
         counts[rank] += count
