@@ -96,6 +96,17 @@ def test_layout_matches_one_process(layout, reference, tmp_path):
     nproc, args = LAYOUTS[layout]
     records = train_and_read_metrics([*DEBUG, *args], nproc, tmp_path)
     assert_same_curve(records, reference, CP_LOSS_ATOL if layout.startswith("cp") else LOSS_ATOL)
+    assert_comm_cp(records, layout)
+
+
+def assert_comm_cp(records: list[dict], layout: str) -> None:
+    """A context-parallel run times its key/value gathers as time/comm_cp_s (not seen inside compiled graphs);
+    a run without cp has no such key."""
+    seconds = [r.get("time/comm_cp_s") for r in records]
+    if not layout.startswith("cp"):
+        assert seconds == [None] * len(records)
+    elif "compile" not in layout:
+        assert all(s is not None and s > 0 for s in seconds), seconds
 
 
 def test_pp2_with_tied_embeddings_matches_one_process(tmp_path):
