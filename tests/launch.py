@@ -72,6 +72,18 @@ TINY = [
 ]
 
 
+def short_documents_args(folder: Path, documents: int = 2000) -> list[str]:
+    """Training args for a .jsonl dataset whose documents are the first `documents` lines of the built-in corpus
+    (~5-20 tokens each, where its documents are longer than a 32-token window): every window holds several
+    documents, so training.document_mask changes the loss."""
+    from torchpre.data.corpus import stdlib_documents
+
+    lines = [line.strip() for doc in stdlib_documents() for line in doc.splitlines() if line.strip()]
+    path = folder / "lines.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:documents]))
+    return ["--training.dataset", "text", "--training.dataset_path", str(path)]
+
+
 def manifest_record(path: Path) -> dict[str, int]:
     """A file's entry in a checkpoint's manifest.json, as a save writes it: its size and zlib's CRC-32."""
     return {"size": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}

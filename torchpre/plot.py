@@ -51,7 +51,10 @@ PANELS = (
         ("pipeline/bubble", "pipeline/bubble_max", "pipeline/bubble_theory"),
         dashed=("pipeline/bubble_theory",),
     ),
-    Panel("communication time (s per step)", ("time/comm_dp_s", "time/comm_tp_s", "time/comm_pp_s", "time/comm_ep_s")),
+    Panel(
+        "communication time (s per step)",
+        ("time/comm_dp_s", "time/comm_tp_s", "time/comm_pp_s", "time/comm_ep_s", "time/comm_cp_s"),
+    ),
     Panel("step time tail (s)", ("time/step_p50_s", "time/step_p90_s", "time/step_p99_s", "time/step_max_s")),
 )
 COLUMNS = 2

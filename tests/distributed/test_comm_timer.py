@@ -14,6 +14,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.launch import spawn
 from torchpre.distributed.comm_timer import CommTimer
+from torchpre.models.attention import masked_attention
+from torchpre.parallel.context_parallel import ContextParallel
 
 SLEEP_S = 0.3
 MEASURED_S = 0.2  # a rank blocked behind SLEEP_S counts at least this (scheduling can shorten the wait a little)
@@ -118,3 +120,34 @@ def _check_shared_group(_: DeviceMesh) -> None:
             if dist.get_rank() == 0:
                 assert totals[dim] >= MEASURED_S, (dim, totals)
             assert totals["ep" if dim == "dp" else "dp"] < QUIET_S, (dim, totals)
+
+
+def test_context_parallel_gathers_count_as_cp_on_the_group_they_share_with_dp(tmp_path):
+    spawn(_check_context_parallel, world_size=2, store_path=tmp_path / "store")
+
+
+def _check_context_parallel(_: DeviceMesh) -> None:
+    """cp2 with dp 1: the gradient reduction's dp group (dp x cp) and cp's are the same ranks, one group from
+    torch. Context parallelism's key/value all-gathers (`ContextParallel.attend`) count as cp, the data-parallel
+    all-reduce as dp; a job without cp has no cp kind."""
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
+    context = init_device_mesh("cpu", (1, 1, 2, 1), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    assert CommTimer(torch.device("cpu"), [mesh]).kinds_in_use == ["dp"]
+    timer = CommTimer(torch.device("cpu"), [mesh, context])
+    assert timer.kinds_in_use == ["dp", "cp"]
+    cp = ContextParallel(context["cp"], 8, torch.device("cpu"), masked_attention)
+    q, k, v = (torch.randn(1, 4, 2, 4, requires_grad=True) for _ in range(3))
+    with timer.installed():
+        _late(context, "cp")
+        cp.attend(q, k, v).sum().backward()
+        totals = timer.totals()
+        if context.get_local_rank("cp") == 0:
+            assert totals["cp"] >= MEASURED_S, totals
+        assert totals["dp"] < QUIET_S, totals
+
+        _late(mesh, "dp")
+        dist.all_reduce(k.grad, group=mesh.get_group("dp"))
+        totals = timer.totals()
+        if mesh.get_local_rank("dp") == 0:
+            assert totals["dp"] >= MEASURED_S, totals
+        assert totals["cp"] < QUIET_S, totals

@@ -56,8 +56,10 @@ def _check(documents: bool, mesh) -> None:
     cp = ContextParallel(mesh, SEQ, torch.device("cpu"), masked_attention, document_bos=BOS if documents else None)
     q, k, v, tokens = inputs()
     local = [t.index_select(1, cp.positions).clone().requires_grad_() for t in (q, k, v)]
-    assert cp.forward_kwargs(tokens.index_select(1, cp.positions)) == {}
-    out = cp.attend(*local)
+    kwargs = cp.forward_kwargs(tokens.index_select(1, cp.positions))
+    assert kwargs.keys() == ({"document_ids"} if documents else set())
+    attend = cp.document_attention(kwargs["document_ids"]) if documents else cp.attend
+    out = attend(*local)
     (out * weights.index_select(1, cp.positions)).sum().backward()
     pos = cp.positions
     _assert_close(out.detach(), out_ref[:, pos], "output")

@@ -3,16 +3,11 @@ document on its own), and training with it runs, changes the loss, and is layout
 activation checkpointing and compile."""
 
 import dataclasses
-import json
 
 import pytest
 import torch
 
-from tests.launch import TINY, train_and_read_metrics
-from torchpre.config.job_config import JobConfig
-from torchpre.config.validate import validate_config
-from torchpre.data.corpus import stdlib_documents
-from torchpre.errors import ConfigError
+from tests.launch import TINY, short_documents_args, train_and_read_metrics
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 
@@ -51,20 +46,10 @@ def test_document_ids_with_a_kv_cache_position_is_rejected(model):
         model(torch.zeros(1, 4, dtype=torch.long), start_pos=0, document_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
-def test_document_mask_with_pipeline_parallel_is_rejected():
-    config = JobConfig()
-    config.training.document_mask = True
-    config.parallelism.pipeline_parallel_degree = 2
-    with pytest.raises(ConfigError, match="training.document_mask.*pipeline_parallel_degree = 2"):
-        validate_config(config)
-
-
 # End to end ----------------------------------------------------------------------------------------
 
 STEPS = ["--training.steps", "4"]
 MASK = ["--training.document_mask"]
-# The built-in corpus's documents are longer than a 32-token window; these take ~5-20 tokens each.
-SHORT_DOCUMENTS = 2000
 # fp32 on CPU: TP, SP and compile reorder reductions (~1e-6 relative per step, carried by Adam);
 # 1e-4 on a loss of ~8 is far below any masking or sharding bug.
 LOSS_ATOL = 1e-4
@@ -76,12 +61,7 @@ def losses(records: list[dict]) -> list[float]:
 
 @pytest.fixture(scope="module")
 def packed_args(tmp_path_factory) -> list[str]:
-    """Training args for a .jsonl dataset whose documents are the lines of the built-in corpus, so every
-    window holds several documents."""
-    lines = [line.strip() for doc in stdlib_documents() for line in doc.splitlines() if line.strip()]
-    path = tmp_path_factory.mktemp("data") / "lines.jsonl"
-    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines[:SHORT_DOCUMENTS]))
-    return [*TINY, *STEPS, "--training.dataset", "text", "--training.dataset_path", str(path)]
+    return [*TINY, *STEPS, *short_documents_args(tmp_path_factory.mktemp("data"))]
 
 
 @pytest.fixture(scope="module")

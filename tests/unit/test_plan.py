@@ -12,14 +12,18 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import names_where
 from torchpre.errors import ConfigError
 from torchpre.plan import main as plan_main
+from torchpre.planner import layouts
 from torchpre.planner.dryrun import build_rank
 from torchpre.planner.layouts import Layout, check, valid_layouts
+from torchpre.planner.pieces import microbatch_pieces
 from torchpre.planner.predict import model_flops_per_token, predict
+from torchpre.planner.search import search
+from torchpre.planner.time_model import collective_seconds
 
 JSON_KEYS = {
     "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",
     "param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes", "step_time_s", "tokens_per_sec", "mfu",
-    "fits",
+    "fits", "cp",
 }  # fmt: skip
 
 
@@ -128,3 +132,39 @@ def test_the_planner_needs_the_gpu_count_a_known_gpu_and_a_dense_model():
     with pytest.raises(ConfigError, match=r"this family's args come from elsewhere \(model.hf_config\)"):
         plan_main(["--model.name", "hf", "--model.hf_config", "assets/hf_configs/llama_tiny.json",
                    "--training.global_batch_size", "8", "--gpus", "2"])  # fmt: skip
+
+
+def test_the_cp_communication_is_the_key_and_value_gathers_of_every_attention_layer():
+    """The step-time model's cp term, by hand: per attention layer and microbatch, forward all-gathers k and v
+    over cp (each gathered tensor: microbatch x seq x kv_heads / tp x head_dim in the compute dtype) and backward
+    reduce-scatters their gradients (the same full buffers); TP's collectives stay tp's."""
+    base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
+    checked = check(Layout(dp=1, tp=2, pp=1, cp=2, microbatch_size=2), base, 4)
+    args = checked.model_args
+    kv_bytes = 2 * 64 * (args.n_kv_heads // 2) * (args.dim // args.n_heads) * 4  # microbatch 2, fp32
+    block = microbatch_pieces(checked.config, 2).block
+    for work, op in ((block.forward, "all_gather"), (block.backward, "reduce_scatter")):
+        cp = [c for c in work.collectives if c.dim == "cp"]
+        assert sorted((c.op, c.bytes) for c in cp) == [(op, kv_bytes)] * 2
+        assert any(c.dim == "tp" for c in work.collectives)
+    step = predict(checked, get_hardware("h100-80gb"), 4, model_flops_per_token(checked.config, args)).step
+    hardware = get_hardware("h100-80gb")
+    per_gather = collective_seconds("all_gather", 2, kv_bytes, hardware.intra_node_bw, hardware)
+    per_scatter = collective_seconds("reduce_scatter", 2, kv_bytes, hardware.intra_node_bw, hardware)
+    microbatches = 8 // 2
+    expected = microbatches * args.n_layers * 2 * (per_gather + per_scatter)
+    assert step.cp_comm_s == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.plan_matrix
+def test_a_job_whose_layouts_fit_without_cp_is_not_offered_cp(monkeypatch):
+    """Llama 3 8B on 64 H100s at 8,192 tokens, 64 sequences per step: layouts without cp fit, so the planner does
+    not search cp (each degree of it would add its probes and a key/value gather per layer). The search is narrowed
+    to ZeRO-3, full AC, one sequence per microbatch and 1F1B to keep its probes few (155 s here)."""
+    for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("full",)), ("MICROBATCH_SIZES", (1,)),
+                         ("PLANNED_SCHEDULES", (("1F1B", 1),))):  # fmt: skip
+        monkeypatch.setattr(layouts, name, values)
+    base = _job("--model.flavor", "8B", "--training.seq_len", "8192", "--training.global_batch_size", "64",
+                "--training.mixed_precision_param", "bfloat16")  # fmt: skip
+    result = search(base, get_hardware("h100-80gb"), 64)
+    assert result.fitting and all(p.checked.layout.cp == 1 for p in result.predictions), result.table(5)

@@ -48,7 +48,7 @@ def test_one_rank_is_compute_and_optimizer():
     assert time.optimizer_s == approx(3.5 * 8e9 / 3.35e12 + 0.005)
     assert (time.tp_comm_s, time.pp_comm_s, time.dp_comm_s, time.bubble_s) == (0, 0, 0, 0)
     assert time.total_s == approx(time.compute_s + time.optimizer_s)
-    assert set(time.as_dict()) == {"compute_s", "tp_comm_s", "ep_comm_s", "pp_comm_s", "dp_comm_s",
+    assert set(time.as_dict()) == {"compute_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "pp_comm_s", "dp_comm_s",
                                    "dp_comm_exposed_s", "bubble_s", "optimizer_s", "total_s"}
 
 

@@ -98,7 +98,7 @@ class Training:
     document_mask: bool = _option(
         False,
         "attend only within each document of a packed sequence (a document starts at each BOS token); "
-        "RoPE positions stay those of the sequence; not with pipeline parallelism",
+        "RoPE positions stay those of the sequence",
     )
     on_nonfinite: Literal["stop", "skip"] = _option(
         "stop",

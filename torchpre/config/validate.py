@@ -33,13 +33,6 @@ def validate_config(config: JobConfig) -> None:
         import_tensorboard()
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         raise ConfigError(f"training.global_batch_size = {t.global_batch_size}: use -1 or a positive number.")
-    if t.document_mask and config.parallelism.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            "training.document_mask is not supported with parallelism.pipeline_parallel_degree = "
-            f"{config.parallelism.pipeline_parallel_degree}: the pipeline passes only hidden states between stages, "
-            "so later stages would not know the document boundaries. Set pipeline_parallel_degree = 1 or turn "
-            "training.document_mask off."
-        )
     _check_selective_ac_schedule(config)
     _check_optimizer(o)
     _check_data_parallel_degrees(config)

@@ -1,4 +1,4 @@
-"""Wall time inside each mesh dimension's collectives: the `time/comm_{dp,tp,pp,ep}_s` metrics.
+"""Wall time inside each mesh dimension's collectives: the `time/comm_{dp,tp,pp,ep,cp}_s` metrics.
 
 torch has no hook that times collectives on every backend (NCCL's completion hooks skip gloo, and a dispatch
 mode would slow every operator), so while a `CommTimer` is installed it wraps the Python entry points of
@@ -9,8 +9,9 @@ so the time counts what the caller spent blocked, not what overlapped with compu
 the pipeline count their wait for the peer, so `comm_pp` includes the bubble the peer's compute causes.
 
 Not seen: collectives inside `torch.compile`d graphs (they are graph nodes, not calls), and the backward
-collectives of the functional collectives' own autograd (the expert all-to-all's backward), whose waits count as
-`other`: not reported, but part of the communication a rank's busy time excludes (`total`).
+collectives of the functional collectives' own autograd (the expert all-to-all's backward, context parallelism's
+reduce-scatter of the key and value gradients), whose waits count as `other`: not reported, but part of the
+communication a rank's busy time excludes (`total`).
 """
 
 import functools
@@ -48,11 +49,11 @@ FUNCTIONAL_COLLECTIVES = (
 def dimension_kind(name: str) -> str:
     """The metric a mesh dimension's collectives count under: dp for every data-parallel flavour (dp,
     dp_replicate, dp_shard, edp, edp_shard)."""
-    return name if name in ("tp", "pp", "ep") else "dp"
+    return name if name in ("tp", "pp", "ep", "cp") else "dp"
 
 
 class CommTimer:
-    """Seconds inside collectives per kind (dp, tp, pp, ep, other) since the last `totals()`, while `installed`.
+    """Seconds inside collectives per kind (dp, tp, pp, ep, cp, other) since the last `totals()`, while `installed`.
 
     `meshes` are the job's device meshes; a dimension of size 1 communicates nothing and has no kind. On CUDA
     the spans are events on the current stream (`SpanClock`): the time the stream waited for communication,
@@ -71,7 +72,7 @@ class CommTimer:
                     for known in (kinds, self.kinds_in_use):
                         if kind not in known:
                             known.append(kind)
-        self._pending: dict[int, str] = {}  # id of a functional collective's output -> its kind, until waited
+        self._pending: dict[int, str] = {}  # a functional collective's output buffer -> its kind, until waited
         self._paused = False
 
     def totals(self) -> dict[str, float]:
@@ -116,16 +117,20 @@ class CommTimer:
                 setattr(module, name, original)
             self._pending.clear()
 
-    def _kind(self, group: Any, collective: str) -> str:
+    def _kind(self, group: Any, collective: str, functional: bool = False) -> str:
         """The kind of a call of `collective` on `group`. torch gives dimensions over the same ranks one group
-        (ep spanning all of dp, say): there an all-to-all is expert parallelism's, anything else the first
-        dimension's (the order of the meshes' dimensions)."""
+        (ep spanning all of dp, say; or cp when the gradients are reduced over cp alone): there an all-to-all is
+        expert parallelism's, a functional collective context parallelism's (its key/value gathers; the data-parallel
+        reductions call torch.distributed's), anything else the first dimension's (the order of the meshes'
+        dimensions)."""
         if group is None:
             group = c10d._get_default_group()
         name = group.group_name if isinstance(group, dist.ProcessGroup) else funcol._resolve_group_name(group)
         kinds = self._kinds_of_group.get(name, [OTHER])
         if "ep" in kinds and collective.startswith("all_to_all"):
             return "ep"
+        if "cp" in kinds and functional:
+            return "cp"
         return kinds[0]
 
     def _span(self, kind: str):
@@ -156,12 +161,12 @@ class CommTimer:
         def timed(*args, **kwargs):
             if torch.compiler.is_compiling():  # being traced into a compiled graph: a node there, not a call
                 return collective(*args, **kwargs)
-            kind = self._kind(signature.bind(*args, **kwargs).arguments.get("group"), name)
+            kind = self._kind(signature.bind(*args, **kwargs).arguments.get("group"), name, functional=True)
             with self._span(kind):
                 result = collective(*args, **kwargs)
             for output in result if isinstance(result, list) else [result]:
                 if isinstance(output, funcol.AsyncCollectiveTensor):
-                    self._pending[id(output.elem)] = kind
+                    self._pending[_buffer(output.elem)] = kind
             return result
 
         return timed
@@ -171,10 +176,16 @@ class CommTimer:
         def timed(tensor: torch.Tensor) -> torch.Tensor:
             if torch.compiler.is_compiling():
                 return wait_tensor(tensor)
-            with self._span(self._pending.pop(id(tensor), OTHER)):
+            with self._span(self._pending.pop(_buffer(tensor), OTHER)):
                 return wait_tensor(tensor)
 
         return timed
+
+
+def _buffer(tensor: torch.Tensor) -> int:
+    """Identifies a functional collective's output buffer. Not the tensor: a view of a pending output (the
+    all-gather along a dimension other than 0 returns one) is waited on as its own tensor, over the same storage."""
+    return tensor.untyped_storage().data_ptr()
 
 
 class _TimedWork:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
@@ -68,11 +69,13 @@ _FLOP_FORMULAS = {
 class Collective:
     """One collective op as this rank issued it: `op` ("namespace.name", e.g. "_c10d_functional.all_reduce"),
     the size of its process group, and `bytes`, the bytes of this rank's input tensors (for an all-gather the
-    local shard, for a reduce-scatter the whole tensor)."""
+    local shard, for a reduce-scatter the whole tensor). `group_stride`: the distance between the group's
+    consecutive ranks, which tells apart mesh dimensions of the same size (tp's 1, cp's tp)."""
 
     op: str
     group_size: int
     bytes: int
+    group_stride: int = 1
 
 
 @dataclass
@@ -207,7 +210,8 @@ def _collective(func, args: tuple, kwargs: dict) -> Collective:
     first = func._schema.arguments[0].name
     nbytes = sum(_nbytes(t) for t in tree_leaves(values[first]) if isinstance(t, Tensor))
     name = func.overloadpacket._qualified_op_name.replace("::", ".")
-    return Collective(name, group.size(), nbytes)
+    ranks = sorted(dist.get_process_group_ranks(group))
+    return Collective(name, group.size(), nbytes, ranks[1] - ranks[0] if len(ranks) > 1 else 1)
 
 
 @contextmanager

@@ -268,10 +268,11 @@ class ParallelModel:
 
         Without a pipeline each microbatch runs `parts[0](inputs, **forward_kwargs(inputs))` and
         `loss_fn(output, labels)`; with one, all microbatches go through one schedule step, cut into the
-        plan's pipeline microbatches.
+        plan's pipeline microbatches, and `forward_kwargs` of the whole batch (tensors [batch, ...], such as the
+        document ids) are cut with them and go to every stage's forward of each microbatch.
         """
         if self.plan.pipeline is not None:
-            return self._pipeline_forward_backward(microbatches)
+            return self._pipeline_forward_backward(microbatches, forward_kwargs)
         loss = torch.zeros((), device=self.device)
         for i, (inputs, labels) in enumerate(microbatches):
             microbatch_loss = self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels)
@@ -281,14 +282,16 @@ class ParallelModel:
             loss += replicated_value(microbatch_loss.detach())
         return loss
 
-    def _pipeline_forward_backward(self, microbatches: Sequence[Batch]) -> torch.Tensor:
+    def _pipeline_forward_backward(
+        self, microbatches: Sequence[Batch], forward_kwargs: Callable[[torch.Tensor], dict]
+    ) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in microbatches])
         labels = torch.cat([y for _, y in microbatches])
         schedule = self._require_schedule()
         for stage in self._stages:
             stage.clock = self._pipeline_clock
         try:
-            losses = self._run_schedule(schedule.step, inputs, labels)
+            losses = self._run_schedule(schedule.step, inputs, labels, forward_kwargs(inputs))
         finally:
             for stage in self._stages:
                 stage.clock = None
@@ -311,7 +314,7 @@ class ParallelModel:
         output (the logits): under pipeline parallelism the activations of the whole batch go stage to stage by
         point-to-point sends, so any shape runs (a prompt, then one token at a time) and every rank calls this
         with the same `inputs`. `forward_kwargs(inputs)` goes to every part's forward (e.g. a KV cache's
-        `start_pos`); under a schedule it is not used, as in `forward_backward`.
+        `start_pos`); under a schedule, cut into its microbatches as in `forward_backward`.
         """
         if labels is None:
             output = self._forward_stages(inputs, forward_kwargs(inputs))
@@ -324,7 +327,7 @@ class ParallelModel:
                 f"The '{self.plan.pipeline.schedule}' pipeline schedule cannot run forward-only (schedule.eval); "
                 f"use one of {', '.join(names_where(forward_only=True))}."
             )
-        losses = self._run_schedule(schedule.eval, inputs, labels)
+        losses = self._run_schedule(schedule.eval, inputs, labels, forward_kwargs(inputs))
         return torch.stack([replicated_value(loss) for loss in losses]).sum() if losses else None
 
     def _require_schedule(self):
@@ -332,13 +335,17 @@ class ParallelModel:
             raise ConfigError("Pipeline parallelism needs a loss_fn: the last stage computes the loss.")
         return self.schedule
 
-    def _run_schedule(self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    def _run_schedule(
+        self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
         """One `schedule.step` or `schedule.eval` over the batch; the losses of the microbatches on the last
-        stage, none elsewhere. `return_outputs=False` keeps the last stage from holding every microbatch's output."""
+        stage, none elsewhere. `return_outputs=False` keeps the last stage from holding every microbatch's output.
+        The schedule cuts `kwargs` into microbatches like the inputs and passes them to every stage (on every
+        rank: a later stage receives its activations from the previous one, but not these)."""
         losses: list[torch.Tensor] = []
         targets = {"target": labels, "losses": losses} if self.has_last_stage else {}
         args = (inputs,) if self.has_first_stage else ()
-        run(*args, **targets, return_outputs=False)
+        run(*args, **targets, **kwargs, return_outputs=False)
         return losses
 
     @property

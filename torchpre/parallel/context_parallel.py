@@ -21,6 +21,7 @@ inputs, and the loss (summed token losses over the global token count) adds up o
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed.nn.functional as dist_autograd
@@ -50,8 +51,9 @@ class ContextParallel:
 
     `shard` cuts a batch to this rank's positions; `rope_rows` and `attend` are what a model family's attention
     hook (`ModelSpec.context_parallel`) uses instead of the positions 0.. and the local causal kernel. With
-    `document_bos` (the BOS id, under training.document_mask) `forward_kwargs` reads each microbatch's document
-    boundaries from the whole rows before its forward. `kernel` computes the masked attention.
+    `document_bos` (the BOS id, under training.document_mask) `forward_kwargs` reads the batch's document
+    boundaries from the whole rows, and `document_attention` makes the attention of one microbatch's. `kernel`
+    computes the masked attention.
     """
 
     def __init__(
@@ -68,7 +70,9 @@ class ContextParallel:
         # The positions of the gathered keys: every rank's, in rank order (the order of the all-gather).
         self.key_positions = torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)]).to(device)
         self._causal = self.positions[:, None] >= self.key_positions[None, :]
-        self._documents: tuple[Tensor, Tensor] | None = None  # (query, key) document ids of the microbatch
+        # This rank's queries within the gathered keys: the all-gather puts its own positions at its rank's slot.
+        local = self.positions.numel()
+        self._queries = slice(rank * local, (rank + 1) * local)
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's positions of (inputs, labels) [batch, seq]."""
@@ -79,30 +83,37 @@ class ContextParallel:
         """The rows of a [max_seq, ...] RoPE table at this rank's positions, in its order."""
         return rope_cache.index_select(0, self.positions)
 
-    def forward_kwargs(self, inputs: Tensor) -> dict:
-        """Called with each microbatch's local inputs before its forward: under the document mask, gathers the
-        rows' tokens over cp and numbers their documents (a new one at every BOS). The model gets no kwargs: the
-        mask lives in `attend`."""
-        if self.document_bos is not None:
-            gathered = funcol.all_gather_tensor(inputs.contiguous(), 1, self.mesh)
-            rows = torch.empty_like(gathered)
-            rows[:, self.key_positions] = gathered
-            documents = (rows == self.document_bos).cumsum(dim=1)
-            self._documents = (documents[:, self.positions], documents[:, self.key_positions])
-        return {}
+    def forward_kwargs(self, inputs: Tensor) -> dict[str, Tensor]:
+        """What the model's forward gets besides this rank's tokens [batch, seq/cp]: under the document mask,
+        `document_ids` [batch, seq], the whole rows' documents (a new one at every BOS, numbered over the gathered
+        tokens) in the order of the gathered keys. Per row, so a pipeline schedule cuts them into microbatches
+        with the tokens and hands each stage its microbatch's; the model's hook (`document_attention`) turns them
+        into the attention's mask."""
+        if self.document_bos is None:
+            return {}
+        gathered = funcol.all_gather_tensor(inputs.contiguous(), 1, self.mesh)
+        rows = torch.empty_like(gathered)
+        rows[:, self.key_positions] = gathered
+        documents = (rows == self.document_bos).cumsum(dim=1)
+        return {"document_ids": documents[:, self.key_positions]}
+
+    def document_attention(self, document_ids: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """`attend` within the documents of `document_ids` (from `forward_kwargs`), as the attention's doc_mask."""
+        return partial(self.attend, document_ids=document_ids)
 
     def sequence_sum(self, statistic: Tensor) -> Tensor:
         """A per-sequence statistic summed over the cp ranks (each holds part of the sequence); its gradient flows
         back to every rank's part (MoE's load-balancing loss)."""
         return dist_autograd.all_reduce(statistic, group=self.mesh.get_group())
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> Tensor:
         """Attention of this rank's queries [batch, seq/cp, heads, head_dim] over the whole sequence's keys and
-        values (gathered here), causal in global positions and within documents under the document mask."""
+        values (gathered here), causal in global positions and, with `document_ids` (`forward_kwargs`), within
+        documents."""
         k = _all_gather_autograd(k.contiguous(), 1, self.mesh)
         v = _all_gather_autograd(v.contiguous(), 1, self.mesh)
         mask = self._causal
-        if self._documents is not None:
-            query_docs, key_docs = self._documents
-            mask = (mask & (query_docs[:, :, None] == key_docs[:, None, :]))[:, None]
+        if document_ids is not None:
+            query_docs = document_ids[:, self._queries]
+            mask = (mask & (query_docs[:, :, None] == document_ids[:, None, :]))[:, None]
         return self.kernel(q, k, v, mask)

@@ -89,7 +89,7 @@ def dry_run_world_size(config: JobConfig) -> int:
             "Set job.dry_run_world_size = N (the processes the real job launches) or an explicit "
             "parallelism.data_parallel_degree."
         )
-    return dp * p.tensor_parallel_degree * p.pipeline_parallel_degree
+    return dp * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
 
 
 def dry_run_ranks(config: JobConfig, world_size: int) -> list[int]:
@@ -304,7 +304,7 @@ def _fsdp_gathered(job: TrainingJob) -> int:
     total = 0
     for part in job.model.parts:
         for name, param in part.named_parameters():
-            local = param.to_local().numel() * dims.dp_shard * itemsize
+            local = param.to_local().numel() * dims.dp_shard * dims.cp * itemsize  # FSDP shards over dp_shard x cp
             total += local
             block = name.split(".")[:2]
             blocks[".".join(block)] = blocks.get(".".join(block), 0) + local

@@ -27,7 +27,8 @@ PLANNED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZer
 @dataclass(frozen=True)
 class Layout:
     """One way to run the job: the parallel degrees, ZeRO stage, activation checkpointing, microbatch size and
-    (with pipelining) the schedule and the stages each rank holds."""
+    (with pipelining) the schedule and the stages each rank holds. `cp` splits each sequence over cp ranks that read
+    the same sequences (dp counts the sequences' readers)."""
 
     dp: int
     tp: int
@@ -38,6 +39,7 @@ class Layout:
     microbatch_size: int = 1
     schedule: str = ""  # "" without pipelining
     virtual_stages: int = 1
+    cp: int = 1
 
     def apply(self, base: JobConfig) -> JobConfig:
         """`base` (model, data, batch, precision) with this layout's keys set, as a user would write them.
@@ -50,6 +52,7 @@ class Layout:
         p, t = config.parallelism, config.training
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree = self.dp, self.tp, self.pp
         p.expert_parallel_degree = self.ep
+        p.context_parallel_degree = self.cp
         p.enable_sequence_parallel = self.tp > 1
         p.enable_loss_parallel = self.tp > 1
         config.optimizer.zero_stage = self.zero_stage
@@ -66,6 +69,7 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + ([f"ep{self.ep}"] if self.ep > 1 else [])
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
         schedule = f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (
             f"{' x '.join(parts)} zero{self.zero_stage} ac:{self.activation_checkpoint} mb{self.microbatch_size}"
@@ -83,6 +87,7 @@ class Layout:
             "microbatch_size": self.microbatch_size,
             "schedule": self.schedule or None,
             "virtual_stages": self.virtual_stages,
+            "cp": self.cp,
         }
 
 
@@ -110,26 +115,35 @@ def check(layout: Layout, base: JobConfig, world_size: int) -> CheckedLayout:
     return CheckedLayout(layout, config, checked.model_args, checked.batches.accumulation_steps, checked.pipeline)
 
 
-def candidates(base: JobConfig, gpus: int, gpus_per_node: int, experts: bool = False) -> Iterator[Layout]:
+def candidates(
+    base: JobConfig, gpus: int, gpus_per_node: int, experts: bool = False, context_parallel: bool = False
+) -> Iterator[Layout]:
     """Every combination the planner considers: tp within a node, pp and ep dividing the rest, each ZeRO stage,
-    AC mode and microbatch size, and every planned schedule when pipelining. Not yet checked."""
-    global_batch = base.training.global_batch_size
+    AC mode and microbatch size, and every planned schedule when pipelining. Not yet checked. With
+    `context_parallel`, the same with each cp > 1 that divides the rest and cuts every sequence into 2 x cp equal
+    chunks (and only those)."""
+    global_batch, seq_len = base.training.global_batch_size, base.training.seq_len
     for tp in _divisors(gpus_per_node):
         for pp in _divisors(gpus // tp) if gpus % tp == 0 else ():
-            dp = gpus // (tp * pp)
-            schedules = PLANNED_SCHEDULES if pp > 1 else (("", 1),)
-            eps = _divisors(dp) if experts else (1,)
-            for ep, zero, ac, mb, (schedule, v) in itertools.product(
-                eps, ZERO_STAGES, AC_MODES, MICROBATCH_SIZES, schedules
-            ):
-                if global_batch % (dp * mb):
-                    continue
-                yield Layout(dp, tp, pp, ep, zero, ac, mb, schedule, v)
+            cps = [c for c in _divisors(gpus // (tp * pp)) if c > 1 and seq_len % (2 * c) == 0]
+            for cp in cps if context_parallel else [1]:
+                dp = gpus // (tp * pp * cp)
+                schedules = PLANNED_SCHEDULES if pp > 1 else (("", 1),)
+                eps = _divisors(dp * cp) if experts else (1,)
+                for ep, zero, ac, mb, (schedule, v) in itertools.product(
+                    eps, ZERO_STAGES, AC_MODES, MICROBATCH_SIZES, schedules
+                ):
+                    if global_batch % (dp * mb):
+                        continue
+                    yield Layout(dp, tp, pp, ep, zero, ac, mb, schedule, v, cp)
 
 
-def valid_layouts(base: JobConfig, gpus: int, gpus_per_node: int) -> tuple[list[CheckedLayout], Counter[str]]:
-    """The candidates start-up accepts, and the messages of those it refused with how many it refused with each.
-    What is wrong whatever the layout (the model's name, its flavor, the batch) is an error at once."""
+def valid_layouts(
+    base: JobConfig, gpus: int, gpus_per_node: int, context_parallel: bool = False
+) -> tuple[list[CheckedLayout], Counter[str]]:
+    """The candidates start-up accepts (with `context_parallel`, those with cp > 1), and the messages of those it
+    refused with how many it refused with each. What is wrong whatever the layout (the model's name, its flavor,
+    the batch) is an error at once."""
     if base.training.global_batch_size < 1:
         raise ConfigError(
             "The planner needs training.global_batch_size (sequences per step): set it to the batch you will train."
@@ -149,7 +163,8 @@ def valid_layouts(base: JobConfig, gpus: int, gpus_per_node: int) -> tuple[list[
         )
     model_args(base, _tokenizer(base.model.tokenizer_path))  # a misnamed flavor, or a vocabulary that cannot be
     valid, refusals = [], Counter()
-    for layout in candidates(base, gpus, gpus_per_node, experts=spec.expert_parallel is not None):
+    experts = spec.expert_parallel is not None
+    for layout in candidates(base, gpus, gpus_per_node, experts, context_parallel):
         try:
             valid.append(check(layout, base, gpus))
         except ConfigError as error:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.metrics.activation_probe import ActivationProbe
+from torchpre.metrics.activation_probe import Collective as ProbedCollective
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import leave_fake_world, optimizer_step_bytes, probe_rank, rank_memory
 from torchpre.planner.layouts import CheckedLayout
@@ -161,8 +162,7 @@ def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:
 def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subtract: Callable[[T, T], T]) -> Pieces:
     """Pieces from three builds of `config` shortened and split over two stages (see the module docstring):
     `measure(config, world, rank)`."""
-    p = config.parallelism
-    world = 2 * p.data_parallel_degree * p.tensor_parallel_degree
+    world = 2 * _model_ranks(config)
     with shortened_flavor(config, 2) as two:
         first_2, last_2 = measure(two, world, 0), measure(two, world, world // 2)
     with shortened_flavor(config, 4) as four:
@@ -203,8 +203,7 @@ def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
 
 
 def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
-    p = config.parallelism
-    world = 2 * p.data_parallel_degree * p.tensor_parallel_degree
+    world = 2 * _model_ranks(config)
 
     def stage_zero(blocks: int) -> StateCost:
         with shortened_flavor(config, 2 * blocks) as short:
@@ -247,7 +246,7 @@ def _microbatch_pieces(config: JobConfig) -> Pieces:
     three.parallelism.pipeline_parallel_degree = 3
     three.training.local_batch_size = 3 * config.parallelism.pipeline_parallel_microbatch_size
     three.training.global_batch_size = three.training.local_batch_size * config.parallelism.data_parallel_degree
-    world = 3 * config.parallelism.data_parallel_degree * config.parallelism.tensor_parallel_degree
+    world = 3 * _model_ranks(config)
     with shortened_flavor(three, 3) as short:
         middle = _microbatch(short, world, world // 3)
     return Pieces(
@@ -255,6 +254,12 @@ def _microbatch_pieces(config: JobConfig) -> Pieces:
         first=pieces.first,
         last=pieces.last,
     )
+
+
+def _model_ranks(config: JobConfig) -> int:
+    """The ranks of one pipeline stage: dp x cp x tp."""
+    p = config.parallelism
+    return p.data_parallel_degree * p.context_parallel_degree * p.tensor_parallel_degree
 
 
 _CACHE: dict[str, Pieces] = {}  # by kind and probed config: one planner run probes each configuration once
@@ -280,39 +285,44 @@ def _state(config: JobConfig, world: int, rank: int) -> StateCost:
 
 
 def _tp_numel(param, job: TrainingJob) -> int:
-    """A parameter's elements on this rank before DP sharding (FSDP2 shards them over dp_shard)."""
+    """A parameter's elements on this rank before DP sharding (FSDP2 shards them over dp_shard x cp)."""
     local = param.to_local() if isinstance(param, DTensor) else param
-    shard = job.dims.dp_shard if job.preflight.data_parallel.shards_parameters else 1
+    shard = job.dims.dp_shard * job.dims.cp if job.preflight.data_parallel.shards_parameters else 1
     return local.numel() * shard
 
 
 def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
     _, parts = probe_rank(config, world, rank, checkpoint=False, data=False)
     (part,) = parts
-    tp = config.parallelism.tensor_parallel_degree
-    forward = to_work(part.forward, tp)
+    tp, cp = config.parallelism.tensor_parallel_degree, config.parallelism.context_parallel_degree
+    forward = to_work(part.forward, tp, cp)
     return MicrobatchCost(
         saved_bytes=part.total.saved_bytes,
         transient_bytes=part.total.transient_bytes,
         forward=forward,
-        backward=_work_minus(to_work(part.total, tp), forward),
+        backward=_work_minus(to_work(part.total, tp, cp), forward),
         received_bytes=part.received_bytes,
         held_output_bytes=part.held_output_bytes,
     )
 
 
-def to_work(probe: ActivationProbe, tp: int) -> Work:
-    """A probe's counts as the time model's `Work`: collectives by kind, over the mesh dimension whose group
-    size they ran on (all-to-alls are expert parallelism's), each with its full buffer's bytes."""
+def to_work(probe: ActivationProbe, tp: int, cp: int = 1) -> Work:
+    """A probe's counts as the time model's `Work`: collectives by kind, over the mesh dimension they ran on
+    (all-to-alls are expert parallelism's; in the (dp, cp, tp) mesh of a probe tp's groups have stride 1 and cp's
+    stride tp), each with its full buffer's bytes."""
     collectives = []
     for c in probe.collectives:
         if c.group_size == 1:
             continue
         kind = _collective_kind(c.op)
-        dim = "ep" if kind == "all_to_all" else "tp"
+        dim = "ep" if kind == "all_to_all" else "cp" if _is_cp(c, tp, cp) else "tp"
         nbytes = c.bytes * c.group_size if kind == "all_gather" else c.bytes  # the probe counts inputs
         collectives.append(Collective(kind, dim, nbytes))
     return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives), probe.subclass_ops)
+
+
+def _is_cp(collective: ProbedCollective, tp: int, cp: int) -> bool:
+    return cp > 1 and collective.group_size == cp and (tp == 1 or collective.group_stride == tp)
 
 
 def _collective_kind(op: str) -> str:

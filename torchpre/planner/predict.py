@@ -196,7 +196,8 @@ def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost)
     t, p = config.training, config.parallelism
     microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else t.local_batch_size
     sequence_parallel = p.enable_sequence_parallel and p.tensor_parallel_degree > 1
-    seq = t.seq_len // p.tensor_parallel_degree if sequence_parallel else t.seq_len
+    seq = t.seq_len // p.context_parallel_degree  # a cp rank's positions of each sequence
+    seq = seq // p.tensor_parallel_degree if sequence_parallel else seq
     compute = getattr(torch, t.mixed_precision_param).itemsize
     args_dim = _dim(config)
     forward = sum((c.forward for c in costs), Work(0.0))
@@ -223,6 +224,7 @@ def _time_layout(checked: CheckedLayout) -> TimeLayout:
         tp=layout.tp,
         pp=layout.pp,
         ep=layout.ep,
+        cp=layout.cp,
         microbatches=checked.microbatches,
         schedule=pipeline.schedule if pipeline else "1F1B",
         stages_per_rank=pipeline.stages_per_rank if pipeline else 1,

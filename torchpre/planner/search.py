@@ -6,7 +6,7 @@ from typing import Any
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
 from torchpre.errors import ConfigError
-from torchpre.planner.layouts import valid_layouts
+from torchpre.planner.layouts import CheckedLayout, valid_layouts
 from torchpre.planner.predict import Prediction, model_flops_per_token, predict
 from torchpre.planner.time_model import assumptions
 
@@ -65,7 +65,7 @@ def _row(p: Prediction) -> str:
     memory = f"{gib[0]:>8.1f} {gib[1]:>7.1f} {gib[2]:>7.1f} {gib[3]:>7.1f} {gib[4]:>7.1f}"
     if step is None:
         return f"{p.checked.layout.describe():<58} {memory} {'(model state alone does not fit)':>46}"
-    comm = step.tp_comm_s + step.ep_comm_s + step.pp_comm_s + step.dp_comm_exposed_s
+    comm = step.tp_comm_s + step.ep_comm_s + step.cp_comm_s + step.pp_comm_s + step.dp_comm_exposed_s
     return (
         f"{p.checked.layout.describe():<58} {memory} {step.total_s:>8.2f} {step.compute_s:>8.2f} {comm:>7.2f} "
         f"{step.bubble_s:>7.2f} {p.tokens_per_sec:>10,.0f} {p.mfu:>6.1%}"
@@ -74,8 +74,14 @@ def _row(p: Prediction) -> str:
 
 def search(config: JobConfig, hardware: Hardware, gpus: int) -> SearchResult:
     """Predicts every layout start-up accepts and ranks them; a ConfigError naming the most common refusals when
-    start-up accepts none."""
+    start-up accepts none. Context parallelism is searched when no layout without it fits (long sequences): it
+    adds a key/value gather to every attention layer, and a degree of it to every other layout to probe."""
     checked, refusals = valid_layouts(config, gpus, hardware.gpus_per_node)
+    predictions = _predict(checked, hardware, gpus)
+    if not any(p.fits for p in predictions):
+        with_cp, cp_refusals = valid_layouts(config, gpus, hardware.gpus_per_node, context_parallel=True)
+        checked, refusals = checked + with_cp, refusals + cp_refusals
+        predictions += _predict(with_cp, hardware, gpus)
     rejected = sum(refusals.values())
     if not checked:
         reasons = " ".join(
@@ -85,8 +91,13 @@ def search(config: JobConfig, hardware: Hardware, gpus: int) -> SearchResult:
             f"None of the {rejected} layouts of {config.model.name} {config.model.flavor} on {gpus} GPUs passes "
             f"start-up's checks. The most common refusals: {reasons}"
         )
-    flops = model_flops_per_token(checked[0].config, checked[0].model_args)
-    predictions = [predict(c, hardware, gpus, flops) for c in checked]
     fits = sorted((p for p in predictions if p.fits), key=lambda p: -p.tokens_per_sec)
     rest = sorted((p for p in predictions if not p.fits), key=lambda p: p.peak.total_bytes)
     return SearchResult(fits + rest, rejected, hardware, gpus, config)
+
+
+def _predict(checked: list[CheckedLayout], hardware: Hardware, gpus: int) -> list[Prediction]:
+    if not checked:
+        return []
+    flops = model_flops_per_token(checked[0].config, checked[0].model_args)
+    return [predict(c, hardware, gpus, flops) for c in checked]

@@ -8,7 +8,10 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   of a block's elementwise ops are unary: read 1, write 1; half binary, as most of backward's grad x saved
   products: read 2, write 1). `mem_bw` is read + write traffic, as datasheets and
   `torchpre.planner.calibrate` state it.
-- TP and EP collectives run inside the microbatch and are exposed (no async TP): ring model
+- CP (context parallelism): every attention layer all-gathers its keys and values over cp in forward (again in a
+  full-AC backward's recompute) and reduce-scatters their gradients in backward; the probe counts them as it counts
+  TP's (`torchpre.planner.pieces.to_work` tells the dimensions apart by their groups' rank stride).
+- TP, EP and CP collectives run inside the microbatch and are exposed (no async TP): ring model
   t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
   dimension lies within one node, else inter_node_bw.
 - PP: every stage chunk sends its boundary activation forward and receives its gradient back per microbatch:
@@ -24,8 +27,9 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   exp_avg, exp_avg_sq (12 B/param): 28 B per 8 B of state, so OPTIMIZER_TRAFFIC = 3.5 x state bytes / mem_bw,
   plus its ops x op_overhead_s.
 
-Mesh: row-major (pp, dp, tp), with dp split into (edp, ep) under expert parallelism (`parallel_dims`): tp has
-stride 1, ep stride tp, dp stride tp, edp stride ep x tp, pp stride dp x tp.
+Mesh: row-major (pp, dp, cp, tp), with dp x cp split into (edp, ep) under expert parallelism (`parallel_dims`): tp
+has stride 1, cp stride tp, ep stride tp, dp stride tp (its gradient reduction spans dp x cp ranks), edp stride
+ep x tp, pp stride dp x cp x tp.
 """
 
 import functools
@@ -38,9 +42,10 @@ from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.zero_stages import zero_stage
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
-Dim = Literal["tp", "ep", "dp", "edp", "pp"]
+Dim = Literal["tp", "ep", "cp", "dp", "edp", "pp"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # torchpre.distributed.collectives.DEFAULT_BUCKET_BYTES (that module loads torch)
+MICROBATCH_DIMS: tuple[Dim, ...] = ("tp", "ep", "cp")  # whose collectives run, exposed, inside each microbatch
 OPTIMIZER_TRAFFIC = 3.5  # bytes AdamW moves per byte of its state (see the module docstring)
 MEMORY_TRAFFIC = 2.5  # bytes a memory-bound op moves per byte it writes (see the module docstring)
 
@@ -105,6 +110,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     microbatches: int = 1
     schedule: str = "1F1B"
     stages_per_rank: int = 1
@@ -113,22 +119,25 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     def group(self, dim: Dim) -> tuple[int, int]:
-        """(size, stride) of `dim`'s groups in the row-major mesh."""
+        """(size, stride) of `dim`'s groups in the row-major mesh; the cp ranks of a sequence reduce its gradients
+        with the dp ranks (`dp` spans dp x cp)."""
+        reducing = self.dp * self.cp
         return {
             "tp": (self.tp, 1),
+            "cp": (self.cp, self.tp),
             "ep": (self.ep, self.tp),
-            "dp": (self.dp, self.tp),
-            "edp": (self.dp // self.ep, self.ep * self.tp),
-            "pp": (self.pp, self.dp * self.tp),
+            "dp": (reducing, self.tp),
+            "edp": (reducing // self.ep, self.ep * self.tp),
+            "pp": (self.pp, reducing * self.tp),
         }[dim]
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """One rank's step, seconds. total_s = compute_s + tp_comm_s + ep_comm_s + pp_comm_s + bubble_s +
+    """One rank's step, seconds. total_s = compute_s + tp_comm_s + ep_comm_s + cp_comm_s + pp_comm_s + bubble_s +
     dp_comm_exposed_s + optimizer_s; dp_comm_s is all DP communication, hidden or not."""
 
     compute_s: float
@@ -139,10 +148,11 @@ class StepTime:
     dp_comm_exposed_s: float
     bubble_s: float
     optimizer_s: float
+    cp_comm_s: float = 0.0
     total_s: float = field(init=False)
 
     def __post_init__(self) -> None:
-        parts = (self.compute_s, self.tp_comm_s, self.ep_comm_s, self.pp_comm_s, self.bubble_s,
+        parts = (self.compute_s, self.tp_comm_s, self.ep_comm_s, self.cp_comm_s, self.pp_comm_s, self.bubble_s,
                  self.dp_comm_exposed_s, self.optimizer_s)
         object.__setattr__(self, "total_s", sum(parts))
 
@@ -246,7 +256,7 @@ def _dp_dim_seconds(
 
 
 def _microbatch_seconds(work: Work, layout: Layout, hardware: Hardware) -> float:
-    return compute_seconds(work, hardware) + sum(comm_seconds(work, d, layout, hardware) for d in ("tp", "ep"))
+    return compute_seconds(work, hardware) + sum(comm_seconds(work, d, layout, hardware) for d in MICROBATCH_DIMS)
 
 
 def pp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
@@ -273,6 +283,7 @@ def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardwar
             compute_s=m * (compute_seconds(rank.forward, hardware) + compute_seconds(rank.backward, hardware)),
             tp_comm_s=m * sum(comm_seconds(w, "tp", layout, hardware) for w in (rank.forward, rank.backward)),
             ep_comm_s=m * sum(comm_seconds(w, "ep", layout, hardware) for w in (rank.forward, rank.backward)),
+            cp_comm_s=m * sum(comm_seconds(w, "cp", layout, hardware) for w in (rank.forward, rank.backward)),
             pp_comm_s=pp_seconds(rank, layout, hardware),
             dp_comm_s=dp,
             dp_comm_exposed_s=dp_exposed,

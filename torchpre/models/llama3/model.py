@@ -299,7 +299,11 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = None
 
     def forward(
-        self, tokens: Tensor, start_pos: int | None = None, document_ids: Tensor | None = None
+        self,
+        tokens: Tensor,
+        start_pos: int | None = None,
+        document_ids: Tensor | None = None,
+        doc_mask: DocumentMask | None = None,
     ) -> Tensor:
         """Token ids [batch, seq] to logits; a pipeline stage maps hidden states to hidden states.
 
@@ -307,15 +311,20 @@ class Transformer(nn.Module):
         token: the layers read and extend their KV caches, and RoPE starts at that position.
         `document_ids` (training only) [batch, seq] gives each position's document: a position
         attends only to earlier positions of its own document. The mask is built once here and
-        shared by every layer.
+        shared by every layer. `doc_mask` instead: a document mask (or an attention that owns it)
+        built by the caller, for layers whose attention is not over this input's positions alone
+        (context parallelism's hook builds one from the whole sequence's document ids).
         """
         seqlen, max_seq_len = tokens.shape[1], self.rope_cache.shape[0]
         end = seqlen + (start_pos or 0)
         if end > max_seq_len:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {max_seq_len}")
-        if start_pos is not None and document_ids is not None:
+        if start_pos is not None and (document_ids is not None or doc_mask is not None):
             raise ValueError("document_ids is for training on packed sequences; it cannot be combined with start_pos")
-        doc_mask = None if document_ids is None else document_mask(document_ids)
+        if document_ids is not None and doc_mask is not None:
+            raise ValueError("pass document_ids or a doc_mask built from them, not both")
+        if document_ids is not None:
+            doc_mask = document_mask(document_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, start_pos=start_pos, doc_mask=doc_mask)

@@ -149,14 +149,28 @@ def feed_forward_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
 def apply_llama3_context_parallel(model: Transformer, cp: ContextParallel) -> None:
     """Makes every attention layer this stage holds attend over the whole sequence while its input holds this
     rank's cp positions (`torchpre.parallel.context_parallel`): a forward pre-hook gives it the RoPE rows of
-    those positions and `cp.attend` as the attention that owns the mask. The model code stays unaware of cp;
-    for the families built on Llama 3's `Transformer`."""
+    those positions and `cp.attend` as the attention that owns the mask. Under the document mask a pre-hook on
+    the stage turns the microbatch's `document_ids` (the whole rows', `ContextParallel.forward_kwargs`) into that
+    attention's doc_mask: the mask of each microbatch travels in its own forward's arguments, which activation
+    checkpointing replays and pipeline schedules keep apart. The model code stays unaware of cp; for the
+    families built on Llama 3's `Transformer`."""
+    model.register_forward_pre_hook(partial(_context_parallel_documents, cp), with_kwargs=True)
     for block in model.layers.values():
         block.attention.register_forward_pre_hook(partial(_context_parallel_inputs, cp), with_kwargs=True)
+
+
+def _context_parallel_documents(
+    cp: ContextParallel, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    document_ids = kwargs.pop("document_ids", None)
+    if document_ids is not None:
+        kwargs["doc_mask"] = cp.document_attention(document_ids)
+    return args, kwargs
 
 
 def _context_parallel_inputs(
     cp: ContextParallel, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     x, rope_cache, *rest = args
-    return (x, cp.rope_rows(rope_cache), *rest), {**kwargs, "doc_mask": cp.attend}
+    attend = kwargs.get("doc_mask")  # the microbatch's document attention, under the document mask
+    return (x, cp.rope_rows(rope_cache), *rest), {**kwargs, "doc_mask": cp.attend if attend is None else attend}
