@@ -183,7 +183,7 @@ BREAKS = [
           "return (self.phase == FORWARD, self.microbatch, stage, self.rank)",
           ("tests/unit/test_nonfinite.py",), "an inherited backward finding is reported over the forward origin"),
     Break("adamw-decays-norm-gains", "torchpre/optim/distributed_optimizer.py",
-          '{"params": vectors, "weight_decay": 0.0}', '{"params": vectors, "weight_decay": weight_decay}',
+          "self._group(0.0, whole_matrices,", "self._group(weight_decay, whole_matrices,",
           (CORE,), "biases and norm gains are weight-decayed"),
     Break("bf16-accumulation-not-fp32", GRAD_BUCKETS,
           "    if accumulate_in_fp32:", "    if False:",
