@@ -405,6 +405,13 @@ CATALOGUE = [
          "training.local_batch_size x data-parallel degree = 4 x 1 = 4"],
     ),  # fmt: skip
     case(
+        "global-batch-in-tokens-and-another-size",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/seq32", "--training.seq_len", "64"]
+        + ["--training.global_batch_unit", "tokens", "--training.global_batch_size", "4"],
+        ["keeps at training.seq_len = 64 as 2 sequences", "training.global_batch_size = 4 asks for 4",
+         "global_batch_size = -1 (or 2)"],
+    ),  # fmt: skip
+    case(
         "rope-key-for-a-family-that-ignores-it",
         [*HF, HF_LLAMA, "--model.rope_theta", "1000000"],
         ["model.rope_theta = 1000000.0 with model.name = 'hf'", "does not read it", "model.hf_config"],
