@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared device call: torchpre and torchtitan side by side on one (or two) CUDA GPUs, Llama 3.2 1B and
 # 3B shapes with the 128,256-id vocabulary, bf16, seq 4096 (8192 if the time budget allows), compiled and
-# eager, the same global batch and steps for both (bench/gpu_compare.py). Needs bench/wheels from
+# eager, a long-context row (1B at seq 32768: cp1 on one GPU, cp2 if two), the same global batch and steps for
+# both (bench/gpu_compare.py). Needs bench/wheels from
 # `bash bench/prepare_gpu_wheels.sh` (run where there is network); installs them offline into /tmp.
 # Writes gpu_table.md, gpu_raw.jsonl and gpu_log.txt into $OUT (or ./outputs/bench_gpu).
 # Usage: bash bench/gpu.sh [--steps 15] [--budget-s 420]

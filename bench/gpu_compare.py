@@ -40,27 +40,32 @@ class Row:
     global_batch: int  # sequences per optimizer step, the same for both frameworks
     compile: bool
     nproc: int = 1
+    cp: int = 1  # context-parallel degree: ranks that split each sequence
 
     @property
     def label(self) -> str:
         mode = "compiled" if self.compile else "eager"
-        return f"{self.flavor} seq {self.seq_len} batch {self.global_batch} {mode} {self.nproc} GPU"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return f"{self.flavor} seq {self.seq_len} batch {self.global_batch} {mode} {self.nproc} GPU{cp}"
 
     @property
     def local_batch(self) -> int:
-        return self.global_batch // self.nproc
+        """Sequences per data-parallel rank: the cp ranks of a sequence share it."""
+        return self.global_batch // (self.nproc // self.cp)
 
 
-# Most wanted first: the budget cuts from the end.
+# Most wanted first: the budget cuts from the end. The third is the long-context row (issue 36): one 32K sequence
+# per step, unsharded on one GPU; TWO_GPU_ROWS split it over two cp ranks.
 ROWS = (
     Row("1B", 4096, 4, compile=True),
     Row("1B", 4096, 4, compile=False),
+    Row("1B", 32768, 1, compile=True),
     Row("3B", 4096, 2, compile=True),
     Row("3B", 4096, 2, compile=False),
     Row("1B", 8192, 2, compile=True),
     Row("3B", 8192, 1, compile=True),
 )
-TWO_GPU_ROW = Row("1B", 4096, 8, compile=True, nproc=2)
+TWO_GPU_ROWS = (Row("1B", 4096, 8, compile=True, nproc=2), Row("1B", 32768, 1, compile=True, nproc=2, cp=2))
 
 
 def launcher(nproc: int, torchrun: bool = False) -> list[str]:
@@ -70,6 +75,11 @@ def launcher(nproc: int, torchrun: bool = False) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
+def context_parallel(row: Row) -> list[str]:
+    """The context-parallel flag, which both frameworks spell alike; none without cp."""
+    return ["--parallelism.context_parallel_degree", str(row.cp)] if row.cp > 1 else []
+
+
 def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
     return [
         *launcher(row.nproc), "train.py",
@@ -77,13 +87,14 @@ def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
         "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
         "--training.steps", str(steps), "--training.mixed_precision_param", "bfloat16",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(folder),
-        *(["--compile.enable"] if row.compile else []),
+        *(["--compile.enable"] if row.compile else []), *context_parallel(row),
     ]  # fmt: skip
 
 
 def titan_command(row: Row, steps: int, folder: Path) -> list[str]:
     """torchtitan's flags for the same run. On several GPUs torchtitan shards with FSDP, which cannot keep
-    the tied embedding in one piece, so that row runs torchtitan untied (262M more parameters for the 1B)."""
+    the tied embedding in one piece, so that row runs torchtitan untied (262M more parameters for the 1B). Its cp
+    row may fail: torchtitan's context parallelism supports FlexAttention only (issue 36), and the log says so."""
     return [
         *launcher(row.nproc, torchrun=True), "-m", "bench.titan_llama", *(["--untied"] if row.nproc > 1 else []),
         "--model.name", "torchpre_llama3", "--model.flavor", row.flavor,
@@ -91,7 +102,7 @@ def titan_command(row: Row, steps: int, folder: Path) -> list[str]:
         "--training.global_batch_size", str(row.global_batch), "--training.steps", str(steps),
         "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
-        "--job.dump_folder", str(folder), *(["--compile.enable"] if row.compile else []),
+        "--job.dump_folder", str(folder), *(["--compile.enable"] if row.compile else []), *context_parallel(row),
     ]  # fmt: skip
 
 
@@ -162,7 +173,7 @@ def write_table(rows: list[list[object]], out: Path, notes: list[str]) -> None:
 
 def benchmark(args: argparse.Namespace) -> None:
     device = torch.cuda.get_device_name(0)
-    rows = list(ROWS) + ([TWO_GPU_ROW] if torch.cuda.device_count() >= 2 else [])
+    rows = list(ROWS) + (list(TWO_GPU_ROWS) if torch.cuda.device_count() >= 2 else [])
     # Seconds a row takes, by compile mode: a guess until a row of that mode has run, then the longest seen.
     row_s, started, table, skipped = {True: 200.0, False: 90.0}, time.monotonic(), [], []
     for row in rows:

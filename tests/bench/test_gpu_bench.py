@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench import gpu_compare
-from bench.gpu_compare import ROWS, TWO_GPU_ROW, Row, titan_command, torchpre_command
+from bench.gpu_compare import ROWS, TWO_GPU_ROWS, Row, titan_command, torchpre_command
 from tests.launch import REPO, WORKER_ENV
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
@@ -32,13 +32,16 @@ def _flags(command: list[str]) -> dict[str, str]:
     return flags
 
 
-@pytest.mark.parametrize("row", [*ROWS, TWO_GPU_ROW], ids=lambda row: row.label)
+@pytest.mark.parametrize("row", [*ROWS, *TWO_GPU_ROWS], ids=lambda row: row.label)
 def test_both_frameworks_get_the_same_run(row, tmp_path):
     ours, theirs = _flags(torchpre_command(row, 15, tmp_path)), _flags(titan_command(row, 15, tmp_path))
     for key in ("--model.flavor", "--training.seq_len", "--training.local_batch_size", "--training.steps",
                 "--training.mixed_precision_param", "--lr_scheduler.warmup_steps", "--metrics.log_freq"):
         assert ours[key] == theirs[key], key
-    assert int(theirs["--training.global_batch_size"]) == int(ours["--training.local_batch_size"]) * row.nproc
+    cp = ours.get("--parallelism.context_parallel_degree", "1")
+    assert cp == theirs.get("--parallelism.context_parallel_degree", "1") == str(row.cp)
+    dp = row.nproc // row.cp
+    assert int(theirs["--training.global_batch_size"]) == int(ours["--training.local_batch_size"]) * dp
     assert ours["--model.vocab_size"] == "128256" and ours["--training.dataset"] == "synthetic"
     assert ("--compile.enable" in ours) == ("--compile.enable" in theirs) == row.compile
     assert theirs["--activation_checkpoint.mode"] == "none"  # torchpre's default; torchtitan's is selective
@@ -129,6 +132,13 @@ def test_a_row_reports_steady_rates_mfu_memory_and_the_ratio(tmp_path, monkeypat
     assert cells == [row.label, "1,100", f"{mfu:.1%}", "15.0", "1,000", f"{mfu / 1.1:.1%}", "15.0", "1.10x"]
     raw = [json.loads(line) for line in (tmp_path / "gpu_raw.jsonl").read_text().splitlines()]
     assert len(raw) == 30 and {r["framework"] for r in raw} == {"torchpre", "torchtitan"}
+
+
+def test_the_long_context_rows_fit_one_sequence_per_step():
+    """The 32K row: one sequence on one GPU, and the same sequence split over two cp ranks when two are present."""
+    long_rows = [row for row in (*ROWS, *TWO_GPU_ROWS) if row.seq_len == 32768]
+    assert [(row.nproc, row.cp, row.local_batch) for row in long_rows] == [(1, 1, 1), (2, 2, 1)]
+    assert long_rows[1].label.endswith("2 GPU cp2")
 
 
 def test_the_flop_count_is_torchpres_for_the_real_1b():

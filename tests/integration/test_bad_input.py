@@ -65,6 +65,15 @@ def _save_other_flavor_checkpoint(step_dir: Path) -> None:
     add_manifest(step_dir)
 
 
+def _save_seq32_progress(step_dir: Path) -> None:
+    """The "train" entry of a checkpoint trained with 4 sequences of 32 tokens per step, which is all that sizing a
+    resumed job's global batch reads."""
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"train": {"step": 4, "global_batch_size": 4, "seq_len": 32}}, checkpoint_id=step_dir, no_dist=True)
+    add_manifest(step_dir)
+
+
 def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
     record = json.loads(path.read_text())
     edit(record)
@@ -134,6 +143,7 @@ def files(tmp_path_factory) -> Path:
     (d / "corrupt_checkpoint" / ".metadata").write_bytes(b"\x00garbage")
     add_manifest(d / "corrupt_checkpoint")  # the garbage is what was saved: only DCP can tell
     _save_other_flavor_checkpoint(d / "other_flavor" / "step-3")
+    _save_seq32_progress(d / "seq32" / "step-4")
     _tamper_with(shutil.copytree(d / "other_flavor", d / "tampered") / "step-3")
     (shutil.copytree(d / "other_flavor", d / "unverified") / "step-3" / MANIFEST).unlink()
     bad_size = shutil.copytree(d / "other_flavor", d / "bad_manifest") / "step-3" / MANIFEST
@@ -379,6 +389,32 @@ CATALOGUE = [
         + ["--parallelism.enable_sequence_parallel", "--training.seq_len", "36"],
         ["context_parallel_degree = 2", "18 positions", "tensor_parallel_degree = 4", "multiple of 8"],
         ranks=8,
+    ),
+    case(
+        "global-batch-in-tokens-no-whole-sequences",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/seq32", "--training.seq_len", "96"]
+        + ["--training.global_batch_unit", "tokens"],
+        ["{d}/seq32/step-4", "4 sequences x 32 tokens = 128 tokens per step", "training.global_batch_unit = 'tokens'",
+         "training.seq_len = 96", "global_batch_unit = 'sequences'"],
+    ),  # fmt: skip
+    case(
+        "global-batch-in-tokens-not-a-multiple-of-the-layout",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/seq32", "--training.seq_len", "64"]
+        + ["--training.global_batch_unit", "tokens"],
+        ["training.global_batch_unit = 'tokens' keeps at training.seq_len = 64 as 2 sequences",
+         "training.local_batch_size x data-parallel degree = 4 x 1 = 4"],
+    ),  # fmt: skip
+    case(
+        "global-batch-in-tokens-and-another-size",
+        ["--checkpoint.enable", "--checkpoint.folder", "{d}/seq32", "--training.seq_len", "64"]
+        + ["--training.global_batch_unit", "tokens", "--training.global_batch_size", "4"],
+        ["keeps at training.seq_len = 64 as 2 sequences", "training.global_batch_size = 4 asks for 4",
+         "global_batch_size = -1 (or 2)"],
+    ),  # fmt: skip
+    case(
+        "rope-key-for-a-family-that-ignores-it",
+        [*HF, HF_LLAMA, "--model.rope_theta", "1000000"],
+        ["model.rope_theta = 1000000.0 with model.name = 'hf'", "does not read it", "model.hf_config"],
     ),
     case(
         "cp-model-family-without-cp-attention",

@@ -1,6 +1,7 @@
 """Context extension as a resumed stage: a checkpoint trained on 32-token sequences resumes on 64-token ones, on one
 process and split over two cp ranks; both say what changed, and train on identically (the longer RoPE table, the
-kept data position and global batch in sequences do not depend on the layout)."""
+kept data position and global batch in sequences do not depend on the layout). A new RoPE base takes effect (the
+RoPE table is no checkpoint entry), and training.global_batch_unit = 'tokens' keeps the tokens per step."""
 
 import json
 import shutil
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.test_checkpoint import read_checkpoint
 from tests.launch import TINY, run_train
+from torchpre.checkpoint.state import checkpoint_metadata
 
 pytestmark = pytest.mark.slow
 
@@ -17,6 +20,21 @@ STAGE_2 = [*TINY, "--training.seq_len", "64", "--training.steps", "8", "--checkp
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 # fp32 on CPU: the cp2 resume reorders only the key/value gradient sums (the cp parity rows measure 1.9e-6).
 LOSS_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def stage_1(tmp_path_factory) -> Path:
+    """Stage 1's run folder: 4 steps of 4 sequences of 32 tokens, checkpointed at step 4."""
+    saved = tmp_path_factory.mktemp("stage1")
+    result = run_train(STAGE_1, 1, saved)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return saved
+
+
+@pytest.fixture(scope="module")
+def one_process(stage_1, tmp_path_factory) -> list[dict]:
+    """Stage 2 on one process with the defaults (the flavor's RoPE, the global batch kept in sequences)."""
+    return resume(stage_1, tmp_path_factory.mktemp("one"), [], 1)[0]
 
 
 def resume(saved: Path, folder: Path, args: list[str], nproc: int) -> tuple[list[dict], str]:
@@ -28,14 +46,36 @@ def resume(saved: Path, folder: Path, args: list[str], nproc: int) -> tuple[list
     return records, result.stdout + result.stderr
 
 
-def test_a_longer_context_stage_resumes_alike_on_one_process_and_under_cp2(tmp_path):
-    saved = tmp_path / "stage1"
-    result = run_train(STAGE_1, 1, saved)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    one, _ = resume(saved, tmp_path / "one", [], 1)
-    cp2, log = resume(saved, tmp_path / "cp2", CP2, 2)
-    assert [r["step"] for r in cp2] == [r["step"] for r in one] == [5, 6, 7, 8]
-    assert [r["loss"] for r in cp2] == pytest.approx([r["loss"] for r in one], abs=LOSS_ATOL)
+def test_a_longer_context_stage_resumes_alike_on_one_process_and_under_cp2(stage_1, one_process, tmp_path):
+    cp2, log = resume(stage_1, tmp_path / "cp2", CP2, 2)
+    assert [r["step"] for r in cp2] == [r["step"] for r in one_process] == [5, 6, 7, 8]
+    assert [r["loss"] for r in cp2] == pytest.approx([r["loss"] for r in one_process], abs=LOSS_ATOL)
     assert "stage change at step 4: training.seq_len 32 -> 64 (context extension)" in log
     assert "the global batch is 4 sequences = 256 tokens per step" in log
     assert "1 rank as dp 1 x tp 1 x pp 1 (ep 1)" in log and "2 ranks as dp 1 x tp 1 x pp 1 x cp 2 (ep 1)" in log
+
+
+def test_a_new_rope_base_takes_effect_and_is_stated(stage_1, one_process, tmp_path):
+    """The RoPE table is a buffer the checkpoint does not hold, so the resumed model computes it from the new base,
+    and trains on other losses than the resume on the flavor's base. After 4 steps the tiny model's attention is
+    still nearly uniform, so the base moves them by ~1e-6 only; but one process repeats a run bitwise (the resume
+    tests compare losses exactly), so any difference is the new base's."""
+    model_keys = [key for key in checkpoint_metadata(stage_1 / "checkpoint" / "step-4") if key.startswith("model.")]
+    assert model_keys and not [key for key in model_keys if "rope" in key]
+    records, log = resume(stage_1, tmp_path / "theta", ["--model.rope_theta", "2000000"], 1)
+    assert [r["step"] for r in records] == [5, 6, 7, 8]
+    assert [r["loss"] for r in records] != [r["loss"] for r in one_process]
+    assert "stage change at step 4: training.seq_len 32 -> 64, model.rope_theta 500000 -> 2000000 (context " in log
+
+
+def test_a_global_batch_in_tokens_keeps_the_tokens_per_step_and_the_data_position(stage_1, tmp_path):
+    """4 sequences of 32 tokens per step become 2 of 64 (128 tokens); the data position continues from the 16
+    sequences stage 1 consumed."""
+    args = ["--training.global_batch_unit", "tokens", "--training.local_batch_size", "2"]
+    records, log = resume(stage_1, tmp_path / "tokens", args, 1)
+    assert [r["step"] for r in records] == [5, 6, 7, 8]
+    assert all(round(r["tokens_per_sec"] / r["samples_per_sec"] * 2) == 128 for r in records)  # tokens per step
+    assert "the global batch is 2 sequences = 128 tokens per step (training.global_batch_unit = 'tokens' kept" in log
+    saved = read_checkpoint(tmp_path / "tokens" / "checkpoint" / "step-8", tmp_path)
+    assert saved["dataloader"]["consumed_samples"] == 4 * 4 + 4 * 2
+    assert (saved["train"]["global_batch_size"], saved["train"]["seq_len"]) == (2, 64)

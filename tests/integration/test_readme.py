@@ -34,11 +34,14 @@ SHRINK = ["--model.flavor", "tiny", "--training.seq_len", "32"]
 # Blocks that need more than SHRINK gives, or a test-only change to run unattended.
 LAYOUTS_BLOCK = "docs/parallelism.md: DP x TP x PP on one DeviceMesh #1"
 PREEMPTION_BLOCK = "docs/fault-tolerance.md: Fault tolerance #2"
+EXTENSION_BLOCK = "docs/context-parallel.md: Extend the context of a trained model #2"
 BLOCK_ARGS = {
     # The ZBV schedule puts 2 stages on each of 2 ranks: 4 layers at least (tiny has 2).
     LAYOUTS_BLOCK: ["--model.flavor", "debugmodel", "--training.steps", "10"],
     # Long enough that the SIGTERM arrives mid-run, and a record to wait for instead of a minute.
     PREEMPTION_BLOCK: ["--training.steps", "100000", "--metrics.log_freq", "1"],
+    # The context extension's second stage keeps its longer sequences.
+    EXTENSION_BLOCK: ["--training.seq_len", "64"],
 }
 BLOCK_TEXT = {PREEMPTION_BLOCK: ("sleep 60", "until [ -s outputs/preempt/metrics.jsonl ]; do sleep 0.2; done")}
 # CI's sample: the README's tour up to the planner (dp, tp, pp, ZeRO-3, a checkpoint resumed under another

@@ -13,8 +13,16 @@ from pathlib import Path
 # microbatches per optimizer step. They describe the run, not its state: a resume under another layout compares
 # them, it loads nothing into them.
 LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps")
-# What the saving job trained on, beside its layout: a resume that changes it starts a new stage of the run.
-STAGE_KEYS = ("seq_len",)
+# What the saving job trained on, beside its layout, by the config key that sets it: a resume that changes it
+# starts a new stage of the run. The rope_* entries are the resolved RoPE (`torchpre.training.rope.rope_record`).
+STAGE_KEYS = {
+    "seq_len": "training.seq_len",
+    "rope_theta": "model.rope_theta",
+    "rope_scaling_factor": "model.rope_scaling_factor",
+    "rope_low_freq_factor": "model.rope_low_freq_factor",
+    "rope_high_freq_factor": "model.rope_high_freq_factor",
+    "rope_original_max_seq_len": "model.rope_original_max_seq_len",
+}
 
 
 def describe_layout(layout: dict[str, int]) -> str:
@@ -62,21 +70,45 @@ def _torchrun_round() -> str:
     return f" (torchrun's rendezvous round: {nodes} node{plural}, restart count {restarts}; a node left or joined)"
 
 
-def stage_change(saved_seq_len: int | None, seq_len: int, global_batch_size: int, step: int) -> str | None:
-    """The line to log when a resume at train step `step` changes training.seq_len from the checkpoint's
-    `saved_seq_len` (None: not recorded): a context-extension stage, and what it keeps; else None."""
-    if saved_seq_len is None or saved_seq_len == seq_len:
+def stage_change(
+    saved: dict[str, float], current: dict[str, float], global_batch_size: int, step: int, batch_unit: str
+) -> str | None:
+    """The line to log when a resume at train step `step` changes a `STAGE_KEYS` value from the checkpoint's
+    (`saved`; a key it lacks was not recorded) to this job's (`current`): which, what kind of stage (a longer
+    training.seq_len is a context extension), and what it keeps of the global batch (training.global_batch_unit
+    `batch_unit`); else None."""
+    changed = [key for key in STAGE_KEYS if key in saved and key in current and saved[key] != current[key]]
+    if not changed:
         return None
-    kind = "context extension" if seq_len > saved_seq_len else "shorter sequences"
-    kept_tokens = global_batch_size * saved_seq_len
-    same_tokens = (
-        f"set training.global_batch_size = {kept_tokens // seq_len} to keep {kept_tokens} tokens per step"
-        if kept_tokens % seq_len == 0
-        else f"a global batch of {kept_tokens} tokens is no whole number of {seq_len}-token sequences"
-    )
+    changes = ", ".join(f"{STAGE_KEYS[k]} {_value(k, saved[k])} -> {_value(k, current[k])}" for k in changed)
+    old_len, seq_len = int(saved.get("seq_len", current["seq_len"])), int(current["seq_len"])
+    kind = "context extension" if seq_len > old_len else "shorter sequences" if seq_len < old_len else "new RoPE"
+    line = f"stage change at step {step}: {changes} ({kind})."
+    if seq_len == old_len:
+        return line
     return (
-        f"stage change at step {step}: training.seq_len {saved_seq_len} -> {seq_len} ({kind}). RoPE is computed for "
-        f"{seq_len} positions; the data position is kept in sequences (the next ones are {seq_len + 1}-token "
-        f"windows of the same data, in their own seeded order); the global batch is {global_batch_size} sequences "
-        f"= {global_batch_size * seq_len} tokens per step ({same_tokens})."
+        f"{line} RoPE is computed for {seq_len} positions; the data position is kept in sequences (the next ones are "
+        f"{seq_len + 1}-token windows of the same data, in their own seeded order); the global batch is "
+        f"{global_batch_size} sequences = {global_batch_size * seq_len} tokens per step "
+        f"({_batch_kept(global_batch_size, old_len, seq_len, batch_unit)})."
+    )
+
+
+def _value(key: str, value: float) -> str:
+    """A stage value as a user writes it: 500000 rather than 500000.0, "off" for a scaling key of no scaling."""
+    if key.startswith("rope_") and key != "rope_theta" and value == 0:
+        return "off"
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _batch_kept(global_batch_size: int, old_len: int, seq_len: int, batch_unit: str) -> str:
+    """What the global batch keeps across a change of sequence length, and how to keep the other quantity."""
+    if batch_unit == "tokens":
+        return "training.global_batch_unit = 'tokens' kept the checkpoint's tokens per step"
+    kept_tokens = global_batch_size * old_len
+    if kept_tokens % seq_len:
+        return f"a global batch of {kept_tokens} tokens is no whole number of {seq_len}-token sequences"
+    return (
+        f"kept in sequences; set training.global_batch_unit = 'tokens' to keep {kept_tokens} tokens per step as "
+        f"{kept_tokens // seq_len} sequences"
     )

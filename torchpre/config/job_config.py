@@ -60,6 +60,25 @@ class Model:
         "the model's vocabulary (embedding and output rows); 0 = the tokenizer's; with a text dataset it must hold "
         "every token id (e.g. 128256, Llama 3's, with training.dataset = 'synthetic')",
     )
+    # RoPE for the families built on Llama 3's args (llama3, moe); a family that reads its RoPE elsewhere (hf) refuses
+    # them. A change on resume is a stated stage change (docs/context-parallel.md, "Context extension").
+    rope_theta: float = _option(0.0, "RoPE base; 0 = the flavor's (500000 for Llama 3)")
+    rope_scaling_factor: float = _option(
+        0.0,
+        "Llama 3.1-style RoPE scaling: divide the long-wavelength frequencies by this; 0 = the flavor's (1B-405B "
+        "have it, debugmodel/tiny not), 1 = no scaling",
+    )
+    rope_low_freq_factor: float = _option(
+        0.0, "Llama 3.1 scaling: wavelengths above original_max_seq_len / this are scaled fully; 0 = the flavor's, or 1"
+    )
+    rope_high_freq_factor: float = _option(
+        0.0, "Llama 3.1 scaling: wavelengths below original_max_seq_len / this are kept; 0 = the flavor's, or 4"
+    )
+    rope_original_max_seq_len: int = _option(
+        0,
+        "Llama 3.1 scaling: the context the unscaled frequencies were trained on; 0 = the flavor's (needed when "
+        "rope_scaling_factor turns scaling on for a flavor without it, e.g. the previous stage's training.seq_len)",
+    )
 
 
 @dataclass
@@ -86,6 +105,12 @@ class Training:
         -1, "sequences per optimizer step; -1 = local_batch_size x DP, larger values accumulate gradients"
     )
     seq_len: int = _option(256, "tokens per sequence")
+    global_batch_unit: Literal["sequences", "tokens"] = _option(
+        "sequences",
+        "what a resume with another training.seq_len keeps of the checkpoint's global batch (with "
+        "global_batch_size = -1): 'sequences' their number, 'tokens' the tokens per step (the sequences scale by "
+        "old seq_len / new seq_len)",
+    )
     steps: int = _option(100, "optimizer steps to train")
     seed: int = _option(42, "seed of the initial weights and the data order")
     max_norm: float = _option(1.0, "clip the global gradient norm to this value; 0 disables clipping")

@@ -49,6 +49,7 @@ from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, parallel_plan
+from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.validation import Validator, build_validator, held_out_fraction
 
@@ -214,7 +215,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     progress = TrainProgress(
         batches.global_batch_size,
         {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
-         "accumulation_steps": batches.accumulation_steps, "seq_len": t.seq_len},
+         "accumulation_steps": batches.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
     )  # fmt: skip
     guard = StepGuard(
         t, optimizer, _forensics(model, pre, meshes), tp_degree=d.tp,

@@ -25,11 +25,12 @@ from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.training.rope import refuse_rope_keys, with_rope
 
 
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """The flavor's args with the job's vocabulary (`vocab_size`) and `max_seq_len` (default: training.seq_len); a
-    family with `args_from_job` (model.name = 'hf') builds its own."""
+    """The flavor's args with the job's vocabulary (`vocab_size`), `max_seq_len` (default: training.seq_len) and RoPE
+    (model.rope_*, `with_rope`); a family with `args_from_job` (model.name = 'hf') builds its own."""
     seq_len = config.training.seq_len if max_seq_len is None else max_seq_len
     spec = get_model_spec(config.model.name)
     if spec.args_from_job is not None:
@@ -38,8 +39,9 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
                 f"model.vocab_size = {config.model.vocab_size} with model.name = '{config.model.name}': this family "
                 "takes its vocabulary from its own config (model.hf_config's vocab_size). Set model.vocab_size = 0."
             )
+        refuse_rope_keys(config.model, "its RoPE comes from its own config, model.hf_config: set it there")
         return spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
-    flavor = get_flavor(config.model.name, config.model.flavor)
+    flavor = with_rope(config.model, get_flavor(config.model.name, config.model.flavor))
     return dataclasses.replace(flavor, vocab_size=vocab_size(config, tokenizer), max_seq_len=seq_len)
 
 

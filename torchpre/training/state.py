@@ -5,12 +5,12 @@ from typing import Any
 
 import torch
 
-from torchpre.checkpoint.layout import LAYOUT_KEYS
+from torchpre.checkpoint.layout import LAYOUT_KEYS, STAGE_KEYS
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.parallel.api import ParallelModel
 
 # Entries of the "train" state that checkpoints written before they were recorded lack.
-OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps", "seq_len")
+OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps", *STAGE_KEYS)
 
 
 class ModelState:
@@ -37,15 +37,15 @@ class ModelState:
 
 class TrainProgress:
     """The "train" entry: the optimizer steps taken, the global batch size they were taken with (a resume with
-    training.global_batch_size = -1 keeps it), and this job's layout (`LAYOUT_KEYS`, with the world size) and sequence
-    length (`STAGE_KEYS`), so that a resume under another one can say what changed. After a load, `saved` holds the
-    checkpoint's values."""
+    training.global_batch_size = -1 keeps it), and this job's layout (`LAYOUT_KEYS`, with the world size), sequence
+    length and RoPE (`STAGE_KEYS`), so that a resume under another one can say what changed. After a load, `saved`
+    holds the checkpoint's values."""
 
-    def __init__(self, global_batch_size: int, layout: dict[str, int]):
+    def __init__(self, global_batch_size: int, layout: dict[str, float]):
         self.step = 0
         self.global_batch_size = global_batch_size
         self.layout = layout
-        self.saved: dict[str, int] = {}
+        self.saved: dict[str, float] = {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "global_batch_size": self.global_batch_size, **self.layout}
@@ -55,10 +55,10 @@ class TrainProgress:
         return {key: value for key, value in state.items() if key not in OPTIONAL_KEYS or f"train.{key}" in saved}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.saved = {key: int(value) for key, value in state_dict.items()}
-        self.step = self.saved["step"]
+        self.saved = {key: value if isinstance(value, float) else int(value) for key, value in state_dict.items()}
+        self.step = int(self.saved["step"])
 
     @property
     def saved_layout(self) -> dict[str, int]:
         """The saving job's `LAYOUT_KEYS` the loaded checkpoint holds."""
-        return {key: self.saved[key] for key in LAYOUT_KEYS if key in self.saved}
+        return {key: int(self.saved[key]) for key in LAYOUT_KEYS if key in self.saved}

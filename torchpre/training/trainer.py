@@ -19,6 +19,7 @@ from torchpre.runtime.garbage_collection import GarbageCollection
 from torchpre.runtime.preemption import PreemptionHandler
 from torchpre.runtime.profiling import Profiler
 from torchpre.runtime.world import Runtime
+from torchpre.training.batches import kept_global_batch
 from torchpre.training.job import build_job
 from torchpre.training.run_folder import open_metrics, save_resolved_config, set_aside_later_history
 
@@ -224,17 +225,18 @@ class Trainer:
         change = layout_change(progress.saved_layout, progress.layout, step_dir, progress.step, global_batch_size)
         if change is not None and job.is_logging_rank:
             logger.warning(change)
-        seq_len = self.config.training.seq_len
-        stage = stage_change(progress.saved.get("seq_len"), seq_len, global_batch_size, progress.step)
+        t = self.config.training
+        stage = stage_change(progress.saved, progress.layout, global_batch_size, progress.step, t.global_batch_unit)
         if stage is not None and job.is_logging_rank:
             logger.warning(stage)
-        saved_batch = progress.saved.get("global_batch_size", 0)
-        derived = self.config.training.global_batch_size == -1
-        if derived and saved_batch not in (0, global_batch_size) and job.is_logging_rank:
+        saved_batch = int(progress.saved.get("global_batch_size", 0))
+        saved_seq_len = int(progress.saved.get("seq_len", t.seq_len))
+        kept = kept_global_batch(saved_batch, saved_seq_len, t.seq_len, t.global_batch_unit) or saved_batch
+        if t.global_batch_size == -1 and kept not in (0, global_batch_size) and job.is_logging_rank:
             logger.warning(  # the batch was sized from another checkpoint: the latest one, found damaged
                 "%s was trained with a global batch of %d, this job runs %d: set training.global_batch_size = %d "
                 "to continue it unchanged",
-                step_dir, saved_batch, global_batch_size, saved_batch,
+                step_dir, saved_batch, global_batch_size, kept,
             )
         if c.load_step != -1:
             set_aside_later_history(self.config, job.checkpoint.folder, progress.step)
