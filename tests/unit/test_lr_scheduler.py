@@ -50,3 +50,23 @@ def test_scheduler_drives_the_optimizer_lr():
         optimizer.step()
         scheduler.step()
     assert seen == pytest.approx([1 / 3, 2 / 3, 0.75, 0.5, 0.25, 0.0])
+
+
+def test_the_schedule_holds_the_floor_past_its_last_step():
+    """The scheduler steps once after the last optimizer step; that lr (saved in the last checkpoint) is the floor,
+    never below it."""
+    assert wsd_factor(6, steps=6, warmup_steps=2, decay_ratio=1.0, decay_type="linear", min_lr_factor=0.1) == 0.1
+
+
+def test_a_resume_with_more_steps_continues_on_the_new_schedule():
+    """A job of 4 steps saved after its last step, resumed with training.steps = 8: step 5 uses the 8-step schedule's
+    lr at step index 4, not what the 4-step schedule left (it was -0.5x the peak before the floor was held)."""
+    settings = {"warmup_steps": 2, "decay_ratio": 1.0, "decay_type": "linear", "min_lr_factor": 0.0}
+    first = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_lr_scheduler(first, steps=4, **settings)
+    for _ in range(4):
+        first.step()
+        scheduler.step()
+    resumed = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    build_lr_scheduler(resumed, steps=8, **settings).load_state_dict(scheduler.state_dict())
+    assert resumed.param_groups[0]["lr"] == pytest.approx(wsd_factor(4, steps=8, **settings)) == pytest.approx(0.5)

@@ -23,7 +23,7 @@ def wsd_factor(
     decay_start = steps - decay_steps
     if step < decay_start or decay_steps == 0:
         return 1.0
-    progress = (step - decay_start + 1) / decay_steps
+    progress = min((step - decay_start + 1) / decay_steps, 1.0)  # past the last step (stepped after it): the floor
     if decay_type == "linear":
         remaining = 1 - progress
     elif decay_type == "sqrt":
@@ -35,11 +35,14 @@ def wsd_factor(
 
 class WarmupStableDecay(LambdaLR):
     """`LambdaLR` over `wsd_factor`, stepped once per optimizer step; its state_dict is the step count, and loading
-    it also sets the optimizer's current lr (which a scheduler's state does not hold)."""
+    it also sets the optimizer's current lr (which a scheduler's state does not hold) from this job's schedule at that
+    step: a resume that changes training.steps (or the schedule's keys) continues on the new schedule, not on the lr
+    the saving job's schedule gave."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for group, lr in zip(self.optimizer.param_groups, self.get_last_lr()):
+        self._last_lr = [base * factor(self.last_epoch) for base, factor in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
             group["lr"] = lr
 
 
