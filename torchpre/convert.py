@@ -53,6 +53,7 @@ from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.model import model_args, model_context
+from torchpre.training.rope import check_saved_rope
 
 logger = logging.getLogger("torchpre")
 
@@ -100,6 +101,7 @@ def dcp_to_hf(
     step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int, allow_unverified: bool
 ) -> None:
     dcp_state_dict = _load_dcp_model(step_dir, allow_unverified)  # its errors name the folder already
+    check_saved_rope(step_dir, model.args)
     try:
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:

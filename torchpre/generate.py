@@ -47,6 +47,7 @@ from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan, stages_per_rank
 from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan
+from torchpre.training.rope import check_saved_rope
 
 
 def _flag(default: object, doc: str):
@@ -225,6 +226,7 @@ def main(argv: list[str]) -> None:
     step_dir = find_generation_step(folder, load_step)
     model = meta_model(config, spec, args)
     check_checkpoint_fits(model, step_dir)
+    check_saved_rope(step_dir, args)
 
     device = select_device()
     init_distributed(device)

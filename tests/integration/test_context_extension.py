@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_checkpoint import read_checkpoint
-from tests.launch import TINY, run_train
+from tests.launch import TINY, run_entry, run_train
 from torchpre.checkpoint.state import checkpoint_metadata
 
 pytestmark = pytest.mark.slow
@@ -66,6 +66,20 @@ def test_a_new_rope_base_takes_effect_and_is_stated(stage_1, one_process, tmp_pa
     assert [r["step"] for r in records] == [5, 6, 7, 8]
     assert [r["loss"] for r in records] != [r["loss"] for r in one_process]
     assert "stage change at step 4: training.seq_len 32 -> 64, model.rope_theta 500000 -> 2000000 (context " in log
+    # Generation and export read the RoPE from the config: without the stage's base they stop, naming it.
+    checkpoint = ["--checkpoint.folder", str(tmp_path / "theta" / "checkpoint"), "--model.flavor", "tiny"]
+    for entry, argv in (
+        ("torchpre.generate", [*checkpoint, "--prompt", "def", "--max_new_tokens", "2"]),
+        ("torchpre.convert", ["dcp-to-hf", str(tmp_path / "theta" / "checkpoint" / "step-8"), str(tmp_path / "hf"),
+                              "--model.flavor", "tiny"]),
+    ):  # fmt: skip
+        refused = run_entry(entry, argv)
+        assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+        assert "model.rope_theta = 2000000 (this run: 500000)" in refused.stderr
+        assert "--model.rope_theta 2000000" in refused.stderr
+    generated = run_entry("torchpre.generate", [*checkpoint, "--model.rope_theta", "2000000", "--prompt", "def",
+                                                "--max_new_tokens", "2"])  # fmt: skip
+    assert generated.returncode == 0, generated.stderr[-2000:]
 
 
 def test_a_global_batch_in_tokens_keeps_the_tokens_per_step_and_the_data_position(stage_1, tmp_path):

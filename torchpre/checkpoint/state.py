@@ -8,6 +8,8 @@ entries an older torchpre did not write), says what to load with `load_targets(s
 flattened keys; otherwise its `state_dict()` is what loads, every key required.
 """
 
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -70,6 +72,24 @@ def checkpoint_metadata(step_dir: Path) -> dict[str, Any]:
             f"Cannot read the checkpoint at {step_dir} ({type(error).__name__}: {error}). "
             "Point checkpoint.folder / checkpoint.initial_load_path at a complete step-N folder."
         ) from None
+
+
+def read_train_values(step_dir: Path, keys: Sequence[str]) -> dict[str, float]:
+    """The checkpoint's "train" entries named in `keys` that it holds (a scalar each: global batch, seq_len, RoPE),
+    read without a process group, before anything is built; {} if it holds none or cannot be read (a damaged
+    checkpoint is named, and skipped, by the checked load that follows). DCP's warnings about loading in one
+    process are expected here and silenced."""
+    try:
+        recorded = checkpoint_metadata(step_dir)
+        request = {"train": {key: 0.0 for key in keys if f"train.{key}" in recorded}}
+        if not request["train"]:
+            return {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
+    except Exception:  # DCP raises several types for damaged files
+        return {}
+    return {key: float(value) for key, value in request["train"].items()}
 
 
 def flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

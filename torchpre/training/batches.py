@@ -2,13 +2,10 @@
 data-parallel rank accumulates for it; a resumed job keeps the batch its checkpoint was trained with."""
 
 import logging
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed.checkpoint as dcp
-
-from torchpre.checkpoint.state import checkpoint_metadata
+from torchpre.checkpoint.state import read_train_values
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.elastic import world_sizes_hint
 from torchpre.errors import ConfigError
@@ -152,16 +149,8 @@ def _world_sizes_hint(config: JobConfig, global_batch_size: int) -> str:
 def saved_batch(step_dir: Path) -> tuple[int, int]:
     """The global batch size `step_dir` was trained with and its sequence length, read without a process group so
     that a resumed job can size its data loader and accumulation before building them; 0 for what the checkpoint
-    predates or if it cannot be read (a damaged one is named, and skipped, by the checked load that follows).
-    DCP's warnings about loading in one process are expected here and silenced."""
-    try:
-        recorded = checkpoint_metadata(step_dir)
-        request = {"train": {key: 0 for key in ("global_batch_size", "seq_len") if f"train.{key}" in recorded}}
-        if "global_batch_size" not in request["train"]:
-            return 0, 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
-    except Exception:  # DCP raises several types for damaged files
+    predates or if it cannot be read."""
+    saved = read_train_values(step_dir, ("global_batch_size", "seq_len"))
+    if "global_batch_size" not in saved:
         return 0, 0
-    return int(request["train"]["global_batch_size"]), int(request["train"].get("seq_len", 0))
+    return int(saved["global_batch_size"]), int(saved.get("seq_len", 0))

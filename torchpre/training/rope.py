@@ -7,9 +7,11 @@ so that no stage silently trains on the old frequencies. What a job trains with 
 """
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from torchpre.checkpoint.layout import STAGE_KEYS
+from torchpre.checkpoint.state import read_train_values
 from torchpre.config.job_config import Model
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
@@ -90,3 +92,19 @@ def rope_record(args: Any) -> dict[str, float]:
     s = args.rope_scaling
     scaling = (s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings) if s else (0,) * 4
     return dict(zip(ROPE_KEYS, (float(args.rope_theta), *map(float, scaling))))
+
+
+def check_saved_rope(step_dir: Path, args: Any) -> None:
+    """Generation and export use the RoPE of the config (`args`); a checkpoint trained with another (a context-extension
+    stage) would give wrong text or a wrong exported config silently, so it is refused, naming the keys to set."""
+    saved = read_train_values(step_dir, ROPE_KEYS)
+    ours = rope_record(args)
+    changed = [key for key in ROPE_KEYS if key in saved and key in ours and saved[key] != ours[key]]
+    if changed:
+        settings = " ".join(f"--model.{key} {_number(saved[key])}" for key in changed)
+        found = ", ".join(f"model.{key} = {_number(saved[key])} (this run: {_number(ours[key])})" for key in changed)
+        raise ConfigError(f"{step_dir} was trained with {found}. Pass {settings} to use the RoPE it was trained with.")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value == int(value) else str(value)
