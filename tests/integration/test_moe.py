@@ -139,9 +139,11 @@ def test_dsv3_routing_balances_the_load(dsv3_reference):
     "layout, nproc",
     [
         (DP2_ZERO1, 2),
+        # The dense first block under the dense feed-forward's plan, the MoE blocks under theirs.
+        (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"], 2),
         pytest.param([*EP2, "--optimizer.zero_stage", "1"], 4, marks=pytest.mark.parity_matrix),
     ],
-    ids=["dp2-zero1", "ep2xdp2-zero1"],
+    ids=["dp2-zero1", "tp2-sp", "ep2xdp2-zero1"],
 )
 def test_dsv3_layout_matches_one_process_biases_included(dsv3_reference, layout, nproc, tmp_path):
     assert_dsv3_matches(*train_and_dump([*DSV3, *layout], nproc, tmp_path), dsv3_reference)
