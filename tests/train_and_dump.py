@@ -1,4 +1,5 @@
-"""train.py, then every rank saves its parameters (TP shards gathered) to {dump_folder}/params_rank{R}.pt.
+"""train.py, then every rank saves its parameters (TP shards gathered) to {dump_folder}/params_rank{R}.pt and its
+persistent buffers (training state outside the optimizer, e.g. MoE routing biases) to buffers_rank{R}.pt.
 
 Run like train.py (`torchrun ... tests/train_and_dump.py --section.key value ...`); tests compare the
 saved parameters of two layouts after training.
@@ -30,6 +31,13 @@ def main(argv: list[str]) -> None:
         for name, p in part.named_parameters()
     }
     torch.save(params, Path(config.job.dump_folder) / f"params_rank{dist.get_rank()}.pt")
+    buffers = {
+        name: value.detach().clone()
+        for part in trainer.job.model.parts
+        for name, value in part.state_dict().items()
+        if name not in params
+    }
+    torch.save(buffers, Path(config.job.dump_folder) / f"buffers_rank{dist.get_rank()}.pt")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """The Mixture-of-Experts family under expert parallelism (composed with DP, ZeRO-1, PP and TP) and under
 expert tensor parallelism against one process, its router statistics, and a checkpoint resharded from
-experts split by expert to experts split by hidden unit."""
+experts split by expert to experts split by hidden unit; DeepSeek-V3's routing with bias balancing likewise,
+its routing biases bitwise equal to one process's on every rank, across a resharded resume too."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launch import MOE_TINY, run_train, train_and_read_metrics
 from torchpre.errors import ConfigError
@@ -87,3 +90,71 @@ def test_tensor_degree_must_divide_the_expert_width():
     args = dataclasses.replace(MOE_FLAVORS["tiny"], moe_hidden_dim=31)
     with pytest.raises(ConfigError, match="moe_hidden_dim = 31 is not divisible by parallelism.tensor_parallel_degree"):
         SPEC.validate_tensor_parallel(args, 2)
+
+
+# DeepSeek-V3's routing (tiny_dsv3: sigmoid, groups, scaling, z-loss, a dense first block) with the balancing bias on.
+DSV3 = [*MOE, "--model.flavor", "tiny_dsv3"]
+# fp32 on CPU, reduction order only (measured: dp2 ZeRO-1 and ep2 within 9.6e-7 of one process). The biases are
+# compared bitwise: they move by +-rate from exact integer counts, so one flipped choice in the job would show.
+DSV3_LOSS_TOLERANCE = 1e-5
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+DP2_ZERO1 = ["--parallelism.data_parallel_degree", "2", "--optimizer.zero_stage", "1"]
+SAVE_AT_4 = ["--checkpoint.enable", "--checkpoint.interval", "4"]
+
+
+def train_and_dump(args: list[str], nproc: int, folder: Path) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
+    """The metrics records and each rank's persistent buffers (the routing biases) after training."""
+    records = train_and_read_metrics(args, nproc, folder, script="tests/train_and_dump.py")
+    return records, [torch.load(folder / f"buffers_rank{rank}.pt") for rank in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def dsv3_reference(tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    records, (biases,) = train_and_dump(DSV3, 1, tmp_path_factory.mktemp("dsv3-reference"))
+    return records, biases
+
+
+def assert_dsv3_matches(records: list[dict], biases: list[dict], reference: tuple[list[dict], dict]) -> None:
+    ref_records, ref_biases = reference
+    ref_records = ref_records[-len(records):]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records], abs=DSV3_LOSS_TOLERANCE)
+    for key in (*ROUTER_KEYS, "moe/bias_min", "moe/bias_max"):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in ref_records], rel=1e-6), key
+    assert sorted(ref_biases) == ["layers.1.moe.expert_bias", "layers.2.moe.expert_bias"]
+    assert any(bias.abs().sum() > 0 for bias in ref_biases.values())
+    for rank_biases in biases:  # every rank holds every layer here (no pipeline split)
+        assert rank_biases.keys() == ref_biases.keys()
+        for name, bias in ref_biases.items():
+            assert torch.equal(rank_biases[name], bias), (name, rank_biases[name], bias)
+
+
+def test_dsv3_routing_balances_the_load(dsv3_reference):
+    records, biases = dsv3_reference
+    assert all(r["moe/bias_min"] <= 0 <= r["moe/bias_max"] for r in records)
+    assert records[-1]["moe/bias_max"] - records[-1]["moe/bias_min"] > 0
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "layout, nproc",
+    [
+        (DP2_ZERO1, 2),
+        # The dense first block under the dense feed-forward's plan, the MoE blocks under theirs.
+        (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"], 2),
+        pytest.param([*EP2, "--optimizer.zero_stage", "1"], 4, marks=pytest.mark.parity_matrix),
+    ],
+    ids=["dp2-zero1", "tp2-sp", "ep2xdp2-zero1"],
+)
+def test_dsv3_layout_matches_one_process_biases_included(dsv3_reference, layout, nproc, tmp_path):
+    assert_dsv3_matches(*train_and_dump([*DSV3, *layout], nproc, tmp_path), dsv3_reference)
+
+
+def test_dsv3_at_ep2_matches_one_process_and_its_biases_resume_bitwise_at_dp2_zero1(dsv3_reference, tmp_path):
+    """ep2 for 8 steps against one process, then a resume of its step-4 checkpoint under dp2 ZeRO-1: the loaded
+    biases keep moving as one process's do, to the bit."""
+    assert_dsv3_matches(*train_and_dump([*DSV3, *SAVE_AT_4, *EP2], 2, tmp_path), dsv3_reference)
+    (tmp_path / "checkpoint" / "step-8").rename(tmp_path / "step-8-done")  # resume from step 4
+    (tmp_path / "metrics.jsonl").unlink()
+    records, biases = train_and_dump([*DSV3, *SAVE_AT_4, *DP2_ZERO1], 2, tmp_path)
+    assert [r["step"] for r in records] == [5, 6, 7, 8]
+    assert_dsv3_matches(records, biases, dsv3_reference)

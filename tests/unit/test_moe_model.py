@@ -61,7 +61,7 @@ def reference_moe(moe: MoE, x: Tensor) -> Tensor:
             token = x[b, s]
             probs = torch.softmax(moe.router.weight @ token, dim=-1)
             top = probs.topk(moe.top_k)
-            weights = top.values / top.values.sum() if moe.norm_topk_prob else top.values
+            weights = top.values / top.values.sum() if moe.routing.norm_topk_prob else top.values
             for weight, e in zip(weights, top.indices.tolist()):
                 out[b, s] += weight * swiglu(token, experts.w1[e], experts.w2[e], experts.w3[e])
             if moe.shared_expert is not None:

@@ -69,6 +69,10 @@ class ModelSpec:
       balancing) puts it into each sequence's term, so the terms add up to a mean over the global batch.
     - `extra_metrics(parts, args, device)` returns values to log with each metrics record (MoE's router
       statistics). A collective: every rank calls it at each logged step, with the model parts it holds.
+    - `after_optimizer_step(parts, args, device, skip)` updates training state that no optimizer steps (MoE's
+      routing biases) after each optimizer step; `skip` is 1 where the step was not applied (a float, or a
+      one-element tensor on the device when the optimizer skips there), 0 where it was. A collective: every rank
+      calls it, once per step and once per dropped replay of one.
     - `init_buffers(module)` replaces `init_weights` when a checkpoint will overwrite the weights (a resume,
       `checkpoint.initial_load_path`): after `to_empty` it computes the buffers a checkpoint does not hold (the
       non-persistent ones: RoPE tables, counters), so no rank draws weights that the load then discards.
@@ -94,6 +98,9 @@ class ModelSpec:
     set_aux_loss_scale: Callable[[nn.Module, float], None] = lambda part, scale: None
     extra_metrics: Callable[[Sequence[nn.Module], Any, torch.device], dict[str, float]] = (
         lambda parts, args, device: {}
+    )
+    after_optimizer_step: Callable[[Sequence[nn.Module], Any, torch.device, Tensor | float], None] = (
+        lambda parts, args, device, skip: None
     )
     init_buffers: Callable[[nn.Module], None] = lambda module: default_init_buffers(module)
 

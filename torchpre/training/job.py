@@ -11,6 +11,7 @@ jobs for ranks of a fake world through the same functions (`Runtime.fake`).
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, parallel_plan
+from torchpre.training.model_update import StepWithModelUpdate
 from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.validation import Validator, build_validator, held_out_fraction
@@ -217,8 +219,9 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
          "accumulation_steps": batches.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
     )  # fmt: skip
+    after_step = partial(pre.model_spec.after_optimizer_step, model.parts, pre.model_args, device)
     guard = StepGuard(
-        t, optimizer, _forensics(model, pre, meshes), tp_degree=d.tp,
+        t, StepWithModelUpdate(optimizer, after_step), _forensics(model, pre, meshes), tp_degree=d.tp,
         global_batch_size=batches.global_batch_size, is_logging_rank=dist.get_rank() == 0,
     )  # fmt: skip
     metrics = TrainingMetrics(

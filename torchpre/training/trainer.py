@@ -160,7 +160,7 @@ class Trainer:
 
     def drop_gradients(self) -> None:
         self.job.reduction.reduce()
-        self.job.optimizer.discard()
+        self.job.guard.optimizer.discard()  # the step as the guard takes it: the model's step statistics go too
 
     def rewind(self, step: TakenStep) -> None:
         self.job.progress.step, self.job.data.consumed_samples = step.number - 1, step.first_sample

@@ -27,6 +27,7 @@ gives them their parameters' placements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -71,15 +72,22 @@ def apply_llama3_tensor_parallel(
 def apply_transformer_plan(
     model: Transformer,
     tp_mesh: DeviceMesh,
-    block_plan: dict[str, ParallelStyle],
+    block_plan: dict[str, ParallelStyle] | Callable[[nn.Module], dict[str, ParallelStyle]],
     *,
     sequence_parallel: bool,
     loss_parallel: bool,
 ) -> None:
     """Applies the embedding / norm / output plan and `block_plan` (keys relative to a block) to every block
-    this stage holds; for the families built on Llama 3's `Transformer`."""
+    this stage holds; for the families built on Llama 3's `Transformer`. A callable `block_plan` gives each
+    block its own plan (a family whose blocks differ, e.g. dense ones before MoE ones)."""
     plan = _outer_plan(model, sequence_parallel, loss_parallel)
-    if model.layers:
+    if callable(block_plan):
+        plan |= {
+            f"layers.{layer_id}.{path}": style
+            for layer_id, block in model.layers.items()
+            for path, style in block_plan(block).items()
+        }
+    elif model.layers:
         plan |= {f"layers.*.{path}": style for path, style in block_plan.items()}
     apply_tensor_parallel(model, tp_mesh, plan)
     # parallelize_module gave the embedding and the output layer new Parameters. Both are

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import TransformerArgs
@@ -14,7 +15,17 @@ class MoEArgs(TransformerArgs):
     """Shape of an MoE decoder: a Llama 3 `TransformerArgs` whose feed-forward is `num_experts` SwiGLU experts
     of width `moe_hidden_dim`, `top_k` of them per token, plus an optional always-on shared expert.
 
-    `ffn_hidden_dim`, `multiple_of` and `ffn_dim_multiplier` are inherited but unused: no block is dense.
+    The routing options (DeepSeek-V3's; the defaults are Mixtral's softmax top-k):
+    - `score_func`: each expert's affinity, a softmax over the experts or a sigmoid per expert;
+    - `n_group`, `topk_group`: group-limited routing, the experts in `n_group` equal groups, each token choosing
+      its top-k among the `topk_group` groups with the largest sum of their two best scores;
+    - `norm_topk_prob`: the chosen scores renormalised to sum to 1, then times `routed_scaling_factor`;
+    - `bias_update_rate`: auxiliary-loss-free balancing, a per-expert bias added to the scores for the choice only,
+      moved after each optimizer step by this rate towards the mean load (0: off, no bias);
+    - `router_z_loss_coeff`: weight of the router z-loss, the mean squared log-sum-exp of the router logits;
+    - `first_k_dense`: the first k blocks have a dense SwiGLU feed-forward of width `ffn_hidden_dim` instead.
+
+    `ffn_hidden_dim`, `multiple_of` and `ffn_dim_multiplier` size only those dense blocks.
     The MoE fields are keyword-only (the inherited fields before them have defaults).
     """
 
@@ -24,6 +35,13 @@ class MoEArgs(TransformerArgs):
     shared_expert_hidden_dim: int = 0  # 0: no shared expert
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE)
     aux_loss_coeff: float = 0.01  # weight of the load-balancing loss added to the gradient
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
+    router_z_loss_coeff: float = 0.0
+    first_k_dense: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,6 +57,33 @@ class MoEArgs(TransformerArgs):
             )
         if self.aux_loss_coeff < 0:
             raise ConfigError(f"model aux_loss_coeff {self.aux_loss_coeff} must be >= 0 (0 disables the aux loss)")
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model score_func {self.score_func!r} must be 'softmax' or 'sigmoid'")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ConfigError(f"model n_group {self.n_group} must divide num_experts {self.num_experts}")
+        group_size = self.num_experts // self.n_group
+        if self.n_group > 1 and group_size < 2:
+            raise ConfigError(f"model n_group {self.n_group} leaves fewer than 2 experts per group (groups are "
+                              "ranked by the sum of their two best scores)")  # fmt: skip
+        if not 1 <= self.topk_group <= self.n_group or self.top_k > self.topk_group * group_size:
+            raise ConfigError(
+                f"model topk_group {self.topk_group} must be between 1 and n_group {self.n_group}, with top_k "
+                f"{self.top_k} at most the {self.topk_group * group_size} experts of that many groups"
+            )
+        for key in ("routed_scaling_factor", "bias_update_rate", "router_z_loss_coeff"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"model {key} {getattr(self, key)} must be >= 0")
+        if not 0 <= self.first_k_dense <= self.n_layers:
+            raise ConfigError(f"model first_k_dense {self.first_k_dense} must be between 0 and n_layers "
+                              f"{self.n_layers}")  # fmt: skip
+
+    @property
+    def moe_layer_ids(self) -> range:
+        """The blocks whose feed-forward is routed experts (the others are dense)."""
+        return range(self.first_k_dense, self.n_layers)
 
 
 MOE_FLAVORS: dict[str, MoEArgs] = {
@@ -67,6 +112,29 @@ MOE_FLAVORS: dict[str, MoEArgs] = {
         top_k=2,
         moe_hidden_dim=32,
         shared_expert_hidden_dim=32,
+    ),
+    # For tests: DeepSeek-V3's routing (sigmoid scores, group-limited top-k, scaling, bias balancing, z-loss) on
+    # the tiny shape, the first block dense.
+    "tiny_dsv3": MoEArgs(
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=2048,
+        max_seq_len=2048,
+        multiple_of=32,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=16,
+        shared_expert_hidden_dim=16,
+        aux_loss_coeff=0.001,
+        score_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        bias_update_rate=1e-3,
+        router_z_loss_coeff=1e-3,
+        first_k_dense=1,
     ),
     # Mistral's released shapes (46.7B total, 12.9B active; 141B total, 39B active).
     "mixtral-8x7B": MoEArgs(
@@ -110,9 +178,9 @@ MOE_FLAVORS: dict[str, MoEArgs] = {
 
 
 def inactive_params(args: MoEArgs) -> int:
-    """Parameters a token does not use: the routed experts it is not sent to, in every layer (3 SwiGLU matrices
+    """Parameters a token does not use: the routed experts it is not sent to, in every MoE layer (3 SwiGLU matrices
     of dim x moe_hidden_dim per expert)."""
-    return args.n_layers * (args.num_experts - args.top_k) * 3 * args.dim * args.moe_hidden_dim
+    return len(args.moe_layer_ids) * (args.num_experts - args.top_k) * 3 * args.dim * args.moe_hidden_dim
 
 
 def active_params(args: MoEArgs, num_params: int) -> int:

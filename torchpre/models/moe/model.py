@@ -1,7 +1,8 @@
 """Mixture-of-Experts decoder in plain PyTorch: Llama 3 with each feed-forward replaced by routed experts.
 
-Each token's router picks `top_k` of `num_experts` SwiGLU experts (dropless: no capacity limit) and
-sums their outputs weighted by the router probabilities, plus an optional always-on shared expert.
+Each token's router picks `top_k` of `num_experts` SwiGLU experts (dropless: no capacity limit; the rule, softmax or
+DeepSeek-V3's sigmoid with groups and a balancing bias, is in routing.py) and sums their outputs weighted by the
+router scores, plus an optional always-on shared expert. The first `first_k_dense` blocks are dense.
 
 No parallelism lives here. Expert parallelism wraps `MoE.experts` from outside: it shards the expert
 weights on dim 0 over an `ep` mesh and intercepts the one `experts(sorted_tokens, counts)` call to send
@@ -28,6 +29,7 @@ from torchpre.models.init import InitRule, ParamInit
 from torchpre.models.llama3.model import FeedForward, Transformer, TransformerBlock
 from torchpre.models.llama3.model import init_rule as llama3_init_rule
 from torchpre.models.moe.args import MoEArgs
+from torchpre.models.moe.routing import Routing, expert_scores, route, z_loss
 
 
 def _local(weight: Tensor) -> Tensor:
@@ -99,11 +101,16 @@ def _grouped_swiglu(tokens: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: 
 class MoE(nn.Module):
     """Top-k routed experts plus an optional shared expert: x [batch, seq, dim] -> [batch, seq, dim].
 
-    In training mode it also adds `aux_loss_coeff * scale * sum_b aux_b` to the gradient, where for each
-    sequence b, aux_b = num_experts * sum_e f_e * P_e with f_e the fraction of b's top-k assignments that went
-    to expert e and P_e b's mean router probability of e. Per sequence, so the total over microbatches and
-    data-parallel ranks does not depend on how the global batch is split. `aux_loss_scale` is `scale`:
-    None means 1 / this call's batch (a mean); the trainer sets 1 / global batch size.
+    In training mode it also adds `scale * sum_b (aux_loss_coeff * aux_b + router_z_loss_coeff * z_b)` to the
+    gradient, where for each sequence b, aux_b = num_experts * sum_e f_e * P_e with f_e the fraction of b's top-k
+    assignments that went to expert e and P_e b's mean score of e normalised over the experts (the sequence-wise
+    aux loss), and z_b is b's mean router z-loss. Per sequence, so the total over microbatches and data-parallel
+    ranks does not depend on how the global batch is split. `aux_loss_scale` is `scale`: None means 1 / this
+    call's batch (a mean); the trainer sets 1 / global batch size.
+
+    With `bias_update_rate` > 0 the persistent buffer `expert_bias` shifts the scores for the choice of experts
+    (training state, checkpointed); `step_tokens_per_expert` counts the assignments since its last update, which
+    the family's `after_optimizer_step` hook (router.py) sums over the job and applies.
 
     When x holds only part of each sequence (context parallelism), `sequence_sum` (set from outside) sums a
     per-sequence statistic over the ranks that hold the rest: f_e and P_e are then the whole sequence's, every such
@@ -118,11 +125,16 @@ class MoE(nn.Module):
     tokens_per_expert: Tensor
     aux_loss_sum: Tensor
     aux_loss_sequences: Tensor
+    expert_bias: Tensor | None
+    step_tokens_per_expert: Tensor | None
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
         self.num_experts, self.top_k = args.num_experts, args.top_k
-        self.norm_topk_prob, self.aux_loss_coeff = args.norm_topk_prob, args.aux_loss_coeff
+        self.routing = Routing(
+            args.top_k, args.score_func, args.n_group, args.topk_group, args.norm_topk_prob, args.routed_scaling_factor
+        )
+        self.aux_loss_coeff, self.router_z_loss_coeff = args.aux_loss_coeff, args.router_z_loss_coeff
         self.aux_loss_scale: float | None = None
         self.sequence_sum: Callable[[Tensor], Tensor] | None = None
         self.router = nn.Linear(args.dim, args.num_experts, bias=False)
@@ -134,6 +146,13 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
         self.register_buffer("aux_loss_sequences", torch.zeros((), dtype=torch.float32), persistent=False)
+        balanced = args.bias_update_rate > 0
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32) if balanced else None)
+        self.register_buffer(
+            "step_tokens_per_expert",
+            torch.zeros(args.num_experts, dtype=torch.float32) if balanced else None,
+            persistent=False,
+        )
 
     @torch.no_grad()
     def reset_stats(self) -> None:
@@ -145,10 +164,9 @@ class MoE(nn.Module):
         bsz, seqlen, dim = x.shape
         tokens = x.reshape(-1, dim)
         # Routing in float32: the top-k choice and its weights are sensitive to rounding.
-        probs = F.linear(tokens.float(), self.router.weight.float()).softmax(dim=-1)
-        weights, expert_ids = probs.topk(self.top_k, dim=-1)  # [tokens, top_k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        scores = expert_scores(logits, self.routing.score_func)
+        weights, expert_ids = route(scores, self.routing, self.expert_bias)  # [tokens, top_k]
 
         # Group the (token, k) assignments by expert; a stable sort keeps token order within each expert.
         flat_ids = expert_ids.flatten()
@@ -165,11 +183,15 @@ class MoE(nn.Module):
         out = out.view(bsz, seqlen, dim)
 
         if self.training:
-            aux_per_sequence, share = self._aux_loss(probs.view(bsz, seqlen, -1), expert_ids.view(bsz, -1))
+            affinity = scores if self.routing.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+            aux_per_sequence, share = self._aux_loss(affinity.view(bsz, seqlen, -1), expert_ids.view(bsz, -1))
             self._record(counts, aux_per_sequence)
-            if torch.is_grad_enabled() and self.aux_loss_coeff > 0:
+            if torch.is_grad_enabled() and (self.aux_loss_coeff > 0 or self.router_z_loss_coeff > 0):
+                penalty = self.aux_loss_coeff * aux_per_sequence.sum()
+                if self.router_z_loss_coeff > 0:  # each sequence's mean z-loss (under cp: its share of the mean)
+                    penalty = penalty + self.router_z_loss_coeff * z_loss(logits).view(bsz, seqlen).mean(dim=1).sum()
                 scale = 1.0 / bsz if self.aux_loss_scale is None else self.aux_loss_scale
-                out = AddAuxLoss.apply(out, self.aux_loss_coeff * scale * share * aux_per_sequence.sum())
+                out = AddAuxLoss.apply(out, scale * share * penalty)
         return out
 
     def _aux_loss(self, probs: Tensor, expert_ids: Tensor) -> tuple[Tensor, float | Tensor]:
@@ -190,6 +212,8 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _record(self, counts: Tensor, aux_per_sequence: Tensor) -> None:
         self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if self.step_tokens_per_expert is not None:
+            self.step_tokens_per_expert += counts.to(self.step_tokens_per_expert.dtype)
         self.aux_loss_sum += aux_per_sequence.sum().to(self.aux_loss_sum.dtype)
         self.aux_loss_sequences += aux_per_sequence.shape[0]
 
@@ -211,16 +235,28 @@ class MoETransformer(Transformer):
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__(args, block=MoEBlock)
+        for layer_id in range(args.first_k_dense):
+            self.layers[str(layer_id)] = TransformerBlock(args)
 
     def param_init_rule(self) -> InitRule:
         return init_rule(self.args)
 
     @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Llama 3's, and the balancing biases at zero: training state that starts from nothing, not from the seed."""
+        super().init_weights(seed)
+        for moe in self.moe_layers():
+            if moe.expert_bias is not None:
+                moe.expert_bias.zero_()
+
+    @torch.no_grad()
     def init_buffers(self) -> None:
-        """The RoPE cache, and zeroed router statistics (after `to_empty` they hold garbage)."""
+        """The RoPE cache, and zeroed router statistics and step counts (after `to_empty` they hold garbage)."""
         super().init_buffers()
         for moe in self.moe_layers():
             moe.reset_stats()
+            if moe.step_tokens_per_expert is not None:
+                moe.step_tokens_per_expert.zero_()
 
     def moe_layers(self) -> Iterator[MoE]:
         """The MoE modules this model (or pipeline stage) holds, through any AC or compile wrappers."""

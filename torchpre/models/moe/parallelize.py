@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -29,10 +30,11 @@ from torchpre.models.llama3.parallelize import (
     apply_llama3_context_parallel,
     apply_transformer_plan,
     attention_plan,
+    feed_forward_plan,
     validate_llama3_tensor_parallel,
 )
 from torchpre.models.moe.args import MoEArgs
-from torchpre.models.moe.model import MoE, MoETransformer
+from torchpre.models.moe.model import MoE, MoEBlock, MoETransformer
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.expert_parallel import apply_expert_parallel
 
@@ -42,6 +44,22 @@ def apply_moe_tensor_parallel(
 ) -> None:
     """Llama 3's plan for the embedding, attention and output, plus the MoE layers' (see the module doc)."""
     validate_moe_tensor_parallel(model.args, tp_mesh.size())
+    moe_plan = _moe_block_plan(model.args, sequence_parallel)
+    dense_plan = attention_plan(sequence_parallel) | feed_forward_plan(sequence_parallel)
+
+    def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+        return moe_plan if isinstance(block, MoEBlock) else dense_plan
+
+    apply_transformer_plan(model, tp_mesh, block_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    for moe in model.moe_layers():
+        if not isinstance(moe.experts.w1, DTensor):  # not already placed by expert parallelism
+            distribute_module(moe.experts, tp_mesh, _shard_hidden, input_fn=_tp_input, output_fn=_tp_output)
+    model.tie_weights()
+
+
+def _moe_block_plan(args: MoEArgs, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """An MoE block's attention, norms, shared expert and the routed layer's sequence gather (see the module doc);
+    the routed experts are sharded apart, by `_shard_hidden`."""
     block_plan = attention_plan(sequence_parallel)
     if sequence_parallel:
         block_plan["ffn_norm"] = SequenceParallel()
@@ -53,18 +71,14 @@ def apply_moe_tensor_parallel(
             desired_output_layouts=(Shard(1),),
             use_local_output=True,
         )
-    if model.args.shared_expert_hidden_dim > 0:
+    if args.shared_expert_hidden_dim > 0:
         block_plan |= {  # one replicated input for w1 and w3: one gradient all-reduce for both
             "moe.shared_expert": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
             "moe.shared_expert.w1": ColwiseParallel(),
             "moe.shared_expert.w2": RowwiseParallel(),
             "moe.shared_expert.w3": ColwiseParallel(),
         }
-    apply_transformer_plan(model, tp_mesh, block_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    for moe in model.moe_layers():
-        if not isinstance(moe.experts.w1, DTensor):  # not already placed by expert parallelism
-            distribute_module(moe.experts, tp_mesh, _shard_hidden, input_fn=_tp_input, output_fn=_tp_output)
-    model.tie_weights()
+    return block_plan
 
 
 def _shard_hidden(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -88,9 +102,10 @@ def _tp_output(module: nn.Module, partial: Tensor, mesh: DeviceMesh) -> Tensor:
 
 
 def validate_moe_tensor_parallel(args: MoEArgs, tp: int) -> None:
-    """Llama 3's head checks, and whole hidden slices for the experts and the shared expert."""
+    """Llama 3's head checks, and whole hidden slices for the experts, the shared expert and the dense blocks."""
     validate_llama3_tensor_parallel(args, tp)
-    for key in ("moe_hidden_dim", "shared_expert_hidden_dim"):
+    dense = ("ffn_hidden_dim",) if args.first_k_dense else ()
+    for key in ("moe_hidden_dim", "shared_expert_hidden_dim", *dense):
         if getattr(args, key) % tp:
             raise ConfigError(
                 f"The model's {key} = {getattr(args, key)} is not divisible by parallelism.tensor_parallel_degree "

@@ -1,7 +1,7 @@
 """The Mixture-of-Experts family as a registered model: `model.name = "moe"`.
 
-Its model is in model.py, its tensor- and expert-parallel plans in parallelize.py, its router statistics
-(logged as `moe/*`) in router.py.
+Its model is in model.py, its routing rule in routing.py, its tensor- and expert-parallel plans in parallelize.py,
+its router statistics (logged as `moe/*`) and the balancing step of its routing biases in router.py.
 """
 
 from torchpre.models.llama3.spec import llama3_tied_weights
@@ -14,7 +14,7 @@ from torchpre.models.moe.parallelize import (
     validate_moe_expert_parallel,
     validate_moe_tensor_parallel,
 )
-from torchpre.models.moe.router import router_stats
+from torchpre.models.moe.router import router_stats, update_expert_bias
 from torchpre.models.registry import ModelSpec
 
 SPEC = ModelSpec(
@@ -30,4 +30,5 @@ SPEC = ModelSpec(
     compile_fullgraph=False,
     set_aux_loss_scale=MoETransformer.set_aux_loss_scale,
     extra_metrics=router_stats,
+    after_optimizer_step=update_expert_bias,
 )
