@@ -28,6 +28,7 @@ def test_newton_schulz_flops_count_the_three_matmuls_of_the_short_side():
 
 
 @pytest.mark.slow
+@pytest.mark.bench  # CI checks the same bytes against the theory in tests/distributed/test_optimizers.py
 def test_dp2_zero1_sends_exactly_the_theory():
     shapes = muon.hidden_shapes(muon.QUICK_TIMING.flavor)
     assert len(shapes) == 14  # 7 matrices in each of the tiny model's 2 layers
