@@ -143,6 +143,20 @@ def test_forensics_name_the_block_whose_output_went_inf_and_leave_training_as_it
         assert (record["loss"], record["grad_norm"]) == (reference["loss"], reference["grad_norm"])
 
 
+def test_forensics_under_data_parallel_end_the_replays_gradient_reductions(tmp_path, monkeypatch):
+    """Under dp2 the replay's backward starts bucket reductions (overlapped with it) that dropping its gradients must
+    still finish; a replay that left them in flight changed the next steps' gradients. The other steps' losses and
+    gradient norms stay bitwise those of the same job without the replay."""
+    monkeypatch.setenv("NONFINITE_INJECTION", "forward:layers.1:2")
+    data_parallel = [*INJECTED, "--parallelism.pipeline_parallel_degree", "1", "--training.steps", "4"]
+    log, records = _train_injected(data_parallel, tmp_path / "on")
+    assert "Replaying the step, the first non-finite value was the output of layers.1 (forward)" in log
+    _, without = _train_injected([*data_parallel, "--training.nonfinite_forensics", "0"], tmp_path / "off")
+    assert [r["skipped_steps"] for r in records] == [r["skipped_steps"] for r in without] == [0, 1, 1, 1]
+    for record, reference in (pair for step, pair in enumerate(zip(records, without)) if step != 1):
+        assert (record["loss"], record["grad_norm"]) == (reference["loss"], reference["grad_norm"])
+
+
 def test_forensics_of_a_step_read_late_replay_it_on_its_own_state_and_leave_training_as_it_was(tmp_path, monkeypatch):
     """Step 2's verdict arrives during step 3: step 3's gradients are dropped, step 2 is replayed on the state
     before it (which the device kept: it skipped the update), step 3 is redone and carries the record."""
