@@ -33,6 +33,17 @@ def run_torchpre(args: Sequence[str], nproc: int = 1, script: str = "train.py") 
     return [json.loads(line) for line in lines]
 
 
+def workload_args(flavor: str, seq_len: int, global_batch: int, steps: int) -> list[str]:
+    """train.py's options for a benchmark's model and batch, with a metrics record every step."""
+    return [
+        "--model.flavor", flavor,
+        "--training.seq_len", str(seq_len),
+        "--training.global_batch_size", str(global_batch),
+        "--training.steps", str(steps),
+        "--metrics.log_freq", "1",
+    ]  # fmt: skip
+
+
 def steady(records: list[dict], key: str, warmup: int) -> float:
     """The median of `key` over the records after the first `warmup` steps (compilation, allocator
     and cache warm-up are not what a long run sees)."""

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO, print_table, run_torchpre, steady
+from bench.common import REPO, print_table, run_torchpre, steady, workload_args
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
 from torchpre.models.llama3.model import Transformer
 from torchpre.optim.build import embeddings
@@ -88,14 +88,7 @@ def layouts(global_batch: int) -> dict[str, tuple[int, tuple[str, ...]]]:
 
 
 def train_args(workload: Workload, *extra: str) -> list[str]:
-    return [
-        "--model.flavor", workload.flavor,
-        "--training.seq_len", str(workload.seq_len),
-        "--training.global_batch_size", str(workload.global_batch),
-        "--training.steps", str(workload.steps),
-        "--metrics.log_freq", "1",
-        *extra,
-    ]  # fmt: skip
+    return [*workload_args(workload.flavor, workload.seq_len, workload.global_batch, workload.steps), *extra]
 
 
 def meta_model(flavor: str) -> Transformer:

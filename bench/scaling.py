@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.common import print_table, run_torchpre, steady
+from bench.common import print_table, run_torchpre, steady, workload_args
 
 
 @dataclass(frozen=True)
@@ -76,13 +76,7 @@ def layouts(global_batch: int) -> list[Layout]:
 
 
 def train_args(workload: Workload) -> list[str]:
-    return [
-        "--model.flavor", workload.flavor,
-        "--training.seq_len", str(workload.seq_len),
-        "--training.global_batch_size", str(workload.global_batch),
-        "--training.steps", str(workload.steps),
-        "--metrics.log_freq", "1",
-    ]
+    return workload_args(workload.flavor, workload.seq_len, workload.global_batch, workload.steps)
 
 
 def measure(workload: Workload, repeats: int = 1) -> list[Result]:
