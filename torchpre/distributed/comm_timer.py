@@ -9,15 +9,15 @@ so the time counts what the caller spent blocked, not what overlapped with compu
 the pipeline count their wait for the peer, so `comm_pp` includes the bubble the peer's compute causes.
 
 Not seen: collectives inside `torch.compile`d graphs (they are graph nodes, not calls), and the backward
-collectives of the functional collectives' own autograd (the expert all-to-all's backward, context parallelism's
-reduce-scatter of the key and value gradients), whose waits count as `other`: not reported, but part of the
-communication a rank's busy time excludes (`total`).
+collectives of the functional collectives' own autograd (the expert all-to-all's backward), whose waits count as
+`other`: not reported, but part of the communication a rank's busy time excludes (`total`).
 """
 
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -44,6 +44,21 @@ FUNCTIONAL_COLLECTIVES = (
     "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
     "broadcast", "permute_tensor",
 )
+
+
+_COUNTED_AS: ContextVar[str | None] = ContextVar("counted_as", default=None)
+
+
+@contextmanager
+def counted_as(kind: str) -> Iterator[None]:
+    """Collectives issued inside count as `kind` where their group serves it: torch gives mesh dimensions over the
+    same ranks one group (cp and dp when the gradients are reduced over cp alone), so only the caller knows that a
+    gather on it is context parallelism's."""
+    token = _COUNTED_AS.set(kind)
+    try:
+        yield
+    finally:
+        _COUNTED_AS.reset(token)
 
 
 def dimension_kind(name: str) -> str:
@@ -117,20 +132,19 @@ class CommTimer:
                 setattr(module, name, original)
             self._pending.clear()
 
-    def _kind(self, group: Any, collective: str, functional: bool = False) -> str:
+    def _kind(self, group: Any, collective: str) -> str:
         """The kind of a call of `collective` on `group`. torch gives dimensions over the same ranks one group
         (ep spanning all of dp, say; or cp when the gradients are reduced over cp alone): there an all-to-all is
-        expert parallelism's, a functional collective context parallelism's (its key/value gathers; the data-parallel
-        reductions call torch.distributed's), anything else the first dimension's (the order of the meshes'
-        dimensions)."""
+        expert parallelism's, a call inside `counted_as(kind)` that kind's (context parallelism's key/value
+        gathers), anything else the first dimension's (the order of the meshes' dimensions)."""
         if group is None:
             group = c10d._get_default_group()
         name = group.group_name if isinstance(group, dist.ProcessGroup) else funcol._resolve_group_name(group)
         kinds = self._kinds_of_group.get(name, [OTHER])
         if "ep" in kinds and collective.startswith("all_to_all"):
             return "ep"
-        if "cp" in kinds and functional:
-            return "cp"
+        if (hint := _COUNTED_AS.get()) in kinds:
+            return hint
         return kinds[0]
 
     def _span(self, kind: str):
@@ -161,7 +175,7 @@ class CommTimer:
         def timed(*args, **kwargs):
             if torch.compiler.is_compiling():  # being traced into a compiled graph: a node there, not a call
                 return collective(*args, **kwargs)
-            kind = self._kind(signature.bind(*args, **kwargs).arguments.get("group"), name, functional=True)
+            kind = self._kind(signature.bind(*args, **kwargs).arguments.get("group"), name)
             with self._span(kind):
                 result = collective(*args, **kwargs)
             for output in result if isinstance(result, list) else [result]:

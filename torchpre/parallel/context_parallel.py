@@ -6,9 +6,9 @@ paired with a late one gives every rank the same attention work; a contiguous sp
 2 x cp - 1 times the first one's.
 
 Attention: each rank projects only its own positions' queries, keys and values; the keys and values are
-all-gathered over cp with an autograd-aware functional collective (its backward reduce-scatters their gradients
-back), and the queries attend to them with the causal mask of their global positions (and, with
-training.document_mask, the document mask of the whole rows): SDPA with an explicit mask, the same numbers as one
+all-gathered over cp (`gather_sequence`: its backward reduce-scatters their gradients back), and the queries
+attend to them with the causal mask of their global positions (and, with training.document_mask, the document
+mask of the whole rows): SDPA with an explicit mask, the same numbers as one
 process. All-gather rather than a ring of point-to-point passes: gloo runs collectives synchronously (nothing to
 overlap on a CPU), one all-gather per layer is one collective to keep in step under activation checkpointing and
 pipeline schedules, and on CUDA SDPA's masked kernels (memory-efficient, cuDNN) still serve. The price is that a
@@ -24,12 +24,18 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 from torch import Tensor
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-# torch 2.14 renamed the autograd all-gather (the old name warns on every call); older torch has only that one.
+from torchpre.distributed.comm_timer import counted_as
+
+# torch 2.14 renamed the flat-tensor collectives (the old names warn on every call); older torch has only those.
+# Looked up by name at each call, so that the communication timer (`CommTimer`), which wraps them, times them.
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 Batch = tuple[Tensor, Tensor]
@@ -91,7 +97,7 @@ class ContextParallel:
         into the attention's mask."""
         if self.document_bos is None:
             return {}
-        gathered = funcol.all_gather_tensor(inputs.contiguous(), 1, self.mesh)
+        gathered = gather_sequence(inputs, self.mesh.get_group())
         rows = torch.empty_like(gathered)
         rows[:, self.key_positions] = gathered
         documents = (rows == self.document_bos).cumsum(dim=1)
@@ -110,10 +116,45 @@ class ContextParallel:
         """Attention of this rank's queries [batch, seq/cp, heads, head_dim] over the whole sequence's keys and
         values (gathered here), causal in global positions and, with `document_ids` (`forward_kwargs`), within
         documents."""
-        k = _all_gather_autograd(k.contiguous(), 1, self.mesh)
-        v = _all_gather_autograd(v.contiguous(), 1, self.mesh)
+        group = self.mesh.get_group()
+        k, v = gather_sequence(k, group), gather_sequence(v, group)
         mask = self._causal
         if document_ids is not None:
             query_docs = document_ids[:, self._queries]
             mask = (mask & (query_docs[:, :, None] == document_ids[:, None, :]))[:, None]
         return self.kernel(q, k, v, mask)
+
+
+def gather_sequence(shard: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Every rank's `shard` [batch, seq/cp, ...] concatenated along the sequence (dim 1) in rank order; the
+    gradient of the result is summed back over `group` to each rank's part (a reduce-scatter). Inside a compiled
+    graph the functional collectives, which the graph holds as nodes."""
+    if torch.compiler.is_compiling():
+        return _all_gather_autograd(shard.contiguous(), 1, group)
+    return _GatherSequence.apply(shard, group)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """The all-gather of `gather_sequence` and its reduce-scatter backward, both blocking torch.distributed
+    collectives. Not the functional collectives' autograd all-gather: on gloo, its asynchronous all-gather and
+    reduce-scatter corrupted the heap under a pipeline schedule (cp2 x pp2 1F1B aborted with `malloc(): unaligned
+    tcache chunk detected` or a segfault in about half of 40-step runs; blocking collectives: none in 16)."""
+
+    @staticmethod
+    def forward(ctx, shard: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        stacked = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))
+        if not shard.is_meta:  # the pipeline infers its stages' shapes on the meta device: nothing to send
+            with counted_as("cp"):
+                getattr(dist, _ALL_GATHER)(stacked, shard.contiguous(), group=group)
+        return torch.cat(stacked.chunk(size), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        stacked = torch.cat(grad.chunk(size, dim=1))
+        shard = stacked.new_empty((stacked.shape[0] // size, *stacked.shape[1:]))
+        with counted_as("cp"):
+            getattr(dist, _REDUCE_SCATTER)(shard, stacked, group=ctx.group)
+        return shard, None
