@@ -10,11 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from torchpre.config.job_config import JobConfig, Model
+from torchpre.config.parser import parse_args
 from torchpre.errors import ConfigError
 from torchpre.models.deepseek_v3 import hf
 from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
 from torchpre.models.registry import get_flavor, get_model_spec
+from torchpre.training.rope import with_rope
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
@@ -152,3 +155,13 @@ def test_bad_shapes_are_refused():
         spec.validate_expert_parallel(spec.flavors["debugmodel"], 3)
     with pytest.raises(ConfigError, match="qk_rope_head_dim 7 must be even"):
         dataclasses.replace(spec.flavors["debugmodel"], qk_rope_head_dim=7)
+
+
+def test_rope_keys_apply_theta_and_refuse_llama_scaling():
+    def job(*keys: str) -> Model:
+        return parse_args(JobConfig, ["--model.name", "deepseek_v3", *keys]).model
+
+    flavor = get_flavor("deepseek_v3", "debugmodel")
+    assert with_rope(job("--model.rope_theta", "50000"), flavor).rope_theta == 50000
+    with pytest.raises(ConfigError, match="model.rope_scaling_factor .* does not apply to model.name = 'deepseek_v3'"):
+        with_rope(job("--model.rope_scaling_factor", "8", "--model.rope_original_max_seq_len", "1024"), flavor)

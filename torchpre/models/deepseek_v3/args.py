@@ -47,7 +47,11 @@ class DeepSeekV3Args(MoEArgs):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rope_scaling is not None:
-            raise ConfigError("model rope_scaling (Llama 3's) does not apply to deepseek_v3: set yarn instead")
+            raise ConfigError(
+                "Llama 3.1 RoPE scaling (model.rope_scaling_factor and the other model.rope_* scaling keys) does not "
+                "apply to model.name = 'deepseek_v3', whose RoPE scaling is YaRN (the flavor's `yarn`): remove the "
+                "keys (model.rope_theta applies)."
+            )
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"model qk_rope_head_dim {self.qk_rope_head_dim} must be even for rotary embeddings")
         for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "dense_hidden_dim"):
