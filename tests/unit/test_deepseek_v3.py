@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from torchpre.config.job_config import JobConfig, Model
 from torchpre.config.parser import parse_args
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, TorchpreError
 from torchpre.models.deepseek_v3 import hf
 from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
@@ -125,8 +125,13 @@ def test_671B_has_the_released_parameter_count():
         reference = DeepseekV3ForCausalLM(DeepseekV3Config())
     count = sum(p.numel() for p in ours.parameters())
     assert count == sum(p.numel() for p in reference.parameters()) == 671_026_404_352
-    assert hf.hf_config_mismatches(DeepseekV3Config().to_dict() | {"rope_parameters": None}, dataclasses.replace(
-        DEEPSEEK_V3_FLAVORS["671B"], yarn=None)) == []  # fmt: skip
+    # The released config.json: transformers' defaults with YaRN over 163,840 positions.
+    released = DeepseekV3Config(max_position_embeddings=163840, rope_parameters=RELEASED_YARN).to_dict()
+    assert hf.hf_config_mismatches(released, DEEPSEEK_V3_FLAVORS["671B"]) == []
+
+
+RELEASED_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
 
 
 def test_lite_is_16B_total():
@@ -165,3 +170,20 @@ def test_rope_keys_apply_theta_and_refuse_llama_scaling():
     assert with_rope(job("--model.rope_theta", "50000"), flavor).rope_theta == 50000
     with pytest.raises(ConfigError, match="model.rope_scaling_factor .* does not apply to model.name = 'deepseek_v3'"):
         with_rope(job("--model.rope_scaling_factor", "8", "--model.rope_original_max_seq_len", "1024"), flavor)
+
+
+def test_hf_mapping_refuses_what_it_cannot_carry():
+    args = DEEPSEEK_V3_FLAVORS["debugmodel"]
+    state_dict = DeepSeekV3Transformer(args).state_dict()
+    hf_state_dict = hf.to_hf_state_dict(state_dict, args)
+    hf_state_dict["model.layers.1.mlp.gate.e_score_correction_bias"] = torch.ones(args.num_experts)
+    unbalanced = dataclasses.replace(args, bias_update_rate=0.0)
+    with pytest.raises(TorchpreError, match="layer 1 .* nonzero e_score_correction_bias"):
+        hf.from_hf_state_dict(hf_state_dict, unbalanced)
+    with pytest.raises(TorchpreError, match="model.layers.2.mlp.experts.7.down_proj.weight"):
+        hf.from_hf_state_dict({k: v for k, v in hf_state_dict.items() if "experts.7.down" not in k}, args)
+    with pytest.raises(TorchpreError, match="shared_expert_hidden_dim = 48 is not a positive multiple"):
+        hf.hf_config(dataclasses.replace(args, shared_expert_hidden_dim=48), bos_token_id=0, eos_token_id=1,
+                     torch_dtype="float32")  # fmt: skip
+    with pytest.raises(TorchpreError, match="rope_interleave = False is not supported"):
+        hf.args_from_hf_config({"model_type": "deepseek_v3", "rope_interleave": False})

@@ -66,16 +66,11 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> 
     check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
     hf: dict[str, Tensor] = {}
     for fqn, tensor in state_dict.items():
-        if fqn in _TOP_LEVEL:
-            hf[_TOP_LEVEL[fqn]] = tensor
-            continue
-        _, layer, name = fqn.split(".", 2)  # layers.{i}.{name}
-        prefix = f"model.layers.{layer}"
-        if name in _EXPERTS:
-            for expert, weight in enumerate(tensor.unbind(0)):
-                hf[f"{prefix}.mlp.experts.{expert}.{_EXPERTS[name]}.weight"] = weight.t().contiguous()
+        names = _hf_names(fqn, args.num_experts)
+        if _is_experts(fqn):
+            hf |= {name: weight.t().contiguous() for name, weight in zip(names, tensor.unbind(0), strict=True)}
         else:
-            hf[f"{prefix}.{_PER_LAYER[name]}"] = tensor
+            hf[names[0]] = tensor
     if args.bias_update_rate == 0:  # transformers' router always has the bias: zeros leave its choice unchanged
         for layer in args.moe_layer_ids:
             hf[f"model.layers.{layer}.{_PER_LAYER['moe.expert_bias']}"] = torch.zeros(args.num_experts)
@@ -94,32 +89,35 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: DeepSeekV3Args
                     "model has no balancing bias: set the model's bias_update_rate > 0 to import it."
                 )
     shapes = _torchpre_shapes(args)
-    expected = {}
-    for fqn, shape in shapes.items():
-        if fqn in _TOP_LEVEL:
-            expected[_TOP_LEVEL[fqn]] = shape
-            continue
-        _, layer, name = fqn.split(".", 2)
-        if name in _EXPERTS:
-            for expert in range(shape[0]):
-                expected[f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERTS[name]}.weight"] = shape[1:][::-1]
-        else:
-            expected[f"model.layers.{layer}.{_PER_LAYER[name]}"] = shape
-    check_tensors(hf_state_dict, {name: torch.Size(shape) for name, shape in expected.items()},
-                  "Hugging Face state dict")  # fmt: skip
+    expected = {
+        name: torch.Size(shape[1:][::-1]) if _is_experts(fqn) else shape
+        for fqn, shape in shapes.items()
+        for name in _hf_names(fqn, args.num_experts)
+    }
+    check_tensors(hf_state_dict, expected, "Hugging Face state dict")
     state_dict = {}
-    for fqn, shape in shapes.items():
-        if fqn in _TOP_LEVEL:
-            state_dict[fqn] = hf_state_dict[_TOP_LEVEL[fqn]]
-            continue
-        _, layer, name = fqn.split(".", 2)
-        prefix = f"model.layers.{layer}"
-        if name in _EXPERTS:
-            weights = [hf_state_dict[f"{prefix}.mlp.experts.{e}.{_EXPERTS[name]}.weight"].t() for e in range(shape[0])]
-            state_dict[fqn] = torch.stack(weights)
+    for fqn in shapes:
+        names = _hf_names(fqn, args.num_experts)
+        if _is_experts(fqn):
+            state_dict[fqn] = torch.stack([hf_state_dict[name].t() for name in names])
         else:
-            state_dict[fqn] = hf_state_dict[f"{prefix}.{_PER_LAYER[name]}"]
+            state_dict[fqn] = hf_state_dict[names[0]]
     return state_dict
+
+
+def _is_experts(fqn: str) -> bool:
+    return fqn.split(".", 2)[-1] in _EXPERTS
+
+
+def _hf_names(fqn: str, num_experts: int) -> list[str]:
+    """The Hugging Face names of a torchpre tensor: one, or one per routed expert for a stacked expert weight."""
+    if fqn in _TOP_LEVEL:
+        return [_TOP_LEVEL[fqn]]
+    _, layer, name = fqn.split(".", 2)  # layers.{i}.{name}
+    prefix = f"model.layers.{layer}"
+    if name in _EXPERTS:
+        return [f"{prefix}.mlp.experts.{e}.{_EXPERTS[name]}.weight" for e in range(num_experts)]
+    return [f"{prefix}.{_PER_LAYER[name]}"]
 
 
 def hf_config(
@@ -131,7 +129,13 @@ def hf_config(
     max_position_embeddings: int | None = None,
 ) -> dict[str, Any]:
     """The `config.json` of a `DeepseekV3ForCausalLM` with these args (transformers 5.x keys). Multi-token
-    prediction is not built: `num_nextn_predict_layers` is 0."""
+    prediction is not built: `num_nextn_predict_layers` is 0. Raises TorchpreError for a shared expert that is not
+    a whole number of routed experts wide (transformers sizes it as `n_shared_experts` of them)."""
+    if args.shared_expert_hidden_dim == 0 or args.shared_expert_hidden_dim % args.moe_hidden_dim:
+        raise TorchpreError(
+            f"shared_expert_hidden_dim = {args.shared_expert_hidden_dim} is not a positive multiple of moe_hidden_dim "
+            f"= {args.moe_hidden_dim}: a Hugging Face DeepSeek-V3 has n_shared_experts routed experts' width."
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.yarn is not None:
         rope = {"rope_type": "yarn", "rope_theta": args.rope_theta, **vars(args.yarn)}

@@ -86,7 +86,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, args: DeepSeekV3Args) -> None:
         super().__init__()
-        self.kv_lora_rank, self.v_head_dim = args.kv_lora_rank, args.v_head_dim
+        self.q_lora_rank, self.kv_lora_rank, self.v_head_dim = args.q_lora_rank, args.kv_lora_rank, args.v_head_dim
         self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
         self.qk_head_dim = args.qk_head_dim
         if args.q_lora_rank == 0:
@@ -116,7 +116,7 @@ class MultiHeadLatentAttention(nn.Module):
         offset = 0 if start_pos is None else start_pos
         rope_cache = rope_cache[offset : offset + seqlen]
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
-        q = self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(bsz, seqlen, -1, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
@@ -128,7 +128,7 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        out = attend(q, k, v.contiguous(), self.kv_cache, start_pos, doc_mask)
+        out = attend(q, k, v, self.kv_cache, start_pos, doc_mask)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
 
