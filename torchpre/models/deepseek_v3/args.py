@@ -101,7 +101,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         first_k_dense=1,
     ),
     # The 16B-class "lite" shape: Moonlight-16B-A3B (DeepSeek-V3's architecture; no query latent, ungrouped
-    # routing over 64 experts, 2 shared): 16.0B total, 3.0B active.
+    # routing over 64 experts, 2 shared): 16.0B total, 2.9B active.
     "lite": DeepSeekV3Args(
         dim=2048,
         n_layers=27,
@@ -125,7 +125,7 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         bias_update_rate=1e-3,
         first_k_dense=1,
     ),
-    # DeepSeek-V3 as released (without its multi-token prediction module): 671B total, 37B active.
+    # DeepSeek-V3 as released (without its multi-token prediction module): 671.0B total, 37.6B active.
     "671B": DeepSeekV3Args(
         dim=7168,
         n_layers=61,
