@@ -31,8 +31,9 @@ def flash_attention_applies(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Each position attends to itself and the positions before it."""
-    if flash_attention_applies(q.device, q.dtype):
+    """Each position attends to itself and the positions before it. flash-attn needs the values' head size to be
+    the queries' (multi-head latent attention's differ)."""
+    if flash_attention_applies(q.device, q.dtype) and v.shape[-1] == q.shape[-1]:
         # training.deterministic turns on deterministic algorithms: flash-attn's backward must follow.
         return flash_attn_func(q, k, v, causal=True, deterministic=torch.are_deterministic_algorithms_enabled())
     return sdpa(q, k, v, mask=None, is_causal=True)

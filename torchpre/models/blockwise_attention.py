@@ -19,8 +19,8 @@ MIN_ROWS = 16
 
 def blockwise_masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """q [batch, queries, heads, head_dim], k and v [batch, keys, kv_heads, head_dim] (grouped-query: heads a
-    multiple of kv_heads), mask broadcastable to [batch, 1, queries, keys] (True: attend); returns [batch, queries,
-    heads, head_dim]."""
+    multiple of kv_heads; v's head_dim may differ, as in multi-head latent attention), mask broadcastable to
+    [batch, 1, queries, keys] (True: attend); returns [batch, queries, heads, v's head_dim]."""
     out = _BlockwiseMaskedAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
     return out.transpose(1, 2)
 
@@ -30,7 +30,7 @@ class _BlockwiseMaskedAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:  # [batch, heads, seq, head_dim]
         scale = q.shape[-1] ** -0.5
         keys, values = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         for rows in _blocks(q, keys):
             scores = _scores(q[:, :, rows], keys, mask[..., rows, :], scale)

@@ -115,10 +115,9 @@ class KVCache(nn.Module):
                 f"KV cache of batch {self.batch_size} x {self.max_len} positions cannot hold "
                 f"batch {bsz} at positions {start_pos}..{end - 1}"
             )
-        if self.k is None:
-            shape = (self.batch_size, self.max_len, *k.shape[2:])
-            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        if self.k is None:  # keys and values may differ in head size (multi-head latent attention)
+            self.k = k.new_zeros(self.batch_size, self.max_len, *k.shape[2:])
+            self.v = v.new_zeros(self.batch_size, self.max_len, *v.shape[2:])
         self.k[:bsz, start_pos:end] = k
         self.v[:bsz, start_pos:end] = v
         return self.k[:bsz, :end], self.v[:bsz, :end]
@@ -163,28 +162,36 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
-        if start_pos is not None:
-            out = self._attend_with_cache(q, k, v, start_pos)
-        elif doc_mask is not None:
-            out = document_causal_attention(q, k, v, doc_mask)
-        else:
-            out = causal_attention(q, k, v)
+        out = attend(q, k, v, self.kv_cache, start_pos, doc_mask)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
-    def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int) -> Tensor:
-        """Inference: store k, v at positions start_pos.. and attend to every cached position up to
-        each query's own."""
-        if self.kv_cache is None:
-            raise RuntimeError("start_pos needs a KV cache: call setup_caches() on the model first")
-        k, v = self.kv_cache.update(start_pos, k, v)
-        seqlen = q.shape[1]
-        if start_pos == 0:
-            return sdpa(q, k, v, mask=None, is_causal=True)
-        # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
-        mask = None
-        if seqlen > 1:
-            mask = torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
-        return sdpa(q, k, v, mask=mask, is_causal=False)
+
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None, start_pos: int | None, doc_mask: DocumentMask | None
+) -> Tensor:
+    """Causal attention of q, k, v [batch, seq, heads, head_dim] as an attention layer's `forward` asks for it:
+    against its KV cache from `start_pos` (inference), within documents (`doc_mask`), or plain causal."""
+    if start_pos is not None:
+        return _attend_with_cache(q, k, v, kv_cache, start_pos)
+    if doc_mask is not None:
+        return document_causal_attention(q, k, v, doc_mask)
+    return causal_attention(q, k, v)
+
+
+def _attend_with_cache(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None, start_pos: int) -> Tensor:
+    """Inference: store k, v at positions start_pos.. and attend to every cached position up to
+    each query's own."""
+    if kv_cache is None:
+        raise RuntimeError("start_pos needs a KV cache: call setup_caches() on the model first")
+    k, v = kv_cache.update(start_pos, k, v)
+    seqlen = q.shape[1]
+    if start_pos == 0:
+        return sdpa(q, k, v, mask=None, is_causal=True)
+    # Query i sits at position start_pos + i and sees keys 0 .. start_pos + i.
+    mask = None
+    if seqlen > 1:
+        mask = torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
+    return sdpa(q, k, v, mask=mask, is_causal=False)
 
 
 class FeedForward(nn.Module):
@@ -204,7 +211,8 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: attention, then feed-forward.
 
     A family with another feed-forward (routed experts, say) subclasses it and overrides `build_ffn` and
-    `ffn_name`, the feed-forward's attribute and so the prefix of its parameters' names.
+    `ffn_name`, the feed-forward's attribute and so the prefix of its parameters' names; one with another
+    attention overrides `build_attention` (its module takes Attention's forward arguments).
     """
 
     ffn_name = "feed_forward"
@@ -212,9 +220,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: TransformerArgs) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.n_kv_heads)
+        self.attention = self.build_attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.add_module(self.ffn_name, self.build_ffn(args))
+
+    def build_attention(self, args: TransformerArgs) -> nn.Module:
+        return Attention(args.dim, args.n_heads, args.n_kv_heads)
 
     def build_ffn(self, args: TransformerArgs) -> nn.Module:
         return FeedForward(args.dim, args.ffn_hidden_dim)

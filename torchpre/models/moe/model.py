@@ -232,11 +232,14 @@ class MoETransformer(Transformer):
     norm, output, RoPE, KV caches, pipeline-stage behaviour) with `MoEBlock` layers and the MoE init rule."""
 
     args: MoEArgs
+    # A family built on this one (another attention, say) swaps its blocks here.
+    moe_block: type[MoEBlock] = MoEBlock
+    dense_block: type[TransformerBlock] = TransformerBlock
 
     def __init__(self, args: MoEArgs) -> None:
-        super().__init__(args, block=MoEBlock)
+        super().__init__(args, block=self.moe_block)
         for layer_id in range(args.first_k_dense):
-            self.layers[str(layer_id)] = TransformerBlock(args)
+            self.layers[str(layer_id)] = self.dense_block(args)
 
     def param_init_rule(self) -> InitRule:
         return init_rule(self.args)

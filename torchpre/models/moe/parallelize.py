@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -39,13 +42,26 @@ from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.expert_parallel import apply_expert_parallel
 
 
+def llama3_attention_plan(args: Any, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Llama 3's attention plan, as `apply_moe_tensor_parallel`'s `block_attention_plan` takes it."""
+    return attention_plan(sequence_parallel)
+
+
 def apply_moe_tensor_parallel(
-    model: MoETransformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+    model: MoETransformer,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    block_attention_plan: Callable[[Any, bool], dict[str, ParallelStyle]] = llama3_attention_plan,
 ) -> None:
-    """Llama 3's plan for the embedding, attention and output, plus the MoE layers' (see the module doc)."""
+    """Llama 3's plan for the embedding and output, `block_attention_plan(args, sequence_parallel)` for each block's
+    attention (Llama 3's; a family with another attention passes its own), plus the MoE layers' (see the module
+    doc)."""
     validate_moe_tensor_parallel(model.args, tp_mesh.size())
-    moe_plan = _moe_block_plan(model.args, sequence_parallel)
-    dense_plan = attention_plan(sequence_parallel) | feed_forward_plan(sequence_parallel)
+    attention = block_attention_plan(model.args, sequence_parallel)
+    moe_plan = attention | _moe_block_plan(model.args, sequence_parallel)
+    dense_plan = attention | feed_forward_plan(sequence_parallel)
 
     def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
         return moe_plan if isinstance(block, MoEBlock) else dense_plan
@@ -58,9 +74,9 @@ def apply_moe_tensor_parallel(
 
 
 def _moe_block_plan(args: MoEArgs, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """An MoE block's attention, norms, shared expert and the routed layer's sequence gather (see the module doc);
+    """An MoE block's feed-forward norm, shared expert and the routed layer's sequence gather (see the module doc);
     the routed experts are sharded apart, by `_shard_hidden`."""
-    block_plan = attention_plan(sequence_parallel)
+    block_plan: dict[str, ParallelStyle] = {}
     if sequence_parallel:
         block_plan["ffn_norm"] = SequenceParallel()
         block_plan["moe"] = PrepareModuleInputOutput(

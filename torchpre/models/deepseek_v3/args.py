@@ -1,0 +1,165 @@
+"""DeepSeek-V3 hyperparameters, the flavors, and the FLOP count (of the active parameters) used for MFU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchpre.errors import ConfigError
+from torchpre.models.moe.args import MoEArgs, active_params
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling as DeepSeek-V3 releases it (Hugging Face's `rope_type = "yarn"`): frequencies between the
+    `beta_fast` and `beta_slow` rotation counts ramp from extrapolated to divided by `factor`; cos and sin are
+    scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), the softmax by mscale(factor, mscale_all_dim)^2
+    (mscale(s, m) = 0.1 m ln s + 1)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSeekV3Args(MoEArgs):
+    """Shape of a DeepSeek-V3 decoder: an `MoEArgs` (its routing options, dense first blocks, shared expert) whose
+    attention is multi-head latent attention (MLA):
+    - queries from a `q_lora_rank` latent (with its RMSNorm), or straight from the input when it is 0 (the Lite
+      models);
+    - keys and values from one `kv_lora_rank` latent (with its RMSNorm) shared by all heads, each head's key
+      `qk_nope_head_dim` wide from it plus a `qk_rope_head_dim` RoPE part computed once from the input and shared
+      across heads; values `v_head_dim` wide.
+    `dense_hidden_dim` is the width of the dense first blocks' feed-forward (`ffn_hidden_dim`); `n_kv_heads` and
+    `rope_scaling` of the Llama fields do not apply (`yarn` is the RoPE scaling).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    dense_hidden_dim: int
+    q_lora_rank: int = 0
+    yarn: YarnScaling | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rope_scaling is not None:
+            raise ConfigError(
+                "Llama 3.1 RoPE scaling (model.rope_scaling_factor and the other model.rope_* scaling keys) does not "
+                "apply to model.name = 'deepseek_v3', whose RoPE scaling is YaRN (the flavor's `yarn`): remove the "
+                "keys (model.rope_theta applies)."
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model qk_rope_head_dim {self.qk_rope_head_dim} must be even for rotary embeddings")
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "dense_hidden_dim"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model {key} {getattr(self, key)} must be at least 1")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"model q_lora_rank {self.q_lora_rank} must be >= 0 (0: no query latent)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return self.dense_hidden_dim
+
+
+_V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
+
+DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
+    # vocab_size is a placeholder: the trainer replaces it with the tokenizer's size. CPU-sized, every feature of
+    # the released model on: a query latent, sigmoid group-limited routing with bias balancing, a dense first block.
+    "debugmodel": DeepSeekV3Args(
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        vocab_size=2048,
+        max_seq_len=2048,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        dense_hidden_dim=128,
+        num_experts=8,
+        top_k=2,
+        moe_hidden_dim=32,
+        shared_expert_hidden_dim=32,
+        aux_loss_coeff=1e-4,
+        score_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        bias_update_rate=1e-3,
+        first_k_dense=1,
+    ),
+    # The 16B-class "lite" shape: Moonlight-16B-A3B (DeepSeek-V3's architecture; no query latent, ungrouped
+    # routing over 64 experts, 2 shared): 16.0B total, 2.9B active.
+    "lite": DeepSeekV3Args(
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=163840,
+        max_seq_len=8192,
+        norm_eps=1e-5,
+        rope_theta=50000.0,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        dense_hidden_dim=11264,
+        num_experts=64,
+        top_k=6,
+        moe_hidden_dim=1408,
+        shared_expert_hidden_dim=2 * 1408,
+        aux_loss_coeff=1e-4,
+        score_func="sigmoid",
+        routed_scaling_factor=2.446,
+        bias_update_rate=1e-3,
+        first_k_dense=1,
+    ),
+    # DeepSeek-V3 as released (without its multi-token prediction module): 671.0B total, 37.6B active.
+    "671B": DeepSeekV3Args(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        vocab_size=129280,
+        max_seq_len=163840,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        yarn=_V3_YARN,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        dense_hidden_dim=18432,
+        num_experts=256,
+        top_k=8,
+        moe_hidden_dim=2048,
+        shared_expert_hidden_dim=2048,
+        aux_loss_coeff=1e-4,
+        score_func="sigmoid",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        bias_update_rate=1e-3,
+        first_k_dense=3,
+    ),
+}
+
+
+def flops_per_token(args: DeepSeekV3Args, num_params: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6 per active matmul weight (the embedding lookup excluded: it does no arithmetic),
+    plus the attention scores and weighted sum, 6 x n_layers x heads x (qk_head_dim + v_head_dim) x seq_len
+    (QK^T and AV forward and backward, the causal mask ignored)."""
+    matmul_params = active_params(args, num_params) - args.vocab_size * args.dim
+    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    return 6 * matmul_params + attention

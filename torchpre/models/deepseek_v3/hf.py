@@ -1,0 +1,257 @@
+"""DeepSeek-V3 weights and config to and from the Hugging Face `DeepseekV3ForCausalLM` format.
+
+Pure functions on state dicts (FQN -> tensor) and config dicts; reading and writing files is `torchpre.convert`'s
+job. Beyond names:
+- Routed experts: torchpre stacks them ([experts, dim, hidden] `w1`/`w3`, [experts, hidden, dim] `w2`), the
+  released folders hold one `nn.Linear` weight per expert (`mlp.experts.{e}.gate_proj.weight` [hidden, dim], ...),
+  which is also what transformers' `save_pretrained` writes and `from_pretrained` reads.
+- RoPE: both rotate adjacent pairs of the RoPE dimensions (the released layout, `rope_interleave = True`), so no
+  rows move. A folder with `rope_interleave = false` is refused.
+- The balancing bias is `e_score_correction_bias`; a model without bias balancing exports zeros there (transformers
+  always has it) and imports only zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchpre.errors import TorchpreError
+from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
+from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
+from torchpre.models.state_dict_checks import check_tensors
+
+_TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "moe.router.weight": "mlp.gate.weight",
+    "moe.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "moe.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
+}
+_EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
+
+# DeepSeekV3Args fields that must agree with a Hugging Face config for its weights to load and compute the same.
+_COMPARED_FIELDS = (
+    "dim", "n_layers", "n_heads", "vocab_size", "norm_eps", "rope_theta", "yarn", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "dense_hidden_dim", "num_experts", "top_k",
+    "moe_hidden_dim", "shared_expert_hidden_dim", "score_func", "n_group", "topk_group", "norm_topk_prob",
+    "routed_scaling_factor", "first_k_dense", "tie_word_embeddings",
+)  # fmt: skip
+
+
+def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> dict[str, Tensor]:
+    """torchpre FQNs -> Hugging Face names, each routed expert's weights as their own `nn.Linear` weights. Raises
+    TorchpreError naming missing, unknown or misshapen tensors."""
+    check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
+    hf: dict[str, Tensor] = {}
+    for fqn, tensor in state_dict.items():
+        names = _hf_names(fqn, args.num_experts)
+        if _is_experts(fqn):
+            hf |= {name: weight.t().contiguous() for name, weight in zip(names, tensor.unbind(0), strict=True)}
+        else:
+            hf[names[0]] = tensor
+    if args.bias_update_rate == 0:  # transformers' router always has the bias: zeros leave its choice unchanged
+        for layer in args.moe_layer_ids:
+            hf[f"model.layers.{layer}.{_PER_LAYER['moe.expert_bias']}"] = torch.zeros(args.num_experts)
+    return hf
+
+
+def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> dict[str, Tensor]:
+    """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict` (the per-expert weights stacked)."""
+    hf_state_dict = dict(hf_state_dict)
+    if args.bias_update_rate == 0:
+        for layer in args.moe_layer_ids:
+            bias = hf_state_dict.pop(f"model.layers.{layer}.{_PER_LAYER['moe.expert_bias']}", None)
+            if bias is not None and bool(bias.any()):
+                raise TorchpreError(
+                    f"layer {layer} of the Hugging Face model has a nonzero e_score_correction_bias, but the job's "
+                    "model has no balancing bias: set the model's bias_update_rate > 0 to import it."
+                )
+    shapes = _torchpre_shapes(args)
+    expected = {
+        name: torch.Size(shape[1:][::-1]) if _is_experts(fqn) else shape
+        for fqn, shape in shapes.items()
+        for name in _hf_names(fqn, args.num_experts)
+    }
+    check_tensors(hf_state_dict, expected, "Hugging Face state dict")
+    state_dict = {}
+    for fqn in shapes:
+        names = _hf_names(fqn, args.num_experts)
+        if _is_experts(fqn):
+            state_dict[fqn] = torch.stack([hf_state_dict[name].t() for name in names])
+        else:
+            state_dict[fqn] = hf_state_dict[names[0]]
+    return state_dict
+
+
+def _is_experts(fqn: str) -> bool:
+    return fqn.split(".", 2)[-1] in _EXPERTS
+
+
+def _hf_names(fqn: str, num_experts: int) -> list[str]:
+    """The Hugging Face names of a torchpre tensor: one, or one per routed expert for a stacked expert weight."""
+    if fqn in _TOP_LEVEL:
+        return [_TOP_LEVEL[fqn]]
+    _, layer, name = fqn.split(".", 2)  # layers.{i}.{name}
+    prefix = f"model.layers.{layer}"
+    if name in _EXPERTS:
+        return [f"{prefix}.mlp.experts.{e}.{_EXPERTS[name]}.weight" for e in range(num_experts)]
+    return [f"{prefix}.{_PER_LAYER[name]}"]
+
+
+def hf_config(
+    args: DeepSeekV3Args,
+    *,
+    bos_token_id: int,
+    eos_token_id: int,
+    torch_dtype: str,
+    max_position_embeddings: int | None = None,
+) -> dict[str, Any]:
+    """The `config.json` of a `DeepseekV3ForCausalLM` with these args (transformers 5.x keys). Multi-token
+    prediction is not built: `num_nextn_predict_layers` is 0. Raises TorchpreError for a shared expert that is not
+    a whole number of routed experts wide (transformers sizes it as `n_shared_experts` of them)."""
+    if args.shared_expert_hidden_dim == 0 or args.shared_expert_hidden_dim % args.moe_hidden_dim:
+        raise TorchpreError(
+            f"shared_expert_hidden_dim = {args.shared_expert_hidden_dim} is not a positive multiple of moe_hidden_dim "
+            f"= {args.moe_hidden_dim}: a Hugging Face DeepSeek-V3 has n_shared_experts routed experts' width."
+        )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.yarn is not None:
+        rope = {"rope_type": "yarn", "rope_theta": args.rope_theta, **vars(args.yarn)}
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": args.dim,
+        "intermediate_size": args.dense_hidden_dim,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_heads,
+        "n_shared_experts": args.shared_expert_hidden_dim // args.moe_hidden_dim,
+        "n_routed_experts": args.num_experts,
+        "num_experts_per_tok": args.top_k,
+        "routed_scaling_factor": args.routed_scaling_factor,
+        "n_group": args.n_group,
+        "topk_group": args.topk_group,
+        "norm_topk_prob": args.norm_topk_prob,
+        "first_k_dense_replace": args.first_k_dense,
+        "q_lora_rank": args.q_lora_rank or None,
+        "kv_lora_rank": args.kv_lora_rank,
+        "qk_nope_head_dim": args.qk_nope_head_dim,
+        "qk_rope_head_dim": args.qk_rope_head_dim,
+        "v_head_dim": args.v_head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": rope,
+        "rope_interleave": True,
+        "max_position_embeddings": max_position_embeddings or args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "num_nextn_predict_layers": 0,
+        "torch_dtype": torch_dtype,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+
+
+def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
+    """The DeepSeekV3Args a Hugging Face DeepSeek-V3 `config.json` describes (transformers' defaults for missing
+    keys), with bias balancing on at DeepSeek-V3's rate 1e-3 so that the folder's routing biases load. Raises
+    TorchpreError for a config this family cannot express."""
+    if config.get("model_type") != "deepseek_v3":
+        raise TorchpreError(f"model_type is {config.get('model_type')!r}; only 'deepseek_v3' configs can be converted.")
+    supported = {"hidden_act": "silu", "attention_bias": False, "rope_interleave": True, "scoring_func": "sigmoid",
+                 "topk_method": "noaux_tc", "moe_layer_freq": 1}  # fmt: skip
+    for key, value in supported.items():
+        if config.get(key, value) != value:
+            raise TorchpreError(f"{key} = {config[key]!r} is not supported (torchpre's deepseek_v3 has {value!r}).")
+    heads = config.get("num_attention_heads", 128)
+    if config.get("num_key_value_heads") not in (None, heads):
+        raise TorchpreError(
+            f"num_key_value_heads = {config['num_key_value_heads']} is not num_attention_heads = {heads}."
+        )
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise TorchpreError(f"rope_type = {rope_type!r} is not supported; deepseek_v3 has 'default' and 'yarn'.")
+    yarn = None
+    if rope_type == "yarn":
+        yarn = YarnScaling(
+            factor=rope["factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"],
+            beta_fast=rope.get("beta_fast") or 32.0,
+            beta_slow=rope.get("beta_slow") or 1.0,
+            mscale=rope.get("mscale") or 1.0,
+            mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
+        )
+    moe_hidden = config.get("moe_intermediate_size", 2048)
+    return DeepSeekV3Args(
+        dim=config.get("hidden_size", 7168),
+        n_layers=config.get("num_hidden_layers", 61),
+        n_heads=heads,
+        vocab_size=config.get("vocab_size", 129280),
+        max_seq_len=config.get("max_position_embeddings", 4096),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        yarn=yarn,
+        tie_word_embeddings=config.get("tie_word_embeddings", False),
+        q_lora_rank=config.get("q_lora_rank", 1536) or 0,
+        kv_lora_rank=config.get("kv_lora_rank", 512),
+        qk_nope_head_dim=config.get("qk_nope_head_dim", 128),
+        qk_rope_head_dim=config.get("qk_rope_head_dim", 64),
+        v_head_dim=config.get("v_head_dim", 128),
+        dense_hidden_dim=config.get("intermediate_size", 18432),
+        num_experts=config.get("n_routed_experts", 256),
+        top_k=config.get("num_experts_per_tok", 8),
+        moe_hidden_dim=moe_hidden,
+        shared_expert_hidden_dim=moe_hidden * config.get("n_shared_experts", 1),
+        score_func="sigmoid",
+        n_group=config.get("n_group", 8),
+        topk_group=config.get("topk_group", 4),
+        norm_topk_prob=config.get("norm_topk_prob", True),
+        routed_scaling_factor=config.get("routed_scaling_factor", 2.5),
+        aux_loss_coeff=1e-4,
+        bias_update_rate=1e-3,
+        first_k_dense=config.get("first_k_dense_replace", 3),
+    )
+
+
+def hf_config_mismatches(config: Mapping[str, Any], args: DeepSeekV3Args) -> list[str]:
+    """Every field where a Hugging Face config disagrees with `args`, as 'key = theirs, but ours' lines; empty when
+    its weights load into `DeepSeekV3Transformer(args)` and compute the same. max_position_embeddings is not
+    compared: it does not change the weights."""
+    theirs = args_from_hf_config(config)
+    return [
+        f"{field} = {getattr(theirs, field)!r} in the Hugging Face config, but the job's model has "
+        f"{field} = {getattr(args, field)!r}"
+        for field in _COMPARED_FIELDS
+        if getattr(theirs, field) != getattr(args, field)
+    ]
+
+
+def _torchpre_shapes(args: DeepSeekV3Args) -> dict[str, torch.Size]:
+    """FQN -> shape of every tensor in `DeepSeekV3Transformer(args).state_dict()`, built on the meta device."""
+    with torch.device("meta"):
+        return {fqn: t.shape for fqn, t in DeepSeekV3Transformer(args).state_dict().items()}

@@ -1,0 +1,184 @@
+"""DeepSeek-V3 in plain PyTorch: the MoE family's decoder (routed and shared experts, DeepSeek-V3's routing, dense
+first blocks) with multi-head latent attention (MLA) in every block.
+
+MLA projects the input to a small latent from which every head's keys and values are expanded (`wkv_a` then
+`wkv_b`), and the queries likewise through their own latent (`wq_a`, `wq_b`; or one `wq` without it). Each head's
+query and key are a position-free part and a RoPE part; the keys' RoPE part comes straight from the input, one for
+all heads. Queries and keys have `qk_nope_head_dim + qk_rope_head_dim` dimensions, values `v_head_dim`. RoPE rotates
+adjacent pairs, as the released weights are laid out (Hugging Face's `rope_interleave = True`).
+
+The softmax scale is 1/sqrt(query head size), times mscale^2 under YaRN: the queries are multiplied by that factor
+over the kernels' own 1/sqrt(head size), so every attention kernel (flash, SDPA, flex, context parallelism's
+gathered attention) computes the released scores unchanged.
+
+No parallelism lives here (see parallelize.py). Inference caches the expanded per-head keys and values (Llama 3's
+`KVCache`), not the latent.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from torchpre.models.attention import DocumentMask
+from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
+from torchpre.models.init import InitRule, ParamInit, ones
+from torchpre.models.llama3.model import KVCache, TransformerBlock, apply_rope, attend, build_rope_cache
+from torchpre.models.moe.model import MoEBlock, MoETransformer
+from torchpre.models.moe.model import init_rule as moe_init_rule
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched by `factor`."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def softmax_scale(args: DeepSeekV3Args) -> float:
+    """The released softmax scale: 1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = args.qk_head_dim**-0.5
+    if args.yarn is not None and args.yarn.mscale_all_dim:
+        scale *= yarn_mscale(args.yarn.factor, args.yarn.mscale_all_dim) ** 2
+    return scale
+
+
+def _yarn_frequencies(dim: int, theta: float, yarn: YarnScaling, device: torch.device | str | None) -> Tensor:
+    """The rotation frequencies of `dim` RoPE dimensions under YaRN, as transformers computes them (which the
+    released model was trained with): extrapolated above `beta_fast` rotations over the original context,
+    interpolated (divided by `factor`) below `beta_slow`, a linear ramp between."""
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    extrapolated = 1 - ramp
+    return 1.0 / (yarn.factor * base) * (1 - extrapolated) + 1.0 / base * extrapolated
+
+
+def mla_rope_cache(args: DeepSeekV3Args, device: torch.device | str | None) -> Tensor:
+    """The [max_seq_len, 2 * qk_rope_head_dim] table `apply_rope` reads, with YaRN's frequencies and cos/sin scale
+    when `args.yarn` is set."""
+    dim, theta = args.qk_rope_head_dim, args.rope_theta
+    attention_factor = 1.0
+    if args.yarn is None:
+        freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    else:
+        yarn = args.yarn
+        freqs = _yarn_frequencies(dim, theta, yarn, device)
+        if yarn.mscale and yarn.mscale_all_dim:
+            attention_factor = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(yarn.factor)
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float32, device=device), freqs)
+    return build_rope_cache(angles.cos() * attention_factor, angles.sin() * attention_factor)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """Causal multi-head latent attention (see the module doc); forward takes Llama 3 `Attention`'s arguments."""
+
+    kv_cache: KVCache | None
+
+    def __init__(self, args: DeepSeekV3Args) -> None:
+        super().__init__()
+        self.q_lora_rank, self.kv_lora_rank, self.v_head_dim = args.q_lora_rank, args.kv_lora_rank, args.v_head_dim
+        self.qk_nope_head_dim, self.qk_rope_head_dim = args.qk_nope_head_dim, args.qk_rope_head_dim
+        self.qk_head_dim = args.qk_head_dim
+        if args.q_lora_rank == 0:
+            self.wq = nn.Linear(args.dim, args.n_heads * args.qk_head_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.wq_b = nn.Linear(args.q_lora_rank, args.n_heads * args.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
+        self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.query_scale = softmax_scale(args) * args.qk_head_dim**0.5  # over the kernels' 1/sqrt(qk_head_dim)
+        self.kv_cache = None
+
+    def forward(
+        self,
+        x: Tensor,
+        rope_cache: Tensor,
+        start_pos: int | None = None,
+        doc_mask: DocumentMask | None = None,
+    ) -> Tensor:
+        """As Llama 3's `Attention.forward`: `rope_cache` starts at position 0 (or holds the rows of x's positions,
+        under context parallelism's hook), `start_pos` reads and extends the KV cache, `doc_mask` keeps attention
+        within documents (or is the attention itself)."""
+        bsz, seqlen, _ = x.shape
+        offset = 0 if start_pos is None else start_pos
+        rope_cache = rope_cache[offset : offset + seqlen]
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_rope = q.view(bsz, seqlen, -1, self.qk_head_dim).split(
+            [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
+        )
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope_cache)  # one RoPE key for every head
+        q = torch.cat((q_nope, apply_rope(q_rope, rope_cache)), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        out = attend(q, k, v, self.kv_cache, start_pos, doc_mask)
+        return self.wo(out.reshape(bsz, seqlen, -1))
+
+
+class DenseMLABlock(TransformerBlock):
+    """A dense first block: MLA, then a SwiGLU feed-forward of width `dense_hidden_dim`."""
+
+    def build_attention(self, args: DeepSeekV3Args) -> MultiHeadLatentAttention:
+        return MultiHeadLatentAttention(args)
+
+
+class MoEMLABlock(MoEBlock):
+    """MLA, then the MoE layer (routed experts plus the shared expert)."""
+
+    def build_attention(self, args: DeepSeekV3Args) -> MultiHeadLatentAttention:
+        return MultiHeadLatentAttention(args)
+
+
+class DeepSeekV3Transformer(MoETransformer):
+    """DeepSeek-V3 decoder: tokens [batch, seq] -> logits [batch, seq, vocab]. The MoE family's `MoETransformer`
+    (routing, balancing biases, statistics, pipeline-stage behaviour, KV caches) with MLA blocks, the RoPE table
+    of the queries' and keys' RoPE part, and MLA's init rule."""
+
+    args: DeepSeekV3Args
+    moe_block = MoEMLABlock
+    dense_block = DenseMLABlock
+
+    def _rope_cache(self, device: torch.device | str | None) -> Tensor:
+        return mla_rope_cache(self.args, device)
+
+    def param_init_rule(self) -> InitRule:
+        return init_rule(self.args)
+
+
+def init_rule(args: DeepSeekV3Args) -> InitRule:
+    """The MoE family's init for the names the models share; MLA's projections as Llama 3's attention's (std 0.02,
+    the output projection shrinking with depth), its latent norms at 1. The generator key is each name."""
+    moe_rule = moe_init_rule(args)
+    projection = partial(nn.init.trunc_normal_, std=0.02)
+
+    def rule(fqn: str) -> ParamInit:
+        match fqn.split("."):
+            case ["layers", _, "attention", "wq" | "wq_a" | "wq_b" | "wkv_a" | "wkv_b", "weight"]:
+                return ParamInit(fqn, projection)
+            case ["layers", _, "attention", "q_norm" | "kv_norm", "weight"]:
+                return ParamInit(fqn, ones)
+            case ["layers", layer_id, "attention", "wo", "weight"]:
+                return ParamInit(fqn, partial(nn.init.trunc_normal_, std=0.02 / math.sqrt(2 * (int(layer_id) + 1))))
+        try:
+            return moe_rule(fqn)
+        except KeyError:
+            raise KeyError(f"no DeepSeek-V3 init rule for parameter {fqn!r}") from None
+
+    return rule
