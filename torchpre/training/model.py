@@ -25,6 +25,7 @@ from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.parallel.quantize import QuantizePlan, check_quantize, resolve_emulate
 from torchpre.training.rope import refuse_rope_keys, with_rope
 
 
@@ -104,6 +105,7 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
         )
     if dims.cp > 1:
         check_context_parallel(config, spec, dims)
+    check_quantize(config.quantize.linear, config.quantize.recipe, dims.tp)
     spec.validate_layout(args, dims)
 
 
@@ -137,6 +139,14 @@ def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, fp32: bool = Fa
     dtype = torch.float32 if fp32 else getattr(torch, config.training.mixed_precision_param)
     with torch.device("meta"), _default_dtype(dtype):
         return spec.model_cls(args)
+
+
+def quantize_plan(config: JobConfig, device: torch.device) -> QuantizePlan:
+    """The quantize section as `torchpre.parallel.quantize.convert_linears` takes it, emulation resolved for
+    `device` (refused there when asked off on a device without the kernels)."""
+    q = config.quantize
+    emulate = q.linear != "none" and resolve_emulate(q.linear, q.emulate, device)
+    return QuantizePlan(q.linear, q.recipe, tuple(q.modules), emulate)
 
 
 def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: DataParallel) -> FSDPPlan:
