@@ -422,6 +422,30 @@ CATALOGUE = [
         ["context_parallel_degree = 2", "model.name = 'hf' has no context-parallel attention", "llama3, moe"],
         ranks=2,
     ),
+    # Low precision (quantize.*; torchao missing: tests/unit/test_quantize.py, since this process has torchao).
+    case(
+        "fp8-kernels-asked-on-cpu",
+        ["--quantize.linear", "float8", "--quantize.emulate", "false"],
+        ["quantize.emulate = 'false'", "compute capability 8.9", "a cpu device", "quantize.emulate = 'auto'"],
+    ),
+    case(
+        "mxfp8-kernels-asked-on-cpu",
+        ["--quantize.linear", "mxfp8", "--quantize.emulate", "false"],
+        ["quantize.emulate = 'false'", "compute capability 10.0", "a cpu device"],
+    ),
+    case(
+        "mxfp8-tensorwise-recipe",
+        ["--quantize.linear", "mxfp8", "--quantize.recipe", "tensorwise"],
+        ["quantize.recipe = 'tensorwise' with quantize.linear = 'mxfp8'", "quantize.recipe = 'rowwise'"],
+        ranks=2,
+    ),
+    case(
+        "mxfp8-positions-per-rank-under-cp",
+        ["--quantize.linear", "mxfp8", *CP2],
+        ["quantize.linear = 'mxfp8'", "training.seq_len / parallelism.context_parallel_degree 2 = 16",
+         "multiple of 32", "rowwise_with_gw_hp"],
+        ranks=2,
+    ),  # fmt: skip
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

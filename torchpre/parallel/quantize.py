@@ -48,22 +48,27 @@ def import_torchao(feature: str = "quantize.linear") -> None:
     import_optional("torchao", feature, extra="fp8")
 
 
-def check_quantize(linear: str, recipe: str, tensor_parallel_degree: int) -> None:
-    """Refuses, naming the keys, what the chosen format cannot do; run before any process group."""
+def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: str) -> None:
+    """Refuses, naming the keys, what the chosen format cannot do; run on every rank before any process group.
+    `tokens_per_row` is how many positions of a sequence one rank's matmuls see (`tokens_key` says which keys
+    set it): MXFP8's weight gradient scales blocks of 32 of them."""
     if linear == "none":
         return
     import_torchao(f"quantize.linear = '{linear}'")
-    if linear == "mxfp8" and recipe == "tensorwise":
+    if linear != "mxfp8":
+        return
+    if recipe == "tensorwise":
         raise ConfigError(
             "quantize.recipe = 'tensorwise' with quantize.linear = 'mxfp8': MXFP8 scales every block of 32 values, "
             "never a whole tensor. Use quantize.recipe = 'rowwise' (or 'rowwise_with_gw_hp': weight gradients in "
             "high precision), or quantize.linear = 'float8'."
         )
-    if linear == "mxfp8" and tensor_parallel_degree > 1:
+    if recipe == "rowwise" and tokens_per_row % DIVISOR["mxfp8"]:
         raise ConfigError(
-            f"quantize.linear = 'mxfp8' with parallelism.tensor_parallel_degree = {tensor_parallel_degree}: torchao's "
-            "MXFP8 linear casts a plain weight, not a tensor-parallel shard (DTensor). Use quantize.linear = "
-            "'float8', or tensor_parallel_degree = 1 (data or pipeline parallelism compose with MXFP8)."
+            f"quantize.linear = 'mxfp8' with quantize.recipe = 'rowwise' and {tokens_key} = {tokens_per_row} "
+            "positions per sequence on each rank: its weight gradient scales blocks of 32 tokens of a microbatch, "
+            "which every microbatch has whole when the positions are a multiple of 32. Change training.seq_len, or "
+            "use quantize.recipe = 'rowwise_with_gw_hp' (weight gradients in high precision)."
         )
 
 

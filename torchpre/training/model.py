@@ -105,7 +105,9 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
         )
     if dims.cp > 1:
         check_context_parallel(config, spec, dims)
-    check_quantize(config.quantize.linear, config.quantize.recipe, dims.tp)
+    seq_len, cp = config.training.seq_len, dims.cp
+    tokens_key = "training.seq_len" + (f" / parallelism.context_parallel_degree {cp}" if cp > 1 else "")
+    check_quantize(config.quantize.linear, config.quantize.recipe, seq_len // cp, tokens_key)
     spec.validate_layout(args, dims)
 
 
