@@ -446,6 +446,19 @@ CATALOGUE = [
          "multiple of 32", "rowwise_with_gw_hp"],
         ranks=2,
     ),  # fmt: skip
+    case(
+        "fp8-all-gather-rowwise",
+        ["--quantize.linear", "float8", "--quantize.fsdp_float8_all_gather", "--optimizer.zero_stage", "3"],
+        ["quantize.fsdp_float8_all_gather with quantize.linear = 'float8' and quantize.recipe = 'rowwise'",
+         "quantize.recipe = 'tensorwise'"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "fp8-all-gather-without-zero3",
+        ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise", "--quantize.fsdp_float8_all_gather"],
+        ["quantize.fsdp_float8_all_gather with optimizer.zero_stage = 0", "optimizer.zero_stage = 3"],
+        ranks=2,
+    ),
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

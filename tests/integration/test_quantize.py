@@ -81,3 +81,13 @@ def test_a_checkpoint_resumes_with_fp8_turned_on_or_off(saved, resumed, tmp_path
     assert [r["step"] for r in records] == [5, 6, 7, 8]
     losses = [r["loss"] for r in records]
     assert losses == pytest.approx([r["loss"] for r in straight[4:]], abs=RESUME_ATOL)
+
+
+def test_fp8_all_gather_trains_as_the_high_precision_gather(tmp_path):
+    """dp2 ZeRO-3 with tensorwise FP8: gathering the weights in FP8 (their scale all-reduced over the shards first)
+    gives the values that casting after a high-precision gather gives, so the losses are bitwise those of the run
+    without it. An amax taken per shard would give each shard its own scale and change them."""
+    args = [*TINY, *DP2, *FP8, "--training.steps", "6", "--optimizer.zero_stage", "3"]
+    high_precision = train_and_read_metrics(args, 2, tmp_path / "hp")
+    fp8 = train_and_read_metrics([*args, "--quantize.fsdp_float8_all_gather"], 2, tmp_path / "fp8")
+    assert [(r["loss"], r["grad_norm"]) for r in fp8] == [(r["loss"], r["grad_norm"]) for r in high_precision]

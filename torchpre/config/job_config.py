@@ -322,6 +322,11 @@ class Quantize:
     emulate: Literal["auto", "true", "false"] = _option(
         "auto", "emulate the low-precision matmuls: 'auto' = where the device has no kernels for them (every CPU)"
     )
+    fsdp_float8_all_gather: bool = _option(
+        False,
+        "ZeRO-3 (FSDP2) all-gathers the float8 linears' weights in FP8, half of bf16's bytes, scaled by the amax of "
+        "the whole weight; needs quantize.linear = 'float8' with recipe 'tensorwise' and optimizer.zero_stage = 3",
+    )
 
 
 @dataclass

@@ -41,6 +41,7 @@ class QuantizePlan:
     recipe: str
     modules: tuple[str, ...]
     emulate: bool
+    fsdp_float8_all_gather: bool = False
 
 
 def import_torchao(feature: str = "quantize.linear") -> None:
@@ -69,6 +70,23 @@ def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: st
             "positions per sequence on each rank: its weight gradient scales blocks of 32 tokens of a microbatch, "
             "which every microbatch has whole when the positions are a multiple of 32. Change training.seq_len, or "
             "use quantize.recipe = 'rowwise_with_gw_hp' (weight gradients in high precision)."
+        )
+
+
+def check_float8_all_gather(linear: str, recipe: str, zero_stage: int) -> None:
+    """FP8 all-gather sends each weight shard in FP8 with one scale that all shards agree on (the amax of the whole
+    weight, all-reduced before the gather): only tensorwise FP8 has such a scale, and only ZeRO-3 gathers."""
+    key = "quantize.fsdp_float8_all_gather"
+    if linear != "float8" or recipe != "tensorwise":
+        raise ConfigError(
+            f"{key} with quantize.linear = '{linear}' and quantize.recipe = '{recipe}': FP8 all-gather sends each "
+            "weight with one scale for the whole tensor, which only quantize.linear = 'float8' with quantize.recipe "
+            f"= 'tensorwise' has. Use those, or turn {key} off."
+        )
+    if zero_stage != 3:
+        raise ConfigError(
+            f"{key} with optimizer.zero_stage = {zero_stage}: only ZeRO-3 (FSDP2) all-gathers the weights before "
+            f"each forward; set optimizer.zero_stage = 3, or turn {key} off."
         )
 
 
@@ -130,7 +148,11 @@ def _float8_linear(plan: QuantizePlan):
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(plan.recipe), emulate=plan.emulate)
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(plan.recipe),
+        emulate=plan.emulate,
+        enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather,
+    )
     return lambda linear: Float8Linear.from_float(linear, config=config)
 
 

@@ -25,7 +25,7 @@ from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.parallel.quantize import QuantizePlan, check_quantize, resolve_emulate
+from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, check_quantize, resolve_emulate
 from torchpre.training.rope import refuse_rope_keys, with_rope
 
 
@@ -107,7 +107,10 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
         check_context_parallel(config, spec, dims)
     seq_len, cp = config.training.seq_len, dims.cp
     tokens_key = "training.seq_len" + (f" / parallelism.context_parallel_degree {cp}" if cp > 1 else "")
-    check_quantize(config.quantize.linear, config.quantize.recipe, seq_len // cp, tokens_key)
+    q = config.quantize
+    check_quantize(q.linear, q.recipe, seq_len // cp, tokens_key)
+    if q.fsdp_float8_all_gather:
+        check_float8_all_gather(q.linear, q.recipe, config.optimizer.zero_stage)
     spec.validate_layout(args, dims)
 
 
@@ -148,7 +151,7 @@ def quantize_plan(config: JobConfig, device: torch.device) -> QuantizePlan:
     `device` (refused there when asked off on a device without the kernels)."""
     q = config.quantize
     emulate = q.linear != "none" and resolve_emulate(q.linear, q.emulate, device)
-    return QuantizePlan(q.linear, q.recipe, tuple(q.modules), emulate)
+    return QuantizePlan(q.linear, q.recipe, tuple(q.modules), emulate, q.fsdp_float8_all_gather)
 
 
 def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: DataParallel) -> FSDPPlan:
@@ -162,6 +165,7 @@ def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: D
         param_dtype=torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None,
         reduce_dtype=data_parallel.reduce_dtype,
         reshard_after_forward=reshard,
+        byte_all_gather=config.quantize.fsdp_float8_all_gather,
     )
 
 
