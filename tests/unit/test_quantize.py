@@ -58,3 +58,14 @@ def test_auto_emulates_on_cpu_and_false_is_refused_there():
     with pytest.raises(ConfigError, match="compute capability 8.9"):
         resolve_emulate("float8", "false", cpu)
     assert resolve_emulate("float8", "false", torch.device("meta")) is False  # a dry run plans for a GPU
+
+
+def test_by_default_the_linears_of_the_family_s_blocks_convert():
+    from torchpre.config.job_config import JobConfig
+    from torchpre.training.model import quantize_plan
+
+    config = JobConfig()
+    config.quantize.linear = "float8"
+    assert quantize_plan(config, torch.device("cpu"), "model.layers").modules == ("model.layers.*",)  # model.name hf
+    config.quantize.modules = ["layers.*.attention.*"]
+    assert quantize_plan(config, torch.device("cpu"), "layers").modules == ("layers.*.attention.*",)

@@ -314,10 +314,10 @@ class Quantize:
         "high precision (mxfp8: rowwise or rowwise_with_gw_hp)"
     )
     modules: list[str] = _option(
-        ["layers.*"],
-        "fnmatch patterns of the linears to convert (e.g. layers.*.feed_forward.*); the output layer only when a "
-        "pattern matches 'output'; linears whose dimensions the kernels cannot take (not multiples of 16, or 32 "
-        "for mxfp8) stay in high precision",
+        [],
+        "fnmatch patterns of the linears to convert (e.g. layers.*.feed_forward.*); empty = every linear in the "
+        "model's blocks (llama3: layers.*); the output layer only when a pattern matches it ('output'); linears "
+        "whose dimensions the kernels cannot take (not multiples of 16, or 32 for mxfp8) stay in high precision",
     )
     emulate: Literal["auto", "true", "false"] = _option(
         "auto", "emulate the low-precision matmuls: 'auto' = where the device has no kernels for them (every CPU)"

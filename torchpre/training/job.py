@@ -292,7 +292,7 @@ def _build_model(
     spec, args = pre.model_spec, pre.model_args
     model = meta_model(config, spec, args, fp32=pre.data_parallel.shards_parameters)
     # Before any parallelism: the swapped linears keep their Parameters, so TP, AC, compile and FSDP see them.
-    convert_linears(model, quantize_plan(config, device))
+    convert_linears(model, quantize_plan(config, device, spec.blocks_of(args)))
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = spec.flops_per_token(args, num_params, config.training.seq_len)
     seed, source = config.training.seed, _weights_source(config, pre.resume_dir)

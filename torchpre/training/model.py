@@ -146,12 +146,14 @@ def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, fp32: bool = Fa
         return spec.model_cls(args)
 
 
-def quantize_plan(config: JobConfig, device: torch.device) -> QuantizePlan:
-    """The quantize section as `torchpre.parallel.quantize.convert_linears` takes it, emulation resolved for
-    `device` (refused there when asked off on a device without the kernels)."""
+def quantize_plan(config: JobConfig, device: torch.device, blocks: str) -> QuantizePlan:
+    """The quantize section as `torchpre.parallel.quantize.convert_linears` takes it: by default the linears inside
+    `blocks` (the family's block container), emulation resolved for `device` (refused there when asked off on a
+    device without the kernels)."""
     q = config.quantize
     emulate = q.linear != "none" and resolve_emulate(q.linear, q.emulate, device)
-    return QuantizePlan(q.linear, q.recipe, tuple(q.modules), emulate, q.fsdp_float8_all_gather)
+    modules = tuple(q.modules) or (f"{blocks}.*",)
+    return QuantizePlan(q.linear, q.recipe, modules, emulate, q.fsdp_float8_all_gather)
 
 
 def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: DataParallel) -> FSDPPlan:
