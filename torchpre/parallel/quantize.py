@@ -25,8 +25,6 @@ from torchpre.optional import import_optional
 
 logger = logging.getLogger(__name__)
 
-LINEARS = ("none", "float8", "mxfp8")
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # The CUDA compute capability whose tensor cores run each format: Ada/Hopper for FP8, Blackwell for MXFP8.
 CAPABILITY = {"float8": (8, 9), "mxfp8": (10, 0)}
 # The kernels take a linear only when both of its dimensions are multiples of this (MXFP8: one scale per 32).
@@ -44,18 +42,13 @@ class QuantizePlan:
     fsdp_float8_all_gather: bool = False
 
 
-def import_torchao(feature: str = "quantize.linear") -> None:
-    """torchao, or the ConfigError that names the extra to install: checked on every rank before any work."""
-    import_optional("torchao", feature, extra="fp8")
-
-
 def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: str) -> None:
     """Refuses, naming the keys, what the chosen format cannot do; run on every rank before any process group.
     `tokens_per_row` is how many positions of a sequence one rank's matmuls see (`tokens_key` says which keys
     set it): MXFP8's weight gradient scales blocks of 32 of them."""
     if linear == "none":
         return
-    import_torchao(f"quantize.linear = '{linear}'")
+    import_optional("torchao", f"quantize.linear = '{linear}'", extra="fp8")  # missing: names the extra
     if linear != "mxfp8":
         return
     if recipe == "tensorwise":
