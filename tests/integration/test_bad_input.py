@@ -459,6 +459,13 @@ CATALOGUE = [
         ["quantize.fsdp_float8_all_gather with optimizer.zero_stage = 0", "optimizer.zero_stage = 3"],
         ranks=2,
     ),
+    case(
+        "fp8-all-gather-with-tp",
+        ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise", "--quantize.fsdp_float8_all_gather",
+         "--optimizer.zero_stage", "3", *TP2],
+        ["quantize.fsdp_float8_all_gather with parallelism.tensor_parallel_degree = 2", "its own scale"],
+        ranks=4,
+    ),  # fmt: skip
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

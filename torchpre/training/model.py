@@ -110,7 +110,7 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
     q = config.quantize
     check_quantize(q.linear, q.recipe, seq_len // cp, tokens_key)
     if q.fsdp_float8_all_gather:
-        check_float8_all_gather(q.linear, q.recipe, config.optimizer.zero_stage)
+        check_float8_all_gather(q.linear, q.recipe, config.optimizer.zero_stage, dims.tp)
     spec.validate_layout(args, dims)
 
 
