@@ -4,6 +4,8 @@ Each case runs train.py in real processes on gloo with the debug model (6 layers
 and compares metrics.jsonl with the single-process run of the same config and seed.
 """
 
+from collections.abc import Callable
+
 import pytest
 
 from tests.launch import DEBUG as DEBUG_MODEL
@@ -107,6 +109,57 @@ def assert_comm_cp(records: list[dict], layout: str) -> None:
         assert seconds == [None] * len(records)
     elif "compile" not in layout:
         assert all(s is not None and s > 0 for s in seconds), seconds
+
+
+# Layouts under low precision (quantize.*; torchao emulates FP8 on CPU), each against one process with the same quantize
+# keys. With recipe rowwise_with_gw_hp the activations and output gradients are scaled per token and the weight
+# gradients are high precision, so data parallelism changes nothing a matmul sees: dp2 ZeRO-1 and ZeRO-3 measured within
+# 5.7e-6 of one process over the 10 steps (mxfp8: 1.8e-5); held to 5e-5. Tensor and pipeline parallelism reorder
+# high-precision sums, and FP8 rounding turns a 1e-7 change of a value at a rounding boundary into one FP8 step (6%):
+# measured 1.3e-4 (tensorwise tp2 + SP; its scale is the amax over the whole weight, which every shard must agree on),
+# 1.5e-4 (rowwise_with_gw_hp tp2 + SP), 1.2e-4 (mxfp8 tp2 + SP), 9.4e-5 (pp2); held to 3e-4, half of what turning FP8
+# off moves the same losses (6.2e-4, tensorwise). Tensorwise and rowwise under data parallelism are not rows: each rank
+# scales its activations (tensorwise) or weight-gradient columns (rowwise) by the amax of its own tokens, as on GPUs,
+# so those runs match one process only within FP8's own noise (measured 5.7e-4, tensorwise dp2 ZeRO-1).
+FP8_GW_HP = ["--quantize.linear", "float8", "--quantize.recipe", "rowwise_with_gw_hp"]
+FP8_TENSORWISE = ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise"]
+MXFP8_GW_HP = ["--quantize.linear", "mxfp8", "--quantize.recipe", "rowwise_with_gw_hp"]
+QUANTIZED_DP_ATOL, QUANTIZED_ATOL = 5e-5, 3e-4
+QUANTIZED_LAYOUTS = {
+    "fp8_dp2_zero1": (FP8_GW_HP, 2, [*per_rank_batch(2), "--optimizer.zero_stage", "1"], QUANTIZED_DP_ATOL),
+    "fp8_tensorwise_tp2_sp": (FP8_TENSORWISE, 2, [*TP2, *SP], QUANTIZED_ATOL),
+    "fp8_dp2_zero3": (FP8_GW_HP, 2, [*per_rank_batch(2), "--optimizer.zero_stage", "3"], QUANTIZED_DP_ATOL),
+    "fp8_tp2_sp": (FP8_GW_HP, 2, [*TP2, *SP], QUANTIZED_ATOL),
+    "fp8_pp2_1f1b": (FP8_GW_HP, 2, pp("1F1B"), QUANTIZED_ATOL),
+    "mxfp8_dp2_zero1": (MXFP8_GW_HP, 2, [*per_rank_batch(2), "--optimizer.zero_stage", "1"], QUANTIZED_DP_ATOL),
+    "mxfp8_tp2_sp": (MXFP8_GW_HP, 2, [*TP2, *SP], QUANTIZED_ATOL),
+}
+QUANTIZED_CI_ROWS = ("fp8_dp2_zero1", "fp8_tensorwise_tp2_sp")  # data and tensor parallel, both FP8 recipes' scales
+
+
+@pytest.fixture(scope="module")
+def quantized_reference(tmp_path_factory) -> Callable[[list[str]], list[dict]]:
+    """One process's run with the given quantize keys, trained once per module."""
+    runs: dict[tuple[str, ...], list[dict]] = {}
+
+    def reference(quantize: list[str]) -> list[dict]:
+        if tuple(quantize) not in runs:
+            runs[tuple(quantize)] = train_and_read_metrics([*DEBUG, *quantize], 1, tmp_path_factory.mktemp("q_ref"))
+        return runs[tuple(quantize)]
+
+    return reference
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [name if name in QUANTIZED_CI_ROWS else pytest.param(name, marks=pytest.mark.parity_matrix)
+     for name in QUANTIZED_LAYOUTS],
+)  # fmt: skip
+def test_quantized_layout_matches_one_process(layout, quantized_reference, tmp_path):
+    pytest.importorskip("torchao")
+    quantize, nproc, args, atol = QUANTIZED_LAYOUTS[layout]
+    records = train_and_read_metrics([*DEBUG, *quantize, *args], nproc, tmp_path)
+    assert_same_curve(records, quantized_reference(quantize), atol)
 
 
 # Layouts under training.document_mask, on a dataset of short documents (several in every window), against one

@@ -422,6 +422,50 @@ CATALOGUE = [
         ["context_parallel_degree = 2", "model.name = 'hf' has no context-parallel attention", "llama3, moe"],
         ranks=2,
     ),
+    # Low precision (quantize.*; torchao missing: tests/unit/test_quantize.py, since this process has torchao).
+    case(
+        "fp8-kernels-asked-on-cpu",
+        ["--quantize.linear", "float8", "--quantize.emulate", "false"],
+        ["quantize.emulate = 'false'", "compute capability 8.9", "a cpu device", "quantize.emulate = 'auto'"],
+    ),
+    case(
+        "mxfp8-kernels-asked-on-cpu",
+        ["--quantize.linear", "mxfp8", "--quantize.emulate", "false"],
+        ["quantize.emulate = 'false'", "compute capability 10.0", "a cpu device"],
+    ),
+    case(
+        "mxfp8-tensorwise-recipe",
+        ["--quantize.linear", "mxfp8", "--quantize.recipe", "tensorwise"],
+        ["quantize.recipe = 'tensorwise' with quantize.linear = 'mxfp8'", "quantize.recipe = 'rowwise'"],
+        ranks=2,
+    ),
+    case(
+        "mxfp8-positions-per-rank-under-cp",
+        ["--quantize.linear", "mxfp8", *CP2],
+        ["quantize.linear = 'mxfp8'", "training.seq_len / parallelism.context_parallel_degree 2 = 16",
+         "multiple of 32", "rowwise_with_gw_hp"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "fp8-all-gather-rowwise",
+        ["--quantize.linear", "float8", "--quantize.fsdp_float8_all_gather", "--optimizer.zero_stage", "3"],
+        ["quantize.fsdp_float8_all_gather with quantize.linear = 'float8' and quantize.recipe = 'rowwise'",
+         "quantize.recipe = 'tensorwise'"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "fp8-all-gather-without-zero3",
+        ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise", "--quantize.fsdp_float8_all_gather"],
+        ["quantize.fsdp_float8_all_gather with optimizer.zero_stage = 0", "optimizer.zero_stage = 3"],
+        ranks=2,
+    ),
+    case(
+        "fp8-all-gather-with-tp",
+        ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise", "--quantize.fsdp_float8_all_gather",
+         "--optimizer.zero_stage", "3", *TP2],
+        ["quantize.fsdp_float8_all_gather with parallelism.tensor_parallel_degree = 2", "its own scale"],
+        ranks=4,
+    ),  # fmt: skip
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

@@ -29,7 +29,7 @@ def test_the_quick_start_is_one_install_and_train_command_and_one_install_and_te
     install_and_train, install_and_test = quick_start_commands()
     assert install_and_train.startswith("pip install -e . && torchrun ")
     assert "train.py --job.config_file train_configs/debug_model.toml" in install_and_train
-    assert re.match(r'pip install -e "\.\[[a-z,]+\]" && python -m pytest ', install_and_test)
+    assert re.match(r'pip install -e "\.\[[a-z0-9,]+\]" && python -m pytest ', install_and_test)
 
 
 def test_ci_runs_the_quick_start_commands_as_written() -> None:

@@ -301,6 +301,35 @@ class Compile:
 
 
 @dataclass
+class Quantize:
+    """Low-precision matmuls through torchao (`pip install -e ".[fp8]"`); the weights and checkpoints stay in
+    high precision."""
+
+    linear: Literal["none", "float8", "mxfp8"] = _option(
+        "none", "matmuls of the chosen linears in 'float8' (FP8 e4m3, GPUs of compute capability 8.9+) or 'mxfp8' "
+        "(a scale per 32 values, 10.0+)"
+    )
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = _option(
+        "rowwise", "how FP8 values are scaled: one scale per tensor, per row, or per row with weight gradients in "
+        "high precision (mxfp8: rowwise or rowwise_with_gw_hp)"
+    )
+    modules: list[str] = _option(
+        [],
+        "fnmatch patterns of the linears to convert (e.g. layers.*.feed_forward.*); empty = every linear in the "
+        "model's blocks (llama3: layers.*); the output layer only when a pattern matches it ('output'); linears "
+        "whose dimensions the kernels cannot take (not multiples of 16, or 32 for mxfp8) stay in high precision",
+    )
+    emulate: Literal["auto", "true", "false"] = _option(
+        "auto", "emulate the low-precision matmuls: 'auto' = where the device has no kernels for them (every CPU)"
+    )
+    fsdp_float8_all_gather: bool = _option(
+        False,
+        "ZeRO-3 (FSDP2) all-gathers the float8 linears' weights in FP8, half of bf16's bytes, scaled by the amax of "
+        "the whole weight; needs quantize.linear = 'float8' with recipe 'tensorwise' and optimizer.zero_stage = 3",
+    )
+
+
+@dataclass
 class Checkpoint:
     """Saving, resuming, retention, integrity and storage behaviour of DCP checkpoints."""
 
@@ -445,6 +474,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    quantize: Quantize = field(default_factory=Quantize)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -231,6 +232,19 @@ class FSDPPlan:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: bool = True
+    byte_all_gather: bool = False  # gather 1-byte dtypes (FP8 all-gather) as uint8, which every backend has
+
+
+class ByteAllGather(DefaultAllGather):
+    """FSDP2's all-gather with 1-byte dtypes viewed as uint8: gloo has no FP8 types ("Invalid scalar type"), and the
+    bytes are the same."""
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        if output_tensor.element_size() == 1:
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def apply_fsdp(
@@ -261,6 +275,8 @@ def apply_fsdp(
     sharded.append(fully_shard(part, mesh=dp_mesh, **options))
     for module in sharded:
         sum_gradients(module)
+        if plan.byte_all_gather:
+            module.set_custom_all_gather(ByteAllGather())
     # TODO(perf): explicit prefetching (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`,
     # as torchtitan's llama4 apply_fsdp does) overlaps more all-gathers; correctness does not need it.
     return sharded

@@ -45,11 +45,12 @@ from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
 from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.parallel.quantize import convert_linears
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
-from torchpre.training.model import check_layout, meta_model, model_args, parallel_plan
+from torchpre.training.model import check_layout, meta_model, model_args, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
 from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
@@ -290,6 +291,8 @@ def _build_model(
     are computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
     spec, args = pre.model_spec, pre.model_args
     model = meta_model(config, spec, args, fp32=pre.data_parallel.shards_parameters)
+    # Before any parallelism: the swapped linears keep their Parameters, so TP, AC, compile and FSDP see them.
+    convert_linears(model, quantize_plan(config, device, spec.blocks_of(args)))
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = spec.flops_per_token(args, num_params, config.training.seq_len)
     seed, source = config.training.seed, _weights_source(config, pre.resume_dir)

@@ -25,6 +25,7 @@ from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, check_quantize, resolve_emulate
 from torchpre.training.rope import refuse_rope_keys, with_rope
 
 
@@ -104,6 +105,12 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
         )
     if dims.cp > 1:
         check_context_parallel(config, spec, dims)
+    seq_len, cp = config.training.seq_len, dims.cp
+    tokens_key = "training.seq_len" + (f" / parallelism.context_parallel_degree {cp}" if cp > 1 else "")
+    q = config.quantize
+    check_quantize(q.linear, q.recipe, seq_len // cp, tokens_key)
+    if q.fsdp_float8_all_gather:
+        check_float8_all_gather(q.linear, q.recipe, config.optimizer.zero_stage, dims.tp)
     spec.validate_layout(args, dims)
 
 
@@ -139,6 +146,16 @@ def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, fp32: bool = Fa
         return spec.model_cls(args)
 
 
+def quantize_plan(config: JobConfig, device: torch.device, blocks: str) -> QuantizePlan:
+    """The quantize section as `torchpre.parallel.quantize.convert_linears` takes it: by default the linears inside
+    `blocks` (the family's block container), emulation resolved for `device` (refused there when asked off on a
+    device without the kernels)."""
+    q = config.quantize
+    emulate = q.linear != "none" and resolve_emulate(q.linear, q.emulate, device)
+    modules = tuple(q.modules) or (f"{blocks}.*",)
+    return QuantizePlan(q.linear, q.recipe, modules, emulate, q.fsdp_float8_all_gather)
+
+
 def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: DataParallel) -> FSDPPlan:
     """How FSDP2 shards the parameters. Resharding after forward defaults to on without a pipeline (the gathered
     parameters of a block are freed until its backward) and off with one: a stage runs one forward per
@@ -150,6 +167,7 @@ def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: D
         param_dtype=torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None,
         reduce_dtype=data_parallel.reduce_dtype,
         reshard_after_forward=reshard,
+        byte_all_gather=config.quantize.fsdp_float8_all_gather,
     )
 
 

@@ -1,0 +1,176 @@
+"""Low-precision linears through torchao: FP8 (tensorwise or rowwise scales) and MXFP8 (a scale per 32 values).
+
+The conversion swaps `nn.Linear` modules of the plain model on the meta device for torchao's subclasses, before
+pipeline splitting, tensor parallelism, activation checkpointing, compile and FSDP (the order torchtitan's float8
+converter uses): the swapped modules keep their high-precision weight Parameter under the same name, so every
+later step, the optimizer and the checkpoint see the model they would see without FP8. Only the matmuls cast
+their inputs to FP8 on the fly; a checkpoint saved with FP8 on loads with it off and the reverse.
+
+On a device without FP8 tensor cores (every CPU) torchao emulates the matmuls: the values are rounded to FP8 as
+on a GPU, and the product is taken in high precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchpre.errors import ConfigError
+from torchpre.optional import import_optional
+
+logger = logging.getLogger(__name__)
+
+# The CUDA compute capability whose tensor cores run each format: Ada/Hopper for FP8, Blackwell for MXFP8.
+CAPABILITY = {"float8": (8, 9), "mxfp8": (10, 0)}
+# The kernels take a linear only when both of its dimensions are multiples of this (MXFP8: one scale per 32).
+DIVISOR = {"float8": 16, "mxfp8": 32}
+
+
+@dataclass(frozen=True)
+class QuantizePlan:
+    """Which linears compute in low precision and how: `modules` are fnmatch patterns of module names."""
+
+    linear: str
+    recipe: str
+    modules: tuple[str, ...]
+    emulate: bool
+    fsdp_float8_all_gather: bool = False
+
+
+def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: str) -> None:
+    """Refuses, naming the keys, what the chosen format cannot do; run on every rank before any process group.
+    `tokens_per_row` is how many positions of a sequence one rank's matmuls see (`tokens_key` says which keys
+    set it): MXFP8's weight gradient scales blocks of 32 of them."""
+    if linear == "none":
+        return
+    import_optional("torchao", f"quantize.linear = '{linear}'", extra="fp8")  # missing: names the extra
+    if linear != "mxfp8":
+        return
+    if recipe == "tensorwise":
+        raise ConfigError(
+            "quantize.recipe = 'tensorwise' with quantize.linear = 'mxfp8': MXFP8 scales every block of 32 values, "
+            "never a whole tensor. Use quantize.recipe = 'rowwise' (or 'rowwise_with_gw_hp': weight gradients in "
+            "high precision), or quantize.linear = 'float8'."
+        )
+    if recipe == "rowwise" and tokens_per_row % DIVISOR["mxfp8"]:
+        raise ConfigError(
+            f"quantize.linear = 'mxfp8' with quantize.recipe = 'rowwise' and {tokens_key} = {tokens_per_row} "
+            "positions per sequence on each rank: its weight gradient scales blocks of 32 tokens of a microbatch, "
+            "which every microbatch has whole when the positions are a multiple of 32. Change training.seq_len, or "
+            "use quantize.recipe = 'rowwise_with_gw_hp' (weight gradients in high precision)."
+        )
+
+
+def check_float8_all_gather(linear: str, recipe: str, zero_stage: int, tensor_parallel_degree: int) -> None:
+    """FP8 all-gather sends each weight shard in FP8 with one scale that all shards agree on (the amax of the whole
+    weight, all-reduced over the data-parallel shards before the gather): only tensorwise FP8 has such a scale,
+    only ZeRO-3 gathers, and under tensor parallelism torchao reduces that amax over the data-parallel shards alone
+    (measured: tp2 x dp2 losses 1e-5 off the high-precision gather, which equals it bitwise without tp)."""
+    key = "quantize.fsdp_float8_all_gather"
+    if linear != "float8" or recipe != "tensorwise":
+        raise ConfigError(
+            f"{key} with quantize.linear = '{linear}' and quantize.recipe = '{recipe}': FP8 all-gather sends each "
+            "weight with one scale for the whole tensor, which only quantize.linear = 'float8' with quantize.recipe "
+            f"= 'tensorwise' has. Use those, or turn {key} off."
+        )
+    if zero_stage != 3:
+        raise ConfigError(
+            f"{key} with optimizer.zero_stage = {zero_stage}: only ZeRO-3 (FSDP2) all-gathers the weights before "
+            f"each forward; set optimizer.zero_stage = 3, or turn {key} off."
+        )
+    if tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"{key} with parallelism.tensor_parallel_degree = {tensor_parallel_degree}: torchao takes the weight's "
+            "FP8 scale from the amax of the data-parallel shards only, so each tensor-parallel shard would get its "
+            f"own scale and the run would depend on the layout. Turn {key} off (the weights are then gathered in "
+            "high precision and cast with the amax of the whole weight), or use tensor_parallel_degree = 1."
+        )
+
+
+def resolve_emulate(linear: str, emulate: str, device: torch.device) -> bool:
+    """Whether torchao emulates the low-precision matmuls: 'auto' does where `device` has no kernels for them;
+    'false' on such a device is refused, naming the compute capability the format needs. Logged either way."""
+    if device.type == "meta":  # a dry run: no matmul runs, and the GPU it plans for is not this machine's
+        return emulate == "true"
+    needed = CAPABILITY[linear]
+    has_kernels = device.type == "cuda" and torch.cuda.get_device_capability(device) >= needed
+    what = f"quantize.linear = '{linear}'"
+    if emulate == "false" and not has_kernels:
+        found = (
+            f"compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}"
+            if device.type == "cuda"
+            else f"a {device.type} device"
+        )
+        raise ConfigError(
+            f"quantize.emulate = 'false' asks for {linear} kernels, which need a CUDA GPU of compute capability "
+            f"{'.'.join(map(str, needed))} or newer; this job runs on {found}. Set quantize.emulate = 'auto' (emulated "
+            f"{linear}: FP8 numerics, high-precision speed) or quantize.linear = 'none'."
+        )
+    emulated = emulate == "true" or not has_kernels
+    if emulated:
+        reason = "as asked (quantize.emulate = 'true')" if emulate == "true" else f"no {linear} kernels on {device}"
+        logger.info("%s: emulated matmuls, %s", what, reason)
+    else:
+        logger.info("%s: %s kernels on %s", what, linear, device)
+    return emulated
+
+
+def convert_linears(model: nn.Module, plan: QuantizePlan) -> list[str]:
+    """Swaps the linears of `model` whose names match `plan.modules` and whose dimensions the kernels take for
+    torchao's low-precision linears, in place (on any device, meta included); returns the converted names."""
+    if plan.linear == "none":
+        return []
+    divisor = DIVISOR[plan.linear]
+    chosen, skipped = [], []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or not any(fnmatch.fnmatchcase(name, p) for p in plan.modules):
+            continue
+        fits = module.in_features % divisor == 0 and module.out_features % divisor == 0
+        (chosen if fits else skipped).append(name)
+    if skipped:
+        logger.info(
+            "quantize: %d linears stay in high precision (dimensions not multiples of %d): %s",
+            len(skipped), divisor, ", ".join(skipped),
+        )  # fmt: skip
+    swap = _float8_linear(plan) if plan.linear == "float8" else _mxfp8_linear(plan)
+    for name in chosen:
+        owner, _, child = name.rpartition(".")
+        parent = model.get_submodule(owner) if owner else model
+        setattr(parent, child, swap(getattr(parent, child)))
+    logger.info("quantize: %d linears in %s (%s)", len(chosen), plan.linear, plan.recipe)
+    return chosen
+
+
+def _float8_linear(plan: QuantizePlan):
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(plan.recipe),
+        emulate=plan.emulate,
+        enable_fsdp_float8_all_gather=plan.fsdp_float8_all_gather,
+    )
+    return lambda linear: Float8Linear.from_float(linear, config=config)
+
+
+def _mxfp8_linear(plan: QuantizePlan):
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    kernels = KernelPreference.EMULATED if plan.emulate else KernelPreference.AUTO
+
+    def swap(linear: nn.Linear) -> MXFP8Linear:
+        with torch.device("meta"):
+            new = MXFP8Linear(
+                linear.in_features, linear.out_features, bias=linear.bias is not None,
+                kernel_preference=kernels, wgrad_with_hp=plan.recipe == "rowwise_with_gw_hp",
+            )  # fmt: skip
+        new.weight, new.bias = linear.weight, linear.bias
+        return new
+
+    return swap
