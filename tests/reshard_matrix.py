@@ -5,7 +5,8 @@ A case saves at step 5 of a 10-step run under layout `save` and resumes under `l
 the loading job's activation checkpointing and torch.compile (they change only its module wrappers, so the
 matrix crosses them with the model, dtype and loading layout, saving from one process, or from dp2 when the
 load is one process). `optimizer` is the optimizer other than AdamW whose state the case carries over, crossed
-with every pair of layouts for the fp32 Llama model. Everything else is the complete product.
+with every pair of layouts for the fp32 Llama model. deepseek_v3 crosses dtypes and pairs of its own 4 layouts,
+without wrappers. Everything else is the complete product.
 """
 
 import dataclasses
@@ -20,6 +21,8 @@ MODELS: dict[str, tuple[str, ...]] = {
     "llama_tied": ("--model.name", "llama3-matrix", "--model.flavor", "tiny4_tied"),
     "gpt2": ("--model.name", "gpt2-test", "--model.flavor", "tiny"),  # biases, 1-D TP-sharded tensors
     "moe": ("--model.name", "moe", "--model.flavor", "debugmodel"),
+    # MLA on the MoE family's routing with balancing biases (3 blocks: no pipeline layouts).
+    "deepseek_v3": ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel"),
 }
 DTYPES: dict[str, tuple[str, str]] = {  # (saved in, resumed in)
     "fp32": ("float32", "float32"),
@@ -88,6 +91,9 @@ LAYOUTS: dict[str, Layout] = {
     "cp2": Layout(2, CP2, context=True),
     "cp2xtp2": Layout(4, (*CP2, *TP2, *SP), context=True),
 }
+# deepseek_v3 crosses only these, without the loading side's wrappers (they wrap its blocks as MoE's): what it adds
+# to MoE's state is MLA's, whose latent down-projections tp replicates, so one layout of each kind.
+DEEPSEEK_V3_LAYOUTS = ("1proc", "dp2-zero1", "tp2-sp", "ep2")
 WRAPPERS = (("none", False), ("full", False), ("none", True), ("full", True))  # (AC mode, compile)
 
 # Every run: a global batch of 8 sequences, 4 per DP rank (2 microbatches on one process, 8 or 4 pipeline
@@ -163,6 +169,8 @@ class Case:
 
 
 def supports(model: str, layout: str) -> bool:
+    if model == "deepseek_v3":
+        return layout in DEEPSEEK_V3_LAYOUTS
     if LAYOUTS[layout].context and model == "gpt2":
         return False
     if model == "moe":
@@ -184,7 +192,7 @@ def full_matrix() -> list[Case]:
         if save != load and supports(model, save) and supports(model, load)
     ]
     for model, dtype, load, (ac, compile) in itertools.product(MODELS, ("fp32", "bf16"), LAYOUTS, WRAPPERS[1:]):
-        if supports(model, load):
+        if supports(model, load) and model != "deepseek_v3":
             cases.append(Case(model, dtype, "1proc" if load != "1proc" else "dp2", load, ac, compile))
     for optimizer, save, load in itertools.product(list(OPTIMIZERS)[1:], LAYOUTS, LAYOUTS):
         if save != load and supports("llama", save) and supports("llama", load):

@@ -35,6 +35,10 @@ SHRINK = ["--model.flavor", "tiny", "--training.seq_len", "32"]
 LAYOUTS_BLOCK = "docs/parallelism.md: DP x TP x PP on one DeviceMesh #1"
 PREEMPTION_BLOCK = "docs/fault-tolerance.md: Fault tolerance #2"
 EXTENSION_BLOCK = "docs/context-parallel.md: Extend the context of a trained model #2"
+DEEPSEEK_V3_BLOCKS = [
+    "docs/deepseek-v3.md: Train the debug model #1", "docs/deepseek-v3.md: Train the debug model #2",
+    "docs/deepseek-v3.md: Import and export a Hugging Face folder #1",
+]  # fmt: skip
 BLOCK_ARGS = {
     # The ZBV schedule puts 2 stages on each of 2 ranks: 4 layers at least (tiny has 2).
     LAYOUTS_BLOCK: ["--model.flavor", "debugmodel", "--training.steps", "10"],
@@ -42,6 +46,8 @@ BLOCK_ARGS = {
     PREEMPTION_BLOCK: ["--training.steps", "100000", "--metrics.log_freq", "1"],
     # The context extension's second stage keeps its longer sequences.
     EXTENSION_BLOCK: ["--training.seq_len", "64"],
+    # deepseek_v3 has no tiny flavor: its debug model (446,592 parameters) is as small.
+    **{block: ["--model.flavor", "debugmodel"] for block in DEEPSEEK_V3_BLOCKS},
 }
 BLOCK_TEXT = {PREEMPTION_BLOCK: ("sleep 60", "until [ -s outputs/preempt/metrics.jsonl ]; do sleep 0.2; done")}
 # CI's sample: the README's tour up to the planner (dp, tp, pp, ZeRO-3, a checkpoint resumed under another

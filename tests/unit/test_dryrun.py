@@ -9,6 +9,7 @@ parameter, with a bf16 parameter's fp32 master.
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -64,12 +65,14 @@ def _tp_dim(name: str) -> int | None:
     return 0 if leaf in COLUMN_PARALLEL else 1 if leaf in ROW_PARALLEL else None
 
 
-def _analytic(shapes: dict[str, torch.Size], tp: int, dp: int) -> tuple[int, int, int]:
+def _analytic(
+    shapes: dict[str, torch.Size], tp: int, dp: int, tp_dim: Callable[[str], int | None] = _tp_dim
+) -> tuple[int, int, int]:
     """(bf16 parameter bytes, fp32 gradient bytes, ZeRO-1 AdamW state bytes) of DP rank 0 from global shapes."""
     params = state = 0
     for name, shape in shapes.items():
         local = list(shape)
-        split = _tp_dim(name)
+        split = tp_dim(name)
         if split is not None:
             assert local[split] % tp == 0, name
             local[split] //= tp
@@ -180,6 +183,41 @@ def test_a_mixture_of_experts_gets_its_model_state_and_says_what_it_leaves_out(c
     assert memory.param_bytes > 0 and memory.optimizer_state_bytes > 0
     assert memory.activation_bytes == memory.optimizer_step_bytes == 0
     assert "not counted for model.name = 'moe'" in capsys.readouterr().out
+
+
+def _mla_tp_dim(name: str) -> int | None:
+    """deepseek_v3's plan: heads and experts' hidden units sharded, the latents' down-projections (`wq_a`, `wkv_a`),
+    the norms and the router replicated; stacked experts are [experts, dim, hidden] (`w1`, `w3`) and
+    [experts, hidden, dim] (`w2`)."""
+    *_, module, leaf = name.split(".")
+    if module == "experts":
+        return 1 if leaf == "w2" else 2
+    if module in ("wq_a", "wkv_a", "router"):
+        return None
+    return 0 if module in ("wq_b", "wkv_b", *COLUMN_PARALLEL) else 1 if module in ROW_PARALLEL else None
+
+
+def test_deepseek_v3_dry_run_reports_the_mla_plans_analytic_bytes(capsys):
+    """The debug model at dp2 x tp2, ZeRO-1, bf16: rank 0 holds what the plan says (measured: 462,080 parameter
+    bytes of the whole model's 893,184: its 15,488 replicated parameters whole, the rest halved); activations are not
+    counted, and the output says so."""
+    config = _config("--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "32",
+                     "--parallelism.data_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                     "--optimizer.zero_stage", "1", "--training.local_batch_size", "1",
+                     "--training.mixed_precision_param", "bfloat16", "--job.dry_run_world_size", "4")  # fmt: skip
+    (memory,) = run_dry_run(config)
+    assert "not counted for model.name = 'deepseek_v3'" in capsys.readouterr().out
+    job = build_job(config, Runtime(4, fake_rank=0))
+    try:
+        shapes = _global_shapes(job)
+        assert rank_memory(job) == memory
+    finally:
+        dist.destroy_process_group()
+    params, grads, state = _analytic(shapes, 2, 2, _mla_tp_dim)
+    assert (memory.param_bytes, memory.grad_bytes, memory.optimizer_state_bytes) == (params, grads, state)
+    assert memory.param_bytes == 462_080 and sum(math.prod(s) for s in shapes.values()) == job.num_params == 446_592
+    replicated = sum(math.prod(shape) for name, shape in shapes.items() if _mla_tp_dim(name) is None)
+    assert replicated == 15_488 and memory.param_bytes == 2 * (replicated + (job.num_params - replicated) // 2)
 
 
 def test_a_transformers_model_tied_across_pipeline_stages_dry_runs():

@@ -1,7 +1,17 @@
 """The reshard matrix's generated cases and the sample CI runs of them."""
 
 from tests.integration.test_reshard_matrix import SAMPLE, SAMPLE_SIZE
-from tests.reshard_matrix import COMMON, DTYPES, LAYOUTS, MODELS, OPTIMIZERS, axis_values, covering_sample, full_matrix
+from tests.reshard_matrix import (
+    COMMON,
+    DEEPSEEK_V3_LAYOUTS,
+    DTYPES,
+    LAYOUTS,
+    MODELS,
+    OPTIMIZERS,
+    axis_values,
+    covering_sample,
+    full_matrix,
+)
 
 PROBLEMS = {"1-tied-into-stages", "2-zero1-of-1d-tp-tensors", "4-dtype-change", "5-zero-bubble-bf16", "6-tp-ac-compile"}
 
@@ -15,7 +25,16 @@ def test_the_full_matrix_crosses_every_axis():
     assert {v for axis, v in values if axis == "optimizer"} == set(OPTIMIZERS)
     assert {v for axis, v in values if axis == "save"} == {v for axis, v in values if axis == "load"} == set(LAYOUTS)
     assert {v for axis, v in values if axis == "problem"} == PROBLEMS
-    assert not [case for case in cases if case.model != "moe" and "ep2" in case.save + case.load]
+    assert not [case for case in cases if case.model not in ("moe", "deepseek_v3") and "ep2" in case.save + case.load]
+
+
+def test_deepseek_v3_crosses_every_dtype_and_pair_of_its_layouts_and_ci_runs_one_case():
+    cases = [case for case in full_matrix() if case.model == "deepseek_v3"]
+    pairs = {(case.save, case.load) for case in cases}
+    assert pairs == {(save, load) for save in DEEPSEEK_V3_LAYOUTS for load in DEEPSEEK_V3_LAYOUTS if save != load}
+    assert len(cases) == len(DTYPES) * len(pairs) == 48
+    assert {"tp2-sp", "ep2"} <= set(DEEPSEEK_V3_LAYOUTS)  # latent down-projections replicated; experts split
+    assert [case.id for case in SAMPLE if case.model == "deepseek_v3"] == ["deepseek_v3-fp32>bf16-dp2-zero1-to-ep2"]
 
 
 def test_the_ci_sample_covers_every_axis_value_and_problem():
