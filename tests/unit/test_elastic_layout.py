@@ -28,6 +28,8 @@ def test_usable_world_sizes_are_the_fixed_degrees_times_every_dp_that_fits():
     assert usable_world_sizes(tp=1, pp=1, ep=2, batch_rounds=12) == [2, 4, 6, 12]
     assert "2, 4." in world_sizes_hint(2, 1, batch_rounds=2)
     assert "run on: 1, 2, 3, 4, 6, 8, 12, 24. Under" in world_sizes_hint(1, 1, batch_rounds=24)
+    # ep2 with a global batch of 3 local batches: no data-parallel degree is both even and a divisor of 3.
+    assert world_sizes_hint(1, 1, ep=2, batch_rounds=3).startswith("No world size can run it")
 
 
 def test_a_resume_under_the_saving_layout_logs_nothing():

@@ -33,7 +33,14 @@ def world_sizes_hint(tp: int, pp: int, ep: int = 1, batch_rounds: int | None = N
         sizes = usable_world_sizes(tp, pp, ep)
         listed = ", ".join(map(str, sizes)) + ", ... (multiples of tensor x pipeline x expert parallel degree)"
     else:  # every one: a number has few divisors
-        listed = ", ".join(map(str, usable_world_sizes(tp, pp, ep, batch_rounds, count=batch_rounds)))
+        sizes = usable_world_sizes(tp, pp, ep, batch_rounds, count=batch_rounds)
+        if not sizes:
+            return (
+                f"No world size can run it: its data-parallel degree must be a multiple of the expert parallel "
+                f"degree {ep} that divides the global batch's {batch_rounds} local batches; change "
+                "training.global_batch_size or training.local_batch_size."
+            )
+        listed = ", ".join(map(str, sizes))
     return (
         f"World sizes this job can run on: {listed}. Under torchrun --nnodes MIN:MAX, give each node a number of "
         "processes (--nproc-per-node) such that every node count from MIN to MAX gives one of them."
