@@ -50,6 +50,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def runs_training(pid: int) -> bool:
+    """Whether `pid` is a training worker (train.py), not another child of the agent that comes and goes."""
+    try:
+        return b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 class Node:
     """One torchrun agent of an elastic job (`--nnodes 1:2`) with its workers, output in a file.
 
@@ -81,7 +89,7 @@ class Node:
     def workers(self, count: int, timeout_s: float = 120) -> list[int]:
         """The pids of this agent's `count` workers, once they run."""
         deadline = time.monotonic() + timeout_s
-        while len(pids := children(self.process.pid)) < count:
+        while len(pids := [pid for pid in children(self.process.pid) if runs_training(pid)]) < count:
             if time.monotonic() > deadline or self.process.poll() is not None:
                 pytest.fail(f"{self.log.name}: no {count} workers:\n{self.output()[-3000:]}")
             time.sleep(0.05)
@@ -179,8 +187,8 @@ def test_grow_a_joining_node_makes_the_job_dp2_after_a_save_and_the_losses_stay_
     run = tmp_path / "run"
     args = [*ARGS, *ELASTIC, "--job.dump_folder", str(run)]
     first = nodes("node0", 1, args, host=True)
-    [worker] = first.workers(1)
     wait_for(lambda: (run / "checkpoint" / "step-4").is_dir(), "step-4", [first])
+    [worker] = first.workers(1)
     os.kill(worker, signal.SIGSTOP)
     try:
         second = nodes("node1", 1, args, host=False)

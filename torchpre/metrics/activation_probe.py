@@ -37,6 +37,7 @@ aten = torch.ops.aten
 
 _MATMUL_OPS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm}
 _COLLECTIVE_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d"}
+_C10D_INPUTS = ("input_tensor", "input_tensors", "input", "inputs")
 _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd", "monitored_barrier_"}
 
 
@@ -207,8 +208,9 @@ def _collective(func, args: tuple, kwargs: dict) -> Collective:
         group = _resolve_process_group(values["group_name"])
     else:  # c10d ops take the ProcessGroup itself, boxed as a ScriptObject
         group = ProcessGroup.unbox(values["process_group"])
-    first = func._schema.arguments[0].name
-    nbytes = sum(_nbytes(t) for t in tree_leaves(values[first]) if isinstance(t, Tensor))
+    # The input: c10d's gathers, scatters and all-to-alls take their output first, the in-place ones their tensors.
+    sent = next((name for name in _C10D_INPUTS if name in values), func._schema.arguments[0].name)
+    nbytes = sum(_nbytes(t) for t in tree_leaves(values[sent]) if isinstance(t, Tensor))
     name = func.overloadpacket._qualified_op_name.replace("::", ".")
     ranks = sorted(dist.get_process_group_ranks(group))
     return Collective(name, group.size(), nbytes, ranks[1] - ranks[0] if len(ranks) > 1 else 1)
