@@ -149,7 +149,7 @@ def measure(row: Row, steps: int, work: Path, out: Path, timeout_s: float) -> li
         # torchpre logs the whole job's tokens/s and per device; torchtitan's "tps" is per device.
         rate = steady(records, "tokens_per_sec_per_device" if name == "torchpre" else "tokens_per_sec", WARMUP)
         rates.append(rate)
-        mfu = rate * flops_of(row) / peak_flops(torch.device("cuda"))
+        mfu = rate * flops_of(row) / peak_flops(torch.device("cuda"))[0]
         memory = max(r["max_memory_bytes"] for r in records) / 2**30
         cells += [f"{rate:,.0f}", f"{mfu:.1%}", f"{memory:.1f}"]
         print(f"{row.label} {name}: {rate:,.0f} tok/s, MFU {mfu:.1%}, {memory:.1f} GiB ({elapsed:.0f} s)", flush=True)
@@ -187,7 +187,7 @@ def benchmark(args: argparse.Namespace) -> None:
         write_table(table, args.out, [])
     notes = [
         f"One {device}, torch {torch.__version__}, {args.steps} steps, median tokens/s of the steps after "
-        f"{WARMUP} (per GPU); MFU by torchpre's FLOP count against {peak_flops(torch.device('cuda')) / 1e12:.0f} "
+        f"{WARMUP} (per GPU); MFU by torchpre's FLOP count against {peak_flops(torch.device('cuda'))[0] / 1e12:.0f} "
         "TFLOP/s for both. torchpre: bf16 parameters, fp32 master weights, peak = max allocated; torchtitan "
         "0.2.2: fp32 parameters under bf16 autocast (its single-GPU mixed precision), peak = max active.",
         *([f"Skipped for the time budget: {', '.join(skipped)}."] if skipped else []),

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 METRIC_KEYS = {
     "step", "loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "samples_per_sec", "mfu",
-    "step_time_s", "data_time_s", "max_memory_bytes", "optimizer_state_bytes", "param_bytes", "grad_bytes",
+    "mfu_peak", "step_time_s", "data_time_s", "max_memory_bytes", "optimizer_state_bytes", "param_bytes", "grad_bytes",
     "time/step_p50_s", "time/step_p90_s", "time/step_p99_s", "time/step_max_s",
 }
 

@@ -9,7 +9,7 @@ A profile is a JSON object with exactly the fields of `Hardware` (numbers in the
     {"name": "my-gpu", "peak_flops": 5e14, "memory_bytes": 4.8e10, "reserved_bytes": 2e9,
      "intra_node_bw": 2e11, "inter_node_bw": 2.5e10, "latency_s": 1e-5, "gpus_per_node": 8,
      "matmul_efficiency": 0.6, "mem_bw": 1.5e12, "op_overhead_s": 5e-6, "overlap": 1.0,
-     "reduce_scatter_as_all_reduce": false, "subclass_op_overhead_s": 0.0}
+     "reduce_scatter_as_all_reduce": false, "subclass_op_overhead_s": 0.0, "fp8_peak_flops": 1e15}
 
 Pass its path wherever a row name is accepted (`get_hardware`).
 """
@@ -44,6 +44,8 @@ class Hardware:
     overlap: the fraction of backward time that data-parallel communication can hide behind (0 = none, 1 = all).
     reduce_scatter_as_all_reduce: the backend runs a reduce-scatter as a full all-reduce (a measured fact of a
         profile: calibration sets it when gloo's reduce-scatter costs as much as its all-reduce).
+    fp8_peak_flops: dense FP8 matmul FLOP/s of one device (quantize.linear's matmuls, and MFU's peak under it);
+        0 = no FP8 tensor cores (A100, CPUs): torchao emulates FP8 there, at `peak_flops`.
     """
 
     name: str
@@ -60,9 +62,11 @@ class Hardware:
     overlap: float
     reduce_scatter_as_all_reduce: bool = False
     subclass_op_overhead_s: float = 0.0
+    fp8_peak_flops: float = 0.0
 
 
-# Datasheet numbers (dense bf16, SXM parts). Links: NVLink per direction per GPU; inter-node one 400 Gb/s NIC per GPU
+# Datasheet numbers (dense bf16 and FP8, SXM parts: NVIDIA prints FP8 with sparsity, 3,958 TFLOPS on H100/H200,
+# half of it dense; A100 has no FP8). Links: NVLink per direction per GPU; inter-node one 400 Gb/s NIC per GPU
 # on H100/H200 (50 GB/s) and one 200 Gb/s per GPU on A100 (25 GB/s). Assumptions: a matmul reaches 60% of peak,
 # DP communication hides fully behind backward, ~5 us per eager op (CUDA launch + dispatch), 10 us per collective
 # step (one figure for NVLink and InfiniBand: the inter-node value, the conservative one), 2 GB reserved.
@@ -73,9 +77,9 @@ HARDWARE: dict[str, Hardware] = {
     row.name: row
     for row in (
         Hardware("h100-80gb", peak_flops=989e12, memory_bytes=80e9, intra_node_bw=450e9, inter_node_bw=50e9,
-                 mem_bw=3.35e12, **_GPU_ASSUMPTIONS),
+                 mem_bw=3.35e12, fp8_peak_flops=1979e12, **_GPU_ASSUMPTIONS),
         Hardware("h200-141gb", peak_flops=989e12, memory_bytes=141e9, intra_node_bw=450e9, inter_node_bw=50e9,
-                 mem_bw=4.8e12, **_GPU_ASSUMPTIONS),
+                 mem_bw=4.8e12, fp8_peak_flops=1979e12, **_GPU_ASSUMPTIONS),
         Hardware("a100-80gb", peak_flops=312e12, memory_bytes=80e9, intra_node_bw=300e9, inter_node_bw=25e9,
                  mem_bw=2.0e12, **_GPU_ASSUMPTIONS),
     )
@@ -137,7 +141,7 @@ def _check_values(fields: dict, path: Path, key: str) -> None:
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         elif field.name in ("matmul_efficiency", "overlap"):
             ok = _number(value) and 0 <= value <= 1 and (field.name == "overlap" or value > 0)
-        elif field.name in ("reserved_bytes", "latency_s", "op_overhead_s", "subclass_op_overhead_s"):
+        elif field.name in ("reserved_bytes", "latency_s", "op_overhead_s", "subclass_op_overhead_s", "fp8_peak_flops"):
             ok = _number(value) and value >= 0
         else:
             ok = _number(value) and value > 0

@@ -97,6 +97,8 @@ class ActivationProbe:
       convolutions and attention; elementwise ops are not counted. Attention counts the whole score matrix
       even when causal, and its backward recomputes the scores (as flash attention does).
     - `matmul_flops`: the part of `flops` done by matmuls (mm, addmm, bmm, baddbmm), i.e. without attention.
+    - `fp8_flops`: the part of `matmul_flops` done by `aten._scaled_mm`, the FP8 tensor-core matmul torchao's float8
+      linears call (quantize.linear): what runs at the FP8 peak.
     - `other_bytes`: bytes of the outputs written by all other non-view ops (elementwise, norms, copies,
       embedding lookups): the memory-bound traffic.
     - `op_counts`: how many times each op ran on plain tensors, views included, by name such as "aten.mm"
@@ -116,6 +118,7 @@ class ActivationProbe:
     op_counts: Counter[str]
     collectives: list[Collective]
     subclass_ops: int = 0
+    fp8_flops: int = 0
 
     @property
     def ops(self) -> int:
@@ -129,7 +132,7 @@ class ProbeMode(TensorMemory):
 
     def __init__(self, devices: tuple[str, ...] = ("meta", "cpu")) -> None:
         super().__init__(devices)
-        self.flops = self.matmul_flops = self.other_bytes = 0
+        self.flops = self.matmul_flops = self.fp8_flops = self.other_bytes = 0
         self.op_counts: Counter[str] = Counter()
         self.collectives: list[Collective] = []
         self.live_trace: list[int] = []  # live bytes after each counted allocation
@@ -150,6 +153,8 @@ class ProbeMode(TensorMemory):
             self.flops += flops
             if packet in _MATMUL_OPS:
                 self.matmul_flops += flops
+            if packet == aten._scaled_mm:
+                self.fp8_flops += flops
         elif func.namespace in _COLLECTIVE_NAMESPACES:
             if packet._qualified_op_name.split("::")[1] not in _NOT_COLLECTIVES:
                 self.collectives.append(_collective(func, args, kwargs))
@@ -178,6 +183,7 @@ class ProbeMode(TensorMemory):
             op_counts=self.op_counts,
             collectives=self.collectives,
             subclass_ops=self.subclass_ops,
+            fp8_flops=self.fp8_flops,
         )
 
     def tracks(self, storage: torch.UntypedStorage) -> bool:

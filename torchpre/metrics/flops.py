@@ -4,8 +4,10 @@ import time
 
 import torch
 
-# Dense bf16 tensor-core peaks from the vendors' datasheets, matched against the device name.
+# Dense bf16 tensor-core peaks from the vendors' datasheets, matched against the device name (B200: the HGX B200
+# sheet's 36 PF with sparsity for 8 GPUs, halved).
 GPU_PEAK_BF16_FLOPS = {
+    "B200": 2250e12,
     "H200": 989e12,
     "H100 NVL": 835e12,
     "H100 PCIe": 756e12,
@@ -15,19 +17,35 @@ GPU_PEAK_BF16_FLOPS = {
     "A10G": 70e12,
     "L4": 121e12,
 }
+# Dense FP8 (e4m3) tensor-core peaks: NVIDIA's datasheets print them with 2:4 sparsity, these are half of those
+# (H100/H200 SXM 3,958 -> 1,979; H100 NVL 3,341; H100 PCIe 3,026; L40S 1,466; L4 485; B200 9,000 -> 4,500, the
+# HGX B200 sheet's 72 PF for 8 GPUs, which MXFP8 shares). A100 and A10G have no FP8 tensor cores: not listed.
+GPU_PEAK_FP8_FLOPS = {
+    "B200": 4500e12,
+    "H200": 1979e12,
+    "H100 NVL": 1671e12,
+    "H100 PCIe": 1513e12,
+    "H100": 1979e12,
+    "L40S": 733e12,
+    "L4": 242e12,
+}
 
 
-def peak_flops(device: torch.device, configured: float = 0.0) -> float:
-    """`configured` when given, else the datasheet peak of a known GPU, else a measured matmul peak."""
+def peak_flops(device: torch.device, configured: float = 0.0, linear: str = "none") -> tuple[float, str]:
+    """(FLOP/s, which peak): `configured` when given, else a known GPU's datasheet peak (the FP8 one when
+    `linear`, quantize.linear, puts the linears' matmuls in float8 or mxfp8 and the GPU has FP8 tensor cores: most
+    of the FLOPs then run there), else a measured matmul peak (CPUs emulate FP8 in high precision)."""
     if configured > 0:
-        return configured
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, flops in GPU_PEAK_BF16_FLOPS.items():
+        return configured, "configured"
+    if device.type != "cuda":
+        return measure_matmul_flops(device, torch.float32), "measured fp32"
+    name = torch.cuda.get_device_name(device)
+    tables = [("fp8", GPU_PEAK_FP8_FLOPS)] if linear != "none" else []
+    for label, table in [*tables, ("bf16", GPU_PEAK_BF16_FLOPS)]:
+        for key, flops in table.items():
             if key in name:
-                return flops
-        return measure_matmul_flops(device, torch.bfloat16)
-    return measure_matmul_flops(device, torch.float32)
+                return flops, label
+    return measure_matmul_flops(device, torch.bfloat16), "measured bf16"
 
 
 def measure_matmul_flops(

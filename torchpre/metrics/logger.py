@@ -56,6 +56,7 @@ def format_step_line(record: dict[str, Any]) -> str:
     """A concise human view of a record, e.g. `step 10 | loss 5.1234 | lr 8.0e-04 | ...`; steps that
     ran validation show `val_loss` next to the training loss."""
     val_loss = [f"val_loss {record['val_loss']:.4f}"] if "val_loss" in record else []
+    of_peak = f" of the {record['mfu_peak']} peak" if record.get("mfu_peak") else ""
     return " | ".join(
         [
             f"step {record['step']:>5}",
@@ -64,7 +65,7 @@ def format_step_line(record: dict[str, Any]) -> str:
             f"lr {record['lr']:.2e}",
             f"gnorm {record['grad_norm']:.3f}",
             f"{record['tokens_per_sec']:,.0f} tok/s",
-            f"mfu {100 * record['mfu']:.1f}%",
+            f"mfu {100 * record['mfu']:.1f}%{of_peak}",
             f"mem {record['max_memory_bytes'] / 2**30:.2f} GiB",
             f"{record['step_time_s']:.3f} s/step (data {record['data_time_s']:.3f} s)",
         ]

@@ -77,16 +77,18 @@ class TrainingMetrics:
         flops_per_token: int,
         meshes: list[DeviceMesh],
         pipeline: PipelineTiming | None = None,
+        linear: str = "none",
     ):
         self.settings, self.device, self.sink = settings, device, sink
         self.tokens_per_step, self.global_batch_size = tokens_per_step, global_batch_size
         self.flops_per_token, self.pipeline = flops_per_token, pipeline
+        self.linear = linear  # quantize.linear: which datasheet peak MFU divides by
         self.world_size = dist.get_world_size()
         self.phases = PhaseTimer(device)
         self.step_times = StepTimes(device)
         self.times_collectives = settings.time_collectives and self.world_size > 1
         self.comm = CommTimer(device, meshes if self.times_collectives else [])
-        self.peak = 0.0
+        self.peak, self.peak_name = 0.0, ""
         self.stragglers: StragglerWatch | None = None
         self._interval = _Interval()
         self._cost_s = 0.0  # what the last record cost to gather and write
@@ -99,7 +101,7 @@ class TrainingMetrics:
     def measuring(self) -> Iterator["TrainingMetrics"]:
         """While training: the peak FLOP/s, every rank's host name for the straggler warning, the collective
         timers installed; the first interval starts."""
-        self.peak = self._peak_flops()
+        self.peak, self.peak_name = self._peak_flops()
         self.stragglers = StragglerWatch(self.settings.straggler_threshold, self.settings.straggler_window, _hosts())
         self.step_times.start()
         with self.comm.installed() if self.times_collectives else contextlib.nullcontext():
@@ -187,6 +189,7 @@ class TrainingMetrics:
                 "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
                 "samples_per_sec": self.global_batch_size / step_time,
                 "mfu": mfu,
+                "mfu_peak": self.peak_name,
                 "step_time_s": step_time,
                 "data_time_s": data_time,
                 "max_memory_bytes": int(reduced[0]),
@@ -223,13 +226,15 @@ class TrainingMetrics:
             )
         return metrics
 
-    def _peak_flops(self) -> float:
-        """One device's peak FLOP/s: metrics.peak_flops, a GPU's datasheet value, or a matmul measured on each
-        rank; the best rank's measurement counts (a rank that measured while its core was busy reads low)."""
-        measured = peak_flops(self.device, self.settings.peak_flops)
+    def _peak_flops(self) -> tuple[float, str]:
+        """One device's peak FLOP/s and its name: metrics.peak_flops, a GPU's datasheet value (FP8's under
+        quantize.linear), or a matmul measured on each rank; the best rank's measurement counts (a rank that
+        measured while its core was busy reads low)."""
+        measured, name = peak_flops(self.device, self.settings.peak_flops, self.linear)
         peak = torch.tensor(measured, dtype=torch.float64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak)
+        logger.info("MFU is computed against the %s peak: %.4g FLOP/s per device", name, float(peak))
+        return float(peak), name
 
     def _mfu(self, achieved_flops: float) -> float:
         """Achieved / peak FLOP/s per device. A measured peak is an estimate: if training itself runs faster,

@@ -108,7 +108,8 @@ class MicrobatchCost:
 
 
 def _times(work: Work, k: int) -> Work:
-    return Work(work.flops * k, work.other_bytes * k, work.ops * k, work.collectives * k, work.subclass_ops * k)
+    return Work(work.flops * k, work.other_bytes * k, work.ops * k, work.collectives * k, work.subclass_ops * k,
+                work.fp8_flops * k)
 
 
 @dataclass(frozen=True)
@@ -318,7 +319,7 @@ def to_work(probe: ActivationProbe, tp: int, cp: int = 1) -> Work:
         dim = "ep" if kind == "all_to_all" else "cp" if _is_cp(c, tp, cp) else "tp"
         nbytes = c.bytes * c.group_size if kind == "all_gather" else c.bytes  # the probe counts inputs
         collectives.append(Collective(kind, dim, nbytes))
-    return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives), probe.subclass_ops)
+    return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives), probe.subclass_ops, probe.fp8_flops)
 
 
 def _is_cp(collective: ProbedCollective, tp: int, cp: int) -> bool:
@@ -340,7 +341,7 @@ def _work_minus(a: Work, b: Work) -> Work:
     remaining.subtract(Counter(b.collectives))
     collectives = tuple(c for c, n in remaining.items() for _ in range(max(n, 0)))
     return Work(a.flops - b.flops, a.other_bytes - b.other_bytes, a.ops - b.ops, collectives,
-                a.subclass_ops - b.subclass_ops)
+                a.subclass_ops - b.subclass_ops, a.fp8_flops - b.fp8_flops)
 
 
 def stage_shape(checked: CheckedLayout, pp_rank: int) -> list[tuple[int, bool, bool]]:

@@ -74,8 +74,15 @@ class Prediction:
         return self.tokens_per_step / self.step.total_s if self.step else 0.0
 
     @property
+    def mfu_peak(self) -> str:
+        """Which peak MFU divides by: the GPU's FP8 one when quantize.linear puts the linears in FP8 and it has one."""
+        fp8 = self.checked.config.quantize.linear != "none" and self.hardware.fp8_peak_flops > 0
+        return "fp8" if fp8 else "bf16"
+
+    @property
     def mfu(self) -> float:
-        return self.flops_per_token * self.tokens_per_sec / (self.gpus * self.hardware.peak_flops)
+        peak = self.hardware.fp8_peak_flops if self.mfu_peak == "fp8" else self.hardware.peak_flops
+        return self.flops_per_token * self.tokens_per_sec / (self.gpus * peak)
 
     def as_dict(self) -> dict[str, Any]:
         peak = self.peak
@@ -90,6 +97,7 @@ class Prediction:
             "step_time_s": self.step.total_s if self.step else None,
             "tokens_per_sec": self.tokens_per_sec,
             "mfu": self.mfu,
+            "mfu_peak": self.mfu_peak,
             "fits": self.fits,
             "breakdown": {
                 "step": self.step.as_dict() if self.step else None,
@@ -153,7 +161,8 @@ def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
     def work(a: Work, b: Work) -> Work:
         pairs = zip(a.collectives, b.collectives)
         collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
-        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops)
+        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
+                    grow(a.fp8_flops, b.fp8_flops))
 
     return MicrobatchCost(grow(one.saved_bytes, two.saved_bytes), grow(one.transient_bytes, two.transient_bytes),
                           work(one.forward, two.forward), work(one.backward, two.backward),

@@ -3,7 +3,8 @@
 The model, per pipeline rank (all of its stage chunks together), for one step of m microbatches:
 - compute per microbatch = flops / (peak_flops x matmul_efficiency) + MEMORY_TRAFFIC x other_bytes / mem_bw
   + ops x op_overhead_s + subclass_ops x subclass_op_overhead_s (DTensor's Python dispatch under TP). `flops` are
-  the matmul and attention FLOPs a `FlopCounterMode` counts (recompute included); everything else (norms,
+  the matmul and attention FLOPs a `FlopCounterMode` counts (recompute included), of which `fp8_flops` (torchao's
+  FP8 matmuls under quantize.linear) run at fp8_peak_flops instead; everything else (norms,
   activations, adds, copies) is memory-bound: it moves MEMORY_TRAFFIC = 2.5 bytes per byte it writes (about half
   of a block's elementwise ops are unary: read 1, write 1; half binary, as most of backward's grad x saved
   products: read 2, write 1). `mem_bw` is read + write traffic, as datasheets and
@@ -66,6 +67,7 @@ class Work:
 
     flops: matmul and attention FLOPs (recompute included in the backward). other_bytes: bytes written by every
     other op. ops: eager ops dispatched. collectives: the TP/EP collectives it runs (group size from the dim).
+    fp8_flops: the part of `flops` done by FP8 matmuls.
     """
 
     flops: float
@@ -73,11 +75,13 @@ class Work:
     ops: int = 0
     collectives: tuple[Collective, ...] = ()
     subclass_ops: int = 0
+    fp8_flops: float = 0.0
 
     def __add__(self, other: "Work") -> "Work":
         """Both, one after the other: how a rank's stage chunks (or a probe's parts) add up."""
         return Work(self.flops + other.flops, self.other_bytes + other.other_bytes, self.ops + other.ops,
-                    self.collectives + other.collectives, self.subclass_ops + other.subclass_ops)
+                    self.collectives + other.collectives, self.subclass_ops + other.subclass_ops,
+                    self.fp8_flops + other.fp8_flops)
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,10 @@ def collective_on(collective: Collective, layout: Layout, hardware: Hardware) ->
 def compute_seconds(work: Work, hardware: Hardware) -> float:
     """The work's FLOPs at the matmul rate, its other ops' memory traffic at memory bandwidth, and every op's
     overhead."""
+    fp8_peak = hardware.fp8_peak_flops or hardware.peak_flops  # no FP8 tensor cores: emulated at the high rate
     return (
-        work.flops / (hardware.peak_flops * hardware.matmul_efficiency)
+        (work.flops - work.fp8_flops) / (hardware.peak_flops * hardware.matmul_efficiency)
+        + work.fp8_flops / (fp8_peak * hardware.matmul_efficiency)
         + MEMORY_TRAFFIC * work.other_bytes / hardware.mem_bw
         + work.ops * hardware.op_overhead_s
         + work.subclass_ops * hardware.subclass_op_overhead_s

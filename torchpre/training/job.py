@@ -228,7 +228,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     metrics = TrainingMetrics(
         config.metrics, device, None, tokens_per_step=batches.tokens_per_step,
         global_batch_size=batches.global_batch_size, flops_per_token=flops_per_token, meshes=meshes.all(),
-        pipeline=_pipeline_timing(model, pre.pipeline, meshes),
+        pipeline=_pipeline_timing(model, pre.pipeline, meshes), linear=config.quantize.linear,
     )  # fmt: skip
     job = TrainingJob(
         config, runtime, pre, device, meshes, model, num_params, flops_per_token, loss, forward_inputs, data,
