@@ -11,8 +11,12 @@ The softmax scale is 1/sqrt(query head size), times mscale^2 under YaRN: the que
 over the kernels' own 1/sqrt(head size), so every attention kernel (flash, SDPA, flex, context parallelism's
 gathered attention) computes the released scores unchanged.
 
-No parallelism lives here (see parallelize.py). Inference caches the expanded per-head keys and values (Llama 3's
-`KVCache`), not the latent.
+Inference (`forward(..., start_pos=p)` after `setup_caches`) caches per position only what the heads' keys and
+values are made from, as DeepSeek-V3's own inference does: the normalised kv latent and the rotated shared RoPE key,
+kv_lora_rank + qk_rope_head_dim numbers (576 in the 671B model) instead of n_heads x (qk_head_dim + v_head_dim)
+(40,960). See `LatentKVCache` and `MultiHeadLatentAttention._attend_latent`.
+
+No parallelism lives here (see parallelize.py).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from torch import Tensor, nn
 from torchpre.models.attention import DocumentMask
 from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from torchpre.models.init import InitRule, ParamInit, ones
-from torchpre.models.llama3.model import KVCache, TransformerBlock, apply_rope, attend, build_rope_cache
-from torchpre.models.moe.model import MoEBlock, MoETransformer
+from torchpre.models.llama3.model import TransformerBlock, apply_rope, attend, build_rope_cache
+from torchpre.models.moe.model import MoEBlock, MoETransformer, local_shard
 from torchpre.models.moe.model import init_rule as moe_init_rule
 
 
@@ -79,10 +83,46 @@ def mla_rope_cache(args: DeepSeekV3Args, device: torch.device | str | None) -> T
     return build_rope_cache(angles.cos() * attention_factor, angles.sin() * attention_factor)
 
 
+class LatentKVCache(nn.Module):
+    """MLA's KV cache for one layer during inference: per position the normalised kv latent [batch, max_len,
+    kv_lora_rank] and the rotated RoPE key all heads share [batch, max_len, qk_rope_head_dim].
+
+    Allocated on the first `update` with the dtype and device of what it receives; not part of the state dict. Under
+    tensor parallelism every rank holds the whole cache: the latent is replicated (`wkv_a` is), only `wkv_b`'s heads
+    are sharded.
+    """
+
+    latent: Tensor | None
+    rope_key: Tensor | None
+
+    def __init__(self, batch_size: int, max_len: int) -> None:
+        super().__init__()
+        self.batch_size, self.max_len = batch_size, max_len
+        self.register_buffer("latent", None, persistent=False)
+        self.register_buffer("rope_key", None, persistent=False)
+
+    def update(self, start_pos: int, latent: Tensor, rope_key: Tensor) -> tuple[Tensor, Tensor]:
+        """Stores latent [batch, seq, kv_lora_rank] and rope_key [batch, seq, qk_rope_head_dim] at positions
+        start_pos.. and returns both for positions 0 .. start_pos + seq - 1."""
+        bsz, seqlen = latent.shape[:2]
+        end = start_pos + seqlen
+        if bsz > self.batch_size or end > self.max_len:
+            raise ValueError(
+                f"latent KV cache of batch {self.batch_size} x {self.max_len} positions cannot hold "
+                f"batch {bsz} at positions {start_pos}..{end - 1}"
+            )
+        if self.latent is None:
+            self.latent = latent.new_zeros(self.batch_size, self.max_len, latent.shape[-1])
+            self.rope_key = rope_key.new_zeros(self.batch_size, self.max_len, rope_key.shape[-1])
+        self.latent[:bsz, start_pos:end] = latent
+        self.rope_key[:bsz, start_pos:end] = rope_key
+        return self.latent[:bsz, :end], self.rope_key[:bsz, :end]
+
+
 class MultiHeadLatentAttention(nn.Module):
     """Causal multi-head latent attention (see the module doc); forward takes Llama 3 `Attention`'s arguments."""
 
-    kv_cache: KVCache | None
+    kv_cache: LatentKVCache | None
 
     def __init__(self, args: DeepSeekV3Args) -> None:
         super().__init__()
@@ -114,22 +154,59 @@ class MultiHeadLatentAttention(nn.Module):
         within documents (or is the attention itself)."""
         bsz, seqlen, _ = x.shape
         offset = 0 if start_pos is None else start_pos
-        rope_cache = rope_cache[offset : offset + seqlen]
+        rope = rope_cache[offset : offset + seqlen]
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
         q_nope, q_rope = q.view(bsz, seqlen, -1, self.qk_head_dim).split(
             [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1
         )
+        q_rope = apply_rope(q_rope, rope)
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(2), rope_cache)  # one RoPE key for every head
-        q = torch.cat((q_nope, apply_rope(q_rope, rope_cache)), dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
-        if self.query_scale != 1.0:
-            q = q * self.query_scale
-        out = attend(q, k, v, self.kv_cache, start_pos, doc_mask)
+        latent = self.kv_norm(latent)
+        k_rope = apply_rope(k_rope.unsqueeze(2), rope)  # one RoPE key for every head
+        if start_pos is not None:
+            out = self._attend_latent(q_nope, q_rope, latent, k_rope.squeeze(2), start_pos)
+        else:
+            kv = self.wkv_b(latent).view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+            k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+            q = torch.cat((q_nope, q_rope), dim=-1)
+            k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
+            if self.query_scale != 1.0:
+                q = q * self.query_scale
+            out = attend(q, k, v, None, None, doc_mask)
         return self.wo(out.reshape(bsz, seqlen, -1))
+
+    def _attend_latent(
+        self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, rope_key: Tensor, start_pos: int
+    ) -> Tensor:
+        """Inference: store this input's latent and RoPE key in the cache at start_pos.. and attend to every cached
+        position up to each query's own, in the absorbed form, returning [batch, seq, heads, v_head_dim].
+
+        Absorbed rather than expanded: expanding would run every cached position through `wkv_b` at every step
+        (n_heads x (qk_nope_head_dim + v_head_dim) x kv_lora_rank multiply-adds per position per step). Instead
+        `wkv_b`'s key rows fold into the query (q_nope W_uk, once per query) and its value rows into the output (once
+        per query): scores = (q_nope W_uk) . latent + q_rope . rope_key, out = (probs . latent) W_uv^T, so the cached
+        positions cost kv_lora_rank + qk_rope_head_dim per head for the scores and kv_lora_rank for the sum. The
+        same path serves the prefill (start_pos 0), so what decoding reads is what it wrote. Under tensor
+        parallelism `wkv_b`'s weight holds this rank's heads, which match its queries'.
+        """
+        if self.kv_cache is None:
+            raise RuntimeError("start_pos needs a KV cache: call setup_caches() on the model first")
+        latent, rope_key = self.kv_cache.update(start_pos, latent, rope_key)
+        w_uk, w_uv = (
+            local_shard(self.wkv_b.weight)
+            .view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+            .split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        )
+        q_latent = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
+        scores = torch.einsum("bshr,btr->bhst", q_latent, latent) + torch.einsum("bshd,btd->bhst", q_rope, rope_key)
+        scores = scores * (self.query_scale * self.qk_head_dim**-0.5)
+        seqlen = q_nope.shape[1]
+        if seqlen > 1:  # query i sits at position start_pos + i and sees keys 0 .. start_pos + i
+            visible = torch.ones(seqlen, start_pos + seqlen, dtype=torch.bool, device=scores.device)
+            scores = scores.masked_fill(~visible.tril(diagonal=start_pos), float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).type_as(latent)
+        return torch.einsum("bshr,hvr->bshv", torch.einsum("bhst,btr->bshr", probs, latent), w_uv)
 
 
 class DenseMLABlock(TransformerBlock):
@@ -148,8 +225,8 @@ class MoEMLABlock(MoEBlock):
 
 class DeepSeekV3Transformer(MoETransformer):
     """DeepSeek-V3 decoder: tokens [batch, seq] -> logits [batch, seq, vocab]. The MoE family's `MoETransformer`
-    (routing, balancing biases, statistics, pipeline-stage behaviour, KV caches) with MLA blocks, the RoPE table
-    of the queries' and keys' RoPE part, and MLA's init rule."""
+    (routing, balancing biases, statistics, pipeline-stage behaviour) with MLA blocks and their latent KV caches,
+    the RoPE table of the queries' and keys' RoPE part, and MLA's init rule."""
 
     args: DeepSeekV3Args
     moe_block = MoEMLABlock
@@ -157,6 +234,12 @@ class DeepSeekV3Transformer(MoETransformer):
 
     def _rope_cache(self, device: torch.device | str | None) -> Tensor:
         return mla_rope_cache(self.args, device)
+
+    def setup_caches(self, batch_size: int, max_len: int) -> None:
+        """Give each MLA layer this model (or stage) holds a fresh `LatentKVCache` (Llama 3's `setup_caches` with
+        MLA's cache: `clear_caches` and generation's calls stay as they are)."""
+        for layer in self.layers.values():
+            layer.attention.kv_cache = LatentKVCache(batch_size, max_len)
 
     def param_init_rule(self) -> InitRule:
         return init_rule(self.args)

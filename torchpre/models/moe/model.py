@@ -32,9 +32,11 @@ from torchpre.models.moe.args import MoEArgs
 from torchpre.models.moe.routing import Routing, expert_scores, route, z_loss
 
 
-def _local(weight: Tensor) -> Tensor:
-    # Expert parallelism shards the weights by expert and dispatches tokens itself, tensor parallelism by
-    # hidden unit and sums the partial outputs itself: either way, compute with this rank's shard.
+def local_shard(weight: Tensor) -> Tensor:
+    """This rank's shard of a weight read directly rather than through its module (a plain weight as is).
+
+    Expert parallelism shards the experts' weights by expert and dispatches tokens itself, tensor parallelism by
+    hidden unit (or head) and sums the partial outputs itself: either way, compute with this rank's shard."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
@@ -63,7 +65,7 @@ class GroupedExperts(nn.Module):
         where they are: no loop over experts, no host sync. Otherwise (see `_grouped_mm_takes`) a loop over the
         experts, which reads the counts on the host.
         """
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = local_shard(self.w1), local_shard(self.w2), local_shard(self.w3)
         if len(counts) != w1.shape[0]:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {w1.shape[0]}")
         if _grouped_mm_takes(tokens, w1, w2):
