@@ -125,7 +125,7 @@ def _fake_run(rates: dict[str, float]):
 
 def test_a_row_reports_steady_rates_mfu_memory_and_the_ratio(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1100.0, "torchtitan": 1000.0}))
-    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: 1e15)
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: (1e15, "bf16"))
     row = ROWS[0]
     cells = gpu_compare.measure(row, 15, tmp_path / "work", tmp_path, timeout_s=60)
     mfu = 1100.0 * gpu_compare.flops_of(row) / 1e15
@@ -148,7 +148,7 @@ def test_the_flop_count_is_torchpres_for_the_real_1b():
 
 def test_rows_past_the_budget_are_skipped_and_named(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1.0, "torchtitan": 1.0}))
-    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: 1e15)
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: (1e15, "bf16"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "fake GPU")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = argparse.Namespace(out=tmp_path, work=tmp_path / "work", steps=15, budget_s=100.0)
