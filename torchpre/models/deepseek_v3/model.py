@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torchpre.models.attention import DocumentMask
 from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from torchpre.models.init import InitRule, ParamInit, ones
-from torchpre.models.llama3.model import TransformerBlock, apply_rope, attend, build_rope_cache
+from torchpre.models.llama3.model import KVCache, TransformerBlock, apply_rope, attend, build_rope_cache
 from torchpre.models.moe.model import MoEBlock, MoETransformer, local_shard
 from torchpre.models.moe.model import init_rule as moe_init_rule
 
@@ -83,40 +83,20 @@ def mla_rope_cache(args: DeepSeekV3Args, device: torch.device | str | None) -> T
     return build_rope_cache(angles.cos() * attention_factor, angles.sin() * attention_factor)
 
 
-class LatentKVCache(nn.Module):
-    """MLA's KV cache for one layer during inference: per position the normalised kv latent [batch, max_len,
-    kv_lora_rank] and the rotated RoPE key all heads share [batch, max_len, qk_rope_head_dim].
-
-    Allocated on the first `update` with the dtype and device of what it receives; not part of the state dict. Under
-    tensor parallelism every rank holds the whole cache: the latent is replicated (`wkv_a` is), only `wkv_b`'s heads
-    are sharded.
+class LatentKVCache(KVCache):
+    """MLA's KV cache for one layer during inference: Llama 3's cache with the normalised kv latent [batch, max_len,
+    kv_lora_rank] in its key slot and the rotated RoPE key all heads share [batch, max_len, qk_rope_head_dim] in its
+    value slot (`update(start_pos, latent, rope_key)`). Under tensor parallelism every rank holds the whole cache:
+    the latent is replicated (`wkv_a` is), only `wkv_b`'s heads are sharded.
     """
 
-    latent: Tensor | None
-    rope_key: Tensor | None
+    @property
+    def latent(self) -> Tensor | None:
+        return self.k
 
-    def __init__(self, batch_size: int, max_len: int) -> None:
-        super().__init__()
-        self.batch_size, self.max_len = batch_size, max_len
-        self.register_buffer("latent", None, persistent=False)
-        self.register_buffer("rope_key", None, persistent=False)
-
-    def update(self, start_pos: int, latent: Tensor, rope_key: Tensor) -> tuple[Tensor, Tensor]:
-        """Stores latent [batch, seq, kv_lora_rank] and rope_key [batch, seq, qk_rope_head_dim] at positions
-        start_pos.. and returns both for positions 0 .. start_pos + seq - 1."""
-        bsz, seqlen = latent.shape[:2]
-        end = start_pos + seqlen
-        if bsz > self.batch_size or end > self.max_len:
-            raise ValueError(
-                f"latent KV cache of batch {self.batch_size} x {self.max_len} positions cannot hold "
-                f"batch {bsz} at positions {start_pos}..{end - 1}"
-            )
-        if self.latent is None:
-            self.latent = latent.new_zeros(self.batch_size, self.max_len, latent.shape[-1])
-            self.rope_key = rope_key.new_zeros(self.batch_size, self.max_len, rope_key.shape[-1])
-        self.latent[:bsz, start_pos:end] = latent
-        self.rope_key[:bsz, start_pos:end] = rope_key
-        return self.latent[:bsz, :end], self.rope_key[:bsz, :end]
+    @property
+    def rope_key(self) -> Tensor | None:
+        return self.v
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -106,8 +106,8 @@ class KVCache(nn.Module):
         self.register_buffer("v", None, persistent=False)
 
     def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Stores k, v [batch, seq, heads, head_dim] at positions start_pos.. and returns the keys
-        and values of positions 0 .. start_pos + seq - 1."""
+        """Stores k, v [batch, seq, ...] (heads x head_dim; MLA's latent and RoPE key) at positions start_pos..
+        and returns the keys and values of positions 0 .. start_pos + seq - 1."""
         bsz, seqlen = k.shape[:2]
         end = start_pos + seqlen
         if bsz > self.batch_size or end > self.max_len:
