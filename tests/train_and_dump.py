@@ -34,8 +34,8 @@ def main(argv: list[str]) -> None:
     buffers = {
         name: value.detach().clone()
         for part in trainer.job.model.parts
-        for name, value in part.state_dict().items()
-        if name not in params
+        for name, value in part.state_dict(keep_vars=True).items()
+        if not isinstance(value, torch.nn.Parameter)  # a tied weight's second name is a parameter, not a buffer
     }
     torch.save(buffers, Path(config.job.dump_folder) / f"buffers_rank{dist.get_rank()}.pt")
 

@@ -1,6 +1,7 @@
 """Context-parallel attention alone equals one process: each cp rank holds its head-tail positions of q, k and v,
 gathers the keys and values, and its output rows and q/k/v gradients match the whole sequence's causal (and
-document-causal) attention at those positions, under cp2 and cp4, with grouped-query heads."""
+document-causal) attention at those positions, under cp2 and cp4, with grouped-query heads; and the tokens ahead
+of each position (multi-token prediction) are the whole row's."""
 
 import functools
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from tests.launch import spawn
 from torchpre.models.attention import causal_attention, document_causal_attention, document_mask, masked_attention
 from torchpre.parallel.context_parallel import ContextParallel
+from torchpre.parallel.forward_inputs import future_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +25,7 @@ BOS = 7
 # 4.8e-7). So 1e-6 relative to the largest entry of each tensor (at least 1). A wrong position or mask offset moves
 # rows by O(0.1).
 RTOL_OF_MAX = 1e-6
+TOKENS_AHEAD = 3
 
 
 def inputs() -> tuple[torch.Tensor, ...]:
@@ -53,11 +56,16 @@ def reference(documents: bool) -> tuple[torch.Tensor, ...]:
 
 def _check(documents: bool, mesh) -> None:
     out_ref, dq_ref, dk_ref, dv_ref, weights = reference(documents)
-    cp = ContextParallel(mesh, SEQ, torch.device("cpu"), masked_attention, document_bos=BOS if documents else None)
+    cp = ContextParallel(
+        mesh, SEQ, torch.device("cpu"), masked_attention, document_bos=BOS if documents else None,
+        tokens_ahead=TOKENS_AHEAD,
+    )
     q, k, v, tokens = inputs()
     local = [t.index_select(1, cp.positions).clone().requires_grad_() for t in (q, k, v)]
     kwargs = cp.forward_kwargs(tokens.index_select(1, cp.positions))
-    assert kwargs.keys() == ({"document_ids"} if documents else set())
+    assert kwargs.keys() == ({"document_ids", "future_tokens"} if documents else {"future_tokens"})
+    # Multi-token prediction's tokens ahead of each position: those of the whole row, another rank's included.
+    assert torch.equal(kwargs["future_tokens"], future_tokens(tokens, TOKENS_AHEAD)[:, cp.positions])
     attend = cp.document_attention(kwargs["document_ids"]) if documents else cp.attend
     out = attend(*local)
     (out * weights.index_select(1, cp.positions)).sum().backward()

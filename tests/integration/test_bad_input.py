@@ -424,6 +424,17 @@ CATALOGUE = [
     ),
     # Low precision (quantize.*; torchao missing: tests/unit/test_quantize.py, since this process has torchao).
     case(
+        "mtp-for-a-family-without-it",
+        ["--model.mtp_depth", "1"],
+        ["model.mtp_depth = 1 with model.name = 'llama3'", "model.name = 'deepseek_v3'", "model.mtp_depth = 0"],
+    ),
+    case(
+        "mtp-negative-weight",
+        ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.mtp_depth", "1",
+         "--model.mtp_loss_weight", "-0.1"],
+        ["model.mtp_loss_weight -0.1", ">= 0"],
+    ),
+    case(
         "fp8-kernels-asked-on-cpu",
         ["--quantize.linear", "float8", "--quantize.emulate", "false"],
         ["quantize.emulate = 'false'", "compute capability 8.9", "a cpu device", "quantize.emulate = 'auto'"],

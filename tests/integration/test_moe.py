@@ -115,16 +115,24 @@ def dsv3_reference(tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor
 
 
 def assert_dsv3_matches(
-    records: list[dict], biases: list[dict], reference: tuple[list[dict], dict], stages: bool = False
+    records: list[dict],
+    biases: list[dict],
+    reference: tuple[list[dict], dict],
+    stages: bool = False,
+    extra_keys: tuple[str, ...] = (),
+    extra_biases: tuple[str, ...] = (),
 ) -> None:
-    """Losses and router statistics as one process's, and each rank's routing biases bitwise equal to its: every rank
-    holds every layer's, or with `stages` (a pipeline split) its stage's, the stages together holding all."""
+    """Losses, router statistics and `extra_keys` as one process's, and each rank's routing biases bitwise equal to
+    its: every rank holds every layer's (and `extra_biases`), or with `stages` (a pipeline split) its stage's, the
+    stages together holding all."""
     ref_records, ref_biases = reference
     ref_records = ref_records[-len(records):]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in ref_records], abs=DSV3_LOSS_TOLERANCE)
     for key in (*ROUTER_KEYS, "moe/bias_min", "moe/bias_max"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in ref_records], rel=1e-6), key
-    assert sorted(ref_biases) == ["layers.1.moe.expert_bias", "layers.2.moe.expert_bias"]
+    for key in extra_keys:
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in ref_records], abs=DSV3_LOSS_TOLERANCE), key
+    assert sorted(ref_biases) == ["layers.1.moe.expert_bias", "layers.2.moe.expert_bias", *extra_biases]
     assert any(bias.abs().sum() > 0 for bias in ref_biases.values())
     assert set().union(*biases) == ref_biases.keys()
     for rank_biases in biases:
@@ -171,7 +179,13 @@ def test_dsv3_at_ep2_matches_one_process_and_its_biases_resume_bitwise_at_dp2_ze
 # where every rank holds the whole model, its (gathered) parameters bitwise equal on every rank: a replicated weight
 # whose gradient misses a rank's share diverges there long before the loss shows it (the RoPE key's gradient left
 # unsummed over tp moved the loss by 1.9e-6 only).
-DEEPSEEK_V3 = [*MOE, "--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+#
+# With two multi-token prediction depths (MoE blocks after the main ones, on the last stage with their copy of the
+# embedding): their losses (`loss/mtp_k`) match too, and they move the parameters (the loss and every gradient
+# include them).
+DEEPSEEK_V3 = [*MOE, "--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.mtp_depth", "2"]
+MTP_KEYS = ("loss/mtp_1", "loss/mtp_2")
+MTP_BIASES = ("mtp.depths.1.block.moe.expert_bias", "mtp.depths.2.block.moe.expert_bias")
 TP2_SP_LP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
              "--parallelism.enable_loss_parallel"]  # fmt: skip
 PP2_1F1B = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
@@ -196,9 +210,34 @@ def deepseek_v3_reference(tmp_path_factory) -> tuple[list[dict], dict[str, torch
 )
 def test_deepseek_v3_layout_matches_one_process_biases_included(deepseek_v3_reference, layout, nproc, tmp_path):
     records, biases = train_and_dump([*DEEPSEEK_V3, *layout], nproc, tmp_path)
-    assert_dsv3_matches(records, biases, deepseek_v3_reference, stages=layout is PP2_1F1B)
+    assert_dsv3_matches(
+        records, biases, deepseek_v3_reference, stages=layout is PP2_1F1B, extra_keys=MTP_KEYS, extra_biases=MTP_BIASES
+    )
     if layout is not PP2_1F1B:
         first, *others = (torch.load(tmp_path / f"params_rank{rank}.pt") for rank in range(nproc))
         for params in others:
             assert params.keys() == first.keys()
             assert [name for name, value in params.items() if not torch.equal(value, first[name])] == []
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_docmask_reference(tmp_path_factory) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    records, (biases,) = train_and_dump([*DEEPSEEK_V3, *DOCUMENT_MASK], 1, tmp_path_factory.mktemp("dsv3-docmask"))
+    return records, biases
+
+
+DOCUMENT_MASK = ["--training.document_mask"]
+
+
+@pytest.mark.parity_matrix
+@pytest.mark.parametrize(
+    "layout", [["--parallelism.context_parallel_degree", "2"], PP2_1F1B], ids=["cp2-docmask", "pp2-1f1b-docmask"]
+)
+def test_deepseek_v3_with_the_document_mask_matches_one_process(deepseek_v3_docmask_reference, layout, tmp_path):
+    """Multi-token prediction's blocks attend within documents as the main ones, under cp the tokens ahead read
+    from the whole rows (a rank's last positions' tokens ahead are another rank's)."""
+    records, biases = train_and_dump([*DEEPSEEK_V3, *DOCUMENT_MASK, *layout], 2, tmp_path)
+    assert_dsv3_matches(
+        records, biases, deepseek_v3_docmask_reference, stages=layout is PP2_1F1B, extra_keys=MTP_KEYS,
+        extra_biases=MTP_BIASES,
+    )

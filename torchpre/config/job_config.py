@@ -60,6 +60,15 @@ class Model:
         "the model's vocabulary (embedding and output rows); 0 = the tokenizer's; with a text dataset it must hold "
         "every token id (e.g. 128256, Llama 3's, with training.dataset = 'synthetic')",
     )
+    mtp_depth: int = _option(
+        0,
+        "multi-token prediction depths after the model (model.name = 'deepseek_v3'; DeepSeek-V3 has 1): depth k also "
+        "predicts the token k + 1 ahead, its loss logged as loss/mtp_k; 0 = none (docs/deepseek-v3.md)",
+    )
+    mtp_loss_weight: float = _option(
+        0.3, "with model.mtp_depth: the MTP losses' weight in the training loss, over their mean (DeepSeek-V3: 0.3, "
+        "then 0.1)"
+    )
     # RoPE for the families built on Llama 3's args (llama3, moe); a family that reads its RoPE elsewhere (hf) refuses
     # them. A change on resume is a stated stage change (docs/context-parallel.md, "Context extension").
     rope_theta: float = _option(0.0, "RoPE base; 0 = the flavor's (500000 for Llama 3)")

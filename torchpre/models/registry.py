@@ -73,6 +73,8 @@ class ModelSpec:
       routing biases) after each optimizer step; `skip` is 1 where the step was not applied (a float, or a
       one-element tensor on the device when the optimizer skips there), 0 where it was. A collective: every rank
       calls it, once per step and once per dropped replay of one.
+    - `tokens_ahead(args)`: how many tokens after each position the forward reads in training (multi-token
+      prediction), which it gets as `future_tokens` [batch, seq, tokens_ahead] (`ForwardInputs`); 0: none.
     - `init_buffers(module)` replaces `init_weights` when a checkpoint will overwrite the weights (a resume,
       `checkpoint.initial_load_path`): after `to_empty` it computes the buffers a checkpoint does not hold (the
       non-persistent ones: RoPE tables, counters), so no rank draws weights that the load then discards.
@@ -102,6 +104,7 @@ class ModelSpec:
     after_optimizer_step: Callable[[Sequence[nn.Module], Any, torch.device, Tensor | float], None] = (
         lambda parts, args, device, skip: None
     )
+    tokens_ahead: Callable[[Any], int] = lambda args: 0
     init_buffers: Callable[[nn.Module], None] = lambda module: default_init_buffers(module)
 
     def blocks_of(self, args: Any) -> str:

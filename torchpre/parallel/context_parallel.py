@@ -31,6 +31,7 @@ from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.distributed.comm_timer import counted_as
+from torchpre.parallel.forward_inputs import future_tokens
 
 # torch 2.14 renamed the flat-tensor collectives (the old names warn on every call); older torch has only those.
 # Looked up by name at each call, so that the communication timer (`CommTimer`), which wraps them, times them.
@@ -69,8 +70,9 @@ class ContextParallel:
         device: torch.device,
         kernel: MaskedAttention,
         document_bos: int | None = None,
+        tokens_ahead: int = 0,
     ):
-        self.mesh, self.kernel, self.document_bos = mesh, kernel, document_bos
+        self.mesh, self.kernel, self.document_bos, self.tokens_ahead = mesh, kernel, document_bos, tokens_ahead
         cp, rank = mesh.size(), mesh.get_local_rank()
         self.positions = head_tail_positions(seq_len, cp, rank).to(device)
         # The positions of the gathered keys: every rank's, in rank order (the order of the all-gather).
@@ -94,14 +96,19 @@ class ContextParallel:
         `document_ids` [batch, seq], the whole rows' documents (a new one at every BOS, numbered over the gathered
         tokens) in the order of the gathered keys. Per row, so a pipeline schedule cuts them into microbatches
         with the tokens and hands each stage its microbatch's; the model's hook (`document_attention`) turns them
-        into the attention's mask."""
-        if self.document_bos is None:
+        into the attention's mask. With `tokens_ahead` (multi-token prediction), `future_tokens` [batch, seq/cp,
+        tokens_ahead]: the tokens after each of this rank's positions, read from the whole rows."""
+        if self.document_bos is None and not self.tokens_ahead:
             return {}
         gathered = gather_sequence(inputs, self.mesh.get_group())
         rows = torch.empty_like(gathered)
         rows[:, self.key_positions] = gathered
-        documents = (rows == self.document_bos).cumsum(dim=1)
-        return {"document_ids": documents[:, self.key_positions]}
+        kwargs = {}
+        if self.tokens_ahead:
+            kwargs["future_tokens"] = future_tokens(rows, self.tokens_ahead)[:, self.positions]
+        if self.document_bos is not None:
+            kwargs["document_ids"] = (rows == self.document_bos).cumsum(dim=1)[:, self.key_positions]
+        return kwargs
 
     def document_attention(self, document_ids: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
         """`attend` within the documents of `document_ids` (from `forward_kwargs`), as the attention's doc_mask."""

@@ -194,11 +194,16 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     loss_parallel = config.parallelism.enable_loss_parallel and pre.dims.tp > 1
     loss = GlobalMeanLoss(batches.tokens_per_step, compile=config.compile.enable and not loss_parallel)
     context_parallel = None
+    tokens_ahead = pre.model_spec.tokens_ahead(pre.model_args)
     if meshes.context_mesh is not None:
         bos = pre.tokenizer.bos_id if t.document_mask else None
-        context_parallel = ContextParallel(meshes.context_mesh["cp"], t.seq_len, device, masked_attention, bos)
+        context_parallel = ContextParallel(
+            meshes.context_mesh["cp"], t.seq_len, device, masked_attention, bos, tokens_ahead
+        )
     forward_inputs = (
-        context_parallel.forward_kwargs if context_parallel else ForwardInputs(t.document_mask, pre.tokenizer.bos_id)
+        context_parallel.forward_kwargs
+        if context_parallel
+        else ForwardInputs(t.document_mask, pre.tokenizer.bos_id, tokens_ahead)
     )
     model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
     validator = None

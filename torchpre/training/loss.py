@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from torchpre.parallel.api import logits_of
+from torchpre.parallel.forward_inputs import future_tokens
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -31,12 +32,14 @@ class GlobalMeanLoss:
 class ForwardInputs:
     """What a model's forward gets besides the tokens: under training.document_mask, `document_ids`, each position's
     document in the packed rows. A new one starts at every BOS token (positions before a row's first BOS end a
-    document begun in an earlier row)."""
+    document begun in an earlier row). For a model that reads `tokens_ahead` tokens after each position
+    (`ModelSpec.tokens_ahead`: multi-token prediction), `future_tokens` [batch, seq, tokens_ahead]."""
 
-    def __init__(self, document_mask: bool, bos_id: int):
-        self.document_mask, self.bos_id = document_mask, bos_id
+    def __init__(self, document_mask: bool, bos_id: int, tokens_ahead: int = 0):
+        self.document_mask, self.bos_id, self.tokens_ahead = document_mask, bos_id, tokens_ahead
 
     def __call__(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not self.document_mask:
-            return {}
-        return {"document_ids": (inputs == self.bos_id).cumsum(dim=1)}
+        kwargs = {"future_tokens": future_tokens(inputs, self.tokens_ahead)} if self.tokens_ahead else {}
+        if self.document_mask:
+            kwargs["document_ids"] = (inputs == self.bos_id).cumsum(dim=1)
+        return kwargs

@@ -41,9 +41,22 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
                 "takes its vocabulary from its own config (model.hf_config's vocab_size). Set model.vocab_size = 0."
             )
         refuse_rope_keys(config.model, "its RoPE comes from its own config, model.hf_config: set it there")
+        with_mtp(config.model, None)
         return spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
-    flavor = with_rope(config.model, get_flavor(config.model.name, config.model.flavor))
+    flavor = with_mtp(config.model, with_rope(config.model, get_flavor(config.model.name, config.model.flavor)))
     return dataclasses.replace(flavor, vocab_size=vocab_size(config, tokenizer), max_seq_len=seq_len)
+
+
+def with_mtp(model: Any, flavor: Any) -> Any:
+    """The flavor with model.mtp_depth and model.mtp_loss_weight, for a family with multi-token prediction."""
+    if not hasattr(flavor, "mtp_depth"):
+        if model.mtp_depth:
+            raise ConfigError(
+                f"model.mtp_depth = {model.mtp_depth} with model.name = '{model.name}': multi-token prediction is "
+                "built for model.name = 'deepseek_v3'. Set model.mtp_depth = 0."
+            )
+        return flavor
+    return dataclasses.replace(flavor, mtp_depth=model.mtp_depth, mtp_loss_weight=model.mtp_loss_weight)
 
 
 def vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:

@@ -34,6 +34,8 @@ class DeepSeekV3Args(MoEArgs):
       across heads; values `v_head_dim` wide.
     `dense_hidden_dim` is the width of the dense first blocks' feed-forward (`ffn_hidden_dim`); `n_kv_heads` and
     `rope_scaling` of the Llama fields do not apply (`yarn` is the RoPE scaling).
+    `mtp_depth` multi-token prediction depths after the main model (mtp.py; the released model has 1, trained with
+    `mtp_loss_weight` 0.3 then 0.1), each with a block of the last layer's kind.
     """
 
     kv_lora_rank: int
@@ -43,6 +45,8 @@ class DeepSeekV3Args(MoEArgs):
     dense_hidden_dim: int
     q_lora_rank: int = 0
     yarn: YarnScaling | None = None
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +63,28 @@ class DeepSeekV3Args(MoEArgs):
                 raise ConfigError(f"model {key} {getattr(self, key)} must be at least 1")
         if self.q_lora_rank < 0:
             raise ConfigError(f"model q_lora_rank {self.q_lora_rank} must be >= 0 (0: no query latent)")
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            raise ConfigError(
+                f"model.mtp_depth {self.mtp_depth} and model.mtp_loss_weight {self.mtp_loss_weight} must be >= 0"
+            )
+        if self.mtp_depth and self.tie_word_embeddings:
+            raise ConfigError(
+                "model.mtp_depth > 0 with tied embeddings: multi-token prediction shares the embedding through its own "
+                "copy on the last pipeline stage, which a tied output layer would make a third; set model.mtp_depth = 0"
+            )
+
+    @property
+    def router_rows(self) -> int:
+        return self.n_layers + self.mtp_depth
+
+    @property
+    def routed_blocks(self) -> int:
+        return len(self.moe_layer_ids) + (self.mtp_depth if self.mtp_block_is_moe else 0)
+
+    @property
+    def mtp_block_is_moe(self) -> bool:
+        """Multi-token prediction blocks are of the last layer's kind: MoE unless every layer is dense."""
+        return self.first_k_dense < self.n_layers
 
     @property
     def qk_head_dim(self) -> int:
@@ -159,7 +185,10 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
 def flops_per_token(args: DeepSeekV3Args, num_params: int, seq_len: int) -> int:
     """Training FLOPs per token: 6 per active matmul weight (the embedding lookup excluded: it does no arithmetic),
     plus the attention scores and weighted sum, 6 x n_layers x heads x (qk_head_dim + v_head_dim) x seq_len
-    (QK^T and AV forward and backward, the causal mask ignored)."""
-    matmul_params = active_params(args, num_params) - args.vocab_size * args.dim
-    attention = 6 * args.n_layers * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
+    (QK^T and AV forward and backward, the causal mask ignored). Multi-token prediction adds its blocks' attention
+    and one more use of the output layer per depth (the shared embedding and output counted once in `num_params`)."""
+    lookup, output_reuse = args.vocab_size * args.dim, args.mtp_depth * args.vocab_size * args.dim
+    matmul_params = active_params(args, num_params) - lookup + output_reuse
+    blocks = args.n_layers + args.mtp_depth
+    attention = 6 * blocks * args.n_heads * (args.qk_head_dim + args.v_head_dim) * seq_len
     return 6 * matmul_params + attention

@@ -9,6 +9,12 @@ job. Beyond names:
   rows move. A folder with `rope_interleave = false` is refused.
 - The balancing bias is `e_score_correction_bias`; a model without bias balancing exports zeros there (transformers
   always has it) and imports only zeros.
+- Multi-token prediction depth k is layer n_layers + k - 1, as released (layer 61 of the 671B model): its block under
+  the layer names, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, and copies of the embedding and output layer
+  (`embed_tokens`, `shared_head.head`), which an import checks are equal to the model's. transformers ignores these
+  layers; a job without multi-token prediction (model.mtp_depth = 0) drops them on import, since
+  `num_nextn_predict_layers` (which transformers writes as 1 for models without the layers) does not say whether
+  a folder holds them.
 """
 
 from __future__ import annotations
@@ -50,6 +56,14 @@ _PER_LAYER = {
     "moe.shared_expert.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
+_MTP = {
+    "embedding_norm.weight": "enorm.weight",
+    "hidden_norm.weight": "hnorm.weight",
+    "projection.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+# Each multi-token prediction layer's copies of the model's embedding and output layer.
+_MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 
 # DeepSeekV3Args fields that must agree with a Hugging Face config for its weights to load and compute the same.
 _COMPARED_FIELDS = (
@@ -63,25 +77,49 @@ _COMPARED_FIELDS = (
 def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> dict[str, Tensor]:
     """torchpre FQNs -> Hugging Face names, each routed expert's weights as their own `nn.Linear` weights. Raises
     TorchpreError naming missing, unknown or misshapen tensors."""
+    state_dict = {fqn: t for fqn, t in state_dict.items() if fqn != "mtp_embeddings.weight"}  # the embedding's alias
     check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
     hf: dict[str, Tensor] = {}
     for fqn, tensor in state_dict.items():
-        names = _hf_names(fqn, args.num_experts)
+        names = _hf_names(fqn, args)
         if _is_experts(fqn):
             hf |= {name: weight.t().contiguous() for name, weight in zip(names, tensor.unbind(0), strict=True)}
         else:
             hf[names[0]] = tensor
+    for layer in _mtp_layers(args):
+        # Copies, not views: a safetensors file refuses tensors that share memory.
+        hf |= {f"model.layers.{layer}.{name}": state_dict[fqn].clone() for fqn, name in _MTP_COPIES.items()}
     if args.bias_update_rate == 0:  # transformers' router always has the bias: zeros leave its choice unchanged
-        for layer in args.moe_layer_ids:
+        for layer in _routed_layers(args):
             hf[f"model.layers.{layer}.{_PER_LAYER['moe.expert_bias']}"] = torch.zeros(args.num_experts)
     return hf
 
 
+def _mtp_layers(args: DeepSeekV3Args) -> range:
+    """The Hugging Face layer indices of the multi-token prediction depths."""
+    return range(args.n_layers, args.n_layers + args.mtp_depth)
+
+
+def _routed_layers(args: DeepSeekV3Args) -> list[int]:
+    """The Hugging Face layer indices with routed experts, multi-token prediction layers included."""
+    return [*args.moe_layer_ids, *(_mtp_layers(args) if args.mtp_block_is_moe else ())]
+
+
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> dict[str, Tensor]:
     """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict` (the per-expert weights stacked)."""
-    hf_state_dict = dict(hf_state_dict)
+    hf_state_dict = {
+        name: tensor for name, tensor in hf_state_dict.items() if _layer_of(name) < args.n_layers + args.mtp_depth
+    }
+    for layer in _mtp_layers(args):
+        for fqn, name in _MTP_COPIES.items():
+            copy, main = hf_state_dict.pop(f"model.layers.{layer}.{name}", None), hf_state_dict.get(_TOP_LEVEL[fqn])
+            if copy is not None and main is not None and not torch.equal(copy, main):
+                raise TorchpreError(
+                    f"model.layers.{layer}.{name} (multi-token prediction) differs from {_TOP_LEVEL[fqn]}: torchpre's "
+                    "multi-token prediction shares the model's embedding and output layer."
+                )
     if args.bias_update_rate == 0:
-        for layer in args.moe_layer_ids:
+        for layer in _routed_layers(args):
             bias = hf_state_dict.pop(f"model.layers.{layer}.{_PER_LAYER['moe.expert_bias']}", None)
             if bias is not None and bool(bias.any()):
                 raise TorchpreError(
@@ -92,31 +130,46 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: DeepSeekV3Args
     expected = {
         name: torch.Size(shape[1:][::-1]) if _is_experts(fqn) else shape
         for fqn, shape in shapes.items()
-        for name in _hf_names(fqn, args.num_experts)
+        for name in _hf_names(fqn, args)
     }
     check_tensors(hf_state_dict, expected, "Hugging Face state dict")
     state_dict = {}
     for fqn in shapes:
-        names = _hf_names(fqn, args.num_experts)
+        names = _hf_names(fqn, args)
         if _is_experts(fqn):
             state_dict[fqn] = torch.stack([hf_state_dict[name].t() for name in names])
         else:
             state_dict[fqn] = hf_state_dict[names[0]]
+    if args.mtp_depth:
+        state_dict["mtp_embeddings.weight"] = state_dict["tok_embeddings.weight"]
     return state_dict
 
 
 def _is_experts(fqn: str) -> bool:
-    return fqn.split(".", 2)[-1] in _EXPERTS
+    return ".".join(fqn.split(".")[-3:]) in _EXPERTS
 
 
-def _hf_names(fqn: str, num_experts: int) -> list[str]:
+def _layer_of(hf_name: str) -> int:
+    """The layer index of a Hugging Face name (model.layers.{i}....), -1 outside the layers."""
+    parts = hf_name.split(".")
+    return int(parts[2]) if parts[:2] == ["model", "layers"] else -1
+
+
+def _hf_names(fqn: str, args: DeepSeekV3Args) -> list[str]:
     """The Hugging Face names of a torchpre tensor: one, or one per routed expert for a stacked expert weight."""
     if fqn in _TOP_LEVEL:
         return [_TOP_LEVEL[fqn]]
-    _, layer, name = fqn.split(".", 2)  # layers.{i}.{name}
+    if fqn.startswith("mtp."):  # mtp.depths.{k}.{name}: layer n_layers + k - 1
+        _, _, depth, name = fqn.split(".", 3)
+        layer = args.n_layers + int(depth) - 1
+        if name in _MTP:
+            return [f"model.layers.{layer}.{_MTP[name]}"]
+        name = name.removeprefix("block.")
+    else:
+        _, layer, name = fqn.split(".", 2)  # layers.{i}.{name}
     prefix = f"model.layers.{layer}"
     if name in _EXPERTS:
-        return [f"{prefix}.mlp.experts.{e}.{_EXPERTS[name]}.weight" for e in range(num_experts)]
+        return [f"{prefix}.mlp.experts.{e}.{_EXPERTS[name]}.weight" for e in range(args.num_experts)]
     return [f"{prefix}.{_PER_LAYER[name]}"]
 
 
@@ -128,8 +181,8 @@ def hf_config(
     torch_dtype: str,
     max_position_embeddings: int | None = None,
 ) -> dict[str, Any]:
-    """The `config.json` of a `DeepseekV3ForCausalLM` with these args (transformers 5.x keys). Multi-token
-    prediction is not built: `num_nextn_predict_layers` is 0. Raises TorchpreError for a shared expert that is not
+    """The `config.json` of a `DeepseekV3ForCausalLM` with these args (transformers 5.x keys), with
+    `num_nextn_predict_layers` = mtp_depth. Raises TorchpreError for a shared expert that is not
     a whole number of routed experts wide (transformers sizes it as `n_shared_experts` of them)."""
     if args.shared_expert_hidden_dim == 0 or args.shared_expert_hidden_dim % args.moe_hidden_dim:
         raise TorchpreError(
@@ -169,7 +222,7 @@ def hf_config(
         "tie_word_embeddings": args.tie_word_embeddings,
         "hidden_act": "silu",
         "attention_bias": False,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_depth,
         "torch_dtype": torch_dtype,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
@@ -254,4 +307,6 @@ def hf_config_mismatches(config: Mapping[str, Any], args: DeepSeekV3Args) -> lis
 def _torchpre_shapes(args: DeepSeekV3Args) -> dict[str, torch.Size]:
     """FQN -> shape of every tensor in `DeepSeekV3Transformer(args).state_dict()`, built on the meta device."""
     with torch.device("meta"):
-        return {fqn: t.shape for fqn, t in DeepSeekV3Transformer(args).state_dict().items()}
+        shapes = {fqn: t.shape for fqn, t in DeepSeekV3Transformer(args).state_dict().items()}
+    shapes.pop("mtp_embeddings.weight", None)  # the embedding's second name
+    return shapes

@@ -22,16 +22,19 @@ No parallelism lives here (see parallelize.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from functools import partial
 
 import torch
 from torch import Tensor, nn
 
-from torchpre.models.attention import DocumentMask
+from torchpre.models.attention import DocumentMask, document_mask
+from torchpre.models.aux_loss import AddAuxLoss
 from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
+from torchpre.models.deepseek_v3.mtp import MTPDepth, MultiTokenPrediction
 from torchpre.models.init import InitRule, ParamInit, ones
 from torchpre.models.llama3.model import KVCache, TransformerBlock, apply_rope, attend, build_rope_cache
-from torchpre.models.moe.model import MoEBlock, MoETransformer, local_shard
+from torchpre.models.moe.model import MoE, MoEBlock, MoETransformer, local_shard
 from torchpre.models.moe.model import init_rule as moe_init_rule
 
 
@@ -206,11 +209,81 @@ class MoEMLABlock(MoEBlock):
 class DeepSeekV3Transformer(MoETransformer):
     """DeepSeek-V3 decoder: tokens [batch, seq] -> logits [batch, seq, vocab]. The MoE family's `MoETransformer`
     (routing, balancing biases, statistics, pipeline-stage behaviour) with MLA blocks and their latent KV caches,
-    the RoPE table of the queries' and keys' RoPE part, and MLA's init rule."""
+    the RoPE table of the queries' and keys' RoPE part, MLA's init rule and, with `mtp_depth`, multi-token
+    prediction (mtp.py).
+
+    `mtp` and `mtp_embeddings` come after the output layer, so a pipeline split puts them on the last stage;
+    `mtp_embeddings` is the embedding's second name (`ModelSpec.tied_weights`): one Parameter where one part holds
+    both, two copies with summed gradients where the first and last stages do."""
 
     args: DeepSeekV3Args
     moe_block = MoEMLABlock
     dense_block = DenseMLABlock
+    mtp: MultiTokenPrediction | None
+    mtp_embeddings: nn.Embedding | None
+
+    def __init__(self, args: DeepSeekV3Args) -> None:
+        super().__init__(args)
+        self.mtp, self.mtp_embeddings = None, None
+        if args.mtp_depth:
+            block = self.moe_block if args.mtp_block_is_moe else self.dense_block
+            depths = [MTPDepth(args.dim, args.norm_eps, block(args)) for _ in range(args.mtp_depth)]
+            self.mtp = MultiTokenPrediction(depths, args.mtp_loss_weight)
+            self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim)
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Llama 3's ties, and the multi-token prediction's embedding as the embedding where one part holds both."""
+        super().tie_weights()
+        if getattr(self, "mtp_embeddings", None) is not None and self.tok_embeddings is not None:
+            self.mtp_embeddings.weight = self.tok_embeddings.weight
+
+    def forward(
+        self,
+        tokens: Tensor,
+        start_pos: int | None = None,
+        document_ids: Tensor | None = None,
+        doc_mask: DocumentMask | None = None,
+        future_tokens: Tensor | None = None,
+    ) -> Tensor:
+        """Llama 3's forward; with `future_tokens` (`mtp.future_tokens` of these positions, training only) on the
+        part holding the multi-token prediction, its loss joins the gradient (`AddAuxLoss`), the logits unchanged."""
+        if future_tokens is None or self.mtp is None or not self.mtp.depths or not torch.is_grad_enabled():
+            return super().forward(tokens, start_pos, document_ids, doc_mask)
+        if document_ids is not None:
+            doc_mask = document_mask(document_ids)
+        h = self.blocks(tokens, start_pos, doc_mask)
+        # The embedding module itself where this part holds it: its parallel plan, not only its weight, is there.
+        embedding = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
+        mtp_loss = self.mtp(h, future_tokens, embedding, self.output, self.rope_cache, doc_mask)
+        return self.head(AddAuxLoss.apply(h, mtp_loss))
+
+    def set_aux_loss_scale(self, scale: float | None) -> None:
+        """The MoE layers' scale (1 / global batch size), and the multi-token prediction's 1 / global token count."""
+        super().set_aux_loss_scale(scale)
+        if self.mtp is not None:
+            self.mtp.loss_scale = None if scale is None else scale / self.args.max_seq_len
+
+    def attention_blocks(self) -> Iterator[tuple[str, nn.Module]]:
+        """The layers, then each multi-token prediction depth's block."""
+        yield from super().attention_blocks()
+        if self.mtp is not None:
+            for depth, module in self.mtp.depths.items():
+                yield f"mtp.depths.{depth}.block", module.block
+
+    def moe_layers_by_id(self) -> Iterator[tuple[int, MoE]]:
+        """The main blocks' MoE layers, then each multi-token prediction depth's as row n_layers + depth - 1."""
+        yield from super().moe_layers_by_id()
+        if self.mtp is not None:
+            for depth, module in self.mtp.depths.items():
+                if isinstance(module.block, MoEBlock):
+                    yield self.args.n_layers + int(depth) - 1, module.block.moe
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        super().init_buffers()
+        if self.mtp is not None:
+            self.mtp.reset_stats()
 
     def _rope_cache(self, device: torch.device | str | None) -> Tensor:
         return mla_rope_cache(self.args, device)
@@ -233,6 +306,14 @@ def init_rule(args: DeepSeekV3Args) -> InitRule:
 
     def rule(fqn: str) -> ParamInit:
         match fqn.split("."):
+            case ["mtp_embeddings", "weight"]:
+                return moe_rule("tok_embeddings.weight")  # the embedding's second name starts equal to it
+            case ["mtp", "depths", depth, "block", *rest]:  # a block as the layer after the last
+                return ParamInit(fqn, rule(".".join(["layers", str(args.n_layers + int(depth) - 1), *rest])).fill)
+            case ["mtp", "depths", _, "embedding_norm" | "hidden_norm" | "norm", "weight"]:
+                return ParamInit(fqn, ones)
+            case ["mtp", "depths", _, "projection", "weight"]:
+                return ParamInit(fqn, projection)
             case ["layers", _, "attention", "wq" | "wq_a" | "wq_b" | "wkv_a" | "wkv_b", "weight"]:
                 return ParamInit(fqn, projection)
             case ["layers", _, "attention", "q_norm" | "kv_norm", "weight"]:

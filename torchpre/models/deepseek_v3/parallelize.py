@@ -35,7 +35,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchpre.models.deepseek_v3.args import DeepSeekV3Args
+from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
 from torchpre.models.moe.parallelize import apply_moe_tensor_parallel
+from torchpre.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def mla_attention_plan(args: DeepSeekV3Args, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -75,4 +77,32 @@ def _sum_rope_key_gradient(mesh: DeviceMesh, rope_dim: int, module: nn.Module, i
     return torch.cat((latent, shared), dim=-1)
 
 
-apply_deepseek_v3_tensor_parallel = partial(apply_moe_tensor_parallel, block_attention_plan=mla_attention_plan)
+def apply_deepseek_v3_tensor_parallel(
+    model: DeepSeekV3Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+) -> None:
+    """The MoE family's plan with MLA's attention plan for every block (the multi-token prediction's too), then the
+    multi-token prediction's own layers (`mtp_plan`)."""
+    apply_moe_tensor_parallel(
+        model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+        block_attention_plan=mla_attention_plan,
+    )
+    if model.mtp is not None and model.mtp.depths:
+        apply_tensor_parallel(model, tp_mesh, mtp_plan(model, sequence_parallel))
+        model.tie_weights()
+
+
+def mtp_plan(model: DeepSeekV3Transformer, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The multi-token prediction around its blocks. Its embedding copy is the embedding's plan (vocab-parallel;
+    one Parameter with it where this part holds both: `tie_weights`). The norms and the projection are replicated:
+    under SP they run on this rank's positions (`SequenceParallel`, their weight gradients summed over tp as the
+    block norms' are), so the projection returns the sequence-sharded residual a block takes; without SP every rank
+    computes them whole, as the block norms."""
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is None:
+        residual = Shard(1) if sequence_parallel else Replicate()
+        plan["mtp_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if sequence_parallel:
+        for name in ("embedding_norm", "hidden_norm", "projection"):
+            plan[f"mtp.depths.*.{name}"] = SequenceParallel(use_local_output=True)
+        plan["mtp.depths.*.norm"] = SequenceParallel()
+    return plan

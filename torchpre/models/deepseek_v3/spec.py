@@ -4,9 +4,15 @@ Its model is in model.py, its MLA tensor-parallel plan in parallelize.py, its Hu
 routing, router statistics, bias balancing and expert/context parallelism are the MoE family's.
 """
 
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
 from torchpre.models.deepseek_v3 import hf
-from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, flops_per_token
+from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, flops_per_token
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
+from torchpre.models.deepseek_v3.mtp import mtp_stats
 from torchpre.models.deepseek_v3.parallelize import apply_deepseek_v3_tensor_parallel
 from torchpre.models.llama3.spec import llama3_tied_weights
 from torchpre.models.moe.parallelize import (
@@ -18,6 +24,16 @@ from torchpre.models.moe.parallelize import (
 from torchpre.models.moe.router import router_stats, update_expert_bias
 from torchpre.models.registry import HFAdapter, ModelSpec
 
+
+def tied_weights(args: DeepSeekV3Args) -> tuple[str, str] | None:
+    """The embedding and its multi-token prediction copy (tied embeddings are refused with it), else Llama 3's."""
+    return ("tok_embeddings.weight", "mtp_embeddings.weight") if args.mtp_depth else llama3_tied_weights(args)
+
+
+def extra_metrics(parts: Sequence[nn.Module], args: DeepSeekV3Args, device: torch.device) -> dict[str, float]:
+    """The router statistics and, with multi-token prediction, each depth's loss (`loss/mtp_k`)."""
+    return router_stats(parts, args, device) | (mtp_stats(parts, args.mtp_depth, device) if args.mtp_depth else {})
+
 SPEC = ModelSpec(
     model_cls=DeepSeekV3Transformer,
     flavors=DEEPSEEK_V3_FLAVORS,
@@ -26,11 +42,12 @@ SPEC = ModelSpec(
     expert_parallel=apply_moe_expert_parallel,
     validate_expert_parallel=validate_moe_expert_parallel,
     context_parallel=apply_moe_context_parallel,
-    tied_weights=llama3_tied_weights,
+    tied_weights=tied_weights,
     flops_per_token=flops_per_token,
     compile_fullgraph=False,
     set_aux_loss_scale=DeepSeekV3Transformer.set_aux_loss_scale,
-    extra_metrics=router_stats,
+    extra_metrics=extra_metrics,
+    tokens_ahead=lambda args: args.mtp_depth + 1 if args.mtp_depth else 0,
     after_optimizer_step=update_expert_bias,
     hf=HFAdapter(
         to_hf_state_dict=hf.to_hf_state_dict,

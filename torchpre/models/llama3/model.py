@@ -16,7 +16,7 @@ Packed training sequences: `forward(tokens, document_ids=d)` keeps attention ins
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -304,6 +304,12 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             layer.attention.kv_cache = KVCache(batch_size, max_len)
 
+    def attention_blocks(self) -> Iterator[tuple[str, nn.Module]]:
+        """(path, block) of each block this model (or stage) holds: its layers, then any blocks a family adds
+        (DeepSeek-V3's multi-token prediction), which tensor and context parallelism shard alike."""
+        for layer_id, block in self.layers.items():
+            yield f"layers.{layer_id}", block
+
     def clear_caches(self) -> None:
         """Drop the KV caches (and their memory)."""
         for layer in self.layers.values():
@@ -336,9 +342,17 @@ class Transformer(nn.Module):
             raise ValueError("pass document_ids or a doc_mask built from them, not both")
         if document_ids is not None:
             doc_mask = document_mask(document_ids)
+        return self.head(self.blocks(tokens, start_pos, doc_mask))
+
+    def blocks(self, tokens: Tensor, start_pos: int | None, doc_mask: DocumentMask | None) -> Tensor:
+        """The embedding (on the stage holding it) and the blocks: the hidden states before the final norm."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, start_pos=start_pos, doc_mask=doc_mask)
+        return h
+
+    def head(self, h: Tensor) -> Tensor:
+        """The final norm and the output layer (on the stage holding them) of the last block's hidden states."""
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

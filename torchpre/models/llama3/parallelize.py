@@ -81,14 +81,12 @@ def apply_transformer_plan(
     this stage holds; for the families built on Llama 3's `Transformer`. A callable `block_plan` gives each
     block its own plan (a family whose blocks differ, e.g. dense ones before MoE ones)."""
     plan = _outer_plan(model, sequence_parallel, loss_parallel)
-    if callable(block_plan):
-        plan |= {
-            f"layers.{layer_id}.{path}": style
-            for layer_id, block in model.layers.items()
-            for path, style in block_plan(block).items()
-        }
-    elif model.layers:
-        plan |= {f"layers.*.{path}": style for path, style in block_plan.items()}
+    plan_of = block_plan if callable(block_plan) else lambda block: block_plan
+    plan |= {
+        f"{block_path}.{path}": style
+        for block_path, block in model.attention_blocks()
+        for path, style in plan_of(block).items()
+    }
     apply_tensor_parallel(model, tp_mesh, plan)
     # parallelize_module gave the embedding and the output layer new Parameters. Both are
     # Shard(0) of [vocab, dim] on the same mesh, so one DTensor Parameter can serve as both.
@@ -163,7 +161,7 @@ def apply_llama3_context_parallel(model: Transformer, cp: ContextParallel) -> No
     checkpointing replays and pipeline schedules keep apart. The model code stays unaware of cp; for the
     families built on Llama 3's `Transformer`."""
     model.register_forward_pre_hook(partial(_context_parallel_documents, cp), with_kwargs=True)
-    for block in model.layers.values():
+    for _, block in model.attention_blocks():
         block.attention.register_forward_pre_hook(partial(_context_parallel_inputs, cp), with_kwargs=True)
 
 

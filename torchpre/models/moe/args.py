@@ -85,6 +85,17 @@ class MoEArgs(TransformerArgs):
         """The blocks whose feed-forward is routed experts (the others are dense)."""
         return range(self.first_k_dense, self.n_layers)
 
+    @property
+    def router_rows(self) -> int:
+        """Rows of the per-layer router tables (statistics, balancing loads): one per block that can route, a
+        family's extra blocks after the main ones (DeepSeek-V3's multi-token prediction)."""
+        return self.n_layers
+
+    @property
+    def routed_blocks(self) -> int:
+        """How many blocks have routed experts."""
+        return len(self.moe_layer_ids)
+
 
 MOE_FLAVORS: dict[str, MoEArgs] = {
     # vocab_size is a placeholder: the trainer replaces it with the tokenizer's size.
@@ -180,7 +191,7 @@ MOE_FLAVORS: dict[str, MoEArgs] = {
 def inactive_params(args: MoEArgs) -> int:
     """Parameters a token does not use: the routed experts it is not sent to, in every MoE layer (3 SwiGLU matrices
     of dim x moe_hidden_dim per expert)."""
-    return len(args.moe_layer_ids) * (args.num_experts - args.top_k) * 3 * args.dim * args.moe_hidden_dim
+    return args.routed_blocks * (args.num_experts - args.top_k) * 3 * args.dim * args.moe_hidden_dim
 
 
 def active_params(args: MoEArgs, num_params: int) -> int:

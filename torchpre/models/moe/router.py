@@ -27,7 +27,7 @@ def router_stats(model_parts: Sequence[MoETransformer], args: MoEArgs, device: t
     A collective: every rank must call it (the family's `ModelSpec.extra_metrics`).
     """
     num_experts = args.num_experts
-    table = torch.zeros(args.n_layers, num_experts + 2, dtype=torch.float64, device=device)
+    table = torch.zeros(args.router_rows, num_experts + 2, dtype=torch.float64, device=device)
     for part in model_parts:
         for row, moe in part.moe_layers_by_id():
             table[row, :num_experts] = moe.tokens_per_expert.double()
@@ -77,7 +77,7 @@ def update_expert_bias(
     if args.bias_update_rate == 0:
         return
     layers = [(row, moe) for part in model_parts for row, moe in part.moe_layers_by_id()]
-    load = torch.zeros(args.n_layers, args.num_experts, dtype=torch.float64, device=device)
+    load = torch.zeros(args.router_rows, args.num_experts, dtype=torch.float64, device=device)
     for row, moe in layers:
         load[row] = moe.step_tokens_per_expert.double()
         moe.step_tokens_per_expert.zero_()
