@@ -19,6 +19,8 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.hardware import get_hardware
 from torchpre.errors import ConfigError
+from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
 from torchpre.models.hf import HFCausalLM, hf_args
 from torchpre.planner.dryrun import (
     DoesNotFit,
@@ -218,6 +220,42 @@ def test_deepseek_v3_dry_run_reports_the_mla_plans_analytic_bytes(capsys):
     assert memory.param_bytes == 462_080 and sum(math.prod(s) for s in shapes.values()) == job.num_params == 446_592
     replicated = sum(math.prod(shape) for name, shape in shapes.items() if _mla_tp_dim(name) is None)
     assert replicated == 15_488 and memory.param_bytes == 2 * (replicated + (job.num_params - replicated) // 2)
+
+
+# DeepSeek-V3's own pretraining layout (2,048 GPUs: 16 pipeline stages, experts over 64 ranks of the 128-way data
+# parallelism, ZeRO-1), with its multi-token prediction module and its vocabulary, on 80 GB GPUs.
+DEEPSEEK_V3_671B_LAYOUT = (
+    "--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.mtp_depth", "1", "--model.vocab_size", "129280",
+    "--training.dataset", "synthetic", "--training.mixed_precision_param", "bfloat16",
+    "--parallelism.pipeline_parallel_degree", "16", "--parallelism.data_parallel_degree", "128",
+    "--parallelism.expert_parallel_degree", "64", "--optimizer.zero_stage", "1",
+    "--activation_checkpoint.mode", "full", "--training.seq_len", "4096", "--training.local_batch_size", "1",
+    "--training.global_batch_size", "2048", "--job.dry_run_gpu", "h100-80gb", "--job.dry_run_rank", "0,1920",
+)  # fmt: skip
+
+
+def test_deepseek_v3_671B_at_its_pretraining_layout_fits_80GB_gpus():
+    """The first stage (the embedding, the 3 dense blocks and one MoE block) and the last (3 MoE blocks, the output
+    layer, the multi-token prediction depth and its embedding copy) hold their bf16 parameters with the routed experts
+    split 64 ways: 5.75 and 6.69 GiB measured, each equal to the stage's parameters counted here; model state 18.49 and
+    24.27 GiB (activations are not counted for this family)."""
+    config = _config(*DEEPSEEK_V3_671B_LAYOUT)
+    first, last = run_dry_run(config)
+    with torch.device("meta"):
+        model = DeepSeekV3Transformer(
+            dataclasses.replace(DEEPSEEK_V3_FLAVORS["671B"], mtp_depth=1, vocab_size=129280, max_seq_len=4096)
+        )
+
+    def stage_bytes(prefixes: tuple[str, ...]) -> int:
+        return sum(
+            2 * param.numel() // (64 if ".experts." in name else 1)
+            for name, param in model.named_parameters(remove_duplicate=False)
+            if name.startswith(prefixes)
+        )
+
+    assert first.param_bytes == stage_bytes(("tok_embeddings.", *(f"layers.{i}." for i in range(4))))
+    assert last.param_bytes == stage_bytes(("layers.58.", "layers.59.", "layers.60.", "norm.", "output.", "mtp"))
+    assert max(first.total_bytes, last.total_bytes) < 72 * 2**30
 
 
 def test_a_transformers_model_tied_across_pipeline_stages_dry_runs():
