@@ -22,7 +22,7 @@ def router_stats(model_parts: Sequence[MoETransformer], args: MoEArgs, device: t
     so only ratios are reported:
     - `moe/load_imbalance`: over layers, the largest max(expert load) / mean(expert load) (1 is even);
     - `moe/min_load`: over layers, the smallest min(expert load) / mean(expert load) (0: an unused expert);
-    - `moe/aux_loss`: the load-balancing loss per sequence, before its coefficient (1 is even);
+    - `moe/aux_loss`: the load-balancing loss per sequence, before its coefficient (1 is even), averaged over layers;
     - `moe/bias_min`, `moe/bias_max`: with bias balancing, the smallest and largest routing bias over layers.
     A collective: every rank must call it (the family's `ModelSpec.extra_metrics`).
     """
@@ -43,7 +43,8 @@ def router_stats(model_parts: Sequence[MoETransformer], args: MoEArgs, device: t
     return {
         "moe/load_imbalance": float((load.max(dim=1).values / mean).max()),
         "moe/min_load": float((load.min(dim=1).values / mean).min()),
-        "moe/aux_loss": float(table[used, num_experts].sum() / table[used, num_experts + 1].sum()),
+        # Per layer, then averaged: activation checkpointing recounts only the layers it wraps.
+        "moe/aux_loss": float((table[used, num_experts] / table[used, num_experts + 1]).mean()),
         **(_bias_range(model_parts, device) if args.bias_update_rate > 0 else {}),
     }
 
