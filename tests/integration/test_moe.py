@@ -215,9 +215,11 @@ def deepseek_v3_reference(tmp_path_factory) -> tuple[list[dict], dict[str, torch
         pytest.param(["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
                       "2", "--optimizer.zero_stage", "3"], 4, marks=pytest.mark.parity_matrix),
         pytest.param([*DP2_ZERO1, "--activation_checkpoint.mode", "full"], 2, marks=pytest.mark.parity_matrix),
+        pytest.param([*DP2_ZERO1, "--activation_checkpoint.mode", "selective", "--compile.enable"], 2,
+                     marks=pytest.mark.parity_matrix),
     ],
     ids=["tp2-sp-lp", "pp2-1f1b", "dp2-zero1", "ep2", "cp2", "dp2-zero3", "dp2-ep2-tp2-sp-lp", "dp2-zero2",
-         "hsdp2x2", "dp2-zero1-full-ac"],
+         "hsdp2x2", "dp2-zero1-full-ac", "dp2-zero1-selective-ac-compile"],
 )
 def test_deepseek_v3_layout_matches_one_process_biases_included(deepseek_v3_reference, layout, nproc, tmp_path):
     records, biases = train_and_dump([*DEEPSEEK_V3, *layout], nproc, tmp_path)
