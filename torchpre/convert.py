@@ -138,7 +138,8 @@ def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | 
             f"Hugging Face folder {hf_dir} does not exist. Give a folder holding config.json and model.safetensors."
         )
     _check_hf_config(hf_dir / "config.json", model, config)
-    hf_state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in _load_safetensors(hf_dir).items()}
+    loaded = dequantize_fp8_blocks(_load_safetensors(hf_dir), _read_json(hf_dir / "config.json"), hf_dir)
+    hf_state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in loaded.items()}
     state_dict = model.hf.from_hf_state_dict(hf_state_dict, model.args)
 
     def write(folder: Path) -> None:
@@ -151,6 +152,34 @@ def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | 
 
     _write_atomically(step_dir, write)
     logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}")
+
+
+def dequantize_fp8_blocks(state_dict: dict[str, Tensor], hf_config: dict[str, Any], hf_dir: Path) -> dict[str, Tensor]:
+    """A block-FP8 folder's weights in bfloat16 (the dtype the released models trained in), its scales dropped.
+
+    DeepSeek-V3's released folders (`quantization_config`: quant_method 'fp8', weight_block_size [128, 128]) hold
+    each linear weight in float8_e4m3fn and a float32 `weight_scale_inv` per block of it: the weight is the FP8
+    value times its block's scale. A folder without a quantization_config is returned as it is; another method is
+    refused by name."""
+    quantization = hf_config.get("quantization_config")
+    if not quantization:
+        return state_dict
+    method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
+    if method != "fp8" or not block or len(block) != 2:
+        raise TorchpreError(
+            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}, weight_block_size {block!r}) is "
+            "not supported; torchpre imports unquantized folders and block-FP8 ones (quant_method 'fp8' with a "
+            "weight_block_size). Dequantize the weights first."
+        )
+    weights = dict(state_dict)
+    for scale_name in [name for name in state_dict if name.endswith(".weight_scale_inv")]:
+        name = scale_name.removesuffix("_scale_inv")
+        if name not in weights:
+            raise TorchpreError(f"{hf_dir}: {scale_name} has no weight {name} to scale.")
+        weight, scale = weights[name], weights.pop(scale_name)
+        scale = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+        weights[name] = (weight.float() * scale[: weight.shape[0], : weight.shape[1]]).to(torch.bfloat16)
+    return weights
 
 
 def _parse_command_line(argv: list[str]) -> tuple[str, Path, Path, dict[str, str], list[str]]:

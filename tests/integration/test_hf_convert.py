@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.launch import add_manifest, run_entry
 from torchpre.checkpoint.integrity import MANIFEST, read_manifest, verify_share
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
+from torchpre.convert import dequantize_fp8_blocks
 from torchpre.convert import main as convert_main
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
@@ -245,9 +246,10 @@ def test_untied_output_does_not_pass_for_a_tied_model():
 def test_deepseek_v3_dcp_to_hf_matches_transformers_and_round_trips_bitwise(tmp_path):
     """The deepseek_v3 family through the same commands: its debug model with nonzero routing biases (the balancing
     state a trained checkpoint holds) gives transformers' DeepseekV3ForCausalLM the same logits, and comes back to
-    the bit."""
+    the bit; the same folder stored in block FP8 as released imports dequantized."""
     transformers = pytest.importorskip("transformers")
     from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+    from torchpre.models.deepseek_v3.hf import to_hf_state_dict as to_deepseek_hf
     from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
 
     config = parse_args(JobConfig, ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel",
@@ -274,3 +276,51 @@ def test_deepseek_v3_dcp_to_hf_matches_transformers_and_round_trips_bitwise(tmp_
     back = load_checkpoint_model(back_dir, like=model)
     for fqn, tensor in model.state_dict().items():
         assert torch.equal(back[fqn], tensor), fqn
+
+    # The released folders' block FP8 (here 16 x 16 blocks, so that weights hold several, some partial): hf-to-dcp
+    # dequantizes each projection as its FP8 values times its blocks' scales, in bf16.
+    fp8_dir, fp8_back = tmp_path / "hf-fp8", tmp_path / "back-fp8" / "step-0"
+    fp8_dir.mkdir()
+    original = load_file(hf_dir / "model.safetensors")
+    weights, expected = dict(original), {}
+    for name in [n for n in weights if n.endswith("_proj.weight") or n.endswith("kv_a_proj_with_mqa.weight")]:
+        quantized, scale_inv = quantize_fp8_blocks(weights[name], 16)
+        weights[name], weights[f"{name}_scale_inv"] = quantized, scale_inv
+        expected[name] = (quantized.float() * scale_inv.repeat_interleave(16, 0).repeat_interleave(16, 1)[
+            : quantized.shape[0], : quantized.shape[1]]).to(torch.bfloat16)  # fmt: skip
+    save_file(weights, fp8_dir / "model.safetensors", metadata={"format": "pt"})
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    hf_config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16], "fmt": "e4m3"}
+    (fp8_dir / "config.json").write_text(json.dumps(hf_config))
+    convert_ok("hf-to-dcp", fp8_dir, fp8_back, "--job.config_file", job)
+    dequantized = to_deepseek_hf(load_checkpoint_model(fp8_back, like=model), args)
+    # Every projection: the dense block's 5 attention + 3 feed-forward, each MoE block's 5 + 8 experts x 3 + 3 shared.
+    assert len(expected) == 8 + 2 * (5 + 8 * 3 + 3)
+    for name, value in expected.items():
+        assert torch.equal(dequantized[name].to(torch.bfloat16), value), name
+        # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself, bf16 adds 1/256: within 1/8 of the largest
+        assert (value.float() - original[name]).abs().max() <= original[name].abs().max() / 8
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn values and a float32 scale per block x block tile (the last ones partial), each tile's largest
+    magnitude at e4m3's largest finite value (448), as the released DeepSeek-V3 weights are stored."""
+    rows, cols = -(-weight.shape[0] // block), -(-weight.shape[1] // block)
+    scale_inv = torch.empty(rows, cols)
+    quantized = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    for i in range(rows):
+        for j in range(cols):
+            tile = weight[i * block : (i + 1) * block, j * block : (j + 1) * block].float()
+            scale_inv[i, j] = tile.abs().max().clamp(min=1e-12) / 448
+            quantized[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale_inv[i, j]).to(
+                torch.float8_e4m3fn
+            )
+    return quantized, scale_inv
+
+
+def test_a_quantization_other_than_block_fp8_is_refused_by_name(tmp_path):
+    with pytest.raises(TorchpreError, match="quant_method 'gptq'.*Dequantize the weights first"):
+        dequantize_fp8_blocks({}, {"quantization_config": {"quant_method": "gptq", "bits": 4}}, tmp_path)
+    with pytest.raises(TorchpreError, match="w.weight_scale_inv has no weight w.weight"):
+        dequantize_fp8_blocks({"w.weight_scale_inv": torch.ones(1, 1)}, {"quantization_config": {
+            "quant_method": "fp8", "weight_block_size": [128, 128]}}, tmp_path)  # fmt: skip
