@@ -165,7 +165,8 @@ class HFExporter:
         self, step: int, tmp: Path, weights: dict[str, torch.Tensor], start: float
     ) -> BaseException | None:
         """Writes this rank's file (rank 0 also the config and tokenizer); once every rank has, rank 0 writes the
-        index and renames the folder, or removes it if any rank failed. Returns the error to raise, if any."""
+        index and renames the folder, or removes it if any rank failed. Returns the error to raise on every rank (one
+        message with each rank's failure), if any."""
         error = None
         try:
             if weights:
@@ -184,9 +185,7 @@ class HFExporter:
             outcome = self._publish_or_remove(step, tmp, parts, failures, start)
         box = [outcome]
         dist.broadcast_object_list(box, group=self.group, group_src=0)
-        if box[0] is None:
-            return None
-        return error or StorageError(box[0])
+        return None if box[0] is None else StorageError(box[0])
 
     def _publish_or_remove(
         self, step: int, tmp: Path, parts: list[tuple[str | None, dict[str, int], str | None]],
