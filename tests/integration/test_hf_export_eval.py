@@ -1,7 +1,8 @@
 """Hugging Face exports and multiple-choice evaluation during training, end to end through train.py.
 
-Three runs of the tiny model, 4 steps each, exporting and evaluating at steps 2 and 4 and checkpointing step 4: one
-process (exports kept: the newest only), dp2 ZeRO-3 (synchronous export) and pp2 1F1B (the default, asynchronous).
+Four runs of the tiny model, 4 steps each, exporting and evaluating at steps 2 and 4 and checkpointing step 4: one
+process (exports kept: the newest only), dp2 ZeRO-3 (synchronous export), pp2 1F1B and tp2 with loss parallel (the
+evaluator gathers vocab-sharded logits; asynchronous exports, the default).
 Each export at step 4 loads in transformers and gives the logits of torchpre's model loaded from the same run's
 checkpoint of step 4; its tensors are the family's mapping of that checkpoint bitwise, written by both ranks
 without either writing the whole model. The evaluator's per-choice log-likelihoods equal transformers' on the
@@ -58,6 +59,7 @@ LAYOUTS = {
         "--training.local_batch_size", "2", "--optimizer.zero_stage", "3", "--hf_export.async_mode", "disabled",
     ]),  # fmt: skip
     "pp2": (2, PP2),
+    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_loss_parallel"]),
 }
 
 
@@ -166,7 +168,7 @@ def test_the_export_at_step_n_loads_in_transformers_with_torchpre_logits(runs, l
     assert (theirs - ours).abs().max().item() < LOGITS_ATOL
 
 
-@pytest.mark.parametrize("layout", ["zero3", "pp2"])
+@pytest.mark.parametrize("layout", ["zero3", "pp2", "tp2"])
 def test_both_ranks_write_a_part_and_neither_the_whole_model(runs, layout):
     folder, _ = runs(layout)
     export = folder / "hf" / "step-4"
@@ -176,6 +178,8 @@ def test_both_ranks_write_a_part_and_neither_the_whole_model(runs, layout):
     assert sorted(files) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert index["weight_map"] == {name: file for file, tensors in files.items() for name in tensors}
     assert index["metadata"]["total_size"] == sum(sizes.values())
+    names = [name for tensors in files.values() for name in tensors]
+    assert len(names) == len(set(names))  # each tensor written once
     assert max(sizes.values()) < 0.75 * sum(sizes.values()), sizes
 
 
@@ -202,7 +206,7 @@ def test_every_layout_gives_the_same_scores_logged_at_the_eval_steps(runs):
     reference_folder, reference = runs("one")
     assert [r["step"] for r in reference if f"eval/{TASK}/acc" in r] == [2, 4]
     keys = (f"eval/{TASK}/acc", f"eval/{TASK}/acc_norm")
-    for layout in ("zero3", "pp2"):
+    for layout in ("zero3", "pp2", "tp2"):
         folder, records = runs(layout)
         for step in (2, 4):
             assert [at_step(records, step)[key] for key in keys] == [at_step(reference, step)[key] for key in keys]
