@@ -58,6 +58,14 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
     assert message in str(error.value)
 
 
+def test_a_choice_longer_than_the_sequence_is_named_by_file_and_line(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text('\n{"context": "c", "choices": ["a", "' + "word " * 40 + '"], "answer": 0}\n')
+    message = f"eval.tasks: {path}:2: the choice .* tokens, more than training.seq_len = 16"
+    with pytest.raises(ConfigError, match=message):
+        read_task(str(path), TOKENIZER, seq_len=16)
+
+
 def test_two_tasks_of_one_name_are_refused(tmp_path):
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()

@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ class Question:
     context: str
     choices: list[str]
     answer: int
+    where: str = ""  # "file:line", for errors
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def _question(line: str, where: str) -> Question:
             f"eval.tasks: {where}: 'answer' = {answer} is not an index into its {len(choices)} choices (0 to "
             f"{len(choices) - 1})."
         )
-    return Question(context, choices, answer)
+    return Question(context, choices, answer, where)
 
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -112,17 +114,19 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
     return context_ids, whole[len(context_ids) :]
 
 
+@cache
 def read_task(path: str, tokenizer: Tokenizer, seq_len: int) -> Task:
-    """A task file's questions and rows; a choice whose tokens alone exceed `seq_len` is an error naming its line."""
+    """A task file's questions and rows; a choice whose tokens alone exceed `seq_len` is an error naming its line.
+    Read once per process (the planner checks many layouts of one job, each through start-up's checks)."""
     questions = read_questions(Path(path))
     rows = []
-    for number, question in enumerate(questions):
+    for question in questions:
         for choice in question.choices:
             context, continuation = encode_pair(tokenizer, question.context, TARGET_DELIMITER + choice)
-            if not continuation or len(continuation) > seq_len:
+            if len(continuation) > seq_len:
                 raise ConfigError(
-                    f"eval.tasks: {path}: question {number + 1}: the choice {choice!r} is {len(continuation)} tokens; "
-                    f"it must be 1 to training.seq_len = {seq_len}."
+                    f"eval.tasks: {question.where}: the choice {choice!r} is {len(continuation)} tokens, more than "
+                    f"training.seq_len = {seq_len}: shorten it, or train on longer sequences."
                 )
             rows.append(Row((context + continuation)[-(seq_len + 1) :], len(continuation)))
     return Task(task_name(path), Path(path), questions, rows)
