@@ -110,13 +110,13 @@ class Trainer:
         """Evaluation and the metrics record if due, a checkpoint and a Hugging Face export if due; True when every
         rank stops here (some rank got SIGTERM: after this step, or after the next when this one was read late)."""
         job, t, step = self.job, self.config.training, self.step
-        validate = job.evaluations.due(step, t.steps)
+        evaluate = job.evaluations.due(step, t.steps)
         stop = job.guard.stopping or (health is not None and health.stop_requested)
-        log = validate or step % self.config.metrics.log_freq == 0 or step == t.steps or stop or job.guard.has_findings
+        log = evaluate or step % self.config.metrics.log_freq == 0 or step == t.steps or stop or job.guard.has_findings
         # The record goes out before the checkpoint: a crash after a save never loses the logged metrics of the
         # step it resumes after.
         if log:
-            self._record(health, grad_norm, lr, validate)
+            self._record(health, grad_norm, lr, evaluate)
         if self.config.checkpoint.enable and (job.checkpoint.should_save(step, t.steps) or stop):
             with job.metrics.paused():
                 job.metrics.checkpoint_wait(self._save_checkpoint())
@@ -143,14 +143,15 @@ class Trainer:
         return stop
 
     def _reads_verdict_now(self) -> bool:
-        """Whether the step being taken needs its verdict at its end: it is logged, checkpointed, validated or
-        the last, or the job stops after it, or it carries the record of a replayed non-finite step."""
+        """Whether the step being taken needs its verdict at its end: it is logged, checkpointed, exported, evaluated
+        or the last, or the job stops after it, or it carries the record of a replayed non-finite step."""
         job, step, last = self.job, self.step + 1, self.config.training.steps
         return (
             step % self.config.metrics.log_freq == 0
             or step == last
             or job.evaluations.due(step, last)
             or (self.config.checkpoint.enable and job.checkpoint.should_save(step, last))
+            or (job.hf_export is not None and job.hf_export.due(step, last))
             or job.guard.stopping
             or job.guard.has_findings
         )
@@ -184,9 +185,9 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------------------------
 
-    def _record(self, health: StepHealth, grad_norm: torch.Tensor, lr: float, validate: bool) -> None:
+    def _record(self, health: StepHealth, grad_norm: torch.Tensor, lr: float, evaluate: bool) -> None:
         """The metrics record of this step (`loss` is already global, see `step_verdict`), with the results of the
-        evaluations due when `validate`."""
+        evaluations due when `evaluate`."""
         job = self.job
         optimizer, spec = job.optimizer, job.preflight.model_spec
         job.metrics.record(
@@ -204,7 +205,7 @@ class Trainer:
                 | job.data.shares()
                 | (job.checkpoint.metrics() if job.checkpoint is not None else {})
             ),
-            evaluate=(lambda: job.evaluations.run(self.step, self.config.training.steps)) if validate else None,
+            evaluate=(lambda: job.evaluations.run(self.step, self.config.training.steps)) if evaluate else None,
         )
 
     def _save_checkpoint(self) -> float:
