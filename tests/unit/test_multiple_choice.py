@@ -3,12 +3,24 @@
 transformers under dp2 and pp2 are in tests/integration/test_hf_export_eval.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import ConfigError
-from torchpre.training.multiple_choice import Question, accuracies, encode_pair, read_task, read_tasks
+from torchpre.training.multiple_choice import (
+    MultipleChoiceEvaluator,
+    Question,
+    Row,
+    Task,
+    _continuation_log_likelihoods,
+    accuracies,
+    encode_pair,
+    read_task,
+    read_tasks,
+)
 
 TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
 
@@ -72,3 +84,40 @@ def test_two_tasks_of_one_name_are_refused(tmp_path):
         (tmp_path / folder / "arc.jsonl").write_text('{"context": "c", "choices": ["a", "b"], "answer": 1}\n')
     with pytest.raises(ConfigError, match="two files are named 'arc.jsonl'"):
         read_tasks([str(tmp_path / "a" / "arc.jsonl"), str(tmp_path / "b" / "arc.jsonl")], TOKENIZER, 32)
+
+
+def _evaluator(rows: list[Row], seq_len: int, tp: int) -> MultipleChoiceEvaluator:
+    task = Task("t", Path("t.jsonl"), [], rows)
+    return MultipleChoiceEvaluator(
+        task, freq=1, model=None, device=torch.device("cpu"), local_batch_size=3, seq_len=seq_len, tp=tp,
+        data_rank=(0, 1), groups=[], forward_kwargs=lambda inputs: {}, pad_id=0, samples_folder=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("longest, seq_len, tp, length", [(10, 256, 1, 64), (70, 256, 1, 128), (70, 256, 3, 192),
+                                                          (200, 256, 1, 256), (10, 32, 1, 32)])  # fmt: skip
+def test_a_batch_is_padded_to_its_longest_row_rounded_up_within_the_sequence_length(longest, seq_len, tp, length):
+    """Rows of `longest` + 1 tokens and 4 (the last 2 the choice's): a batch of the two and one padding row."""
+    rows = [Row(list(range(1, longest + 2)), 3), Row([5, 6, 7, 8], 2)]
+    inputs, targets, mask = _evaluator(rows, seq_len, tp)._batch([0, 1])
+    assert inputs.shape == targets.shape == mask.shape == (3, length)
+    assert inputs[0, :longest].tolist() == list(range(1, longest + 1))
+    assert targets[0, :longest].tolist() == list(range(2, longest + 2))
+    assert mask[0].nonzero().flatten().tolist() == [longest - 3, longest - 2, longest - 1]
+    assert mask[1].nonzero().flatten().tolist() == [1, 2] and not mask[2].any()
+    assert inputs[1, :3].tolist() == [5, 6, 7] and targets[1, :3].tolist() == [6, 7, 8]
+
+
+def test_a_rows_log_likelihood_sums_its_choices_targets_only():
+    """Against a plain loop over positions: only the masked targets count, each row on its own."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, 11, generator=generator)
+    targets = torch.randint(0, 11, (3, 8), generator=generator)
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0, 5:7], mask[1, 2:3] = True, True
+    log_probs = torch.log_softmax(logits.double(), -1)
+    expected = [
+        sum(log_probs[row, pos, targets[row, pos]].item() for pos in range(8) if mask[row, pos]) for row in range(3)
+    ]
+    # fp32 log-softmax against fp64: ~1e-7 apart
+    assert _continuation_log_likelihoods(logits, targets, mask).tolist() == pytest.approx(expected, abs=1e-6)

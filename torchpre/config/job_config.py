@@ -496,7 +496,7 @@ class Eval:
     )
     freq: int = _option(100, "evaluate every this many steps (and at the last step)")
     local_batch_size: int = _option(
-        8, "(context, choice) sequences per data-parallel rank per forward pass, padded to training.seq_len"
+        8, "(context, choice) sequences per data-parallel rank per forward pass, padded to the longest of them"
     )
 
 

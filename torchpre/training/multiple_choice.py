@@ -9,7 +9,10 @@ log-likelihood; `acc_norm` ranks the choices by log-likelihood divided by the ch
 (lm-evaluation-harness's `acc_norm`: `np.argmax(lls / [len(choice) for choice in choices])`).
 
 Every (question, choice) pair is one row of at most training.seq_len + 1 tokens (a longer one keeps its last ones,
-as lm-evaluation-harness truncates on the left), padded to the training sequence length. The rows are dealt to the
+as lm-evaluation-harness truncates on the left). A batch is padded at the end to its longest row, rounded up to a
+multiple of `PAD_MULTIPLE` and of the tensor-parallel degree (sequence parallel splits positions) but never past the
+training sequence length: rows are far shorter than training's sequences, and the logits are only turned into
+log-probabilities at the choices' positions, so an evaluation costs little memory. The rows are dealt to the
 data-parallel ranks in global batches like validation's; each rank scores its rows through
 `ParallelModel.forward_only` (under pipeline parallelism the last stage's logits, the activations passed stage to
 stage), and the log-likelihoods are summed over the data-parallel and pipeline ranks, so every rank holds all of them
@@ -17,7 +20,7 @@ and computes the same accuracy.
 """
 
 import json
-import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -32,9 +35,8 @@ from torchpre.errors import ConfigError, FieldError, field
 from torchpre.parallel.api import ParallelModel
 from torchpre.training.validation import eval_mode
 
-logger = logging.getLogger("torchpre")
-
 TARGET_DELIMITER = " "
+PAD_MULTIPLE = 64  # few distinct batch shapes, for compiled models
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,7 @@ class MultipleChoiceEvaluator:
         device: torch.device,
         local_batch_size: int,
         seq_len: int,
+        tp: int,
         data_rank: tuple[int, int],
         groups: list[dist.ProcessGroup],
         forward_kwargs: Callable[[torch.Tensor], dict],
@@ -184,6 +187,7 @@ class MultipleChoiceEvaluator:
     ):
         self.task, self.freq, self.model, self.device = task, freq, model, device
         self.local_batch_size, self.seq_len = local_batch_size, seq_len
+        self.pad_multiple = math.lcm(PAD_MULTIPLE, tp)
         self.dp_rank, self.dp_size = data_rank
         self.groups, self.forward_kwargs, self.pad_id = groups, forward_kwargs, pad_id
         self.samples_folder = samples_folder
@@ -217,7 +221,9 @@ class MultipleChoiceEvaluator:
 
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs, targets and the mask of the choice's target positions; rows past the task's end are padding."""
-        shape = (self.local_batch_size, self.seq_len)
+        longest = max((len(self.task.rows[index].tokens) - 1 for index in indices), default=1)
+        length = min(-(-longest // self.pad_multiple) * self.pad_multiple, self.seq_len)
+        shape = (self.local_batch_size, length)
         inputs = torch.full(shape, self.pad_id, dtype=torch.long)
         targets = torch.full(shape, self.pad_id, dtype=torch.long)
         mask = torch.zeros(shape, dtype=torch.bool)
@@ -243,9 +249,11 @@ class MultipleChoiceEvaluator:
 
 
 def _continuation_log_likelihoods(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row, the summed log-probability of the masked targets, in float64 (vocab-sharded logits are gathered)."""
+    """Per row, the summed log-probability of the masked targets, in float64; the log-softmax is taken at those
+    positions only (vocab-sharded logits are gathered first)."""
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double()
-    return (picked * mask).sum(dim=1)
+    rows = mask.nonzero()[:, 0]
+    log_probs = torch.log_softmax(logits[mask].float(), dim=-1)
+    picked = log_probs.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1).double()
+    return torch.zeros(mask.shape[0], dtype=torch.float64, device=picked.device).index_add_(0, rows, picked)
