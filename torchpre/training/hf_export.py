@@ -113,6 +113,9 @@ class HFExporter:
         if self._background is None:
             _raise_if_failed(self._write_and_publish(step, tmp, weights, start))
             return
+        if self.rank == 0:
+            logger.info("Hugging Face export of step %d on the host in %.2f s; writing in the background", step,
+                        time.perf_counter() - start)  # fmt: skip
         self._pending = self._background.submit(self._write_and_publish, step, tmp, weights, start)
 
     def wait(self) -> None:
