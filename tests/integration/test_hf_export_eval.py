@@ -8,7 +8,7 @@ checkpoint of step 4; its tensors are the family's mapping of that checkpoint bi
 without either writing the whole model. The evaluator's per-choice log-likelihoods equal transformers' on the
 exported model with its exported tokenizer, so do its acc and acc_norm, and the three layouts agree.
 
-Tolerances (fp32 on CPU, measured on this machine at c61bc07):
+Tolerances (fp32 on CPU, measured on this machine at 2ab4895, all four layouts):
 - logits, torchpre vs transformers on the same weights: reduction-order noise only (see test_hf_convert.py),
   measured at most 9.5e-7 on logits up to 4.8; LOGITS_ATOL = 1e-5 as there.
 - a choice's log-likelihood (a sum of up to ~20 token log-probabilities; up to 109 in size), torchpre's evaluator
