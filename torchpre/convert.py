@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -47,11 +47,20 @@ from torchpre.checkpoint.integrity import require_intact, write_manifest
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
-from torchpre.data.tokenizer import BOS, DEFAULT_TOKENIZER_PATH, EOS, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
+from torchpre.training.hf_folder import (
+    INDEX,
+    SAFETENSORS,
+    give_default_modes,
+    save_safetensors,
+    shard_file_name,
+    write_index,
+    write_metadata,
+)
 from torchpre.training.model import model_args, model_context
 from torchpre.training.rope import check_saved_rope
 
@@ -64,8 +73,6 @@ USAGE = (
 _OPTIONS = {"dcp-to-hf": ("--dtype", "--max_shard_size"), "hf-to-dcp": ("--dtype",)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-_SAFETENSORS = "model.safetensors"
-_INDEX = "model.safetensors.index.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,26 +117,18 @@ def dcp_to_hf(
             "model.tokenizer_path against its config.toml."
         ) from None
     state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in state_dict.items()}
-    tokens = {"bos_token_id": model.tokenizer.bos_id, "eos_token_id": model.tokenizer.eos_id}
     # The longest context the weights are meant for: the flavor's design context, or the training sequence
     # length if longer. It does not change the weights or RoPE frequencies.
     max_length = max(model.args.max_seq_len, model.flavor_max_seq_len)
-    config = model.hf.hf_config(
-        model.args,
-        **tokens,
-        torch_dtype=str(next(iter(state_dict.values())).dtype).removeprefix("torch."),
-        max_position_embeddings=max_length,
-    )
+    torch_dtype = str(next(iter(state_dict.values())).dtype).removeprefix("torch.")
 
     def write(folder: Path) -> None:
-        _write_json(folder / "config.json", config)
-        _write_json(folder / "generation_config.json", tokens)
+        write_metadata(folder, model.hf, model.args, model.tokenizer, max_length, torch_dtype)
         _save_safetensors(state_dict, folder, max_shard_size)
-        _write_tokenizer(folder, model.tokenizer, max_length)
-        _give_default_modes(folder)
+        give_default_modes(folder)
 
     _write_atomically(out_dir, write)
-    logger.info(f"Wrote the Hugging Face model {out_dir} ({config['torch_dtype']}) from {step_dir}")
+    logger.info(f"Wrote the Hugging Face model {out_dir} ({torch_dtype}) from {step_dir}")
 
 
 def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | None, config: JobConfig) -> None:
@@ -271,8 +270,8 @@ def _job_model_name(config: JobConfig) -> str:
 
 
 def _load_safetensors(hf_dir: Path) -> dict[str, Tensor]:
-    index = hf_dir / _INDEX
-    files = sorted(set(_read_json(index)["weight_map"].values())) if index.is_file() else [_SAFETENSORS]
+    index = hf_dir / INDEX
+    files = sorted(set(_read_json(index)["weight_map"].values())) if index.is_file() else [SAFETENSORS]
     state_dict = {}
     for name in files:
         path = hf_dir / name
@@ -295,15 +294,14 @@ def _save_safetensors(state_dict: dict[str, Tensor], folder: Path, max_shard_siz
         shards[-1][name] = tensor
         shard_bytes += nbytes
     if len(shards) == 1:
-        save_file(shards[0], folder / _SAFETENSORS, metadata={"format": "pt"})
+        save_safetensors(shards[0], folder / SAFETENSORS)
         return
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
-        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / file_name, metadata={"format": "pt"})
+        file_name = shard_file_name(number, len(shards))
+        save_safetensors(shard, folder / file_name)
         weight_map |= dict.fromkeys(shard, file_name)
-    total_size = sum(t.numel() * t.element_size() for t in state_dict.values())
-    _write_json(folder / _INDEX, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+    write_index(folder, weight_map, sum(t.numel() * t.element_size() for t in state_dict.values()))
 
 
 def _check_output_free(target: Path) -> None:
@@ -326,40 +324,6 @@ def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def _write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
-    """The tiktoken file as `tokenizer.model` and a `tokenizer_config.json` with which
-    `transformers.AutoTokenizer` loads it (transformers converts a tiktoken file itself): the same ids as
-    torchpre's tokenizer, BOS prepended, special tokens by their ids."""
-    shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
-    added = {
-        str(token_id): {
-            "content": name, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-            "single_word": False,
-        }
-        for name, token_id in tokenizer.special_tokens.items()
-    }
-    _write_json(
-        folder / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "model_max_length": max_length,
-            "added_tokens_decoder": added,
-        },
-    )
-
-
-def _give_default_modes(folder: Path) -> None:
-    """safetensors writes its files with mode 0600; give every file the mode the user's umask gives new files."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
-
-
 def _read_json(path: Path) -> Any:
     if not path.is_file():
         raise TorchpreError(f"{path} does not exist.")
@@ -367,10 +331,6 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise TorchpreError(f"{path} is not valid JSON: {error}.") from None
-
-
-def _write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,9 @@ def files(tmp_path_factory) -> Path:
     (d / "text.txt").write_text(sentence * 300)
     (d / "non_string.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
     (d / "not_utf8.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    question = '{"context": "1, 2,", "choices": [" 3", " 4"], "answer": 0}\n'
+    (d / "bad_json_task.jsonl").write_text(question + '{"context": "1, 2,", "choices": [" 3"\n')
+    (d / "bad_answer_task.jsonl").write_text(question + question.replace('"answer": 0', '"answer": 2'))
     (d / "hf_not_json.json").write_text('{"model_type": "llama",\n "hidden_size": 64,,\n}\n')
     (d / "hf_gpt2.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2}))
     (d / "hf_bert.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
@@ -244,6 +247,36 @@ CATALOGUE = [
         "synthetic-held-out-validation",
         ["--training.dataset", "synthetic", "--validation.enable"],
         ["validation.enable with training.dataset = 'synthetic'", "validation.dataset"],
+    ),
+    case(
+        "eval-task-malformed-line",
+        ["--eval.tasks", "{d}/bad_json_task.jsonl"],
+        ["eval.tasks: {d}/bad_json_task.jsonl:2:", "not valid JSON"],
+        ranks=2,
+    ),
+    case(
+        "eval-task-answer-out-of-range",
+        ["--eval.tasks", "{d}/bad_answer_task.jsonl"],
+        ["eval.tasks: {d}/bad_answer_task.jsonl:2:", "'answer' = 2 is not an index into its 2 choices"],
+    ),
+    case("eval-task-missing", ["--eval.tasks", "{d}/missing.jsonl"], ["eval.tasks: {d}/missing.jsonl does not exist"]),
+    case("eval-task-not-jsonl", ["--eval.tasks", "{d}/text.txt"], ["eval.tasks names '{d}/text.txt'", ".jsonl"]),
+    case(
+        "eval-under-context-parallel",
+        ["--eval.tasks", "{d}/bad_answer_task.jsonl", *CP2],
+        ["eval.tasks", "context_parallel_degree > 1"],
+        ranks=2,
+    ),
+    case("hf-export-interval-zero", ["--hf_export.interval", "0"], ["hf_export.interval = 0", "at least 1"]),
+    case(
+        "hf-export-without-adapter",
+        ["--model.name", "moe", "--hf_export.enable"],
+        ["hf_export.enable", "model.name = 'moe' has no Hugging Face conversion"],
+    ),
+    case(
+        "hf-export-into-checkpoint-folder",
+        ["--hf_export.enable", "--checkpoint.enable", "--hf_export.folder", "checkpoint"],
+        ["hf_export.folder = checkpoint.folder = 'checkpoint'"],
     ),
     case(
         "hsdp-without-zero-3",

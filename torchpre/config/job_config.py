@@ -472,6 +472,44 @@ class Validation:
 
 
 @dataclass
+class HFExport:
+    """Hugging Face folders (save_pretrained's layout) written while training, each rank writing its own tensors."""
+
+    enable: bool = _option(
+        False,
+        "write {job.dump_folder}/{hf_export.folder}/step-N/ (config.json, safetensors, tokenizer) every "
+        "hf_export.interval steps and at the last step; transformers' from_pretrained loads it",
+    )
+    folder: str = _option("hf", "folder of the exports, under job.dump_folder unless absolute")
+    interval: int = _option(500, "export every this many steps (and at the last step)")
+    keep_latest_k: int = _option(0, "keep only the newest k complete exports; 0 keeps all")
+    dtype: Literal["", "float32", "bfloat16"] = _option(
+        "", "the exported weights' dtype; empty = the dtype the model holds them in"
+    )
+    async_mode: Literal["disabled", "async"] = _option(
+        "async",
+        "'async': training waits while each tensor is gathered to the rank that writes it and copied to the host, "
+        "not while the files are written (a thread) and the folder is published; 'disabled': it waits for all",
+    )
+
+
+@dataclass
+class Eval:
+    """Downstream evaluation during training: multiple-choice tasks scored by log-likelihood, as
+    lm-evaluation-harness scores them (the validation loss has its own section, [validation])."""
+
+    tasks: list[str] = _option(
+        [],
+        "JSONL files, one multiple-choice question a line: {\"context\": str, \"choices\": [str, ...], \"answer\": "
+        "int}; each file is a task named by its file name without .jsonl, logged as eval/<task>/acc and acc_norm",
+    )
+    freq: int = _option(100, "evaluate every this many steps (and at the last step)")
+    local_batch_size: int = _option(
+        8, "(context, choice) sequences per data-parallel rank per forward pass, padded to the longest of them"
+    )
+
+
+@dataclass
 class JobConfig:
     """Every option of a training job: one field per TOML section."""
 
@@ -488,4 +526,6 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
+    hf_export: HFExport = field(default_factory=HFExport)
     profiling: Profiling = field(default_factory=Profiling)

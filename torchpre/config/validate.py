@@ -79,6 +79,7 @@ def validate_config(config: JobConfig) -> None:
         )
     _validate_dataset(config)
     _validate_validation(config)
+    _validate_eval_and_export(config)
     _validate_health_and_profiling(config)
 
 
@@ -193,6 +194,36 @@ def _validate_validation(config: JobConfig) -> None:
             "data, so the model would be evaluated on samples it trains on. Leave validation.dataset empty to hold "
             "out validation.split_fraction of the training data, or point it at other data."
         )
+
+
+def _validate_eval_and_export(config: JobConfig) -> None:
+    """The [eval] and [hf_export] keys (the task files' contents are read, line by line, at start-up)."""
+    e, h = config.eval, config.hf_export
+    _at_least("eval.freq", e.freq, 1)
+    _at_least("eval.local_batch_size", e.local_batch_size, 1)
+    not_jsonl = [path for path in e.tasks if not path.endswith(".jsonl")]
+    if not_jsonl:
+        raise ConfigError(
+            f"eval.tasks names '{not_jsonl[0]}': a task is a .jsonl file of multiple-choice questions, one "
+            '{"context": ..., "choices": [...], "answer": ...} object a line.'
+        )
+    if e.tasks and config.parallelism.context_parallel_degree > 1:
+        raise ConfigError(
+            "eval.tasks: multiple-choice evaluation does not run under parallelism.context_parallel_degree > 1 (it "
+            "scores whole sequences on one rank). Evaluate the Hugging Face exports instead (hf_export), or train "
+            "without context parallelism."
+        )
+    _at_least("hf_export.interval", h.interval, 1)
+    _at_least("hf_export.keep_latest_k", h.keep_latest_k, 0)
+    if h.enable:
+        _check_writable_folder("hf_export.folder", Path(config.job.dump_folder) / h.folder)
+        if config.checkpoint.enable and Path(config.job.dump_folder, h.folder) == Path(
+            config.job.dump_folder, config.checkpoint.folder
+        ):
+            raise ConfigError(
+                f"hf_export.folder = checkpoint.folder = '{h.folder}': exports and checkpoints are both step-N "
+                "folders, so one would replace the other. Give hf_export.folder another name (default 'hf')."
+            )
 
 
 def _same_source(dataset: str, path: str, other_dataset: str, other_path: str) -> bool:

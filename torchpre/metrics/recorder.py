@@ -131,9 +131,10 @@ class TrainingMetrics:
         values: dict[str, Any],
         maxima: dict[str, int],
         extra: Callable[[], dict[str, Any]],
-        evaluate: Callable[[], float] | None = None,
+        evaluate: Callable[[], dict[str, float]] | None = None,
     ) -> None:
-        """Reads the interval's timers, runs `evaluate` (validation) if given, and writes the record of `step`:
+        """Reads the interval's timers, runs `evaluate` (the evaluations due: `val_loss`, `eval/<task>/acc` ...) if
+        given, and writes the record of `step`:
         `values` (loss, lr, grad_norm: global already), the maximum over ranks of each of `maxima`, the timings, and
         `extra()` (collectives allowed: every rank calls it). A tensor in `values` is read on rank 0 only."""
         start = time.perf_counter()
@@ -156,9 +157,9 @@ class TrainingMetrics:
         )
         with self.paused():
             self._cost_s = time.perf_counter() - start
-            val_loss = evaluate() if evaluate is not None else None
+            evaluated = evaluate() if evaluate is not None else {}
             start = time.perf_counter()
-            self._write(step, step_time, interval.data_s / steps, timings, rank_times, values, maxima, extra, val_loss)
+            self._write(step, step_time, interval.data_s / steps, timings, rank_times, values, maxima, extra, evaluated)
             self._cost_s += time.perf_counter() - start
 
     def _write(
@@ -171,7 +172,7 @@ class TrainingMetrics:
         values: dict[str, Any],
         maxima: dict[str, int],
         extra: Callable[[], dict[str, Any]],
-        val_loss: float | None,
+        evaluated: dict[str, float],
     ) -> None:
         """Gathers the per-rank maxima and times; rank 0 writes the record."""
         reduced, every_rank = self._gather([max_memory_bytes(self.device), *maxima.values()], astuple(rank_times))
@@ -196,7 +197,7 @@ class TrainingMetrics:
                 **{key: int(value) for key, value in zip(maxima, reduced[1:])},
                 **timings,
                 **more,
-                **({"val_loss": val_loss} if val_loss is not None else {}),
+                **evaluated,
             }
         )
 

@@ -1,6 +1,7 @@
 """A training job's components, each built from its config section: the layout and the global batch, the model
 (parallelized and initialised from the seed), the data, the gradient reduction and the optimizer that steps on its
-result, the LR schedule, validation, the step guard, checkpoints and metrics.
+result, the LR schedule, evaluation (validation loss, multiple-choice tasks), the step guard, checkpoints, Hugging
+Face exports and metrics.
 
 Everything that can reject the config (values, layout, batch arithmetic, model shapes, pipeline schedule, files)
 runs first, in `preflight`, before the process group is joined and identically on every rank, so bad input stops
@@ -31,6 +32,7 @@ from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
 from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
+from torchpre.errors import ConfigError
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
@@ -49,12 +51,15 @@ from torchpre.parallel.quantize import convert_linears
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
+from torchpre.training.evaluation import EvalContext, Evaluations, build_evaluations
+from torchpre.training.hf_export import HFExporter
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
-from torchpre.training.model import check_layout, meta_model, model_args, parallel_plan, quantize_plan
+from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
+from torchpre.training.multiple_choice import Task, read_tasks
 from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
-from torchpre.training.validation import Validator, build_validator, held_out_fraction
+from torchpre.training.validation import held_out_fraction
 
 logger = logging.getLogger("torchpre")
 
@@ -71,6 +76,7 @@ class Preflight:
     model_args: Any
     pipeline: PipelinePlan | None
     resume_dir: Path | None  # the checkpoint a resume will load
+    eval_tasks: list[Task]  # eval.tasks, read and tokenized
 
 
 def preflight(
@@ -107,6 +113,12 @@ def preflight(
     tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
     args = model_args(config, tokenizer)
     check_layout(config, spec, args, dims)
+    if config.hf_export.enable and spec.hf is None:
+        raise ConfigError(
+            f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
+            "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
+        )
+    eval_tasks = read_tasks(config.eval.tasks, tokenizer, t.seq_len)
     pipeline = None
     if dims.pp > 1:
         split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
@@ -115,14 +127,15 @@ def preflight(
             stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
             sequences_per_step=t.local_batch_size * batches.accumulation_steps,
         )
-    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir)
+    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks)
 
 
 @dataclass
 class TrainingJob:
     """One rank's components of a training job (see the module docstring). `data` is None for a planner's fake
-    ranks, `validator` without validation.enable, `checkpoint` without checkpoint.enable and
-    checkpoint.initial_load_path, `context_parallel` without cp; `metrics.sink` writes on rank 0 only."""
+    ranks, `evaluations` empty without validation or eval.tasks, `checkpoint` without checkpoint.enable and
+    checkpoint.initial_load_path, `hf_export` without hf_export.enable (and on a fake rank), `context_parallel`
+    without cp; `metrics.sink` writes on rank 0 only."""
 
     config: JobConfig
     runtime: Runtime
@@ -138,12 +151,13 @@ class TrainingJob:
     reduction: GradReduction
     optimizer: DistributedOptimizer
     lr_scheduler: WarmupStableDecay
-    validator: Validator | None
+    evaluations: Evaluations
     progress: TrainProgress
     guard: StepGuard
     checkpoint: CheckpointManager | None
     metrics: TrainingMetrics
     context_parallel: ContextParallel | None = None
+    hf_export: HFExporter | None = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -206,14 +220,11 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         else ForwardInputs(t.document_mask, pre.tokenizer.bos_id, tokens_ahead)
     )
     model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
-    validator = None
-    if config.validation.enable:
-        # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
-        validator = build_validator(
-            config, pre.tokenizer, meshes.mesh, model, forward_kwargs=forward_inputs,
-            loss_scale=batches.tokens_per_step, device=device, data_rank=meshes.data_rank(),
-            shard=context_parallel.shard if context_parallel else None,
-        )  # fmt: skip
+    # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
+    evaluations = build_evaluations(EvalContext(
+        config, pre.tokenizer, meshes, model, device, forward_inputs, loss_scale=batches.tokens_per_step,
+        tasks=pre.eval_tasks, shard=context_parallel.shard if context_parallel else None,
+    ))  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
     optimizer = build_optimizer_from_config(
         model, reduction, config.optimizer, max_norm=t.max_norm, vocab_size=pre.model_args.vocab_size
@@ -237,12 +248,17 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     )  # fmt: skip
     job = TrainingJob(
         config, runtime, pre, device, meshes, model, num_params, flops_per_token, loss, forward_inputs, data,
-        reduction, optimizer, lr_scheduler, validator, progress, guard, None, metrics, context_parallel,
+        reduction, optimizer, lr_scheduler, evaluations, progress, guard, None, metrics, context_parallel,
     )  # fmt: skip
     if c.enable or c.initial_load_path:
         job.checkpoint = CheckpointManager(
             Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, to_toml(config)
         )
+    if config.hf_export.enable and not runtime.fake:
+        job.hf_export = HFExporter(
+            Path(config.job.dump_folder) / config.hf_export.folder, config.hf_export, model, pre.model_spec,
+            pre.model_args, pre.tokenizer, max(pre.model_args.max_seq_len, model_context(config, pre.tokenizer)),
+        )  # fmt: skip
     return job
 
 

@@ -1,6 +1,6 @@
 """The training loop. It only sequences the job's components (`torchpre.training.job`), each of which owns its
 state: data -> forward/backward (a pipeline schedule or plain) -> gradient reduction -> step guard -> optimizer and
-LR step -> metrics -> checkpoint."""
+LR step -> evaluation and metrics -> checkpoint -> Hugging Face export."""
 
 import logging
 import time
@@ -39,6 +39,8 @@ class Trainer:
             return
         if job.checkpoint is not None:
             job.checkpoint.remove_unfinished()
+        if job.hf_export is not None:
+            job.hf_export.remove_unfinished()
         save_resolved_config(config)
         self._resume()
         if job.is_logging_rank:
@@ -105,19 +107,22 @@ class Trainer:
         return health, grad_norm
 
     def _after_step(self, health: StepHealth | None, grad_norm: torch.Tensor, lr: float, first_step: int) -> bool:
-        """Validation and the metrics record if due, a checkpoint if due; True when every rank stops here (some
-        rank got SIGTERM: after this step, or after the next when this one was read late)."""
+        """Evaluation and the metrics record if due, a checkpoint and a Hugging Face export if due; True when every
+        rank stops here (some rank got SIGTERM: after this step, or after the next when this one was read late)."""
         job, t, step = self.job, self.config.training, self.step
-        validate = job.validator is not None and job.validator.due(step, t.steps)
+        evaluate = job.evaluations.due(step, t.steps)
         stop = job.guard.stopping or (health is not None and health.stop_requested)
-        log = validate or step % self.config.metrics.log_freq == 0 or step == t.steps or stop or job.guard.has_findings
+        log = evaluate or step % self.config.metrics.log_freq == 0 or step == t.steps or stop or job.guard.has_findings
         # The record goes out before the checkpoint: a crash after a save never loses the logged metrics of the
         # step it resumes after.
         if log:
-            self._record(health, grad_norm, lr, validate)
+            self._record(health, grad_norm, lr, evaluate)
         if self.config.checkpoint.enable and (job.checkpoint.should_save(step, t.steps) or stop):
             with job.metrics.paused():
                 job.metrics.checkpoint_wait(self._save_checkpoint())
+        if job.hf_export is not None and job.hf_export.due(step, t.steps):
+            with job.metrics.paused():
+                job.hf_export.export(step)
         if step == first_step + 1:  # start-up, with its compilation and loading, is over
             with job.metrics.paused():
                 set_comm_timeout(self.config.comm.timeout_seconds, "comm.timeout_seconds")
@@ -138,14 +143,15 @@ class Trainer:
         return stop
 
     def _reads_verdict_now(self) -> bool:
-        """Whether the step being taken needs its verdict at its end: it is logged, checkpointed, validated or
-        the last, or the job stops after it, or it carries the record of a replayed non-finite step."""
+        """Whether the step being taken needs its verdict at its end: it is logged, checkpointed, exported, evaluated
+        or the last, or the job stops after it, or it carries the record of a replayed non-finite step."""
         job, step, last = self.job, self.step + 1, self.config.training.steps
         return (
             step % self.config.metrics.log_freq == 0
             or step == last
-            or (job.validator is not None and job.validator.due(step, last))
+            or job.evaluations.due(step, last)
             or (self.config.checkpoint.enable and job.checkpoint.should_save(step, last))
+            or (job.hf_export is not None and job.hf_export.due(step, last))
             or job.guard.stopping
             or job.guard.has_findings
         )
@@ -179,8 +185,9 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------------------------
 
-    def _record(self, health: StepHealth, grad_norm: torch.Tensor, lr: float, validate: bool) -> None:
-        """The metrics record of this step (`loss` is already global, see `step_verdict`)."""
+    def _record(self, health: StepHealth, grad_norm: torch.Tensor, lr: float, evaluate: bool) -> None:
+        """The metrics record of this step (`loss` is already global, see `step_verdict`), with the results of the
+        evaluations due when `evaluate`."""
         job = self.job
         optimizer, spec = job.optimizer, job.preflight.model_spec
         job.metrics.record(
@@ -198,7 +205,7 @@ class Trainer:
                 | job.data.shares()
                 | (job.checkpoint.metrics() if job.checkpoint is not None else {})
             ),
-            evaluate=job.validator.evaluate if validate else None,
+            evaluate=(lambda: job.evaluations.run(self.step, self.config.training.steps)) if evaluate else None,
         )
 
     def _save_checkpoint(self) -> float:
@@ -244,6 +251,8 @@ class Trainer:
     def _close(self) -> None:
         if self.job.checkpoint is not None:
             self.job.checkpoint.close()
+        if self.job.hf_export is not None:
+            self.job.hf_export.close()
         self.job.metrics.close()
 
     def _report_nothing_to_do(self) -> None:

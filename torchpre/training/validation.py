@@ -14,7 +14,8 @@ mode, draws no random numbers and touches no optimizer, gradient or loader state
 continues exactly as it would have without it.
 """
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,19 @@ def validation_batches(
         )
     sampler = GlobalBatchSampler(order, local_batch_size, dp_rank, dp_size)
     return [next(sampler) for _ in range(steps)]
+
+
+@contextlib.contextmanager
+def eval_mode(model: ParallelModel) -> Iterator[None]:
+    """The model's parts in eval mode for the block, then back in the mode each was in."""
+    training = [part.training for part in model.parts]
+    for part in model.parts:
+        part.eval()
+    try:
+        yield
+    finally:
+        for part, mode in zip(model.parts, training):
+            part.train(mode)
 
 
 class Validator:
@@ -100,23 +114,16 @@ class Validator:
 
     def evaluate(self) -> float:
         """The mean token cross-entropy over all validation batches of all DP ranks (every rank gets it)."""
-        training = [part.training for part in self.model.parts]
-        for part in self.model.parts:
-            part.eval()
         # [summed cross-entropy, tokens]: counted where the loss is computed, so pipeline ranks without
         # the last stage add nothing. float64 so the sum over many tokens does not depend on its order.
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        try:
-            with loss_parallel_context(self.loss_parallel):
-                for indices in self.batches:
-                    inputs, labels = self._batch(indices)
-                    loss = self.model.forward_only(inputs, labels, self.forward_kwargs)
-                    if loss is not None:
-                        totals[0] += loss.double() * self.loss_scale
-                        totals[1] += labels.numel()
-        finally:
-            for part, mode in zip(self.model.parts, training):
-                part.train(mode)
+        with eval_mode(self.model), loss_parallel_context(self.loss_parallel):
+            for indices in self.batches:
+                inputs, labels = self._batch(indices)
+                loss = self.model.forward_only(inputs, labels, self.forward_kwargs)
+                if loss is not None:
+                    totals[0] += loss.double() * self.loss_scale
+                    totals[1] += labels.numel()
         for group in self.groups:
             dist.all_reduce(totals, group=group)
         return (totals[0] / totals[1]).item()

@@ -1,0 +1,123 @@
+"""Multiple-choice scoring without a model: lm-evaluation-harness's acc and acc_norm, its tokenization of a
+(context, continuation) pair, and the task file's errors, which name the file and line (the scores against
+transformers under dp2 and pp2 are in tests/integration/test_hf_export_eval.py)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.errors import ConfigError
+from torchpre.training.multiple_choice import (
+    MultipleChoiceEvaluator,
+    Question,
+    Row,
+    Task,
+    _continuation_log_likelihoods,
+    accuracies,
+    encode_pair,
+    read_task,
+    read_tasks,
+)
+
+TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+
+
+def test_acc_takes_the_highest_log_likelihood_and_acc_norm_divides_by_characters():
+    """Question 1: the long answer has the lower sum (-6 < -4) but the higher per-character score (-6/12 > -4/2);
+    "é" counts as one character, as Python's len (lm-evaluation-harness's) counts it. Question 2: a tie goes to
+    the first choice, as numpy's argmax."""
+    questions = [Question("q", ["no", "oui, très bi"], 1), Question("q", ["a", "b"], 0)]
+    assert len(questions[0].choices[1]) == 12 and len(questions[0].choices[1].encode()) == 13
+    assert accuracies(questions, [-4.0, -6.0, -1.0, -1.0]) == {"acc": 0.5, "acc_norm": 1.0}
+
+
+def test_a_pair_is_tokenized_as_lm_evaluation_harness_does():
+    """BOS + context, then the tokens of the whole text after the context's; a trailing space of the context moves
+    to the continuation, so it is scored with the choice as it would be read."""
+    context, continuation = encode_pair(TOKENIZER, "The capital of France is", " Paris")
+    assert context[0] == TOKENIZER.bos_id
+    assert TOKENIZER.decode(context[1:]) == "The capital of France is"
+    assert TOKENIZER.decode(continuation) == " Paris"
+    assert encode_pair(TOKENIZER, "The capital of France is ", "Paris") == (context, continuation)
+
+
+def test_a_long_row_keeps_its_last_tokens(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"context": " ".join(["word"] * 40), "choices": ["yes", "no"], "answer": 0}) + "\n")
+    task = read_task(str(path), TOKENIZER, seq_len=16)
+    assert [len(row.tokens) for row in task.rows] == [17, 17]
+    assert TOKENIZER.decode(task.rows[0].tokens[-task.rows[0].continuation_length :]) == " yes"
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"choices": ["a", "b"], "answer": 0}', "'context' is missing"),
+        ('{"context": "c", "choices": ["a"], "answer": 0}', "at least two non-empty strings"),
+        ('{"context": "c", "choices": ["a", "b"], "answer": 2}', "'answer' = 2 is not an index into its 2 choices"),
+        ('{"context": "c", "choices": ["a", "b"], "answer": "a"}', "'answer' is \"a\", not an integer"),
+    ],
+)
+def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
+    path = tmp_path / "task.jsonl"
+    path.write_text('{"context": "c", "choices": ["a", "b"], "answer": 1}\n\n' + line + "\n")
+    with pytest.raises(ConfigError, match="eval.tasks: " + str(path) + ":3: ") as error:
+        read_task(str(path), TOKENIZER, seq_len=32)
+    assert message in str(error.value)
+
+
+def test_a_choice_longer_than_the_sequence_is_named_by_file_and_line(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text('\n{"context": "c", "choices": ["a", "' + "word " * 40 + '"], "answer": 0}\n')
+    message = f"eval.tasks: {path}:2: the choice .* tokens, more than training.seq_len = 16"
+    with pytest.raises(ConfigError, match=message):
+        read_task(str(path), TOKENIZER, seq_len=16)
+
+
+def test_two_tasks_of_one_name_are_refused(tmp_path):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "arc.jsonl").write_text('{"context": "c", "choices": ["a", "b"], "answer": 1}\n')
+    with pytest.raises(ConfigError, match="two files are named 'arc.jsonl'"):
+        read_tasks([str(tmp_path / "a" / "arc.jsonl"), str(tmp_path / "b" / "arc.jsonl")], TOKENIZER, 32)
+
+
+def _evaluator(rows: list[Row], seq_len: int, tp: int) -> MultipleChoiceEvaluator:
+    task = Task("t", Path("t.jsonl"), [], rows)
+    return MultipleChoiceEvaluator(
+        task, freq=1, model=None, device=torch.device("cpu"), local_batch_size=3, seq_len=seq_len, tp=tp,
+        data_rank=(0, 1), groups=[], forward_kwargs=lambda inputs: {}, pad_id=0, samples_folder=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("longest, seq_len, tp, length", [(10, 256, 1, 64), (70, 256, 1, 128), (70, 256, 3, 192),
+                                                          (200, 256, 1, 256), (10, 32, 1, 32)])  # fmt: skip
+def test_a_batch_is_padded_to_its_longest_row_rounded_up_within_the_sequence_length(longest, seq_len, tp, length):
+    """Rows of `longest` + 1 tokens and 4 (the last 2 the choice's): a batch of the two and one padding row."""
+    rows = [Row(list(range(1, longest + 2)), 3), Row([5, 6, 7, 8], 2)]
+    inputs, targets, mask = _evaluator(rows, seq_len, tp)._batch([0, 1])
+    assert inputs.shape == targets.shape == mask.shape == (3, length)
+    assert inputs[0, :longest].tolist() == list(range(1, longest + 1))
+    assert targets[0, :longest].tolist() == list(range(2, longest + 2))
+    assert mask[0].nonzero().flatten().tolist() == [longest - 3, longest - 2, longest - 1]
+    assert mask[1].nonzero().flatten().tolist() == [1, 2] and not mask[2].any()
+    assert inputs[1, :3].tolist() == [5, 6, 7] and targets[1, :3].tolist() == [6, 7, 8]
+
+
+def test_a_rows_log_likelihood_sums_its_choices_targets_only():
+    """Against a plain loop over positions: only the masked targets count, each row on its own."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, 11, generator=generator)
+    targets = torch.randint(0, 11, (3, 8), generator=generator)
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0, 5:7], mask[1, 2:3] = True, True
+    log_probs = torch.log_softmax(logits.double(), -1)
+    expected = [
+        sum(log_probs[row, pos, targets[row, pos]].item() for pos in range(8) if mask[row, pos]) for row in range(3)
+    ]
+    # fp32 log-softmax against fp64: ~1e-7 apart
+    assert _continuation_log_likelihoods(logits, targets, mask).tolist() == pytest.approx(expected, abs=1e-6)

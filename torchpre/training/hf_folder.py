@@ -1,0 +1,83 @@
+"""The files of a Hugging Face model folder besides the weights, as `save_pretrained` lays them out: config.json,
+generation_config.json and the tokenizer (the tiktoken file as `tokenizer.model` with a `tokenizer_config.json` with
+which `transformers.AutoTokenizer` loads it); and safetensors weights, in one file or in several with an index.
+Shared by `python -m torchpre.convert dcp-to-hf` and the exports written during training."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from torchpre.data.tokenizer import BOS, EOS, Tokenizer
+from torchpre.models.registry import HFAdapter
+
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def shard_file_name(number: int, count: int) -> str:
+    """transformers' name for the `number`-th (from 1) of `count` safetensors files."""
+    return f"model-{number:05d}-of-{count:05d}.safetensors"
+
+
+def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(state_dict, path, metadata={"format": "pt"})
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """`model.safetensors.index.json`: which file holds each tensor, and the bytes of them all."""
+    write_json(folder / INDEX, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
+
+
+def write_metadata(
+    folder: Path, adapter: HFAdapter, args: Any, tokenizer: Tokenizer, max_length: int, dtype: str
+) -> None:
+    """config.json (weights in `dtype`, e.g. "float32"), generation_config.json and the tokenizer files.
+    `max_length`: the longest context the weights are meant for (it changes neither the weights nor RoPE)."""
+    tokens = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    config = adapter.hf_config(args, **tokens, torch_dtype=dtype, max_position_embeddings=max_length)
+    write_json(folder / "config.json", config)
+    write_json(folder / "generation_config.json", tokens)
+    write_tokenizer(folder, tokenizer, max_length)
+
+
+def write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
+    """The tiktoken file as `tokenizer.model` and a `tokenizer_config.json` with which
+    `transformers.AutoTokenizer` loads it (transformers converts a tiktoken file itself): the same ids as
+    torchpre's tokenizer, BOS prepended, special tokens by their ids."""
+    shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
+    added = {
+        str(token_id): {
+            "content": name, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+            "single_word": False,
+        }
+        for name, token_id in tokenizer.special_tokens.items()
+    }
+    write_json(
+        folder / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "model_max_length": max_length,
+            "added_tokens_decoder": added,
+        },
+    )
+
+
+def give_default_modes(folder: Path) -> None:
+    """safetensors writes its files with mode 0600; give every file the mode the user's umask gives new files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,259 @@
+"""Multiple-choice tasks scored by log-likelihood, as lm-evaluation-harness scores HellaSwag, ARC or PIQA.
+
+A task is a JSONL file, one question a line: `{"context": str, "choices": [str, ...], "answer": int}`. Each choice
+is scored by the summed log-probability of its tokens after the context: the continuation is `" " + choice`
+(lm-evaluation-harness's default `target_delimiter`), tokenized as lm-evaluation-harness does (the tokens of
+`context + continuation` after those of `context`, a trailing space of the context moved to the continuation),
+after a BOS token, as every training document starts. `acc` counts the questions whose answer has the highest
+log-likelihood; `acc_norm` ranks the choices by log-likelihood divided by the choice's length in characters
+(lm-evaluation-harness's `acc_norm`: `np.argmax(lls / [len(choice) for choice in choices])`).
+
+Every (question, choice) pair is one row of at most training.seq_len + 1 tokens (a longer one keeps its last ones,
+as lm-evaluation-harness truncates on the left). A batch is padded at the end to its longest row, rounded up to a
+multiple of `PAD_MULTIPLE` and of the tensor-parallel degree (sequence parallel splits positions) but never past the
+training sequence length: rows are far shorter than training's sequences, and the logits are only turned into
+log-probabilities at the choices' positions, so an evaluation costs little memory. The rows are dealt to the
+data-parallel ranks in global batches like validation's; each rank scores its rows through
+`ParallelModel.forward_only` (under pipeline parallelism the last stage's logits, the activations passed stage to
+stage), and the log-likelihoods are summed over the data-parallel and pipeline ranks, so every rank holds all of them
+and computes the same accuracy.
+"""
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from torchpre.data.tokenizer import Tokenizer
+from torchpre.errors import ConfigError, FieldError, field
+from torchpre.parallel.api import ParallelModel
+from torchpre.training.validation import eval_mode
+
+TARGET_DELIMITER = " "
+PAD_MULTIPLE = 64  # few distinct batch shapes, for compiled models
+
+
+@dataclass(frozen=True)
+class Question:
+    context: str
+    choices: list[str]
+    answer: int
+    where: str = ""  # "file:line", for errors
+
+
+@dataclass(frozen=True)
+class Row:
+    """One (question, choice) pair: its tokens and how many of the last ones are the choice's."""
+
+    tokens: list[int]
+    continuation_length: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task file read and tokenized: its name (the file name without .jsonl), questions and rows (question by
+    question, choice by choice)."""
+
+    name: str
+    path: Path
+    questions: list[Question]
+    rows: list[Row]
+
+
+def task_name(path: str | Path) -> str:
+    return Path(path).name.removesuffix(".jsonl")
+
+
+def read_questions(path: Path) -> list[Question]:
+    """The questions of a task file; a ConfigError naming `file:line` and what is wrong for a malformed line."""
+    if not path.is_file():
+        raise ConfigError(f"eval.tasks: {path} does not exist. Give JSONL files of multiple-choice questions.")
+    questions = []
+    with path.open(encoding="utf-8") as file:
+        for number, line in enumerate(file, start=1):
+            if line.strip():
+                questions.append(_question(line, f"{path}:{number}"))
+    if not questions:
+        raise ConfigError(f"eval.tasks: {path} holds no questions (one JSON object a line).")
+    return questions
+
+
+def _question(line: str, where: str) -> Question:
+    expected = 'expected {"context": str, "choices": [str, ...], "answer": int}'
+    try:
+        record = json.loads(line)
+        context = field(record, "context", str)
+        choices = field(record, "choices", list)
+        answer = field(record, "answer", int)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"eval.tasks: {where}: not valid JSON ({error}); {expected}.") from None
+    except FieldError as error:
+        raise ConfigError(f"eval.tasks: {where}: {error}; {expected}.") from None
+    if len(choices) < 2 or not all(isinstance(choice, str) and choice for choice in choices):
+        raise ConfigError(f"eval.tasks: {where}: 'choices' must hold at least two non-empty strings; {expected}.")
+    if not 0 <= answer < len(choices):
+        raise ConfigError(
+            f"eval.tasks: {where}: 'answer' = {answer} is not an index into its {len(choices)} choices (0 to "
+            f"{len(choices) - 1})."
+        )
+    return Question(context, choices, answer, where)
+
+
+def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-evaluation-harness's `_encode_pair`: trailing spaces of the context go to the continuation, whose tokens are
+    those of the whole text after the context's. The context starts with BOS."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation, bos=True, eos=False)
+    context_ids = tokenizer.encode(context, bos=True, eos=False)
+    return context_ids, whole[len(context_ids) :]
+
+
+@cache
+def read_task(path: str, tokenizer: Tokenizer, seq_len: int) -> Task:
+    """A task file's questions and rows; a choice whose tokens alone exceed `seq_len` is an error naming its line.
+    Read once per process (the planner checks many layouts of one job, each through start-up's checks)."""
+    questions = read_questions(Path(path))
+    rows = []
+    for question in questions:
+        for choice in question.choices:
+            context, continuation = encode_pair(tokenizer, question.context, TARGET_DELIMITER + choice)
+            if len(continuation) > seq_len:
+                raise ConfigError(
+                    f"eval.tasks: {question.where}: the choice {choice!r} is {len(continuation)} tokens, more than "
+                    f"training.seq_len = {seq_len}: shorten it, or train on longer sequences."
+                )
+            rows.append(Row((context + continuation)[-(seq_len + 1) :], len(continuation)))
+    return Task(task_name(path), Path(path), questions, rows)
+
+
+def read_tasks(paths: list[str], tokenizer: Tokenizer, seq_len: int) -> list[Task]:
+    """Every eval.tasks file, read before any work; two files of the same name are an error (their metrics would
+    mix)."""
+    names = [task_name(path) for path in paths]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ConfigError(
+            f"eval.tasks: two files are named '{twice[0]}.jsonl'; each task's metrics are named by its file, so "
+            "give them different names."
+        )
+    return [read_task(path, tokenizer, seq_len) for path in paths]
+
+
+def accuracies(questions: list[Question], lls: list[float]) -> dict[str, float]:
+    """`acc` and `acc_norm` from every row's log-likelihood (question by question, choice by choice)."""
+    correct = correct_norm = 0
+    start = 0
+    for question in questions:
+        scores = lls[start : start + len(question.choices)]
+        start += len(question.choices)
+        normalised = [score / len(choice) for score, choice in zip(scores, question.choices)]
+        correct += _argmax(scores) == question.answer
+        correct_norm += _argmax(normalised) == question.answer
+    return {"acc": correct / len(questions), "acc_norm": correct_norm / len(questions)}
+
+
+def _argmax(values: list[float]) -> int:
+    """The first index of the largest value (numpy's argmax, which lm-evaluation-harness uses)."""
+    return max(range(len(values)), key=lambda i: (values[i], -i))
+
+
+class MultipleChoiceEvaluator:
+    """Scores one task every `freq` steps under the training layout; `evaluate` is collective. Rank 0 writes each
+    question's log-likelihoods to `{samples_folder}/{task}/step-N.jsonl` (lm-evaluation-harness's --log_samples)."""
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        freq: int,
+        model: ParallelModel,
+        device: torch.device,
+        local_batch_size: int,
+        seq_len: int,
+        tp: int,
+        data_rank: tuple[int, int],
+        groups: list[dist.ProcessGroup],
+        forward_kwargs: Callable[[torch.Tensor], dict],
+        pad_id: int,
+        samples_folder: Path | None,
+    ):
+        self.task, self.freq, self.model, self.device = task, freq, model, device
+        self.local_batch_size, self.seq_len = local_batch_size, seq_len
+        self.pad_multiple = math.lcm(PAD_MULTIPLE, tp)
+        self.dp_rank, self.dp_size = data_rank
+        self.groups, self.forward_kwargs, self.pad_id = groups, forward_kwargs, pad_id
+        self.samples_folder = samples_folder
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.freq == 0 or step == last_step
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        lls = self.log_likelihoods()
+        results = accuracies(self.task.questions, lls)
+        if self.samples_folder is not None:
+            self._write_samples(step, lls)
+        return {f"eval/{self.task.name}/{metric}": value for metric, value in results.items()}
+
+    def log_likelihoods(self) -> list[float]:
+        """Every row's log-likelihood of its choice, on every rank."""
+        rows = len(self.task.rows)
+        per_batch = self.local_batch_size * self.dp_size
+        lls = torch.zeros(rows, dtype=torch.float64, device=self.device)
+        with eval_mode(self.model):
+            for first in range(0, rows, per_batch):  # the same number of forward passes on every rank
+                start = first + self.dp_rank * self.local_batch_size
+                indices = list(range(start, min(start + self.local_batch_size, rows)))
+                inputs, targets, mask = self._batch(indices)
+                logits = self.model.forward_only(inputs, forward_kwargs=self.forward_kwargs)
+                if logits is not None and indices:
+                    lls[indices] = _continuation_log_likelihoods(logits, targets, mask)[: len(indices)]
+        for group in self.groups:
+            dist.all_reduce(lls, group=group)
+        return lls.tolist()
+
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs, targets and the mask of the choice's target positions; rows past the task's end are padding."""
+        longest = max((len(self.task.rows[index].tokens) - 1 for index in indices), default=1)
+        length = min(-(-longest // self.pad_multiple) * self.pad_multiple, self.seq_len)
+        shape = (self.local_batch_size, length)
+        inputs = torch.full(shape, self.pad_id, dtype=torch.long)
+        targets = torch.full(shape, self.pad_id, dtype=torch.long)
+        mask = torch.zeros(shape, dtype=torch.bool)
+        for i, index in enumerate(indices):
+            row = self.task.rows[index]
+            n = len(row.tokens) - 1
+            inputs[i, :n] = torch.tensor(row.tokens[:-1])
+            targets[i, :n] = torch.tensor(row.tokens[1:])
+            mask[i, n - row.continuation_length : n] = True
+        return inputs.to(self.device), targets.to(self.device), mask.to(self.device)
+
+    def _write_samples(self, step: int, lls: list[float]) -> None:
+        if dist.get_rank() != 0:
+            return
+        folder = self.samples_folder / self.task.name
+        folder.mkdir(parents=True, exist_ok=True)
+        start, lines = 0, []
+        for question in self.task.questions:
+            scores = lls[start : start + len(question.choices)]
+            start += len(question.choices)
+            lines.append(json.dumps({"answer": question.answer, "log_likelihoods": scores}) + "\n")
+        (folder / f"step-{step}.jsonl").write_text("".join(lines), encoding="utf-8")
+
+
+def _continuation_log_likelihoods(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the summed log-probability of the masked targets, in float64; the log-softmax is taken at those
+    positions only (vocab-sharded logits are gathered first)."""
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    rows = mask.nonzero()[:, 0]
+    log_probs = torch.log_softmax(logits[mask].float(), dim=-1)
+    picked = log_probs.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1).double()
+    return torch.zeros(mask.shape[0], dtype=torch.float64, device=picked.device).index_add_(0, rows, picked)
