@@ -1,11 +1,12 @@
 """Context parallelism at a long sequence: per-rank memory against one process, throughput against dp2 and tp2 at
 the same global batch, and how evenly the head-tail split shares the attention work.
 
-Every layout trains the debug model (--quick: the tiny one) at --seq-len on 2 sequences per step, through
-bench/memory_worker.py (the real Trainer under the tensor-memory counter that bench/memory.py uses), and prints, as
-the max over ranks: the tensor peak and the activations kept for backward, each as a fraction of one process's, and
-the steady tokens/s of the whole job. The balance table counts the (query, key) pairs each rank's queries attend
-under the causal mask, for the head-tail split and for a contiguous one, at cp 2, 4 and 8.
+Every layout trains the debug model (--quick: the tiny one) at --seq-len on 2 sequences per step twice: through
+bench/memory_worker.py (the real Trainer under the tensor-memory counter that bench/memory.py uses), which gives, as
+the max over ranks, the tensor peak and the activations kept for backward, each as a fraction of one process's; and
+through train.py itself, whose steady tokens/s is the throughput (the counter intercepts every operation, which
+slows most the layouts that run many small ones). The balance table counts the (query, key) pairs each rank's
+queries attend under the causal mask, for the head-tail split and for a contiguous one, at cp 2, 4 and 8.
 
 Usage: python -m bench.context_parallel [--seq-len N] [--steps N] [--quick]
 """
@@ -40,7 +41,10 @@ def measure(model: Sequence[str], seq_len: int, steps: int) -> dict[str, dict]:
             if record["step"] == steps:  # the trainer's record and the worker's, merged
                 last.update(record)
         trainer_records = [r for r in records if "tokens_per_sec" in r]
-        last["steady_tokens_per_sec"] = steady(trainer_records, "tokens_per_sec", warmup=min(2, steps - 1))
+        last["counted_tokens_per_sec"] = steady(trainer_records, "tokens_per_sec", warmup=min(2, steps - 1))
+        plain = run_torchpre(args, nproc=nproc)
+        last["steady_tokens_per_sec"] = steady(plain, "tokens_per_sec", warmup=min(2, steps - 1))
+        last["plain_loss"] = plain[-1]["loss"]
         results[name] = last
     return results
 
@@ -67,14 +71,15 @@ def main() -> None:
     rows = [
         (name, r["tensor_peak_bytes"] / 2**20, r["tensor_peak_bytes"] / one["tensor_peak_bytes"],
          r["activation_bytes"] / 2**20, r["activation_bytes"] / one["activation_bytes"], r["steady_tokens_per_sec"],
-         f"{r['loss']:.4f}")
+         r["steady_tokens_per_sec"] / one["steady_tokens_per_sec"], r["counted_tokens_per_sec"], f"{r['loss']:.4f}")
         for name, r in results.items()
     ]  # fmt: skip
     print_table(
         f"Per rank at seq_len {seq_len}, {GLOBAL_BATCH} sequences per step (max over ranks)",
-        ["layout", "tensor peak MiB", "x 1 process", "activations MiB", "x 1 process", "tokens/s", "last loss"],
+        ["layout", "tensor peak MiB", "x 1 process", "activations MiB", "x 1 process", "tokens/s", "x 1 process",
+         "tokens/s under the counter", "last loss"],
         rows,
-    )
+    )  # fmt: skip
     balance = []
     for cp in (2, 4, 8):
         head_tail, contiguous = attention_pairs(seq_len, cp, True), attention_pairs(seq_len, cp, False)

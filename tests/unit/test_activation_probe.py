@@ -17,6 +17,7 @@ from torchpre.metrics.activation_probe import ActivationProbe, Collective, probe
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel
+from torchpre.models.registry import get_model_spec
 from torchpre.parallel import ParallelPlan, parallelize
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
 
@@ -217,3 +218,25 @@ class AllReduceInForward(nn.Module):
 def test_c10d_collectives_are_recorded_with_their_group_size(tp2_mesh) -> None:
     result = probe_microbatch(AllReduceInForward(), (torch.empty(3, 8, device="meta"),))
     assert result.collectives == [Collective("c10d.allreduce_", 2, 4 * 3 * 8)]
+
+
+@pytest.mark.parametrize("family", ["moe", "deepseek_v3"])
+def test_a_router_counts_on_meta_as_balanced(family: str) -> None:
+    """Meta tensors hold no routing decisions, so the experts get equal shares of the routed rows there
+    (`counts_on_host`). What the experts save, the gradients and the FLOPs depend on the total rows only: equal to a
+    CPU run's, whose router is not balanced. The largest transient (one expert's intermediate) may differ: measured
+    within 0.6%."""
+    spec = get_model_spec(family)
+    args = dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=SEQ, vocab_size=256)
+    probes = []
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model = spec.model_cls(args)
+        if device == "cpu":
+            model.init_weights(0)
+        tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), device=device, generator=None)
+        probes.append(probe_microbatch(model, (tokens,), devices=(device,)))
+    on_cpu, on_meta = probes
+    for name in ("saved_bytes", "grad_bytes", "flops", "matmul_flops"):
+        assert getattr(on_meta, name) == getattr(on_cpu, name), name
+    assert abs(on_meta.transient_bytes / on_cpu.transient_bytes - 1) < 0.01

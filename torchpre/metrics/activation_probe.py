@@ -248,9 +248,12 @@ def meta_flash_attention() -> Iterator[None]:
 
 
 def _flash_applies(qkv: tuple) -> bool:
+    """As SDPA's CPU dispatch: the flash kernel takes 4-D floating-point inputs whose heads are all one size (multi-
+    head latent attention's values are narrower than its queries: the math kernel runs it, and the flash kernel's
+    meta function would return the queries' width)."""
     return all(
         isinstance(t, Tensor) and not is_traceable_wrapper_subclass(t) and t.device.type == "meta"
-        and t.dim() == 4 and t.is_floating_point()
+        and t.dim() == 4 and t.is_floating_point() and t.shape[-1] == qkv[0].shape[-1]
         for t in qkv
     )
 

@@ -32,6 +32,16 @@ class _Dispatch:
     order: Tensor  # received rows regrouped by local expert: local row i is received row order[i]
 
 
+def counts_on_host(counts: Tensor, rows: int) -> list[int]:
+    """`counts.tolist()`: the rows routed to each expert. On the meta device (the dry run, the planner), which holds
+    no values, those of a balanced router, the `rows` spread evenly: the planning assumption, and what bias
+    balancing steers towards."""
+    if counts.device.type != "meta":
+        return counts.tolist()
+    base, extra = divmod(rows, counts.numel())
+    return [base + (i < extra) for i in range(counts.numel())]
+
+
 def apply_expert_parallel(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Shards `experts` (a grouped-experts module) in place over the 1-D `ep_mesh`; see the module doc."""
     distribute_module(experts, ep_mesh, _shard_experts, input_fn=_dispatch, output_fn=_combine)
@@ -52,7 +62,10 @@ def _dispatch(module: nn.Module, inputs: tuple[Tensor, Tensor], mesh: DeviceMesh
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     # The one host sync of a dispatch: a dropless all-to-all's split sizes, and the row counts of the local
     # experts' loop, must be known on the host. Everything else derives from this one copy ([ep][local expert]).
-    sent_counts, received_counts = torch.stack([send_counts, recv_counts]).tolist()
+    if tokens.device.type == "meta":  # balanced routing: every rank sends each expert, and receives, the same
+        sent_counts = received_counts = torch.tensor(counts_on_host(counts, tokens.shape[0])).view(ep, -1).tolist()
+    else:
+        sent_counts, received_counts = torch.stack([send_counts, recv_counts]).tolist()
     send_splits, recv_splits = [sum(row) for row in sent_counts], [sum(row) for row in received_counts]
     received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)
     # Received rows come grouped by (source rank, local expert); the experts need them by local expert.

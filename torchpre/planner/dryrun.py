@@ -115,8 +115,8 @@ def run_dry_run(config: JobConfig) -> list[RankMemory]:
     print(memory_table(results, hardware))
     if get_model_spec(config.model.name).expert_parallel is not None:
         print(
-            f"activ, opt step: not counted for model.name = '{config.model.name}': its router sends tokens by their "
-            "values, which a dry run's meta tensors do not have; the total is the model state alone"
+            f"activ: model.name = '{config.model.name}' routes tokens by their values, which meta tensors do not "
+            "have: counted for a balanced router (each expert an equal share of the routed rows)"
         )
     logger.info("dry run of %d ranks of a %d-rank world in %.1f s", len(ranks), world_size, time.perf_counter() - start)
     check_fits(results, hardware)
@@ -136,8 +136,6 @@ def probe_rank(
     job = build_job(config, Runtime(world_size, fake_rank=rank, data=data))
     try:
         memory = rank_memory(job, checkpoint)
-        if routes_by_value(job):
-            return memory, []
         in_flight, gathered = _in_flight(job), _fsdp_gathered(job)
         step = optimizer_step_bytes(job)
         parts = probe_parts(job)
@@ -148,12 +146,6 @@ def probe_rank(
     transient = max(p.total.transient_bytes for p in parts)
     activations = in_flight * saved + transient + gathered
     return dataclasses.replace(memory, activation_bytes=activations, optimizer_step_bytes=step), parts
-
-
-def routes_by_value(job: TrainingJob) -> bool:
-    """Whether the model sends tokens by their values (a Mixture of Experts' router): meta tensors have none, so
-    its activations and optimizer step cannot be counted on them (its model state can)."""
-    return job.preflight.model_spec.expert_parallel is not None
 
 
 def optimizer_step_bytes(job: TrainingJob) -> int:

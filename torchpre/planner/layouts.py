@@ -149,12 +149,6 @@ def valid_layouts(
             "The planner needs training.global_batch_size (sequences per step): set it to the batch you will train."
         )
     spec = get_model_spec(base.model.name)
-    if spec.expert_parallel is not None:
-        raise ConfigError(
-            f"model.name = '{base.model.name}': the planner cannot count a Mixture of Experts' activations and work "
-            "yet (its router sends tokens by their values, which the dry run's meta tensors do not have). "
-            "`--job.dry_run` reports its per-rank model state."
-        )
     if spec.args_from_job is not None:
         raise ConfigError(
             f"model.name = '{base.model.name}': the planner sizes a model by cutting its flavor to fewer blocks, and "

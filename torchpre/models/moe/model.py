@@ -30,6 +30,7 @@ from torchpre.models.llama3.model import FeedForward, Transformer, TransformerBl
 from torchpre.models.llama3.model import init_rule as llama3_init_rule
 from torchpre.models.moe.args import MoEArgs
 from torchpre.models.moe.routing import Routing, expert_scores, route, z_loss
+from torchpre.parallel.expert_parallel import counts_on_host
 
 
 def local_shard(weight: Tensor) -> Tensor:
@@ -70,7 +71,7 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {w1.shape[0]}")
         if _grouped_mm_takes(tokens, w1, w2):
             return _grouped_swiglu(tokens, torch.as_tensor(counts, device=tokens.device), w1, w2, w3)
-        sizes = counts if isinstance(counts, list) else counts.tolist()
+        sizes = counts if isinstance(counts, list) else counts_on_host(counts, tokens.shape[0])
         groups = torch.split(tokens[: sum(sizes)], sizes)
         outputs = [(F.silu(x @ w1[i]) * (x @ w3[i])) @ w2[i] for i, x in enumerate(groups)]
         outputs.append(tokens.new_zeros(tokens.shape[0] - sum(sizes), w2.shape[-1]))
