@@ -145,7 +145,8 @@ def data_shares(loader: StatefulDataLoader, consumed_samples: int, first_sample:
     trained = consumed_samples - first_sample
     if not isinstance(order, MixtureOrder) or trained <= 0:
         return {}
-    counts = [end - start for end, start in zip(order.source_counts(consumed_samples), order.source_counts(first_sample))]
+    before = order.source_counts(first_sample)
+    counts = [end - start for end, start in zip(order.source_counts(consumed_samples), before)]
     return {f"data_share/{source.name}": count / trained for source, count in zip(order.sources, counts)}
 
 

@@ -200,7 +200,8 @@ class TrainingJob:
             microbatch = self.config.parallelism.pipeline_parallel_microbatch_size
             self.model.n_microbatches = sizes.local_batch_size * sizes.accumulation_steps // microbatch
         if self.data is not None:
-            self.data.global_batch_size, self.data.accumulation_steps = sizes.global_batch_size, sizes.accumulation_steps
+            self.data.global_batch_size = sizes.global_batch_size
+            self.data.accumulation_steps = sizes.accumulation_steps
             if before is None or stage != before.stage:
                 self.data.enter(stage.index, plan.first_sample(stage))
         if before is not None and self.is_logging_rank:

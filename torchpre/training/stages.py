@@ -28,7 +28,8 @@ class Stage:
 
     def describe(self) -> str:
         data = ", ".join(f"{folder}={weight:g}" for folder, weight in self.mixture.items()) or "the job's data"
-        return f"data stage {self.index + 1} ('{self.name}') from step {self.start_step}: {data}, seq_len {self.seq_len}"
+        where = f"data stage {self.index + 1} ('{self.name}') from step {self.start_step}"
+        return f"{where}: {data}, seq_len {self.seq_len}"
 
 
 class StageTable:

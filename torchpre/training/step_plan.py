@@ -80,7 +80,8 @@ class StepPlan:
             if step >= steps:
                 break
             stage, sizes = shape.stage, shape.sizes
-            if self.ramp and self.unit == "tokens" and stage.seq_len != self.base.seq_len and consumed <= self.ramp.samples:
+            ramping = self.ramp is not None and consumed <= self.ramp.samples
+            if ramping and self.unit == "tokens" and stage.seq_len != self.base.seq_len:
                 raise ConfigError(
                     f"{RAMP_KEY} is still ramping (in sequences) at step {step}, where {stage.describe()} changes the "
                     "sequence length under training.global_batch_unit = 'tokens'. End the ramp before that stage "
