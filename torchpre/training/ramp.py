@@ -52,7 +52,7 @@ class BatchRamp:
         """The global batch of the step after `consumed_samples` sequences, by Megatron's formula (its floating-point
         division included, so that a run ported from Megatron ramps at the same steps)."""
         increments = (self.final - self.start) // self.increment
-        if consumed_samples > self.samples or increments == 0:
+        if consumed_samples > self.samples or increments == 0 or self.samples == 0:
             return self.final
         per_increment = self.samples / increments
         return self.start + int(consumed_samples / per_increment) * self.increment
