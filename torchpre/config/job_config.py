@@ -83,8 +83,7 @@ class Model:
 
 @dataclass
 class DataStage:
-    """One data stage of a run (a `[[training.data_stages]]` table): from its start step on, training reads its
-    mixture at its sequence length."""
+    """One data stage (a `[[training.data_stages]]` table): from its start on, training reads its data at its seq_len."""
 
     name: str = _option("", "a name for logs and metrics (default: stage-N)")
     start_step: int | None = _option(None, "the first step (0-based optimizer steps taken) of this stage")

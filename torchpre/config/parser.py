@@ -147,7 +147,20 @@ def format_reference(config_cls: type, skip: type | None = None) -> str:
             cells = (f"`--{o.key}`", _cell(o.type_name), f"`{_cell(_show(o.default))}`", _cell(o.help))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        for o in members:
+            if (table := _table_type(o.type)) is not None:
+                lines += _table_reference(o.key, table)
     return "\n".join(lines)
+
+
+def _table_reference(key: str, cls: type) -> list[str]:
+    """The keys of each table of a ``list[D]`` option (`key`), as `format_reference` lists a section's."""
+    doc = [cls.__doc__.strip(), ""] if _has_docstring(cls) else []
+    lines = [f"#### [[{key}]]", "", *doc, "| key | type | default | meaning |", "|---|---|---|---|"]
+    for o in _options(cls).values():
+        cells = (f"`{o.key}`", _cell(o.type_name), f"`{_cell(_show(o.default))}`", _cell(o.help))
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _section_class(config_cls: type, section: str) -> type:
