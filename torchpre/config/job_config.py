@@ -83,7 +83,7 @@ class Model:
 
 @dataclass
 class DataStage:
-    """One data stage (a `[[training.data_stages]]` table): from its start on, training reads its data at its seq_len."""
+    """One data stage (a `[[training.data_stages]]` table): training reads its data at its seq_len."""
 
     name: str = _option("", "a name for logs and metrics (default: stage-N)")
     start_step: int | None = _option(None, "the first step (0-based optimizer steps taken) of this stage")
