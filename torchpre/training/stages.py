@@ -112,7 +112,4 @@ def _resolve(config: JobConfig, index: int, entry: DataStage) -> Stage:
             f"'{t.dataset}'). Set training.dataset = 'shards', or leave the stage's mixture out to train on the job's "
             "data."
         )
-    bad = {folder: weight for folder, weight in entry.mixture.items() if not weight > 0}
-    if bad:
-        raise ConfigError(f"{where}: mixture weights must be positive; {bad} are not.")
     return Stage(index, name, start, entry.seq_len or t.seq_len, dict(entry.mixture))
