@@ -9,7 +9,7 @@ from torchpre.config.parser import parse_args, to_toml
 from torchpre.errors import ConfigError
 from torchpre.training.batches import BatchSizes
 from torchpre.training.ramp import BatchRamp
-from torchpre.training.stages import StageTable
+from torchpre.training.stages import StageTable, stages_change
 from torchpre.training.step_plan import StepPlan
 
 
@@ -179,3 +179,25 @@ def test_stages_read_from_toml_and_written_back(tmp_path):
     path.write_text("[[training.data_stages]]\nstart_stp = 3\n")
     with pytest.raises(ConfigError, match=r"Unknown key 'start_stp' in \[\[training.data_stages\]\] number 1"):
         parse_args(JobConfig, ["--job.config_file", str(path)])
+
+
+def test_a_resume_that_changes_a_future_stage_notes_it_and_one_that_rewrites_the_past_warns():
+    """Stage 2 starts at step 3. Resumed at step 2 its new mixture is a note (it has not started); resumed at step 5
+    the same change rewrites steps 3 and 4, which a warning says, with the stage to add instead."""
+    def table(folder: str) -> StageTable:
+        return StageTable.from_config(config([DataStage(), DataStage(start_step=3, mixture={folder: 1.0})],
+                                             dataset="shards"))  # fmt: skip
+
+    saved, moved = table("/a"), table("/b")
+    assert stages_change(saved, saved, 5, 10) == ([], [])
+    warnings, notes = stages_change(saved, moved, 2, 10)
+    assert warnings == []
+    assert notes == [
+        "training.data_stages: the steps from 2 on change from from step 2: the job's data at seq_len 32; from step 3: "
+        "{/a=1} at seq_len 32 to from step 2: the job's data at seq_len 32; from step 3: {/b=1} at seq_len 32 (they "
+        "have not been taken yet, so the run takes them as configured now)"
+    ]
+    warnings, notes = stages_change(saved, moved, 5, 10)
+    assert len(warnings) == 1 and len(notes) == 1
+    assert "it trained from step 0: the job's data at seq_len 32; from step 3: {/a=1} at seq_len 32" in warnings[0]
+    assert "add a stage with start_step = 5" in warnings[0]

@@ -7,9 +7,11 @@ training.seq_len does (`torchpre.training.batches`)."""
 
 import bisect
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torchpre.config.job_config import DataStage, JobConfig
-from torchpre.errors import ConfigError
+from torchpre.config.parser import parse_args
+from torchpre.errors import ConfigError, TorchpreError
 from torchpre.optim.lr_scheduler import decay_start_step
 
 KEY = "training.data_stages"
@@ -27,9 +29,8 @@ class Stage:
     mixture: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
-        data = ", ".join(f"{folder}={weight:g}" for folder, weight in self.mixture.items()) or "the job's data"
         where = f"data stage {self.index + 1} ('{self.name}') from step {self.start_step}"
-        return f"{where}: {data}, seq_len {self.seq_len}"
+        return f"{where}: {_mixture(self.mixture)}, seq_len {self.seq_len}"
 
 
 class StageTable:
@@ -73,6 +74,54 @@ class StageTable:
     @property
     def max_seq_len(self) -> int:
         return max(stage.seq_len for stage in self.stages)
+
+    def data_between(self, first: int, end: int) -> list[tuple[int, int, dict[str, float]]]:
+        """What steps [first, end) train on: (first step, seq_len, mixture) of each stretch, names left out."""
+        starts = sorted({first, *(stage.start_step for stage in self.stages if first < stage.start_step < end)})
+        return [(start, self.at(start).seq_len, self.at(start).mixture) for start in starts if start < end]
+
+
+def saved_stages(step_dir: Path) -> StageTable | None:
+    """The stages of the run that saved `step_dir` (from its config.toml); None when it cannot be read as this
+    version's config (a checkpoint written before a key existed or after one was removed)."""
+    try:
+        return StageTable.from_config(parse_args(JobConfig, ["--job.config_file", str(step_dir / "config.toml")]))
+    except TorchpreError:
+        return None
+
+
+def stages_change(saved: StageTable, current: StageTable, step: int, steps: int) -> tuple[list[str], list[str]]:
+    """(warnings, notes) for a resume at `step` (of `steps`) whose stages differ from the checkpoint's run's.
+
+    A change to the steps already taken is a warning, not an error: they were trained as they were, and a moved
+    shard folder changes a mixture's paths without changing its data; the resumed run reads this config's data
+    from `step` on. A change to what comes (a later stage's mixture, seq_len or start) is the point of stages:
+    a note."""
+    warnings, notes = [], []
+    if saved.data_between(0, step) != current.data_between(0, step):
+        warnings.append(
+            f"{KEY} differ from those of the run that saved step {step}, for steps it already took: it trained "
+            f"{_stretches(saved.data_between(0, step))}, this config says {_stretches(current.data_between(0, step))}. "
+            f"Those steps stay as trained; from step {step} on the run reads this config's data. To record the "
+            f"change in the config, keep the earlier stages as they were and add a stage with start_step = {step}."
+        )
+    later_saved, later_current = saved.data_between(step, steps), current.data_between(step, steps)
+    if later_saved != later_current:
+        notes.append(
+            f"{KEY}: the steps from {step} on change from {_stretches(later_saved)} to {_stretches(later_current)} "
+            "(they have not been taken yet, so the run takes them as configured now)"
+        )
+    return warnings, notes
+
+
+def _stretches(data: list[tuple[int, int, dict[str, float]]]) -> str:
+    return "; ".join(f"from step {start}: {_mixture(weights)} at seq_len {seq_len}" for start, seq_len, weights in data)
+
+
+def _mixture(weights: dict[str, float]) -> str:
+    if not weights:
+        return "the job's data"
+    return "{" + ", ".join(f"{folder}={weight:g}" for folder, weight in weights.items()) + "}"
 
 
 def _resolve(config: JobConfig, index: int, entry: DataStage) -> Stage:

@@ -22,6 +22,7 @@ from torchpre.runtime.world import Runtime
 from torchpre.training.batches import kept_global_batch
 from torchpre.training.job import build_job
 from torchpre.training.run_folder import open_metrics, save_resolved_config, set_aside_later_history
+from torchpre.training.stages import saved_stages, stages_change
 
 logger = logging.getLogger("torchpre")
 
@@ -242,8 +243,20 @@ class Trainer:
                 "to continue it unchanged",
                 step_dir, saved_batch, base, kept,
             )
+        self._compare_stages(step_dir)
         if c.load_step != -1:
             set_aside_later_history(self.config, job.checkpoint.folder, progress.step)
+
+    def _compare_stages(self, step_dir: Path) -> None:
+        """Says what a resume changes of the data stages (`stages_change`): a warning for steps already taken."""
+        saved, job = saved_stages(step_dir), self.job
+        if saved is None or not job.is_logging_rank:
+            return
+        warnings, notes = stages_change(saved, job.preflight.plan.stages, self.step, self.config.training.steps)
+        for line in warnings:
+            logger.warning(line)
+        for line in notes:
+            logger.info(line)
 
     def _close(self) -> None:
         if self.job.checkpoint is not None:
