@@ -173,14 +173,34 @@ class TrainingJob:
         """The batch sizes of the step running now (or last run; before any, the first step's)."""
         return self.shape.sizes if self.shape is not None else self.preflight.batches
 
-    def begin_step(self) -> StepShape:
+    def begin_step(self, resumed: bool = False) -> StepShape:
         """Puts every component on the shape of the step about to run (`StepPlan.at`: a global-batch ramp's
-        batch, a data stage's data and seq_len), where it differs from the last step's."""
+        batch, a data stage's data and seq_len), where it differs from the last step's, and logs the change; after
+        a checkpoint is loaded (`resumed`) it logs where the run resumes instead."""
         consumed = self.data.consumed_samples if self.data is not None else 0
         shape = self.preflight.plan.at(self.progress.step, consumed)
         if shape != self.shape:
+            before = self.shape
             self._use(shape)
+            if before is not None and not resumed and self.is_logging_rank:
+                self._log_change(before, shape, consumed)
+        if resumed and self.preflight.plan.phased and self.is_logging_rank:
+            logger.info(
+                "resuming at step %d after %d samples: global batch %d, %s", self.progress.step, consumed,
+                shape.sizes.global_batch_size, shape.stage.describe(),
+            )  # fmt: skip
         return shape
+
+    def _log_change(self, before: StepShape, shape: StepShape, consumed: int) -> None:
+        step, sizes = self.progress.step + 1, shape.sizes
+        if shape.stage != before.stage:
+            logger.info("step %d: %s", step, shape.stage.describe())
+        if sizes.global_batch_size != before.sizes.global_batch_size:
+            logger.info(
+                "step %d: global batch %d -> %d (training.batch_rampup after %d samples): %d microbatches of %d per DP "
+                "rank", step, before.sizes.global_batch_size, sizes.global_batch_size, consumed,
+                sizes.accumulation_steps, sizes.local_batch_size,
+            )  # fmt: skip
 
     def _use(self, shape: StepShape) -> None:
         """Sets what depends on the global batch and the seq_len: the loss's divisor (the mean stays over all
@@ -192,8 +212,10 @@ class TrainingJob:
         self.loss.tokens_per_step = sizes.tokens_per_step
         self.metrics.tokens_per_step, self.metrics.global_batch_size = sizes.tokens_per_step, sizes.global_batch_size
         self.metrics.flops_per_token = spec.flops_per_token(args, self.num_params, sizes.seq_len)
-        for part in self.model.parts:
-            spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
+        scaled_for = before.sizes.global_batch_size if before else self.preflight.batches.global_batch_size
+        if sizes.global_batch_size != scaled_for:  # `_build_model` scaled it for the job's global batch
+            for part in self.model.parts:
+                spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
         self.guard.global_batch_size = self.progress.global_batch_size = sizes.global_batch_size
         self.progress.layout |= {"accumulation_steps": sizes.accumulation_steps, "seq_len": sizes.seq_len}
         if self.pipeline is not None:
@@ -204,16 +226,6 @@ class TrainingJob:
             self.data.accumulation_steps = sizes.accumulation_steps
             if before is None or stage != before.stage:
                 self.data.enter(stage.index, plan.first_sample(stage))
-        if before is not None and self.is_logging_rank:
-            if stage != before.stage:
-                logger.info("step %d: %s", self.progress.step + 1, stage.describe())
-            if sizes.global_batch_size != before.sizes.global_batch_size:
-                logger.info(
-                    "step %d: global batch %d -> %d (training.batch_rampup after %d samples): %d microbatches of %d "
-                    "per DP rank", self.progress.step + 1, before.sizes.global_batch_size, sizes.global_batch_size,
-                    self.data.consumed_samples if self.data is not None else 0, sizes.accumulation_steps,
-                    sizes.local_batch_size,
-                )  # fmt: skip
 
     @property
     def pipeline(self) -> PipelinePlan | None:

@@ -29,7 +29,7 @@ class Stage:
     mixture: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
-        where = f"data stage {self.index + 1} ('{self.name}') from step {self.start_step}"
+        where = f"data stage {self.index + 1} ('{self.name}', start_step {self.start_step})"
         return f"{where}: {_mixture(self.mixture)}, seq_len {self.seq_len}"
 
 

@@ -223,7 +223,7 @@ class Trainer:
                 job.checkpoint.load(Path(c.initial_load_path), weights_only=True)
             return
         job.checkpoint.load(step_dir)
-        job.begin_step()  # the resumed step's global batch and data stage, which the messages below compare
+        job.begin_step(resumed=True)  # the resumed step's global batch and data stage, which the messages below compare
         progress, global_batch_size = job.progress, job.batches.global_batch_size
         self.last_checkpoint_step = progress.step
         change = layout_change(progress.saved_layout, progress.layout, step_dir, progress.step, global_batch_size)
