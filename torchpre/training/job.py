@@ -212,8 +212,9 @@ class TrainingJob:
         self.loss.tokens_per_step = sizes.tokens_per_step
         self.metrics.tokens_per_step, self.metrics.global_batch_size = sizes.tokens_per_step, sizes.global_batch_size
         self.metrics.flops_per_token = spec.flops_per_token(args, self.num_params, sizes.seq_len)
-        scaled_for = before.sizes.global_batch_size if before else self.preflight.batches.global_batch_size
-        if sizes.global_batch_size != scaled_for:  # `_build_model` scaled it for the job's global batch
+        base = self.preflight.batches
+        scaled_for = (before.sizes if before else base).global_batch_size, (before.sizes if before else base).seq_len
+        if (sizes.global_batch_size, sizes.seq_len) != scaled_for:  # `_build_model` scaled it for the job's batch
             for part in self.model.parts:
                 spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
         self.guard.global_batch_size = self.progress.global_batch_size = sizes.global_batch_size
