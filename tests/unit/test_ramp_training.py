@@ -1,5 +1,6 @@
 """A ramped job on one process, step by step: each step reads its own global batch (as more microbatches), its loss
-is the mean token cross-entropy over that batch (not over the final one), and the data position advances by it."""
+is the mean token cross-entropy over that batch (not over the final one), the data position advances by it, and
+MoE's auxiliary loss is scaled by it."""
 
 from pathlib import Path
 
@@ -45,5 +46,26 @@ def test_each_step_of_a_ramp_is_the_mean_over_its_own_batch_and_advances_the_dat
         assert counts == [1, 2, 3]
         assert positions == [2, 6, 12]
         assert job.progress.state_dict()["global_batch_size"] == 6
+    finally:
+        shutdown_distributed()
+
+
+def test_the_moe_auxiliary_loss_follows_the_ramps_batch(tmp_path: Path) -> None:
+    """MoE's load-balancing loss is a mean over the global batch's sequences (`set_aux_loss_scale`): under a ramp its
+    scale is 1 / the step's batch, 1/2, 1/4 and 1/6 here."""
+    config = parse_args(JobConfig, [
+        "--model.name", "moe", "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size",
+        "2", "--training.global_batch_size", "6", "--training.batch_rampup", "2,2,4", "--training.steps", "3",
+        "--job.dump_folder", str(tmp_path),
+    ])  # fmt: skip
+    try:
+        job = Trainer(config).job
+        scales = []
+        for batch in (2, 4, 6):
+            job.begin_step()
+            scales.append({moe.aux_loss_scale for moe in job.model.parts[0].moe_layers()})
+            job.progress.step += 1
+            job.data.consumed_samples += batch
+        assert scales == [{1 / 2}, {1 / 4}, {1 / 6}]
     finally:
         shutdown_distributed()
