@@ -133,8 +133,8 @@ class Training:
     global_batch_unit: Literal["sequences", "tokens"] = _option(
         "sequences",
         "what a resume with another training.seq_len keeps of the checkpoint's global batch (with "
-        "global_batch_size = -1): 'sequences' their number, 'tokens' the tokens per step (the sequences scale by "
-        "old seq_len / new seq_len)",
+        "global_batch_size = -1), and a data stage at another seq_len of the global batch: 'sequences' their number, "
+        "'tokens' the tokens per step (the sequences scale by old seq_len / new seq_len)",
     )
     steps: int = _option(100, "optimizer steps to train")
     seed: int = _option(42, "seed of the initial weights and the data order")
