@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tests.integration.test_checkpoint import losses, read_checkpoint, resume
+from tests.integration.test_checkpoint import losses, read_checkpoint, resume, resume_with_log
 from tests.integration.test_data_at_scale import documents
 from tests.launch import TINY, train_and_read_metrics
 from tests.unit.test_shard_data import write_shard_folder
@@ -65,8 +65,9 @@ def test_the_recipe_ramps_and_changes_stage_on_one_process(one_process):
 
 def test_dp2_zero3_stopped_mid_ramp_resumes_under_tp2_on_the_same_losses(recipe, one_process, tmp_path):
     """dp2 x ZeRO-3 (1, 1, 2, 3 microbatches of 2 per rank as the batch grows) checkpoints every 2 steps; its step-2
-    checkpoint (8 samples consumed, the ramp half way) resumes as tp2 (2, 4, 6 microbatches on one DP rank).
-    Measured: dp2 x ZeRO-3 within 4.8e-7 of one process, the tp2 resume equal to it."""
+    checkpoint (8 samples consumed, the ramp half way) resumes as tp2 (2, 4, 6 microbatches on one DP rank), and the
+    tp2 run's step-6 checkpoint on one process, at the first step of the annealing stage.
+    Measured: dp2 x ZeRO-3 within 4.8e-7 of one process, the tp2 resume and the annealing resume equal to it."""
     args = [*recipe, "--checkpoint.enable", "--checkpoint.interval", "2"]
     dp2 = train_and_read_metrics([*args, *DP2_ZERO3], 2, tmp_path)
     assert losses(dp2) == pytest.approx(losses(one_process), abs=LOSS_ATOL)
@@ -80,6 +81,10 @@ def test_dp2_zero3_stopped_mid_ramp_resumes_under_tp2_on_the_same_losses(recipe,
     final = read_checkpoint(tmp_path / "checkpoint" / "step-8", tmp_path)
     assert final["dataloader"]["consumed_samples"] == sum(BATCHES)
     assert (final["train"]["global_batch_size"], final["train"]["seq_len"]) == (12, 64)
+    # A resume at the annealing stage's first step, on one process, enters it from the checkpoint alone.
+    annealing, log = resume_with_log(tmp_path, args, 1, from_step=6)
+    assert "resuming at step 6 after 52 samples: global batch 12, data stage 2 ('anneal', start_step 6)" in log
+    assert losses(annealing) == pytest.approx(losses(one_process)[6:], abs=LOSS_ATOL)
 
 
 @pytest.mark.parametrize(
