@@ -8,6 +8,7 @@ fp32 on CPU: the layouts change only reduction orders (measured: at most 9.5e-7 
 within 1e-5."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -81,9 +82,14 @@ def test_dp2_zero3_stopped_mid_ramp_resumes_under_tp2_on_the_same_losses(recipe,
     final = read_checkpoint(tmp_path / "checkpoint" / "step-8", tmp_path)
     assert final["dataloader"]["consumed_samples"] == sum(BATCHES)
     assert (final["train"]["global_batch_size"], final["train"]["seq_len"]) == (12, 64)
-    # A resume at the annealing stage's first step, on one process, enters it from the checkpoint alone.
-    annealing, log = resume_with_log(tmp_path, args, 1, from_step=6)
+    # A resume at the annealing stage's first step, on one process, enters it from the checkpoint alone. Its config
+    # weighs the stage's one folder 2 instead of 1: the same data, but a change to a stage still to come, noted.
+    config = tmp_path / "reweighted.toml"
+    config.write_text(Path(recipe[1]).read_text().replace(" = 1 }", " = 2 }"))
+    annealing, log = resume_with_log(tmp_path, [*args, "--job.config_file", str(config)], 1, from_step=6)
     assert "resuming at step 6 after 52 samples: global batch 12, data stage 2 ('anneal', start_step 6)" in log
+    assert "training.data_stages: the steps from 6 on change from from step 6: {" in log
+    assert "hq=1} at seq_len 64 to from step 6: {" in log and "hq=2} at seq_len 64 (they have not been taken" in log
     assert losses(annealing) == pytest.approx(losses(one_process)[6:], abs=LOSS_ATOL)
 
 
