@@ -201,3 +201,13 @@ def test_a_resume_that_changes_a_future_stage_notes_it_and_one_that_rewrites_the
     assert len(warnings) == 1 and len(notes) == 1
     assert "it trained from step 0: the job's data at seq_len 32; from step 3: {/a=1} at seq_len 32" in warnings[0]
     assert "add a stage with start_step = 5" in warnings[0]
+
+
+def test_the_peak_shape_a_memory_estimate_holds_is_the_largest_batch_and_the_longest_stage():
+    """The dry run sizes activations for the most sequences per DP rank (the ramp's end, 8 on dp1, 4 on dp2) and
+    the longest stage's seq_len (64), though the first step runs 2 sequences of 32."""
+    stages = [DataStage(), DataStage(start_step=4, seq_len=64)]
+    assert plan(stages, ramp="2,2,12").peak(10) == (8, 64)
+    assert plan(stages, ramp="4,4,12", dp=2).peak(10) == (4, 64)
+    assert plan(stages, ramp="2,2,12").peak(3) == (4, 32)  # 3 steps: batches 2, 2, 4, the first stage only
+    assert plan([]).peak(10) == (8, 32)

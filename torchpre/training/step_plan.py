@@ -71,6 +71,12 @@ class StepPlan:
                 return consumed
         return 0
 
+    def peak(self, steps: int) -> tuple[int, int]:
+        """(the most sequences a DP rank runs in one step, the longest seq_len) over the run's `steps` steps: the
+        shapes a memory estimate must hold (they need not occur in the same step)."""
+        shapes = [shape.sizes for step, _, shape in self.walk() if step < steps] or [self.at(0, 0).sizes]
+        return max(s.local_batch_size * s.accumulation_steps for s in shapes), max(s.seq_len for s in shapes)
+
     def check(self, steps: int, check_microbatches: Callable[[int], None]) -> None:
         """Every shape the run takes in `steps` steps, checked before any work: whole rounds of
         local_batch_size x dp, whole sequences under 'tokens', and `check_microbatches(sequences per DP rank)`
