@@ -63,6 +63,8 @@ DEEPSEEK_V3_MLA_TEST = "tests/unit/test_deepseek_v3.py::test_mla_alone_equals_tr
 DEEPSEEK_V3_CACHE_TEST = (
     "tests/unit/test_deepseek_v3.py::test_generation_with_the_latent_cache_equals_decoding_without_a_cache[query-latent]"
 )
+RAMP_TRAINING_TEST = "tests/unit/test_ramp_training.py"
+STEP_PLAN_TEST = "tests/unit/test_step_plan.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
@@ -337,6 +339,22 @@ BREAKS = [
           "            if True:",
           (f"{HF_EXPORT_EVAL}::test_both_ranks_write_a_part_and_neither_the_whole_model",),
           "every rank gathers and writes the whole model"),
+    Break("ramp-loss-normalised-by-final-batch", "torchpre/training/job.py",
+          "        self.loss.tokens_per_step = sizes.tokens_per_step",
+          "        self.loss.tokens_per_step = self.preflight.batches.tokens_per_step",
+          (RAMP_TRAINING_TEST,), "a ramped step's loss divides by the final global batch's tokens, not its own"),
+    Break("ramp-data-position-by-final-batch", "torchpre/training/job.py",
+          "            self.data.global_batch_size = sizes.global_batch_size",
+          "            self.data.global_batch_size = self.preflight.batches.global_batch_size",
+          (RAMP_TRAINING_TEST,), "the data position advances by the final global batch during a ramp"),
+    Break("ramp-rounds-instead-of-truncating", "torchpre/training/ramp.py",
+          "        return self.start + int(consumed_samples / per_increment) * self.increment",
+          "        return self.start + round(consumed_samples / per_increment) * self.increment",
+          (STEP_PLAN_TEST,), "the ramp grows the batch half an increment early (not Megatron's formula)"),
+    Break("data-stage-lookup-off-by-one", "torchpre/training/stages.py",
+          "        return self.stages[bisect.bisect_right(self._starts, step) - 1]",
+          "        return self.stages[bisect.bisect_left(self._starts, step) - 1]",
+          (STEP_PLAN_TEST,), "a data stage begins one step after its start step"),
 ]
 
 

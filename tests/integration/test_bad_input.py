@@ -104,6 +104,10 @@ def files(tmp_path_factory) -> Path:
     (d / "unknown_key.toml").write_text("[training]\nsteps = 2\nlocal_batch = 4\n")
     (d / "wrong_type.toml").write_text('[training]\nsteps = "ten"\n')
     (d / "malformed.toml").write_text("[training\nsteps = 2\n")
+    (d / "stages_backwards.toml").write_text(
+        "[training]\nsteps = 10\n[[training.data_stages]]\n[[training.data_stages]]\nstart_step = 6\n"
+        "[[training.data_stages]]\nstart_fraction = 0.4\n"
+    )
     (d / "a_file").write_text("not a folder\n")
     (d / "corrupt.model").write_text("this is not a tiktoken file\n")
     (d / "no_bytes.model").write_text("YQ== 0\n")  # one token, 'a': most bytes cannot be encoded
@@ -216,6 +220,18 @@ CATALOGUE = [
     case("lr-negative", ["--optimizer.lr", "-1e-3"], ["optimizer.lr = -0.001", "positive"]),
     case("local-batch-zero", ["--training.local_batch_size", "0"], ["training.local_batch_size = 0"]),
     case("global-batch-negative", ["--training.global_batch_size", "-2"], ["training.global_batch_size = -2", "-1"]),
+    case("ramp-syntax", ["--training.global_batch_size", "8", "--training.batch_rampup", "4,4"],
+         ['training.batch_rampup = "4,4"', '"start,increment,samples"']),
+    case("ramp-start-above-global", ["--training.global_batch_size", "8", "--training.batch_rampup", "16,4,100"],
+         ["training.batch_rampup starts at 16 sequences", "training.global_batch_size = 8"]),
+    case("ramp-not-divisible-dp2",
+         ["--training.global_batch_size", "16", "--training.batch_rampup", "4,2,100",
+          "--parallelism.data_parallel_degree", "2"],
+         ["training.batch_rampup", "4, 6, 10, 12, 14 are not divisible", "4 x 2 = 8", "multiples of 8"], ranks=2),
+    case("stages-go-backwards", ["--job.config_file", "{d}/stages_backwards.toml"],
+         ["training.data_stages: stage 3 ('stage-3') starts at step 4, not after stage 2", "overlap or go backwards"]),
+    case("stages-on-the-command-line", ["--training.data_stages", "0"],
+         ["'training.data_stages'", "[[training.data_stages]] tables"]),
     case("global-batch-indivisible", ["--training.global_batch_size", "6"], ["global_batch_size = 6", "multiple of 4"]),
     case("seq-len-zero", ["--training.seq_len", "0"], ["training.seq_len = 0"]),
     case("seq-len-longer-than-the-data", [*TEXT[:3], "{d}/short.txt"], ["{d}/short.txt", "training.seq_len + 1 = 33"]),

@@ -1,7 +1,8 @@
 """Context extension as a resumed stage: a checkpoint trained on 32-token sequences resumes on 64-token ones, on one
 process and split over two cp ranks; both say what changed, and train on identically (the longer RoPE table, the
 kept data position and global batch in sequences do not depend on the layout). A new RoPE base takes effect (the
-RoPE table is no checkpoint entry), and training.global_batch_unit = 'tokens' keeps the tokens per step."""
+RoPE table is no checkpoint entry), and training.global_batch_unit = 'tokens' keeps the tokens per step. The same
+stage change inside one uninterrupted run (`[[training.data_stages]]`) takes the resumed run's steps."""
 
 import json
 import shutil
@@ -10,13 +11,16 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_checkpoint import read_checkpoint
-from tests.launch import TINY, run_entry, run_train
+from tests.launch import TINY, run_entry, run_train, train_and_read_metrics
 from torchpre.checkpoint.state import checkpoint_metadata
 
 pytestmark = pytest.mark.slow
 
-STAGE_1 = [*TINY, "--training.seq_len", "32", "--training.steps", "4", "--checkpoint.enable"]
-STAGE_2 = [*TINY, "--training.seq_len", "64", "--training.steps", "8", "--checkpoint.enable"]
+# A constant LR after warmup (no decay), so that the 4-step stage 1 and an 8-step uninterrupted run take their first
+# steps at the same LR.
+CONSTANT_LR = ["--lr_scheduler.decay_ratio", "0"]
+STAGE_1 = [*TINY, *CONSTANT_LR, "--training.seq_len", "32", "--training.steps", "4", "--checkpoint.enable"]
+STAGE_2 = [*TINY, *CONSTANT_LR, "--training.seq_len", "64", "--training.steps", "8", "--checkpoint.enable"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 # fp32 on CPU: the cp2 resume reorders only the key/value gradient sums (the cp parity rows measure 1.9e-6).
 LOSS_ATOL = 1e-5
@@ -93,3 +97,21 @@ def test_a_global_batch_in_tokens_keeps_the_tokens_per_step_and_the_data_positio
     saved = read_checkpoint(tmp_path / "tokens" / "checkpoint" / "step-8", tmp_path)
     assert saved["dataloader"]["consumed_samples"] == 4 * 4 + 4 * 2
     assert (saved["train"]["global_batch_size"], saved["train"]["seq_len"]) == (2, 64)
+
+
+def test_a_stage_change_inside_one_run_takes_the_resumed_stages_steps(stage_1, one_process, tmp_path):
+    """One uninterrupted run whose second data stage starts at step 4 at seq_len 64 trains on exactly the losses of
+    stage 1 then its resume at seq_len 64 (one process: bitwise, measured), and so does it under cp2 (measured:
+    within 9.5e-7 of one process): the stage's data continues at the same global sample, its global batch is
+    kept in sequences, and the RoPE table of the longer stage gives the first stage's positions the same rows."""
+    config = tmp_path / "stages.toml"
+    config.write_text('[[training.data_stages]]\nname = "short"\n[[training.data_stages]]\nname = "long"\n'
+                      "start_step = 4\nseq_len = 64\n")  # fmt: skip
+    args = ["--job.config_file", str(config), *TINY, *CONSTANT_LR, "--training.steps", "8"]
+    args += ["--training.global_batch_size", "4"]  # TINY's one process's; cp2 has one DP rank too
+    straight = train_and_read_metrics(args, 1, tmp_path / "one")
+    before = [json.loads(line) for line in (stage_1 / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in straight] == [r["loss"] for r in before + one_process]
+    assert [r["data_stage"] for r in straight] == [1] * 4 + [2] * 4
+    cp2 = train_and_read_metrics([*args, *CP2], 2, tmp_path / "cp2")
+    assert [r["loss"] for r in cp2] == pytest.approx([r["loss"] for r in straight], abs=LOSS_ATOL)

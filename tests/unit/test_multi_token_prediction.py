@@ -36,6 +36,7 @@ def model_and_tokens() -> tuple[DeepSeekV3Transformer, torch.Tensor]:
     model = DeepSeekV3Transformer(ARGS)
     model.init_weights(seed=0)
     model.set_aux_loss_scale(1 / BATCH)
+    model.set_token_loss_scale(1 / (BATCH * SEQ))
     tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return model, tokens
 

@@ -91,6 +91,20 @@ class Model:
 
 
 @dataclass
+class DataStage:
+    """One data stage (a `[[training.data_stages]]` table): training reads its data at its seq_len."""
+
+    name: str = _option("", "a name for logs and metrics (default: stage-N)")
+    start_step: int | None = _option(None, "the first step (0-based optimizer steps taken) of this stage")
+    start_fraction: float | None = _option(None, "the first step as a fraction of training.steps, in [0, 1)")
+    start_at_decay: bool = _option(False, "start where the LR schedule's decay starts (the WSD annealing stage)")
+    mixture: dict[str, float] = _option(
+        {}, "shard folders and their weights, as training.dataset_mixture; empty = the job's data (training.dataset*)"
+    )
+    seq_len: int = _option(0, "tokens per sequence in this stage; 0 = training.seq_len")
+
+
+@dataclass
 class Training:
     """Data, batch sizes, sequence length, steps, precision and the step's health checks."""
 
@@ -114,11 +128,22 @@ class Training:
         -1, "sequences per optimizer step; -1 = local_batch_size x DP, larger values accumulate gradients"
     )
     seq_len: int = _option(256, "tokens per sequence")
+    batch_rampup: str = _option(
+        "",
+        "'start,increment,samples': Megatron's --rampup-batch-size; the global batch starts at `start` sequences and "
+        "grows by `increment` every samples / ((global_batch_size - start) / increment) sequences until it reaches "
+        "training.global_batch_size; empty = no ramp",
+    )
+    data_stages: list[DataStage] = _option(
+        [],
+        "[[training.data_stages]] tables, in order: each has start_step, start_fraction or start_at_decay (the first "
+        "starts at step 0), and optionally name, mixture (shard folders = weights) and seq_len; see docs/recipes.md",
+    )
     global_batch_unit: Literal["sequences", "tokens"] = _option(
         "sequences",
         "what a resume with another training.seq_len keeps of the checkpoint's global batch (with "
-        "global_batch_size = -1): 'sequences' their number, 'tokens' the tokens per step (the sequences scale by "
-        "old seq_len / new seq_len)",
+        "global_batch_size = -1), and a data stage at another seq_len of the global batch: 'sequences' their number, "
+        "'tokens' the tokens per step (the sequences scale by old seq_len / new seq_len)",
     )
     steps: int = _option(100, "optimizer steps to train")
     seed: int = _option(42, "seed of the initial weights and the data order")

@@ -7,8 +7,9 @@ has that field) > dataclass defaults, and every mistake raises a `ConfigError` t
 where the value came from and, for unknown names, the closest valid one.
 
 Option types: ``str``, ``int``, ``float``, ``bool``, ``Literal`` of strings, ``list[T]`` and
-``dict[str, T]`` of those, and ``X | None`` of any of these. Ints are accepted for floats; bools
-are not ints and floats are not ints. On the command line:
+``dict[str, T]`` of those, and ``X | None`` of any of these; and ``list[D]`` of a dataclass ``D`` of
+such options, a TOML array of tables (``[[section.key]]``), set in the file only. Ints are accepted
+for floats; bools are not ints and floats are not ints. On the command line:
 
 - ``--a.b value`` or ``--a.b=value``; a bool also takes a bare ``--a.b`` (true), or
   true/false, 1/0, yes/no;
@@ -146,7 +147,20 @@ def format_reference(config_cls: type, skip: type | None = None) -> str:
             cells = (f"`--{o.key}`", _cell(o.type_name), f"`{_cell(_show(o.default))}`", _cell(o.help))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        for o in members:
+            if (table := _table_type(o.type)) is not None:
+                lines += _table_reference(o.key, table)
     return "\n".join(lines)
+
+
+def _table_reference(key: str, cls: type) -> list[str]:
+    """The keys of each table of a ``list[D]`` option (`key`), as `format_reference` lists a section's."""
+    doc = [cls.__doc__.strip(), ""] if _has_docstring(cls) else []
+    lines = [f"#### [[{key}]]", "", *doc, "| key | type | default | meaning |", "|---|---|---|---|"]
+    for o in _options(cls).values():
+        cells = (f"`{o.key}`", _cell(o.type_name), f"`{_cell(_show(o.default))}`", _cell(o.help))
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _section_class(config_cls: type, section: str) -> type:
@@ -241,6 +255,8 @@ def _base_type_name(tp: Any, containers: bool) -> str:
         return tp.__name__
     if origin is Literal and args and all(isinstance(a, str) for a in args):
         return "{" + ",".join(args) + "}"
+    if containers and origin is list and dataclasses.is_dataclass(args[0]):
+        return "list[table]"
     if containers and origin is list:
         return f"list[{_base_type_name(args[0], containers=False)}]"
     if containers and origin is dict and args[0] is str:
@@ -254,10 +270,33 @@ def _base_type_name(tp: Any, containers: bool) -> str:
 def _convert(option: _Option, value: Any, source: str, from_cli: bool) -> Any:
     """`value` (TOML data, or command-line text) as the option's type, or a ConfigError saying why."""
     try:
+        if _table_type(option.type) is not None:
+            return _tables(option, value, source, from_cli)
         return _coerce(value, option.type, from_cli)
     except _BadValue as e:
         detail = str(e) or f"expected {option.type_name}"
         raise ConfigError(f"Invalid value {value!r} for '{option.key}' {source}: {detail}.") from None
+
+
+def _table_type(tp: Any) -> type | None:
+    """The dataclass of a ``list[D]`` option (a TOML array of tables), else None."""
+    args = get_args(tp)
+    return args[0] if get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]) else None
+
+
+def _tables(option: _Option, value: Any, source: str, from_cli: bool) -> list[Any]:
+    """A TOML array of tables as a list of the option's dataclass, each checked like a section of its own."""
+    if from_cli:
+        raise _BadValue(f"set it in the TOML file, as [[{option.key}]] tables")
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise _BadValue(f"expected an array of tables, [[{option.key}]]")
+    cls = _table_type(option.type)
+    options = _options(cls)
+    defaults = {key: entry.default for key, entry in options.items()}
+    return [
+        _build(cls, defaults | _from_toml(item, options, f"in [[{option.key}]] number {i + 1} {source}"))
+        for i, item in enumerate(value)
+    ]
 
 
 def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
@@ -401,6 +440,9 @@ def _toml_blocks(config: Any, path: str) -> list[str]:
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             nested += _toml_blocks(value, f"{path}.{f.name}" if path else f.name)
+        elif value and isinstance(value, list) and dataclasses.is_dataclass(value[0]):
+            key = f"{path}.{f.name}" if path else f.name
+            nested += ["\n".join([f"[[{key}]]", *_toml_blocks(item, "")]) for item in value]
         elif value is None:
             own.append(f"# {f.name} is None (TOML has no null)")
         else:

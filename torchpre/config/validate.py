@@ -101,20 +101,33 @@ def _validate_dataset(config: JobConfig) -> None:
         )
     if t.dataset != "shards":
         return
-    if bool(t.dataset_path) == bool(t.dataset_mixture):
+    # Data stages that all bring their own mixture need no data of the job's own.
+    staged = bool(t.data_stages) and all(stage.mixture for stage in t.data_stages)
+    if bool(t.dataset_path) == bool(t.dataset_mixture) and not (staged and not t.dataset_path):
         raise ConfigError(
             "training.dataset = 'shards' needs exactly one of training.dataset_path (one shard folder) and "
-            "training.dataset_mixture (folders and weights)."
+            "training.dataset_mixture (folders and weights), or a mixture in every [[training.data_stages]] table."
         )
     key = "training.dataset_path" if t.dataset_path else "training.dataset_mixture"
     for path in [t.dataset_path] if t.dataset_path else t.dataset_mixture:
         _check_shard_folder(key, path)
-    for path, weight in t.dataset_mixture.items():
-        if not (math.isfinite(weight) and weight > 0):
-            raise ConfigError(
-                f"training.dataset_mixture: the weight of '{path}' is {weight}; weights must be positive "
-                "numbers (they are normalised to sum to 1)."
-            )
+    mixtures = [("training.dataset_mixture", t.dataset_mixture)]
+    mixtures += [(f"training.data_stages stage {i + 1}'s mixture", s.mixture) for i, s in enumerate(t.data_stages)]
+    for key, mixture in mixtures:
+        for path, weight in mixture.items():
+            _check_shard_folder(key, path)
+            if not (math.isfinite(weight) and weight > 0):
+                raise ConfigError(
+                    f"{key}: the weight of '{path}' is {weight}; weights must be positive numbers (they are "
+                    "normalised to sum to 1)."
+                )
+    v = config.validation
+    if v.enable and not v.dataset and not (t.dataset_path or t.dataset_mixture):
+        raise ConfigError(
+            "validation.enable holds out part of the job's data (validation.split_fraction), but every "
+            "[[training.data_stages]] table brings its own mixture and training.dataset_path and dataset_mixture are "
+            "empty. Give validation data of its own (validation.dataset, validation.dataset_path) or the job's data."
+        )
 
 
 def _validate_text_source(section: str, dataset: str, dataset_path: str) -> None:

@@ -2,6 +2,7 @@
 
 import math
 import warnings
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import torch
@@ -74,16 +75,38 @@ class TrainingData:
     (`consumed_samples`), which a checkpoint saves (`state_dict`) and a resume, under any layout, continues from.
 
     Not the sampler's own counter, which runs ahead of training by the batches that loader workers prefetch: the
-    loop says when a step is done (`step_done`), and a resume puts the sampler where training stopped."""
+    loop says when a step is done (`step_done`), and a resume puts the sampler where training stopped.
 
-    def __init__(self, loader: StatefulDataLoader, global_batch_size: int, accumulation_steps: int):
-        self.loader, self.global_batch_size, self.accumulation_steps = loader, global_batch_size, accumulation_steps
+    `loader` reads data stage `stage` (any hashable key); with data stages, `loader_for(stage)` builds another
+    stage's and `enter(stage)` switches to it at the current position. The job sets `global_batch_size` and
+    `accumulation_steps` before each step whose batch differs (a global-batch ramp)."""
+
+    def __init__(
+        self,
+        loader: StatefulDataLoader,
+        global_batch_size: int,
+        accumulation_steps: int,
+        stage: Hashable = None,
+        loader_for: Callable[[Hashable], StatefulDataLoader] | None = None,
+    ):
+        self.loader, self.stage, self.loader_for = loader, stage, loader_for
+        self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
         self.consumed_samples = 0
+        self.stage_first_sample = 0  # where the stage's data began: `shares` counts from there
         self._batches = None
+
+    def enter(self, stage: Hashable, first_sample: int) -> None:
+        """Trains on `stage`'s data from the current position on (its loader continues that stage's order at
+        `consumed_samples`); `first_sample` is the global sample its data began at."""
+        self.stage_first_sample = first_sample
+        if stage == self.stage:
+            return
+        self.stage, self.loader, self._batches = stage, self.loader_for(stage), None
+        self.loader.batch_sampler.load_state_dict({"consumed_samples": self.consumed_samples})
 
     def next_step(self) -> list[Batch]:
         """This rank's microbatches of the next optimizer step (`accumulation_steps` of them)."""
-        if self._batches is None:  # from the position a resume set
+        if self._batches is None:  # from the position a resume (or a stage change) set
             self._batches = iter(self.loader)
         return [next(self._batches) for _ in range(self.accumulation_steps)]
 
@@ -91,8 +114,8 @@ class TrainingData:
         self.consumed_samples += self.global_batch_size
 
     def shares(self) -> dict[str, float]:
-        """`data_share/NAME` of the tokens trained on so far (see `data_shares`)."""
-        return data_shares(self.loader, self.consumed_samples)
+        """`data_share/NAME` of the tokens trained on so far in this stage (see `data_shares`)."""
+        return data_shares(self.loader, self.consumed_samples, self.stage_first_sample)
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}
@@ -101,6 +124,7 @@ class TrainingData:
         """Resumes the data order at the saved global sample (before the loader is first iterated)."""
         self.consumed_samples = int(state_dict["consumed_samples"])
         self.loader.batch_sampler.load_state_dict({"consumed_samples": self.consumed_samples})
+        self._batches = None
 
 
 def pins_memory(device: torch.device) -> bool:
@@ -109,18 +133,21 @@ def pins_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def data_shares(loader: StatefulDataLoader, consumed_samples: int) -> dict[str, float]:
-    """`data_share/NAME`: the fraction of the tokens trained on so far (the first `consumed_samples`
-    global positions) that came from each source of a mixture; empty for a single source.
+def data_shares(loader: StatefulDataLoader, consumed_samples: int, first_sample: int = 0) -> dict[str, float]:
+    """`data_share/NAME`: the fraction of the tokens trained on in the global positions [first_sample,
+    consumed_samples) (a data stage's, or the whole run's) that came from each source of a mixture; empty for a
+    single source.
 
     Every sample has seq_len + 1 tokens, so token shares equal sample shares, and they are computed
     from the order, so they are the same for every layout and across resumes.
     """
     order = loader.batch_sampler.order
-    if not isinstance(order, MixtureOrder) or consumed_samples == 0:
+    trained = consumed_samples - first_sample
+    if not isinstance(order, MixtureOrder) or trained <= 0:
         return {}
-    counts = order.source_counts(consumed_samples)
-    return {f"data_share/{source.name}": count / consumed_samples for source, count in zip(order.sources, counts)}
+    before = order.source_counts(first_sample)
+    counts = [end - start for end, start in zip(order.source_counts(consumed_samples), before)]
+    return {f"data_share/{source.name}": count / trained for source, count in zip(order.sources, counts)}
 
 
 def held_out_samples(

@@ -55,6 +55,8 @@ class _Interval:
     """What the steps since the last metrics record add up."""
 
     steps: int = 0
+    tokens: int = 0  # trained on (a global-batch ramp or a data stage changes them from step to step)
+    samples: int = 0
     data_s: float = 0.0  # waiting for batches
     checkpoint_s: float = 0.0  # saves (they happen between steps, so no step time holds them)
 
@@ -120,6 +122,8 @@ class TrainingMetrics:
     def step_done(self) -> None:
         self.step_times.step()
         self._interval.steps += 1
+        self._interval.tokens += self.tokens_per_step
+        self._interval.samples += self.global_batch_size
 
     def restart_interval(self) -> None:
         """The next interval's first step starts now (after a record and whatever followed it)."""
@@ -159,7 +163,11 @@ class TrainingMetrics:
             self._cost_s = time.perf_counter() - start
             evaluated = evaluate() if evaluate is not None else {}
             start = time.perf_counter()
-            self._write(step, step_time, interval.data_s / steps, timings, rank_times, values, maxima, extra, evaluated)
+            per_step = (interval.tokens / steps, interval.samples / steps)
+            self._write(
+                step, step_time, interval.data_s / steps, timings, rank_times, values, maxima, extra, evaluated,
+                per_step,
+            )
             self._cost_s += time.perf_counter() - start
 
     def _write(
@@ -173,14 +181,16 @@ class TrainingMetrics:
         maxima: dict[str, int],
         extra: Callable[[], dict[str, Any]],
         evaluated: dict[str, float],
+        per_step: tuple[float, float],
     ) -> None:
-        """Gathers the per-rank maxima and times; rank 0 writes the record."""
+        """Gathers the per-rank maxima and times; rank 0 writes the record. `per_step`: the interval's mean tokens and
+        samples per step."""
         reduced, every_rank = self._gather([max_memory_bytes(self.device), *maxima.values()], astuple(rank_times))
         more = extra()
         if self.sink is None:
             return
         more |= self._rank_time_metrics(every_rank, step)
-        tokens_per_sec = self.tokens_per_step / step_time
+        tokens_per_sec = per_step[0] / step_time
         mfu = self._mfu(self.flops_per_token * tokens_per_sec / self.world_size)
         self.sink.log(
             {
@@ -188,7 +198,8 @@ class TrainingMetrics:
                 **{key: value.item() if isinstance(value, torch.Tensor) else value for key, value in values.items()},
                 "tokens_per_sec": tokens_per_sec,
                 "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
-                "samples_per_sec": self.global_batch_size / step_time,
+                "samples_per_sec": per_step[1] / step_time,
+                "global_batch_size": self.global_batch_size,
                 "mfu": mfu,
                 "mfu_peak": self.peak_name,
                 "step_time_s": step_time,

@@ -67,6 +67,9 @@ class ModelSpec:
     - `set_aux_loss_scale(part, scale)`: for each model part, `scale` = 1 / global batch size. A family whose
       forward adds an auxiliary loss to the gradient (`torchpre.models.aux_loss.AddAuxLoss`; MoE load
       balancing) puts it into each sequence's term, so the terms add up to a mean over the global batch.
+    - `set_token_loss_scale(part, scale)`: for each model part, `scale` = 1 / the step's token count (it changes
+      with a batch ramp or a data stage's seq_len). A family whose forward adds a per-token loss to the gradient
+      (DeepSeek-V3's multi-token prediction) divides its summed token losses by it, as the trainer's loss does.
     - `extra_metrics(parts, args, device)` returns values to log with each metrics record (MoE's router
       statistics). A collective: every rank calls it at each logged step, with the model parts it holds.
     - `after_optimizer_step(parts, args, device, skip)` updates training state that no optimizer steps (MoE's
@@ -98,6 +101,7 @@ class ModelSpec:
     compile_fullgraph: bool = True  # False: blocks with data-dependent shapes compile around graph breaks
     validate_layout: Callable[[Any, ParallelDims], None] = lambda args, dims: None
     set_aux_loss_scale: Callable[[nn.Module, float], None] = lambda part, scale: None
+    set_token_loss_scale: Callable[[nn.Module, float], None] = lambda part, scale: None
     extra_metrics: Callable[[Sequence[nn.Module], Any, torch.device], dict[str, float]] = (
         lambda parts, args, device: {}
     )

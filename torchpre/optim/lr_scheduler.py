@@ -19,8 +19,8 @@ def wsd_factor(
     """
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
-    decay_steps = round(decay_ratio * (steps - warmup_steps))
-    decay_start = steps - decay_steps
+    decay_start = decay_start_step(steps=steps, warmup_steps=warmup_steps, decay_ratio=decay_ratio)
+    decay_steps = steps - decay_start
     if step < decay_start or decay_steps == 0:
         return 1.0
     progress = min((step - decay_start + 1) / decay_steps, 1.0)  # past the last step (stepped after it): the floor
@@ -31,6 +31,12 @@ def wsd_factor(
     else:
         remaining = 0.5 * (1 + math.cos(math.pi * progress))
     return min_lr_factor + (1 - min_lr_factor) * remaining
+
+
+def decay_start_step(*, steps: int, warmup_steps: int, decay_ratio: float) -> int:
+    """The first (0-based) step of the decay: the last `decay_ratio` of the post-warmup steps decay (`steps` when
+    none do). A data stage with start_at_decay starts here."""
+    return steps - round(decay_ratio * (steps - warmup_steps))
 
 
 class WarmupStableDecay(LambdaLR):

@@ -209,20 +209,35 @@ class ParallelModel:
         self.stage_ids = pipeline.stage_ids(mesh["pp"].get_local_rank()) if pipeline else [0]
         num_stages = pipeline.num_stages if pipeline else 1
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
-        self._stages: list[Stage] = []
+        self._stages: list[Stage] = []  # those of the schedule running now
         self._backward_callback: Callable[[int, bool], None] | None = None
         # The compute time of this rank's stages in training steps (not evaluation): see `pipeline_busy_seconds`.
         self._pipeline_clock = SpanClock(device)
-        # Without a loss_fn (inference) there is no schedule: `forward_only` passes activations itself.
-        self.schedule = self._build_schedule() if pipeline and loss_fn is not None else None
+        # Training's microbatches per schedule step: the plan's, until a global-batch ramp changes them.
+        self.n_microbatches = pipeline.n_microbatches if pipeline else 1
+        # Schedules by (microbatches, batch shape): torch's stages size their buffers from the first batch they
+        # run, so another shape (a ramp's batch, a data stage's seq_len) gets stages and a schedule of its own.
+        self._schedules: dict[tuple[int, tuple[int, ...]], tuple[Any, list[Stage]]] = {}
 
-    def _build_schedule(self):
-        pipeline, group = self.plan.pipeline, self.mesh["pp"].get_group()
-        self._stages = [
-            Stage(part, stage, pipeline.num_stages, self.device, group=group, part_index=index)
-            for index, (part, stage) in enumerate(zip(self.parts, self.stage_ids))
-        ]
-        return build_schedule(self._stages, pipeline.schedule, pipeline.n_microbatches, self._stage_loss)
+    def _schedule_for(self, n_microbatches: int, inputs: torch.Tensor):
+        """The schedule that runs `inputs` [batch, ...] as `n_microbatches`, built on first use; its stages become
+        the ones running now. Without a loss_fn (inference) there is none: `forward_only` passes activations
+        itself."""
+        if self.loss_fn is None:
+            raise ConfigError("Pipeline parallelism needs a loss_fn: the last stage computes the loss.")
+        key = (n_microbatches, tuple(inputs.shape))
+        if key not in self._schedules:
+            pipeline, group = self.plan.pipeline, self.mesh["pp"].get_group()
+            stages = [
+                Stage(part, stage, pipeline.num_stages, self.device, group=group, part_index=index)
+                for index, (part, stage) in enumerate(zip(self.parts, self.stage_ids))
+            ]
+            for stage in stages:
+                stage.backward_callback = self._backward_callback
+            schedule = build_schedule(stages, pipeline.schedule, n_microbatches, self._stage_loss)
+            self._schedules[key] = (schedule, stages)
+        schedule, self._stages = self._schedules[key]
+        return schedule
 
     def _stage_loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         """`loss_fn` as the last stage's schedule calls it, timed as stage compute while a step is timed."""
@@ -241,8 +256,9 @@ class ParallelModel:
         gradients of `parts[part_index]`; `last` is true for the step's last one. The optimizer starts its
         data-parallel reduction during that backward (`GradBuckets.on_backward`)."""
         self._backward_callback = callback
-        for stage in self._stages:
-            stage.backward_callback = callback
+        for _, stages in self._schedules.values():
+            for stage in stages:
+                stage.backward_callback = callback
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every parameter this rank holds, once, by its name in the full model (wrapper names removed)."""
@@ -287,7 +303,7 @@ class ParallelModel:
     ) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in microbatches])
         labels = torch.cat([y for _, y in microbatches])
-        schedule = self._require_schedule()
+        schedule = self._schedule_for(self.n_microbatches, inputs)
         for stage in self._stages:
             stage.clock = self._pipeline_clock
         try:
@@ -321,19 +337,14 @@ class ParallelModel:
             return None if output is None else logits_of(output)
         if self.plan.pipeline is None:
             return replicated_value(self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels))
-        schedule = self._require_schedule()
         if not get_schedule(self.plan.pipeline.schedule).forward_only:
             raise ConfigError(
                 f"The '{self.plan.pipeline.schedule}' pipeline schedule cannot run forward-only (schedule.eval); "
                 f"use one of {', '.join(names_where(forward_only=True))}."
             )
+        schedule = self._schedule_for(self.plan.pipeline.n_microbatches, inputs)
         losses = self._run_schedule(schedule.eval, inputs, labels, forward_kwargs(inputs))
         return torch.stack([replicated_value(loss) for loss in losses]).sum() if losses else None
-
-    def _require_schedule(self):
-        if self.schedule is None:
-            raise ConfigError("Pipeline parallelism needs a loss_fn: the last stage computes the loss.")
-        return self.schedule
 
     def _run_schedule(
         self, run: Callable, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]

@@ -72,19 +72,31 @@ class ContextParallel:
         document_bos: int | None = None,
         tokens_ahead: int = 0,
     ):
-        self.mesh, self.kernel, self.document_bos, self.tokens_ahead = mesh, kernel, document_bos, tokens_ahead
-        cp, rank = mesh.size(), mesh.get_local_rank()
-        self.positions = head_tail_positions(seq_len, cp, rank).to(device)
+        self.mesh, self.kernel, self.document_bos, self.device = mesh, kernel, document_bos, device
+        self.tokens_ahead = tokens_ahead
+        self.seq_len = 0
+        self._use_seq_len(seq_len)
+
+    def _use_seq_len(self, seq_len: int) -> None:
+        """This rank's positions of `seq_len`-token sequences, and the mask over them: a data stage may change the
+        length, and validation runs at training.seq_len."""
+        if seq_len == self.seq_len:
+            return
+        cp, rank = self.mesh.size(), self.mesh.get_local_rank()
+        self.seq_len = seq_len
+        self.positions = head_tail_positions(seq_len, cp, rank).to(self.device)
         # The positions of the gathered keys: every rank's, in rank order (the order of the all-gather).
-        self.key_positions = torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)]).to(device)
+        self.key_positions = torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)]).to(self.device)
         self._causal = self.positions[:, None] >= self.key_positions[None, :]
         # This rank's queries within the gathered keys: the all-gather puts its own positions at its rank's slot.
         local = self.positions.numel()
         self._queries = slice(rank * local, (rank + 1) * local)
 
     def shard(self, batch: Batch) -> Batch:
-        """This rank's positions of (inputs, labels) [batch, seq]."""
+        """This rank's positions of (inputs, labels) [batch, seq]; the model then attends over sequences of their
+        length."""
         inputs, labels = batch
+        self._use_seq_len(inputs.shape[1])
         return inputs.index_select(1, self.positions), labels.index_select(1, self.positions)
 
     def rope_rows(self, rope_cache: Tensor) -> Tensor:

@@ -227,7 +227,8 @@ def probe_parts(job: TrainingJob) -> list[PartProbe]:
     config, dims = job.config, job.dims
     p = config.parallelism
     microbatch = p.pipeline_parallel_microbatch_size if job.pipeline else config.training.local_batch_size
-    seq = config.training.seq_len // dims.cp  # a cp rank holds its share of each sequence, gathers k and v
+    # The longest data stage's sequences; a cp rank holds its share of each sequence, gathers k and v.
+    seq = job.preflight.plan.peak(config.training.steps)[1] // dims.cp
     tokens = torch.zeros(microbatch, seq, dtype=torch.long, device="meta")
     sequence_parallel = p.enable_sequence_parallel and dims.tp > 1
     hidden_shape = (microbatch, seq // dims.tp if sequence_parallel else seq, job.preflight.model_args.dim)
@@ -279,9 +280,10 @@ def _in_flight(job: TrainingJob) -> int:
     if pipeline is None:
         return 1
     pp_rank = job.mesh["pp"].get_local_rank()
-    return in_flight_microbatches(
-        pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
-    )
+    # A global-batch ramp's largest step runs the most microbatches.
+    sequences = job.preflight.plan.peak(job.config.training.steps)[0]
+    n_microbatches = sequences // job.config.parallelism.pipeline_parallel_microbatch_size
+    return in_flight_microbatches(pipeline.schedule, pipeline.pp, n_microbatches, pp_rank, pipeline.stages_per_rank)
 
 
 def _fsdp_gathered(job: TrainingJob) -> int:

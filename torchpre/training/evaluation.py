@@ -40,7 +40,7 @@ class EvalContext:
     model: ParallelModel
     device: torch.device
     forward_kwargs: Callable[[torch.Tensor], dict]
-    loss_scale: float
+    loss_scale: Callable[[], float]
     tasks: list[Task]
     shard: Callable[[Batch], Batch] | None = None
 

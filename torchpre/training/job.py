@@ -9,6 +9,7 @@ every rank with the same message instead of leaving some waiting for a peer. The
 jobs for ranks of a fake world through the same functions (`Runtime.fake`).
 """
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from torchpre.training.model_update import StepWithModelUpdate
 from torchpre.training.multiple_choice import Task, read_tasks
 from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
+from torchpre.training.step_plan import StepPlan, StepShape
 from torchpre.training.validation import held_out_fraction
 
 logger = logging.getLogger("torchpre")
@@ -77,6 +79,7 @@ class Preflight:
     pipeline: PipelinePlan | None
     resume_dir: Path | None  # the checkpoint a resume will load
     eval_tasks: list[Task]  # eval.tasks, read and tokenized
+    plan: StepPlan  # each step's global batch and data stage (a ramp, data stages)
 
 
 def preflight(
@@ -108,11 +111,14 @@ def preflight(
         check_verifiable(resume_dir, key, c.allow_unverified)
     elif c.initial_load_path:
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", c.allow_unverified)
-    batches = batch_sizes(config, dims.dp, resume_dir)
+    # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
+    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
+    plan = StepPlan.from_config(config, batches, dims.dp)
     spec = get_model_spec(config.model.name)
     tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    args = model_args(config, tokenizer)
-    check_layout(config, spec, args, dims)
+    args = model_args(config, tokenizer, max_seq_len=plan.stages.max_seq_len)
+    for seq_len in sorted({stage.seq_len for stage in plan.stages.stages}):
+        check_layout(at_seq_len(config, seq_len), spec, args, dims)
     if config.hf_export.enable and spec.hf is None:
         raise ConfigError(
             f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
@@ -122,12 +128,24 @@ def preflight(
     pipeline = None
     if dims.pp > 1:
         split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
+        first = plan.at(0, 0).sizes
         pipeline = PipelinePlan.from_config(
             p,
             stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
-            sequences_per_step=t.local_batch_size * batches.accumulation_steps,
+            sequences_per_step=t.local_batch_size * first.accumulation_steps,
         )
-    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks)
+    plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
+    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan)
+
+
+def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
+    """The config with training.seq_len = `seq_len` (a data stage's), for the checks that depend on it."""
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, seq_len=seq_len))
+
+
+def _check_pipeline_microbatches(parallelism, sequences_per_step: int) -> None:
+    """The pipeline schedule's rules for a step of `sequences_per_step` per DP rank (a ramp's, a stage's)."""
+    PipelinePlan.from_config(parallelism, stage_modules=lambda num_stages: [], sequences_per_step=sequences_per_step)
 
 
 @dataclass
@@ -158,6 +176,7 @@ class TrainingJob:
     metrics: TrainingMetrics
     context_parallel: ContextParallel | None = None
     hf_export: HFExporter | None = None
+    shape: StepShape | None = None  # the global batch and data stage of the step running (or last run)
 
     @property
     def dims(self) -> ParallelDims:
@@ -165,7 +184,64 @@ class TrainingJob:
 
     @property
     def batches(self) -> BatchSizes:
-        return self.preflight.batches
+        """The batch sizes of the step running now (or last run; before any, the first step's)."""
+        return self.shape.sizes if self.shape is not None else self.preflight.batches
+
+    def begin_step(self, resumed: bool = False) -> StepShape:
+        """Puts every component on the shape of the step about to run (`StepPlan.at`: a global-batch ramp's
+        batch, a data stage's data and seq_len), where it differs from the last step's, and logs the change; after
+        a checkpoint is loaded (`resumed`) it logs where the run resumes instead."""
+        consumed = self.data.consumed_samples if self.data is not None else 0
+        shape = self.preflight.plan.at(self.progress.step, consumed)
+        if shape != self.shape:
+            before = self.shape
+            self._use(shape)
+            if before is not None and not resumed and self.is_logging_rank:
+                self._log_change(before, shape, consumed)
+        if resumed and self.preflight.plan.phased and self.is_logging_rank:
+            logger.info(
+                "resuming at step %d after %d samples: global batch %d, %s", self.progress.step, consumed,
+                shape.sizes.global_batch_size, shape.stage.describe(),
+            )  # fmt: skip
+        return shape
+
+    def _log_change(self, before: StepShape, shape: StepShape, consumed: int) -> None:
+        step, sizes = self.progress.step + 1, shape.sizes
+        if shape.stage != before.stage:
+            logger.info("step %d: %s", step, shape.stage.describe())
+        if sizes.global_batch_size != before.sizes.global_batch_size:
+            logger.info(
+                "step %d: global batch %d -> %d (training.batch_rampup after %d samples): %d microbatches of %d per DP "
+                "rank", step, before.sizes.global_batch_size, sizes.global_batch_size, consumed,
+                sizes.accumulation_steps, sizes.local_batch_size,
+            )  # fmt: skip
+
+    def _use(self, shape: StepShape) -> None:
+        """Sets what depends on the global batch and the seq_len: the loss's divisor (the mean stays over all
+        tokens of the step), the metrics' throughput, MoE's auxiliary loss scale, the pipeline's microbatches, the
+        data loader (its stage, its microbatches per step) and the progress a checkpoint records."""
+        sizes, stage, before = shape.sizes, shape.stage, self.shape
+        spec, args, plan = self.preflight.model_spec, self.preflight.model_args, self.preflight.plan
+        self.shape = shape
+        self.loss.tokens_per_step = sizes.tokens_per_step
+        self.metrics.tokens_per_step, self.metrics.global_batch_size = sizes.tokens_per_step, sizes.global_batch_size
+        self.metrics.flops_per_token = spec.flops_per_token(args, self.num_params, sizes.seq_len)
+        base = self.preflight.batches
+        scaled_for = (before.sizes if before else base).global_batch_size, (before.sizes if before else base).seq_len
+        if (sizes.global_batch_size, sizes.seq_len) != scaled_for:  # `_build_model` scaled it for the job's batch
+            for part in self.model.parts:
+                spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
+                spec.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
+        self.guard.global_batch_size = self.progress.global_batch_size = sizes.global_batch_size
+        self.progress.layout |= {"accumulation_steps": sizes.accumulation_steps, "seq_len": sizes.seq_len}
+        if self.pipeline is not None:
+            microbatch = self.config.parallelism.pipeline_parallel_microbatch_size
+            self.model.n_microbatches = sizes.local_batch_size * sizes.accumulation_steps // microbatch
+        if self.data is not None:
+            self.data.global_batch_size = sizes.global_batch_size
+            self.data.accumulation_steps = sizes.accumulation_steps
+            if before is None or stage != before.stage:
+                self.data.enter(stage.index, plan.first_sample(stage))
 
     @property
     def pipeline(self) -> PipelinePlan | None:
@@ -222,7 +298,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
     # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
     evaluations = build_evaluations(EvalContext(
-        config, pre.tokenizer, meshes, model, device, forward_inputs, loss_scale=batches.tokens_per_step,
+        config, pre.tokenizer, meshes, model, device, forward_inputs, loss_scale=lambda: loss.tokens_per_step,
         tasks=pre.eval_tasks, shard=context_parallel.shard if context_parallel else None,
     ))  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
@@ -259,6 +335,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
             Path(config.job.dump_folder) / config.hf_export.folder, config.hf_export, model, pre.model_spec,
             pre.model_args, pre.tokenizer, max(pre.model_args.max_seq_len, model_context(config, pre.tokenizer)),
         )  # fmt: skip
+    if not runtime.fake:
+        job.begin_step()  # step 0's shape; a resume sets its step's after loading
     return job
 
 
@@ -276,25 +354,32 @@ def _join(config: JobConfig, runtime: Runtime) -> torch.device:
 
 
 def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: torch.device) -> TrainingData:
+    """This rank's data: the loader of the first data stage, and how to build the others' (`TrainingData.enter`)."""
     t = config.training
     dp_rank, dp_size = meshes.data_rank()
-    loader = build_dataloader(
-        dataset=t.dataset,
-        dataset_path=t.dataset_path,
-        tokenizer=pre.tokenizer,
-        seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size,
-        global_batch_size=pre.batches.global_batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=t.seed,
-        dataset_mixture=t.dataset_mixture,
-        num_workers=t.num_workers,
-        held_out_fraction=held_out_fraction(config.validation),
-        vocab_size=pre.model_args.vocab_size,
-        pin_memory=pins_memory(device),
-    )
-    return TrainingData(loader, pre.batches.global_batch_size, pre.batches.accumulation_steps)
+    stages = pre.plan.stages.stages
+
+    def loader_for(index: int):
+        stage = stages[index]
+        return build_dataloader(
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            tokenizer=pre.tokenizer,
+            seq_len=stage.seq_len,
+            local_batch_size=t.local_batch_size,
+            global_batch_size=pre.batches.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=t.seed,
+            dataset_mixture=stage.mixture or t.dataset_mixture,
+            num_workers=t.num_workers,
+            held_out_fraction=held_out_fraction(config.validation),
+            vocab_size=pre.model_args.vocab_size,
+            pin_memory=pins_memory(device),
+        )
+
+    first = pre.plan.at(0, 0).sizes
+    return TrainingData(loader_for(0), first.global_batch_size, first.accumulation_steps, 0, loader_for)
 
 
 def _build_model(
@@ -332,8 +417,9 @@ def _build_model(
         expert_dp_mesh=meshes.expert_fsdp_mesh,
     )
     batches, d = pre.batches, pre.dims
-    for part in parallel.parts:  # an auxiliary loss (MoE's) is a mean over the global batch's sequences
+    for part in parallel.parts:  # an auxiliary loss is a mean over the global batch's sequences (MoE's) or tokens
         spec.set_aux_loss_scale(part, 1 / batches.global_batch_size)
+        spec.set_token_loss_scale(part, 1 / batches.tokens_per_step)
     logger.info(
         "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d%s (ep %d); "
         "global batch %d = %d microbatches of %d per DP rank",

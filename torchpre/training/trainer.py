@@ -22,6 +22,7 @@ from torchpre.runtime.world import Runtime
 from torchpre.training.batches import kept_global_batch
 from torchpre.training.job import build_job
 from torchpre.training.run_folder import open_metrics, save_resolved_config, set_aside_later_history
+from torchpre.training.stages import saved_stages, stages_change
 
 logger = logging.getLogger("torchpre")
 
@@ -62,6 +63,7 @@ class Trainer:
         preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
         with job.metrics.measuring() as metrics, profiler, preemption, GarbageCollection(t.gc_freq) as garbage:
             while self.step < t.steps:
+                job.begin_step()  # a ramp's global batch, a data stage
                 fetch_start = time.perf_counter()
                 with metrics.phase("data"):
                     microbatches = job.data.next_step()
@@ -203,6 +205,7 @@ class Trainer:
                 spec.extra_metrics(job.model.parts, job.preflight.model_args, job.device)
                 | job.guard.metrics()
                 | job.data.shares()
+                | ({"data_stage": job.shape.stage.index + 1} if len(job.preflight.plan.stages.stages) > 1 else {})
                 | (job.checkpoint.metrics() if job.checkpoint is not None else {})
             ),
             evaluate=(lambda: job.evaluations.run(self.step, self.config.training.steps)) if evaluate else None,
@@ -227,6 +230,7 @@ class Trainer:
                 job.checkpoint.load(Path(c.initial_load_path), weights_only=True)
             return
         job.checkpoint.load(step_dir)
+        job.begin_step(resumed=True)  # the resumed step's global batch and data stage, which the messages below compare
         progress, global_batch_size = job.progress, job.batches.global_batch_size
         self.last_checkpoint_step = progress.step
         change = layout_change(progress.saved_layout, progress.layout, step_dir, progress.step, global_batch_size)
@@ -239,14 +243,27 @@ class Trainer:
         saved_batch = int(progress.saved.get("global_batch_size", 0))
         saved_seq_len = int(progress.saved.get("seq_len", t.seq_len))
         kept = kept_global_batch(saved_batch, saved_seq_len, t.seq_len, t.global_batch_unit) or saved_batch
-        if t.global_batch_size == -1 and kept not in (0, global_batch_size) and job.is_logging_rank:
+        base = job.preflight.batches.global_batch_size  # in sequences of training.seq_len, as `kept`
+        if t.global_batch_size == -1 and kept not in (0, base) and job.is_logging_rank:
             logger.warning(  # the batch was sized from another checkpoint: the latest one, found damaged
                 "%s was trained with a global batch of %d, this job runs %d: set training.global_batch_size = %d "
                 "to continue it unchanged",
-                step_dir, saved_batch, global_batch_size, kept,
+                step_dir, saved_batch, base, kept,
             )
+        self._compare_stages(step_dir)
         if c.load_step != -1:
             set_aside_later_history(self.config, job.checkpoint.folder, progress.step)
+
+    def _compare_stages(self, step_dir: Path) -> None:
+        """Says what a resume changes of the data stages (`stages_change`): a warning for steps already taken."""
+        saved, job = saved_stages(step_dir), self.job
+        if saved is None or not job.is_logging_rank:
+            return
+        warnings, notes = stages_change(saved, job.preflight.plan.stages, self.step, self.config.training.steps)
+        for line in warnings:
+            logger.warning(line)
+        for line in notes:
+            logger.info(line)
 
     def _close(self) -> None:
         if self.job.checkpoint is not None:

@@ -81,11 +81,12 @@ class Validator:
         device: torch.device,
         groups: list[dist.ProcessGroup],
         forward_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
-        loss_scale: float = 1.0,
+        loss_scale: Callable[[], float] = lambda: 1.0,
         loss_parallel: bool = False,
         shard: Callable[[Batch], Batch] | None = None,
     ):
-        """`model.forward_only(inputs, labels)` gives its loss_fn's value, which times `loss_scale` is the
+        """`model.forward_only(inputs, labels)` gives its loss_fn's value, which times `loss_scale()` (read at each
+        evaluation: a global-batch ramp or a data stage changes the loss_fn's divisor) is the
         summed token cross-entropy; `groups` are the process groups the loss is summed over (DP and PP: the
         ranks that hold different parts of it), none for one process. `shard` cuts each batch to this rank's
         positions under context parallelism (its tokens are then counted here, and the cp ranks' sums add up
@@ -122,7 +123,7 @@ class Validator:
                 inputs, labels = self._batch(indices)
                 loss = self.model.forward_only(inputs, labels, self.forward_kwargs)
                 if loss is not None:
-                    totals[0] += loss.double() * self.loss_scale
+                    totals[0] += loss.double() * self.loss_scale()
                     totals[1] += labels.numel()
         for group in self.groups:
             dist.all_reduce(totals, group=group)
@@ -143,7 +144,7 @@ def build_validator(
     model: ParallelModel,
     *,
     forward_kwargs: Callable[[torch.Tensor], dict],
-    loss_scale: float,
+    loss_scale: Callable[[], float],
     device: torch.device,
     data_rank: tuple[int, int] | None = None,
     shard: Callable[[Batch], Batch] | None = None,

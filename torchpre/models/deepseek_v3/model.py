@@ -258,11 +258,10 @@ class DeepSeekV3Transformer(MoETransformer):
         mtp_loss = self.mtp(h, future_tokens, embedding, self.output, self.rope_cache, doc_mask)
         return self.head(AddAuxLoss.apply(h, mtp_loss))
 
-    def set_aux_loss_scale(self, scale: float | None) -> None:
-        """The MoE layers' scale (1 / global batch size), and the multi-token prediction's 1 / global token count."""
-        super().set_aux_loss_scale(scale)
+    def set_token_loss_scale(self, scale: float | None) -> None:
+        """The multi-token prediction's 1 / the step's token count (`ModelSpec.set_token_loss_scale`)."""
         if self.mtp is not None:
-            self.mtp.loss_scale = None if scale is None else scale / self.args.max_seq_len
+            self.mtp.loss_scale = scale
 
     def attention_blocks(self) -> Iterator[tuple[str, nn.Module]]:
         """The layers, then each multi-token prediction depth's block."""

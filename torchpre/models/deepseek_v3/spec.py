@@ -46,6 +46,7 @@ SPEC = ModelSpec(
     flops_per_token=flops_per_token,
     compile_fullgraph=False,
     set_aux_loss_scale=DeepSeekV3Transformer.set_aux_loss_scale,
+    set_token_loss_scale=DeepSeekV3Transformer.set_token_loss_scale,
     extra_metrics=extra_metrics,
     tokens_ahead=lambda args: args.mtp_depth + 1 if args.mtp_depth else 0,
     after_optimizer_step=update_expert_bias,

@@ -1,0 +1,164 @@
+"""The data stages of a run (`[[training.data_stages]]`): which data, at which sequence length, each step trains on.
+
+A stage is a function of the step alone, and its data order is the order its data would have at the same global
+sample positions in a run of that data from step 0 (seeded by training.seed): so where a run enters a stage does
+not depend on the layout, and a stage that changes only seq_len continues the data exactly as a resume with another
+training.seq_len does (`torchpre.training.batches`)."""
+
+import bisect
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchpre.config.job_config import DataStage, JobConfig
+from torchpre.config.parser import parse_args
+from torchpre.errors import ConfigError, TorchpreError
+from torchpre.optim.lr_scheduler import decay_start_step
+
+KEY = "training.data_stages"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A resolved stage: its number (0-based), name, first step, sequence length and mixture (shard folder ->
+    weight; empty = the job's own data, training.dataset*)."""
+
+    index: int
+    name: str
+    start_step: int
+    seq_len: int
+    mixture: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        where = f"data stage {self.index + 1} ('{self.name}', start_step {self.start_step})"
+        return f"{where}: {_mixture(self.mixture)}, seq_len {self.seq_len}"
+
+
+class StageTable:
+    """The stages of a run in order of their start steps, the first at step 0; one stage, the job's data at
+    training.seq_len, when none are configured."""
+
+    def __init__(self, stages: list[Stage]):
+        self.stages = stages
+        self._starts = [stage.start_step for stage in stages]
+
+    @classmethod
+    def from_config(cls, config: JobConfig) -> "StageTable":
+        t = config.training
+        if not t.data_stages:
+            return cls([Stage(0, "stage-1", 0, t.seq_len)])
+        stages = [_resolve(config, i, entry) for i, entry in enumerate(t.data_stages)]
+        if stages[0].start_step != 0:
+            raise ConfigError(
+                f"{KEY}: the first stage ('{stages[0].name}') starts at step {stages[0].start_step}, but the run "
+                "starts at step 0 with it. Give it start_step = 0 (or no start at all)."
+            )
+        for before, after in zip(stages, stages[1:]):
+            if after.start_step <= before.start_step:
+                raise ConfigError(
+                    f"{KEY}: stage {after.index + 1} ('{after.name}') starts at step {after.start_step}, not after "
+                    f"stage {before.index + 1} ('{before.name}') at step {before.start_step}: stages overlap or go "
+                    "backwards. List them in the order they run, each starting later than the one before."
+                )
+        last = stages[-1]
+        if last.start_step >= t.steps:
+            raise ConfigError(
+                f"{KEY}: stage {last.index + 1} ('{last.name}') starts at step {last.start_step}, but the run ends "
+                f"after training.steps = {t.steps}, so it would never train. Start it earlier or raise training.steps."
+            )
+        return cls(stages)
+
+    def at(self, step: int) -> Stage:
+        """The stage that the (0-based) step `step` trains in."""
+        return self.stages[bisect.bisect_right(self._starts, step) - 1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(stage.seq_len for stage in self.stages)
+
+    def data_between(self, first: int, end: int) -> list[tuple[int, int, dict[str, float]]]:
+        """What steps [first, end) train on: (first step, seq_len, mixture) of each stretch, names left out."""
+        starts = sorted({first, *(stage.start_step for stage in self.stages if first < stage.start_step < end)})
+        return [(start, self.at(start).seq_len, self.at(start).mixture) for start in starts if start < end]
+
+
+def saved_stages(step_dir: Path) -> StageTable | None:
+    """The stages of the run that saved `step_dir` (from its config.toml); None when it cannot be read as this
+    version's config (a checkpoint written before a key existed or after one was removed)."""
+    try:
+        return StageTable.from_config(parse_args(JobConfig, ["--job.config_file", str(step_dir / "config.toml")]))
+    except TorchpreError:
+        return None
+
+
+def stages_change(saved: StageTable, current: StageTable, step: int, steps: int) -> tuple[list[str], list[str]]:
+    """(warnings, notes) for a resume at `step` (of `steps`) whose stages differ from the checkpoint's run's.
+
+    A change to the steps already taken is a warning, not an error: they were trained as they were, and a moved
+    shard folder changes a mixture's paths without changing its data; the resumed run reads this config's data
+    from `step` on. A change to what comes (a later stage's mixture, seq_len or start) is the point of stages:
+    a note."""
+    warnings, notes = [], []
+    if saved.data_between(0, step) != current.data_between(0, step):
+        warnings.append(
+            f"{KEY} differ from those of the run that saved step {step}, for steps it already took: it trained "
+            f"{_stretches(saved.data_between(0, step))}, this config says {_stretches(current.data_between(0, step))}. "
+            f"Those steps stay as trained; from step {step} on the run reads this config's data. To record the "
+            f"change in the config, keep the earlier stages as they were and add a stage with start_step = {step}."
+        )
+    later_saved, later_current = saved.data_between(step, steps), current.data_between(step, steps)
+    if later_saved != later_current:
+        notes.append(
+            f"{KEY}: the steps from {step} on change from {_stretches(later_saved)} to {_stretches(later_current)} "
+            "(they have not been taken yet, so the run takes them as configured now)"
+        )
+    return warnings, notes
+
+
+def _stretches(data: list[tuple[int, int, dict[str, float]]]) -> str:
+    return "; ".join(f"from step {start}: {_mixture(weights)} at seq_len {seq_len}" for start, seq_len, weights in data)
+
+
+def _mixture(weights: dict[str, float]) -> str:
+    if not weights:
+        return "the job's data"
+    return "{" + ", ".join(f"{folder}={weight:g}" for folder, weight in weights.items()) + "}"
+
+
+def _resolve(config: JobConfig, index: int, entry: DataStage) -> Stage:
+    """One `[[training.data_stages]]` table as a `Stage`, its start step resolved and its values checked."""
+    t, s = config.training, config.lr_scheduler
+    name = entry.name or f"stage-{index + 1}"
+    where = f"{KEY} stage {index + 1} ('{name}')"
+    starts = [key for key, given in (("start_step", entry.start_step is not None),
+                                     ("start_fraction", entry.start_fraction is not None),
+                                     ("start_at_decay", entry.start_at_decay)) if given]  # fmt: skip
+    if len(starts) > 1:
+        raise ConfigError(f"{where} sets {' and '.join(starts)}: give one of them.")
+    if not starts and index > 0:
+        raise ConfigError(f"{where} has no start: give start_step, start_fraction or start_at_decay = true.")
+    if entry.start_step is not None:
+        start = entry.start_step
+        if start < 0:
+            raise ConfigError(f"{where}: start_step = {start} must be at least 0.")
+    elif entry.start_fraction is not None:
+        if not 0 <= entry.start_fraction < 1:
+            raise ConfigError(f"{where}: start_fraction = {entry.start_fraction} must be in [0, 1).")
+        start = round(entry.start_fraction * t.steps)
+    elif entry.start_at_decay:
+        start = decay_start_step(steps=t.steps, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio)
+        if start >= t.steps:
+            raise ConfigError(
+                f"{where} starts at the decay of the LR schedule, but lr_scheduler.decay_ratio = {s.decay_ratio} "
+                "never decays. Set a decay_ratio > 0 or give the stage a start_step."
+            )
+    else:
+        start = 0
+    if entry.seq_len < 0:
+        raise ConfigError(f"{where}: seq_len = {entry.seq_len} must be positive (or 0 for training.seq_len).")
+    if entry.mixture and t.dataset != "shards":
+        raise ConfigError(
+            f"{where} has a mixture of shard folders, which needs training.dataset = 'shards' (it is "
+            f"'{t.dataset}'). Set training.dataset = 'shards', or leave the stage's mixture out to train on the job's "
+            "data."
+        )
+    return Stage(index, name, start, entry.seq_len or t.seq_len, dict(entry.mixture))
