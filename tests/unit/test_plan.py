@@ -213,7 +213,7 @@ def test_a_job_whose_layouts_fit_without_cp_is_not_offered_cp(monkeypatch):
     """Llama 3 8B on 64 H100s at 8,192 tokens, 64 sequences per step: layouts without cp fit without full activation
     checkpointing, so the planner does not search cp (each degree of it would add its probes and a key/value gather
     per layer). The search is narrowed to ZeRO-3, per-op AC, one sequence per microbatch and 1F1B to keep its probes
-    few (155 s here)."""
+    few (112 s here)."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective",)), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", (("1F1B", 1),))):  # fmt: skip
         monkeypatch.setattr(layouts, name, values)
