@@ -2,11 +2,13 @@
 
 Each row of `ROWS` runs torchpre's train.py, then torchtitan (bench/titan_llama.py), for the same number of
 steps with random tokens over Llama 3's 128,256-id vocabulary, bf16, no activation checkpointing and SDPA
-(PyTorch picks its flash kernel for bf16 causal attention). Rows run in priority order and stop at the time
-budget, so the table fits one device call. Writes `gpu_table.md`, `gpu_raw.jsonl` (every step of every run)
-and `gpu_log.txt` (the tail of any failed run) into --out.
+(PyTorch picks its flash kernel for bf16 causal attention). The FP8 rows put the blocks' linears in float8 through
+torchao in both (tensorwise or rowwise scales; the output layer stays bf16 in both). Rows run in priority order and
+stop at the time budget, so the table fits one device call (`--only fp8` keeps the rows whose label says fp8).
+Writes `gpu_table.md`, `gpu_raw.jsonl` (every step of every run) and `gpu_log.txt` (the tail of any failed run)
+into --out.
 
-    python -m bench.gpu_compare --out DIR [--steps 15] [--budget-s 420]
+    python -m bench.gpu_compare --out DIR [--steps 15] [--budget-s 420] [--only TEXT]
     python -m bench.gpu_compare --out DIR --smoke   (CPU: every row's command lines, without training)
 """
 
@@ -41,12 +43,14 @@ class Row:
     compile: bool
     nproc: int = 1
     cp: int = 1  # context-parallel degree: ranks that split each sequence
+    fp8: str = ""  # the float8 recipe of the blocks' linears (quantize.recipe: tensorwise, rowwise); "": bf16
 
     @property
     def label(self) -> str:
         mode = "compiled" if self.compile else "eager"
         cp = f" cp{self.cp}" if self.cp > 1 else ""
-        return f"{self.flavor} seq {self.seq_len} batch {self.global_batch} {mode} {self.nproc} GPU{cp}"
+        fp8 = f" fp8 {self.fp8}" if self.fp8 else ""
+        return f"{self.flavor} seq {self.seq_len} batch {self.global_batch} {mode} {self.nproc} GPU{cp}{fp8}"
 
     @property
     def local_batch(self) -> int:
@@ -55,13 +59,18 @@ class Row:
 
 
 # Most wanted first: the budget cuts from the end. The third is the long-context row (issue 36): one 32K sequence
-# per step, unsharded on one GPU; TWO_GPU_ROWS split it over two cp ranks.
+# per step, unsharded on one GPU; TWO_GPU_ROWS split it over two cp ranks. The FP8 rows (issue 39) repeat the
+# compiled 1B and 3B rows with float8 linears, beside their bf16 rows in the table.
 ROWS = (
     Row("1B", 4096, 4, compile=True),
     Row("1B", 4096, 4, compile=False),
     Row("1B", 32768, 1, compile=True),
     Row("3B", 4096, 2, compile=True),
     Row("3B", 4096, 2, compile=False),
+    Row("1B", 4096, 4, compile=True, fp8="rowwise"),
+    Row("1B", 4096, 4, compile=True, fp8="tensorwise"),
+    Row("3B", 4096, 2, compile=True, fp8="rowwise"),
+    Row("3B", 4096, 2, compile=True, fp8="tensorwise"),
     Row("1B", 8192, 2, compile=True),
     Row("3B", 8192, 1, compile=True),
 )
@@ -80,6 +89,18 @@ def context_parallel(row: Row) -> list[str]:
     return ["--parallelism.context_parallel_degree", str(row.cp)] if row.cp > 1 else []
 
 
+def float8(row: Row) -> tuple[list[str], list[str]]:
+    """(torchpre's, torchtitan's) flags for the row's float8 linears; none for bf16. Both convert the blocks'
+    linears and keep the output layer (tied to the embedding in 1B and 3B) in bf16; torchtitan's tensorwise recipe
+    is its default (no recipe name)."""
+    if not row.fp8:
+        return [], []
+    ours = ["--quantize.linear", "float8", "--quantize.recipe", row.fp8]
+    theirs = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.filter_fqns", "output"]
+    theirs += ["--quantize.linear.float8.recipe_name", row.fp8] if row.fp8 != "tensorwise" else []
+    return ours, theirs
+
+
 def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
     return [
         *launcher(row.nproc), "train.py",
@@ -87,7 +108,7 @@ def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
         "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
         "--training.steps", str(steps), "--training.mixed_precision_param", "bfloat16",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(folder),
-        *(["--compile.enable"] if row.compile else []), *context_parallel(row),
+        *(["--compile.enable"] if row.compile else []), *context_parallel(row), *float8(row)[0],
     ]  # fmt: skip
 
 
@@ -103,6 +124,7 @@ def titan_command(row: Row, steps: int, folder: Path) -> list[str]:
         "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
         "--job.dump_folder", str(folder), *(["--compile.enable"] if row.compile else []), *context_parallel(row),
+        *float8(row)[1],
     ]  # fmt: skip
 
 
@@ -118,6 +140,12 @@ def run(command: list[str], timeout_s: float, log: Path) -> bool:
         with log.open("a") as file:
             file.write(f"\n## failed: {' '.join(command)}\n{output[-6000:]}\n")
     return ok
+
+
+def peak_of(row: Row) -> float:
+    """The GPU's datasheet peak the row's MFU is taken against: the FP8 one for the FP8 rows (torchpre's MFU line
+    does the same), bf16 otherwise."""
+    return peak_flops(torch.device("cuda"), linear="float8" if row.fp8 else "none")[0]
 
 
 def flops_of(row: Row) -> int:
@@ -149,7 +177,7 @@ def measure(row: Row, steps: int, work: Path, out: Path, timeout_s: float) -> li
         # torchpre logs the whole job's tokens/s and per device; torchtitan's "tps" is per device.
         rate = steady(records, "tokens_per_sec_per_device" if name == "torchpre" else "tokens_per_sec", WARMUP)
         rates.append(rate)
-        mfu = rate * flops_of(row) / peak_flops(torch.device("cuda"))[0]
+        mfu = rate * flops_of(row) / peak_of(row)
         memory = max(r["max_memory_bytes"] for r in records) / 2**30
         cells += [f"{rate:,.0f}", f"{mfu:.1%}", f"{memory:.1f}"]
         print(f"{row.label} {name}: {rate:,.0f} tok/s, MFU {mfu:.1%}, {memory:.1f} GiB ({elapsed:.0f} s)", flush=True)
@@ -173,7 +201,7 @@ def write_table(rows: list[list[object]], out: Path, notes: list[str]) -> None:
 
 def benchmark(args: argparse.Namespace) -> None:
     device = torch.cuda.get_device_name(0)
-    rows = list(ROWS) + (list(TWO_GPU_ROWS) if torch.cuda.device_count() >= 2 else [])
+    rows = selected([*ROWS, *(TWO_GPU_ROWS if torch.cuda.device_count() >= 2 else ())], args.only)
     # Seconds a row takes, by compile mode: a guess until a row of that mode has run, then the longest seen.
     row_s, started, table, skipped = {True: 200.0, False: 90.0}, time.monotonic(), [], []
     for row in rows:
@@ -187,22 +215,27 @@ def benchmark(args: argparse.Namespace) -> None:
         write_table(table, args.out, [])
     notes = [
         f"One {device}, torch {torch.__version__}, {args.steps} steps, median tokens/s of the steps after "
-        f"{WARMUP} (per GPU); MFU by torchpre's FLOP count against {peak_flops(torch.device('cuda'))[0] / 1e12:.0f} "
-        "TFLOP/s for both. torchpre: bf16 parameters, fp32 master weights, peak = max allocated; torchtitan "
+        f"{WARMUP} (per GPU); MFU by torchpre's FLOP count against {peak_of(Row('1B', 1, 1, False)) / 1e12:.0f} "
+        f"TFLOP/s for both ({peak_of(Row('1B', 1, 1, False, fp8='rowwise')) / 1e12:.0f}, the dense FP8 peak, in "
+        "the fp8 rows). torchpre: bf16 parameters, fp32 master weights, peak = max allocated; torchtitan "
         "0.2.2: fp32 parameters under bf16 autocast (its single-GPU mixed precision), peak = max active.",
         *([f"Skipped for the time budget: {', '.join(skipped)}."] if skipped else []),
     ]
     write_table(table, args.out, notes)
 
 
+def selected(rows: list[Row], only: str) -> list[Row]:
+    """The rows whose label contains `only` (all of them for "")."""
+    return [row for row in rows if only in row.label]
+
+
 def smoke(args: argparse.Namespace) -> None:
     """On CPU: torchpre's dry run of every row's command (it builds the real shape on meta and checks its
     memory against an H200; eager, as the dry run's memory probe cannot run under torch.compile) and
     torchtitan's `--check` of its command (flags accepted, same parameter count as torchpre, one tiny step),
-    then 2 training steps of torchpre with the same flags on a tiny model (its 128,256-row embedding
-    included)."""
+    then `smoke_train`."""
     log, failures = args.out / "gpu_log.txt", 0
-    for row in ROWS[: args.max_rows]:
+    for row in selected(list(ROWS), args.only)[: args.max_rows]:
         folder = args.work / row.label.replace(" ", "_")
         checks = {
             "torchpre dry run": [*torchpre_command(replace(row, compile=False), args.steps, folder / "torchpre"),
@@ -214,11 +247,23 @@ def smoke(args: argparse.Namespace) -> None:
             ok = run(command, 600, log)
             failures += not ok
             print(f"smoke {row.label}: {name} {'ok' if ok else 'FAILED'}", flush=True)
-    ok = run(torchpre_command(Row("tiny", 32, 2, compile=False), 2, args.work / "tiny"), 600, log)
-    failures += not ok
-    print(f"smoke: torchpre trains 2 steps with these flags on a tiny model: {'ok' if ok else 'FAILED'}")
+    failures += smoke_train(args.work, log)
     if failures:
         sys.exit(f"{failures} smoke check(s) failed: see {log}")
+
+
+def smoke_train(work: Path, log: Path) -> int:
+    """2 training steps of torchpre with the rows' flags on a tiny model (its 128,256-row embedding included), once
+    per precision the rows use: bf16, and float8 with each recipe (emulated on a CPU: quantize.emulate = auto).
+    Returns how many failed."""
+    failures = 0
+    for fp8 in dict.fromkeys(row.fp8 for row in ROWS):
+        tiny = Row("tiny", 32, 2, compile=False, fp8=fp8)
+        ok = run(torchpre_command(tiny, 2, work / f"tiny{'_fp8_' + fp8 if fp8 else ''}"), 600, log)
+        failures += not ok
+        flags = f"fp8 {fp8}" if fp8 else "bf16"
+        print(f"smoke: torchpre trains 2 steps with the {flags} flags on a tiny model: {'ok' if ok else 'FAILED'}")
+    return failures
 
 
 def main() -> None:
@@ -229,6 +274,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420, help="no row starts that would end past this")
     parser.add_argument("--smoke", action="store_true", help="CPU: check every command line without training")
     parser.add_argument("--max-rows", type=int, default=len(ROWS), help="with --smoke: the first N rows only")
+    parser.add_argument("--only", default="", help="the rows whose label contains this text (e.g. fp8, 3B)")
     args = parser.parse_args()
     # A fresh start: the runs' dump folders, the raw file and the log would otherwise keep an earlier call's lines.
     shutil.rmtree(args.work, ignore_errors=True)

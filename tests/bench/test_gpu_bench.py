@@ -16,7 +16,7 @@ import torch
 
 from bench import gpu_compare
 from bench.gpu_compare import ROWS, TWO_GPU_ROWS, Row, titan_command, torchpre_command
-from tests.launch import REPO, WORKER_ENV
+from tests.launch import REPO, WORKER_ENV, run_entry
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 
@@ -45,6 +45,24 @@ def test_both_frameworks_get_the_same_run(row, tmp_path):
     assert ours["--model.vocab_size"] == "128256" and ours["--training.dataset"] == "synthetic"
     assert ("--compile.enable" in ours) == ("--compile.enable" in theirs) == row.compile
     assert theirs["--activation_checkpoint.mode"] == "none"  # torchpre's default; torchtitan's is selective
+    if row.fp8:  # float8 blocks, the output layer in bf16 (torchpre never converts it; torchtitan is told to skip it)
+        assert (ours["--quantize.linear"], ours["--quantize.recipe"]) == ("float8", row.fp8)
+        assert theirs["--model.converters"] == "quantize.linear.float8"
+        assert theirs["--quantize.linear.float8.filter_fqns"] == "output"
+        assert theirs.get("--quantize.linear.float8.recipe_name", "tensorwise") == row.fp8  # tensorwise: its default
+    else:
+        assert "--quantize.linear" not in ours and "--model.converters" not in theirs
+
+
+def test_fp8_rows_sit_beside_their_bf16_rows():
+    """1B and 3B, rowwise and tensorwise, compiled: each FP8 row is a bf16 row's run with float8 linears, and its
+    MFU is taken against the FP8 peak."""
+    fp8 = [row for row in ROWS if row.fp8]
+    assert {(row.flavor, row.fp8) for row in fp8} == {(f, r) for f in ("1B", "3B") for r in ("rowwise", "tensorwise")}
+    for row in fp8:
+        assert row.compile and dataclasses.replace(row, fp8="") in ROWS
+        assert row.label.endswith(f"fp8 {row.fp8}")
+    assert gpu_compare.selected(list(ROWS), "fp8") == fp8
 
 
 WHEELS = REPO / "bench" / "wheels"
@@ -78,7 +96,33 @@ def test_smoke_mode_installs_offline_and_checks_the_first_row(tmp_path):
     row = ROWS[0].label
     assert f"smoke {row}: torchpre dry run ok" in result.stdout
     assert f"smoke {row}: torchtitan check ok" in result.stdout
-    assert "torchpre trains 2 steps with these flags on a tiny model: ok" in result.stdout
+    for flags in ("bf16", "fp8 rowwise", "fp8 tensorwise"):
+        assert f"torchpre trains 2 steps with the {flags} flags on a tiny model: ok" in result.stdout
+
+
+def test_the_smoke_trains_once_per_precision_of_the_rows(tmp_path, monkeypatch):
+    """Without a GPU the FP8 rows are checked by training: the smoke runs the tiny model once with each
+    precision's flags (bf16, float8 rowwise, float8 tensorwise) and reports each."""
+    commands = []
+    monkeypatch.setattr(gpu_compare, "run", lambda command, timeout_s, log: commands.append(command) or True)
+    assert gpu_compare.smoke_train(tmp_path, tmp_path / "gpu_log.txt") == 0
+    precisions = [_flags(command).get("--quantize.recipe", "bf16") for command in commands]
+    assert precisions == ["bf16", "rowwise", "tensorwise"]
+    assert all(_flags(command)["--model.flavor"] == "tiny" for command in commands)
+
+
+@pytest.mark.slow
+def test_the_smoke_trains_the_fp8_flags_on_a_tiny_model(tmp_path):
+    """The FP8 rows' torchpre flags train 2 steps of the tiny model on this CPU (emulated float8, the 128,256-id
+    vocabulary, synthetic tokens, bf16), as the smoke runs them (here through the test suite's warm fork server)."""
+    for recipe in ("rowwise", "tensorwise"):
+        folder = tmp_path / recipe
+        command = torchpre_command(Row("tiny", 32, 2, compile=False, fp8=recipe), 2, folder)
+        result = run_entry("train.py", command[command.index("train.py") + 1 :])
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert f"linears in float8 ({recipe})" in result.stdout and "emulated matmuls" in result.stdout
+        records = [json.loads(line) for line in (folder / "metrics.jsonl").open()]
+        assert [r["step"] for r in records] == [1, 2] and all(math.isfinite(r["loss"]) for r in records)
 
 
 @pytest.mark.slow
@@ -125,7 +169,7 @@ def _fake_run(rates: dict[str, float]):
 
 def test_a_row_reports_steady_rates_mfu_memory_and_the_ratio(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1100.0, "torchtitan": 1000.0}))
-    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: (1e15, "bf16"))
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device, linear="none": (1e15, "bf16"))
     row = ROWS[0]
     cells = gpu_compare.measure(row, 15, tmp_path / "work", tmp_path, timeout_s=60)
     mfu = 1100.0 * gpu_compare.flops_of(row) / 1e15
@@ -148,10 +192,10 @@ def test_the_flop_count_is_torchpres_for_the_real_1b():
 
 def test_rows_past_the_budget_are_skipped_and_named(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1.0, "torchtitan": 1.0}))
-    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device: (1e15, "bf16"))
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device, linear="none": (1e15, "bf16"))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "fake GPU")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    args = argparse.Namespace(out=tmp_path, work=tmp_path / "work", steps=15, budget_s=100.0)
+    args = argparse.Namespace(out=tmp_path, work=tmp_path / "work", steps=15, budget_s=100.0, only="")
     gpu_compare.benchmark(args)  # the eager guess (90 s) fits, the compiled one (200 s) does not
     table = (tmp_path / "gpu_table.md").read_text()
     ran = [line.split(" | ")[0].strip("| ") for line in table.splitlines()[2:] if line.startswith("| ")]

@@ -2,6 +2,7 @@
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +18,7 @@ from torchpre.planner.dryrun import build_rank
 from torchpre.planner.layouts import Layout, check, valid_layouts
 from torchpre.planner.pieces import microbatch_pieces
 from torchpre.planner.predict import model_flops_per_token, predict
-from torchpre.planner.search import search
+from torchpre.planner.search import needs_context_parallel, search
 from torchpre.planner.time_model import collective_seconds
 
 JSON_KEYS = {
@@ -156,12 +157,64 @@ def test_the_cp_communication_is_the_key_and_value_gathers_of_every_attention_la
     assert step.cp_comm_s == pytest.approx(expected, rel=1e-9)
 
 
+def test_cp_layouts_are_enumerated_for_every_degree_that_cuts_the_sequence_evenly():
+    """With context parallelism asked for, every cp > 1 that divides the GPUs left by tp x pp and cuts each sequence
+    into 2 x cp equal chunks, each checked by start-up (seq 40 on 8 GPUs: 2, 4 and 8 divide the world, 40 is cut
+    evenly into 4 and 8 chunks but not 16)."""
+    base = _job("--model.flavor", "debugmodel", "--training.seq_len", "40", "--training.global_batch_size", "8")
+    with_cp, _ = valid_layouts(base, 8, 8, context_parallel=True)
+    assert {c.layout.cp for c in with_cp} == {2, 4}
+    assert all(c.config.parallelism.context_parallel_degree == c.layout.cp for c in with_cp)
+    assert {(c.layout.tp, c.layout.cp) for c in with_cp if c.layout.pp == 1} >= {(1, 2), (1, 4), (2, 2), (2, 4), (4, 2)}
+
+
+def _prediction(ac: str, fits: bool, cp: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(fits=fits, checked=SimpleNamespace(layout=Layout(1, 1, 1, activation_checkpoint=ac, cp=cp)))
+
+
+@pytest.mark.parametrize(
+    "predictions, searched",
+    [
+        pytest.param([_prediction("full", True), _prediction("selective", True)], False, id="selective-fits"),
+        pytest.param([_prediction("full", True), _prediction("none", True)], False, id="no-ac-fits"),
+        pytest.param([_prediction("full", True), _prediction("selective", False)], True, id="only-full-ac-fits"),
+        pytest.param([_prediction("full", False), _prediction("none", False)], True, id="nothing-fits"),
+    ],
+)  # fmt: skip
+def test_cp_is_searched_when_only_full_activation_checkpointing_fits(predictions, searched):
+    assert needs_context_parallel(predictions) is searched
+
+
+@pytest.mark.plan_matrix
+def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
+    """Llama 3 8B at 131,072 tokens on 64 H100s (16 sequences per step): without cp only full activation
+    checkpointing fits (tp8 with per-op checkpointing needs 74.6 of 72.6 usable GiB), so the planner searches cp and
+    offers cp layouts with per-op checkpointing among the fastest it prints (NeMo's recipe for this job: tp4 x pp2 x
+    cp8 on 64 GPUs). Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4 and tp8 (259 s here); `-s`
+    prints the table docs/context-parallel.md shows."""
+    for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective", "full")), ("MICROBATCH_SIZES", (1,)),
+                         ("PLANNED_SCHEDULES", ())):  # fmt: skip
+        monkeypatch.setattr(layouts, name, values)
+    every = layouts.candidates
+    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        layout for layout in every(*args, **kwargs) if layout.tp >= 4))  # fmt: skip
+    base = _job("--model.flavor", "8B", "--training.seq_len", "131072", "--training.global_batch_size", "16",
+                "--training.mixed_precision_param", "bfloat16")  # fmt: skip
+    result = search(base, get_hardware("h100-80gb"), 64)
+    print(result.table(8))
+    without_cp = [p for p in result.predictions if p.checked.layout.cp == 1]
+    assert without_cp and not any(p.fits for p in without_cp if p.checked.layout.activation_checkpoint != "full")
+    offered = [p.checked.layout for p in result.fitting[:5]]
+    assert any(layout.cp > 1 and layout.activation_checkpoint == "selective" for layout in offered), result.table(5)
+
+
 @pytest.mark.plan_matrix
 def test_a_job_whose_layouts_fit_without_cp_is_not_offered_cp(monkeypatch):
-    """Llama 3 8B on 64 H100s at 8,192 tokens, 64 sequences per step: layouts without cp fit, so the planner does
-    not search cp (each degree of it would add its probes and a key/value gather per layer). The search is narrowed
-    to ZeRO-3, full AC, one sequence per microbatch and 1F1B to keep its probes few (155 s here)."""
-    for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("full",)), ("MICROBATCH_SIZES", (1,)),
+    """Llama 3 8B on 64 H100s at 8,192 tokens, 64 sequences per step: layouts without cp fit without full activation
+    checkpointing, so the planner does not search cp (each degree of it would add its probes and a key/value gather
+    per layer). The search is narrowed to ZeRO-3, per-op AC, one sequence per microbatch and 1F1B to keep its probes
+    few (112 s here)."""
+    for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective",)), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", (("1F1B", 1),))):  # fmt: skip
         monkeypatch.setattr(layouts, name, values)
     base = _job("--model.flavor", "8B", "--training.seq_len", "8192", "--training.global_batch_size", "64",

@@ -69,10 +69,12 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) 
 
 def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Attention with an explicit boolean mask (True: attend), as context parallelism's gathered attention calls it.
-    On CUDA SDPA's fused kernels (memory-efficient, cuDNN) take the mask without holding the scores; elsewhere
+    On CUDA SDPA's fused kernels (memory-efficient, cuDNN) take the mask without holding the scores, though SDPA
+    first turns it into an additive mask of the queries' dtype, which the kernel keeps for backward; elsewhere
     SDPA's masked kernel would keep every head's [queries, keys] probabilities for backward, so the attention runs
-    a block of queries at a time (`blockwise_masked_attention`)."""
-    if q.device.type == "cuda":
+    a block of queries at a time (`blockwise_masked_attention`). On meta (the dry run and the planner, which size a
+    GPU job) it runs as on CUDA: one op per layer that the probe counts as that kernel, additive mask included."""
+    if q.device.type in ("cuda", "meta"):
         return sdpa(q, k, v, mask=mask, is_causal=False)
     return blockwise_masked_attention(q, k, v, mask)
 

@@ -74,11 +74,10 @@ def _row(p: Prediction) -> str:
 
 def search(config: JobConfig, hardware: Hardware, gpus: int) -> SearchResult:
     """Predicts every layout start-up accepts and ranks them; a ConfigError naming the most common refusals when
-    start-up accepts none. Context parallelism is searched when no layout without it fits (long sequences): it
-    adds a key/value gather to every attention layer, and a degree of it to every other layout to probe."""
+    start-up accepts none. Context parallelism is searched too when sequences are long (`needs_context_parallel`)."""
     checked, refusals = valid_layouts(config, gpus, hardware.gpus_per_node)
     predictions = _predict(checked, hardware, gpus)
-    if not any(p.fits for p in predictions):
+    if needs_context_parallel(predictions):
         with_cp, cp_refusals = valid_layouts(config, gpus, hardware.gpus_per_node, context_parallel=True)
         checked, refusals = checked + with_cp, refusals + cp_refusals
         predictions += _predict(with_cp, hardware, gpus)
@@ -94,6 +93,16 @@ def search(config: JobConfig, hardware: Hardware, gpus: int) -> SearchResult:
     fits = sorted((p for p in predictions if p.fits), key=lambda p: -p.tokens_per_sec)
     rest = sorted((p for p in predictions if not p.fits), key=lambda p: p.peak.total_bytes)
     return SearchResult(fits + rest, rejected, hardware, gpus, config)
+
+
+def needs_context_parallel(predictions: list[Prediction]) -> bool:
+    """Whether the sequences are long enough to search context parallelism: no layout without it fits unless it
+    recomputes every block in backward (full activation checkpointing, about a third more compute). A cp rank holds
+    a 1 / cp share of each sequence's activations, so cp layouts may fit with per-op checkpointing or none, at the
+    price of a key/value gather per attention layer (the long-context recipes' choice: NeMo's Llama 3 8B at 128K
+    runs cp8 on 64 GPUs). Otherwise cp is not searched: it only adds that gather, and a degree of it to every other
+    layout to probe."""
+    return not any(p.fits and p.checked.layout.activation_checkpoint != "full" for p in predictions)
 
 
 def _predict(checked: list[CheckedLayout], hardware: Hardware, gpus: int) -> list[Prediction]:
