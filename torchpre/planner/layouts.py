@@ -149,6 +149,12 @@ def valid_layouts(
             "The planner needs training.global_batch_size (sequences per step): set it to the batch you will train."
         )
     spec = get_model_spec(base.model.name)
+    if spec.expert_parallel is not None:
+        raise ConfigError(
+            f"model.name = '{base.model.name}': the planner does not search expert-parallel layouts (nor time their "
+            "all-to-alls) yet. `--job.dry_run` reports the per-rank memory of a given layout, activations counted for "
+            "a balanced router."
+        )
     if spec.args_from_job is not None:
         raise ConfigError(
             f"model.name = '{base.model.name}': the planner sizes a model by cutting its flavor to fewer blocks, and "
