@@ -28,7 +28,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from torchpre.models.attention import DocumentMask, document_mask
+from torchpre.models.attention import DocumentMask
 from torchpre.models.aux_loss import AddAuxLoss
 from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from torchpre.models.deepseek_v3.mtp import MTPDepth, MultiTokenPrediction
@@ -250,8 +250,7 @@ class DeepSeekV3Transformer(MoETransformer):
         part holding the multi-token prediction, its loss joins the gradient (`AddAuxLoss`), the logits unchanged."""
         if future_tokens is None or self.mtp is None or not self.mtp.depths or not torch.is_grad_enabled():
             return super().forward(tokens, start_pos, document_ids, doc_mask)
-        if document_ids is not None:
-            doc_mask = document_mask(document_ids)
+        doc_mask = self.checked_mask(tokens, start_pos, document_ids, doc_mask)
         h = self.blocks(tokens, start_pos, doc_mask)
         # The embedding module itself where this part holds it: its parallel plan, not only its weight, is there.
         embedding = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings

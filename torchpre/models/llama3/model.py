@@ -332,6 +332,13 @@ class Transformer(nn.Module):
         built by the caller, for layers whose attention is not over this input's positions alone
         (context parallelism's hook builds one from the whole sequence's document ids).
         """
+        doc_mask = self.checked_mask(tokens, start_pos, document_ids, doc_mask)
+        return self.head(self.blocks(tokens, start_pos, doc_mask))
+
+    def checked_mask(
+        self, tokens: Tensor, start_pos: int | None, document_ids: Tensor | None, doc_mask: DocumentMask | None
+    ) -> DocumentMask | None:
+        """`forward`'s arguments checked, and the document mask the blocks get (built from `document_ids`)."""
         seqlen, max_seq_len = tokens.shape[1], self.rope_cache.shape[0]
         end = seqlen + (start_pos or 0)
         if end > max_seq_len:
@@ -340,9 +347,7 @@ class Transformer(nn.Module):
             raise ValueError("document_ids is for training on packed sequences; it cannot be combined with start_pos")
         if document_ids is not None and doc_mask is not None:
             raise ValueError("pass document_ids or a doc_mask built from them, not both")
-        if document_ids is not None:
-            doc_mask = document_mask(document_ids)
-        return self.head(self.blocks(tokens, start_pos, doc_mask))
+        return document_mask(document_ids) if document_ids is not None else doc_mask
 
     def blocks(self, tokens: Tensor, start_pos: int | None, doc_mask: DocumentMask | None) -> Tensor:
         """The embedding (on the stage holding it) and the blocks: the hidden states before the final norm."""
