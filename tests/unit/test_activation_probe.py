@@ -234,7 +234,7 @@ def test_a_router_counts_on_meta_as_balanced(family: str) -> None:
             model = spec.model_cls(args)
         if device == "cpu":
             model.init_weights(0)
-        tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), device=device, generator=None)
+        tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), device=device)
         probes.append(probe_microbatch(model, (tokens,), devices=(device,)))
     on_cpu, on_meta = probes
     for name in ("saved_bytes", "grad_bytes", "flops", "matmul_flops"):
