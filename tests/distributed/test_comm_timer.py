@@ -14,8 +14,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.launch import spawn
 from torchpre.distributed.comm_timer import CommTimer
-from torchpre.models.attention import masked_attention
 from torchpre.parallel.context_parallel import ContextParallel
+from torchpre.training.job import CONTEXT_PARALLEL_KERNELS
 
 SLEEP_S = 0.3
 MEASURED_S = 0.2  # a rank blocked behind SLEEP_S counts at least this (scheduling can shorten the wait a little)
@@ -135,7 +135,7 @@ def _check_context_parallel(_: DeviceMesh) -> None:
     assert CommTimer(torch.device("cpu"), [mesh]).kinds_in_use == ["dp"]
     timer = CommTimer(torch.device("cpu"), [mesh, context])
     assert timer.kinds_in_use == ["dp", "cp"]
-    cp = ContextParallel(context["cp"], 8, torch.device("cpu"), masked_attention)
+    cp = ContextParallel(context["cp"], 8, torch.device("cpu"), CONTEXT_PARALLEL_KERNELS)
     q, k, v = (torch.randn(1, 4, 2, 4, requires_grad=True) for _ in range(3))
     with timer.installed():
         _late(context, "cp")

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from tests.launch import spawn
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.models.attention import masked_attention
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel.api import parallelize
 from torchpre.parallel.context_parallel import ContextParallel
+from torchpre.training.job import CONTEXT_PARALLEL_KERNELS
 from torchpre.training.model import meta_model, parallel_plan
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def logits_and_grads(net, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[t
 
 def run_cp(out: Path, world) -> None:
     meshes = ParallelDims.from_degrees(dp=1, tp=1, pp=1, world_size=CP, cp=CP).build_meshes("cpu")
-    cp = ContextParallel(meshes.context_mesh["cp"], ARGS.max_seq_len, torch.device("cpu"), masked_attention)
+    cp = ContextParallel(meshes.context_mesh["cp"], ARGS.max_seq_len, torch.device("cpu"), CONTEXT_PARALLEL_KERNELS)
     inputs, labels = cp.shard(batch())
     logits, grads = logits_and_grads(context_parallel_model(cp, meshes.mesh), inputs, labels)
     for grad in grads.values():  # the cp ranks' shares of every gradient, as the data-parallel reduction adds them

@@ -47,18 +47,32 @@ def _query_heads(query: torch.Size, kv: torch.Size) -> tuple[int, ...]:
     return (*kv[:-3], query[-3], *kv[-2:])
 
 
-@shape_wrapper
-def _sdpa_for_cpu_flop(query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value))
+def _causal_share(query: torch.Size, key: torch.Size) -> float:
+    """The share of the [queries, keys] scores a causal kernel computes, the mask aligned to the lower right (the
+    queries are the last positions of the keys' sequence: one process's square, or a context-parallel chunk over
+    the keys up to it): flash kernels skip the masked blocks."""
+    queries, keys = query[-2], key[-2]
+    return 1 - (queries - 1) / (2 * keys)
 
 
 @shape_wrapper
-def _sdpa_for_cpu_backward_flop(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out, query, _query_heads(query, key), _query_heads(query, value))
+def _sdpa_for_cpu_flop(query, key, value, dropout_p=0.0, is_causal=False, *, out_shape=None, **kwargs) -> int:
+    flops = sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value))
+    return round(flops * _causal_share(query, key)) if is_causal else flops
+
+
+@shape_wrapper
+def _sdpa_for_cpu_backward_flop(
+    grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *, out_shape=None, **kwargs
+) -> int:
+    flops = sdpa_backward_flop_count(grad_out, query, _query_heads(query, key), _query_heads(query, value))
+    return round(flops * _causal_share(query, key)) if is_causal else flops
 
 
 # torch's formulas (matmuls, convolutions, the GPU attention kernels) and the CPU flash kernel's, which torch
-# lacks. Attention is counted over the full [seq, seq] score matrix, causal or not, as torch counts it.
+# lacks. Causal attention counts the scores its kernel computes (`_causal_share`), not the whole score matrix
+# torch's formulas count, so that one process and context parallelism, whose kernels both skip the masked half,
+# compare fairly.
 _FLOP_FORMULAS = {
     **flop_registry,
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_for_cpu_flop,
@@ -94,8 +108,9 @@ class ActivationProbe:
       gradients freed during backward (e.g. by a bucketing hook) are transient.
     - `grad_bytes`: bytes of the parameter `.grad` tensors created by this backward and still alive at the end.
     - `flops`: FLOPs of forward and backward (recomputation included) by torch's formulas: matmuls,
-      convolutions and attention; elementwise ops are not counted. Attention counts the whole score matrix
-      even when causal, and its backward recomputes the scores (as flash attention does).
+      convolutions and attention; elementwise ops are not counted. Causal attention counts the scores below
+      the diagonal only (flash kernels skip the masked blocks; a masked kernel counts every score), and its
+      backward recomputes the scores (as flash attention does).
     - `matmul_flops`: the part of `flops` done by matmuls (mm, addmm, bmm, baddbmm), i.e. without attention.
     - `fp8_flops`: the part of `matmul_flops` done by `aten._scaled_mm`, the FP8 tensor-core matmul torchao's float8
       linears call (quantize.linear): what runs at the FP8 peak.

@@ -6,13 +6,17 @@ paired with a late one gives every rank the same attention work; a contiguous sp
 2 x cp - 1 times the first one's.
 
 Attention: each rank projects only its own positions' queries, keys and values; the keys and values are
-all-gathered over cp (`gather_sequence`: its backward reduce-scatters their gradients back), and the queries
-attend to them with the causal mask of their global positions (and, with training.document_mask, the document
-mask of the whole rows): SDPA with an explicit mask, the same numbers as one
-process. All-gather rather than a ring of point-to-point passes: gloo runs collectives synchronously (nothing to
-overlap on a CPU), one all-gather per layer is one collective to keep in step under activation checkpointing and
-pipeline schedules, and on CUDA SDPA's masked kernels (memory-efficient, cuDNN) still serve. The price is that a
-rank holds every key and value of the sequence for one layer at a time.
+all-gathered over cp (`gather_sequence`: its backward reduce-scatters their gradients back) and put in position
+order. Each of the rank's two query chunks then attends to the prefix of the sequence that ends with it, causally:
+the keys after the chunk are masked for all its queries, so they are never computed. Without the document mask
+that needs no mask at all (`torchpre.models.suffix_attention`: flash kernels on CUDA, the CPU flash kernel twice
+merged by log-sum-exp on a CPU), and every rank computes the causal half of the scores as one process does, so
+the work is one process's split evenly; with training.document_mask, a boolean mask of the chunk's queries over
+the prefix's keys. Same numbers as one process either way.
+
+All-gather rather than a ring of point-to-point passes: gloo runs collectives synchronously (nothing to overlap on
+a CPU), and one all-gather per layer is one collective to keep in step under activation checkpointing and
+pipeline schedules. The price is that a rank holds every key and value of the sequence for one layer at a time.
 
 RoPE follows the shard: the attention gets the RoPE rows of its global positions. Labels are sharded like the
 inputs, and the loss (summed token losses over the global token count) adds up over cp ranks as over dp ranks.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,9 +45,16 @@ _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_singl
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 Batch = tuple[Tensor, Tensor]
-MaskedAttention = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-"""(q, k, v, boolean mask) -> attention output, all [batch, seq, heads, head_dim] (`torchpre.models.attention.sdpa`
-with is_causal=False): the kernel is the model layer's choice."""
+
+
+class AttentionKernels(NamedTuple):
+    """The kernels cp attention calls, the model layer's (`torchpre.models.suffix_attention.causal_suffix_attention`
+    and `torchpre.models.attention.masked_attention`); q, k, v and outputs are [batch, seq, heads, head_dim].
+    `causal_suffix(q, k, v)`: queries that are the last positions of the keys' sequence, each attending to the keys
+    up to itself; `masked(q, k, v, mask)`: a boolean mask [batch, 1, queries, keys] (True: attend)."""
+
+    causal_suffix: Callable[[Tensor, Tensor, Tensor], Tensor]
+    masked: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def head_tail_positions(seq_len: int, cp: int, rank: int) -> Tensor:
@@ -59,8 +71,8 @@ class ContextParallel:
     `shard` cuts a batch to this rank's positions; `rope_rows` and `attend` are what a model family's attention
     hook (`ModelSpec.context_parallel`) uses instead of the positions 0.. and the local causal kernel. With
     `document_bos` (the BOS id, under training.document_mask) `forward_kwargs` reads the batch's document
-    boundaries from the whole rows, and `document_attention` makes the attention of one microbatch's. `kernel`
-    computes the masked attention.
+    boundaries from the whole rows, and `document_attention` makes the attention of one microbatch's. `kernels`
+    compute the attention.
     """
 
     def __init__(
@@ -68,11 +80,11 @@ class ContextParallel:
         mesh: DeviceMesh,
         seq_len: int,
         device: torch.device,
-        kernel: MaskedAttention,
+        kernels: AttentionKernels,
         document_bos: int | None = None,
         tokens_ahead: int = 0,
     ):
-        self.mesh, self.kernel, self.document_bos, self.device = mesh, kernel, document_bos, device
+        self.mesh, self.kernels, self.document_bos, self.device = mesh, kernels, document_bos, device
         self.tokens_ahead = tokens_ahead
         self.seq_len = 0
         self._use_seq_len(seq_len)
@@ -85,12 +97,13 @@ class ContextParallel:
         cp, rank = self.mesh.size(), self.mesh.get_local_rank()
         self.seq_len = seq_len
         self.positions = head_tail_positions(seq_len, cp, rank).to(self.device)
-        # The positions of the gathered keys: every rank's, in rank order (the order of the all-gather).
-        self.key_positions = torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)]).to(self.device)
-        self._causal = self.positions[:, None] >= self.key_positions[None, :]
-        # This rank's queries within the gathered keys: the all-gather puts its own positions at its rank's slot.
-        local = self.positions.numel()
-        self._queries = slice(rank * local, (rank + 1) * local)
+        # The gathered keys come in rank order (every rank's positions); this puts them in position order.
+        gathered_positions = torch.cat([head_tail_positions(seq_len, cp, r) for r in range(cp)])
+        self._by_position = gathered_positions.argsort().to(self.device)
+        # This rank's two query chunks: their rows among its positions, and how many keys they see (the prefix of
+        # the sequence up to the chunk's end).
+        chunk = seq_len // (2 * cp)
+        self._chunks = ((slice(0, chunk), (rank + 1) * chunk), (slice(chunk, 2 * chunk), (2 * cp - rank) * chunk))
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's positions of (inputs, labels) [batch, seq]; the model then attends over sequences of their
@@ -106,20 +119,18 @@ class ContextParallel:
     def forward_kwargs(self, inputs: Tensor) -> dict[str, Tensor]:
         """What the model's forward gets besides this rank's tokens [batch, seq/cp]: under the document mask,
         `document_ids` [batch, seq], the whole rows' documents (a new one at every BOS, numbered over the gathered
-        tokens) in the order of the gathered keys. Per row, so a pipeline schedule cuts them into microbatches
+        tokens) in position order. Per row, so a pipeline schedule cuts them into microbatches
         with the tokens and hands each stage its microbatch's; the model's hook (`document_attention`) turns them
         into the attention's mask. With `tokens_ahead` (multi-token prediction), `future_tokens` [batch, seq/cp,
         tokens_ahead]: the tokens after each of this rank's positions, read from the whole rows."""
         if self.document_bos is None and not self.tokens_ahead:
             return {}
-        gathered = gather_sequence(inputs, self.mesh.get_group())
-        rows = torch.empty_like(gathered)
-        rows[:, self.key_positions] = gathered
+        rows = gather_sequence(inputs, self.mesh.get_group()).index_select(1, self._by_position)
         kwargs = {}
         if self.tokens_ahead:
             kwargs["future_tokens"] = future_tokens(rows, self.tokens_ahead)[:, self.positions]
         if self.document_bos is not None:
-            kwargs["document_ids"] = (rows == self.document_bos).cumsum(dim=1)[:, self.key_positions]
+            kwargs["document_ids"] = (rows == self.document_bos).cumsum(dim=1)
         return kwargs
 
     def document_attention(self, document_ids: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
@@ -134,14 +145,19 @@ class ContextParallel:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> Tensor:
         """Attention of this rank's queries [batch, seq/cp, heads, head_dim] over the whole sequence's keys and
         values (gathered here), causal in global positions and, with `document_ids` (`forward_kwargs`), within
-        documents."""
+        documents. Each query chunk attends to the keys up to its end only: the rest are all masked."""
         group = self.mesh.get_group()
-        k, v = gather_sequence(k, group), gather_sequence(v, group)
-        mask = self._causal
-        if document_ids is not None:
-            query_docs = document_ids[:, self._queries]
-            mask = (mask & (query_docs[:, :, None] == document_ids[:, None, :]))[:, None]
-        return self.kernel(q, k, v, mask)
+        k, v = (gather_sequence(t, group).index_select(1, self._by_position) for t in (k, v))
+        outputs = []
+        for rows, end in self._chunks:
+            if document_ids is None:
+                outputs.append(self.kernels.causal_suffix(q[:, rows], k[:, :end], v[:, :end]))
+                continue
+            docs = document_ids[:, :end]
+            same_document = docs[:, -(rows.stop - rows.start) :, None] == docs[:, None, :]
+            mask = same_document.tril(end - (rows.stop - rows.start))[:, None]
+            outputs.append(self.kernels.masked(q[:, rows], k[:, :end], v[:, :end], mask))
+        return torch.cat(outputs, dim=1)
 
 
 def gather_sequence(shard: Tensor, group: dist.ProcessGroup) -> Tensor:

@@ -39,12 +39,13 @@ from torchpre.health.guard import StepGuard
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.attention import masked_attention
 from torchpre.models.registry import ModelSpec, get_model_spec
+from torchpre.models.suffix_attention import causal_suffix_attention
 from torchpre.optim.build import build_optimizer_from_config
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import WarmupStableDecay, build_lr_scheduler_from_config
 from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.api import ParallelModel, parallelize
-from torchpre.parallel.context_parallel import ContextParallel
+from torchpre.parallel.context_parallel import AttentionKernels, ContextParallel
 from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
 from torchpre.parallel.pipeline import PipelinePlan
@@ -64,6 +65,10 @@ from torchpre.training.step_plan import StepPlan, StepShape
 from torchpre.training.validation import held_out_fraction
 
 logger = logging.getLogger("torchpre")
+
+# Context parallelism's attention: mask-free causal attention of each query chunk over its key prefix, and a
+# boolean mask under training.document_mask.
+CONTEXT_PARALLEL_KERNELS = AttentionKernels(causal_suffix=causal_suffix_attention, masked=masked_attention)
 
 
 @dataclass(frozen=True)
@@ -288,7 +293,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     if meshes.context_mesh is not None:
         bos = pre.tokenizer.bos_id if t.document_mask else None
         context_parallel = ContextParallel(
-            meshes.context_mesh["cp"], t.seq_len, device, masked_attention, bos, tokens_ahead
+            meshes.context_mesh["cp"], t.seq_len, device, CONTEXT_PARALLEL_KERNELS, bos, tokens_ahead
         )
     forward_inputs = (
         context_parallel.forward_kwargs
