@@ -337,7 +337,8 @@ BREAKS = [
           "cp is searched only when nothing fits: a job that fits only by recomputing every block is never offered cp"),
     Break("dryrun-cp-attention-with-a-mask", "torchpre/models/suffix_attention.py",
           "        return sdpa(q, k, v, mask=None, is_causal=True)",
-          "        return _torch_suffix_attention(q, k, v)",
+          "        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device)\n"
+          "        return sdpa(q, k, v, mask=mask.tril(k.shape[1] - q.shape[1]), is_causal=False)",
           ("tests/unit/test_dryrun.py::test_context_parallel_ranks_hold_their_share_of_the_sequence_and_the_gathered_keys",),
           "the dry run sizes cp attention with a [seq / cp, seq] mask per layer, which the GPU kernels do not keep"),
     Break("gpu-bench-smoke-skips-fp8", "bench/gpu_compare.py",
