@@ -90,7 +90,7 @@ class ContextParallel:
         self._use_seq_len(seq_len)
 
     def _use_seq_len(self, seq_len: int) -> None:
-        """This rank's positions of `seq_len`-token sequences, and the mask over them: a data stage may change the
+        """This rank's positions of `seq_len`-token sequences and its query chunks: a data stage may change the
         length, and validation runs at training.seq_len."""
         if seq_len == self.seq_len:
             return
@@ -150,13 +150,14 @@ class ContextParallel:
         k, v = (gather_sequence(t, group).index_select(1, self._by_position) for t in (k, v))
         outputs = []
         for rows, end in self._chunks:
+            queries, keys, values = q[:, rows], k[:, :end], v[:, :end]
             if document_ids is None:
-                outputs.append(self.kernels.causal_suffix(q[:, rows], k[:, :end], v[:, :end]))
+                outputs.append(self.kernels.causal_suffix(queries, keys, values))
                 continue
-            docs = document_ids[:, :end]
-            same_document = docs[:, -(rows.stop - rows.start) :, None] == docs[:, None, :]
-            mask = same_document.tril(end - (rows.stop - rows.start))[:, None]
-            outputs.append(self.kernels.masked(q[:, rows], k[:, :end], v[:, :end], mask))
+            documents = document_ids[:, :end]
+            same_document = documents[:, end - queries.shape[1] :, None] == documents[:, None, :]
+            mask = same_document.tril(end - queries.shape[1])[:, None]
+            outputs.append(self.kernels.masked(queries, keys, values, mask))
         return torch.cat(outputs, dim=1)
 
 
