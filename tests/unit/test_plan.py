@@ -190,7 +190,7 @@ def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
     """Llama 3 8B at 131,072 tokens on 64 H100s (16 sequences per step): without cp only full activation
     checkpointing fits (tp8 with per-op checkpointing needs 74.6 of 72.6 usable GiB), so the planner searches cp and
     offers cp layouts with per-op checkpointing among the fastest it prints (NeMo's recipe for this job: tp4 x pp2 x
-    cp8 on 64 GPUs). Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4 and tp8 (259 s here); `-s`
+    cp8 on 64 GPUs). Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4 and tp8 (237 s here); `-s`
     prints the table docs/context-parallel.md shows."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective", "full")), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", ())):  # fmt: skip
