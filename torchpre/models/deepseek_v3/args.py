@@ -131,6 +131,35 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     # One MoE block deeper (4 blocks): enough for every pipeline schedule at pp2, the interleaved and V-shaped ones
     # holding two stages per rank, each with a block.
     "debugmodel_pp": replace(_DEBUGMODEL, n_layers=4),
+    # One GPU's DeepSeek-V3 for bench/gpu.sh: MLA with a query latent, 64 fine-grained experts top-6 in 8 groups (4
+    # chosen), a shared expert twice as wide, one dense first block, DeepSeek-V3's vocabulary: 2.17B total, 0.67B
+    # active (2.33B with one multi-token prediction depth).
+    "2B": DeepSeekV3Args(
+        dim=1536,
+        n_layers=12,
+        n_heads=12,
+        vocab_size=129280,
+        max_seq_len=4096,
+        norm_eps=1e-6,
+        rope_theta=10000.0,
+        q_lora_rank=512,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        dense_hidden_dim=4096,
+        num_experts=64,
+        top_k=6,
+        moe_hidden_dim=512,
+        shared_expert_hidden_dim=1024,
+        aux_loss_coeff=1e-4,
+        score_func="sigmoid",
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        bias_update_rate=1e-3,
+        first_k_dense=1,
+    ),
     # The 16B-class "lite" shape: Moonlight-16B-A3B (DeepSeek-V3's architecture; no query latent, ungrouped
     # routing over 64 experts, 2 shared): 16.0B total, 2.9B active.
     "lite": DeepSeekV3Args(
