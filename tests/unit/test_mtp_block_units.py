@@ -34,17 +34,16 @@ def compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
 @pytest.mark.parametrize(
-    "layout, rank, expected",
+    "layout, rank, mode, expected",
     [
-        (DP2, 0, ["layers.0", "layers.1", "layers.2", "mtp.depths.1.block", "mtp.depths.2.block"]),
-        (PP2_DP2, 0, ["layers.0", "layers.1"]),  # the first stage
-        (PP2_DP2, 2, ["layers.2", "mtp.depths.1.block", "mtp.depths.2.block"]),  # the last, with the MTP modules
+        (DP2, 0, "full", ["layers.0", "layers.1", "layers.2", "mtp.depths.1.block", "mtp.depths.2.block"]),
+        (PP2_DP2, 0, "selective", ["layers.0", "layers.1"]),  # the first stage
+        (PP2_DP2, 2, "selective", ["layers.2", "mtp.depths.1.block", "mtp.depths.2.block"]),  # the last, with MTP
     ],
-    ids=["dp2-zero3", "pp2xdp2-zero3-first-stage", "pp2xdp2-zero3-last-stage"],
+    ids=["dp2-zero3-full-ac", "pp2xdp2-zero3-first-stage-selective-ac", "pp2xdp2-zero3-last-stage-selective-ac"],
 )
-def test_mtp_blocks_are_checkpointed_compiled_and_sharded_like_the_layers(mode, layout, rank, expected):
+def test_mtp_blocks_are_checkpointed_compiled_and_sharded_like_the_layers(layout, rank, mode, expected):
     config = parse_args(JobConfig, [*JOB, *layout, "--activation_checkpoint.mode", mode])
     job = build_job(config, Runtime(config.job.dry_run_world_size, fake_rank=rank))
     try:
