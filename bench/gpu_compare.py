@@ -3,7 +3,10 @@
 Each row of `ROWS` runs torchpre's train.py, then torchtitan (bench/titan_llama.py), for the same number of
 steps with random tokens over Llama 3's 128,256-id vocabulary, bf16, no activation checkpointing and SDPA
 (PyTorch picks its flash kernel for bf16 causal attention). The FP8 rows put the blocks' linears in float8 through
-torchao in both (tensorwise or rowwise scales; the output layer stays bf16 in both). Rows run in priority order and
+torchao in both (tensorwise or rowwise scales; the output layer stays bf16 in both). The DeepSeek-V3 row (issue 38:
+the `2B` flavor, MLA, 64 fine-grained experts as grouped bf16 matmuls, bias balancing, one multi-token prediction
+depth, DeepSeek-V3's 129,280-id vocabulary) runs torchpre alone: torchtitan 0.2.2's deepseek_v3 has no multi-token
+prediction and another flavor table, so its cells say "not run". Rows run in priority order and
 stop at the time budget, so the table fits one device call (`--only fp8` keeps the rows whose label says fp8).
 Writes `gpu_table.md`, `gpu_raw.jsonl` (every step of every run) and `gpu_log.txt` (the tail of any failed run)
 into --out.
@@ -28,10 +31,10 @@ import torch
 
 from bench.common import REPO, steady
 from torchpre.metrics.flops import peak_flops
-from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
-from torchpre.models.llama3.model import Transformer
+from torchpre.models.registry import get_model_spec  # importing torchpre.models registers every family
 
 VOCAB_SIZE = 128256  # Llama 3's tokenizer
+VOCAB_SIZES = {"llama3": VOCAB_SIZE, "deepseek_v3": 129280}  # each family's released tokenizer
 WARMUP = 5  # steps left out of the median: compilation, allocator and cache warm-up
 
 
@@ -44,13 +47,22 @@ class Row:
     nproc: int = 1
     cp: int = 1  # context-parallel degree: ranks that split each sequence
     fp8: str = ""  # the float8 recipe of the blocks' linears (quantize.recipe: tensorwise, rowwise); "": bf16
+    model: str = "llama3"  # model.name; torchtitan runs the llama3 rows only
+    mtp_depth: int = 0  # model.mtp_depth (deepseek_v3)
 
     @property
     def label(self) -> str:
         mode = "compiled" if self.compile else "eager"
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         fp8 = f" fp8 {self.fp8}" if self.fp8 else ""
-        return f"{self.flavor} seq {self.seq_len} batch {self.global_batch} {mode} {self.nproc} GPU{cp}{fp8}"
+        family = "" if self.model == "llama3" else f"{self.model} "
+        mtp = f" mtp{self.mtp_depth}" if self.mtp_depth else ""
+        shape = f"{family}{self.flavor}{mtp} seq {self.seq_len} batch {self.global_batch}"
+        return f"{shape} {mode} {self.nproc} GPU{cp}{fp8}"
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZES[self.model]
 
     @property
     def local_batch(self) -> int:
@@ -60,13 +72,16 @@ class Row:
 
 # Most wanted first: the budget cuts from the end. The third is the long-context row (issue 36): one 32K sequence
 # per step, unsharded on one GPU; TWO_GPU_ROWS split it over two cp ranks. The FP8 rows (issue 39) repeat the
-# compiled 1B and 3B rows with float8 linears, beside their bf16 rows in the table.
+# compiled 1B and 3B rows with float8 linears, beside their bf16 rows in the table. The DeepSeek-V3 row (issue 38)
+# comes after the bf16 Llama rows at seq 4096: 2 sequences of 4,096 tokens per step (4 need 139 GiB by the dry run).
+DEEPSEEK_V3_ROW = Row("2B", 4096, 2, compile=True, model="deepseek_v3", mtp_depth=1)
 ROWS = (
     Row("1B", 4096, 4, compile=True),
     Row("1B", 4096, 4, compile=False),
     Row("1B", 32768, 1, compile=True),
     Row("3B", 4096, 2, compile=True),
     Row("3B", 4096, 2, compile=False),
+    DEEPSEEK_V3_ROW,
     Row("1B", 4096, 4, compile=True, fp8="rowwise"),
     Row("1B", 4096, 4, compile=True, fp8="tensorwise"),
     Row("3B", 4096, 2, compile=True, fp8="rowwise"),
@@ -101,10 +116,17 @@ def float8(row: Row) -> tuple[list[str], list[str]]:
     return ours, theirs
 
 
+def family(row: Row) -> list[str]:
+    """The model family's flags; none for Llama 3 (train.py's default)."""
+    if row.model == "llama3":
+        return []
+    return ["--model.name", row.model, *(["--model.mtp_depth", str(row.mtp_depth)] if row.mtp_depth else [])]
+
+
 def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
     return [
-        *launcher(row.nproc), "train.py",
-        "--model.flavor", row.flavor, "--model.vocab_size", str(VOCAB_SIZE), "--training.dataset", "synthetic",
+        *launcher(row.nproc), "train.py", *family(row),
+        "--model.flavor", row.flavor, "--model.vocab_size", str(row.vocab_size), "--training.dataset", "synthetic",
         "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
         "--training.steps", str(steps), "--training.mixed_precision_param", "bfloat16",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(folder),
@@ -112,10 +134,13 @@ def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def titan_command(row: Row, steps: int, folder: Path) -> list[str]:
-    """torchtitan's flags for the same run. On several GPUs torchtitan shards with FSDP, which cannot keep
-    the tied embedding in one piece, so that row runs torchtitan untied (262M more parameters for the 1B). Its cp
-    row may fail: torchtitan's context parallelism supports FlexAttention only (issue 36), and the log says so."""
+def titan_command(row: Row, steps: int, folder: Path) -> list[str] | None:
+    """torchtitan's flags for the same run; None for the rows it does not run (not Llama 3). On several GPUs
+    torchtitan shards with FSDP, which cannot keep the tied embedding in one piece, so that row runs torchtitan untied
+    (262M more parameters for the 1B). Its cp row may fail: torchtitan's context parallelism supports FlexAttention
+    only (issue 36), and the log says so."""
+    if row.model != "llama3":
+        return None
     return [
         *launcher(row.nproc, torchrun=True), "-m", "bench.titan_llama", *(["--untied"] if row.nproc > 1 else []),
         "--model.name", "torchpre_llama3", "--model.flavor", row.flavor,
@@ -149,11 +174,14 @@ def peak_of(row: Row) -> float:
 
 
 def flops_of(row: Row) -> int:
-    """FLOPs per token of the row's model by torchpre's count, the one used for both frameworks' MFU."""
-    args = replace(LLAMA3_FLAVORS[row.flavor], vocab_size=VOCAB_SIZE)
+    """FLOPs per token of the row's model by torchpre's count (its family's: active parameters for DeepSeek-V3, its
+    multi-token prediction included), the one used for both frameworks' MFU."""
+    spec = get_model_spec(row.model)
+    mtp = {"mtp_depth": row.mtp_depth} if row.mtp_depth else {}
+    args = replace(spec.flavors[row.flavor], vocab_size=row.vocab_size, **mtp)
     with torch.device("meta"):
-        num_params = sum(p.numel() for p in Transformer(args).parameters())
-    return flops_per_token(args, num_params, row.seq_len)
+        num_params = sum(p.numel() for p in spec.model_cls(args).parameters())
+    return spec.flops_per_token(args, num_params, row.seq_len)
 
 
 def measure(row: Row, steps: int, work: Path, out: Path, timeout_s: float) -> list[object]:
@@ -162,8 +190,13 @@ def measure(row: Row, steps: int, work: Path, out: Path, timeout_s: float) -> li
     rates = []
     for name, command in (("torchpre", torchpre_command), ("torchtitan", titan_command)):
         folder = work / row.label.replace(" ", "_") / name
+        line = command(row, steps, folder)
+        if line is None:
+            cells += ["not run", "", ""]
+            rates.append(None)
+            continue
         started = time.monotonic()
-        ok = run(command(row, steps, folder), timeout_s, out / "gpu_log.txt")
+        ok = run(line, timeout_s, out / "gpu_log.txt")
         elapsed = time.monotonic() - started
         metrics = folder / "metrics.jsonl"
         if not ok or not metrics.exists():
@@ -218,7 +251,8 @@ def benchmark(args: argparse.Namespace) -> None:
         f"{WARMUP} (per GPU); MFU by torchpre's FLOP count against {peak_of(Row('1B', 1, 1, False)) / 1e12:.0f} "
         f"TFLOP/s for both ({peak_of(Row('1B', 1, 1, False, fp8='rowwise')) / 1e12:.0f}, the dense FP8 peak, in "
         "the fp8 rows). torchpre: bf16 parameters, fp32 master weights, peak = max allocated; torchtitan "
-        "0.2.2: fp32 parameters under bf16 autocast (its single-GPU mixed precision), peak = max active.",
+        "0.2.2: fp32 parameters under bf16 autocast (its single-GPU mixed precision), peak = max active. "
+        "torchtitan does not run the deepseek_v3 row (its deepseek_v3 has no multi-token prediction).",
         *([f"Skipped for the time budget: {', '.join(skipped)}."] if skipped else []),
     ]
     write_table(table, args.out, notes)
@@ -237,11 +271,12 @@ def smoke(args: argparse.Namespace) -> None:
     log, failures = args.out / "gpu_log.txt", 0
     for row in selected(list(ROWS), args.only)[: args.max_rows]:
         folder = args.work / row.label.replace(" ", "_")
+        titan = titan_command(row, args.steps, folder / "torchtitan")
         checks = {
             "torchpre dry run": [*torchpre_command(replace(row, compile=False), args.steps, folder / "torchpre"),
                                  "--job.dry_run", "--job.dry_run_gpu", "h200-141gb",
                                  "--job.dry_run_world_size", str(row.nproc)],
-            "torchtitan check": [*titan_command(row, args.steps, folder / "torchtitan"), "--check"],
+            **({"torchtitan check": [*titan, "--check"]} if titan is not None else {}),
         }  # fmt: skip
         for name, command in checks.items():
             ok = run(command, 600, log)
@@ -252,16 +287,20 @@ def smoke(args: argparse.Namespace) -> None:
         sys.exit(f"{failures} smoke check(s) failed: see {log}")
 
 
+TINY_FLAVORS = {"llama3": "tiny", "deepseek_v3": "debugmodel"}
+
+
 def smoke_train(work: Path, log: Path) -> int:
-    """2 training steps of torchpre with the rows' flags on a tiny model (its 128,256-row embedding included), once
-    per precision the rows use: bf16, and float8 with each recipe (emulated on a CPU: quantize.emulate = auto).
-    Returns how many failed."""
+    """2 training steps of torchpre with the rows' flags on a tiny model of the row's family (its full vocabulary's
+    embedding included), once per family and precision the rows use: Llama 3 in bf16 and in float8 with each recipe
+    (emulated on a CPU: quantize.emulate = auto), DeepSeek-V3 with multi-token prediction in bf16. Returns how many
+    failed."""
     failures = 0
-    for fp8 in dict.fromkeys(row.fp8 for row in ROWS):
-        tiny = Row("tiny", 32, 2, compile=False, fp8=fp8)
-        ok = run(torchpre_command(tiny, 2, work / f"tiny{'_fp8_' + fp8 if fp8 else ''}"), 600, log)
+    for model, mtp_depth, fp8 in dict.fromkeys((row.model, row.mtp_depth, row.fp8) for row in ROWS):
+        tiny = Row(TINY_FLAVORS[model], 32, 2, compile=False, fp8=fp8, model=model, mtp_depth=mtp_depth)
+        ok = run(torchpre_command(tiny, 2, work / tiny.label.replace(" ", "_")), 600, log)
         failures += not ok
-        flags = f"fp8 {fp8}" if fp8 else "bf16"
+        flags = (f"{model} mtp{mtp_depth} " if model != "llama3" else "") + (f"fp8 {fp8}" if fp8 else "bf16")
         print(f"smoke: torchpre trains 2 steps with the {flags} flags on a tiny model: {'ok' if ok else 'FAILED'}")
     return failures
 

@@ -63,6 +63,10 @@ DEEPSEEK_V3_MLA_TEST = "tests/unit/test_deepseek_v3.py::test_mla_alone_equals_tr
 DEEPSEEK_V3_CACHE_TEST = (
     "tests/unit/test_deepseek_v3.py::test_generation_with_the_latent_cache_equals_decoding_without_a_cache[query-latent]"
 )
+ZBV_MTP_TEST = (
+    "tests/integration/test_moe.py::test_deepseek_v3_with_mtp_under_every_pipeline_schedule_matches_one_process"
+    "[ZBVZeroBubble]"
+)
 RAMP_TRAINING_TEST = "tests/unit/test_ramp_training.py"
 STEP_PLAN_TEST = "tests/unit/test_step_plan.py"
 MIXED_PRECISION_TEST = (
@@ -292,6 +296,19 @@ BREAKS = [
           "return llama3_tied_weights(args)",
           ("tests/integration/test_moe.py::test_deepseek_v3_layout_matches_one_process_biases_included[pp2-1f1b]",),
           "under pp the last stage's copy of the embedding for multi-token prediction trains on its own gradient"),
+    Break("mtp-blocks-not-units", "torchpre/models/deepseek_v3/spec.py",
+          "    extra_blocks=mtp_blocks,\n", "",
+          ("tests/unit/test_mtp_block_units.py",),
+          "multi-token prediction blocks run in the root unit: not checkpointed, compiled or sharded per block"),
+    Break("pp-zero-bubble-groups-overlap", "torchpre/parallel/pipeline.py",
+          "        return grads, None if param_groups is None else disjoint_param_groups(param_groups)",
+          "        return grads, param_groups",
+          (ZBV_MTP_TEST,),
+          "zero-bubble weight steps run torch's overlapping parameter groups: MTP's embedding copy fails or doubles"),
+    Break("pp-zero-bubble-graph-freed-per-group", "torchpre/parallel/pipeline.py",
+          "param_groups, retain_graph=True)", "param_groups, retain_graph=False)",
+          ("tests/unit/test_zero_bubble_param_groups.py",),
+          "zero-bubble weight steps free the graph group by group: a group running through another's nodes fails"),
     Break("fp8-checkpoint-scales-ignored", "torchpre/convert.py",
           "(weight.float() * scale[: weight.shape[0], : weight.shape[1]])", "weight.float()",
           ("tests/integration/test_hf_convert.py::test_deepseek_v3_dcp_to_hf_matches_transformers_and_round_trips_bitwise",),
@@ -342,10 +359,15 @@ BREAKS = [
           ("tests/unit/test_dryrun.py::test_context_parallel_ranks_hold_their_share_of_the_sequence_and_the_gathered_keys",),
           "the dry run sizes cp attention with a [seq / cp, seq] mask per layer, which the GPU kernels do not keep"),
     Break("gpu-bench-smoke-skips-fp8", "bench/gpu_compare.py",
-          "    for fp8 in dict.fromkeys(row.fp8 for row in ROWS):",
-          '    for fp8 in [""]:',
-          ("tests/bench/test_gpu_bench.py::test_the_smoke_trains_once_per_precision_of_the_rows",),
+          "dict.fromkeys((row.model, row.mtp_depth, row.fp8) for row in ROWS)",
+          'dict.fromkeys((row.model, row.mtp_depth, "") for row in ROWS)',
+          ("tests/bench/test_gpu_bench.py::test_the_smoke_trains_once_per_family_and_precision_of_the_rows",),
           "bench/gpu.sh's smoke mode trains only the bf16 flags: the FP8 rows are never checked before a GPU call"),
+    Break("gpu-bench-smoke-skips-deepseek-v3", "bench/gpu_compare.py",
+          "dict.fromkeys((row.model, row.mtp_depth, row.fp8) for row in ROWS)",
+          'dict.fromkeys((row.model, row.mtp_depth, row.fp8) for row in ROWS if row.model == "llama3")',
+          ("tests/bench/test_gpu_bench.py::test_the_smoke_trains_once_per_family_and_precision_of_the_rows",),
+          "bench/gpu.sh's smoke mode never trains the DeepSeek-V3 row's flags (MTP, its vocabulary) before a GPU call"),
     Break("gpu-bench-fp8-flags-dropped", "bench/gpu_compare.py",
           "*context_parallel(row), *float8(row)[0],",
           "*context_parallel(row),",

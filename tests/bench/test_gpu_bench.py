@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bench import gpu_compare
-from bench.gpu_compare import ROWS, TWO_GPU_ROWS, Row, titan_command, torchpre_command
+from bench.gpu_compare import DEEPSEEK_V3_ROW, ROWS, TWO_GPU_ROWS, Row, titan_command, torchpre_command
 from tests.launch import REPO, WORKER_ENV, run_entry
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
@@ -32,7 +32,10 @@ def _flags(command: list[str]) -> dict[str, str]:
     return flags
 
 
-@pytest.mark.parametrize("row", [*ROWS, *TWO_GPU_ROWS], ids=lambda row: row.label)
+LLAMA_ROWS = [row for row in (*ROWS, *TWO_GPU_ROWS) if row.model == "llama3"]
+
+
+@pytest.mark.parametrize("row", LLAMA_ROWS, ids=lambda row: row.label)
 def test_both_frameworks_get_the_same_run(row, tmp_path):
     ours, theirs = _flags(torchpre_command(row, 15, tmp_path)), _flags(titan_command(row, 15, tmp_path))
     for key in ("--model.flavor", "--training.seq_len", "--training.local_batch_size", "--training.steps",
@@ -52,6 +55,49 @@ def test_both_frameworks_get_the_same_run(row, tmp_path):
         assert theirs.get("--quantize.linear.float8.recipe_name", "tensorwise") == row.fp8  # tensorwise: its default
     else:
         assert "--quantize.linear" not in ours and "--model.converters" not in theirs
+
+
+def test_the_deepseek_v3_row_is_torchpres_alone_with_mla_experts_and_mtp(tmp_path):
+    """Issue 38's row: the 2B flavor (MLA, 64 fine-grained experts), one multi-token prediction depth, DeepSeek-V3's
+    vocabulary, compiled bf16 on one GPU; torchtitan gets no command (its deepseek_v3 has no MTP)."""
+    assert DEEPSEEK_V3_ROW in ROWS and titan_command(DEEPSEEK_V3_ROW, 15, tmp_path) is None
+    assert [row for row in ROWS if row.model != "llama3"] == [DEEPSEEK_V3_ROW]
+    ours = _flags(torchpre_command(DEEPSEEK_V3_ROW, 15, tmp_path))
+    assert (ours["--model.name"], ours["--model.flavor"], ours["--model.mtp_depth"]) == ("deepseek_v3", "2B", "1")
+    assert ours["--model.vocab_size"] == "129280" and ours["--training.mixed_precision_param"] == "bfloat16"
+    assert "--compile.enable" in ours and DEEPSEEK_V3_ROW.label == "deepseek_v3 2B mtp1 seq 4096 batch 2 compiled 1 GPU"
+
+
+def test_a_row_torchtitan_does_not_run_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_compare, "run", _fake_run({"torchpre": 1000.0}))
+    monkeypatch.setattr(gpu_compare, "peak_flops", lambda device, linear="none": (1e15, "bf16"))
+    cells = gpu_compare.measure(DEEPSEEK_V3_ROW, 15, tmp_path / "work", tmp_path, timeout_s=60)
+    mfu = 1000.0 * gpu_compare.flops_of(DEEPSEEK_V3_ROW) / 1e15
+    assert cells == [DEEPSEEK_V3_ROW.label, "1,000", f"{mfu:.1%}", "15.0", "not run", "", "", ""]
+
+
+@pytest.mark.slow
+def test_the_deepseek_v3_row_fits_an_h200_by_the_dry_run(tmp_path):
+    """The smoke's dry run of the row's real shape (eager, on meta) fits an H200: 89.0 GiB of its 129.45 usable
+    (measured; 4 sequences per step would need 138.8 GiB, so the row runs 2)."""
+    command = torchpre_command(dataclasses.replace(DEEPSEEK_V3_ROW, compile=False), 15, tmp_path)
+    dry_run = ["--job.dry_run", "--job.dry_run_gpu", "h200-141gb", "--job.dry_run_world_size", "1"]
+    result = run_entry("train.py", [*command[command.index("train.py") + 1 :], *dry_run])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "2,334,628,608 parameters" in result.stdout  # 2B with its MTP depth
+
+
+@pytest.mark.slow
+def test_the_smoke_trains_the_deepseek_v3_flags_on_a_tiny_model(tmp_path):
+    """The DeepSeek-V3 row's flags (MTP, the 129,280-id vocabulary, bf16, synthetic tokens) train 2 steps of the
+    debug model on this CPU, its experts as bf16 grouped matmuls, as the smoke runs them."""
+    row = Row(gpu_compare.TINY_FLAVORS["deepseek_v3"], 32, 2, compile=False, model="deepseek_v3", mtp_depth=1)
+    command = torchpre_command(row, 2, tmp_path)
+    result = run_entry("train.py", command[command.index("train.py") + 1 :])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["loss/mtp_1"]) for r in records)
 
 
 def test_fp8_rows_sit_beside_their_bf16_rows():
@@ -96,19 +142,24 @@ def test_smoke_mode_installs_offline_and_checks_the_first_row(tmp_path):
     row = ROWS[0].label
     assert f"smoke {row}: torchpre dry run ok" in result.stdout
     assert f"smoke {row}: torchtitan check ok" in result.stdout
-    for flags in ("bf16", "fp8 rowwise", "fp8 tensorwise"):
+    for flags in ("bf16", "fp8 rowwise", "fp8 tensorwise", "deepseek_v3 mtp1 bf16"):
         assert f"torchpre trains 2 steps with the {flags} flags on a tiny model: ok" in result.stdout
 
 
-def test_the_smoke_trains_once_per_precision_of_the_rows(tmp_path, monkeypatch):
-    """Without a GPU the FP8 rows are checked by training: the smoke runs the tiny model once with each
-    precision's flags (bf16, float8 rowwise, float8 tensorwise) and reports each."""
+def test_the_smoke_trains_once_per_family_and_precision_of_the_rows(tmp_path, monkeypatch):
+    """Without a GPU the FP8 and DeepSeek-V3 rows are checked by training: the smoke runs a tiny model once with
+    each family's and precision's flags (Llama 3 in bf16, float8 rowwise and tensorwise; DeepSeek-V3 with MTP in bf16)
+    and reports each."""
     commands = []
     monkeypatch.setattr(gpu_compare, "run", lambda command, timeout_s, log: commands.append(command) or True)
     assert gpu_compare.smoke_train(tmp_path, tmp_path / "gpu_log.txt") == 0
-    precisions = [_flags(command).get("--quantize.recipe", "bf16") for command in commands]
-    assert precisions == ["bf16", "rowwise", "tensorwise"]
-    assert all(_flags(command)["--model.flavor"] == "tiny" for command in commands)
+    runs = [
+        (flags.get("--model.name", "llama3"), flags["--model.flavor"], flags.get("--model.mtp_depth", "0"),
+         flags.get("--quantize.recipe", "bf16"))
+        for flags in map(_flags, commands)
+    ]  # fmt: skip
+    assert runs == [("llama3", "tiny", "0", "bf16"), ("deepseek_v3", "debugmodel", "1", "bf16"),
+                    ("llama3", "tiny", "0", "rowwise"), ("llama3", "tiny", "0", "tensorwise")]  # fmt: skip
 
 
 @pytest.mark.slow

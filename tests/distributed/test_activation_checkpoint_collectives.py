@@ -17,7 +17,7 @@ from tests.launch import spawn
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel
-from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
+from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing, slots
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def backward_collectives(mesh: DeviceMesh, sequence_parallel: bool, mode: str) -
     apply_llama3_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel, loss_parallel=False)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    apply_activation_checkpointing(model.layers, mode, "op")
+    apply_activation_checkpointing(slots(model.layers), mode, "op")
     tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     loss = model(tokens).square().mean()
     with CollectiveCounter() as counter:

@@ -17,7 +17,7 @@ from torchpre.models import attention
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel import activation_checkpoint
-from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
+from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing, slots
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=128, max_seq_len=16)  # dim 64, 2 blocks, GQA
 BATCH, SEQ = 2, 16
@@ -42,7 +42,7 @@ def attention_runs(mode: str, option: str = "op", kernel=ATTENTION) -> tuple[int
     torch.manual_seed(0)
     model = Transformer(ARGS)
     model.init_weights(0)
-    apply_activation_checkpointing(model.layers, mode, option)
+    apply_activation_checkpointing(slots(model.layers), mode, option)
     tokens = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ))
     with OpCounter() as forward:
         loss = model(tokens).square().mean()

@@ -19,7 +19,7 @@ from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel import ParallelPlan, parallelize
-from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
+from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing, slots
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], max_seq_len=32)  # dim 64, 2 blocks, 4 heads, 2 kv heads
 BATCH, SEQ = 2, 32
@@ -28,7 +28,7 @@ BATCH, SEQ = 2, 32
 def tiny_llama(device: str, ac_mode: str = "none") -> Transformer:
     with torch.device(device):
         model = Transformer(ARGS)
-    apply_activation_checkpointing(model.layers, ac_mode, "op")
+    apply_activation_checkpointing(slots(model.layers), ac_mode, "op")
     return model
 
 

@@ -46,7 +46,9 @@ class ModelSpec:
     e.g. `model.name = "hf"` reads them from `model.hf_config`.
     `model_cls(args)` builds the plain model; the trainer builds it on the meta device, parallelizes it
     (see `torchpre.parallel.api`), materialises it and calls `init_weights(module, seed)`. `blocks` is the dotted
-    path of its container of repeated blocks, or `blocks(args)` for a family whose path depends on its args.
+    path of its container of repeated blocks, or `blocks(args)` for a family whose path depends on its args;
+    `extra_blocks(args)` the dotted paths of blocks outside it that activation checkpointing, compile and FSDP
+    wrap as units too (`ParallelPlan.extra_blocks`: DeepSeek-V3's multi-token prediction blocks).
 
     Optional parts (a missing one turns the matching feature into a clear error, never a silent no-op):
     - `tensor_parallel`: a `parallelize_module` plan, or `fn(module, tp_mesh, *, sequence_parallel,
@@ -88,6 +90,7 @@ class ModelSpec:
     flavors: dict[str, Any]
     args_from_job: Callable[[Any, int, int | None], Any] | None = None
     blocks: str | Callable[[Any], str] = "layers"
+    extra_blocks: Callable[[Any], tuple[str, ...]] = lambda args: ()
     init_weights: Callable[[nn.Module, int], None] = lambda module, seed: module.init_weights(seed)
     tensor_parallel: dict[str, ParallelStyle] | Callable[..., None] | None = None
     validate_tensor_parallel: Callable[[Any, int], None] = lambda args, tp: None

@@ -1,6 +1,7 @@
 """Activation checkpointing per block: recompute activations in backward instead of storing them."""
 
 from collections import defaultdict
+from collections.abc import Sequence
 from functools import cache, partial
 
 import torch
@@ -51,9 +52,17 @@ def _saved_ops() -> frozenset:
     )
 
 
-def apply_activation_checkpointing(blocks: nn.Module, mode: str, selective_option: str) -> None:
-    """Wraps the blocks of `blocks` (a ModuleDict or ModuleList) in place (keys, and so parameter names in state
-    dicts, unchanged).
+BlockSlot = tuple[nn.Module, str]
+"""A block by its parent module and its name there: where a wrapper takes its place."""
+
+
+def slots(container: nn.Module) -> list[BlockSlot]:
+    """The entries of a ModuleDict or ModuleList (a model's `layers`) as slots."""
+    return [(container, name) for name, _ in container.named_children()]
+
+
+def apply_activation_checkpointing(blocks: Sequence[BlockSlot], mode: str, selective_option: str) -> None:
+    """Wraps each block in its slot, in place (names, and so parameter names in state dicts, unchanged).
 
     - "full": every block recomputes its whole forward in backward.
     - "selective" with an integer N: every N-th block, fully.
@@ -72,14 +81,15 @@ def apply_activation_checkpointing(blocks: nn.Module, mode: str, selective_optio
             )
         every = int(selective_option)
     per_op = mode == "selective" and selective_option == "op"
-    for index, (name, block) in enumerate(list(blocks.named_children())):
+    for index, (parent, name) in enumerate(blocks):
         if index % every:
             continue
+        block = parent.get_submodule(name)
         if per_op:
             wrapped = checkpoint_wrapper(block, context_fn=_op_policy_contexts, preserve_rng_state=False)
         else:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        blocks.register_module(name, wrapped)
+        parent.register_module(name, wrapped)
 
 
 def _op_policy_contexts():

@@ -55,7 +55,7 @@ from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.names import canonical_fqn
 from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
-from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing
+from torchpre.parallel.activation_checkpoint import BlockSlot, apply_activation_checkpointing, slots
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.data_parallel import FSDPPlan, apply_fsdp
 from torchpre.parallel.pipeline import PipelinePlan, Stage, build_schedule, prune_to, split_layers
@@ -84,13 +84,17 @@ class ParallelPlan:
     (ZeRO-3, see `parallel.data_parallel`); `parallelize` then needs the DP mesh. `context_parallel` makes a
     part's attention context-parallel in place (a family's `ModelSpec.context_parallel` bound to this rank's
     `parallel.context_parallel.ContextParallel`); it runs after the tensor-parallel plan and before activation
-    checkpointing, which then recomputes the key/value gather with the rest of a block.
+    checkpointing, which then recomputes the key/value gather with the rest of a block. `extra_blocks` are the
+    dotted paths of blocks outside that container (DeepSeek-V3's multi-token prediction blocks,
+    "mtp.depths.1.block", ...): activation checkpointing, compile and FSDP make each one more unit, after the
+    container's, in the part that holds it; a pipeline split leaves them with the modules around the container.
     """
 
     tensor_parallel: TensorParallelPlan | None = None
     expert_parallel: ExpertParallelPlan | None = None
     pipeline: PipelinePlan | None = None
     blocks: str | None = None
+    extra_blocks: tuple[str, ...] = ()
     tied_weights: tuple[str, str] | None = None
     activation_checkpoint: str = "none"
     selective_ac_option: str = "op"
@@ -152,6 +156,21 @@ def block_container(model: nn.Module, blocks: str | None, needed_by: str) -> nn.
             f"The model {type(model).__name__} has no submodule '{blocks}' holding its blocks ({needed_by}); "
             f"its children: {', '.join(children)}."
         ) from None
+
+
+def block_slots(part: nn.Module, plan: ParallelPlan, needed_by: str) -> list[BlockSlot]:
+    """The units of the per-block wrappers in `part`: the entries of `plan.blocks`, then each of `plan.extra_blocks`
+    this part holds (a pipeline stage may not)."""
+    found = slots(block_container(part, plan.blocks, needed_by))
+    for path in plan.extra_blocks:
+        owner, _, name = path.rpartition(".")
+        try:
+            parent = part.get_submodule(owner)
+        except AttributeError:  # pruned away by the pipeline split
+            continue
+        if getattr(parent, name, None) is not None:
+            found.append((parent, name))
+    return found
 
 
 def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
@@ -429,20 +448,25 @@ def parallelize(
         if plan.context_parallel is not None:
             plan.context_parallel(part)
         if plan.activation_checkpoint != "none":
-            blocks = block_container(part, plan.blocks, f"activation_checkpoint = '{plan.activation_checkpoint}'")
+            blocks = block_slots(part, plan, f"activation_checkpoint = '{plan.activation_checkpoint}'")
             apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)
         if plan.compile:
             per_child = tp_mesh.size() > 1 or plan.fsdp is not None
-            blocks = block_container(part, plan.blocks, "compile")
-            compile_blocks(blocks, per_child=per_child, fullgraph=plan.compile_fullgraph)
+            blocks = block_slots(part, plan, "compile")
+            compile_blocks(_held(blocks), per_child=per_child, fullgraph=plan.compile_fullgraph)
         if plan.fsdp is not None:
             retie(part, plan.tied_weights)  # before sharding: a tied Parameter must be one FSDP parameter
-            blocks = None if plan.blocks is None else block_container(part, plan.blocks, "FSDP")
-            apply_fsdp(part, dp_mesh, plan.fsdp, blocks, expert_dp_mesh)
+            blocks = [] if plan.blocks is None else block_slots(part, plan, "FSDP")
+            apply_fsdp(part, dp_mesh, plan.fsdp, _held(blocks), expert_dp_mesh)
         part.to_empty(device=device)
         retie(part, plan.tied_weights)
         init_weights(part)
     return ParallelModel(parts, mesh, plan, device, loss_fn, expert_mesh, dp_mesh)
+
+
+def _held(blocks: Sequence[BlockSlot]) -> list[nn.Module]:
+    """The modules in the slots now (an activation-checkpoint wrapper where one took a block's place)."""
+    return [parent.get_submodule(name) for parent, name in blocks]
 
 
 def apply_tensor_parallel_plan(part: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:

@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 
-def compile_blocks(blocks: nn.Module, per_child: bool = False, fullgraph: bool = True) -> None:
+def compile_blocks(blocks: Iterable[nn.Module], per_child: bool = False, fullgraph: bool = True) -> None:
     """Compiles each block's forward in place (`Module.compile`), so module and parameter names stay
     as they are for checkpoints, tensor-parallel plans and pipeline splits.
 
@@ -22,7 +22,7 @@ def compile_blocks(blocks: nn.Module, per_child: bool = False, fullgraph: bool =
     `fullgraph=False` lets blocks with data-dependent shapes (Mixture-of-Experts token counts) compile
     in pieces around the graph breaks.
     """
-    for block in blocks.children():
+    for block in blocks:
         modules = _block_children(block) if per_child else (block,)
         for module in modules:
             module.compile(fullgraph=fullgraph)

@@ -14,7 +14,7 @@ dtype at each all-gather). Gradients are summed, not averaged: the trainer's los
 token count, so FSDP's default division by the data-parallel degree would divide twice.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -251,16 +251,15 @@ def apply_fsdp(
     part: nn.Module,
     dp_mesh: DeviceMesh,
     plan: FSDPPlan,
-    blocks: nn.Module | None,
+    blocks: Sequence[nn.Module] = (),
     expert_dp_mesh: DeviceMesh | None = None,
 ) -> list[FSDPModule]:
     """Shards `part` (a model or one pipeline stage) in place over `dp_mesh`: the expert-parallel experts over
-    `expert_dp_mesh`, then each entry of its `blocks` container (if any), then the part itself. Returns the FSDP
-    modules, outermost last.
+    `expert_dp_mesh`, then each of its `blocks`, then the part itself. Returns the FSDP modules, outermost last.
 
     `dp_mesh` is 1-D (dp_shard: FSDP) or 2-D (dp_replicate, dp_shard: HSDP, which replicates over the first
     dim and shards over the second); `expert_dp_mesh` likewise with edp_shard, the ranks of dp_shard that hold
-    the same experts. Blocks are sharded as they are in the container, i.e. around an activation-checkpoint
+    the same experts. Blocks are sharded as they are in the part, i.e. around an activation-checkpoint
     wrapper or a compiled module, so FSDP's hooks run outside both.
     """
     policy = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
@@ -270,8 +269,7 @@ def apply_fsdp(
         shard_dim = _expert_shard_dim(expert_dp_mesh)
         for experts in expert_parallel_modules(part):
             sharded.append(fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=shard_dim, **options))
-    if blocks is not None:
-        sharded += [fully_shard(block, mesh=dp_mesh, **options) for block in blocks.children()]
+    sharded += [fully_shard(block, mesh=dp_mesh, **options) for block in blocks]
     sharded.append(fully_shard(part, mesh=dp_mesh, **options))
     for module in sharded:
         sum_gradients(module)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining._backward import stage_backward_weight
 
 from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.schedules import get_schedule, names_where
@@ -208,6 +209,11 @@ class Stage(PipelineStage):
     fires no hook; the optimizer moves every gradient into its buckets from that hook (fp32 accumulation, the
     data-parallel reduction during backward), so without this these schedules would leave gradients behind.
 
+    Its input-only backward hands on disjoint parameter groups (`disjoint_param_groups`) and its weight-only
+    backward keeps the graph until every group ran (`weight_backward`): torch's own lose or double the gradient of
+    a weight that enters a stage more than once through parameter-only branches (the multi-token prediction's
+    embedding copy, looked up for every depth).
+
     Before each backward that produces weight gradients (full or weight-only, not input-only) it calls
     `backward_callback(part_index, last_backward)` (set by `ParallelModel.set_backward_callback`), so the
     optimizer knows which microbatch's backward is this stage's last in the step.
@@ -236,7 +242,10 @@ class Stage(PipelineStage):
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if self.backward_callback is not None and backward_type in ("full", "weight"):
             self.backward_callback(self.part_index, last_backward)
-        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        if backward_type == "weight":
+            return weight_backward(self.submod, bwd_kwargs["param_groups"]), None
+        grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        return grads, None if param_groups is None else disjoint_param_groups(param_groups)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
         with self._computing():
@@ -253,6 +262,56 @@ class Stage(PipelineStage):
                     # torch keeps no public way to run these; `register_post_accumulate_grad_hook` fills this dict.
                     for hook in list((param._post_accumulate_grad_hooks or {}).values()):
                         hook(param)
+
+
+def weight_backward(submod: nn.Module, param_groups: list[dict]) -> tuple[torch.Tensor | None, ...]:
+    """A stage's weight-only backward (torch's `stage_backward_weight`) over `disjoint_param_groups`, keeping the
+    graph until every group has run where torch frees it group by group. A group whose intermediates feed one
+    another through the stage's input graph (the multi-token prediction's embedding copy enters every depth, and so
+    every later depth through the earlier ones too) runs backward through the nodes between them, which other
+    groups run as well; the gradients stay exact, since each intermediate's saved gradient replaces what arrives
+    there. The graph goes with the microbatch's backward state, dropped right after: the peak memory stays the input
+    backward's."""
+    if isinstance(submod, FSDPModule):  # as torch's own weight step: FSDP reduces after the step's last backward
+        submod.set_is_last_backward(False)
+        submod.set_reshard_after_backward(False)
+        submod.set_requires_gradient_sync(False)
+    return stage_backward_weight(submod.parameters(), param_groups, retain_graph=True)
+
+
+def disjoint_param_groups(param_groups: list[dict]) -> list[dict]:
+    """The zero-bubble schedules' parameter groups (`stage_backward_input`'s: the parameters whose weight gradients
+    flow back from the same saved intermediate gradients), merged until no parameter or intermediate is in two.
+
+    torch 2.14 merges a parameter's group with a group it shares an intermediate with, but not transitively: with
+    parameters A reaching the stage's input graph at {n1}, B at {n2} and C at {n1, n2} (one weight feeding two
+    branches that only parameters feed before they meet the input's: DeepSeek-V3's multi-token prediction embedding
+    copy, looked up once per depth, and each depth's embedding norm), it returns {A, C} and {A, B, C}. The weight
+    backward then runs the shared branch once per group: an error once the first run freed its saved tensors, and
+    A's and C's gradients counted twice where nothing was saved. Each merged group keeps the gradients its groups
+    saved for each intermediate (every group hooked on a node saved the same ones)."""
+    merged: list[dict] = []
+    for group in param_groups:
+        nodes = list(group.get("intermediates", ()))
+        grads = dict(zip(nodes, group["grads"])) if "grads" in group else {}
+        overlapping = [
+            other for other in merged if other["params"] & group["params"] or other["saved"].keys() & set(nodes)
+        ]
+        joined = {"params": set(group["params"]), "saved": {node: grads.get(node) for node in nodes}}
+        for other in overlapping:
+            merged.remove(other)
+            joined["params"] |= other["params"]
+            for node, saved in other["saved"].items():
+                if joined["saved"].get(node) is None:
+                    joined["saved"][node] = saved
+        merged.append(joined)
+    return [_as_torch_group(group) for group in merged]
+
+
+def _as_torch_group(group: dict) -> dict:
+    """A merged group as `stage_backward_weight` reads it: the intermediates whose gradients were saved, and those."""
+    saved = {node: grads for node, grads in group["saved"].items() if grads is not None}
+    return {"params": group["params"], "intermediates": list(saved), "grads": list(saved.values())}
 
 
 def _grad_version(param: nn.Parameter) -> tuple[int, int] | None:

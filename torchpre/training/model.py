@@ -209,6 +209,7 @@ def parallel_plan(
         expert_parallel=spec.expert_parallel,
         pipeline=pipeline,
         blocks=spec.blocks_of(args),
+        extra_blocks=spec.extra_blocks(args),
         tied_weights=spec.tied_weights(args),
         activation_checkpoint=ac.mode,
         selective_ac_option=ac.selective_ac_option,

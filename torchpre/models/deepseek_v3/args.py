@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchpre.errors import ConfigError
 from torchpre.models.moe.args import MoEArgs, active_params
@@ -97,31 +97,65 @@ class DeepSeekV3Args(MoEArgs):
 
 _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscale=1.0, mscale_all_dim=1.0)
 
+# vocab_size is a placeholder: the trainer replaces it with the tokenizer's size. CPU-sized, every feature of
+# the released model on: a query latent, sigmoid group-limited routing with bias balancing, a dense first block.
+_DEBUGMODEL = DeepSeekV3Args(
+    dim=64,
+    n_layers=3,
+    n_heads=4,
+    vocab_size=2048,
+    max_seq_len=2048,
+    norm_eps=1e-6,
+    rope_theta=10000.0,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    dense_hidden_dim=128,
+    num_experts=8,
+    top_k=2,
+    moe_hidden_dim=32,
+    shared_expert_hidden_dim=32,
+    aux_loss_coeff=1e-4,
+    score_func="sigmoid",
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    bias_update_rate=1e-3,
+    first_k_dense=1,
+)
+
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
-    # vocab_size is a placeholder: the trainer replaces it with the tokenizer's size. CPU-sized, every feature of
-    # the released model on: a query latent, sigmoid group-limited routing with bias balancing, a dense first block.
-    "debugmodel": DeepSeekV3Args(
-        dim=64,
-        n_layers=3,
-        n_heads=4,
-        vocab_size=2048,
-        max_seq_len=2048,
+    "debugmodel": _DEBUGMODEL,
+    # One MoE block deeper (4 blocks): enough for every pipeline schedule at pp2, the interleaved and V-shaped ones
+    # holding two stages per rank, each with a block.
+    "debugmodel_pp": replace(_DEBUGMODEL, n_layers=4),
+    # One GPU's DeepSeek-V3 for bench/gpu.sh: MLA with a query latent, 64 fine-grained experts top-6 in 8 groups (4
+    # chosen), a shared expert twice as wide, one dense first block, DeepSeek-V3's vocabulary: 2.17B total, 0.67B
+    # active (2.33B with one multi-token prediction depth).
+    "2B": DeepSeekV3Args(
+        dim=1536,
+        n_layers=12,
+        n_heads=12,
+        vocab_size=129280,
+        max_seq_len=4096,
         norm_eps=1e-6,
         rope_theta=10000.0,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        dense_hidden_dim=128,
-        num_experts=8,
-        top_k=2,
-        moe_hidden_dim=32,
-        shared_expert_hidden_dim=32,
+        q_lora_rank=512,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        dense_hidden_dim=4096,
+        num_experts=64,
+        top_k=6,
+        moe_hidden_dim=512,
+        shared_expert_hidden_dim=1024,
         aux_loss_coeff=1e-4,
         score_func="sigmoid",
-        n_group=4,
-        topk_group=2,
+        n_group=8,
+        topk_group=4,
         routed_scaling_factor=2.5,
         bias_update_rate=1e-3,
         first_k_dense=1,

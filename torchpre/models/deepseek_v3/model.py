@@ -206,6 +206,17 @@ class MoEMLABlock(MoEBlock):
         return MultiHeadLatentAttention(args)
 
 
+def mtp_block_path(depth: int) -> str:
+    """The dotted path of multi-token prediction depth `depth`'s block (1-based, as `MultiTokenPrediction.depths`)."""
+    return f"mtp.depths.{depth}.block"
+
+
+def mtp_blocks(args: DeepSeekV3Args) -> tuple[str, ...]:
+    """The multi-token prediction blocks' paths: units of activation checkpointing, compile and FSDP like the layers
+    (`ModelSpec.extra_blocks`)."""
+    return tuple(mtp_block_path(depth) for depth in range(1, args.mtp_depth + 1))
+
+
 class DeepSeekV3Transformer(MoETransformer):
     """DeepSeek-V3 decoder: tokens [batch, seq] -> logits [batch, seq, vocab]. The MoE family's `MoETransformer`
     (routing, balancing biases, statistics, pipeline-stage behaviour) with MLA blocks and their latent KV caches,
@@ -267,15 +278,17 @@ class DeepSeekV3Transformer(MoETransformer):
         yield from super().attention_blocks()
         if self.mtp is not None:
             for depth, module in self.mtp.depths.items():
-                yield f"mtp.depths.{depth}.block", module.block
+                yield mtp_block_path(int(depth)), module.block
 
     def moe_layers_by_id(self) -> Iterator[tuple[int, MoE]]:
-        """The main blocks' MoE layers, then each multi-token prediction depth's as row n_layers + depth - 1."""
+        """The main blocks' MoE layers, then each multi-token prediction depth's as row n_layers + depth - 1 (through
+        any activation-checkpoint wrapper around its block)."""
         yield from super().moe_layers_by_id()
         if self.mtp is not None:
             for depth, module in self.mtp.depths.items():
-                if isinstance(module.block, MoEBlock):
-                    yield self.args.n_layers + int(depth) - 1, module.block.moe
+                for layer in module.block.modules():
+                    if isinstance(layer, MoE):
+                        yield self.args.n_layers + int(depth) - 1, layer
 
     @torch.no_grad()
     def init_buffers(self) -> None:

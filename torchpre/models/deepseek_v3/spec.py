@@ -11,7 +11,7 @@ from torch import nn
 
 from torchpre.models.deepseek_v3 import hf
 from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, flops_per_token
-from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
+from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer, mtp_blocks
 from torchpre.models.deepseek_v3.mtp import mtp_stats
 from torchpre.models.deepseek_v3.parallelize import apply_deepseek_v3_tensor_parallel
 from torchpre.models.llama3.spec import llama3_tied_weights
@@ -37,6 +37,7 @@ def extra_metrics(parts: Sequence[nn.Module], args: DeepSeekV3Args, device: torc
 SPEC = ModelSpec(
     model_cls=DeepSeekV3Transformer,
     flavors=DEEPSEEK_V3_FLAVORS,
+    extra_blocks=mtp_blocks,
     tensor_parallel=apply_deepseek_v3_tensor_parallel,
     validate_tensor_parallel=validate_moe_tensor_parallel,
     expert_parallel=apply_moe_expert_parallel,
