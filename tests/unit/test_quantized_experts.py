@@ -59,6 +59,24 @@ def test_mxfp8_experts_are_within_mxfp8_error_of_high_precision():
     assert all(relative_error(h, e) < relative_error(m, e) for m, h, e in zip(mx[2:], hp[2:], expected[2:]))
 
 
+def test_an_expert_s_weight_gradient_depends_on_its_own_tokens_only():
+    """MXFP8 weight gradients (rowwise) scale blocks of 32 tokens: each expert's group is padded to whole blocks, so
+    no scale is shared with another expert's tokens, whatever the group sizes (and under expert parallelism, whatever
+    the other ranks send). Expert 0's 5 tokens would otherwise share a block with 27 of expert 1's."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 64, 96)
+    experts.grouped_mm = mxfp8_grouped_mm(emulate=True, wgrad_with_hp=False)
+    tokens = torch.randn(sum(COUNTS) + 1, 64)
+    others = tokens.clone()
+    others[COUNTS[0] :] *= 100  # every other expert's tokens, far larger
+    grads = []
+    for rows in (tokens, others):
+        experts.zero_grad()
+        forward_backward(experts, rows)
+        grads.append([w.grad[0].clone() for w in (experts.w1, experts.w2, experts.w3)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_every_moe_layer_converts_and_the_state_dict_stays_high_precision():
     args = dataclasses.replace(MOE_FLAVORS["debugmodel"], first_k_dense=1)
     with torch.device("meta"):
