@@ -41,8 +41,8 @@ def check_quantize_experts(linear: str, family: str, matmul_dims: dict[str, int]
     key = "quantize.experts"
     if matmul_dims is None:
         raise ConfigError(
-            f"{key} with model.name = '{family}': that family has no routed experts (ModelSpec.set_grouped_mm). Turn "
-            f"{key} off, or use a Mixture-of-Experts family (moe, deepseek_v3)."
+            f"{key} with model.name = '{family}': that family has no routed experts whose grouped matmuls torchpre "
+            f"can swap (ModelSpec.set_grouped_mm). Turn {key} off, or use model.name = 'moe' or 'deepseek_v3'."
         )
     if linear == "none":
         raise ConfigError(
