@@ -105,3 +105,13 @@ def test_each_rank_s_expert_dimensions_are_checked():
         check_quantize_experts("float8", "moe", {"dim": 32})
     with pytest.raises(ConfigError, match="quantize.linear = 'none'.*Set quantize.linear = 'mxfp8'"):
         check_quantize_experts("none", "moe", {"dim": 32})
+
+
+def test_on_the_meta_device_the_experts_give_the_shapes_of_a_grouped_matmul():
+    """The dry run (meta tensors, no values to scale) plans the converted experts as bf16 grouped matmuls."""
+    with torch.device("meta"):
+        experts = GroupedExperts(4, 64, 96)
+        tokens = torch.empty(sum(COUNTS), 64)
+    experts.grouped_mm = mxfp8_grouped_mm(emulate=False, wgrad_with_hp=False)  # a dry run plans for the GPU's kernels
+    out = experts(tokens, torch.tensor(COUNTS, device="meta"))
+    assert (out.shape, out.dtype, out.device.type) == ((sum(COUNTS), 64), torch.float32, "meta")
