@@ -132,8 +132,9 @@ HSDP = [*per_rank_batch(4), "--optimizer.zero_stage", "3", "--parallelism.data_p
 # MoE experts in MXFP8 (quantize.experts, rowwise_with_gw_hp): each token row and each expert's weight is scaled in
 # blocks of its own, so moving experts to other ranks (ep2), splitting the batch (dp2) or the experts' hidden units
 # (tp2, slices of 32) changes no scale. Measured over the 10 steps of the MoE debug model: ep2 9.5e-7, dp2 ZeRO-1
-# 3.8e-6, tp2 + SP 2.9e-6, pp2 1F1B 4.8e-6, full activation checkpointing 0 (the recomputed casts are the same),
-# DeepSeek-V3 ep2 9.5e-7; held to 2e-5, below the 2.6e-5 by which converting the experts moves the same losses.
+# 3.8e-6, tp2 + SP 2.9e-6, pp2 1F1B 4.8e-6, full activation checkpointing 0 (the recomputed casts are the same), compile
+# 9.5e-7 (4 minutes of it), DeepSeek-V3 ep2 9.5e-7; held to 2e-5, below the 2.6e-5 by which converting the experts moves
+# the same losses.
 MOE = ["--model.name", "moe"]
 DEEPSEEK_V3 = ["--model.name", "deepseek_v3"]
 MXFP8_EXPERTS = [*MXFP8_GW_HP, "--quantize.experts"]
@@ -155,6 +156,7 @@ QUANTIZED_LAYOUTS = {
     "moe_mxfp8_experts_tp2_sp": ([*MOE, *MXFP8_EXPERTS], 2, [*TP2, *SP], EXPERTS_ATOL),
     "moe_mxfp8_experts_pp2_1f1b": ([*MOE, *MXFP8_EXPERTS], 2, pp("1F1B"), EXPERTS_ATOL),
     "moe_mxfp8_experts_full_ac": ([*MOE, *MXFP8_EXPERTS], 1, ["--activation_checkpoint.mode", "full"], EXPERTS_ATOL),
+    "moe_mxfp8_experts_compile": ([*MOE, *MXFP8_EXPERTS], 1, ["--compile.enable"], EXPERTS_ATOL),
     "deepseek_v3_mxfp8_experts_ep2": ([*DEEPSEEK_V3, *MXFP8_EXPERTS], 2, [*per_rank_batch(2), *EP2], EXPERTS_ATOL),
 }  # fmt: skip
 # Data and tensor parallel with both FP8 recipes' scales, and expert parallel with MXFP8 experts.
