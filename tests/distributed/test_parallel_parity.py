@@ -133,8 +133,8 @@ HSDP = [*per_rank_batch(4), "--optimizer.zero_stage", "3", "--parallelism.data_p
 # blocks of its own, so moving experts to other ranks (ep2), splitting the batch (dp2) or the experts' hidden units
 # (tp2, slices of 32) changes no scale. Measured over the 10 steps of the MoE debug model: ep2 9.5e-7, dp2 ZeRO-1
 # 3.8e-6, tp2 + SP 2.9e-6, pp2 1F1B 4.8e-6, full activation checkpointing 0 (the recomputed casts are the same), compile
-# 9.5e-7 (4 minutes of it), DeepSeek-V3 ep2 9.5e-7; held to 2e-5, below the 2.6e-5 by which converting the experts moves
-# the same losses.
+# 9.5e-7 (57 s with torch's compile cache warm, 255 s cold), DeepSeek-V3 ep2 9.5e-7; held to 2e-5, below the 2.6e-5 by
+# which converting the experts moves the same losses.
 MOE = ["--model.name", "moe"]
 DEEPSEEK_V3 = ["--model.name", "deepseek_v3"]
 MXFP8_EXPERTS = [*MXFP8_GW_HP, "--quantize.experts"]
