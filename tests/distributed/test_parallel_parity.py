@@ -111,20 +111,35 @@ def assert_comm_cp(records: list[dict], layout: str) -> None:
         assert all(s is not None and s > 0 for s in seconds), seconds
 
 
-# Layouts under low precision (quantize.*; torchao emulates FP8 on CPU), each against one process with the same quantize
-# keys. With recipe rowwise_with_gw_hp the activations and output gradients are scaled per token and the weight
-# gradients are high precision, so data parallelism changes nothing a matmul sees: dp2 ZeRO-1 and ZeRO-3 measured within
-# 5.7e-6 of one process over the 10 steps (mxfp8: 1.8e-5); held to 5e-5. Tensor and pipeline parallelism reorder
+# Layouts under low precision (quantize.*; torchao emulates FP8 on CPU), each against one process with the same model
+# and quantize keys. With recipe rowwise_with_gw_hp the activations and output gradients are scaled per token and the
+# weight gradients are high precision, so data parallelism changes nothing a matmul sees: dp2 ZeRO-1 and ZeRO-3 measured
+# within 5.7e-6 of one process over the 10 steps (mxfp8: 1.8e-5); held to 5e-5. Tensor and pipeline parallelism reorder
 # high-precision sums, and FP8 rounding turns a 1e-7 change of a value at a rounding boundary into one FP8 step (6%):
 # measured 1.3e-4 (tensorwise tp2 + SP; its scale is the amax over the whole weight, which every shard must agree on),
 # 1.5e-4 (rowwise_with_gw_hp tp2 + SP), 1.2e-4 (mxfp8 tp2 + SP), 9.4e-5 (pp2); held to 3e-4, half of what turning FP8
 # off moves the same losses (6.2e-4, tensorwise). Tensorwise and rowwise under data parallelism are not rows: each rank
-# scales its activations (tensorwise) or weight-gradient columns (rowwise) by the amax of its own tokens, as on GPUs,
-# so those runs match one process only within FP8's own noise (measured 5.7e-4, tensorwise dp2 ZeRO-1).
+# scales its activations (tensorwise) or weight-gradient columns (rowwise) by the amax of its own tokens, as on GPUs, so
+# those runs match one process only within FP8's own noise (measured 5.7e-4, tensorwise dp2 ZeRO-1).
 FP8_GW_HP = ["--quantize.linear", "float8", "--quantize.recipe", "rowwise_with_gw_hp"]
 FP8_TENSORWISE = ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise"]
 MXFP8_GW_HP = ["--quantize.linear", "mxfp8", "--quantize.recipe", "rowwise_with_gw_hp"]
 QUANTIZED_DP_ATOL, QUANTIZED_ATOL = 5e-5, 3e-4
+# HSDP 2x2 (4 data-parallel ranks, 2 sequences each) reorders the gradient sums more than dp2 does, and FP8 turns
+# more of those 1e-7 changes into rounding steps: measured 7.3e-5 (float8 rowwise_with_gw_hp; dp4 ZeRO-3 1.0e-4), held
+# to QUANTIZED_ATOL, while turning FP8 off moves the same run by 3.5e-4.
+HSDP = [*per_rank_batch(4), "--optimizer.zero_stage", "3", "--parallelism.data_parallel_replicate_degree", "2"]
+# MoE experts in MXFP8 (quantize.experts, rowwise_with_gw_hp): each token row and each expert's weight is scaled in
+# blocks of its own, so moving experts to other ranks (ep2), splitting the batch (dp2) or the experts' hidden units
+# (tp2, slices of 32) changes no scale. Measured over the 10 steps of the MoE debug model: ep2 9.5e-7, dp2 ZeRO-1
+# 3.8e-6, tp2 + SP 2.9e-6, pp2 1F1B 4.8e-6, full activation checkpointing 0 (the recomputed casts are the same), compile
+# 9.5e-7 (57 s with torch's compile cache warm, 255 s cold), DeepSeek-V3 ep2 9.5e-7; held to 2e-5, below the 2.6e-5 by
+# which converting the experts moves the same losses.
+MOE = ["--model.name", "moe"]
+DEEPSEEK_V3 = ["--model.name", "deepseek_v3"]
+MXFP8_EXPERTS = [*MXFP8_GW_HP, "--quantize.experts"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+EXPERTS_ATOL = 2e-5
 QUANTIZED_LAYOUTS = {
     "fp8_dp2_zero1": (FP8_GW_HP, 2, [*per_rank_batch(2), "--optimizer.zero_stage", "1"], QUANTIZED_DP_ATOL),
     "fp8_tensorwise_tp2_sp": (FP8_TENSORWISE, 2, [*TP2, *SP], QUANTIZED_ATOL),
@@ -133,13 +148,24 @@ QUANTIZED_LAYOUTS = {
     "fp8_pp2_1f1b": (FP8_GW_HP, 2, pp("1F1B"), QUANTIZED_ATOL),
     "mxfp8_dp2_zero1": (MXFP8_GW_HP, 2, [*per_rank_batch(2), "--optimizer.zero_stage", "1"], QUANTIZED_DP_ATOL),
     "mxfp8_tp2_sp": (MXFP8_GW_HP, 2, [*TP2, *SP], QUANTIZED_ATOL),
-}
-QUANTIZED_CI_ROWS = ("fp8_dp2_zero1", "fp8_tensorwise_tp2_sp")  # data and tensor parallel, both FP8 recipes' scales
+    "fp8_hsdp": (FP8_GW_HP, 4, HSDP, QUANTIZED_ATOL),
+    "mxfp8_hsdp": (MXFP8_GW_HP, 4, HSDP, QUANTIZED_ATOL),
+    "moe_mxfp8_experts_ep2": ([*MOE, *MXFP8_EXPERTS], 2, [*per_rank_batch(2), *EP2], EXPERTS_ATOL),
+    "moe_mxfp8_experts_dp2_zero1": ([*MOE, *MXFP8_EXPERTS], 2, [*per_rank_batch(2), "--optimizer.zero_stage", "1"],
+                                    EXPERTS_ATOL),
+    "moe_mxfp8_experts_tp2_sp": ([*MOE, *MXFP8_EXPERTS], 2, [*TP2, *SP], EXPERTS_ATOL),
+    "moe_mxfp8_experts_pp2_1f1b": ([*MOE, *MXFP8_EXPERTS], 2, pp("1F1B"), EXPERTS_ATOL),
+    "moe_mxfp8_experts_full_ac": ([*MOE, *MXFP8_EXPERTS], 1, ["--activation_checkpoint.mode", "full"], EXPERTS_ATOL),
+    "moe_mxfp8_experts_compile": ([*MOE, *MXFP8_EXPERTS], 1, ["--compile.enable"], EXPERTS_ATOL),
+    "deepseek_v3_mxfp8_experts_ep2": ([*DEEPSEEK_V3, *MXFP8_EXPERTS], 2, [*per_rank_batch(2), *EP2], EXPERTS_ATOL),
+}  # fmt: skip
+# Data and tensor parallel with both FP8 recipes' scales, and expert parallel with MXFP8 experts.
+QUANTIZED_CI_ROWS = ("fp8_dp2_zero1", "fp8_tensorwise_tp2_sp", "moe_mxfp8_experts_ep2")
 
 
 @pytest.fixture(scope="module")
 def quantized_reference(tmp_path_factory) -> Callable[[list[str]], list[dict]]:
-    """One process's run with the given quantize keys, trained once per module."""
+    """One process's run with the given model and quantize keys, trained once per module."""
     runs: dict[tuple[str, ...], list[dict]] = {}
 
     def reference(quantize: list[str]) -> list[dict]:

@@ -526,6 +526,27 @@ CATALOGUE = [
         ["quantize.fsdp_float8_all_gather with parallelism.tensor_parallel_degree = 2", "its own scale"],
         ranks=4,
     ),  # fmt: skip
+    case(
+        "experts-quantized-in-a-family-without-experts",
+        ["--quantize.linear", "mxfp8", "--quantize.experts"],
+        ["quantize.experts with model.name = 'llama3'", "no routed experts", "model.name = 'moe' or 'deepseek_v3'"],
+    ),
+    case(
+        "experts-quantized-without-a-format",
+        ["--model.name", "moe", "--quantize.experts"],
+        ["quantize.experts with quantize.linear = 'none'", "quantize.linear = 'mxfp8'"],
+    ),
+    case(
+        "float8-experts",
+        ["--model.name", "moe", "--quantize.linear", "float8", "--quantize.experts"],
+        ["quantize.experts with quantize.linear = 'float8'", "no emulation", "quantize.linear = 'mxfp8'"],
+    ),
+    case(
+        "mxfp8-experts-sliced-below-32-by-tp",
+        ["--model.name", "moe", "--model.flavor", "tiny", "--quantize.linear", "mxfp8", "--quantize.experts", *TP2],
+        ["moe_hidden_dim / parallelism.tensor_parallel_degree = 16", "multiples of 32"],
+        ranks=2,
+    ),
     # Data.
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),

@@ -353,6 +353,12 @@ class Quantize:
         "model's blocks (llama3: layers.*); the output layer only when a pattern matches it ('output'); linears "
         "whose dimensions the kernels cannot take (not multiples of 16, or 32 for mxfp8) stay in high precision",
     )
+    experts: bool = _option(
+        False,
+        "the routed experts' grouped matmuls (model.name moe, deepseek_v3) in quantize.linear's format too, through "
+        "torchao's grouped path: 'mxfp8' only (float8 has no grouped path torchpre builds); off, they stay in high "
+        "precision",
+    )
     emulate: Literal["auto", "true", "false"] = _option(
         "auto", "emulate the low-precision matmuls: 'auto' = where the device has no kernels for them (every CPU)"
     )

@@ -24,6 +24,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.parallel.api import pipeline_stages
 from torchpre.parallel.context_parallel import ContextParallel
+from torchpre.parallel.quantized_experts import GroupedMM
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class ModelSpec:
     - `tied_weights(args)`: the two names of a weight shared by two modules (tied embeddings).
     - `flops_per_token(args, num_params, seq_len)` for MFU; default 6 x parameters.
     - `hf`: Hugging Face conversion.
+    - `set_grouped_mm(module, grouped_mm)` makes the routed experts of a model or stage run their grouped matmuls
+      through `grouped_mm` and returns how many layers it changed; `expert_matmul_dims(args, dims)` names the
+      dimensions each rank's expert matmuls multiply (both for `quantize.experts`, torchpre.parallel.quantized_experts).
 
     Hooks the trainer calls for every family (the defaults do nothing), so that it never asks what a model is:
     - `validate_layout(args, dims)` rejects a layout (a `ParallelDims`) the family cannot run, before any work,
@@ -101,6 +105,8 @@ class ModelSpec:
     tied_weights: Callable[[Any], tuple[str, str] | None] = lambda args: None
     flops_per_token: Callable[[Any, int, int], int] = lambda args, num_params, seq_len: 6 * num_params
     hf: HFAdapter | None = None
+    set_grouped_mm: Callable[[nn.Module, GroupedMM], int] | None = None
+    expert_matmul_dims: Callable[[Any, ParallelDims], dict[str, int]] | None = None
     compile_fullgraph: bool = True  # False: blocks with data-dependent shapes compile around graph breaks
     validate_layout: Callable[[Any, ParallelDims], None] = lambda args, dims: None
     set_aux_loss_scale: Callable[[nn.Module, float], None] = lambda part, scale: None

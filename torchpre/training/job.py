@@ -50,6 +50,7 @@ from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.quantize import convert_linears
+from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
@@ -403,7 +404,10 @@ def _build_model(
     spec, args = pre.model_spec, pre.model_args
     model = meta_model(config, spec, args, fp32=pre.data_parallel.shards_parameters)
     # Before any parallelism: the swapped linears keep their Parameters, so TP, AC, compile and FSDP see them.
-    convert_linears(model, quantize_plan(config, device, spec.blocks_of(args)))
+    plan = quantize_plan(config, device, spec.blocks_of(args))
+    convert_linears(model, plan)
+    if config.quantize.experts:  # checked: the family has set_grouped_mm
+        quantize_experts(model, plan, spec.set_grouped_mm)
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = spec.flops_per_token(args, num_params, config.training.seq_len)
     seed, source = config.training.seed, _weights_source(config, pre.resume_dir)

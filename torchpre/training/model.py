@@ -26,6 +26,7 @@ from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, check_quantize, resolve_emulate
+from torchpre.parallel.quantized_experts import check_quantize_experts
 from torchpre.training.rope import refuse_rope_keys, with_rope
 
 
@@ -124,6 +125,9 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
     check_quantize(q.linear, q.recipe, seq_len // cp, tokens_key)
     if q.fsdp_float8_all_gather:
         check_float8_all_gather(q.linear, q.recipe, config.optimizer.zero_stage, dims.tp)
+    if q.experts:
+        matmul_dims = None if spec.expert_matmul_dims is None else spec.expert_matmul_dims(args, dims)
+        check_quantize_experts(q.linear, name, matmul_dims)
     spec.validate_layout(args, dims)
 
 

@@ -18,6 +18,7 @@ from torchpre.models.llama3.spec import llama3_tied_weights
 from torchpre.models.moe.parallelize import (
     apply_moe_context_parallel,
     apply_moe_expert_parallel,
+    moe_expert_matmul_dims,
     validate_moe_expert_parallel,
     validate_moe_tensor_parallel,
 )
@@ -46,6 +47,8 @@ SPEC = ModelSpec(
     tied_weights=tied_weights,
     flops_per_token=flops_per_token,
     compile_fullgraph=False,
+    set_grouped_mm=DeepSeekV3Transformer.set_grouped_mm,
+    expert_matmul_dims=moe_expert_matmul_dims,
     set_aux_loss_scale=DeepSeekV3Transformer.set_aux_loss_scale,
     set_token_loss_scale=DeepSeekV3Transformer.set_token_loss_scale,
     extra_metrics=extra_metrics,

@@ -31,6 +31,7 @@ from torchpre.models.llama3.model import init_rule as llama3_init_rule
 from torchpre.models.moe.args import MoEArgs
 from torchpre.models.moe.routing import Routing, expert_scores, route, z_loss
 from torchpre.parallel.expert_parallel import counts_on_host
+from torchpre.parallel.quantized_experts import GroupedMM
 
 
 def local_shard(weight: Tensor) -> Tensor:
@@ -42,13 +43,17 @@ def local_shard(weight: Tensor) -> Tensor:
 
 
 class GroupedExperts(nn.Module):
-    """`num_experts` SwiGLU MLPs stored as stacked weights: w2[e](silu(x w1[e]) * (x w3[e]))."""
+    """`num_experts` SwiGLU MLPs stored as stacked weights: w2[e](silu(x w1[e]) * (x w3[e])).
+
+    `grouped_mm`, None by default, replaces the grouped matmul from outside (low precision: quantize.experts, in
+    torchpre.parallel.quantized_experts); the weights stay what they are."""
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.grouped_mm: GroupedMM | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -64,13 +69,14 @@ class GroupedExperts(nn.Module):
 
         In bf16, one grouped matmul per weight (`torch._grouped_mm`) runs every expert at once, from the counts
         where they are: no loop over experts, no host sync. Otherwise (see `_grouped_mm_takes`) a loop over the
-        experts, which reads the counts on the host.
+        experts, which reads the counts on the host. A `grouped_mm` set from outside always runs grouped.
         """
         w1, w2, w3 = local_shard(self.w1), local_shard(self.w2), local_shard(self.w3)
         if len(counts) != w1.shape[0]:
             raise ValueError(f"got token counts for {len(counts)} experts, this module holds {w1.shape[0]}")
-        if _grouped_mm_takes(tokens, w1, w2):
-            return _grouped_swiglu(tokens, torch.as_tensor(counts, device=tokens.device), w1, w2, w3)
+        if self.grouped_mm is not None or _grouped_mm_takes(tokens, w1, w2):
+            counts = torch.as_tensor(counts, device=tokens.device)
+            return _grouped_swiglu(tokens, counts, w1, w2, w3, self.grouped_mm or _high_precision_grouped_mm)
         sizes = counts if isinstance(counts, list) else counts_on_host(counts, tokens.shape[0])
         groups = torch.split(tokens[: sum(sizes)], sizes)
         outputs = [(F.silu(x @ w1[i]) * (x @ w3[i])) @ w2[i] for i, x in enumerate(groups)]
@@ -89,16 +95,22 @@ def _grouped_mm_takes(tokens: Tensor, *weights: Tensor) -> bool:
     return tokens.device.type != "cuda" or torch.cuda.get_device_capability(tokens.device) >= (9, 0)
 
 
-def _grouped_swiglu(tokens: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+def _high_precision_grouped_mm(tokens: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
+    return torch._grouped_mm(tokens, weights, offs=offsets)
+
+
+def _grouped_swiglu(
+    tokens: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, grouped_mm: GroupedMM
+) -> Tensor:
     """Every expert's SwiGLU on its group of rows in three grouped matmuls. `_grouped_mm` leaves the rows past
     the last group unwritten, forward and backward (whatever memory held, NaN included): each masked fill sets
     them to zero in its output and, in backward, in its input's gradient."""
     offsets = counts.cumsum(0).to(torch.int32)
     padding = (torch.arange(tokens.shape[0], device=tokens.device) >= offsets[-1]).unsqueeze(-1)
     tokens = tokens.masked_fill(padding, 0)
-    hidden = F.silu(torch._grouped_mm(tokens, w1, offs=offsets)) * torch._grouped_mm(tokens, w3, offs=offsets)
+    hidden = F.silu(grouped_mm(tokens, w1, offsets)) * grouped_mm(tokens, w3, offsets)
     hidden = hidden.masked_fill(padding, 0)
-    return torch._grouped_mm(hidden, w2, offs=offsets).masked_fill(padding, 0)
+    return grouped_mm(hidden, w2, offsets).masked_fill(padding, 0)
 
 
 class MoE(nn.Module):
@@ -274,6 +286,13 @@ class MoETransformer(Transformer):
             for module in block.modules():
                 if isinstance(module, MoE):
                     yield int(layer_id), module
+
+    def set_grouped_mm(self, grouped_mm: GroupedMM) -> int:
+        """Every layer's routed experts run their matmuls through `grouped_mm`; returns how many layers."""
+        layers = list(self.moe_layers())
+        for moe in layers:
+            moe.experts.grouped_mm = grouped_mm
+        return len(layers)
 
     def set_aux_loss_scale(self, scale: float | None) -> None:
         """Every layer's `MoE.aux_loss_scale`: the trainer passes 1 / global batch size."""

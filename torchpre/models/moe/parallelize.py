@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.parallelize import (
     apply_llama3_context_parallel,
@@ -127,6 +128,15 @@ def validate_moe_tensor_parallel(args: MoEArgs, tp: int) -> None:
                 f"The model's {key} = {getattr(args, key)} is not divisible by parallelism.tensor_parallel_degree "
                 f"= {tp}: each tensor-parallel rank holds an equal slice of every expert. Use a divisor of it."
             )
+
+
+def moe_expert_matmul_dims(args: MoEArgs, dims: ParallelDims) -> dict[str, int]:
+    """The dimensions each rank's routed-expert matmuls multiply, named by the keys that set them: the model's dim
+    and the experts' hidden dimension, whose slice each tensor-parallel rank holds unless expert parallelism placed
+    the experts (see the module doc)."""
+    if dims.tp > 1 and dims.ep == 1:
+        return {"dim": args.dim, "moe_hidden_dim / parallelism.tensor_parallel_degree": args.moe_hidden_dim // dims.tp}
+    return {"dim": args.dim, "moe_hidden_dim": args.moe_hidden_dim}
 
 
 def apply_moe_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -11,6 +11,7 @@ from torchpre.models.moe.parallelize import (
     apply_moe_context_parallel,
     apply_moe_expert_parallel,
     apply_moe_tensor_parallel,
+    moe_expert_matmul_dims,
     validate_moe_expert_parallel,
     validate_moe_tensor_parallel,
 )
@@ -28,6 +29,8 @@ SPEC = ModelSpec(
     tied_weights=llama3_tied_weights,
     flops_per_token=flops_per_token,
     compile_fullgraph=False,
+    set_grouped_mm=MoETransformer.set_grouped_mm,
+    expert_matmul_dims=moe_expert_matmul_dims,
     set_aux_loss_scale=MoETransformer.set_aux_loss_scale,
     extra_metrics=router_stats,
     after_optimizer_step=update_expert_bias,
