@@ -9,7 +9,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.launch import spawn
@@ -151,3 +153,30 @@ def _check_context_parallel(_: DeviceMesh) -> None:
         if mesh.get_local_rank("dp") == 0:
             assert totals["dp"] >= MEASURED_S, totals
         assert totals["cp"] < QUIET_S, totals
+
+
+def test_fsdp_waits_for_a_timed_asynchronous_all_gather(tmp_path):
+    spawn(_check_fsdp_async_unshard, world_size=2, store_path=tmp_path / "store")
+
+
+def _check_fsdp_async_unshard(_: DeviceMesh) -> None:
+    """FSDP2 waits for an asynchronous all-gather only when its Work is a `dist.Work` (the pipeline schedules with two
+    stages per rank prefetch each stage with `unshard(async_op=True)`): under the timer it must still gather every
+    value, even when its peer joins late. Without the wait the late peer's half is read before it arrives (measured:
+    garbage and NaN, so a ZeRO-3 dp2 x pp2 Interleaved1F1B run diverged at its first step)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    full = torch.randn(8, 4)
+    layer = nn.Linear(4, 8, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(full)
+    fully_shard(layer, mesh=mesh)
+    timer = CommTimer(torch.device("cpu"), [mesh])
+    with timer.installed():
+        assert isinstance(dist.all_reduce(torch.ones(1), async_op=True), dist.Work)
+        _late(mesh, "dp")
+        layer.unshard(async_op=True).wait()
+        assert torch.equal(layer.weight, full)
+    if dist.get_rank() == 0:  # it waited for its late peer, and counted that as dp
+        assert timer.totals()["dp"] >= MEASURED_S
+    layer.reshard()

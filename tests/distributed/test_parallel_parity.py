@@ -23,6 +23,12 @@ GRAD_NORM_RTOL = 1e-3
 # the key/value gradients over the cp ranks (measured: losses within 1.9e-6 of one process over 10 steps, for
 # every cp row below).
 CP_LOSS_ATOL = 1e-5
+# ZeRO-2 and ZeRO-3 under pipeline schedules with two stages per rank (names starting "dp2_pp2_zero") are held to 1e-5
+# too: data parallelism only reorders the gradient sums (measured: every such row within 1.9e-6 of one process over the
+# 10 steps, its grad norms equal to one process's). Under ZeRO-3 these schedules gather each stage's parameters ahead
+# with asynchronous all-gathers, whose output FSDP once read before it arrived (the collective timer's Work wrapper,
+# `torchpre/distributed/comm_timer.py`): the loss was 5e-2 off at the first step and NaN from the second.
+ZERO_PP_LOSS_ATOL = 1e-5
 
 DEBUG = [*DEBUG_MODEL, "--training.local_batch_size", "8", "--training.steps", "10"]
 
@@ -40,6 +46,12 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 SP = ["--parallelism.enable_sequence_parallel"]
 LP = ["--parallelism.enable_loss_parallel"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+V2 = ["--parallelism.pipeline_parallel_virtual_stages", "2"]
+
+
+def zero(stage: int) -> list[str]:
+    return [*per_rank_batch(2), "--optimizer.zero_stage", str(stage)]
+
 
 LAYOUTS = {
     "tp2": (2, TP2),
@@ -72,6 +84,12 @@ LAYOUTS = {
     "cp2_selective_ac": (2, [*CP2, "--activation_checkpoint.mode", "selective"]),
     "cp2_hsdp": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "3",
                      "--parallelism.data_parallel_replicate_degree", "2"]),
+    "dp2_pp2_zero3_interleaved1f1b": (4, [*zero(3), *pp("Interleaved1F1B", *V2)]),
+    "dp2_pp2_zero3_zbv": (4, [*zero(3), *pp("ZBVZeroBubble")]),
+    "dp2_pp2_zero3_looped_bfs": (4, [*zero(3), *pp("LoopedBFS", *V2)]),
+    "dp2_pp2_zero3_interleaved_zero_bubble": (4, [*zero(3), *pp("InterleavedZeroBubble", *V2)]),
+    "dp2_pp2_zero3_dualpipev": (4, [*zero(3), *pp("DualPipeV")]),
+    "dp2_pp2_zero2_zbv": (4, [*zero(2), *pp("ZBVZeroBubble")]),
 }
 
 
@@ -87,8 +105,18 @@ def reference(tmp_path_factory) -> list[dict]:
 
 
 # Rows each of whose parts another row already checks under context parallelism (compile, a second AC mode, a second
-# pipeline schedule, HSDP's replicas): opt-in with `-m parity_matrix`, to keep CI's time.
-OPT_IN_ROWS = ("cp2_compile", "cp2_selective_ac", "cp2_pp2_zbv", "cp2_hsdp")
+# pipeline schedule, HSDP's replicas), and the schedules with two stages per rank under ZeRO beyond Interleaved1F1B
+# at ZeRO-3: opt-in with `-m parity_matrix`, to keep CI's time.
+OPT_IN_ROWS = (
+    "cp2_compile", "cp2_selective_ac", "cp2_pp2_zbv", "cp2_hsdp", "dp2_pp2_zero3_zbv", "dp2_pp2_zero3_looped_bfs",
+    "dp2_pp2_zero3_interleaved_zero_bubble", "dp2_pp2_zero3_dualpipev", "dp2_pp2_zero2_zbv",
+)  # fmt: skip
+
+
+def loss_atol(layout: str) -> float:
+    if layout.startswith("cp"):
+        return CP_LOSS_ATOL
+    return ZERO_PP_LOSS_ATOL if layout.startswith("dp2_pp2_zero") else LOSS_ATOL
 
 
 @pytest.mark.parametrize(
@@ -97,7 +125,7 @@ OPT_IN_ROWS = ("cp2_compile", "cp2_selective_ac", "cp2_pp2_zbv", "cp2_hsdp")
 def test_layout_matches_one_process(layout, reference, tmp_path):
     nproc, args = LAYOUTS[layout]
     records = train_and_read_metrics([*DEBUG, *args], nproc, tmp_path)
-    assert_same_curve(records, reference, CP_LOSS_ATOL if layout.startswith("cp") else LOSS_ATOL)
+    assert_same_curve(records, reference, loss_atol(layout))
     assert_comm_cp(records, layout)
 
 

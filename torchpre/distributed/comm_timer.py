@@ -202,15 +202,41 @@ def _buffer(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
-class _TimedWork:
-    """A collective's `Work` whose `wait()` counts as communication of its kind; everything else is the Work's."""
+def _delegate(name: str) -> Callable:
+    def method(self: "_TimedWork", *args, **kwargs) -> Any:
+        return getattr(self._work, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _delegating_to_work(cls: type) -> type:
+    """Gives `cls` each method of the installed torch's `Work` that it does not define as a call on `self._work`:
+    a Python subclass would otherwise run the base class's, which know nothing of the wrapped collective."""
+    for name, member in vars(dist.Work).items():
+        internal = name.startswith(("__", "_pybind11")) or name == "unbox"  # pybind's own, and a static method
+        if callable(member) and not internal and name not in vars(cls):
+            setattr(cls, name, _delegate(name))
+    return cls
+
+
+@_delegating_to_work
+class _TimedWork(dist.Work):
+    """A collective's `Work` whose `wait()` counts as communication of its kind; every other method is the Work's.
+
+    It is a `dist.Work` itself because callers tell an asynchronous collective by `isinstance(work, Work)` and wait
+    for nothing else: FSDP2 copies out the parameters a pipeline schedule gathers ahead (`unshard(async_op=True)`,
+    two stages per rank) only after waiting on such a Work, and read the all-gather's output before it arrived
+    when this was a plain wrapper."""
 
     def __init__(self, work: dist.Work, timer: CommTimer, kind: str) -> None:
+        super().__init__()
         self._work, self._timer, self._kind = work, timer, kind
 
-    def wait(self, *args, **kwargs):
+    def wait(self, *args, **kwargs) -> bool:
         with self._timer._span(self._kind):
             return self._work.wait(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
+    @property
+    def timeout(self) -> Any:
+        return self._work.timeout
