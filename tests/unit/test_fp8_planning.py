@@ -121,3 +121,13 @@ def test_the_planner_times_float8_linears_at_the_fp8_peak():
     assert blocks["float8"].forward.flops == blocks["none"].forward.flops  # the same FLOPs, some at the FP8 rate
     assert 0 < blocks["float8"].forward.fp8_flops < blocks["float8"].forward.flops  # attention stays bf16
     assert fp8.mfu == pytest.approx(fp8.flops_per_token * fp8.tokens_per_sec / (2 * 1979e12))
+
+
+def test_an_mxfp8_dry_run_traces_the_emulated_linears():
+    """MXFP8's casts are triton kernels, which meta tensors cannot run (torchao's `needs triton`): the dry run and
+    the planner trace the emulated ops, which keep the same saved bytes as bf16 (measured equal) and count their
+    matmuls at the bf16 rate, not the FP8 peak."""
+    blocks = {linear: microbatch_pieces(_predict_config(linear), 1).block for linear in ("none", "mxfp8")}
+    assert blocks["mxfp8"].saved_bytes == blocks["none"].saved_bytes
+    assert blocks["mxfp8"].forward.flops == blocks["none"].forward.flops
+    assert blocks["mxfp8"].forward.fp8_flops == 0

@@ -96,7 +96,8 @@ def resolve_emulate(linear: str, emulate: str, device: torch.device) -> bool:
     """Whether torchao emulates the low-precision matmuls: 'auto' does where `device` has no kernels for them;
     'false' on such a device is refused, naming the compute capability the format needs. Logged either way."""
     if device.type == "meta":  # a dry run: no matmul runs, and the GPU it plans for is not this machine's
-        return emulate == "true"
+        # MXFP8's casts are triton kernels, which meta tensors cannot run: the dry run traces the emulated ops.
+        return emulate == "true" or linear == "mxfp8"
     needed = CAPABILITY[linear]
     has_kernels = device.type == "cuda" and torch.cuda.get_device_capability(device) >= needed
     what = f"quantize.linear = '{linear}'"
