@@ -122,14 +122,11 @@ def test_with_no_valid_layout_the_planner_fails_naming_why():
                    "--optimizer.lr", "-1"])  # fmt: skip
 
 
-def test_the_planner_needs_the_gpu_count_a_known_gpu_and_a_dense_model():
+def test_the_planner_needs_the_gpu_count_a_known_gpu_and_a_flavor():
     with pytest.raises(ConfigError, match="--gpus N"):
         plan_main(["--model.flavor", "tiny", "--training.global_batch_size", "8"])
     with pytest.raises(ConfigError, match="h100-80gb"):
         plan_main(["--model.flavor", "tiny", "--gpus", "2", "--gpu", "h100"])
-    with pytest.raises(ConfigError, match="does not search expert-parallel layouts"):
-        plan_main(["--model.name", "moe", "--model.flavor", "debugmodel", "--training.global_batch_size", "8",
-                   "--gpus", "2"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"this family's args come from elsewhere \(model.hf_config\)"):
         plan_main(["--model.name", "hf", "--model.hf_config", "assets/hf_configs/llama_tiny.json",
                    "--training.global_batch_size", "8", "--gpus", "2"])  # fmt: skip
@@ -221,3 +218,32 @@ def test_a_job_whose_layouts_fit_without_cp_is_not_offered_cp(monkeypatch):
                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
     result = search(base, get_hardware("h100-80gb"), 64)
     assert result.fitting and all(p.checked.layout.cp == 1 for p in result.predictions), result.table(5)
+
+
+DSV3_DEBUG = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.seq_len", "64")
+
+
+def test_the_ep_communication_is_the_dispatch_and_combine_of_every_moe_layer():
+    """The step-time model's ep term, by hand: per MoE layer and microbatch, forward all-to-alls the routed rows to
+    their experts' ranks and back (dispatch + combine: tokens x top-k x dim in the compute dtype each, after an
+    exchange of the per-expert row counts, num_experts int64s) and backward sends their gradients both ways again.
+    deepseek_v3 debugmodel (3 blocks, 1 dense: 2 MoE layers; top-2 of 8 experts, dim 64), dp2 x ep2, 2 sequences
+    of 64 tokens per microbatch in fp32, 2 microbatches: 128 x 2 x 64 x 4 = 65,536 bytes per all-to-all, within a
+    node (NVLink)."""
+    base = _job(*DSV3_DEBUG, "--training.global_batch_size", "8")
+    checked = check(Layout(dp=2, tp=1, pp=1, ep=2, microbatch_size=2), base, 2)
+    args = checked.model_args
+    routed = 2 * 64 * args.top_k * args.dim * 4
+    block = microbatch_pieces(checked.config, 2).block
+    assert sorted(c.bytes for c in block.forward.collectives) == [args.num_experts * 8, routed, routed]
+    assert [(c.op, c.dim, c.bytes) for c in block.backward.collectives] == [("all_to_all", "ep", routed)] * 2
+    hardware = get_hardware("h100-80gb")
+    step = predict(checked, hardware, 2, model_flops_per_token(checked.config, args)).step
+
+    def all_to_all(nbytes: int) -> float:
+        return collective_seconds("all_to_all", 2, nbytes, hardware.intra_node_bw, hardware)
+
+    moe_layers, microbatches = args.n_layers - args.first_k_dense, 8 // (2 * 2)
+    expected = microbatches * moe_layers * (all_to_all(args.num_experts * 8) + 4 * all_to_all(routed))
+    assert step.ep_comm_s == pytest.approx(expected, rel=1e-9)
+    assert step.tp_comm_s == step.cp_comm_s == 0

@@ -14,23 +14,29 @@ the sum to full dry runs).
 import contextlib
 import copy
 import dataclasses
+import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
-
-from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.metrics.activation_probe import ActivationProbe
 from torchpre.metrics.activation_probe import Collective as ProbedCollective
 from torchpre.models.registry import get_model_spec
-from torchpre.planner.dryrun import leave_fake_world, optimizer_step_bytes, probe_rank, rank_memory
+from torchpre.planner.dryrun import (
+    is_expert,
+    leave_fake_world,
+    optimizer_step_bytes,
+    probe_rank,
+    rank_memory,
+    unsharded_numel,
+)
 from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
 from torchpre.runtime.world import Runtime
-from torchpre.training.job import TrainingJob, build_job
+from torchpre.training.job import build_job
 
 T = TypeVar("T")
 
@@ -38,7 +44,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class StateCost:
     """Bytes one rank keeps through training for a piece of the model (a block, or a stage's ends), and the
-    piece's parameter count on this rank before any data-parallel sharding (what DP communication moves)."""
+    piece's parameter count on this rank before any data-parallel sharding (what DP communication moves), of which
+    `expert_numel` are expert-parallel experts' (reduced over edp instead of dp)."""
 
     param_bytes: int = 0
     grad_bytes: int = 0
@@ -46,6 +53,7 @@ class StateCost:
     tp_numel: int = 0
     param_tensors: int = 0
     optimizer_step_bytes: int = 0  # the optimizer step's transient (`torchpre.planner.dryrun.optimizer_step_bytes`)
+    expert_numel: int = 0
 
     def __add__(self, other: "StateCost") -> "StateCost":
         return StateCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -53,7 +61,8 @@ class StateCost:
     def __sub__(self, other: "StateCost") -> "StateCost":
         return StateCost(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
-    def __mul__(self, k: int) -> "StateCost":
+    def scaled(self, k: int) -> "StateCost":
+        """k identical blocks."""
         return StateCost(*(a * k for a in dataclasses.astuple(self)))
 
 
@@ -86,8 +95,8 @@ class MicrobatchCost:
         )
 
     def minus(self, other: "MicrobatchCost") -> "MicrobatchCost":
-        """The difference of two probes of the same stage with more and fewer blocks (one block's cost), or a
-        stage less its blocks (its ends); the transient stays the larger probe's (see `_microbatch_pieces`)."""
+        """The difference of two probes of the same stage with more and fewer blocks (one block's cost), or the last
+        stage less its block (its ends); the transient stays the larger probe's (see `_microbatch_pieces`)."""
         return MicrobatchCost(
             self.saved_bytes - other.saved_bytes,
             self.transient_bytes,
@@ -114,37 +123,53 @@ def _times(work: Work, k: int) -> Work:
 
 @dataclass(frozen=True)
 class Pieces(Generic[T]):
-    """A layout's costs per piece: one block, and the ends only the first or the last stage holds."""
+    """A layout's costs per piece: one block; the first stage's ends together with its first `leading` blocks (a
+    MoE family's dense first blocks, else one block: measured whole, as a dense block's collectives are not a MoE
+    block's less some); and the ends only the last stage holds."""
 
     block: T
     first: T
     last: T
+    leading: int = 1
 
     def stage(self, blocks: int, first: bool, last: bool, zero: T) -> T:
         """A stage of `blocks` blocks, with the first stage's and/or the last stage's ends. A microbatch cost's
         transient is the one measured on a stage of the same kind: the last stage's (the loss; also a whole
         model's, measured equal), else the first's, else a middle stage's."""
+        repeated = self.block.scaled(blocks - self.leading if first else blocks)
+        total = repeated + (self.first if first else zero) + (self.last if last else zero)
         if not isinstance(self.block, MicrobatchCost):
-            return self.block * blocks + (self.first if first else zero) + (self.last if last else zero)
-        total = self.block.scaled(blocks) + (self.first if first else zero) + (self.last if last else zero)
+            return total
         kind = self.last if last else self.first if first else self.block
         received = 0.0 if first else self.last.received_bytes  # every later stage receives the same residual stream
         return dataclasses.replace(total, transient_bytes=kind.transient_bytes, received_bytes=received)
 
 
 @contextlib.contextmanager
-def shortened_flavor(config: JobConfig, n_layers: int) -> Iterator[JobConfig]:
-    """`config` with its model flavor cut to `n_layers` blocks (registered under a temporary flavor name)."""
+def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator[JobConfig]:
+    """`config` with its model flavor cut to sum(`stage_blocks`) blocks (registered under a temporary flavor name),
+    pipeline stage i holding stage_blocks[i] of them."""
     spec = get_model_spec(config.model.name)
     args = spec.flavors[config.model.flavor]
+    n_layers = sum(stage_blocks)
     name = f"{config.model.flavor}[{n_layers} layers]"
     spec.flavors[name] = dataclasses.replace(args, n_layers=n_layers)
     short = copy.deepcopy(config)
     short.model.flavor = name
+    starts = itertools.accumulate(stage_blocks[:-1])
+    short.parallelism.pipeline_parallel_split_points = [f"{spec.blocks}.{start}" for start in starts]
     try:
         yield short
     finally:
         del spec.flavors[name]
+
+
+def leading_blocks(config: JobConfig) -> int:
+    """Blocks the probes' first stage holds: the model's dense first blocks (the MoE families' `first_k_dense`),
+    and at least one. Every block after them is of one kind, so the block piece is that kind and the first stage's
+    ends include the dense blocks (which a first stage must hold: `torchpre.planner.layouts.check`)."""
+    args = get_model_spec(config.model.name).flavors[config.model.flavor]
+    return max(getattr(args, "first_k_dense", 0), 1)
 
 
 def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:
@@ -162,14 +187,14 @@ def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:
 
 def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subtract: Callable[[T, T], T]) -> Pieces:
     """Pieces from three builds of `config` shortened and split over two stages (see the module docstring):
-    `measure(config, world, rank)`."""
-    world = 2 * _model_ranks(config)
-    with shortened_flavor(config, 2) as two:
-        first_2, last_2 = measure(two, world, 0), measure(two, world, world // 2)
-    with shortened_flavor(config, 4) as four:
-        first_4 = measure(four, world, 0)
-    block = subtract(first_4, first_2)
-    return Pieces(block=block, first=subtract(first_2, block), last=subtract(last_2, block))
+    `measure(config, world, rank)`. The first stage holds a = `leading_blocks` blocks, then a + 1."""
+    world, a = 2 * _model_ranks(config), leading_blocks(config)
+    with shortened_flavor(config, (a, 1)) as short:
+        first_a, last_a = measure(short, world, 0), measure(short, world, world // 2)
+    with shortened_flavor(config, (a + 1, 1)) as longer:
+        first_longer = measure(longer, world, 0)
+    block = subtract(first_longer, first_a)
+    return Pieces(block=block, first=first_a, last=subtract(last_a, block), leading=a)
 
 
 def state_pieces(config: JobConfig) -> Pieces:
@@ -184,15 +209,16 @@ def state_pieces(config: JobConfig) -> Pieces:
 class StepTransient:
     """The optimizer step's transient bytes on a stage of n blocks. It grows with the parameters while they fit
     in one gradient bucket (ZeRO 0-2 flatten a bucket to reduce and gather it) and then stays at what the largest
-    bucket or parameter needs: measured on stage 0 with 1 and 2 blocks (the growth per block) and, when it grows,
-    with enough blocks to fill a bucket (the ceiling)."""
+    bucket or parameter needs: measured on stage 0 with `blocks` (= `leading_blocks`) and one more block (the
+    growth per block) and, when it grows, with enough blocks to fill a bucket (the ceiling)."""
 
-    one_block: int
+    blocks: int
+    bytes: int
     per_block: int
     ceiling: int
 
     def at(self, blocks: int) -> int:
-        return min(self.one_block + (max(blocks, 1) - 1) * self.per_block, self.ceiling)
+        return min(self.bytes + max(blocks - self.blocks, 0) * self.per_block, self.ceiling)
 
 
 def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
@@ -204,20 +230,20 @@ def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
 
 
 def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
-    world = 2 * _model_ranks(config)
+    world, a = 2 * _model_ranks(config), leading_blocks(config)
 
     def stage_zero(blocks: int) -> StateCost:
-        with shortened_flavor(config, 2 * blocks) as short:
+        with shortened_flavor(config, (blocks, 1)) as short:
             return _state(short, world, 0)
 
-    one, two = stage_zero(1), stage_zero(2)
+    one, two = stage_zero(a), stage_zero(a + 1)  # the state pieces' builds (`_state` keeps them)
     per_block = two.optimizer_step_bytes - one.optimizer_step_bytes
     if per_block <= 0:
-        return StepTransient(one.optimizer_step_bytes, 0, one.optimizer_step_bytes)
+        return StepTransient(a, one.optimizer_step_bytes, 0, one.optimizer_step_bytes)
     block_grads = max(two.grad_bytes - one.grad_bytes, 1)
-    filled = min(n_layers, -(-int(config.optimizer.bucket_size_mb * 2**20) // block_grads) + 1)
-    ceiling = stage_zero(filled).optimizer_step_bytes if filled > 2 else two.optimizer_step_bytes
-    return StepTransient(one.optimizer_step_bytes, per_block, ceiling)
+    filled = min(n_layers, -(-int(config.optimizer.bucket_size_mb * 2**20) // block_grads) + a)
+    ceiling = stage_zero(filled).optimizer_step_bytes if filled > a + 1 else two.optimizer_step_bytes
+    return StepTransient(a, one.optimizer_step_bytes, per_block, ceiling)
 
 
 def _state_config(config: JobConfig) -> JobConfig:
@@ -241,20 +267,16 @@ def _microbatch_pieces(config: JobConfig) -> Pieces:
     """Saved bytes and work are linear in the blocks; the transient peak is not (a stage's is set by its
     largest temporaries, e.g. the loss's logits on the last stage), so each piece gets the transient measured
     on a stage of its own kind: the first's and the last's from the 2-stage builds, a block's from the middle
-    stage of a 3-stage build of 3 blocks."""
+    stage of a 3-stage build (one block on each later stage)."""
     pieces = _pieces(_microbatch, config, lambda a, b: a.minus(b))
     three = copy.deepcopy(config)
     three.parallelism.pipeline_parallel_degree = 3
     three.training.local_batch_size = 3 * config.parallelism.pipeline_parallel_microbatch_size
     three.training.global_batch_size = three.training.local_batch_size * config.parallelism.data_parallel_degree
     world = 3 * _model_ranks(config)
-    with shortened_flavor(three, 3) as short:
+    with shortened_flavor(three, (leading_blocks(config), 1, 1)) as short:
         middle = _microbatch(short, world, world // 3)
-    return Pieces(
-        block=dataclasses.replace(pieces.block, transient_bytes=middle.transient_bytes),
-        first=pieces.first,
-        last=pieces.last,
-    )
+    return dataclasses.replace(pieces, block=dataclasses.replace(pieces.block, transient_bytes=middle.transient_bytes))
 
 
 def _model_ranks(config: JobConfig) -> int:
@@ -265,6 +287,7 @@ def _model_ranks(config: JobConfig) -> int:
 
 _CACHE: dict[str, Pieces] = {}  # by kind and probed config: one planner run probes each configuration once
 _STEP_CACHE: dict[str, StepTransient] = {}
+_STATE_BUILDS: dict[tuple[str, int, int], StateCost] = {}
 
 
 def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
@@ -274,22 +297,32 @@ def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
 
 
 def _state(config: JobConfig, world: int, rank: int) -> StateCost:
+    """`_measure_state`, once per shortened config and rank: the state pieces and the optimizer step's transient
+    build the same stage-0 models."""
+    key = (to_toml(config), world, rank)
+    if key not in _STATE_BUILDS:
+        _STATE_BUILDS[key] = _measure_state(config, world, rank)
+    return _STATE_BUILDS[key]
+
+
+def _measure_state(config: JobConfig, world: int, rank: int) -> StateCost:
     job = build_job(config, Runtime(world, fake_rank=rank, data=False))
     try:
         memory = rank_memory(job, checkpoint=False)
         params = [param for part in job.model.parts for param in part.parameters()]
-        tp_numel = sum(_tp_numel(param, job) for param in params)
+        numel = [(unsharded_numel(param, job), is_expert(param)) for param in params]
         step = optimizer_step_bytes(job)
     finally:
         leave_fake_world()
-    return StateCost(memory.param_bytes, memory.grad_bytes, memory.optimizer_state_bytes, tp_numel, len(params), step)
-
-
-def _tp_numel(param, job: TrainingJob) -> int:
-    """A parameter's elements on this rank before DP sharding (FSDP2 shards them over dp_shard x cp)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    shard = job.dims.dp_shard * job.dims.cp if job.preflight.data_parallel.shards_parameters else 1
-    return local.numel() * shard
+    return StateCost(
+        param_bytes=memory.param_bytes,
+        grad_bytes=memory.grad_bytes,
+        optimizer_state_bytes=memory.optimizer_state_bytes,
+        tp_numel=sum(n for n, _ in numel),
+        param_tensors=len(params),
+        optimizer_step_bytes=step,
+        expert_numel=sum(n for n, expert in numel if expert),
+    )
 
 
 def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:

@@ -151,7 +151,8 @@ def _microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
         return microbatch_pieces(config, microbatch_size)
     one, two = microbatch_pieces(config, 1), microbatch_pieces(config, 2)
     k = microbatch_size - 1
-    return Pieces(_affine(one.block, two.block, k), _affine(one.first, two.first, k), _affine(one.last, two.last, k))
+    return Pieces(_affine(one.block, two.block, k), _affine(one.first, two.first, k), _affine(one.last, two.last, k),
+                  one.leading)
 
 
 def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
@@ -209,14 +210,18 @@ def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost)
     seq = seq // p.tensor_parallel_degree if sequence_parallel else seq
     compute = getattr(torch, t.mixed_precision_param).itemsize
     args_dim = _dim(config)
+    reduce = getattr(torch, config.optimizer.reduce_dtype).itemsize
+    dense = state.tp_numel - state.expert_numel  # experts are reduced and gathered over edp, the rest over dp
     forward = sum((c.forward for c in costs), Work(0.0))
     backward = sum((c.backward for c in costs), Work(0.0))
     return RankWork(
         forward=forward,
         backward=backward,
         boundary_bytes=microbatch * seq * args_dim * compute,
-        grad_bytes=state.tp_numel * getattr(torch, config.optimizer.reduce_dtype).itemsize,
-        param_bytes=state.tp_numel * compute,
+        grad_bytes=dense * reduce,
+        param_bytes=dense * compute,
+        expert_grad_bytes=state.expert_numel * reduce,
+        expert_param_bytes=state.expert_numel * compute,
         optimizer_state_bytes=state.optimizer_state_bytes,
         optimizer_ops=OPTIMIZER_OPS_PER_TENSOR * state.param_tensors,
     )
