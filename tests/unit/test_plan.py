@@ -13,7 +13,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import names_where
 from torchpre.errors import ConfigError
 from torchpre.plan import main as plan_main
-from torchpre.planner import layouts
+from torchpre.planner import layouts, pieces
 from torchpre.planner.dryrun import build_rank
 from torchpre.planner.layouts import Layout, check, valid_layouts
 from torchpre.planner.pieces import microbatch_pieces
@@ -247,3 +247,24 @@ def test_the_ep_communication_is_the_dispatch_and_combine_of_every_moe_layer():
     expected = microbatches * moe_layers * (all_to_all(args.num_experts * 8) + 4 * all_to_all(routed))
     assert step.ep_comm_s == pytest.approx(expected, rel=1e-9)
     assert step.tp_comm_s == step.cp_comm_s == 0
+
+
+def test_expert_parallel_costs_are_interpolated_in_one_over_ep_to_the_byte():
+    """Microbatch costs at ep8 from the probes at ep2 and ep4 (affine in 1 / ep: the local experts' weight gradients
+    and the dispatch's bookkeeping) equal a probe at ep8: every number of every piece within 1e-9 relative (float
+    rounding of the interpolation), the collectives the same."""
+    base = _job(*DSV3_DEBUG, "--training.global_batch_size", "16")
+    checked = check(Layout(dp=8, tp=1, pp=1, ep=8), base, 8)
+    interpolated = microbatch_pieces(checked.config, 1)
+    probed = pieces._probed_microbatch_pieces(checked.config, 1, 8)
+    assert pieces._probed_expert_degrees(checked.config) == (2, 4)
+    for name in ("block", "first", "last"):
+        got, want = getattr(interpolated, name), getattr(probed, name)
+        for field in ("saved_bytes", "transient_bytes", "received_bytes", "held_output_bytes"):
+            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-9, abs=1e-6), (name, field)
+        for g, w in ((got.forward, want.forward), (got.backward, want.backward)):
+            assert (g.flops, g.other_bytes) == pytest.approx((w.flops, w.other_bytes), rel=1e-9, abs=1e-6), name
+            assert g.ops == w.ops and [(c.op, c.dim) for c in g.collectives] == [(c.op, c.dim) for c in w.collectives]
+            assert [c.bytes for c in g.collectives] == pytest.approx([c.bytes for c in w.collectives], rel=1e-9)
+    at_ep2 = pieces._probed_microbatch_pieces(checked.config, 1, 2)
+    assert interpolated.block.backward.other_bytes < at_ep2.block.backward.other_bytes  # fewer local experts

@@ -255,12 +255,67 @@ def _state_config(config: JobConfig) -> JobConfig:
 def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     """`MicrobatchCost` pieces of a layout's config at `microbatch_size`. Probed at data-parallel degree 1 (the
     expert-parallel degree under EP) and ZeRO-1: activations and work per microbatch do not depend on how the
-    state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add)."""
+    state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add).
+
+    Under expert parallelism a rank's routed rows (a balanced router's) and its all-to-all buffers do not depend on
+    ep either; what does, the local experts' weight gradients and the dispatch's bookkeeping, is affine in 1 / ep
+    (to the byte: deepseek_v3 lite probed at ep 2, 4, 8 and 16). So ep is probed at the two smallest degrees that
+    split the experts and interpolated in 1 / ep between them: two probes serve every ep of a search."""
+    ep = config.parallelism.expert_parallel_degree
+    probed = _probed_expert_degrees(config)
+    if ep == 1 or ep in probed:
+        return _probed_microbatch_pieces(config, microbatch_size, ep)
+    (low, high), (one, two) = probed, [_probed_microbatch_pieces(config, microbatch_size, e) for e in probed]
+    if not _same_ops(one, two):
+        return _probed_microbatch_pieces(config, microbatch_size, ep)
+    return affine(one, two, (1 / ep - 1 / low) / (1 / high - 1 / low))
+
+
+def _probed_expert_degrees(config: JobConfig) -> tuple[int, ...]:
+    """The two smallest expert-parallel degrees > 1 that split the model's experts evenly (fewer if none)."""
+    experts = getattr(get_model_spec(config.model.name).flavors[config.model.flavor], "num_experts", 0)
+    return tuple(e for e in range(2, experts + 1) if experts % e == 0)[:2]
+
+
+def _same_ops(one: Pieces, two: Pieces) -> bool:
+    """Whether two probes ran the same ops and collectives (their sizes aside): then they interpolate."""
+
+    def shape(work: Work) -> tuple:
+        return work.ops, work.subclass_ops, tuple((c.op, c.dim) for c in work.collectives)
+
+    costs = ((one.block, two.block), (one.first, two.first), (one.last, two.last))
+    return all(shape(a.forward) == shape(b.forward) and shape(a.backward) == shape(b.backward) for a, b in costs)
+
+
+def _probed_microbatch_pieces(config: JobConfig, microbatch_size: int, ep: int) -> Pieces:
     config = copy.deepcopy(config)
-    config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree
+    config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree = ep
     config.optimizer.zero_stage = 1
     config = two_stage_config(config, microbatch_size)
     return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
+
+
+def affine(one: Pieces, two: Pieces, k: float) -> Pieces:
+    """`one` + k x (`two` - `one`), piece by piece and number by number: costs probed at two values of something
+    they are affine in (the microbatch size, 1 / ep), extended to another. The op counts are `one`'s."""
+    return Pieces(_affine(one.block, two.block, k), _affine(one.first, two.first, k), _affine(one.last, two.last, k),
+                  one.leading)
+
+
+def _affine(one: MicrobatchCost, two: MicrobatchCost, k: float) -> MicrobatchCost:
+    def grow(a: float, b: float) -> float:
+        return a + k * (b - a)
+
+    def work(a: Work, b: Work) -> Work:
+        pairs = zip(a.collectives, b.collectives)
+        collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
+        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
+                    grow(a.fp8_flops, b.fp8_flops))
+
+    return MicrobatchCost(grow(one.saved_bytes, two.saved_bytes), grow(one.transient_bytes, two.transient_bytes),
+                          work(one.forward, two.forward), work(one.backward, two.backward),
+                          grow(one.received_bytes, two.received_bytes),
+                          grow(one.held_output_bytes, two.held_output_bytes))  # fmt: skip
 
 
 def _microbatch_pieces(config: JobConfig) -> Pieces:
