@@ -12,14 +12,17 @@ from torchpre.distributed.hardware import get_hardware
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import names_where
 from torchpre.errors import ConfigError
+from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
 from torchpre.planner import layouts, pieces
+from torchpre.planner import search as search_module
 from torchpre.planner.dryrun import build_rank
 from torchpre.planner.layouts import Layout, check, valid_layouts
 from torchpre.planner.pieces import microbatch_pieces
 from torchpre.planner.predict import model_flops_per_token, predict
 from torchpre.planner.search import needs_context_parallel, search
 from torchpre.planner.time_model import collective_seconds
+from torchpre.training.model import meta_model
 
 JSON_KEYS = {
     "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",
@@ -268,3 +271,56 @@ def test_expert_parallel_costs_are_interpolated_in_one_over_ep_to_the_byte():
             assert [c.bytes for c in g.collectives] == pytest.approx([c.bytes for c in w.collectives], rel=1e-9)
     at_ep2 = pieces._probed_microbatch_pieces(checked.config, 1, 2)
     assert interpolated.block.backward.other_bytes < at_ep2.block.backward.other_bytes  # fewer local experts
+
+
+def _narrow(monkeypatch, tp: tuple[int, ...] = (1,), pp: tuple[int, ...] = (1,), **values) -> None:
+    """The search cut to the given degrees and `values` (ZERO_STAGES=..., AC_MODES=...) to keep its probes few."""
+    for name, value in values.items():
+        monkeypatch.setattr(layouts, name, value)
+    every = layouts.candidates
+    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        layout for layout in every(*args, **kwargs) if layout.tp in tp and layout.pp in pp))  # fmt: skip
+
+
+def test_deepseek_v3_lite_on_8_h100s_fits_only_with_its_experts_split(monkeypatch):
+    """deepseek_v3 lite (16.0B parameters, 14.4B of them in 26 layers of 64 routed experts) on 8 H100s at ZeRO-1, dp8,
+    full activation checkpointing, one sequence of 4,096 tokens per microbatch. Replicated experts need their bf16
+    parameters and fp32 gradients whole on every rank: ep1's model state alone needs 107.2 GiB of the 72.6 usable,
+    ep2 70.3 GiB in all, ep8 40.1; each rank's parameter bytes fall as ep splits the experts, and its optimizer
+    state does not move (ZeRO-1 shards the experts' over the edp = dp / ep ranks that hold them: 1 / dp of them
+    whatever ep). The search is cut to these four layouts (its probes take most of the time)."""
+    _narrow(monkeypatch, ZERO_STAGES=(1,), AC_MODES=("full",), MICROBATCH_SIZES=(1,))
+    monkeypatch.setattr(search_module, "needs_context_parallel", lambda predictions: False)
+    base = _job("--model.name", "deepseek_v3", "--model.flavor", "lite", "--training.seq_len", "4096",
+                "--training.global_batch_size", "64", "--training.mixed_precision_param", "bfloat16")  # fmt: skip
+    result = search(base, get_hardware("h100-80gb"), 8)
+    by_ep = {p.checked.layout.ep: p for p in result.predictions}
+    assert sorted(by_ep) == [1, 2, 4, 8]
+    assert by_ep[1].step is None and not by_ep[1].fits  # the model state alone does not fit
+    assert result.fitting[0].checked.layout.ep > 1 and len(result.fitting) == 3, result.table(4)
+    params = [by_ep[ep].peak.param_bytes for ep in sorted(by_ep)]
+    assert params == sorted(params, reverse=True) and len(set(params)) == 4
+    assert len({by_ep[ep].peak.optimizer_state_bytes for ep in by_ep}) == 1
+    assert all(by_ep[ep].step.ep_comm_s > 0 for ep in (2, 4, 8))
+
+
+def test_expert_gradients_are_reduced_over_the_ranks_that_hold_the_same_experts():
+    """The step-time model's DP term under expert parallelism, by hand: ZeRO-1 at dp4 x ep2 reduce-scatters the
+    dense gradients over the 4 dp ranks and the experts' over the 2 edp ranks that hold the same experts (each rank
+    holds half of them), then all-gathers the parameters over the same groups; fp32, within a node."""
+    base = _job(*DSV3_DEBUG, "--training.global_batch_size", "8")
+    checked = check(Layout(dp=4, tp=1, pp=1, ep=2, zero_stage=1, microbatch_size=2), base, 4)
+    model = meta_model(checked.config, get_model_spec("deepseek_v3"), checked.model_args)
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    experts = sum(n for name, n in numel.items() if ".experts." in name)
+    dense_bytes, expert_bytes = 4 * (sum(numel.values()) - experts), 4 * experts // 2
+    hardware = get_hardware("h100-80gb")
+    step = predict(checked, hardware, 4, model_flops_per_token(checked.config, checked.model_args)).step
+
+    def gradients_and_parameters(ranks: int, nbytes: int) -> float:
+        return sum(collective_seconds(op, ranks, nbytes, hardware.intra_node_bw, hardware)
+                   for op in ("reduce_scatter", "all_gather"))  # fmt: skip
+
+    assert experts > 0
+    expected = gradients_and_parameters(4, dense_bytes) + gradients_and_parameters(2, expert_bytes)
+    assert step.dp_comm_s == pytest.approx(expected, rel=1e-9)
