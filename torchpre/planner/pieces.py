@@ -3,11 +3,13 @@
 Building every rank of every candidate layout of a 405B job would take hours. But a block's parameters,
 gradients, optimizer state, saved activations and FLOPs do not depend on which stage holds it or how many
 blocks sit beside it: a stage costs `ends + blocks x block`. So the planner dry-runs the layout's tensor, data
-and expert sharding on shortened copies of the model (`shortened_flavor`), pipelined over two stages:
-2 blocks (stage 0: embedding + 1 block; stage 1: 1 block + norm and head) and 4 blocks (stage 0: embedding + 2
-blocks). Then block = stage 0 of 4 blocks - stage 0 of 2 blocks, and the first and last stage's ends are what
-remains of the 2-block stages. Every number is what `torchpre.planner.dryrun.rank_memory` reports for a real build:
-no separate formula that could drift from it (`tests/unit/test_plan.py::test_planner_memory_is_the_dry_runs` pins
+and expert sharding on shortened copies of the model (`shortened_flavor`), pipelined over two stages: a + 1 blocks
+(stage 0: embedding + a blocks; stage 1: 1 block + norm and head) and a + 2 blocks (stage 0: embedding + a + 1
+blocks), where a is 1, or a MoE family's dense first blocks (`leading_blocks`: DeepSeek-V3's 3). Then block = the
+difference of the two stage 0s (a block of the kind that repeats), the first stage's ends are the shorter stage 0
+whole (with its a leading blocks), and the last stage's are its stage 1 less a block. Every number is what
+`torchpre.planner.dryrun.rank_memory` reports for a real build: no separate formula that could drift from it
+(`tests/unit/test_plan.py::test_planner_memory_is_the_dry_runs` and `::test_moe_planner_memory_is_the_dry_runs` pin
 the sum to full dry runs).
 """
 
