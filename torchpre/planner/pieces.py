@@ -67,6 +67,11 @@ class StateCost:
         """k identical blocks."""
         return StateCost(*(a * k for a in dataclasses.astuple(self)))
 
+    def interpolated(self, other: "StateCost", k: float) -> "StateCost":
+        """self + k x (other - self), to the byte (`affine`)."""
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other))
+        return StateCost(*(round(a + k * (b - a)) for a, b in pairs))
+
 
 @dataclass(frozen=True)
 class MicrobatchCost:
@@ -107,6 +112,10 @@ class MicrobatchCost:
             self.received_bytes,
             self.held_output_bytes - other.held_output_bytes,
         )
+
+    def interpolated(self, other: "MicrobatchCost", k: float) -> "MicrobatchCost":
+        """self + k x (other - self), number by number (`affine`); the op counts are self's."""
+        return _interpolated(self, other, k)
 
     def scaled(self, k: int) -> "MicrobatchCost":
         """k identical blocks in a row: k times the saved bytes and work, one block's transient at a time."""
@@ -203,7 +212,10 @@ def state_pieces(config: JobConfig) -> Pieces:
     """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config (with
     activation checkpointing off: it changes no state). The optimizer step's transient is not additive (see
     `StepTransient`): the pieces carry 0 for it."""
-    config = _state_config(config)
+    return _in_one_over_ep(_state_config(config), _measured_state_pieces, affine)
+
+
+def _measured_state_pieces(config: JobConfig) -> Pieces:
     return _cached("state\n" + to_toml(config), lambda: _pieces(_state, config, lambda a, b: a - b))
 
 
@@ -222,13 +234,23 @@ class StepTransient:
     def at(self, blocks: int) -> int:
         return min(self.bytes + max(blocks - self.blocks, 0) * self.per_block, self.ceiling)
 
+    def interpolated(self, other: "StepTransient", k: float) -> "StepTransient":
+        """self + k x (other - self), byte by byte (an estimate: the step's buckets need not be affine in it)."""
+        grow = [round(a + k * (b - a)) for a, b in zip(dataclasses.astuple(self)[1:], dataclasses.astuple(other)[1:])]
+        return StepTransient(self.blocks, *grow)
+
 
 def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
-    config = _state_config(config)
-    key = "step\n" + to_toml(config)
-    if key not in _STEP_CACHE:
-        _STEP_CACHE[key] = _measure_step_transient(config, n_layers)
-    return _STEP_CACHE[key]
+    """The optimizer step's transient, measured (interpolated in 1 / ep between two measured degrees, as the
+    state pieces, under expert parallelism)."""
+
+    def measure(config: JobConfig) -> StepTransient:
+        key = "step\n" + to_toml(config)
+        if key not in _STEP_CACHE:
+            _STEP_CACHE[key] = _measure_step_transient(config, n_layers)
+        return _STEP_CACHE[key]
+
+    return _in_one_over_ep(_state_config(config), measure, lambda one, two, k: one.interpolated(two, k))
 
 
 def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
@@ -263,24 +285,36 @@ def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     ep either; what does, the local experts' weight gradients and the dispatch's bookkeeping, is affine in 1 / ep
     (to the byte: deepseek_v3 lite probed at ep 2, 4, 8 and 16). So ep is probed at the two smallest degrees that
     split the experts and interpolated in 1 / ep between them: two probes serve every ep of a search."""
+    return _in_one_over_ep(config, lambda config: _probed_microbatch_pieces(config, microbatch_size), affine)
+
+
+def _in_one_over_ep(config: JobConfig, measure: Callable[[JobConfig], T], interpolate: Callable[[T, T, float], T]) -> T:
+    """`measure(config)`; under expert parallelism, at the two smallest degrees > 1 that divide its ep and
+    interpolated in 1 / ep between them (`interpolate(at_low, at_high, k)`), when they ran the same ops. What a
+    rank holds and does depends on ep through its local experts only (1 / ep of them), and the bookkeeping of its
+    dispatch: affine in 1 / ep (to the byte: deepseek_v3 lite measured at ep 2, 4, 8 and 16). So a search
+    measures two degrees of each sharding, not every one."""
     ep = config.parallelism.expert_parallel_degree
-    probed = _probed_expert_degrees(config)
-    if ep == 1 or ep in probed:
-        return _probed_microbatch_pieces(config, microbatch_size, ep)
-    (low, high), (one, two) = probed, [_probed_microbatch_pieces(config, microbatch_size, e) for e in probed]
+    degrees = [d for d in range(2, ep) if ep % d == 0][:2]
+    if len(degrees) < 2:
+        return measure(config)
+    (low, high), (one, two) = degrees, [measure(_with_ep(config, d)) for d in degrees]
     if not _same_ops(one, two):
-        return _probed_microbatch_pieces(config, microbatch_size, ep)
-    return affine(one, two, (1 / ep - 1 / low) / (1 / high - 1 / low))
+        return measure(config)
+    return interpolate(one, two, (1 / ep - 1 / low) / (1 / high - 1 / low))
 
 
-def _probed_expert_degrees(config: JobConfig) -> tuple[int, ...]:
-    """The two smallest expert-parallel degrees > 1 that split the model's experts evenly (fewer if none)."""
-    experts = getattr(get_model_spec(config.model.name).flavors[config.model.flavor], "num_experts", 0)
-    return tuple(e for e in range(2, experts + 1) if experts % e == 0)[:2]
+def _with_ep(config: JobConfig, ep: int) -> JobConfig:
+    config = copy.deepcopy(config)
+    config.parallelism.expert_parallel_degree = ep
+    return config
 
 
-def _same_ops(one: Pieces, two: Pieces) -> bool:
-    """Whether two probes ran the same ops and collectives (their sizes aside): then they interpolate."""
+def _same_ops(one: object, two: object) -> bool:
+    """Whether two microbatch probes ran the same ops and collectives (their sizes aside): then they
+    interpolate. Other measurements (state, the optimizer step) always do."""
+    if not isinstance(one, Pieces) or not isinstance(one.block, MicrobatchCost):
+        return True
 
     def shape(work: Work) -> tuple:
         return work.ops, work.subclass_ops, tuple((c.op, c.dim) for c in work.collectives)
@@ -289,9 +323,9 @@ def _same_ops(one: Pieces, two: Pieces) -> bool:
     return all(shape(a.forward) == shape(b.forward) and shape(a.backward) == shape(b.backward) for a, b in costs)
 
 
-def _probed_microbatch_pieces(config: JobConfig, microbatch_size: int, ep: int) -> Pieces:
+def _probed_microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     config = copy.deepcopy(config)
-    config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree = ep
+    config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree
     config.optimizer.zero_stage = 1
     config = two_stage_config(config, microbatch_size)
     return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
@@ -300,11 +334,11 @@ def _probed_microbatch_pieces(config: JobConfig, microbatch_size: int, ep: int) 
 def affine(one: Pieces, two: Pieces, k: float) -> Pieces:
     """`one` + k x (`two` - `one`), piece by piece and number by number: costs probed at two values of something
     they are affine in (the microbatch size, 1 / ep), extended to another. The op counts are `one`'s."""
-    return Pieces(_affine(one.block, two.block, k), _affine(one.first, two.first, k), _affine(one.last, two.last, k),
-                  one.leading)
+    return Pieces(one.block.interpolated(two.block, k), one.first.interpolated(two.first, k),
+                  one.last.interpolated(two.last, k), one.leading)  # fmt: skip
 
 
-def _affine(one: MicrobatchCost, two: MicrobatchCost, k: float) -> MicrobatchCost:
+def _interpolated(one: MicrobatchCost, two: MicrobatchCost, k: float) -> MicrobatchCost:
     def grow(a: float, b: float) -> float:
         return a + k * (b - a)
 
