@@ -115,7 +115,24 @@ class MicrobatchCost:
 
     def interpolated(self, other: "MicrobatchCost", k: float) -> "MicrobatchCost":
         """self + k x (other - self), number by number (`affine`); the op counts are self's."""
-        return _interpolated(self, other, k)
+
+        def grow(a: float, b: float) -> float:
+            return a + k * (b - a)
+
+        def work(a: Work, b: Work) -> Work:
+            pairs = zip(a.collectives, b.collectives)
+            collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
+            return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
+                        grow(a.fp8_flops, b.fp8_flops))
+
+        return MicrobatchCost(
+            grow(self.saved_bytes, other.saved_bytes),
+            grow(self.transient_bytes, other.transient_bytes),
+            work(self.forward, other.forward),
+            work(self.backward, other.backward),
+            grow(self.received_bytes, other.received_bytes),
+            grow(self.held_output_bytes, other.held_output_bytes),
+        )
 
     def scaled(self, k: int) -> "MicrobatchCost":
         """k identical blocks in a row: k times the saved bytes and work, one block's transient at a time."""
@@ -279,12 +296,9 @@ def _state_config(config: JobConfig) -> JobConfig:
 def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     """`MicrobatchCost` pieces of a layout's config at `microbatch_size`. Probed at data-parallel degree 1 (the
     expert-parallel degree under EP) and ZeRO-1: activations and work per microbatch do not depend on how the
-    state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add).
-
-    Under expert parallelism a rank's routed rows (a balanced router's) and its all-to-all buffers do not depend on
-    ep either; what does, the local experts' weight gradients and the dispatch's bookkeeping, is affine in 1 / ep
-    (to the byte: deepseek_v3 lite probed at ep 2, 4, 8 and 16). So ep is probed at the two smallest degrees that
-    split the experts and interpolated in 1 / ep between them: two probes serve every ep of a search."""
+    state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add). Under expert parallelism a
+    rank's routed rows (a balanced router's) and all-to-all buffers do not depend on ep either, and what does is
+    interpolated (`_in_one_over_ep`)."""
     return _in_one_over_ep(config, lambda config: _probed_microbatch_pieces(config, microbatch_size), affine)
 
 
@@ -336,22 +350,6 @@ def affine(one: Pieces, two: Pieces, k: float) -> Pieces:
     they are affine in (the microbatch size, 1 / ep), extended to another. The op counts are `one`'s."""
     return Pieces(one.block.interpolated(two.block, k), one.first.interpolated(two.first, k),
                   one.last.interpolated(two.last, k), one.leading)  # fmt: skip
-
-
-def _interpolated(one: MicrobatchCost, two: MicrobatchCost, k: float) -> MicrobatchCost:
-    def grow(a: float, b: float) -> float:
-        return a + k * (b - a)
-
-    def work(a: Work, b: Work) -> Work:
-        pairs = zip(a.collectives, b.collectives)
-        collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
-        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
-                    grow(a.fp8_flops, b.fp8_flops))
-
-    return MicrobatchCost(grow(one.saved_bytes, two.saved_bytes), grow(one.transient_bytes, two.transient_bytes),
-                          work(one.forward, two.forward), work(one.backward, two.backward),
-                          grow(one.received_bytes, two.received_bytes),
-                          grow(one.held_output_bytes, two.held_output_bytes))  # fmt: skip
 
 
 def _microbatch_pieces(config: JobConfig) -> Pieces:
