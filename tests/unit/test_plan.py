@@ -373,6 +373,7 @@ def test_expert_gradients_are_reduced_over_the_ranks_that_hold_the_same_experts(
 
 
 @pytest.mark.plan_matrix
+@pytest.mark.timeout(1800)
 def test_deepseek_v3_lite_on_64_h100s_is_offered_expert_parallel_layouts():
     """The whole search for deepseek_v3 lite on 64 H100s at 4,096 tokens, 256 sequences per step: the fastest
     fitting layout splits the experts (ep > 1), and every expert-parallel degree that divides dp is offered. `-s`
