@@ -116,7 +116,7 @@ def test_moe_planner_memory_is_the_dry_runs(argv, layout, world, ranks):
     total within 1.5% (the optimizer step's transient is measured on the first stage and taken for every stage: on
     the debug model's last stage 11.6% above the dry run's, below its activations). The 671B case is DeepSeek-V3's
     own layout with its MTP module, the dry run's in docs/deepseek-v3.md: 48.27 and 51.43 GiB on the first and
-    last stage, predicted exactly (about 60 s here)."""
+    last stage, predicted exactly (13 s here, 61 s while other jobs loaded the machine)."""
     checked = check(layout, _job(*argv), world)
     prediction = predict(checked, get_hardware("h100-80gb"), world, model_flops_per_token(checked.config,
                                                                                            checked.model_args))
