@@ -402,3 +402,13 @@ def test_deepseek_v3_671B_on_2048_h100s_at_its_pretraining_shape(monkeypatch):
     assert result.fitting and all(p.checked.layout.ep > 1 for p in result.fitting), result.table(8)
     deepseek = next(p for p in result.predictions if (p.checked.layout.pp, p.checked.layout.ep) == (16, 64))
     assert deepseek.fits and deepseek.peak.total_bytes == pytest.approx(51.43 * 2**30, rel=1e-3)
+
+
+def test_a_first_stage_without_the_dense_blocks_is_refused_by_name():
+    """671B's 3 dense first blocks are costed with the first stage's ends: over 32 stages its first holds 2 of the
+    61 blocks, and the planner refuses the layout saying why; over 16 (4 blocks) it accepts it."""
+    base = _job(*DSV3_671B)
+    with pytest.raises(ConfigError, match="first pipeline stage holds 2 blocks, fewer than the model's first_k_dense"):
+        layouts._dense_blocks_first(check(Layout(dp=64, tp=1, pp=32, ep=64, schedule="1F1B"), base, 2048))
+    accepted = check(Layout(dp=128, tp=1, pp=16, ep=64, schedule="1F1B"), base, 2048)
+    assert layouts._dense_blocks_first(accepted) is accepted
