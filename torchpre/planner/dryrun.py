@@ -293,18 +293,34 @@ def _fsdp_gathered(job: TrainingJob) -> int:
     if not job.preflight.data_parallel.shards_parameters:
         return 0
     itemsize = getattr(torch, job.config.training.mixed_precision_param).itemsize
-    dims = job.dims
     blocks: dict[str, int] = {}
     total = 0
     for part in job.model.parts:
         for name, param in part.named_parameters():
-            local = param.to_local().numel() * dims.dp_shard * dims.cp * itemsize  # FSDP shards over dp_shard x cp
+            local = unsharded_numel(param, job) * itemsize
             total += local
             block = name.split(".")[:2]
             blocks[".".join(block)] = blocks.get(".".join(block), 0) + local
     if job.model.plan.fsdp.reshard_after_forward:
         return 2 * max(blocks.values())
     return total
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether expert parallelism placed `param` (a grouped-experts weight: a DTensor on a mesh with `ep`)."""
+    return isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+
+
+def unsharded_numel(param: torch.Tensor, job: TrainingJob) -> int:
+    """`param`'s elements on this rank before data-parallel sharding (what ZeRO-3 gathers, what DP reduces): FSDP2
+    shards a dense parameter over dp_shard x cp ranks, and an expert-parallel expert over the dp_shard x cp / ep
+    ranks that hold the same experts (edp_shard)."""
+    local = param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+    if not job.preflight.data_parallel.shards_parameters:
+        return local
+    dims = job.dims
+    ranks = dims.dp_shard * dims.cp
+    return local * (ranks // dims.ep if is_expert(param) else ranks)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

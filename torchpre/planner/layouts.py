@@ -149,12 +149,6 @@ def valid_layouts(
             "The planner needs training.global_batch_size (sequences per step): set it to the batch you will train."
         )
     spec = get_model_spec(base.model.name)
-    if spec.expert_parallel is not None:
-        raise ConfigError(
-            f"model.name = '{base.model.name}': the planner does not search expert-parallel layouts (nor time their "
-            "all-to-alls) yet. `--job.dry_run` reports the per-rank memory of a given layout, activations counted for "
-            "a balanced router."
-        )
     if spec.args_from_job is not None:
         raise ConfigError(
             f"model.name = '{base.model.name}': the planner sizes a model by cutting its flavor to fewer blocks, and "
@@ -166,10 +160,27 @@ def valid_layouts(
     experts = spec.expert_parallel is not None
     for layout in candidates(base, gpus, gpus_per_node, experts, context_parallel):
         try:
-            valid.append(check(layout, base, gpus))
+            valid.append(_dense_blocks_first(check(layout, base, gpus)))
         except ConfigError as error:
             refusals[str(error)] += 1
     return valid, refusals
+
+
+def _dense_blocks_first(checked: CheckedLayout) -> CheckedLayout:
+    """`checked`, if the first pipeline stage holds the model's dense first blocks (the MoE families'
+    `first_k_dense`): the planner costs a stage as its ends plus blocks of one kind (`torchpre.planner.pieces`),
+    the dense blocks among the first stage's ends."""
+    dense = getattr(checked.model_args, "first_k_dense", 0)
+    if checked.pipeline is None or dense <= 1:
+        return checked
+    blocks = get_model_spec(checked.config.model.name).blocks
+    first = sum(1 for name in checked.pipeline.stage_modules[0] if name.startswith(f"{blocks}."))
+    if first < dense:
+        raise ConfigError(
+            f"The first pipeline stage holds {first} blocks, fewer than the model's first_k_dense = {dense} dense "
+            "blocks: the planner costs the dense blocks as part of the first stage. Use fewer pipeline stages."
+        )
+    return checked
 
 
 def _divisors(n: int) -> list[int]:

@@ -3,34 +3,42 @@
 Building every rank of every candidate layout of a 405B job would take hours. But a block's parameters,
 gradients, optimizer state, saved activations and FLOPs do not depend on which stage holds it or how many
 blocks sit beside it: a stage costs `ends + blocks x block`. So the planner dry-runs the layout's tensor, data
-and expert sharding on shortened copies of the model (`shortened_flavor`), pipelined over two stages:
-2 blocks (stage 0: embedding + 1 block; stage 1: 1 block + norm and head) and 4 blocks (stage 0: embedding + 2
-blocks). Then block = stage 0 of 4 blocks - stage 0 of 2 blocks, and the first and last stage's ends are what
-remains of the 2-block stages. Every number is what `torchpre.planner.dryrun.rank_memory` reports for a real build:
-no separate formula that could drift from it (`tests/unit/test_plan.py::test_planner_memory_is_the_dry_runs` pins
+and expert sharding on shortened copies of the model (`shortened_flavor`), pipelined over two stages: a + 1 blocks
+(stage 0: embedding + a blocks; stage 1: 1 block + norm and head) and a + 2 blocks (stage 0: embedding + a + 1
+blocks), where a is 1, or a MoE family's dense first blocks (`leading_blocks`: DeepSeek-V3's 3). Then block = the
+difference of the two stage 0s (a block of the kind that repeats), the first stage's ends are the shorter stage 0
+whole (with its a leading blocks), and the last stage's are its stage 1 less a block. Every number is what
+`torchpre.planner.dryrun.rank_memory` reports for a real build: no separate formula that could drift from it
+(`tests/unit/test_plan.py::test_planner_memory_is_the_dry_runs` and `::test_moe_planner_memory_is_the_dry_runs` pin
 the sum to full dry runs).
 """
 
 import contextlib
 import copy
 import dataclasses
+import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
-
-from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.metrics.activation_probe import ActivationProbe
 from torchpre.metrics.activation_probe import Collective as ProbedCollective
 from torchpre.models.registry import get_model_spec
-from torchpre.planner.dryrun import leave_fake_world, optimizer_step_bytes, probe_rank, rank_memory
+from torchpre.planner.dryrun import (
+    is_expert,
+    leave_fake_world,
+    optimizer_step_bytes,
+    probe_rank,
+    rank_memory,
+    unsharded_numel,
+)
 from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
 from torchpre.runtime.world import Runtime
-from torchpre.training.job import TrainingJob, build_job
+from torchpre.training.job import build_job
 
 T = TypeVar("T")
 
@@ -38,7 +46,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class StateCost:
     """Bytes one rank keeps through training for a piece of the model (a block, or a stage's ends), and the
-    piece's parameter count on this rank before any data-parallel sharding (what DP communication moves)."""
+    piece's parameter count on this rank before any data-parallel sharding (what DP communication moves), of which
+    `expert_numel` are expert-parallel experts' (reduced over edp instead of dp)."""
 
     param_bytes: int = 0
     grad_bytes: int = 0
@@ -46,6 +55,7 @@ class StateCost:
     tp_numel: int = 0
     param_tensors: int = 0
     optimizer_step_bytes: int = 0  # the optimizer step's transient (`torchpre.planner.dryrun.optimizer_step_bytes`)
+    expert_numel: int = 0
 
     def __add__(self, other: "StateCost") -> "StateCost":
         return StateCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -53,8 +63,14 @@ class StateCost:
     def __sub__(self, other: "StateCost") -> "StateCost":
         return StateCost(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
-    def __mul__(self, k: int) -> "StateCost":
+    def scaled(self, k: int) -> "StateCost":
+        """k identical blocks."""
         return StateCost(*(a * k for a in dataclasses.astuple(self)))
+
+    def interpolated(self, other: "StateCost", k: float) -> "StateCost":
+        """self + k x (other - self), to the byte (`affine`)."""
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other))
+        return StateCost(*(round(a + k * (b - a)) for a, b in pairs))
 
 
 @dataclass(frozen=True)
@@ -86,8 +102,8 @@ class MicrobatchCost:
         )
 
     def minus(self, other: "MicrobatchCost") -> "MicrobatchCost":
-        """The difference of two probes of the same stage with more and fewer blocks (one block's cost), or a
-        stage less its blocks (its ends); the transient stays the larger probe's (see `_microbatch_pieces`)."""
+        """The difference of two probes of the same stage with more and fewer blocks (one block's cost), or the last
+        stage less its block (its ends); the transient stays the larger probe's (see `_microbatch_pieces`)."""
         return MicrobatchCost(
             self.saved_bytes - other.saved_bytes,
             self.transient_bytes,
@@ -95,6 +111,27 @@ class MicrobatchCost:
             _work_minus(self.backward, other.backward),
             self.received_bytes,
             self.held_output_bytes - other.held_output_bytes,
+        )
+
+    def interpolated(self, other: "MicrobatchCost", k: float) -> "MicrobatchCost":
+        """self + k x (other - self), number by number (`affine`); the op counts are self's."""
+
+        def grow(a: float, b: float) -> float:
+            return a + k * (b - a)
+
+        def work(a: Work, b: Work) -> Work:
+            pairs = zip(a.collectives, b.collectives)
+            collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
+            return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
+                        grow(a.fp8_flops, b.fp8_flops))
+
+        return MicrobatchCost(
+            grow(self.saved_bytes, other.saved_bytes),
+            grow(self.transient_bytes, other.transient_bytes),
+            work(self.forward, other.forward),
+            work(self.backward, other.backward),
+            grow(self.received_bytes, other.received_bytes),
+            grow(self.held_output_bytes, other.held_output_bytes),
         )
 
     def scaled(self, k: int) -> "MicrobatchCost":
@@ -114,37 +151,53 @@ def _times(work: Work, k: int) -> Work:
 
 @dataclass(frozen=True)
 class Pieces(Generic[T]):
-    """A layout's costs per piece: one block, and the ends only the first or the last stage holds."""
+    """A layout's costs per piece: one block; the first stage's ends together with its first `leading` blocks (a
+    MoE family's dense first blocks, else one block: measured whole, as a dense block's collectives are not a MoE
+    block's less some); and the ends only the last stage holds."""
 
     block: T
     first: T
     last: T
+    leading: int = 1
 
     def stage(self, blocks: int, first: bool, last: bool, zero: T) -> T:
         """A stage of `blocks` blocks, with the first stage's and/or the last stage's ends. A microbatch cost's
         transient is the one measured on a stage of the same kind: the last stage's (the loss; also a whole
         model's, measured equal), else the first's, else a middle stage's."""
+        repeated = self.block.scaled(blocks - self.leading if first else blocks)
+        total = repeated + (self.first if first else zero) + (self.last if last else zero)
         if not isinstance(self.block, MicrobatchCost):
-            return self.block * blocks + (self.first if first else zero) + (self.last if last else zero)
-        total = self.block.scaled(blocks) + (self.first if first else zero) + (self.last if last else zero)
+            return total
         kind = self.last if last else self.first if first else self.block
         received = 0.0 if first else self.last.received_bytes  # every later stage receives the same residual stream
         return dataclasses.replace(total, transient_bytes=kind.transient_bytes, received_bytes=received)
 
 
 @contextlib.contextmanager
-def shortened_flavor(config: JobConfig, n_layers: int) -> Iterator[JobConfig]:
-    """`config` with its model flavor cut to `n_layers` blocks (registered under a temporary flavor name)."""
+def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator[JobConfig]:
+    """`config` with its model flavor cut to sum(`stage_blocks`) blocks (registered under a temporary flavor name),
+    pipeline stage i holding stage_blocks[i] of them."""
     spec = get_model_spec(config.model.name)
     args = spec.flavors[config.model.flavor]
+    n_layers = sum(stage_blocks)
     name = f"{config.model.flavor}[{n_layers} layers]"
     spec.flavors[name] = dataclasses.replace(args, n_layers=n_layers)
     short = copy.deepcopy(config)
     short.model.flavor = name
+    starts = itertools.accumulate(stage_blocks[:-1])
+    short.parallelism.pipeline_parallel_split_points = [f"{spec.blocks}.{start}" for start in starts]
     try:
         yield short
     finally:
         del spec.flavors[name]
+
+
+def leading_blocks(config: JobConfig) -> int:
+    """Blocks the probes' first stage holds: the model's dense first blocks (the MoE families' `first_k_dense`),
+    and at least one. Every block after them is of one kind, so the block piece is that kind and the first stage's
+    ends include the dense blocks (which a first stage must hold: `torchpre.planner.layouts.check`)."""
+    args = get_model_spec(config.model.name).flavors[config.model.flavor]
+    return max(getattr(args, "first_k_dense", 0), 1)
 
 
 def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:
@@ -162,21 +215,24 @@ def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:
 
 def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subtract: Callable[[T, T], T]) -> Pieces:
     """Pieces from three builds of `config` shortened and split over two stages (see the module docstring):
-    `measure(config, world, rank)`."""
-    world = 2 * _model_ranks(config)
-    with shortened_flavor(config, 2) as two:
-        first_2, last_2 = measure(two, world, 0), measure(two, world, world // 2)
-    with shortened_flavor(config, 4) as four:
-        first_4 = measure(four, world, 0)
-    block = subtract(first_4, first_2)
-    return Pieces(block=block, first=subtract(first_2, block), last=subtract(last_2, block))
+    `measure(config, world, rank)`. The first stage holds a = `leading_blocks` blocks, then a + 1."""
+    world, a = 2 * _model_ranks(config), leading_blocks(config)
+    with shortened_flavor(config, (a, 1)) as short:
+        first_a, last_a = measure(short, world, 0), measure(short, world, world // 2)
+    with shortened_flavor(config, (a + 1, 1)) as longer:
+        first_longer = measure(longer, world, 0)
+    block = subtract(first_longer, first_a)
+    return Pieces(block=block, first=first_a, last=subtract(last_a, block), leading=a)
 
 
 def state_pieces(config: JobConfig) -> Pieces:
     """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config (with
     activation checkpointing off: it changes no state). The optimizer step's transient is not additive (see
     `StepTransient`): the pieces carry 0 for it."""
-    config = _state_config(config)
+    return _in_one_over_ep(_state_config(config), _measured_state_pieces, affine)
+
+
+def _measured_state_pieces(config: JobConfig) -> Pieces:
     return _cached("state\n" + to_toml(config), lambda: _pieces(_state, config, lambda a, b: a - b))
 
 
@@ -184,40 +240,51 @@ def state_pieces(config: JobConfig) -> Pieces:
 class StepTransient:
     """The optimizer step's transient bytes on a stage of n blocks. It grows with the parameters while they fit
     in one gradient bucket (ZeRO 0-2 flatten a bucket to reduce and gather it) and then stays at what the largest
-    bucket or parameter needs: measured on stage 0 with 1 and 2 blocks (the growth per block) and, when it grows,
-    with enough blocks to fill a bucket (the ceiling)."""
+    bucket or parameter needs: measured on stage 0 with `blocks` (= `leading_blocks`) and one more block (the
+    growth per block) and, when it grows, with enough blocks to fill a bucket (the ceiling)."""
 
-    one_block: int
+    blocks: int
+    bytes: int
     per_block: int
     ceiling: int
 
     def at(self, blocks: int) -> int:
-        return min(self.one_block + (max(blocks, 1) - 1) * self.per_block, self.ceiling)
+        return min(self.bytes + max(blocks - self.blocks, 0) * self.per_block, self.ceiling)
+
+    def interpolated(self, other: "StepTransient", k: float) -> "StepTransient":
+        """self + k x (other - self), byte by byte (an estimate: the step's buckets need not be affine in it)."""
+        grow = [round(a + k * (b - a)) for a, b in zip(dataclasses.astuple(self)[1:], dataclasses.astuple(other)[1:])]
+        return StepTransient(self.blocks, *grow)
 
 
 def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
-    config = _state_config(config)
-    key = "step\n" + to_toml(config)
-    if key not in _STEP_CACHE:
-        _STEP_CACHE[key] = _measure_step_transient(config, n_layers)
-    return _STEP_CACHE[key]
+    """The optimizer step's transient, measured (interpolated in 1 / ep between two measured degrees, as the
+    state pieces, under expert parallelism)."""
+
+    def measure(config: JobConfig) -> StepTransient:
+        key = "step\n" + to_toml(config)
+        if key not in _STEP_CACHE:
+            _STEP_CACHE[key] = _measure_step_transient(config, n_layers)
+        return _STEP_CACHE[key]
+
+    return _in_one_over_ep(_state_config(config), measure, lambda one, two, k: one.interpolated(two, k))
 
 
 def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
-    world = 2 * _model_ranks(config)
+    world, a = 2 * _model_ranks(config), leading_blocks(config)
 
     def stage_zero(blocks: int) -> StateCost:
-        with shortened_flavor(config, 2 * blocks) as short:
+        with shortened_flavor(config, (blocks, 1)) as short:
             return _state(short, world, 0)
 
-    one, two = stage_zero(1), stage_zero(2)
+    one, two = stage_zero(a), stage_zero(a + 1)  # the state pieces' builds (`_state` keeps them)
     per_block = two.optimizer_step_bytes - one.optimizer_step_bytes
     if per_block <= 0:
-        return StepTransient(one.optimizer_step_bytes, 0, one.optimizer_step_bytes)
+        return StepTransient(a, one.optimizer_step_bytes, 0, one.optimizer_step_bytes)
     block_grads = max(two.grad_bytes - one.grad_bytes, 1)
-    filled = min(n_layers, -(-int(config.optimizer.bucket_size_mb * 2**20) // block_grads) + 1)
-    ceiling = stage_zero(filled).optimizer_step_bytes if filled > 2 else two.optimizer_step_bytes
-    return StepTransient(one.optimizer_step_bytes, per_block, ceiling)
+    filled = min(n_layers, -(-int(config.optimizer.bucket_size_mb * 2**20) // block_grads) + a)
+    ceiling = stage_zero(filled).optimizer_step_bytes if filled > a + 1 else two.optimizer_step_bytes
+    return StepTransient(a, one.optimizer_step_bytes, per_block, ceiling)
 
 
 def _state_config(config: JobConfig) -> JobConfig:
@@ -229,7 +296,48 @@ def _state_config(config: JobConfig) -> JobConfig:
 def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     """`MicrobatchCost` pieces of a layout's config at `microbatch_size`. Probed at data-parallel degree 1 (the
     expert-parallel degree under EP) and ZeRO-1: activations and work per microbatch do not depend on how the
-    state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add)."""
+    state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add). Under expert parallelism a
+    rank's routed rows (a balanced router's) and all-to-all buffers do not depend on ep either, and what does is
+    interpolated (`_in_one_over_ep`)."""
+    return _in_one_over_ep(config, lambda config: _probed_microbatch_pieces(config, microbatch_size), affine)
+
+
+def _in_one_over_ep(config: JobConfig, measure: Callable[[JobConfig], T], interpolate: Callable[[T, T, float], T]) -> T:
+    """`measure(config)`; under expert parallelism, at the two smallest degrees > 1 that divide its ep and
+    interpolated in 1 / ep between them (`interpolate(at_low, at_high, k)`), when they ran the same ops. What a
+    rank holds and does depends on ep through its local experts only (1 / ep of them), and the bookkeeping of its
+    dispatch: affine in 1 / ep (to the byte: deepseek_v3 lite measured at ep 2, 4, 8 and 16). So a search
+    measures two degrees of each sharding, not every one."""
+    ep = config.parallelism.expert_parallel_degree
+    degrees = [d for d in range(2, ep) if ep % d == 0][:2]
+    if len(degrees) < 2:
+        return measure(config)
+    (low, high), (one, two) = degrees, [measure(_with_ep(config, d)) for d in degrees]
+    if not _same_ops(one, two):
+        return measure(config)
+    return interpolate(one, two, (1 / ep - 1 / low) / (1 / high - 1 / low))
+
+
+def _with_ep(config: JobConfig, ep: int) -> JobConfig:
+    config = copy.deepcopy(config)
+    config.parallelism.expert_parallel_degree = ep
+    return config
+
+
+def _same_ops(one: object, two: object) -> bool:
+    """Whether two microbatch probes ran the same ops and collectives (their sizes aside): then they
+    interpolate. Other measurements (state, the optimizer step) always do."""
+    if not isinstance(one, Pieces) or not isinstance(one.block, MicrobatchCost):
+        return True
+
+    def shape(work: Work) -> tuple:
+        return work.ops, work.subclass_ops, tuple((c.op, c.dim) for c in work.collectives)
+
+    costs = ((one.block, two.block), (one.first, two.first), (one.last, two.last))
+    return all(shape(a.forward) == shape(b.forward) and shape(a.backward) == shape(b.backward) for a, b in costs)
+
+
+def _probed_microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     config = copy.deepcopy(config)
     config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree
     config.optimizer.zero_stage = 1
@@ -237,24 +345,27 @@ def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
 
 
+def affine(one: Pieces, two: Pieces, k: float) -> Pieces:
+    """`one` + k x (`two` - `one`), piece by piece and number by number: costs probed at two values of something
+    they are affine in (the microbatch size, 1 / ep), extended to another. The op counts are `one`'s."""
+    return Pieces(one.block.interpolated(two.block, k), one.first.interpolated(two.first, k),
+                  one.last.interpolated(two.last, k), one.leading)  # fmt: skip
+
+
 def _microbatch_pieces(config: JobConfig) -> Pieces:
     """Saved bytes and work are linear in the blocks; the transient peak is not (a stage's is set by its
     largest temporaries, e.g. the loss's logits on the last stage), so each piece gets the transient measured
     on a stage of its own kind: the first's and the last's from the 2-stage builds, a block's from the middle
-    stage of a 3-stage build of 3 blocks."""
+    stage of a 3-stage build (one block on each later stage)."""
     pieces = _pieces(_microbatch, config, lambda a, b: a.minus(b))
     three = copy.deepcopy(config)
     three.parallelism.pipeline_parallel_degree = 3
     three.training.local_batch_size = 3 * config.parallelism.pipeline_parallel_microbatch_size
     three.training.global_batch_size = three.training.local_batch_size * config.parallelism.data_parallel_degree
     world = 3 * _model_ranks(config)
-    with shortened_flavor(three, 3) as short:
+    with shortened_flavor(three, (leading_blocks(config), 1, 1)) as short:
         middle = _microbatch(short, world, world // 3)
-    return Pieces(
-        block=dataclasses.replace(pieces.block, transient_bytes=middle.transient_bytes),
-        first=pieces.first,
-        last=pieces.last,
-    )
+    return dataclasses.replace(pieces, block=dataclasses.replace(pieces.block, transient_bytes=middle.transient_bytes))
 
 
 def _model_ranks(config: JobConfig) -> int:
@@ -265,6 +376,7 @@ def _model_ranks(config: JobConfig) -> int:
 
 _CACHE: dict[str, Pieces] = {}  # by kind and probed config: one planner run probes each configuration once
 _STEP_CACHE: dict[str, StepTransient] = {}
+_STATE_BUILDS: dict[tuple[str, int, int], StateCost] = {}
 
 
 def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
@@ -274,22 +386,32 @@ def _cached(key: str, build: Callable[[], Pieces]) -> Pieces:
 
 
 def _state(config: JobConfig, world: int, rank: int) -> StateCost:
+    """`_measure_state`, once per shortened config and rank: the state pieces and the optimizer step's transient
+    build the same stage-0 models."""
+    key = (to_toml(config), world, rank)
+    if key not in _STATE_BUILDS:
+        _STATE_BUILDS[key] = _measure_state(config, world, rank)
+    return _STATE_BUILDS[key]
+
+
+def _measure_state(config: JobConfig, world: int, rank: int) -> StateCost:
     job = build_job(config, Runtime(world, fake_rank=rank, data=False))
     try:
         memory = rank_memory(job, checkpoint=False)
         params = [param for part in job.model.parts for param in part.parameters()]
-        tp_numel = sum(_tp_numel(param, job) for param in params)
+        numel = [(unsharded_numel(param, job), is_expert(param)) for param in params]
         step = optimizer_step_bytes(job)
     finally:
         leave_fake_world()
-    return StateCost(memory.param_bytes, memory.grad_bytes, memory.optimizer_state_bytes, tp_numel, len(params), step)
-
-
-def _tp_numel(param, job: TrainingJob) -> int:
-    """A parameter's elements on this rank before DP sharding (FSDP2 shards them over dp_shard x cp)."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    shard = job.dims.dp_shard * job.dims.cp if job.preflight.data_parallel.shards_parameters else 1
-    return local.numel() * shard
+    return StateCost(
+        param_bytes=memory.param_bytes,
+        grad_bytes=memory.grad_bytes,
+        optimizer_state_bytes=memory.optimizer_state_bytes,
+        tp_numel=sum(n for n, _ in numel),
+        param_tensors=len(params),
+        optimizer_step_bytes=step,
+        expert_numel=sum(n for n, expert in numel if expert),
+    )
 
 
 def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:

@@ -23,13 +23,14 @@ from torchpre.planner.pieces import (
     MicrobatchCost,
     Pieces,
     StateCost,
+    affine,
     microbatch_pieces,
     stage_shape,
     state_pieces,
     step_transient,
 )
-from torchpre.planner.time_model import Collective, RankWork, StepTime, Work, step_time
 from torchpre.planner.time_model import Layout as TimeLayout
+from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
 from torchpre.training.model import meta_model
 
 OPTIMIZER_OPS_PER_TENSOR = 12  # eager ops of single-tensor AdamW per parameter tensor (torch's _single_tensor_adamw)
@@ -149,25 +150,7 @@ def _microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     affine in its size (every tensor but a few scalars scales with it; the op count does not change)."""
     if microbatch_size <= 2:
         return microbatch_pieces(config, microbatch_size)
-    one, two = microbatch_pieces(config, 1), microbatch_pieces(config, 2)
-    k = microbatch_size - 1
-    return Pieces(_affine(one.block, two.block, k), _affine(one.first, two.first, k), _affine(one.last, two.last, k))
-
-
-def _affine(one: MicrobatchCost, two: MicrobatchCost, k: int) -> MicrobatchCost:
-    def grow(a: float, b: float) -> float:
-        return a + k * (b - a)
-
-    def work(a: Work, b: Work) -> Work:
-        pairs = zip(a.collectives, b.collectives)
-        collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
-        return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
-                    grow(a.fp8_flops, b.fp8_flops))
-
-    return MicrobatchCost(grow(one.saved_bytes, two.saved_bytes), grow(one.transient_bytes, two.transient_bytes),
-                          work(one.forward, two.forward), work(one.backward, two.backward),
-                          grow(one.received_bytes, two.received_bytes),
-                          grow(one.held_output_bytes, two.held_output_bytes))  # fmt: skip
+    return affine(microbatch_pieces(config, 1), microbatch_pieces(config, 2), microbatch_size - 1)
 
 
 def _activation_bytes(
@@ -209,14 +192,18 @@ def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost)
     seq = seq // p.tensor_parallel_degree if sequence_parallel else seq
     compute = getattr(torch, t.mixed_precision_param).itemsize
     args_dim = _dim(config)
+    reduce = getattr(torch, config.optimizer.reduce_dtype).itemsize
+    dense = state.tp_numel - state.expert_numel  # experts are reduced and gathered over edp, the rest over dp
     forward = sum((c.forward for c in costs), Work(0.0))
     backward = sum((c.backward for c in costs), Work(0.0))
     return RankWork(
         forward=forward,
         backward=backward,
         boundary_bytes=microbatch * seq * args_dim * compute,
-        grad_bytes=state.tp_numel * getattr(torch, config.optimizer.reduce_dtype).itemsize,
-        param_bytes=state.tp_numel * compute,
+        grad_bytes=dense * reduce,
+        param_bytes=dense * compute,
+        expert_grad_bytes=state.expert_numel * reduce,
+        expert_param_bytes=state.expert_numel * compute,
         optimizer_state_bytes=state.optimizer_state_bytes,
         optimizer_ops=OPTIMIZER_OPS_PER_TENSOR * state.param_tensors,
     )

@@ -12,6 +12,11 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
 - CP (context parallelism): every attention layer all-gathers its keys and values over cp in forward (again in a
   full-AC backward's recompute) and reduce-scatters their gradients in backward; the probe counts them as it counts
   TP's (`torchpre.planner.pieces.to_work` tells the dimensions apart by their groups' rank stride).
+- EP (expert parallelism): every MoE layer all-to-alls its routed rows to their experts' ranks and back in forward
+  (dispatch and combine: tokens x top-k x dim in the compute dtype each, after an exchange of the per-expert row
+  counts) and their gradients both ways in backward, as the probe counts them for a balanced router. The experts'
+  gradients are reduced, and their parameters gathered, over edp (the dp x cp / ep ranks that hold the same
+  experts: `RankWork.expert_grad_bytes`), the other parameters' over dp.
 - TP, EP and CP collectives run inside the microbatch and are exposed (no async TP): ring model
   t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
   dimension lies within one node, else inter_node_bw.
