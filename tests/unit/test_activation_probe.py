@@ -228,7 +228,8 @@ def test_a_router_counts_on_meta_as_balanced(family: str) -> None:
     """Meta tensors hold no routing decisions, so the experts get equal shares of the routed rows there
     (`counts_on_host`). What the experts save, the gradients and the FLOPs depend on the total rows only: equal to a
     CPU run's, whose router is not balanced. The largest transient (one expert's intermediate) may differ: measured
-    within 0.6%."""
+    0.72% (moe) and 0.42% (deepseek_v3) with these seeded tokens; unseeded, they followed the tests run before and
+    once differed by 1.6%."""
     spec = get_model_spec(family)
     args = dataclasses.replace(spec.flavors["debugmodel"], max_seq_len=SEQ, vocab_size=256)
     probes = []
@@ -237,8 +238,8 @@ def test_a_router_counts_on_meta_as_balanced(family: str) -> None:
             model = spec.model_cls(args)
         if device == "cpu":
             model.init_weights(0)
-        tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), device=device)
-        probes.append(probe_microbatch(model, (tokens,), devices=(device,)))
+        tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+        probes.append(probe_microbatch(model, (tokens.to(device),), devices=(device,)))
     on_cpu, on_meta = probes
     for name in ("saved_bytes", "grad_bytes", "flops", "matmul_flops"):
         assert getattr(on_meta, name) == getattr(on_cpu, name), name
