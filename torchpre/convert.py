@@ -47,6 +47,7 @@ from torchpre.checkpoint.integrity import require_intact, write_manifest
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
+from torchpre.confined import confined_path
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.models.registry import HFAdapter, get_model_spec
@@ -271,10 +272,13 @@ def _job_model_name(config: JobConfig) -> str:
 
 def _load_safetensors(hf_dir: Path) -> dict[str, Tensor]:
     index = hf_dir / INDEX
-    files = sorted(set(_read_json(index)["weight_map"].values())) if index.is_file() else [SAFETENSORS]
+    if index.is_file():
+        weight_map = _read_json(index)["weight_map"]
+        files = {name: confined_path(hf_dir, name, index, f"weight_map[{key!r}]") for key, name in weight_map.items()}
+    else:
+        files = {SAFETENSORS: hf_dir / SAFETENSORS}
     state_dict = {}
-    for name in files:
-        path = hf_dir / name
+    for path in sorted(set(files.values())):
         if not path.is_file():
             raise TorchpreError(f"{path} does not exist (only safetensors weights, single or sharded, are read).")
         state_dict |= load_file(path)

@@ -22,7 +22,7 @@ PACKAGE = "torchpre"
 # entry points (`python -m torchpre.X`). `runtime` holds what every entry point shares (the runner of entry points,
 # custom imports) and the job's runtime services (determinism, preemption, GC, profiling, the world it runs in).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "optional"),
+    ("errors", "optional", "confined"),
     ("distributed",),
     ("config",),
     ("parallel",),
