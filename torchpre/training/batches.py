@@ -145,7 +145,8 @@ def _world_sizes_hint(config: JobConfig, global_batch_size: int) -> str:
     if global_batch_size % local:
         return ""  # no data-parallel degree splits it: local_batch_size must change, not the world size
     rounds = global_batch_size // local
-    return world_sizes_hint(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.expert_parallel_degree, rounds)
+    degrees = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.expert_parallel_degree
+    return world_sizes_hint(*degrees, rounds, cp=p.context_parallel_degree)
 
 
 def saved_batch(step_dir: Path, trust: Trust) -> tuple[int, int]:
