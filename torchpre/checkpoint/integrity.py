@@ -191,9 +191,9 @@ def find_intact_step(folder: Path, load_step: int, trust: Trust) -> Path | None:
             return step_dir
         if not problems:
             return step_dir
-        corrupt.append(f"{step_dir} ({'; '.join(problems)})")
+        corrupt.append(f"{step_dir} ({_joined(problems)})")
         if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.warning("checkpoint %s is corrupt: %s. Trying the one before it.", step_dir, "; ".join(problems))
+            logger.warning("checkpoint %s is corrupt: %s. Trying the one before it.", step_dir, _joined(problems))
     if corrupt:
         raise TorchpreError(
             f"Every checkpoint in {folder} is corrupt: {'; '.join(corrupt)}. Restore the files, or move the "
@@ -210,9 +210,13 @@ def require_intact(step_dir: Path, key: str, trust: Trust) -> None:
         accept_unverified(step_dir, key, trust)
     elif problems:
         raise TorchpreError(
-            f"{key}: the checkpoint {step_dir} is corrupt: {'; '.join(problems)}. Load another checkpoint "
+            f"{key}: the checkpoint {step_dir} is corrupt: {_joined(problems)}. Load another checkpoint "
             "(checkpoint.load_step = -1 loads the latest intact one) or restore the files."
         )
+
+
+def _joined(problems: list[str]) -> str:
+    return "; ".join(problem.rstrip(".") for problem in problems)
 
 
 def check_verifiable(step_dir: Path, key: str, trust: Trust) -> None:
@@ -309,7 +313,7 @@ class FileCheck:
 
     step_dir: Path
     trust: Trust = Trust()
-    key: str = "the checkpoint"  # the setting that chose the folder, in messages
+    key: str = ""  # the setting that chose the folder, in messages
     _checked: set[str] = dataclass_field(default_factory=set)
     _records: dict[str, FileRecord] | None = None
     _read: bool = False
@@ -330,9 +334,10 @@ class FileCheck:
             problem = f"{self.step_dir / name} is not in its {MANIFEST}" if record is None else None
             problem = problem or file_problem(self.step_dir / name, record)
             if problem:
+                setting = f"{self.key}: " if self.key else ""
                 raise TorchpreError(
-                    f"{self.key}: the checkpoint {self.step_dir} is corrupt: {problem}. Load another checkpoint "
-                    "or restore the files; a file the manifest does not vouch for is never read."
+                    f"{setting}the checkpoint {self.step_dir} is corrupt: {problem}. Load another checkpoint or "
+                    "restore the files; a file the manifest does not vouch for is never read."
                 )
         self._checked.add(name)
 

@@ -21,6 +21,8 @@ import io
 import logging
 import pickle
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -29,6 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -170,6 +173,27 @@ class SafeReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
+@contextmanager
+def _refusals_unwrapped() -> Iterator[None]:
+    """DCP reports what a rank raised while reading as a CheckpointException on every rank; a refusal (a
+    TorchpreError: a file the manifest does not vouch for, an entry that is no plain value) is raised as itself,
+    so that every rank prints its one paragraph."""
+    try:
+        yield
+    except CheckpointException as error:
+        refusals = [failure for failure, _ in error.failures.values() if isinstance(failure, TorchpreError)]
+        if refusals:
+            raise refusals[0] from None
+        raise
+
+
+def _unpickler_error(error: Exception) -> str:
+    """The line of torch's weights-only unpickler error that says what it refused."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if "Unsupported global" in line or "WeightsUnpickler error" in line]
+    return (named or lines or [type(error).__name__])[0]
+
+
 class _PlainValues:
     """A load planner's `load_bytes` that loads non-tensor entries with `weights_only=True` (plain values only),
     or with full pickle when `allow_pickle`; an entry that needs more is refused by name."""
@@ -183,7 +207,7 @@ class _PlainValues:
         except pickle.UnpicklingError as error:
             raise TorchpreError(
                 f"{self.step_dir}: refused to unpickle the checkpoint entry {read_item.dest_index.fqn!r}: it is "
-                f"no plain value ({str(error).splitlines()[0]}). torchpre's checkpoints hold none such, so this one "
+                f"no plain value ({_unpickler_error(error)}). torchpre's checkpoints hold none such, so this one "
                 f"comes from another tool or was altered. If you trust whoever wrote it, set {ALLOW_PICKLE} = true "
                 "to load it with full pickle, which runs any code it names (docs/security.md)."
             ) from None
@@ -228,12 +252,13 @@ class Loader:
         with warnings.catch_warnings():
             if no_dist:  # DCP warns that it loads in one process, which is what no_dist asks for
                 warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                state,
-                storage_reader=SafeReader(step_dir, self.check),
-                planner=SafeLoadPlanner(step_dir, self.allow_pickle),
-                no_dist=no_dist,
-            )
+            with _refusals_unwrapped():
+                dcp.load(
+                    state,
+                    storage_reader=SafeReader(step_dir, self.check),
+                    planner=SafeLoadPlanner(step_dir, self.allow_pickle),
+                    no_dist=no_dist,
+                )
 
     def load_whole(self) -> dict[str, Any]:
         """All DCP entries of the checked folder, read whole in this process (no process group), nested as saved."""
@@ -241,5 +266,6 @@ class Loader:
         reader, planner = SafeReader(self.check.step_dir, self.check), WholeLoadPlanner(self.check.step_dir, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+            with _refusals_unwrapped():
+                _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
         return state
