@@ -13,7 +13,8 @@ from types import ModuleType
 
 import pytest
 
-OPT_IN_MARKERS = ("matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix")
+OPT_IN_MARKERS = ("matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix",
+                   "security")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

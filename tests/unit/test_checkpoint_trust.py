@@ -12,47 +12,20 @@ import json
 import logging
 import os
 import pickle
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
-from tests.launch import manifest_record
+from tests.hostile import Payload, legacy_checkpoint, replace_metadata, rewrite_manifest
 from tests.unit.test_checkpoint_integrity import _components, _loaded_step, _manager, _save, _Value
 from torchpre.checkpoint.folders import MARKER, complete_steps, publish, remove_unfinished
 from torchpre.checkpoint.integrity import MANIFEST, FileCheck, read_manifest, read_signing_key
-from torchpre.checkpoint.reader import Loader, MetadataUnpickler, read_metadata
+from torchpre.checkpoint.reader import MetadataUnpickler, read_metadata
 from torchpre.checkpoint.values import VALUES
 from torchpre.confined import confined_path
 from torchpre.errors import TorchpreError
-
-
-class Payload:
-    """Pickles as a call that appends to `marker`: what a hostile checkpoint would hide in a file."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return exec, (f"open({str(self.marker)!r}, 'a').write('ran\\n')",)
-
-
-def rewrite_manifest(step_dir: Path) -> None:
-    """What anyone can do after altering a folder: recompute every record of its manifest."""
-    manifest = json.loads((step_dir / MANIFEST).read_text())
-    manifest["files"] = {name: manifest_record(step_dir / name) for name in manifest["files"]}
-    (step_dir / MANIFEST).write_text(json.dumps(manifest))
-
-
-def replace_metadata(step_dir: Path, edit) -> None:
-    """Rewrites `.metadata` (plain pickle, as an attacker would) after `edit(metadata)`."""
-    path = step_dir / ".metadata"
-    metadata = pickle.loads(path.read_bytes())
-    edit(metadata)
-    path.write_bytes(pickle.dumps(metadata))
 
 
 @pytest.fixture
@@ -115,31 +88,14 @@ def test_storage_files_outside_the_folder_are_refused(saved, tmp_path, name):
     assert repr(name) in str(error.value)
 
 
-def _legacy(step_dir: Path, entry: str, value: object) -> None:
-    """`step_dir` rewritten as a checkpoint from before state.json (or another tool): its non-tensor values pickled
-    into DCP's data file, `entry` holding `value`."""
-    state = Loader(FileCheck(step_dir)).load_whole()
-    values = json.loads((step_dir / VALUES).read_text())
-    for name, held in (values | {entry: value}).items():
-        component, key = name.split(".", 1)
-        state.setdefault(component, {})[key] = held
-    for path in step_dir.iterdir():
-        path.unlink()
-    with warnings.catch_warnings():  # DCP's note that it saves in one process, which is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
-    files = {path.name: manifest_record(path) for path in step_dir.iterdir()}
-    (step_dir / MANIFEST).write_text(json.dumps({"files": files}))
-
-
 def test_older_non_tensor_entries_load_as_plain_values(saved):
-    _legacy(saved, "train.step", 2)
+    legacy_checkpoint(saved, "train.step", 2)
     assert _loaded_step(_manager(saved.parent), saved) == 2
 
 
 def test_code_in_a_non_tensor_entry_never_runs(saved, tmp_path):
     marker = tmp_path / "marker"
-    _legacy(saved, "train.step", Payload(marker))
+    legacy_checkpoint(saved, "train.step", Payload(marker))
     with pytest.raises(TorchpreError, match="'train.step'.*checkpoint.allow_pickle = true"):
         _manager(saved.parent).load(saved)
     assert not marker.exists()
@@ -147,7 +103,7 @@ def test_code_in_a_non_tensor_entry_never_runs(saved, tmp_path):
 
 def test_allow_pickle_loads_a_foreign_entry_with_a_warning_naming_the_folder(saved, caplog):
     """numpy's integer is no plain value to torch's weights-only unpickler: refused, then loaded when opted in."""
-    _legacy(saved, "train.step", np.int64(2))
+    legacy_checkpoint(saved, "train.step", np.int64(2))
     with pytest.raises(TorchpreError, match="'train.step'"):
         _manager(saved.parent).load(saved)
     opted_in = _manager(saved.parent)

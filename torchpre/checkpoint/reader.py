@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from torchpre.checkpoint.integrity import FileCheck
 from torchpre.confined import confined_path
-from torchpre.errors import TorchpreError
+from torchpre.errors import TorchpreError, UntrustedInput
 
 logger = logging.getLogger("torchpre")
 
@@ -146,8 +146,8 @@ def _natural(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _refused(path: Path, why: str) -> TorchpreError:
-    return TorchpreError(
+def _refused(path: Path, why: str) -> UntrustedInput:
+    return UntrustedInput(
         f"{path}: refused to load this checkpoint's metadata ({why}). torchpre reads a checkpoint without running "
         "code from it, and this file is not metadata that torch.distributed.checkpoint writes: it was altered or "
         "comes from an untrusted source. Load another checkpoint (docs/security.md)."
@@ -205,7 +205,7 @@ class _PlainValues:
         try:
             loaded = torch.load(value, weights_only=not self.allow_pickle)
         except pickle.UnpicklingError as error:
-            raise TorchpreError(
+            raise UntrustedInput(
                 f"{self.step_dir}: refused to unpickle the checkpoint entry {read_item.dest_index.fqn!r}: it is "
                 f"no plain value ({_unpickler_error(error)}). torchpre's checkpoints hold none such, so this one "
                 f"comes from another tool or was altered. If you trust whoever wrote it, set {ALLOW_PICKLE} = true "

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torchpre.checkpoint.integrity import FileCheck, Trust, all_gather
 from torchpre.checkpoint.reader import Loader, read_metadata
 from torchpre.checkpoint.values import read_values
-from torchpre.errors import TorchpreError
+from torchpre.errors import TorchpreError, UntrustedInput
 
 
 @runtime_checkable
@@ -73,7 +73,8 @@ def checkpoint_metadata(check: FileCheck) -> dict[str, Any]:
 def read_train_values(step_dir: Path, keys: Sequence[str], trust: Trust) -> dict[str, float]:
     """The checkpoint's "train" entries named in `keys` that it holds (a scalar each: global batch, seq_len, RoPE),
     read without a process group, before anything is built, from files the manifest vouches for; {} if it holds
-    none or cannot be read (a damaged checkpoint is named, and skipped, by the checked load that follows)."""
+    none or cannot be read (a damaged checkpoint is named, and skipped, by the checked load that follows). A folder
+    that holds code or names files outside itself is refused at once (UntrustedInput)."""
     check = FileCheck(step_dir, trust)
     try:
         values = read_values(check)
@@ -84,6 +85,8 @@ def read_train_values(step_dir: Path, keys: Sequence[str], trust: Trust) -> dict
         if not request["train"]:
             return {}
         Loader(check).load(request, no_dist=True)
+    except UntrustedInput:
+        raise
     except Exception:  # DCP raises several types for damaged files
         return {}
     return {key: float(value) for key, value in request["train"].items()}
