@@ -110,7 +110,7 @@ def _pairs():
             yield pytest.param(payload, path, id=f"{payload}-{path}", marks=marks)
 
 
-@pytest.mark.parametrize("payload, load_path", _pairs())
+@pytest.mark.parametrize("payload, load_path", list(_pairs()))
 def test_a_hostile_checkpoint_is_refused_by_every_load_path(genuine, tmp_path, payload, load_path):
     step = _copy(genuine, tmp_path)
     marker, victim = tmp_path / "marker", tmp_path / "other-run" / "checkpoint" / "step-2"
