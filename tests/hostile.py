@@ -43,7 +43,7 @@ def legacy_checkpoint(step_dir: Path, entry: str, value: object) -> None:
     """`step_dir` rewritten as a checkpoint from before state.json (or another tool): its non-tensor values pickled
     into DCP's data file, `entry` holding `value`."""
     state = Loader(FileCheck(step_dir)).load_whole()
-    values = json.loads((step_dir / VALUES).read_text())
+    values = json.loads((step_dir / VALUES).read_text()) if (step_dir / VALUES).is_file() else {}
     for name, held in (values | {entry: value}).items():
         component, key = name.split(".", 1)
         state.setdefault(component, {})[key] = held

@@ -85,7 +85,11 @@ class MetadataUnpickler(pickle.Unpickler):
             return _ALLOWED[module, name]
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it names {module}.{name}, which a checkpoint's metadata never holds")
+        raise _Refused(f"it names {module}.{name}, which a checkpoint's metadata never holds")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global `MetadataUnpickler` does not resolve: the file names code."""
 
 
 def read_metadata(step_dir: Path, check: FileCheck) -> Metadata:
@@ -98,8 +102,13 @@ def read_metadata(step_dir: Path, check: FileCheck) -> Metadata:
             metadata = MetadataUnpickler(file).load()
     except FileNotFoundError:
         raise TorchpreError(f"{step_dir} is not a checkpoint: it has no {METADATA}.") from None
-    except Exception as error:  # a refused global, or bytes that are no pickle at all
-        raise _refused(path, f"{type(error).__name__}: {error}") from None
+    except _Refused as error:
+        raise _refused(path, str(error)) from None
+    except Exception as error:  # bytes that are no pickle at all: damage, or no checkpoint
+        raise TorchpreError(
+            f"Cannot read the checkpoint at {step_dir} ({METADATA}: {type(error).__name__}: {error}): it is damaged "
+            "or no torch.distributed.checkpoint folder. Give a complete step-N folder."
+        ) from None
     _check_metadata(step_dir, path, metadata)
     return metadata
 
