@@ -11,14 +11,24 @@ from torchpre.runtime.preemption import PreemptionHandler, leave_stop_note
 
 @pytest.mark.parametrize("first, then", [(signal.SIGUSR1, signal.SIGTERM), (signal.SIGTERM, signal.SIGUSR1)])
 def test_either_stop_signal_is_recorded_by_name_and_the_previous_handlers_come_back(first, then):
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    with PreemptionHandler(enabled=True) as handler:
-        assert not handler.requested
-        os.kill(os.getpid(), first)
-        os.kill(os.getpid(), then)
+    outside = []  # signals that reached the handlers in place before (not the process's death: a test must report)
+
+    def record(signum, frame):
+        outside.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with PreemptionHandler(enabled=True) as handler:
+            assert not handler.requested
+            os.kill(os.getpid(), first)
+            os.kill(os.getpid(), then)
+        assert outside == []
         assert handler.requested
         assert handler.received == first.name  # the first one
-    assert {sig: signal.getsignal(sig) for sig in previous} == previous
+        assert signal.getsignal(signal.SIGTERM) is record and signal.getsignal(signal.SIGUSR1) is record
+    finally:
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)
 
 
 def test_a_disabled_handler_leaves_the_signals_alone():
