@@ -15,7 +15,8 @@ from types import ModuleType
 import pytest
 
 OPT_IN_MARKERS = (
-    "matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix", "slurm",
+    "matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix", "security",
+    "slurm",
 )  # fmt: skip
 
 

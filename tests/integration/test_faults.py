@@ -418,3 +418,25 @@ def test_new_keys_reject_impossible_values(section, key, value, message):
     setattr(getattr(config, section), key, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(config)
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_skipped_on_resume_is_moved_aside_and_named_never_deleted(reference, tmp_path):
+    """A byte of the latest checkpoint's data flips (a bad disk): `load_step = -1` resumes from the one before,
+    moves the damaged folder to `damaged-step-N` with a warning naming it, and saving step N again leaves it intact
+    (torchpre used to delete it silently when it published the new step N)."""
+    result = run_train([*ARGS, *EVERY_5], 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = tmp_path / "checkpoint"
+    data = next((checkpoints / "step-30").glob("*.distcp"))
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    resumed = run_train([*ARGS, *EVERY_5], 2, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    assert f"moved the damaged checkpoint step-30 aside to {checkpoints / 'damaged-step-30'}" in log
+    assert (checkpoints / "damaged-step-30" / data.name).read_bytes() == bytes(damaged)
+    kept = sorted(["damaged-step-30", *(f"step-{step}" for step in range(5, 31, 5))])
+    assert sorted(p.name for p in checkpoints.iterdir()) == kept
+    assert_same_losses(records_by_step(tmp_path), reference, range(1, STEPS + 1))
