@@ -70,6 +70,11 @@ ZBV_MTP_TEST = (
     "[ZBVZeroBubble]"
 )
 RAMP_TRAINING_TEST = "tests/unit/test_ramp_training.py"
+SLURM_SCRIPT_TEST = "tests/unit/test_slurm_script.py"
+STOP_READ_LATE_TEST = (
+    "tests/integration/test_faults.py::"
+    "test_a_stop_request_read_late_stops_every_rank_one_step_later_and_resumes_exactly"
+)
 STEP_PLAN_TEST = "tests/unit/test_step_plan.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
@@ -455,6 +460,30 @@ BREAKS = [
           "        return self.stages[bisect.bisect_right(self._starts, step) - 1]",
           "        return self.stages[bisect.bisect_left(self._starts, step) - 1]",
           (STEP_PLAN_TEST,), "a data stage begins one step after its start step"),
+    Break("preemption-usr1-ignored", "torchpre/runtime/preemption.py",
+          "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)",
+          "STOP_SIGNALS = (signal.SIGTERM,)",
+          ("tests/unit/test_preemption.py",), "Slurm's warning (SIGUSR1) does not stop and save the training"),
+    Break("preemption-stop-note-missing", "torchpre/training/trainer.py",
+          "            leave_stop_note(step)\n",
+          "",
+          (STOP_READ_LATE_TEST,), "a training a signal stopped does not tell multinode.slurm, which never requeues"),
+    Break("slurm-torchrun-dies-of-the-warning", "multinode.slurm",
+          "    trap '' USR1\n",
+          "",
+          (SLURM_SCRIPT_TEST,), "torchrun is killed by the warning it should leave to its workers"),
+    Break("slurm-zero-threads", "multinode.slurm",
+          "$(( CPUS >= NPROC_PER_NODE ? CPUS / NPROC_PER_NODE : 1 ))",
+          "$(( CPUS / NPROC_PER_NODE ))",
+          (SLURM_SCRIPT_TEST,), "fewer CPUs than processes per node gives 0 threads"),
+    Break("slurm-loopback-accepted", "multinode.slurm",
+          "    if [[ $address == 127.* ]] && (( SLURM_NNODES > 1 )); then",
+          "    if false; then",
+          (SLURM_SCRIPT_TEST,), "a multi-node job's rendezvous on a loopback address that other nodes cannot reach"),
+    Break("slurm-finished-run-requeued", "multinode.slurm",
+          "elif [[ -z $STOPPED_AFTER ]]; then",
+          "elif false; then",
+          (SLURM_SCRIPT_TEST,), "a training that ran to its last step as the warning came is requeued"),
     Break("metadata-unpickler-allows-any-class", "torchpre/checkpoint/reader.py",
           '        raise _Refused(f"it names {module}.{name}, which a checkpoint\'s metadata never holds")',
           "        return super().find_class(module, name)",

@@ -398,7 +398,9 @@ class Checkpoint:
         "", "a checkpoint step folder (or a hf-to-dcp output) whose weights start a run with no checkpoint yet"
     )
     save_on_preemption: bool = _option(
-        False, "on SIGTERM (torchrun forwards it), finish the step, save a checkpoint and exit cleanly"
+        False,
+        "on SIGTERM (torchrun forwards it) or SIGUSR1 (multinode.slurm passes Slurm's warning on), finish the step, "
+        "save a checkpoint and exit cleanly",
     )
     on_low_space: Literal["warn", "skip"] = _option(
         "warn",
