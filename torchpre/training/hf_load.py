@@ -36,6 +36,7 @@ from torchpre.training.hf_storage import HFStorageReader, first_name
 logger = logging.getLogger("torchpre")
 
 GIB = 2**30
+FROM_HF = "from_hf"  # model.flavor: the model from checkpoint.initial_load_path's config.json
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,24 @@ class LoadReport:
             f"held {_gib(self.held_bytes)}, read {_gib(self.read_bytes)}, peak RSS {_gib(self.peak_rss)} "
             f"({_gib(self.rss_before)} before; bound 1.5 x held + 1 GiB = {_gib(self.bound)})"
         )
+
+
+def folder_args(path: Path, spec: ModelSpec, family: str) -> Any:
+    """The family's args from the config.json of the folder at `path` (`model.flavor = "from_hf"`), every field read
+    or refused (the adapter's `args_from_hf_config`)."""
+    adapter = spec.hf
+    if adapter is None or adapter.args_from_hf_config is None:
+        raise ConfigError(
+            f"model.flavor = '{FROM_HF}' with model.name = '{family}': this family cannot read its args from a Hugging "
+            "Face config.json (llama3 and deepseek_v3 can; model.name = 'hf' takes any transformers config through "
+            "model.hf_config). Choose one of the family's flavors."
+        )
+    try:
+        return adapter.args_from_hf_config(read_config(path))
+    except ConfigError:
+        raise
+    except TorchpreError as error:
+        raise ConfigError(f"model.flavor = '{FROM_HF}': {path / 'config.json'}: {error}") from None
 
 
 def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
