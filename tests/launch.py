@@ -36,7 +36,7 @@ WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # The entry points tests/fork_server.py can run.
 FORKABLE = (
     "train.py", "tests/train_and_dump.py", "tests/count_host_syncs.py", "tests/hf_import_worker.py",
-    "torchpre.generate", "torchpre.convert",
+    "tests/hf_load_memory.py", "torchpre.generate", "torchpre.convert",
 )  # fmt: skip
 
 # The debug model (6 layers, so up to 4 pipeline stages) on short sequences: the layout tests' model.
