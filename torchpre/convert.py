@@ -7,7 +7,8 @@
 
 The model comes from the job config exactly as the trainer builds it: model.name and model.flavor
 from the registry, vocab_size from the tokenizer at model.tokenizer_path. Any --section.key
-override of the job config is accepted.
+override of the job config is accepted. hf-to-dcp with --model.flavor from_hf reads the model from
+HF_DIR's config.json (checkpoint.initial_load_path defaults to HF_DIR).
 
 dcp-to-hf reads only the "model" entry of a checkpoint step folder and writes OUT_DIR with
 config.json, generation_config.json and model.safetensors (split into numbered files plus
@@ -59,7 +60,7 @@ from torchpre.training.hf_folder import (
     write_index,
     write_metadata,
 )
-from torchpre.training.hf_load import hf_weights, load_hf_weights
+from torchpre.training.hf_load import FROM_HF, hf_weights, load_hf_weights
 from torchpre.training.model import model_args, model_context
 from torchpre.training.rope import check_saved_rope
 
@@ -90,6 +91,8 @@ def main(argv: list[str]) -> None:
         raise HelpRequested
     command, source, target, options, rest = _parse_command_line(argv)
     config = parse_args(JobConfig, rest)
+    if command == "hf-to-dcp" and config.model.flavor == FROM_HF and not config.checkpoint.initial_load_path:
+        config.checkpoint.initial_load_path = str(source)  # the model comes from HF_DIR; its config.toml says so
     import_custom_module(config.job.custom_import)
     model = _job_model(config)
     dtype = _dtype(options.get("--dtype"))

@@ -56,7 +56,7 @@ from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
 from torchpre.training.evaluation import EvalContext, Evaluations, build_evaluations
 from torchpre.training.hf_export import HFExporter
-from torchpre.training.hf_load import HFWeights, hf_weights
+from torchpre.training.hf_load import FROM_HF, HFWeights, hf_weights
 from torchpre.training.hf_reader import is_hf_folder
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
@@ -118,7 +118,7 @@ def preflight(
     if resume_dir is not None:
         key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
         check_verifiable(resume_dir, key, c.allow_unverified)
-    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)):
+    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", c.allow_unverified)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
     batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
