@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from tests.integration.test_hf_convert import quantize_fp8_blocks
 from tests.launch import run_train
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
@@ -168,3 +169,47 @@ def test_a_released_folder_loads_under_every_layout_as_transformers_and_hf_to_dc
         assert state, f"rank {rank} holds nothing"
         for name, tensor in state.items():
             assert torch.equal(tensor, folder.state[name]), f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("dp2_zero3", marks=MATRIX)])
+def test_a_block_fp8_folder_loads_sharded_as_hf_to_dcp_dequantizes_it(released, layout, tmp_path):
+    """DeepSeek-V3's released block FP8, in 10 x 10 blocks so that shards start and end inside blocks: each rank
+    dequantizes the boxes it holds, bitwise what hf-to-dcp makes of the whole weights (bf16, here upcast to the
+    fp32 the job trains in)."""
+    source = released("deepseek_v3").folder
+    folder = tmp_path / "fp8"
+    quantized = quantize_folder(source, folder, block=10)
+    assert quantized == 8 + 2 * (5 + 8 * 3 + 3)  # the dense block's projections, each MoE block's and its experts'
+    job = tmp_path / "job.toml"
+    job.write_text(to_toml(parse_args(JobConfig, job_args("deepseek_v3", folder))))
+    convert_main(["hf-to-dcp", str(folder), str(tmp_path / "dcp" / "step-0"), "--job.config_file", str(job)])
+    reference = _load_dcp_model(tmp_path / "dcp" / "step-0")
+    assert reference["layers.1.attention.wkv_b.weight"].dtype == torch.bfloat16
+    nproc, extra = LAYOUTS[layout]
+    dump = tmp_path / "run"
+    result = run_train([*job_args("deepseek_v3", folder), *extra], nproc, dump, script="tests/hf_import_worker.py")
+    assert result.returncode == 0, f"training failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    for rank in range(nproc):
+        for name, tensor in load_file(dump / f"state_rank{rank}.safetensors").items():
+            assert torch.equal(tensor, reference[name].float()), f"rank {rank}: {name}"
+
+
+def quantize_folder(source: Path, folder: Path, block: int) -> int:
+    """A copy of `source` with every linear weight of the blocks in float8_e4m3fn and a float32 scale per block x
+    block tile, as DeepSeek-V3 is released; returns how many weights it quantized."""
+    folder.mkdir()
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    count = 0
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = load_file(source / file)
+        linear = [n for n in tensors if n.startswith("model.layers.") and n.endswith(("proj.weight", "_mqa.weight"))]
+        for name in linear:
+            tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8_blocks(tensors[name], block)
+            index["weight_map"][f"{name}_scale_inv"] = file
+            count += 1
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return count
