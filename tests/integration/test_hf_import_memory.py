@@ -50,6 +50,7 @@ def test_each_rank_reads_and_keeps_only_the_shards_it_holds(ci_sized, layout, tm
         assert report["read_bytes"] == held, (rank, report)
         assert added <= 1.5 * held + 32 * MIB, (rank, added / MIB, held / MIB)  # measured: 1.16 x held
         assert report["peak_rss"] <= report["bound"] == int(1.5 * held) + GIB, (rank, report)
+        print(f"{layout} rank {rank}: held and read {held / 1e6:.0f} MB, RSS grew by {added / held:.2f} x held")
 
 
 @pytest.mark.big_import
