@@ -13,7 +13,7 @@ is how the families' `from_hf_state_dict` are written: one mapping for conversio
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -56,7 +56,12 @@ class Same:
 
     def read(self, read: Reader, box: Box) -> Tensor:
         value = read(self.name, box)
-        _check(read, box, value, self.name, self.copies, self.zeros)
+        for copy in self.copies:
+            if not torch.equal(read(copy.name, box), value):
+                raise TorchpreError(f"{copy.name} differs from {self.name}: {copy.why}.")
+        for zero in self.zeros:
+            if bool(read(zero.name, (slice(None),)).any()):  # the whole (small) tensor
+                raise TorchpreError(f"{zero.name} is not all zeros: {zero.why}.")
         return value
 
 
@@ -67,8 +72,6 @@ class RotaryRows:
 
     name: str
     head_dim: int
-    zeros: tuple[Zeros, ...] = ()
-    copies: tuple[Copy, ...] = field(default=(), init=False)
 
     def hf_shapes(self, shape: torch.Size) -> dict[str, torch.Size]:
         return {self.name: shape}
@@ -80,9 +83,7 @@ class RotaryRows:
         block = read(self.name, (slice(first, stop), *rest))
         heads = (stop - first) // self.head_dim
         pairs = block.reshape(heads, 2, self.head_dim // 2, *block.shape[1:]).transpose(1, 2)
-        value = pairs.reshape(block.shape)[rows.start - first : rows.stop - first]
-        _check(read, box, value, self.name, (), self.zeros)
-        return value
+        return pairs.reshape(block.shape)[rows.start - first : rows.stop - first]
 
 
 @dataclass(frozen=True)
@@ -91,17 +92,13 @@ class StackedExperts:
     layout released folders and transformers' `save_pretrained` use."""
 
     names: tuple[str, ...]
-    zeros: tuple[Zeros, ...] = ()
-    copies: tuple[Copy, ...] = field(default=(), init=False)
 
     def hf_shapes(self, shape: torch.Size) -> dict[str, torch.Size]:
         return dict.fromkeys(self.names, torch.Size(shape[1:][::-1]))
 
     def read(self, read: Reader, box: Box) -> Tensor:
         experts, rows, columns = box
-        value = torch.stack([read(self.names[e], (columns, rows)).t() for e in range(experts.start, experts.stop)])
-        _check(read, box, value, self.names[0], (), self.zeros)
-        return value
+        return torch.stack([read(self.names[e], (columns, rows)).t() for e in range(experts.start, experts.stop)])
 
 
 Source = Same | RotaryRows | StackedExperts
@@ -126,7 +123,8 @@ def check_folder(sources: Sources, shapes: Mapping[str, torch.Size], folder: Map
     expected: dict[str, torch.Size] = {}
     for name, source in sources.by_name.items():
         expected |= source.hf_shapes(shapes[name])
-        expected |= {zeros.name: folder.get(zeros.name, torch.Size([0])) for zeros in source.zeros}
+        if isinstance(source, Same):  # the zero biases: of any shape, read whole
+            expected |= {zeros.name: folder.get(zeros.name, torch.Size([0])) for zeros in source.zeros}
     given = {name: torch.empty(shape, device="meta") for name, shape in folder.items() if name not in sources.dropped}
     check_tensors(given, expected, "Hugging Face folder")
 
@@ -143,14 +141,3 @@ def whole_state_dict(
 
     return {fqn: source.read(read, whole_box(shapes[fqn])) for fqn, source in sources.by_name.items()}
 
-
-def _check(
-    read: Reader, box: Box, value: Tensor, name: str, copies: tuple[Copy, ...], zeros: tuple[Zeros, ...]
-) -> None:
-    for copy in copies:
-        if not torch.equal(read(copy.name, box), value):
-            raise TorchpreError(f"{copy.name} differs from {name}: {copy.why}.")
-    for zero in zeros:
-        tensor = read(zero.name, (slice(None),))  # whole: a reader takes an open slice as the whole dimension
-        if bool(tensor.any()):
-            raise TorchpreError(f"{zero.name} is not all zeros: {zero.why}.")
