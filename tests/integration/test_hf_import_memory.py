@@ -7,7 +7,8 @@ must stay within 1.5 x the bytes it holds + 1 GiB, the bound the log reports. Th
 parameters, 378 MB) checks two sharper numbers, since its whole model fits in the bound's 1 GiB: the RSS the load
 adds stays within 1.5 x held + 32 MiB (a rank that materialised its tensors whole would add the model's size), and
 the bytes each rank reads equal the bytes it holds (the shards are head-aligned and stored in the dtype they load
-in). `-m big_import` loads an 8B-shaped folder (16 GB) at 4 ranks.
+in). `-m big_import` loads an 8B-shaped folder (16 GB) at 4 ranks: measured 3.74 GiB held and read per rank, peak
+RSS 4.35-4.46 GiB under ZeRO-3 and 4.47-4.48 GiB under tp4 against the bound's 6.61 GiB (4 minutes in all).
 """
 
 import json
