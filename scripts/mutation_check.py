@@ -31,6 +31,8 @@ TP_GRAD_NORM = "tests/distributed/test_tensor_parallel_grad_norm.py"
 FSDP_PIPELINE_TEST = "tests/distributed/test_zero3_parity.py::test_zero3_gives_zero0_losses[dp2_pp2_1f1b_tied]"
 RANK_CHUNK_TEST = "tests/unit/test_chunk_layout.py::test_rank_chunk_is_torch_chunk_of_that_rank"
 CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
+TRUST_TEST = "tests/unit/test_checkpoint_trust.py"
+BAD_INPUT = "tests/integration/test_bad_input.py"
 MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file"
 PUBLICATION_TEST = (
     "tests/unit/test_checkpoint_publication.py::"
@@ -70,6 +72,11 @@ ZBV_MTP_TEST = (
     "[ZBVZeroBubble]"
 )
 RAMP_TRAINING_TEST = "tests/unit/test_ramp_training.py"
+SLURM_SCRIPT_TEST = "tests/unit/test_slurm_script.py"
+STOP_READ_LATE_TEST = (
+    "tests/integration/test_faults.py::"
+    "test_a_stop_request_read_late_stops_every_rank_one_step_later_and_resumes_exactly"
+)
 STEP_PLAN_TEST = "tests/unit/test_step_plan.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
@@ -130,8 +137,8 @@ BREAKS = [
           '            torch.set_rng_state(state_dict[f"rank{self.rank}"])', "            pass",
           (RNG_TEST,), "a resume keeps the generators' current state"),
     Break("checkpoint-manifest-skips-a-file", "torchpre/checkpoint/manager.py",
-          "            files = {name: record for part, _ in parts for name, record in part.items()}",
-          "            files = dict(list({n: r for part, _ in parts for n, r in part.items()}.items())[1:])",
+          "            files = {name: record for part, _, _ in parts for name, record in part.items()}",
+          "            files = dict(list({n: r for part, _, _ in parts for n, r in part.items()}.items())[1:])",
           (MANIFEST_TEST,), "the manifest omits one file"),
     Break("checkpoint-published-before-written", "torchpre/checkpoint/manager.py",
           "            write.result()\n", "            pass\n",
@@ -476,8 +483,64 @@ BREAKS = [
           "        return self.stages[bisect.bisect_right(self._starts, step) - 1]",
           "        return self.stages[bisect.bisect_left(self._starts, step) - 1]",
           (STEP_PLAN_TEST,), "a data stage begins one step after its start step"),
+    Break("preemption-usr1-ignored", "torchpre/runtime/preemption.py",
+          "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)",
+          "STOP_SIGNALS = (signal.SIGTERM,)",
+          ("tests/unit/test_preemption.py",), "Slurm's warning (SIGUSR1) does not stop and save the training"),
+    Break("preemption-stop-note-missing", "torchpre/training/trainer.py",
+          "            leave_stop_note(step)\n",
+          "",
+          (STOP_READ_LATE_TEST,), "a training a signal stopped does not tell multinode.slurm, which never requeues"),
+    Break("slurm-torchrun-dies-of-the-warning", "multinode.slurm",
+          "    trap '' USR1\n",
+          "",
+          (SLURM_SCRIPT_TEST,), "torchrun is killed by the warning it should leave to its workers"),
+    Break("slurm-zero-threads", "multinode.slurm",
+          "$(( CPUS >= NPROC_PER_NODE ? CPUS / NPROC_PER_NODE : 1 ))",
+          "$(( CPUS / NPROC_PER_NODE ))",
+          (SLURM_SCRIPT_TEST,), "fewer CPUs than processes per node gives 0 threads"),
+    Break("slurm-loopback-accepted", "multinode.slurm",
+          "    if [[ $address == 127.* ]] && (( SLURM_NNODES > 1 )); then",
+          "    if false; then",
+          (SLURM_SCRIPT_TEST,), "a multi-node job's rendezvous on a loopback address that other nodes cannot reach"),
+    Break("slurm-finished-run-requeued", "multinode.slurm",
+          "elif [[ -z $STOPPED_AFTER ]]; then",
+          "elif false; then",
+          (SLURM_SCRIPT_TEST,), "a training that ran to its last step as the warning came is requeued"),
+    Break("metadata-unpickler-allows-any-class", "torchpre/checkpoint/reader.py",
+          '        raise _Refused(f"it names {module}.{name}, which a checkpoint\'s metadata never holds")',
+          "        return super().find_class(module, name)",
+          (TRUST_TEST,), "a checkpoint's .metadata runs the code it names"),
+    Break("non-tensor-entries-with-full-pickle", "torchpre/checkpoint/reader.py",
+          "            loaded = torch.load(value, weights_only=not self.allow_pickle)",
+          "            loaded = torch.load(value, weights_only=False)",
+          (TRUST_TEST,), "a non-tensor checkpoint entry runs the code it names"),
+    Break("confined-path-allows-dotdot", "torchpre/confined.py",
+          '    if ".." in parts:', "    if False:",
+          (TRUST_TEST,), "a file name read from a file climbs out of its folder with '..'"),
+    Break("file-read-before-the-manifest-vouches", "torchpre/checkpoint/integrity.py",
+          '        if "*" in self._checked or name in self._checked:', "        if True:",
+          (TRUST_TEST,), "a checkpoint file is read without its manifest check"),
+    Break("signature-not-checked", "torchpre/checkpoint/integrity.py",
+          "    if signing_key is not None:\n        _require_signed(", "    if False:\n        _require_signed(",
+          (TRUST_TEST,), "under a signing key, an unsigned or wrongly signed checkpoint loads"),
+    Break("clean-up-without-the-marker", "torchpre/checkpoint/folders.py",
+          "    elif not (path / MARKER).is_file():", "    elif False:",
+          (TRUST_TEST,), "the clean-up of unfinished saves deletes a `.tmp-` folder torchpre did not make"),
+    Break("publish-deletes-the-existing-step", "torchpre/checkpoint/folders.py",
+          "    replaced = move_aside(final, REPLACED) if final.exists() or final.is_symlink() else None",
+          "    replaced = remove_step(final) if final.exists() else None",
+          (TRUST_TEST,), "publishing step N deletes an existing step-N without a word"),
+    Break("damaged-checkpoint-left-in-place", "torchpre/checkpoint/manager.py",
+          "                target = move_aside(self.folder / f\"step-{step}\", DAMAGED)",
+          "                target = self.folder / f\"step-{step}\"",
+          (f"{CHECKPOINT}::test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one",),
+          "a damaged checkpoint a resume skipped stays a step-N, for retention to count and a save to replace"),
+    Break("token-ids-beyond-the-vocabulary-unchecked", "torchpre/data/shard_dataset.py",
+          "        if int(window.max()) >= self.reader.manifest.vocab_size:", "        if False:",
+          (f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message[shards-token-id-beyond-the-vocabulary-unrecorded]",),
+          "a shard token id beyond the vocabulary reaches the embedding (an IndexError mid-run)"),
 ]
-
 
 def check_unique(repo: Path, breaks: list[Break]) -> None:
     """Every break's old text occurs exactly once in its file; stops naming the first that does not."""

@@ -22,7 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchpre.checkpoint.integrity import MANIFEST, write_manifest
+from torchpre.checkpoint.integrity import MANIFEST, FileCheck, write_manifest
+from torchpre.checkpoint.reader import Loader
+from torchpre.checkpoint.values import read_values
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,6 +92,17 @@ def short_documents_args(folder: Path, documents: int = 2000) -> list[str]:
 def manifest_record(path: Path) -> dict[str, int]:
     """A file's entry in a checkpoint's manifest.json, as a save writes it: its size and zlib's CRC-32."""
     return {"size": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}
+
+
+def read_checkpoint(step_dir: Path) -> dict:
+    """All a step folder holds, nested by component: DCP's entries read whole through torchpre's safe reader, and
+    the plain values of its state.json."""
+    check = FileCheck(step_dir)
+    state = Loader(check).load_whole()
+    for name, value in (read_values(check) or {}).items():
+        component, key = name.split(".", 1)
+        state.setdefault(component, {})[key] = value
+    return state
 
 
 def add_manifest(step_dir: Path) -> Path:

@@ -5,11 +5,11 @@ symbolic link that leads out of the folder. Whoever wrote the file may not be wh
 
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from torchpre.errors import TorchpreError
+from torchpre.errors import UntrustedInput
 
 
 def confined_path(folder: Path, name: object, source: Path, entry: str) -> Path:
-    """`folder / name`, once `name` is shown to be a file name inside `folder`; otherwise a TorchpreError naming
+    """`folder / name`, once `name` is shown to be a file name inside `folder`; otherwise an UntrustedInput error naming
     `source` (the file that holds the name), `entry` (where in it) and the name.
 
     A name may have subfolders ("sub/x.bin") but no part that climbs (`..`), no root or drive, no backslash, and
@@ -28,8 +28,8 @@ def confined_path(folder: Path, name: object, source: Path, entry: str) -> Path:
     return path
 
 
-def _escape(source: Path, entry: str, name: object, why: str) -> TorchpreError:
-    return TorchpreError(
+def _escape(source: Path, entry: str, name: object, why: str) -> UntrustedInput:
+    return UntrustedInput(
         f"{source}: {entry} names {name!r}, which {why}. A file may only name files inside its own folder "
         f"({source.parent}); this one was written by another tool or altered. Do not load it, or fix the entry "
         "(docs/security.md)."

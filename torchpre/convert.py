@@ -43,7 +43,8 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchpre.checkpoint.integrity import require_intact, write_manifest
+from torchpre.checkpoint.integrity import FileCheck, Trust, read_signing_key, require_intact, write_manifest
+from torchpre.checkpoint.reader import Loader, read_metadata
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
@@ -101,16 +102,17 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     if command == "dcp-to-hf":
         max_shard_size = _size(options.get("--max_shard_size", "5GB"))
-        dcp_to_hf(source, target, model, dtype, max_shard_size, config.checkpoint.allow_unverified)
+        check = FileCheck(source, Trust.from_settings(config.checkpoint), "dcp-to-hf CKPT_STEP_DIR")
+        dcp_to_hf(source, target, model, dtype, max_shard_size, Loader(check, config.checkpoint.allow_pickle))
     else:
         hf_to_dcp(source, target, model, dtype, config)
 
 
 def dcp_to_hf(
-    step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int, allow_unverified: bool
+    step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int, loader: Loader
 ) -> None:
-    dcp_state_dict = _load_dcp_model(step_dir, allow_unverified)  # its errors name the folder already
-    check_saved_rope(step_dir, model.args)
+    dcp_state_dict = _load_dcp_model(step_dir, loader)  # its errors name the folder already
+    check_saved_rope(step_dir, model.args, loader.check.trust)
     try:
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:
@@ -142,11 +144,12 @@ def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | 
 
     def write(folder: Path) -> None:
         """The checkpoint and its manifest, as a training save writes them (CRCs taken while writing)."""
-        writer = RecordingWriter(folder, crc=True)
+        signing_key = read_signing_key(config.checkpoint.signing_key_file)
+        writer = RecordingWriter(folder, crc=True, sha256=signing_key is not None)
         dcp.save({"model": state_dict}, storage_writer=writer, no_dist=True)
         with writer.fs.create_stream(folder / "config.toml", "wb") as file:
             file.write(to_toml(config).encode("utf-8"))
-        write_manifest(folder, "write", writer.fs.records)
+        write_manifest(folder, "write", writer.fs.records, signing_key)
 
     _write_atomically(step_dir, write)
     logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}: {report.describe()}")
@@ -192,9 +195,9 @@ def _job_model(config: JobConfig) -> _Model:
     return _Model(model_args(config, tokenizer), spec.hf, model_context(config, tokenizer), tokenizer)
 
 
-def _load_dcp_model(step_dir: Path, allow_unverified: bool = False) -> dict[str, Tensor]:
-    """The "model" entry of a DCP folder, each tensor in the dtype and shape it was saved with; a folder without a
-    manifest only with `allow_unverified` (checkpoint.allow_unverified)."""
+def _load_dcp_model(step_dir: Path, loader: Loader) -> dict[str, Tensor]:
+    """The "model" entry of a DCP folder, each tensor in the dtype and shape it was saved with, read once the whole
+    folder matches its manifest (a folder without one only as `loader.check.trust` allows)."""
     if not step_dir.is_dir():
         raise TorchpreError(
             f"Checkpoint folder {step_dir} does not exist. Give a step-N folder that training wrote under "
@@ -202,14 +205,8 @@ def _load_dcp_model(step_dir: Path, allow_unverified: bool = False) -> dict[str,
         )
     if not (step_dir / ".metadata").is_file():
         raise TorchpreError(f"{step_dir} is not a torch.distributed.checkpoint folder: it has no .metadata file.")
-    require_intact(step_dir, "dcp-to-hf CKPT_STEP_DIR", allow_unverified)
-    try:
-        metadata = dcp.FileSystemReader(step_dir).read_metadata()
-    except Exception as error:  # a damaged .metadata fails to unpickle in several ways
-        raise TorchpreError(
-            f"Cannot read {step_dir / '.metadata'} ({type(error).__name__}: {error}): the checkpoint is damaged or "
-            "incomplete. Give a complete step-N folder."
-        ) from None
+    require_intact(step_dir, loader.check.key, loader.check.trust)
+    metadata = read_metadata(step_dir, loader.check.whole_folder_checked())
     state_dict = {
         key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -217,7 +214,7 @@ def _load_dcp_model(step_dir: Path, allow_unverified: bool = False) -> dict[str,
     }
     if not state_dict:
         raise TorchpreError(f"Checkpoint {step_dir} holds no 'model' tensors.")
-    dcp.load({"model": state_dict}, checkpoint_id=step_dir, no_dist=True)
+    loader.load({"model": state_dict}, no_dist=True)
     return state_dict
 
 

@@ -22,6 +22,11 @@ class StorageError(TorchpreError):
     entry points exit with a code of its own."""
 
 
+class UntrustedInput(TorchpreError):
+    """A file holds what no file torchpre or its peers write may hold: code to run on load, or a name of a file
+    outside its folder (docs/security.md). Never skipped as damage: the job stops."""
+
+
 class FieldError(TorchpreError):
     """A field of a JSON record (a manifest) is missing or holds the wrong type; the reader adds the file's name."""
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
 from torchpre.checkpoint.folders import STEP_DIR, find_step_dir
-from torchpre.checkpoint.integrity import find_intact_step, require_intact
+from torchpre.checkpoint.integrity import FileCheck, Trust, find_intact_step, require_intact
+from torchpre.checkpoint.reader import Loader
 from torchpre.checkpoint.state import check_shapes, checkpoint_metadata
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
@@ -110,9 +110,9 @@ def find_generation_step(folder: Path, load_step: int) -> Path:
     return step_dir
 
 
-def check_checkpoint_fits(model: nn.Module, step_dir: Path) -> None:
-    """Names the model weights the checkpoint lacks or holds with another shape (global shapes)."""
-    check_shapes({"model": model.state_dict()}, checkpoint_metadata(step_dir), step_dir)
+def check_checkpoint_fits(model: nn.Module, check: FileCheck) -> None:
+    """Names the model weights the checked checkpoint lacks or holds with another shape (global shapes)."""
+    check_shapes({"model": model.state_dict()}, checkpoint_metadata(check), check.step_dir)
 
 
 # Decoding --------------------------------------------------------------------------------------
@@ -225,26 +225,28 @@ def main(argv: list[str]) -> None:
     folder, load_step = checkpoint_folder(config.job.dump_folder, config.checkpoint.folder), config.checkpoint.load_step
     step_dir = find_generation_step(folder, load_step)
     model = meta_model(config, spec, args)
-    check_checkpoint_fits(model, step_dir)
-    check_saved_rope(step_dir, args)
+    trust = Trust.from_settings(config.checkpoint)
+    check_checkpoint_fits(model, FileCheck(step_dir, trust, "checkpoint.folder"))
+    check_saved_rope(step_dir, args, trust)
 
     device = select_device()
     init_distributed(device)
     mesh = dims.build_mesh(device.type)
     # The manifest check reads every file: the ranks share it, so it waits for the process group.
-    allow_unverified = config.checkpoint.allow_unverified
+    key = "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}"
     if step_dir.parent == folder and load_step == -1:  # the latest: past corrupt ones, as training resumes
-        step_dir = find_intact_step(folder, load_step, allow_unverified)
-        check_checkpoint_fits(model, step_dir)
+        step_dir = find_intact_step(folder, load_step, trust)
+        check = FileCheck(step_dir, trust, key).whole_folder_checked()
+        check_checkpoint_fits(model, check)
     else:
-        key = "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}"
-        require_intact(step_dir, key, allow_unverified)
+        require_intact(step_dir, key, trust)
+        check = FileCheck(step_dir, trust, key).whole_folder_checked()
     # The checkpoint replaces every parameter: only the buffers it does not hold (RoPE's) are computed.
     parallel = parallelize(
         model, mesh, parallel_plan(config, spec, args, pipeline), device=device, init_weights=spec.init_buffers
     )
     state = {name: value for part in parallel.parts for name, value in part.state_dict().items()}
-    dcp.load({"model": state}, checkpoint_id=str(step_dir))
+    Loader(check, config.checkpoint.allow_pickle).load({"model": state})
     for part in parallel.parts:
         part.eval()
     is_rank0 = dist.get_rank() == 0

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from tests.hf_folders import write_llama_folder
+from tests.hostile import Payload, legacy_checkpoint, replace_metadata, rewrite_manifest
 from tests.launch import REPO, TINY, ForkServer, add_manifest, manifest_record, run_train
 from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.data.shards import Manifest, write_shard
@@ -166,6 +167,15 @@ def files(tmp_path_factory) -> Path:
     _copy_shards_with(good, d / "shards_no_token_count", lambda manifest: manifest["shards"][0].pop("num_tokens"))
     _copy_shards_with(good, d / "shards_complete_string", lambda manifest: manifest.update(complete="yes"))
     (d / "not_shards").mkdir()
+    _copy_shards_with(good, d / "shards_beyond_vocab", lambda manifest: manifest["shards"][0].update(max_token_id=5000))
+    unrecorded = shutil.copytree(good, d / "shards_beyond_vocab_unrecorded")
+    _edit_json(unrecorded / "manifest.json", lambda manifest: manifest["shards"][0].pop("max_token_id"))
+    with open(unrecorded / "part-0.bin", "r+b") as file:  # uint16 ids: the 11th token becomes 65,000
+        file.seek(20)
+        file.write((65000).to_bytes(2, "little"))
+    escaping = {"name": "../shards/part-0"}
+    _copy_shards_with(good, d / "shards_escaping", lambda manifest: manifest["shards"][0].update(escaping))
+    (d / "short_key").write_text("abc\n")
 
     (d / "run" / "checkpoint" / "step-2").mkdir(parents=True)  # the job's checkpoints: only step 2
     (d / "not_a_checkpoint").mkdir()
@@ -178,6 +188,11 @@ def files(tmp_path_factory) -> Path:
     (shutil.copytree(d / "other_flavor", d / "unverified") / "step-3" / MANIFEST).unlink()
     bad_size = shutil.copytree(d / "other_flavor", d / "bad_manifest") / "step-3" / MANIFEST
     _edit_json(bad_size, lambda manifest: manifest["files"]["__0_0.distcp"].update(size="big"))
+    hostile = shutil.copytree(d / "other_flavor", d / "hostile_metadata") / "step-3"
+    replace_metadata(hostile, lambda metadata: setattr(metadata, "planner_data", Payload(d / "marker")))
+    rewrite_manifest(hostile)
+    legacy_checkpoint(shutil.copytree(d / "other_flavor", d / "hostile_entry") / "step-3", "train.rope_theta",
+                      Payload(d / "marker"))  # fmt: skip
     (d / "full_output").mkdir()
     (d / "full_output" / "keep.txt").write_text("someone's files\n")
     _write_hf_folders(d)
@@ -504,7 +519,7 @@ CATALOGUE = [
     case(
         "cp-does-not-divide-the-world",
         CP2,
-        ["world size 3", "context_parallel_degree = 1 x 1 x 2", "multiple of 2"],
+        ["world size 3", "context_parallel_degree = 1 x 1 x 2", "multiple of 2", "(multiples of 2 = the context"],
         ranks=3,
     ),
     case(
@@ -642,6 +657,21 @@ CATALOGUE = [
     case("shards-incomplete", [*SHARDS, "{d}/shards_incomplete"], ["{d}/shards_incomplete", "incomplete"]),
     case("shards-bad-manifest", [*SHARDS, "{d}/shards_bad_manifest"], ["{d}/shards_bad_manifest/manifest.json"]),
     case(
+        "shards-token-id-beyond-the-vocabulary",
+        [*SHARDS, "{d}/shards_beyond_vocab"],
+        ["{d}/shards_beyond_vocab/part-0.bin: its manifest records token id 5,000", "has 2,048 ids", "prepare"],
+    ),
+    case(
+        "shards-token-id-beyond-the-vocabulary-unrecorded",
+        [*SHARDS, "{d}/shards_beyond_vocab_unrecorded"],
+        ["{d}/shards_beyond_vocab_unrecorded/part-0.bin: at token offset 10 holds token id 65,000", "has 2,048 ids"],
+    ),
+    case(
+        "shards-name-outside-the-folder",
+        [*SHARDS, "{d}/shards_escaping"],
+        ["{d}/shards_escaping/manifest.json: shards[0].name names '../shards/part-0.bin'", "climbs out of the folder"],
+    ),
+    case(
         "shards-null-tokenizer-sha256",
         [*SHARDS, "{d}/shards_null_sha256"],
         ["{d}/shards_null_sha256/manifest.json", "'tokenizer_sha256' is null, not a string", "prepare"],
@@ -713,6 +743,32 @@ CATALOGUE = [
         "checkpoint-manifest-size-a-string",
         [*TEXT, "--checkpoint.initial_load_path", "{d}/bad_manifest/step-3"],
         ["{d}/bad_manifest/step-3/manifest.json is not a valid manifest", "'files.__0_0.distcp.size' is \"big\""],
+    ),
+    case(
+        "checkpoint-load-step-negative",
+        [*TEXT, "--checkpoint.enable", "--checkpoint.folder", "{d}/run/checkpoint", "--checkpoint.load_step", "-5"],
+        ["checkpoint.load_step = -5 names no step", "-1 for the latest"],
+    ),
+    case(
+        "checkpoint-signing-key-too-short",
+        [*TEXT, "--checkpoint.enable", "--checkpoint.signing_key_file", "{d}/short_key"],
+        ["checkpoint.signing_key_file = '{d}/short_key' holds 3 bytes", "at least 16"],
+    ),
+    case(
+        "checkpoint-signing-key-missing",
+        [*TEXT, "--checkpoint.enable", "--checkpoint.signing_key_file", "{d}/no_key"],
+        ["checkpoint.signing_key_file = '{d}/no_key' cannot be read"],
+    ),
+    case(
+        "checkpoint-metadata-holds-code",
+        [*TEXT, "--checkpoint.initial_load_path", "{d}/hostile_metadata/step-3"],
+        ["{d}/hostile_metadata/step-3/.metadata: refused", "it names builtins.exec", "docs/security.md"],
+    ),
+    case(
+        "generate-checkpoint-entry-holds-code",
+        [*GENERATE[2:], "--model.flavor", "debugmodel", "--checkpoint.folder", "{d}/hostile_entry"],
+        ["refused to unpickle the checkpoint entry 'train.rope_theta'", "checkpoint.allow_pickle = true"],
+        GEN,
     ),
     case(
         "checkpoint-load-step-missing",
@@ -852,6 +908,7 @@ def test_bad_input_fails_fast_with_one_message(server, files, tmp_path, entry, a
         assert ranks == 1 or lines[0].startswith(f"error (rank {rank}): ")
         for fragment in fragments:
             assert fragment.format(d=files) in lines[0], f"{fragment!r} not in:\n{lines[0]}"
+    assert not (files / "marker").exists(), "a hostile file's code ran"
 
 
 DRY_RUN_CASES = ("tp-does-not-divide-heads", "sequence-parallel-seq-len", "pp-too-few-microbatches", "global-batch-dp2")

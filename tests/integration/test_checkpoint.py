@@ -5,10 +5,9 @@ import shutil
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.launch import DEBUG as DEBUG_MODEL
-from tests.launch import TINY, run_train, train_and_read_metrics
+from tests.launch import TINY, read_checkpoint, run_train, train_and_read_metrics
 from torchpre.checkpoint.integrity import MANIFEST, verify_share
 
 pytestmark = pytest.mark.slow
@@ -109,10 +108,6 @@ def test_unfinished_save_is_ignored_and_retention_keeps_k(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["step-6", "step-8"]
 
 
-def read_checkpoint(step_dir, tmp_path) -> dict:
-    out = tmp_path / f"{step_dir.parent.parent.name}.pt"
-    dcp_to_torch_save(str(step_dir), str(out))
-    return torch.load(out, weights_only=False)
 
 
 def test_async_and_sync_saves_hold_the_same_state(tmp_path):
@@ -122,12 +117,12 @@ def test_async_and_sync_saves_hold_the_same_state(tmp_path):
     args = [*TINY, *CKPT, "--training.steps", "10", "--training.global_batch_size", "8"]
     args += ["--training.local_batch_size", "2"]
     straight = train_and_read_metrics(args, 2, tmp_path / "sync")
-    flat_sync = _flatten(read_checkpoint(tmp_path / "sync" / "checkpoint" / "step-5", tmp_path))
+    flat_sync = _flatten(read_checkpoint(tmp_path / "sync" / "checkpoint" / "step-5"))
     assert any(key.startswith("optimizer.") and key.endswith("exp_avg") for key in flat_sync)
     for mode in ("async", "async_process"):
         asynchronous_args = [*args, "--checkpoint.async_mode", mode]
         train_and_read_metrics(asynchronous_args, 2, tmp_path / mode)
-        flat_async = _flatten(read_checkpoint(tmp_path / mode / "checkpoint" / "step-5", tmp_path))
+        flat_async = _flatten(read_checkpoint(tmp_path / mode / "checkpoint" / "step-5"))
         assert flat_sync.keys() == flat_async.keys()
         for key, value in flat_sync.items():
             if isinstance(value, torch.Tensor):
@@ -178,7 +173,7 @@ def test_initial_load_path_starts_a_new_run_from_weights(tmp_path):
 
 def test_model_only_saves_weights_and_resuming_restarts_the_rest(tmp_path):
     train_and_read_metrics([*TINY, *CKPT, "--training.steps", "5", "--checkpoint.model_only"], 1, tmp_path)
-    saved = read_checkpoint(tmp_path / "checkpoint" / "step-5", tmp_path)
+    saved = read_checkpoint(tmp_path / "checkpoint" / "step-5")
     assert set(saved) == {"model"}
     (tmp_path / "metrics.jsonl").unlink()
     records = train_and_read_metrics([*TINY, *CKPT, "--training.steps", "2", "--checkpoint.interval", "9"], 1, tmp_path)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_checkpoint import read_checkpoint
-from tests.launch import TINY, run_entry, run_train, train_and_read_metrics
+from tests.launch import TINY, read_checkpoint, run_entry, run_train, train_and_read_metrics
+from torchpre.checkpoint.integrity import FileCheck
 from torchpre.checkpoint.state import checkpoint_metadata
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,8 @@ def test_a_new_rope_base_takes_effect_and_is_stated(stage_1, one_process, tmp_pa
     and trains on other losses than the resume on the flavor's base. After 4 steps the tiny model's attention is
     still nearly uniform, so the base moves them by ~1e-6 only; but one process repeats a run bitwise (the resume
     tests compare losses exactly), so any difference is the new base's."""
-    model_keys = [key for key in checkpoint_metadata(stage_1 / "checkpoint" / "step-4") if key.startswith("model.")]
+    saved = checkpoint_metadata(FileCheck(stage_1 / "checkpoint" / "step-4"))
+    model_keys = [key for key in saved if key.startswith("model.")]
     assert model_keys and not [key for key in model_keys if "rope" in key]
     records, log = resume(stage_1, tmp_path / "theta", ["--model.rope_theta", "2000000"], 1)
     assert [r["step"] for r in records] == [5, 6, 7, 8]
@@ -94,7 +95,7 @@ def test_a_global_batch_in_tokens_keeps_the_tokens_per_step_and_the_data_positio
     assert [r["step"] for r in records] == [5, 6, 7, 8]
     assert all(round(r["tokens_per_sec"] / r["samples_per_sec"] * 2) == 128 for r in records)  # tokens per step
     assert "the global batch is 2 sequences = 128 tokens per step (training.global_batch_unit = 'tokens' kept" in log
-    saved = read_checkpoint(tmp_path / "tokens" / "checkpoint" / "step-8", tmp_path)
+    saved = read_checkpoint(tmp_path / "tokens" / "checkpoint" / "step-8")
     assert saved["dataloader"]["consumed_samples"] == 4 * 4 + 4 * 2
     assert (saved["train"]["global_batch_size"], saved["train"]["seq_len"]) == (2, 64)
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tests.integration.test_checkpoint import losses, read_checkpoint, resume
-from tests.launch import TINY, train_and_read_metrics
+from tests.integration.test_checkpoint import losses, resume
+from tests.launch import TINY, read_checkpoint, train_and_read_metrics
 from tests.unit.test_shard_data import TOKENIZER, write_shard_folder
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def test_workers_resume_exactly_and_change_nothing(folders, tmp_path):
     straight = train_and_read_metrics(args, 1, tmp_path / "run")
     in_process = train_and_read_metrics([*args, "--training.num_workers", "0"], 1, tmp_path / "no_workers")
     assert losses(in_process) == losses(straight)
-    saved = read_checkpoint(tmp_path / "run" / "checkpoint" / "step-5", tmp_path)
+    saved = read_checkpoint(tmp_path / "run" / "checkpoint" / "step-5")
     assert saved["dataloader"]["consumed_samples"] == 5 * 4  # not the sampler's count (it includes prefetched ones)
     resumed = resume(tmp_path / "run", args, 1, from_step=5)
     assert [r["step"] for r in resumed] == list(range(6, 11))

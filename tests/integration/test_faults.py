@@ -310,17 +310,25 @@ def test_sigterm_saves_the_step_every_rank_stopped_at_and_resuming_continues_exa
 @pytest.mark.slow
 def test_a_stop_request_read_late_stops_every_rank_one_step_later_and_resumes_exactly(reference, tmp_path, monkeypatch):
     """With a fused optimizer and log steps apart, step 3's verdict (carrying rank 1's SIGTERM, received as step 2
-    started) is read during step 4: every rank stops after step 4 and saves it."""
+    started) is read during step 4: every rank stops after step 4 and saves it, and tells a launcher that asked
+    (TORCHPRE_STOP_FILE, as multinode.slurm does) the step it stopped after; the resumed run, which ends at its last
+    step, tells it nothing."""
     monkeypatch.setenv("SIGTERM_AT_STEP", "2")
+    stop_file = tmp_path / "stopped"
+    monkeypatch.setenv("TORCHPRE_STOP_FILE", str(stop_file))
     read_late = [*ARGS, *ONLY_LAST, "--optimizer.implementation", "fused", "--metrics.log_freq", "100"]
     args = [*read_late, "--checkpoint.save_on_preemption", "--job.custom_import", "tests.sigterm_at_step"]
     result = run_train(args, 2, tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "SIGTERM received: stopped after step 4 and saved" in result.stdout + result.stderr
+    stopped = "SIGTERM or SIGUSR1 (by another rank) received: stopped after step 4 and saved"  # rank 0 did not get it
+    assert stopped in result.stdout + result.stderr
     assert sorted(records_by_step(tmp_path / "run")) == [4]  # the stop step is logged
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoint").iterdir()) == ["step-4"]
+    assert stop_file.read_text() == "4\n"
+    stop_file.unlink()
     result = run_train([*read_late, "--metrics.log_freq", "1"], 2, tmp_path / "run")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert not stop_file.exists()
     assert_same_losses(records_by_step(tmp_path / "run"), reference, range(4, STEPS + 1))
 
 
@@ -410,3 +418,25 @@ def test_new_keys_reject_impossible_values(section, key, value, message):
     setattr(getattr(config, section), key, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(config)
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_skipped_on_resume_is_moved_aside_and_named_never_deleted(reference, tmp_path):
+    """A byte of the latest checkpoint's data flips (a bad disk): `load_step = -1` resumes from the one before,
+    moves the damaged folder to `damaged-step-N` with a warning naming it, and saving step N again leaves it intact
+    (torchpre used to delete it silently when it published the new step N)."""
+    result = run_train([*ARGS, *EVERY_5], 2, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoints = tmp_path / "checkpoint"
+    data = next((checkpoints / "step-30").glob("*.distcp"))
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    resumed = run_train([*ARGS, *EVERY_5], 2, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    log = resumed.stdout + resumed.stderr
+    assert f"moved the damaged checkpoint step-30 aside to {checkpoints / 'damaged-step-30'}" in log
+    assert (checkpoints / "damaged-step-30" / data.name).read_bytes() == bytes(damaged)
+    kept = sorted(["damaged-step-30", *(f"step-{step}" for step in range(5, 31, 5))])
+    assert sorted(p.name for p in checkpoints.iterdir()) == kept
+    assert_same_losses(records_by_step(tmp_path), reference, range(1, STEPS + 1))

@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tests.integration.test_hf_convert import quantize_fp8_blocks
-from tests.launch import run_train
+from tests.launch import read_checkpoint, run_train
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
-from torchpre.convert import _load_dcp_model
 from torchpre.convert import main as convert_main
 from torchpre.data.loader import build_dataloader
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -151,7 +150,7 @@ def release(family: str, root: Path) -> Released:
     job = root / "job.toml"
     job.write_text(to_toml(parse_args(JobConfig, job_args(family, root / "hf"))))
     convert_main(["hf-to-dcp", str(root / "hf"), str(root / "dcp" / "step-0"), "--job.config_file", str(job)])
-    return Released(root / "hf", loss, _load_dcp_model(root / "dcp" / "step-0"))
+    return Released(root / "hf", loss, read_checkpoint(root / "dcp" / "step-0")["model"])
 
 
 @pytest.mark.parametrize("family, layout", CASES)
@@ -183,7 +182,7 @@ def test_a_block_fp8_folder_loads_sharded_as_hf_to_dcp_dequantizes_it(released, 
     job = tmp_path / "job.toml"
     job.write_text(to_toml(parse_args(JobConfig, job_args("deepseek_v3", folder))))
     convert_main(["hf-to-dcp", str(folder), str(tmp_path / "dcp" / "step-0"), "--job.config_file", str(job)])
-    reference = _load_dcp_model(tmp_path / "dcp" / "step-0")
+    reference = read_checkpoint(tmp_path / "dcp" / "step-0")["model"]
     assert reference["layers.1.attention.wkv_b.weight"].dtype == torch.bfloat16
     nproc, extra = LAYOUTS[layout]
     dump = tmp_path / "run"

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from tests.integration.test_checkpoint import _flatten, read_checkpoint
-from tests.launch import TINY, run_train, train_and_read_metrics, train_and_read_params
+from tests.integration.test_checkpoint import _flatten
+from tests.launch import TINY, read_checkpoint, run_train, train_and_read_metrics, train_and_read_params
 
 pytestmark = pytest.mark.slow
 
@@ -70,8 +70,8 @@ def test_non_finite_step_stops_every_rank_after_saving_the_last_good_state(read_
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
     if read_late:
         assert run_train([*args, "--training.steps", "1"], 2, tmp_path / "one").returncode == 0
-        saved = _flatten(read_checkpoint(tmp_path / "checkpoint" / "step-1", tmp_path))
-        reference = _flatten(read_checkpoint(tmp_path / "one" / "checkpoint" / "step-1", tmp_path / "one"))
+        saved = _flatten(read_checkpoint(tmp_path / "checkpoint" / "step-1"))
+        reference = _flatten(read_checkpoint(tmp_path / "one" / "checkpoint" / "step-1"))
         assert saved.keys() == reference.keys()
         for key, value in reference.items():
             same = torch.equal(value, saved[key]) if isinstance(value, torch.Tensor) else value == saved[key]

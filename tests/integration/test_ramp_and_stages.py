@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_checkpoint import losses, read_checkpoint, resume, resume_with_log
+from tests.integration.test_checkpoint import losses, resume, resume_with_log
 from tests.integration.test_data_at_scale import documents
-from tests.launch import TINY, train_and_read_metrics
+from tests.launch import TINY, read_checkpoint, train_and_read_metrics
 from tests.unit.test_shard_data import write_shard_folder
 
 pytestmark = pytest.mark.slow
@@ -73,13 +73,13 @@ def test_dp2_zero3_stopped_mid_ramp_resumes_under_tp2_on_the_same_losses(recipe,
     dp2 = train_and_read_metrics([*args, *DP2_ZERO3], 2, tmp_path)
     assert losses(dp2) == pytest.approx(losses(one_process), abs=LOSS_ATOL)
     assert [r["global_batch_size"] for r in dp2] == BATCHES
-    assert read_checkpoint(tmp_path / "checkpoint" / "step-2", tmp_path)["dataloader"]["consumed_samples"] == 8
+    assert read_checkpoint(tmp_path / "checkpoint" / "step-2")["dataloader"]["consumed_samples"] == 8
     tp2 = resume(tmp_path, [*args, *TP2], 2, from_step=2)
     assert [r["step"] for r in tp2] == list(range(3, 9))
     assert [r["global_batch_size"] for r in tp2] == BATCHES[2:]
     assert [r["data_stage"] for r in tp2] == STAGES[2:]
     assert losses(tp2) == pytest.approx(losses(one_process)[2:], abs=LOSS_ATOL)
-    final = read_checkpoint(tmp_path / "checkpoint" / "step-8", tmp_path)
+    final = read_checkpoint(tmp_path / "checkpoint" / "step-8")
     assert final["dataloader"]["consumed_samples"] == sum(BATCHES)
     assert (final["train"]["global_batch_size"], final["train"]["seq_len"]) == (12, 64)
     # A resume at the annealing stage's first step, on one process, enters it from the checkpoint alone. Its config

@@ -248,9 +248,16 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(world, tmp_p
     with caplog.at_level(logging.WARNING, logger="torchpre"):
         assert checkpoints.find(-1) == tmp_path / "step-2"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2
+    assert len(warnings) == 4
     assert f"checkpoint {tmp_path / 'step-6'} is corrupt" in warnings[0]
     assert f"checkpoint {tmp_path / 'step-4'} is corrupt" in warnings[1]
+    # Those skipped are moved aside, named, never deleted: retention does not count them, a new save not replace them.
+    assert warnings[2:] == [
+        f"moved the damaged checkpoint step-{step} aside to {tmp_path / f'damaged-step-{step}'}; torchpre never "
+        "deletes it"
+        for step in (4, 6)
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged-step-4", "damaged-step-6", "step-2"]
     assert _loaded_step(checkpoints, tmp_path / "step-2") == 2
 
 

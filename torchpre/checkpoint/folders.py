@@ -1,6 +1,15 @@
 """Where checkpoints live: `{folder}/step-N/` folders, complete by construction (a save writes `.tmp-step-N` and
-renames it once done; a deletion renames first), so the names alone say which steps can be loaded."""
+renames it once done; a deletion renames first), so the names alone say which steps can be loaded.
 
+torchpre deletes only what it made: a save marks its `.tmp-step-N` folder (`MARKER`) before writing anything, a
+deletion marks the step folder before renaming it to `.tmp-removing-step-N`, and the clean-up of unfinished ones
+removes a `.tmp-` folder only if its name is one of those two and it holds the marker; it never follows a symbolic
+link. Nor does it delete a checkpoint it did not choose to: a `step-N` that a new save of step N finds (from an earlier
+run) is moved aside to `replaced-step-N`, and one that a resume found damaged and skipped to `damaged-step-N`; retention
+(checkpoint.keep_latest_k) counts and removes `step-N` folders only.
+"""
+
+import logging
 import os
 import re
 import shutil
@@ -8,8 +17,13 @@ from pathlib import Path
 
 from torchpre.errors import TorchpreError
 
+logger = logging.getLogger("torchpre")
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_PREFIX = ".tmp-"
+UNFINISHED = re.compile(r"^\.tmp-(removing-)?step-\d+$")
+MARKER = ".torchpre-checkpoint"
+REPLACED, DAMAGED = "replaced-", "damaged-"
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -24,6 +38,11 @@ def find_step_dir(folder: Path, load_step: int) -> Path | None:
     steps = complete_steps(folder)
     if load_step == -1:
         return folder / f"step-{steps[-1]}" if steps else None
+    if load_step < 0:
+        raise TorchpreError(
+            f"checkpoint.load_step = {load_step} names no step: give a step number that {folder} holds, or -1 for "
+            "the latest."
+        )
     if load_step not in steps:
         available = ", ".join(map(str, steps)) or "none"
         raise TorchpreError(
@@ -33,23 +52,77 @@ def find_step_dir(folder: Path, load_step: int) -> Path | None:
     return folder / f"step-{load_step}"
 
 
+def mark_as_ours(folder: Path) -> None:
+    """Marks `folder` as made by torchpre, so that the clean-up of unfinished saves may remove it."""
+    (folder / MARKER).touch()
+
+
 def remove_step(step_dir: Path) -> None:
-    """Deletes a checkpoint folder without ever leaving a half-deleted `step-N`: renamed away first (a `.tmp-`
-    name, which a restart clears), then deleted."""
+    """Deletes a checkpoint folder without ever leaving a half-deleted `step-N`: marked, renamed away first (a
+    `.tmp-` name, which a restart clears), then deleted. A symbolic link is refused (OSError), never followed."""
+    if step_dir.is_symlink():
+        raise OSError(f"{step_dir} is a symbolic link; torchpre deletes no folder through one")
     doomed = step_dir.with_name(f"{TMP_PREFIX}removing-{step_dir.name}")
-    shutil.rmtree(doomed, ignore_errors=True)
+    if (doomed.is_symlink() or doomed.exists()) and not remove_if_ours(doomed):
+        raise OSError(f"{doomed} is in the way, and torchpre did not make it")
+    mark_as_ours(step_dir)
     step_dir.rename(doomed)
     shutil.rmtree(doomed)
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Gives a finished `.tmp-` folder its final name (replacing a folder of that name: a step saved again) and
-    flushes the rename to the disk, so that a power loss after it does not undo it."""
-    if final.exists():
-        remove_step(final)
+def remove_unfinished(folder: Path) -> list[Path]:
+    """Removes the `.tmp-` folders in `folder` that saves or deletions left when they did not finish (a crashed
+    run's), and only those: its name is torchpre's and it holds the marker. Everything else with a `.tmp-` name is
+    left, with a warning. Returns what was removed, each logged."""
+    removed = []
+    for path in sorted(folder.glob(f"{TMP_PREFIX}*")):
+        if remove_if_ours(path):
+            removed.append(path)
+            logger.info("removed %s, left by a save or deletion that did not finish", path)
+    return removed
+
+
+def remove_if_ours(path: Path) -> bool:
+    """Removes `path` if torchpre made it (see `remove_unfinished`); False, with a warning, otherwise."""
+    if path.is_symlink():
+        why = "it is a symbolic link"
+    elif not path.is_dir() or not UNFINISHED.match(path.name):
+        why = "its name is not one torchpre gives its unfinished checkpoints"
+    elif not (path / MARKER).is_file():
+        why = f"it lacks torchpre's marker {MARKER}"
+    else:
+        shutil.rmtree(path)
+        return True
+    logger.warning("left %s in place: %s, so torchpre did not make it (remove it yourself if unwanted)", path, why)
+    return False
+
+
+def move_aside(step_dir: Path, prefix: str) -> Path:
+    """Renames `step_dir` to `{prefix}step-N` beside it (a fresh `-2`, `-3` ... name if that exists); returns it."""
+    target = step_dir.with_name(f"{prefix}{step_dir.name}")
+    number = 1
+    while target.exists() or target.is_symlink():
+        number += 1
+        target = step_dir.with_name(f"{prefix}{step_dir.name}-{number}")
+    step_dir.rename(target)
+    return target
+
+
+def publish(tmp: Path, final: Path) -> Path | None:
+    """Gives a finished `.tmp-` folder its final name and flushes the rename to the disk, so that a power loss after
+    it does not undo it. A folder already of that name (a damaged checkpoint a resume skipped, or an earlier run's) is
+    moved aside first (`move_aside`), and its new path returned and logged; None when there was none."""
+    replaced = move_aside(final, REPLACED) if final.exists() or final.is_symlink() else None
+    if replaced is not None:
+        logger.warning(
+            "%s existed already (an earlier run's): moved it aside to %s, which torchpre never deletes, and published "
+            "the new checkpoint in its place",
+            final, replaced,
+        )  # fmt: skip
     tmp.rename(final)
     folder = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(folder)
     finally:
         os.close(folder)
+    return replaced

@@ -5,49 +5,111 @@ refused, naming checkpoint.allow_unverified, which loads it with a warning.
 
 The manifest is {"checksums": "write" | "off", "files": {name: {"size": bytes, "crc32": CRC-32}}}: "crc32" is left
 out under "off", and manifests written before checkpoint.checksums existed lack "checksums" (they hold every CRC).
+
+A CRC finds damage, not tampering: anyone can recompute it. With checkpoint.signing_key_file a save also records each
+file's SHA-256 and signs the manifest with HMAC-SHA256 under that key ("signature"); a load with the key refuses a
+folder that is unsigned, signed with another key, or whose files do not match their digests (docs/security.md).
+Every file name in a manifest is a file of its folder (`confined_path`).
 """
 
+import hashlib
+import hmac
 import json
 import logging
 import os
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from torchpre.checkpoint.folders import complete_steps, find_step_dir
+from torchpre.config.job_config import Checkpoint
+from torchpre.confined import confined_path
 from torchpre.errors import FieldError, TorchpreError, field
 
 logger = logging.getLogger("torchpre")
 
 MANIFEST = "manifest.json"
 ALLOW_UNVERIFIED = "checkpoint.allow_unverified"
+SIGNING_KEY = "checkpoint.signing_key_file"
 LATEST = "checkpoint.load_step = -1 (the latest checkpoint)"  # the setting that chose the folder, in messages
 CHECKSUMS = ("write", "off")
 
 
 @dataclass(frozen=True)
+class Trust:
+    """What a load accepts: a folder without a manifest (`allow_unverified`, with a warning), and, when
+    `signing_key` is set, only manifests signed with it."""
+
+    allow_unverified: bool = False
+    signing_key: bytes | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Checkpoint) -> "Trust":
+        """The job's [checkpoint] allow_unverified and signing_key_file (read now: a bad key file fails at once)."""
+        return cls(settings.allow_unverified, read_signing_key(settings.signing_key_file))
+
+
+def read_signing_key(path: str) -> bytes | None:
+    """The key in the file `path` (checkpoint.signing_key_file; its bytes, surrounding whitespace removed); None
+    for ""."""
+    if not path:
+        return None
+    try:
+        key = Path(path).read_bytes().strip()
+    except OSError as error:
+        raise TorchpreError(f"{SIGNING_KEY} = {path!r} cannot be read ({error.strerror}). Give a file holding the "
+                            "key (e.g. `openssl rand -hex 32 > key`), readable by every rank.") from None
+    if len(key) < 16:
+        raise TorchpreError(f"{SIGNING_KEY} = {path!r} holds {len(key)} bytes; a key needs at least 16 "
+                            "(e.g. `openssl rand -hex 32 > key`).")
+    return key
+
+
+@dataclass(frozen=True)
 class FileRecord:
-    """What the manifest says of one file: its size and, unless saved with checksums "off", its CRC-32."""
+    """What the manifest says of one file: its size, its CRC-32 unless saved with checksums "off", and its SHA-256
+    (hex) when the save was signed."""
 
     size: int
     crc32: int | None
+    sha256: str | None = None
 
 
-def write_manifest(step_dir: Path, checksums: str, files: dict[str, dict[str, int]]) -> None:
-    """Writes `step_dir`'s manifest (`checksums`: the setting the records were taken under) and flushes it to the
-    disk, so that the rename publishing the folder never survives a power loss the manifest did not."""
+def write_manifest(
+    step_dir: Path, checksums: str, files: dict[str, dict[str, Any]], signing_key: bytes | None = None
+) -> None:
+    """Writes `step_dir`'s manifest (`checksums`: the setting the records were taken under), signed with
+    `signing_key` if given (the records then hold SHA-256 digests), and flushes it to the disk, so that the rename
+    publishing the folder never survives a power loss the manifest did not."""
+    record: dict[str, Any] = {"checksums": checksums, "files": files}
+    if signing_key is not None:
+        missing = sorted(name for name, entry in files.items() if "sha256" not in entry)
+        if missing:
+            raise ValueError(f"a signed manifest needs every file's SHA-256; missing for {missing[:3]}")
+        record["signature"] = _signature(record, signing_key)
     with open(step_dir / MANIFEST, "w", encoding="utf-8") as file:
-        json.dump({"checksums": checksums, "files": files}, file, indent=1, sort_keys=True)
+        json.dump(record, file, indent=1, sort_keys=True)
         file.flush()
         os.fsync(file.fileno())
 
 
-def read_manifest(step_dir: Path) -> dict[str, FileRecord] | None:
+def _signature(record: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 of the manifest's records in one canonical JSON form (the signature itself left out)."""
+    signed = {name: value for name, value in record.items() if name != "signature"}
+    text = json.dumps(signed, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, text.encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+def read_manifest(step_dir: Path, signing_key: bytes | None = None) -> dict[str, FileRecord] | None:
     """`step_dir`'s file records by name, every field checked; None when it has no manifest. A manifest that does
-    not parse, lacks a key or holds a value of the wrong type raises a TorchpreError naming the file and the key."""
+    not parse, lacks a key, holds a value of the wrong type or names a file outside the folder raises a
+    TorchpreError naming the file and the key; with `signing_key`, so does one that is unsigned or signed with
+    another key."""
     path = step_dir / MANIFEST
     if not path.is_file():
         return None
@@ -57,9 +119,33 @@ def read_manifest(step_dir: Path) -> dict[str, FileRecord] | None:
         if checksums not in CHECKSUMS:
             raise FieldError(f"'checksums' is {checksums!r}, not 'write' or 'off'")
         files = field(record, "files", dict)
-        return {name: _file_record(files, name, checksums == "write") for name in sorted(files)}
+        records = {name: _file_record(files, name, checksums == "write") for name in sorted(files)}
+        signature = field(record, "signature", str, default=None)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, FieldError) as error:
         raise TorchpreError(f"{path} is not a valid manifest ({error})") from None
+    for name in records:
+        confined_path(step_dir, name, path, f"files[{name!r}]")
+    if signing_key is not None:
+        _require_signed(path, record, signature, signing_key, records)
+    return records
+
+
+def _require_signed(
+    path: Path, record: dict[str, Any], signature: str | None, key: bytes, records: dict[str, FileRecord]
+) -> None:
+    if signature is None:
+        why = "it is not signed"
+    elif not hmac.compare_digest(signature, _signature(record, key)):
+        why = "its signature does not match this key: it was signed with another key, or altered after the save"
+    elif any(entry.sha256 is None for entry in records.values()):
+        why = "it lacks a file's SHA-256"
+    else:
+        return
+    raise TorchpreError(
+        f"{path}: {why}, and {SIGNING_KEY} asks for checkpoints signed with its key. Load a checkpoint saved with "
+        "that key, or leave the key unset to trust this folder's files without proof of who wrote them "
+        "(docs/security.md)."
+    )
 
 
 def _file_record(files: dict[str, Any], name: str, with_crc: bool) -> FileRecord:
@@ -68,45 +154,46 @@ def _file_record(files: dict[str, Any], name: str, with_crc: bool) -> FileRecord
     if size < 0:
         raise FieldError(f"'{where}.size' is {size}, not a size in bytes")
     crc = field(files[name], "crc32", int, where) if with_crc else field(files[name], "crc32", int, where, None)
-    return FileRecord(size, crc)
+    return FileRecord(size, crc, field(files[name], "sha256", str, where, None))
 
 
-def checkpoint_problems(step_dir: Path) -> list[str] | None:
+def checkpoint_problems(step_dir: Path, trust: Trust = Trust()) -> list[str] | None:
     """Every file of `step_dir` that does not match its manifest; None when it has no manifest to check against.
     Under a process group each rank checks a share and all get all; without one (convert) this process checks
     every file."""
     if not (step_dir / MANIFEST).is_file():
         return None
     if not dist.is_initialized():
-        return verify_share(step_dir, 0, 1)
-    share = verify_share(step_dir, dist.get_rank(), dist.get_world_size())
+        return verify_share(step_dir, 0, 1, trust)
+    share = verify_share(step_dir, dist.get_rank(), dist.get_world_size(), trust)
     return sorted(problem for part in all_gather(share) for problem in part)
 
 
-def find_intact_step(folder: Path, load_step: int, allow_unverified: bool) -> Path | None:
+def find_intact_step(folder: Path, load_step: int, trust: Trust) -> Path | None:
     """The intact step folder to load, the same on every rank; None if there is none.
 
-    With -1, a corrupt latest checkpoint is skipped with a warning for the one before it (a job killed
-    mid-save is the common case, but disks and copies corrupt files too); a chosen step that is corrupt
-    is an error, since loading another one silently would not be what was asked. A folder without a manifest
-    stops the search: it is refused, or loaded unchecked with `allow_unverified` (`accept_unverified`).
+    With -1, a corrupt latest checkpoint (or, under a signing key, one not signed with it) is skipped with a
+    warning for the one before it (a job killed mid-save is the common case, but disks and copies corrupt files
+    too); a chosen step that is corrupt is an error, since loading another one silently would not be what was
+    asked. A folder without a manifest stops the search: it is refused, or loaded unchecked with
+    `trust.allow_unverified` (`accept_unverified`).
     """
     if load_step != -1:
         step_dir = find_step_dir(folder, load_step)
-        require_intact(step_dir, f"checkpoint.load_step = {load_step}", allow_unverified)
+        require_intact(step_dir, f"checkpoint.load_step = {load_step}", trust)
         return step_dir
     corrupt = []
     for step in reversed(complete_steps(folder)):
         step_dir = folder / f"step-{step}"
-        problems = checkpoint_problems(step_dir)
+        problems = checkpoint_problems(step_dir, trust)
         if problems is None:
-            accept_unverified(step_dir, LATEST, allow_unverified)
+            accept_unverified(step_dir, LATEST, trust)
             return step_dir
         if not problems:
             return step_dir
-        corrupt.append(f"{step_dir} ({'; '.join(problems)})")
+        corrupt.append(f"{step_dir} ({_joined(problems)})")
         if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.warning("checkpoint %s is corrupt: %s. Trying the one before it.", step_dir, "; ".join(problems))
+            logger.warning("checkpoint %s is corrupt: %s. Trying the one before it.", step_dir, _joined(problems))
     if corrupt:
         raise TorchpreError(
             f"Every checkpoint in {folder} is corrupt: {'; '.join(corrupt)}. Restore the files, or move the "
@@ -115,36 +202,47 @@ def find_intact_step(folder: Path, load_step: int, allow_unverified: bool) -> Pa
     return None
 
 
-def require_intact(step_dir: Path, key: str, allow_unverified: bool) -> None:
+def require_intact(step_dir: Path, key: str, trust: Trust) -> None:
     """Raises, naming `key` (the setting that chose the folder) and the bad files, unless `step_dir` is intact, or
-    has no manifest and `allow_unverified` accepts it (`accept_unverified`)."""
-    problems = checkpoint_problems(step_dir)
+    has no manifest and `trust.allow_unverified` accepts it (`accept_unverified`)."""
+    problems = checkpoint_problems(step_dir, trust)
     if problems is None:
-        accept_unverified(step_dir, key, allow_unverified)
+        accept_unverified(step_dir, key, trust)
     elif problems:
         raise TorchpreError(
-            f"{key}: the checkpoint {step_dir} is corrupt: {'; '.join(problems)}. Load another checkpoint "
+            f"{key}: the checkpoint {step_dir} is corrupt: {_joined(problems)}. Load another checkpoint "
             "(checkpoint.load_step = -1 loads the latest intact one) or restore the files."
         )
 
 
-def check_verifiable(step_dir: Path, key: str, allow_unverified: bool) -> None:
+def _joined(problems: list[str]) -> str:
+    return "; ".join(problem.rstrip(".") for problem in problems)
+
+
+def check_verifiable(step_dir: Path, key: str, trust: Trust) -> None:
     """Before any work (no process group needed): the error `accept_unverified` would raise when `step_dir` is
-    loaded, if it has no manifest and `allow_unverified` is off. The warning of an allowed one is left to the load."""
-    if not allow_unverified and not (step_dir / MANIFEST).is_file():
-        accept_unverified(step_dir, key, allowed=False)
+    loaded, if it has no manifest and `trust` does not accept that. The warning of an allowed one is left to the
+    load, and so is checking the files (and a signature): a latest checkpoint that fails is skipped there."""
+    if not (step_dir / MANIFEST).is_file() and (not trust.allow_unverified or trust.signing_key is not None):
+        accept_unverified(step_dir, key, trust)
 
 
-def accept_unverified(step_dir: Path, key: str, allowed: bool) -> None:
-    """For `step_dir`, which has no manifest: a warning naming it when `allowed` (checkpoint.allow_unverified),
-    else an error naming it, `key` (the setting that chose it) and that option. A folder without DCP's metadata
-    either is no checkpoint at all, which no option makes loadable."""
+def accept_unverified(step_dir: Path, key: str, trust: Trust) -> None:
+    """For `step_dir`, which has no manifest: a warning naming it when `trust.allow_unverified`
+    (checkpoint.allow_unverified), else an error naming it, `key` (the setting that chose it) and that option. A
+    folder without DCP's metadata either is no checkpoint at all, which no option makes loadable, and under a
+    signing key no unsigned folder loads."""
     if not (step_dir / ".metadata").is_file():
         raise TorchpreError(
             f"{key}: {step_dir} is not a checkpoint: it has neither {MANIFEST} nor torch.distributed.checkpoint's "
             ".metadata. Give a step-N folder that training or `python -m torchpre.convert hf-to-dcp` wrote."
         )
-    if not allowed:
+    if trust.signing_key is not None:
+        raise TorchpreError(
+            f"{key}: the checkpoint {step_dir} has no {MANIFEST}, so it is not signed, and {SIGNING_KEY} asks for "
+            "checkpoints signed with its key. Load a checkpoint saved with that key (docs/security.md)."
+        )
+    if not trust.allow_unverified:
         raise TorchpreError(
             f"{key}: the checkpoint {step_dir} has no {MANIFEST}, so its files cannot be checked for damage (every "
             "torchpre save writes one: this folder was written by another tool or before manifests existed, or its "
@@ -157,44 +255,95 @@ def accept_unverified(step_dir: Path, key: str, allowed: bool) -> None:
         )  # fmt: skip
 
 
-def verify_share(step_dir: Path, rank: int, world_size: int) -> list[str]:
+def verify_share(step_dir: Path, rank: int, world_size: int, trust: Trust = Trust()) -> list[str]:
     """This rank's share (every world_size-th file of the manifest) of checking `step_dir`: one line per file
-    that is missing, has another size or fails its checksum (when the save took checksums), and on rank 0 one
-    for a manifest that is missing or not valid."""
+    that is missing, has another size or fails its checksum or digest, and on rank 0 one for a manifest that is
+    missing, not valid, or (under a signing key) not signed with it."""
     try:
-        records = read_manifest(step_dir)
+        records = read_manifest(step_dir, trust.signing_key)
     except TorchpreError as error:
         return [str(error)] if rank == 0 else []
     if records is None:
         return [f"{step_dir / MANIFEST} is missing"] if rank == 0 else []
     expected = sorted(records.items())
-    if rank == 0 and any(record.crc32 is None for _, record in expected):
+    if rank == 0 and any(record.crc32 is None and record.sha256 is None for _, record in expected):
         logger.info(
             'checkpoint %s was saved without checksums (checkpoint.checksums = "off"): only its file sizes are '
             "checked, so altered bytes would go unnoticed",
             step_dir,
         )
-    problems = []
-    for name, record in expected[rank::world_size]:
-        file = step_dir / name
-        try:  # an unreadable file is a finding, not an exception: the other ranks wait for this one's answer
-            if not file.is_file():
-                problems.append(f"{file} is missing")
-            elif file.stat().st_size != record.size:
-                problems.append(f"{file} has {file.stat().st_size} bytes, not the {record.size} it was saved with")
-            elif record.crc32 is not None and _crc32(file) != record.crc32:
-                problems.append(f"{file} fails its CRC-32 check (its bytes changed after the save)")
-        except OSError as error:
-            problems.append(f"{file} cannot be read ({error})")
-    return problems
+    problems = [file_problem(step_dir / name, record) for name, record in expected[rank::world_size]]
+    return [problem for problem in problems if problem is not None]
 
 
-def _crc32(path: Path) -> int:
-    crc = 0
+def file_problem(file: Path, record: FileRecord) -> str | None:
+    """What is wrong with `file` against its manifest record, or None. An unreadable file is a finding, not an
+    exception: under a process group the other ranks wait for this one's answer."""
+    try:
+        if file.is_symlink() or not file.is_file():
+            return f"{file} is missing" if not file.is_symlink() else f"{file} is a symbolic link, not a saved file"
+        if file.stat().st_size != record.size:
+            return f"{file} has {file.stat().st_size} bytes, not the {record.size} it was saved with"
+        if record.sha256 is not None or record.crc32 is not None:
+            crc, sha256 = _digests(file, record.sha256 is not None)
+            if record.sha256 is not None and sha256 != record.sha256:
+                return f"{file} fails its SHA-256 check (its bytes changed after the save)"
+            if record.crc32 is not None and crc != record.crc32:
+                return f"{file} fails its CRC-32 check (its bytes changed after the save)"
+    except OSError as error:
+        return f"{file} cannot be read ({error})"
+    return None
+
+
+def _digests(path: Path, with_sha256: bool) -> tuple[int, str | None]:
+    crc, sha = 0, hashlib.sha256() if with_sha256 else None
     with path.open("rb") as file:
         while chunk := file.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
-    return crc
+            if sha is not None:
+                sha.update(chunk)
+    return crc, None if sha is None else sha.hexdigest()
+
+
+@dataclass
+class FileCheck:
+    """Checks files of `step_dir` against its manifest one by one, before a reader opens them: `require` raises,
+    naming the file, unless it matches its record (or the folder has no manifest and `trust.allow_unverified`).
+    `whole_folder_checked` marks every file checked (the collective check of all files just ran)."""
+
+    step_dir: Path
+    trust: Trust = Trust()
+    key: str = ""  # the setting that chose the folder, in messages
+    _checked: set[str] = dataclass_field(default_factory=set)
+    _records: dict[str, FileRecord] | None = None
+    _read: bool = False
+
+    def whole_folder_checked(self) -> "FileCheck":
+        self._checked.add("*")
+        return self
+
+    def require(self, name: str) -> None:
+        if "*" in self._checked or name in self._checked:
+            return
+        if not self._read:
+            self._records, self._read = read_manifest(self.step_dir, self.trust.signing_key), True
+            if self._records is None:
+                accept_unverified(self.step_dir, self.key, self.trust)
+        if self._records is not None:
+            record = self._records.get(name)
+            problem = f"{self.step_dir / name} is not in its {MANIFEST}" if record is None else None
+            problem = problem or file_problem(self.step_dir / name, record)
+            if problem:
+                setting = f"{self.key}: " if self.key else ""
+                raise TorchpreError(
+                    f"{setting}the checkpoint {self.step_dir} is corrupt: {problem}. Load another checkpoint or "
+                    "restore the files; a file the manifest does not vouch for is never read."
+                )
+        self._checked.add(name)
+
+    def require_all(self, names: Iterable[str]) -> None:
+        for name in sorted(set(names)):
+            self.require(name)
 
 
 def all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

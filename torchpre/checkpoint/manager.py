@@ -1,20 +1,22 @@
 """Checkpoints with torch.distributed.checkpoint: the whole training state, saved atomically, loadable under any
 parallel layout.
 
-The manager saves and loads a mapping of components (`torchpre.checkpoint.state.Checkpointable`): each is one
-top-level entry of the DCP folder, and the manager knows nothing of what is inside. A training job's are "model"
-(parameters by their name in the full model, DTensor shards under TP, each pipeline stage its own names),
-"optimizer" (per parameter its state and, for low-precision parameters, the fp32 master, as DTensors on the state
-mesh), "lr_scheduler", "dataloader" (the global sample position), "train" (the step, the global batch size and the
-saving layout), "rng" (per rank) and "health" (the step guard's counters); the folder also holds the resolved
-`config.toml`. DCP reshards every tensor to whatever layout loads it.
+The manager saves and loads a mapping of components (`torchpre.checkpoint.state.Checkpointable`): each is one top-level
+entry of the DCP folder, and the manager knows nothing of what is inside. A training job's are "model" (parameters by
+their name in the full model, DTensor shards under TP, each pipeline stage its own names), "optimizer" (per parameter
+its state and, for low-precision parameters, the fp32 master, as DTensors on the state mesh), "lr_scheduler",
+"dataloader" (the global sample position), "train" (the step, the global batch size and the saving layout), "rng" (per
+rank) and "health" (the step guard's counters). DCP writes and reshards the tensors; the other values (the step,
+counters, the data position) go to `state.json` (values.py), so nothing in a torchpre checkpoint needs unpickling beyond
+DCP's metadata, which loads through the restricted reader (reader.py). The folder also holds the resolved `config.toml`.
 
-A checkpoint is written as `.tmp-step-N` and published, renamed to `step-N` by rank 0, as soon as every rank has
-written its files, so a `step-N` folder is always complete; loaders only ever look at `step-N` names, and a
-restarted job removes the `.tmp-*` folders a killed one left. Before the rename, `manifest.json` records every
-file's size and CRC-32, taken from the bytes as they are written (storage.py), never by reading the files back;
-loading checks them (integrity.py). With checkpoint.checksums = "off" the manifest holds the sizes only. An async
-save is published by a finisher in the background, on the save's own process group, the moment its write is done.
+A checkpoint is written as `.tmp-step-N` and published, renamed to `step-N` by rank 0, as soon as every rank has written
+its files, so a `step-N` folder is always complete; loaders only ever look at `step-N` names, and a restarted job
+removes the `.tmp-*` folders a killed one left, if torchpre's marker says it made them (folders.py). A `step-N` that is
+already there when a save publishes is moved aside, never deleted. Before the rename, `manifest.json` records every
+file's size and CRC-32, taken from the bytes as they are written (storage.py), never by reading the files back; loading
+checks them (integrity.py). With checkpoint.checksums = "off" the manifest holds the sizes only. An async save is
+published by a finisher in the background, on the save's own process group, the moment its write is done.
 
 A save that fails (a full disk, no permission, an I/O error) removes its `.tmp-step-N` and raises a StorageError on
 every rank, naming the folder, the bytes it needed and had, and what to do (disk.py); an async save's failure is
@@ -42,8 +44,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from torchpre.checkpoint.disk import Failure, free_bytes, low_space_message, summary, unwritten_message
-from torchpre.checkpoint.folders import TMP_PREFIX, complete_steps, publish, remove_step
-from torchpre.checkpoint.integrity import all_gather, find_intact_step, require_intact, write_manifest
+from torchpre.checkpoint.folders import (
+    DAMAGED,
+    MARKER,
+    TMP_PREFIX,
+    complete_steps,
+    move_aside,
+    publish,
+    remove_if_ours,
+    remove_step,
+    remove_unfinished,
+)
+from torchpre.checkpoint.integrity import (
+    FileCheck,
+    Trust,
+    all_gather,
+    find_intact_step,
+    read_signing_key,
+    require_intact,
+    write_manifest,
+)
+from torchpre.checkpoint.reader import Loader
 from torchpre.checkpoint.state import (
     Checkpointable,
     check_shapes,
@@ -53,6 +74,7 @@ from torchpre.checkpoint.state import (
     state_bytes,
 )
 from torchpre.checkpoint.storage import RecordingWriter, make_stager, published_records, stager_keeps_buffers
+from torchpre.checkpoint.values import VALUES, encode_values, put_values, read_values, split_values, without_values
 from torchpre.config.job_config import Checkpoint
 from torchpre.distributed.utils import comm_timeout
 from torchpre.errors import StorageError
@@ -101,6 +123,7 @@ class CheckpointManager:
         self.config_text = config_text
         self.interval, self.keep_latest_k = settings.interval, settings.keep_latest_k
         self.checksums = settings.checksums
+        self._signing_key = read_signing_key(settings.signing_key_file)
         self.rank = dist.get_rank()
         async_mode = settings.async_mode
         # Background writes and their publication run their collectives on a group of their own, never interleaved
@@ -120,17 +143,21 @@ class CheckpointManager:
         self._lock = threading.Lock()  # `_unreported` is set by the finisher's thread
         self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
 
+    @property
+    def trust(self) -> Trust:
+        """What this manager's loads accept (checkpoint.allow_unverified, the signing key)."""
+        return Trust(self.settings.allow_unverified, self._signing_key)
+
     def state_dict(self) -> dict[str, Any]:
         """What a save writes: every component's state, or the weights alone under checkpoint.model_only."""
         saved = [WEIGHTS] if self.settings.model_only else list(self.components)
         return {key: self.components[key].state_dict() for key in saved}
 
     def remove_unfinished(self) -> None:
-        """Rank 0 deletes the temporary folders of saves or deletions that did not finish (a crashed run's)."""
+        """Rank 0 deletes the temporary folders of saves or deletions that did not finish (a crashed run's), and only
+        those (folders.remove_unfinished)."""
         if self.rank == 0:
-            for stale in self.folder.glob(f"{TMP_PREFIX}*"):
-                shutil.rmtree(stale, ignore_errors=True)
-                logger.info("removed %s, left by a save or deletion that did not finish", stale)
+            remove_unfinished(self.folder)
 
     # Saving ------------------------------------------------------------------------------------
 
@@ -145,15 +172,17 @@ class CheckpointManager:
         raises on every rank (an async one at the next `save`, `wait` or `close`; `failed` says so at once): a
         StorageError when the storage is to blame."""
         self.wait()
+        state, values = split_values(self.state_dict())
         if self._size is not None:
             needed, estimate = self._size, "the size of the last checkpoint"
         else:
-            needed, estimate = state_bytes(self.state_dict()), "the size of the state"
+            needed, estimate = state_bytes(state), "the size of the state"
         tmp = self.folder / f"{TMP_PREFIX}step-{step}"
-        writer = RecordingWriter(tmp, crc=self.checksums == "write", publish=self.in_process)
-        if not self._prepare(step, writer, needed, estimate):
+        signed = self.trust.signing_key is not None
+        writer = RecordingWriter(tmp, crc=self.checksums == "write", publish=self.in_process, sha256=signed)
+        values_json = encode_values(values)
+        if not self._prepare(step, writer, needed, estimate, values_json):
             return False
-        state = self.state_dict()
         start = time.perf_counter()
         if self.async_group is None:
             try:
@@ -161,7 +190,7 @@ class CheckpointManager:
                 error = None
             except (Exception, CheckpointException) as failure:  # DCP's CheckpointException is no Exception
                 error = failure
-            _raise_if_failed(self._publish(step, start, writer, error, needed, group=None))
+            _raise_if_failed(self._publish(step, start, writer, error, needed, values_json, group=None))
             return True
         stager = self._stager or self._new_stager()
         kind = AsyncCheckpointerType.PROCESS if self.in_process else AsyncCheckpointerType.THREAD
@@ -175,7 +204,9 @@ class CheckpointManager:
         if stager is not self._stager:
             stager.close()  # staging is done on return (use_async_staging=False)
         logger.info("checkpoint step-%d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
-        self._pending = self._background.submit(self._publish_when_written, write, step, start, writer, needed)
+        self._pending = self._background.submit(
+            self._publish_when_written, write, step, start, writer, needed, values_json
+        )
         return True
 
     @property
@@ -212,21 +243,26 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()
 
-    def _prepare(self, step: int, writer: RecordingWriter, needed: int, estimate: str) -> bool:
-        """Rank 0 checks that the save fits (`needed` bytes, from `estimate`) and creates its folder with the config;
-        every rank learns whether the save goes ahead, or raises the StorageError that stopped it."""
+    def _prepare(self, step: int, writer: RecordingWriter, needed: int, estimate: str, values: bytes) -> bool:
+        """Rank 0 checks that the save fits (`needed` bytes, from `estimate`) and creates its folder, marked as
+        torchpre's, with the config and the non-tensor state (`values`, state.json's bytes); every rank learns
+        whether the save goes ahead, or raises the StorageError that stopped it."""
         tmp = Path(writer.path)
         go: bool | str = True
         if self.rank == 0:
             try:
                 go = self._fits(step, needed, estimate)
                 if go:
-                    shutil.rmtree(tmp, ignore_errors=True)
+                    if (tmp.exists() or tmp.is_symlink()) and not remove_if_ours(tmp):
+                        raise FileExistsError(f"{tmp} is in the way, and torchpre did not make it")
                     tmp.mkdir(parents=True)
-                    with writer.fs.create_stream(tmp / "config.toml", "wb") as config:
-                        config.write(self.config_text.encode("utf-8"))
+                    contents = {MARKER: b"", "config.toml": self.config_text.encode("utf-8"), VALUES: values}
+                    for name, content in contents.items():  # the marker first: the clean-up knows the folder as ours
+                        with writer.fs.create_stream(tmp / name, "wb") as file:
+                            file.write(content)
             except OSError as error:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if tmp.is_dir() and not tmp.is_symlink() and (tmp / MARKER).is_file():
+                    shutil.rmtree(tmp, ignore_errors=True)
                 failure = summary(error)
                 go = unwritten_message(step, self.folder, {0: failure}, needed, free_bytes(self.folder), self._latest())
         go = _broadcast(go, group=None)
@@ -257,7 +293,7 @@ class CheckpointManager:
         return True
 
     def _publish_when_written(
-        self, write: Future, step: int, start: float, writer: RecordingWriter, needed: int
+        self, write: Future, step: int, start: float, writer: RecordingWriter, needed: int, values: bytes
     ) -> Published | BaseException:
         """`_publish` as soon as the background write is done, still in the background, on the save's own group."""
         try:
@@ -265,7 +301,7 @@ class CheckpointManager:
             error = None
         except (Exception, CheckpointException) as failure:
             error = failure
-        outcome = self._publish(step, start, writer, error, needed, self.async_group)
+        outcome = self._publish(step, start, writer, error, needed, values, self.async_group)
         if self.rank == 0 and not isinstance(outcome, Published):
             logger.error("the background save of step %d failed: every rank stops after its step in progress", step)
         return outcome
@@ -277,6 +313,7 @@ class CheckpointManager:
         writer: RecordingWriter,
         error: BaseException | None,
         needed: int,
+        values: bytes,
         group: dist.ProcessGroup | None,
     ) -> Published | BaseException:
         """After this rank's part of a save (`error`: how it failed, if it did): every rank's files and failure
@@ -285,14 +322,17 @@ class CheckpointManager:
 
         Each rank's writer took its files' sizes and CRCs; a write in DCP's checkpoint process left them in small
         files instead (its memory is not ours), which rank 0 finds complete once its own write is done: DCP's
-        coordinator finishes after every rank has written."""
+        coordinator finishes after every rank has written. `values` (state.json's bytes, which rank 0 wrote) must be
+        every rank's: each value is saved once, so a component whose values differ between ranks is a bug, named
+        here rather than saved as rank 0's."""
         records = {} if self.in_process else writer.fs.records
-        parts = all_gather((records, None if error is None else summary(error)), group)
-        failures = {rank: failure for rank, (_, failure) in enumerate(parts) if failure is not None}
+        parts = all_gather((records, None if error is None else summary(error), values), group)
+        failures = {rank: failure for rank, (_, failure, _) in enumerate(parts) if failure is not None}
         outcome: Published | _Unwritten | None = None
         if self.rank == 0:
-            files = {name: record for part, _ in parts for name, record in part.items()}
+            files = {name: record for part, _, _ in parts for name, record in part.items()}
             try:
+                _require_agreed([part_values for _, _, part_values in parts])
                 outcome = self._publish_or_remove(step, start, Path(writer.path), files, failures, needed)
             except Exception as failure:  # told to the others first: they wait for the outcome
                 error, outcome = failure, _Unwritten([0], None)
@@ -318,7 +358,7 @@ class CheckpointManager:
         if not failures:
             files = published_records(tmp) if self.in_process else files
             try:
-                write_manifest(tmp, self.checksums, files)
+                write_manifest(tmp, self.checksums, files, self.trust.signing_key)
                 publish(tmp, final)
             except OSError as error:
                 failures = {0: summary(error)}
@@ -357,14 +397,26 @@ class CheckpointManager:
     # Loading -----------------------------------------------------------------------------------
 
     def find(self, load_step: int) -> Path | None:
-        """`find_intact_step` in this manager's folder; `load` then skips checking it again."""
-        self._verified = find_intact_step(self.folder, load_step, self.settings.allow_unverified)
-        return self._verified
+        """`find_intact_step` in this manager's folder; `load` then skips checking it again. The damaged
+        checkpoints it skipped (those after the one it found) are moved aside to `damaged-step-N` by rank 0, so
+        that retention never counts them and a later save of their step does not replace them."""
+        found = find_intact_step(self.folder, load_step, self.trust)
+        if load_step == -1 and self.rank == 0:
+            newest = int(found.name[5:]) if found is not None else -1
+            for step in (s for s in complete_steps(self.folder) if s > newest):
+                target = move_aside(self.folder / f"step-{step}", DAMAGED)
+                logger.warning("moved the damaged checkpoint step-%d aside to %s; torchpre never deletes it", step,
+                               target)  # fmt: skip
+        self._verified = found
+        return found
 
-    def _require_intact(self, step_dir: Path, key: str) -> None:
+    def _require_intact(self, step_dir: Path, key: str) -> FileCheck:
+        """The folder checked whole (on every rank, each a share), as a FileCheck that then reads without checking
+        again."""
         if step_dir != self._verified:
-            require_intact(step_dir, key, self.settings.allow_unverified)
+            require_intact(step_dir, key, self.trust)
         self._verified = step_dir
+        return FileCheck(step_dir, self.trust, key).whole_folder_checked()
 
     def load(self, step_dir: Path, weights_only: bool = False) -> list[str]:
         """Loads a checkpoint into the live components, resharding to this layout; returns the entries loaded.
@@ -373,10 +425,12 @@ class CheckpointManager:
         checkpoint.model_only, or converted from Hugging Face), loads the "model" entry and nothing else. Every
         other entry must be in the checkpoint, except those checkpoint.exclude_from_loading names and what a
         component leaves out of its `load_targets`: a missing one is an error, never a silent fresh start of that
-        state.
+        state. The folder is checked against its manifest before any of its files is read.
         """
-        self._require_intact(step_dir, "checkpoint.initial_load_path" if weights_only else "checkpoint.load_step")
-        metadata = checkpoint_metadata(step_dir)
+        key = "checkpoint.initial_load_path" if weights_only else "checkpoint.load_step"
+        check = self._require_intact(step_dir, key)
+        metadata = checkpoint_metadata(check)
+        values = read_values(check) or {}
         saved = set(metadata)
         weights_only = weights_only or all(key.startswith(f"{WEIGHTS}.") for key in saved)
         excluded = self.settings.exclude_from_loading
@@ -386,12 +440,14 @@ class CheckpointManager:
         moved = _from_legacy_locations(request, saved)
         check_shapes(request, metadata, step_dir)
         require_present(request, metadata, step_dir)
-        dcp.load(request, checkpoint_id=str(step_dir))
-        _to_current_locations(request, moved)
-        for key, state in request.items():
+        loaded = without_values(request, values)
+        Loader(check, self.settings.allow_pickle).load(loaded)
+        put_values(loaded, request, values)
+        _to_current_locations(loaded, moved)
+        for key, state in loaded.items():
             self.components[key].load_state_dict(state)
-        logger.info("loaded %s: %s", step_dir, ", ".join(sorted(request)))
-        return list(request)
+        logger.info("loaded %s: %s", step_dir, ", ".join(sorted(loaded)))
+        return list(loaded)
 
 
 def _from_legacy_locations(request: dict[str, Any], saved: set[str]) -> list[tuple[tuple, tuple]]:
@@ -409,6 +465,16 @@ def _from_legacy_locations(request: dict[str, Any], saved: set[str]) -> list[tup
 def _to_current_locations(request: dict[str, Any], moved: list[tuple[tuple, tuple]]) -> None:
     for (component, key), (old_component, old_key) in moved:
         request[component][key] = request[old_component].pop(old_key)
+
+
+def _require_agreed(values: list[bytes]) -> None:
+    """Raises unless every rank's `state.json` bytes (by rank) are rank 0's."""
+    differing = [rank for rank, part in enumerate(values) if part != values[0]]
+    if differing:
+        raise RuntimeError(
+            f"the checkpoint's non-tensor values (state.json) differ on ranks {differing[:8]} from rank 0's; each is "
+            "saved once, so a component must keep per-rank values in tensors under per-rank keys (as RNGState does)"
+        )
 
 
 def _raise_if_failed(outcome: Published | BaseException) -> None:

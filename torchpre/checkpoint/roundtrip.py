@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
+from torchpre.checkpoint.integrity import FileCheck, Trust
 from torchpre.checkpoint.layout import LAYOUT_KEYS as TRAIN_LAYOUT_KEYS
 from torchpre.checkpoint.layout import STAGE_KEYS
 from torchpre.checkpoint.manager import CheckpointManager
+from torchpre.checkpoint.reader import Loader
 from torchpre.checkpoint.state import flatten
+from torchpre.checkpoint.values import read_values
 
 LAYOUT_KEYS = tuple(f"train.{key}" for key in (*TRAIN_LAYOUT_KEYS, *STAGE_KEYS))
 PER_RANK_PREFIX = "rng."
@@ -102,11 +102,10 @@ def gather_live_state(manager: CheckpointManager) -> tuple[dict[str, Any], list[
 
 
 def read_saved_state(step_dir: Path) -> dict[str, Any]:
-    """Every entry of the checkpoint `step_dir`, read whole in this process, in canonical form."""
-    state: dict[str, Any] = {}  # filled in place with all the checkpoint holds, as dcp_to_torch_save does
-    reader = dcp.FileSystemReader(str(step_dir))
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return canonical(flatten(state))
+    """Every entry of the checkpoint `step_dir` (its tensors and `state.json`'s values), read whole in this process
+    through the safe reader, in canonical form."""
+    check = FileCheck(step_dir, Trust(allow_unverified=True))
+    return canonical(flatten(Loader(check).load_whole()) | (read_values(check) or {}))
 
 
 def canonical(flat: dict[str, Any]) -> dict[str, Any]:

@@ -8,18 +8,18 @@ entries an older torchpre did not write), says what to load with `load_targets(s
 flattened keys; otherwise its `state_dict()` is what loads, every key required.
 """
 
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from torchpre.checkpoint.integrity import all_gather
-from torchpre.errors import TorchpreError
+from torchpre.checkpoint.integrity import FileCheck, Trust, all_gather
+from torchpre.checkpoint.reader import Loader, read_metadata
+from torchpre.checkpoint.values import read_values
+from torchpre.errors import TorchpreError, UntrustedInput
 
 
 @runtime_checkable
@@ -62,31 +62,31 @@ class RNGState:
             torch.cuda.set_rng_state(state_dict[f"cuda_rank{self.rank}"])
 
 
-def checkpoint_metadata(step_dir: Path) -> dict[str, Any]:
-    """The checkpoint's flattened keys ("model.layers.0...") and their metadata; a clear error if the
-    folder is not a readable checkpoint."""
-    try:
-        return dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    except Exception as error:  # DCP raises several types for missing or corrupt metadata
-        raise TorchpreError(
-            f"Cannot read the checkpoint at {step_dir} ({type(error).__name__}: {error}). "
-            "Point checkpoint.folder / checkpoint.initial_load_path at a complete step-N folder."
-        ) from None
+def checkpoint_metadata(check: FileCheck) -> dict[str, Any]:
+    """The checked folder's flattened keys ("model.layers.0...") and their metadata, `state.json`'s values as
+    BytesStorageMetadata; a clear error if the folder is not a readable checkpoint."""
+    metadata = read_metadata(check.step_dir, check).state_dict_metadata
+    values = read_values(check) or {}
+    return metadata | dict.fromkeys(values, BytesStorageMetadata())
 
 
-def read_train_values(step_dir: Path, keys: Sequence[str]) -> dict[str, float]:
+def read_train_values(step_dir: Path, keys: Sequence[str], trust: Trust) -> dict[str, float]:
     """The checkpoint's "train" entries named in `keys` that it holds (a scalar each: global batch, seq_len, RoPE),
-    read without a process group, before anything is built; {} if it holds none or cannot be read (a damaged
-    checkpoint is named, and skipped, by the checked load that follows). DCP's warnings about loading in one
-    process are expected here and silenced."""
+    read without a process group, before anything is built, from files the manifest vouches for; {} if it holds
+    none or cannot be read (a damaged checkpoint is named, and skipped, by the checked load that follows). A folder
+    that holds code or names files outside itself is refused at once (UntrustedInput)."""
+    check = FileCheck(step_dir, trust)
     try:
-        recorded = checkpoint_metadata(step_dir)
+        values = read_values(check)
+        if values is not None:
+            return {key: float(values[f"train.{key}"]) for key in keys if f"train.{key}" in values}
+        recorded = read_metadata(step_dir, check).state_dict_metadata
         request = {"train": {key: 0.0 for key in keys if f"train.{key}" in recorded}}
         if not request["train"]:
             return {}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp.load(request, checkpoint_id=str(step_dir), no_dist=True)
+        Loader(check).load(request, no_dist=True)
+    except UntrustedInput:
+        raise
     except Exception:  # DCP raises several types for damaged files
         return {}
     return {key: float(value) for key, value in request["train"].items()}

@@ -1,9 +1,10 @@
-"""How a checkpoint's bytes leave the process: a DCP file writer that takes each file's size and CRC-32 from the
-bytes as it writes them (so the manifest costs no second read of the checkpoint) and reports a failed write as the
-OSError it was, and the stager that copies the state to host memory for an async save (pinned, reused buffers on
-CUDA)."""
+"""How a checkpoint's bytes leave the process: a DCP file writer that takes each file's size, CRC-32 and (for a signed
+save) SHA-256 from the bytes as it writes them (so the manifest costs no second read of the checkpoint) and reports a
+failed write as the OSError it was, and the stager that copies the state to host memory for an async save (pinned,
+reused buffers on CUDA)."""
 
 import functools
+import hashlib
 import json
 import threading
 import zlib
@@ -24,14 +25,15 @@ RECORDS = "records.json"  # a rank's file records, for a writer in DCP's checkpo
 
 
 class _RecordingStream:
-    """A file opened for writing that keeps the count and, optionally, the CRC-32 of the bytes written through
-    it. DCP writes each file front to back, so these are the file's; a seek would break that, so it has none.
-    An OSError of the file goes to `failed` before it propagates: torch.save, which writes through this stream,
-    turns it into a RuntimeError about a short write ("unexpected pos")."""
+    """A file opened for writing that keeps the count and, optionally, the CRC-32 and the SHA-256 of the bytes written
+    through it. DCP writes each file front to back, so these are the file's; a seek would break that, so it has none. An
+    OSError of the file goes to `failed` before it propagates: torch.save, which writes through this stream, turns it
+    into a RuntimeError about a short write ("unexpected pos")."""
 
-    def __init__(self, file, crc: bool, failed: Callable[[OSError], None]) -> None:
+    def __init__(self, file, crc: bool, sha256: bool, failed: Callable[[OSError], None]) -> None:
         self._file = file
         self._crc = 0 if crc else None
+        self._sha256 = hashlib.sha256() if sha256 else None
         self._failed = failed
         self.size = 0
 
@@ -40,6 +42,8 @@ class _RecordingStream:
             written = self._file.write(data)
         if self._crc is not None:
             self._crc = zlib.crc32(data, self._crc)
+        if self._sha256 is not None:
+            self._sha256.update(data)
         self.size += written
         return written
 
@@ -65,19 +69,24 @@ class _RecordingStream:
             self._failed(error)
             raise
 
-    def record(self) -> dict[str, int]:
-        return {"size": self.size} if self._crc is None else {"size": self.size, "crc32": self._crc}
+    def record(self) -> dict[str, int | str]:
+        record: dict[str, int | str] = {"size": self.size}
+        if self._crc is not None:
+            record["crc32"] = self._crc
+        if self._sha256 is not None:
+            record["sha256"] = self._sha256.hexdigest()
+        return record
 
 
 class RecordingFileSystem(FileSystem):
-    """DCP's local file system, remembering the size (and with `crc`, the CRC-32) of every file written through
-    it, by file name, after DCP's renames (its `.metadata.tmp` becomes `.metadata`), and the first OSError a
-    write met (`failure`)."""
+    """DCP's local file system, remembering the size (with `crc` the CRC-32, with `sha256` the SHA-256) of every file
+    written through it, by file name, after DCP's renames (its `.metadata.tmp` becomes `.metadata`), and the first
+    OSError a write met (`failure`)."""
 
-    def __init__(self, crc: bool) -> None:
+    def __init__(self, crc: bool, sha256: bool = False) -> None:
         super().__init__()
-        self.crc = crc
-        self.records: dict[str, dict[str, int]] = {}
+        self.crc, self.sha256 = crc, sha256
+        self.records: dict[str, dict[str, int | str]] = {}
         self.failure: OSError | None = None
         self._lock = threading.Lock()  # DCP may write with several threads
 
@@ -87,7 +96,7 @@ class RecordingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            recording = _RecordingStream(stream, self.crc, self._failed)
+            recording = _RecordingStream(stream, self.crc, self.sha256, self._failed)
             yield recording
         with self._lock:
             self.records[Path(path).name] = recording.record()
@@ -112,15 +121,16 @@ class RecordingFileSystem(FileSystem):
 
 
 class RecordingWriter(FileSystemWriter):
-    """`FileSystemWriter` whose `fs.records` lists the files this process wrote, with their sizes and CRCs.
+    """`FileSystemWriter` whose `fs.records` lists the files this process wrote, with their sizes, CRCs and (with
+    `sha256`, for a signed save) SHA-256 digests.
 
     With `publish`, for a writer that runs in DCP's checkpoint process (whose memory the trainer never sees), it
     also writes them to `__{rank}_records.json` once its files are written, and again with `.metadata` once it
     is (the coordinator); `published_records` reads them back and removes them."""
 
-    def __init__(self, path: Path, crc: bool, publish: bool = False) -> None:
+    def __init__(self, path: Path, crc: bool, publish: bool = False, sha256: bool = False) -> None:
         super().__init__(path)
-        self.fs = RecordingFileSystem(crc)
+        self.fs = RecordingFileSystem(crc, sha256)
         self.publish = publish
         self._prefix = ""
 

@@ -404,7 +404,9 @@ class Checkpoint:
         "weights start a run with no checkpoint yet; each rank reads only the shards it holds",
     )
     save_on_preemption: bool = _option(
-        False, "on SIGTERM (torchrun forwards it), finish the step, save a checkpoint and exit cleanly"
+        False,
+        "on SIGTERM (torchrun forwards it) or SIGUSR1 (multinode.slurm passes Slurm's warning on), finish the step, "
+        "save a checkpoint and exit cleanly",
     )
     on_low_space: Literal["warn", "skip"] = _option(
         "warn",
@@ -416,6 +418,16 @@ class Checkpoint:
         False,
         "load a step folder that has no manifest.json (written by another tool or before manifests existed), whose "
         "files cannot be checked for damage, with a warning naming it; off: such a folder is refused",
+    )
+    allow_pickle: bool = _option(
+        False,
+        "load non-tensor checkpoint entries with full pickle, which runs any code they name: only for a foreign "
+        "checkpoint from someone you trust (torchpre's own hold none; docs/security.md); off: plain values only",
+    )
+    signing_key_file: str = _option(
+        "",
+        "a file holding a secret key: every save signs its manifest (HMAC-SHA256 over each file's SHA-256) and every "
+        "load refuses a checkpoint not signed with this key; empty: no signing (the CRC-32 integrity check stays)",
     )
 
 

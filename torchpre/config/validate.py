@@ -54,7 +54,7 @@ def validate_config(config: JobConfig) -> None:
     _at_least("checkpoint.keep_latest_k", c.keep_latest_k, 0)
     if c.save_on_preemption and not c.enable:
         raise ConfigError(
-            "checkpoint.save_on_preemption saves a checkpoint on SIGTERM, but checkpoint.enable is off. "
+            "checkpoint.save_on_preemption saves a checkpoint on SIGTERM or SIGUSR1, but checkpoint.enable is off. "
             "Set checkpoint.enable = true, or turn checkpoint.save_on_preemption off."
         )
     for key in ("init_timeout_seconds", "timeout_seconds"):

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from torchpre.data.shards import ShardReader
+from torchpre.data.shards import ShardReader, out_of_vocabulary
+from torchpre.errors import TorchpreError
 
 
 class ShardWindows(Dataset):
@@ -37,8 +38,19 @@ class ShardWindows(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_windows:
             raise IndexError(f"window {index} of {self.num_windows}")
-        window = torch.from_numpy(self.tokens(index * (self.seq_len + 1), self.seq_len + 1))
+        start = index * (self.seq_len + 1)
+        window = torch.from_numpy(self.tokens(start, self.seq_len + 1))
+        if int(window.max()) >= self.reader.manifest.vocab_size:  # cheap next to a step; shards from before max ids
+            self._out_of_vocabulary(start, window)
         return window[:-1], window[1:]
+
+    def _out_of_vocabulary(self, start: int, window: torch.Tensor) -> None:
+        position = start + int(torch.nonzero(window >= self.reader.manifest.vocab_size)[0])
+        shard = int(np.searchsorted(self.shard_starts, position, side="right")) - 1
+        path = self.reader.folder / f"{self.reader.shards[shard].name}.bin"
+        offset, token_id = position - int(self.shard_starts[shard]), int(window[position - start])
+        where = f"at token offset {offset:,} holds"
+        raise TorchpreError(out_of_vocabulary(path, token_id, self.reader.manifest.vocab_size, where))
 
     def tokens(self, start: int, count: int) -> np.ndarray:
         """`count` tokens of the stream from `start`, as int64, read across shard ends as needed."""

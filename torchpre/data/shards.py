@@ -3,9 +3,10 @@ reads memory-mapped.
 
 A shard folder holds
 - `manifest.json`: the format version, the tokenizer's file name, SHA-256 and vocab size, the token
-  dtype, per shard its name and token and document counts, whether `prepare` finished (`complete`),
-  and `source`: what `prepare` made the shards from (input fingerprints and options), so that a
-  rerun into the same folder can resume, or refuse other inputs;
+  dtype, per shard its name (a file name inside the folder), token and document counts and largest
+  token id, whether `prepare` finished (`complete`), and `source`: what `prepare` made the shards
+  from (input fingerprints and options), so that a rerun into the same folder can resume, or refuse
+  other inputs;
 - `NAME.bin`: whole documents (each BOS ... EOS) back to back, little-endian uint16 when the vocab
   fits (< 65,536 ids), else uint32;
 - `NAME.idx`: little-endian int64 offsets into NAME.bin of each document's start, then the end
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from torchpre.confined import confined_path
 from torchpre.errors import FieldError, TorchpreError, field
 
 FORMAT_VERSION = 1
@@ -43,6 +45,7 @@ class ShardInfo:
     name: str
     num_tokens: int
     num_documents: int
+    max_token_id: int | None = None  # None in manifests written before it was recorded, and for an empty shard
 
 
 @dataclasses.dataclass
@@ -88,6 +91,9 @@ class Manifest:
             manifest = cls._from_record(json.loads(path.read_text(encoding="utf-8")))
         except (json.JSONDecodeError, UnicodeDecodeError, FieldError) as error:
             raise TorchpreError(f"{path} is not a valid shard manifest ({error}). Re-run prepare.") from None
+        for i, shard in enumerate(manifest.shards):
+            for suffix in (".bin", ".idx"):
+                confined_path(folder, f"{shard.name}{suffix}", path, f"shards[{i}].name")
         if manifest.version != FORMAT_VERSION:
             raise TorchpreError(
                 f"{path} has format version {manifest.version}; this torchpre reads version {FORMAT_VERSION}. "
@@ -104,6 +110,7 @@ class Manifest:
                 field(shard, "name", str, f"shards[{i}]"),
                 _count(shard, "num_tokens", f"shards[{i}]"),
                 _count(shard, "num_documents", f"shards[{i}]"),
+                field(shard, "max_token_id", (int, type(None)), f"shards[{i}]", default=None),
             )
             for i, shard in enumerate(field(record, "shards", list))
         ]
@@ -147,7 +154,7 @@ def write_shard(folder: Path, name: str, documents: Sequence[Sequence[int]], voc
     tokens = np.concatenate([np.asarray(doc, dtype=dtype) for doc in documents]) if documents else np.empty(0, dtype)
     _write_durably(folder / f"{name}.bin", tokens)
     _write_durably(folder / f"{name}.idx", offsets)
-    return ShardInfo(name, int(offsets[-1]), len(documents))
+    return ShardInfo(name, int(offsets[-1]), len(documents), int(tokens.max()) if len(tokens) else None)
 
 
 def _write_durably(path: Path, array: np.ndarray) -> None:
@@ -168,6 +175,15 @@ def shard_file_problem(folder: Path, manifest: Manifest, shard: ShardInfo) -> st
             found = "is missing" if actual is None else f"has {actual:,} bytes"
             return f"Shard file {path} {found}, but {MANIFEST} says {expected:,} bytes ({count:,} x {dtype.name})"
     return None
+
+
+def out_of_vocabulary(path: Path, token_id: int, vocab_size: int, where: str) -> str:
+    """The message for a token id that no embedding row holds, found in the shard file `path` (`where`)."""
+    return (
+        f"{path}: {where} token id {token_id:,}, but the vocabulary its manifest names has {vocab_size:,} ids "
+        f"(0 to {vocab_size - 1:,}). The shard was not written by `python -m torchpre.data.prepare` with this "
+        "tokenizer, or was altered; re-run prepare."
+    )
 
 
 class ShardReader:
@@ -194,6 +210,9 @@ class ShardReader:
                 f"after {len(self.shards)} shards. Re-run the same prepare command to finish it."
             )
         for shard in self.shards:
+            if shard.max_token_id is not None and shard.max_token_id >= self.manifest.vocab_size:
+                raise TorchpreError(out_of_vocabulary(self.folder / f"{shard.name}.bin", shard.max_token_id,
+                                                      self.manifest.vocab_size, "its manifest records"))  # fmt: skip
             problem = shard_file_problem(self.folder, self.manifest, shard)
             if problem:
                 raise TorchpreError(

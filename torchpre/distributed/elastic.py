@@ -27,13 +27,17 @@ def usable_world_sizes(tp: int, pp: int, ep: int = 1, batch_rounds: int | None =
     return [tp * pp * d for d in degrees[:count]]
 
 
-def world_sizes_hint(tp: int, pp: int, ep: int = 1, batch_rounds: int | None = None) -> str:
+def world_sizes_hint(tp: int, pp: int, ep: int = 1, batch_rounds: int | None = None, cp: int = 1) -> str:
     """One sentence naming the world sizes that fit, for the messages that stop a job launched on another one."""
     if batch_rounds is None:
-        sizes = usable_world_sizes(tp, pp, ep)
-        listed = ", ".join(map(str, sizes)) + ", ... (multiples of tensor x pipeline x expert parallel degree)"
+        sizes = usable_world_sizes(tp * cp, pp, ep)
+        degrees = {"tensor": tp, "pipeline": pp, "context": cp, "expert": ep}
+        named = " x ".join(name for name, degree in degrees.items() if degree > 1)
+        listed = ", ".join(map(str, sizes)) + f", ... (multiples of {sizes[0]}" + (
+            f" = the {named} parallel degree{'s' if ' x ' in named else ''})" if named else ")"
+        )
     else:  # every one: a number has few divisors
-        sizes = usable_world_sizes(tp, pp, ep, batch_rounds, count=batch_rounds)
+        sizes = usable_world_sizes(tp * cp, pp, ep, batch_rounds, count=batch_rounds)
         if not sizes:
             return (
                 f"No world size can run it: its data-parallel degree must be a multiple of the expert parallel "

@@ -120,7 +120,7 @@ class ParallelDims:
                 raise ConfigError(
                     f"The world size {world_size} is not divisible by {named} = {degrees}. Launch a multiple of "
                     f"{model_ranks} processes or change the parallelism.* degrees. "
-                    f"{world_sizes_hint(tp * cp, pp, ep)}"
+                    f"{world_sizes_hint(tp, pp, ep, cp=cp)}"
                 )
             dp = world_size // model_ranks
         elif dp < 1:
@@ -139,7 +139,7 @@ class ParallelDims:
                 f"parallelism.expert_parallel_degree = {ep} must divide the data-parallel degree {dp * cp}"
                 f"{f' (dp {dp} x cp {cp})' if cp > 1 else ''}: expert parallelism splits the experts over groups "
                 f"of data-parallel ranks. Use a divisor of {dp * cp} or launch more processes. "
-                f"{world_sizes_hint(tp * cp, pp, ep)}"
+                f"{world_sizes_hint(tp, pp, ep, cp=cp)}"
             )
         dp_replicate, dp_shard = _resolve_hsdp(dp, dp_replicate, dp_shard)
         if (dp_shard * cp) % ep:

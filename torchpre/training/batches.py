@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchpre.checkpoint.integrity import Trust
 from torchpre.checkpoint.state import read_train_values
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.elastic import world_sizes_hint
@@ -48,7 +49,8 @@ def batch_sizes(config: JobConfig, dp: int, resume_dir: Path | None) -> BatchSiz
     derive another batch and silently change the run. On other sequences it keeps their number or their tokens
     (training.global_batch_unit, `kept_global_batch`). An explicit value wins and is logged as a change."""
     t = config.training
-    saved, saved_seq_len = saved_batch(resume_dir) if resume_dir is not None else (0, 0)
+    trust = Trust.from_settings(config.checkpoint)
+    saved, saved_seq_len = saved_batch(resume_dir, trust) if resume_dir is not None else (0, 0)
     kept = kept_global_batch(saved, saved_seq_len or t.seq_len, t.seq_len, t.global_batch_unit)
     if saved and kept is None:
         raise ConfigError(
@@ -143,14 +145,15 @@ def _world_sizes_hint(config: JobConfig, global_batch_size: int) -> str:
     if global_batch_size % local:
         return ""  # no data-parallel degree splits it: local_batch_size must change, not the world size
     rounds = global_batch_size // local
-    return world_sizes_hint(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.expert_parallel_degree, rounds)
+    degrees = p.tensor_parallel_degree, p.pipeline_parallel_degree, p.expert_parallel_degree
+    return world_sizes_hint(*degrees, rounds, cp=p.context_parallel_degree)
 
 
-def saved_batch(step_dir: Path) -> tuple[int, int]:
+def saved_batch(step_dir: Path, trust: Trust) -> tuple[int, int]:
     """The global batch size `step_dir` was trained with and its sequence length, read without a process group so
     that a resumed job can size its data loader and accumulation before building them; 0 for what the checkpoint
     predates or if it cannot be read."""
-    saved = read_train_values(step_dir, ("global_batch_size", "seq_len"))
+    saved = read_train_values(step_dir, ("global_batch_size", "seq_len"), trust)
     if "global_batch_size" not in saved:
         return 0, 0
     return int(saved["global_batch_size"]), int(saved.get("seq_len", 0))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.checkpoint.folders import find_step_dir
-from torchpre.checkpoint.integrity import LATEST, check_verifiable
+from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import JobConfig
@@ -115,11 +115,12 @@ def preflight(
     )  # fmt: skip
     # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
     resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
+    trust = Trust.from_settings(c)
     if resume_dir is not None:
         key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
-        check_verifiable(resume_dir, key, c.allow_unverified)
+        check_verifiable(resume_dir, key, trust)
     elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
-        check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", c.allow_unverified)
+        check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
     batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
     plan = StepPlan.from_config(config, batches, dims.dp)

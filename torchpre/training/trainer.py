@@ -16,7 +16,7 @@ from torchpre.health.guard import Batch, TakenStep
 from torchpre.health.verdict import StepHealth
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.runtime.garbage_collection import GarbageCollection
-from torchpre.runtime.preemption import PreemptionHandler
+from torchpre.runtime.preemption import PreemptionHandler, leave_stop_note
 from torchpre.runtime.profiling import Profiler
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import kept_global_batch
@@ -38,6 +38,7 @@ class Trainer:
         self.job = job = build_job(config, runtime or Runtime.from_env())
         self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
         self.hf_load_report: LoadReport | None = None  # this rank's load of a Hugging Face folder, if it loaded one
+        self.preemption = PreemptionHandler(config.checkpoint.save_on_preemption)
         if job.runtime.fake:
             return
         if job.checkpoint is not None:
@@ -62,7 +63,7 @@ class Trainer:
         first_step, start = self.step, time.perf_counter()
         traces = Path(self.config.job.dump_folder) / self.config.profiling.save_traces_folder
         profiler = Profiler(self.config.profiling, traces, dist.get_rank(), job.device, first_step=first_step)
-        preemption = PreemptionHandler(self.config.checkpoint.save_on_preemption)
+        preemption = self.preemption
         with job.metrics.measuring() as metrics, profiler, preemption, GarbageCollection(t.gc_freq) as garbage:
             while self.step < t.steps:
                 job.begin_step()  # a ramp's global batch, a data stage
@@ -134,12 +135,14 @@ class Trainer:
             job.metrics.restart_interval()
         if stop:
             job.checkpoint.wait()  # complete on disk before torchrun's shutdown timeout runs out
+            leave_stop_note(step)
             if job.is_logging_rank:
                 saved = self.last_checkpoint_step == step
                 logger.warning(
-                    "SIGTERM received: stopped after step %d and %s (checkpoint.save_on_preemption). Run the same "
-                    "command again to resume from %s (an elastic torchrun that sent it for a node joining restarts the "
-                    "workers itself).",
+                    "%s received: stopped after step %d and %s (checkpoint.save_on_preemption). Run the same "
+                    "command again to resume from %s (an elastic torchrun that sent SIGTERM for a node joining "
+                    "restarts the workers itself; multinode.slurm requeues itself on Slurm's SIGUSR1).",
+                    self.preemption.received or "SIGTERM or SIGUSR1 (by another rank)",
                     step,
                     f"saved {job.checkpoint.folder / f'step-{step}'}" if saved else "skipped its save (no room)",
                     "it" if saved else "the latest checkpoint",
