@@ -2,8 +2,8 @@
 
 - Opt-in markers: the long runs (the full reshard matrix, every README block, the mutation check, every ZeRO
   parity case, the CPU benchmarks' quick modes, every cell of the Hugging Face support table, the jobs under a real
-  Slurm) run only when `-m` names their marker; any other run, including one with its own `-m "not slow"`, leaves
-  them out.
+  Slurm, the 8B-shaped Hugging Face import) run only when `-m` names their marker; any other run, including one with
+  its own `-m "not slow"`, leaves them out.
 - With TORCHPRE_REQUIRE_EXTRAS=1 (set by .ci/run, which installs every extra) a test that would skip because an
   optional package cannot be imported fails instead: a green CI must not hide an undeclared dependency.
 """
@@ -16,7 +16,7 @@ import pytest
 
 OPT_IN_MARKERS = (
     "matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix", "security",
-    "slurm",
+    "slurm", "big_import",
 )  # fmt: skip
 
 

@@ -36,7 +36,10 @@ multiprocessing.set_forkserver_preload(
 # What every launched job gets on top of the caller's environment: two processes share two cores.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # The entry points tests/fork_server.py can run.
-FORKABLE = ("train.py", "tests/train_and_dump.py", "tests/count_host_syncs.py", "torchpre.generate", "torchpre.convert")
+FORKABLE = (
+    "train.py", "tests/train_and_dump.py", "tests/count_host_syncs.py", "tests/hf_import_worker.py",
+    "tests/hf_load_memory.py", "torchpre.generate", "torchpre.convert",
+)  # fmt: skip
 
 # The debug model (6 layers, so up to 4 pipeline stages) on short sequences: the layout tests' model.
 DEBUG = [

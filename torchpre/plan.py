@@ -49,6 +49,12 @@ def main(argv: list[str]) -> None:
     hardware = _hardware(planner)
     if planner.gpus < 1:
         raise ConfigError(f"{PROG} needs --gpus N: the number of GPUs the job will run on.")
+    if config.model.flavor == "from_hf":  # torchpre.training.hf_load.FROM_HF, named here before torch loads
+        raise ConfigError(
+            f"{PROG} searches the layouts of registered flavors; model.flavor = 'from_hf' (the model of a Hugging Face "
+            "folder's config.json) is not one. Plan the flavor of the same shape, or check this job's layout with "
+            "`python train.py ... --job.dry_run --job.dry_run_world_size N`."
+        )
     from torchpre.planner.search import search  # torch loads here: a mistyped flag answers without it
 
     logging.getLogger("torchpre").setLevel(logging.WARNING)  # the planner builds thousands of trainers

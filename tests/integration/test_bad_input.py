@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 
+from tests.hf_folders import write_llama_folder
 from tests.hostile import Payload, legacy_checkpoint, replace_metadata, rewrite_manifest
 from tests.launch import REPO, TINY, ForkServer, add_manifest, manifest_record, run_train
 from torchpre.checkpoint.integrity import MANIFEST
@@ -97,6 +99,27 @@ def _tamper_with(step_dir: Path) -> None:
         data.write(bytes([byte[0] ^ 0xFF]))
 
 
+def _write_hf_folders(d: Path) -> None:
+    """A released-looking Llama folder shaped like no flavor (3 layers), and copies of it broken one way each."""
+    args = dataclasses.replace(LLAMA3_FLAVORS["tiny"], n_layers=3)
+    write_llama_folder(d / "hf_llama", args)
+    (weights,) = (d / "hf_llama").glob("model-*.safetensors")
+    _edit_json(shutil.copytree(d / "hf_llama", d / "hf_unknown_field") / "config.json",
+               lambda config: config.update(sliding_window=16))  # fmt: skip
+    _edit_json(shutil.copytree(d / "hf_llama", d / "hf_small_vocab_folder") / "config.json",
+               lambda config: config.update(vocab_size=1000))  # fmt: skip
+    missing = shutil.copytree(d / "hf_llama", d / "hf_missing_tensor") / weights.name
+    tensors = load_file(missing)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, missing)
+    _edit_json(missing.parent / "model.safetensors.index.json",
+               lambda index: index["weight_map"].pop("model.layers.1.mlp.up_proj.weight"))  # fmt: skip
+    (shutil.copytree(d / "hf_llama", d / "hf_damaged") / weights.name).write_bytes(b"\x10\x00\x00\x00garbage")
+    outside = {"model.norm.weight": f"../hf_llama/{weights.name}"}
+    _edit_json(shutil.copytree(d / "hf_llama", d / "hf_escaping_index") / "model.safetensors.index.json",
+               lambda index: index["weight_map"].update(outside))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
     """Every bad (and the few good) files the cases point at, made once; cases name them as {d}/NAME."""
@@ -172,6 +195,7 @@ def files(tmp_path_factory) -> Path:
                       Payload(d / "marker"))  # fmt: skip
     (d / "full_output").mkdir()
     (d / "full_output" / "keep.txt").write_text("someone's files\n")
+    _write_hf_folders(d)
     return d
 
 
@@ -185,6 +209,7 @@ TAMPERED = ["--model.flavor", "debugmodel", "--prompt", "hello", "--checkpoint.f
 GEN, CONVERT, PREPARE = "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"
 HF_LLAMA = "assets/hf_configs/llama_tiny.json"
 HF = ["--model.name", "hf", "--model.hf_config"]
+FROM_HF = ["--model.flavor", "from_hf"]
 # Architectures with a refused layout (docs/hf-models.md): every layout (its init), tensor parallel (MLA attention),
 # pipeline parallel (its layers return tuples), sequence parallel (its eager attention takes a mask tensor).
 HF_REFUSED = ("mamba", "deepseek_v3", "bloom", "gemma2")
@@ -380,6 +405,56 @@ CATALOGUE = [
         ranks=2,
     ),
     case("hf-vocab-too-small", [*HF, "{d}/hf_small_vocab.json"], ["vocab_size = 1000", "tokenizer's 2048 ids"]),
+    # checkpoint.initial_load_path = a Hugging Face folder, model.flavor = 'from_hf'.
+    case("from-hf-without-a-folder", FROM_HF, ["model.flavor = 'from_hf'", "checkpoint.initial_load_path", "unset"]),
+    case(
+        "from-hf-not-a-hugging-face-folder",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/not_a_checkpoint"],
+        ["model.flavor = 'from_hf'", "'{d}/not_a_checkpoint', which is not one"],
+    ),
+    case(
+        "from-hf-family-without-a-config-mapping",
+        ["--model.name", "moe", *FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_llama"],
+        ["model.flavor = 'from_hf' with model.name = 'moe'", "cannot read its args from a Hugging Face config.json"],
+    ),
+    case(
+        "hf-folder-unknown-config-field",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_unknown_field"],
+        ["{d}/hf_unknown_field/config.json", "sliding_window = 16 is a field torchpre's llama3 does not know"],
+        ranks=2,
+    ),
+    case(
+        "hf-folder-of-another-model",
+        ["--checkpoint.initial_load_path", "{d}/hf_llama"],
+        ["checkpoint.initial_load_path = {d}/hf_llama", "does not describe the job's model", "num_hidden_layers = 3",
+         "model.flavor = 'from_hf' reads it from the folder"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "hf-folder-missing-tensor",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_missing_tensor"],
+        ["checkpoint.initial_load_path = {d}/hf_missing_tensor", "1 missing: model.layers.1.mlp.up_proj.weight"],
+    ),
+    case(
+        "hf-folder-vocab-below-the-tokenizer",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_small_vocab_folder"],
+        ["tokenizer (model.tokenizer_path) has 2048 ids, more than the 1000 rows"],
+    ),
+    case(
+        "hf-folder-family-without-mapping",
+        ["--model.name", "moe", "--checkpoint.initial_load_path", "{d}/hf_llama"],
+        ["checkpoint.initial_load_path = {d}/hf_llama is a Hugging Face folder", "no mapping from one"],
+    ),
+    case(
+        "hf-folder-damaged-file",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_damaged"],
+        ["{d}/hf_damaged/model-00001-of-00001.safetensors is not a readable safetensors file"],
+    ),
+    case(
+        "hf-folder-index-names-a-file-outside",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_escaping_index"],
+        ["{d}/hf_escaping_index/model.safetensors.index.json", "weight_map['model.norm.weight']", "climbs out"],
+    ),
     case(
         "hf-tp-does-not-divide-kv-heads",
         [*HF, HF_LLAMA, "--parallelism.tensor_parallel_degree", "4"],
@@ -784,6 +859,12 @@ CATALOGUE = [
         CONVERT,
     ),
     case("convert-hf-folder-missing", ["hf-to-dcp", "{d}/no_hf", "{d}/out"], ["{d}/no_hf does not exist"], CONVERT),
+    case(
+        "convert-hf-folder-unknown-config-field",
+        ["hf-to-dcp", "{d}/hf_unknown_field", "{d}/out", *FROM_HF],
+        ["sliding_window = 16 is a field torchpre's llama3 does not know"],
+        CONVERT,
+    ),
     # Data preparation.
     case(
         "prepare-input-missing",

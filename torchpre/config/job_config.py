@@ -46,7 +46,11 @@ class Model:
     """The model family and size, its tokenizer and vocabulary."""
 
     name: str = _option("llama3", "model family from the model registry")
-    flavor: str = _option("debugmodel", "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B)")
+    flavor: str = _option(
+        "debugmodel",
+        "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B); from_hf: the config.json of the Hugging "
+        "Face folder at checkpoint.initial_load_path (llama3, deepseek_v3)",
+    )
     tokenizer_path: str = _option(
         "", "tiktoken BPE ranks file (Llama 3 tokenizer.model format); empty = the shipped one"
     )
@@ -395,7 +399,9 @@ class Checkpoint:
     )
     model_only: bool = _option(False, "save only the model weights (for export); resuming then restarts the rest")
     initial_load_path: str = _option(
-        "", "a checkpoint step folder (or a hf-to-dcp output) whose weights start a run with no checkpoint yet"
+        "",
+        "a checkpoint step folder (or a hf-to-dcp output), or a Hugging Face folder (config.json, safetensors), whose "
+        "weights start a run with no checkpoint yet; each rank reads only the shards it holds",
     )
     save_on_preemption: bool = _option(
         False,

@@ -56,6 +56,8 @@ from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
 from torchpre.training.evaluation import EvalContext, Evaluations, build_evaluations
 from torchpre.training.hf_export import HFExporter
+from torchpre.training.hf_load import FROM_HF, HFWeights, hf_weights
+from torchpre.training.hf_reader import is_hf_folder
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
@@ -86,6 +88,7 @@ class Preflight:
     resume_dir: Path | None  # the checkpoint a resume will load
     eval_tasks: list[Task]  # eval.tasks, read and tokenized
     plan: StepPlan  # each step's global batch and data stage (a ramp, data stages)
+    initial_hf: HFWeights | None = None  # checkpoint.initial_load_path as a Hugging Face folder, checked
 
 
 def preflight(
@@ -116,7 +119,7 @@ def preflight(
     if resume_dir is not None:
         key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
         check_verifiable(resume_dir, key, trust)
-    elif c.initial_load_path:
+    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
     batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
@@ -126,6 +129,9 @@ def preflight(
     args = model_args(config, tokenizer, max_seq_len=plan.stages.max_seq_len)
     for seq_len in sorted({stage.seq_len for stage in plan.stages.stages}):
         check_layout(at_seq_len(config, seq_len), spec, args, dims)
+    initial_hf = None
+    if resume_dir is None and c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
+        initial_hf = hf_weights(Path(c.initial_load_path), spec, args, "checkpoint.initial_load_path")
     if config.hf_export.enable and spec.hf is None:
         raise ConfigError(
             f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
@@ -142,7 +148,9 @@ def preflight(
             sequences_per_step=t.local_batch_size * first.accumulation_steps,
         )
     plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
-    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan)
+    return Preflight(
+        dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan, initial_hf
+    )
 
 
 def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
