@@ -73,6 +73,36 @@ class Model:
         0.3, "with model.mtp_depth: the MTP losses' weight in the training loss, over their mean (DeepSeek-V3: 0.3, "
         "then 0.1)"
     )
+    # The shape on top of the flavor, so that a width or depth sweep needs no Python (docs/mup.md).
+    dim: int = _option(
+        0, "model width; 0 = the flavor's. The feed-forward (and MoE, latent) widths follow it as the flavor's do"
+    )
+    n_layers: int = _option(0, "number of blocks; 0 = the flavor's")
+    n_heads: int = _option(0, "attention heads; 0 = the flavor's")
+    n_kv_heads: int = _option(0, "key/value heads (grouped-query attention); 0 = the flavor's")
+    # Hyperparameter transfer across width and depth (docs/mup.md): multipliers and per-parameter learning rates
+    # relative to a base shape at which the model is the standard one.
+    parametrization: Literal["sp", "mup", "complete_p"] = _option(
+        "sp",
+        "sp: the standard parametrization; mup: maximal update (init, per-parameter learning rates, attention 1/d and "
+        "the logit multiplier scale with the width over model.mup_base_dim); complete_p: mup and residual branches "
+        "scaled by model.mup_base_depth / n_layers",
+    )
+    mup_base_dim: int = _option(0, "mup, complete_p: the width the hyperparameters were tuned at; 0 = the flavor's dim")
+    mup_base_depth: int = _option(
+        0, "complete_p: the depth the hyperparameters were tuned at; 0 = the flavor's n_layers"
+    )
+    mup_base_head_dim: int = _option(
+        0,
+        "mup, complete_p: the attention head size at the base width; 0 = mup_base_dim / n_heads (the base had this "
+        "model's heads); set it when the width grows by adding heads",
+    )
+    mup_embedding_multiplier: float = _option(
+        1.0, "mup, complete_p: the embedding's output multiplier (tuned at the base; it does not scale with width)"
+    )
+    mup_logit_multiplier: float = _option(
+        1.0, "mup, complete_p: the logit multiplier at the base width; the logits are multiplied by it x base / dim"
+    )
     # RoPE for the families built on Llama 3's args (llama3, moe); a family that reads its RoPE elsewhere (hf) refuses
     # them. A change on resume is a stated stage change (docs/context-parallel.md, "Context extension").
     rope_theta: float = _option(0.0, "RoPE base; 0 = the flavor's (500000 for Llama 3)")

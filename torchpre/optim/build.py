@@ -8,6 +8,7 @@ from torchpre.config.job_config import Optimizer
 from torchpre.distributed.names import canonical_fqn
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.muon import hidden_matrices
+from torchpre.optim.param_scales import ParamScales
 from torchpre.optim.registry import (
     DEFAULT_HYPERPARAMETERS,
     constructor_kwargs,
@@ -29,6 +30,7 @@ def build_optimizer(
     max_norm: float = 1.0,
     implementation: str = "auto",
     vocab_size: int | None = None,
+    scales: ParamScales | None = None,
     **hyperparameters: object,
 ) -> DistributedOptimizer:
     """The optimizer `name` (see `torchpre.optim.registry`) on fp32 masters for `model`, under the data-parallel
@@ -41,6 +43,7 @@ def build_optimizer(
     `hyperparameters` (lr, weight_decay, betas, eps, momentum, muon_*: `registry.DEFAULT_HYPERPARAMETERS`) override
     the defaults; those the optimizer does not take are not passed to it. An optimizer that assembles whole
     matrices (Muon) needs `vocab_size`: Muon steps the hidden matrices (`muon.hidden_matrices`), AdamW the rest.
+    `scales`: a parametrization's per-parameter factors on the lr, weight decay and eps (µP), None for one lr.
     """
     unknown = sorted(set(hyperparameters) - set(DEFAULT_HYPERPARAMETERS))
     if unknown:
@@ -69,6 +72,7 @@ def build_optimizer(
         state_mesh=model.dp_mesh if reduction.strategy.shards_parameters else model.mesh["dp", "tp"],
         expert_state_mesh=model.expert_mesh["edp", "ep"] if model.expert_mesh is not None else None,
         whole_matrices=spec.whole_matrices,
+        scales=scales,
     )
 
 
@@ -84,10 +88,16 @@ def embeddings(parts: list[nn.Module]) -> set[str]:
 
 
 def build_optimizer_from_config(
-    model: ParallelModel, reduction: GradReduction, section: Optimizer, max_norm: float, vocab_size: int
+    model: ParallelModel,
+    reduction: GradReduction,
+    section: Optimizer,
+    max_norm: float,
+    vocab_size: int,
+    scales: ParamScales | None = None,
 ) -> DistributedOptimizer:
     """`build_optimizer` from the job's [optimizer] section (its name, implementation and the hyperparameters the
-    optimizer reads) over `reduction`; `max_norm` is training.max_norm, `vocab_size` the model's."""
+    optimizer reads) over `reduction`; `max_norm` is training.max_norm, `vocab_size` the model's, `scales` its
+    parametrization's factors."""
     return build_optimizer(
         model,
         name=section.name,
@@ -95,5 +105,6 @@ def build_optimizer_from_config(
         max_norm=max_norm,
         implementation=section.implementation,
         vocab_size=vocab_size,
+        scales=scales,
         **hyperparameters_from_config(vars(section)),
     )

@@ -23,6 +23,7 @@ ZeRO-2 2 + 16/dp.
 """
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchpre.errors import ConfigError
+from torchpre.optim.param_scales import GroupKey, ParamScales
 from torchpre.parallel.data_parallel import ShardedParameter
 from torchpre.parallel.grad_clip import clip_gradients_, global_grad_norm, sum_of_squares
 from torchpre.parallel.grad_reduction import GradReduction
@@ -47,6 +49,8 @@ class DistributedOptimizer:
     `expert_state_mesh`, the 2-D (edp, ep) mesh of expert-parallel experts' state (None without experts).
     Each param group also holds its parameters' "names"; `whole_matrices` adds their "layouts" (the DTensor each
     master is a shard of) for an inner optimizer whose update needs whole matrices (`torchpre.optim.muon`).
+    `scales` (a parametrization's per-parameter factors, µP) splits the groups further, each with its factors on
+    the lr, weight decay and eps: every group of the whole model, in the same order on every rank.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class DistributedOptimizer:
         state_mesh: DeviceMesh | None = None,
         expert_state_mesh: DeviceMesh | None = None,
         whole_matrices: bool = False,
+        scales: ParamScales | None = None,
     ):
         self.reduction = reduction
         self.params: list[ShardedParameter] = reduction.params
@@ -66,10 +71,29 @@ class DistributedOptimizer:
         self.state_mesh, self.expert_state_mesh = state_mesh, expert_state_mesh
         self.max_norm = max_norm
         self.masters = [self._master(p) for p in self.params]
+        if scales is not None:
+            self.inner = build_inner(self._scaled_groups(weight_decay, whole_matrices, scales))
+            _apply_factors(self.inner)
+            return
         # Norm gains are not decayed: pulling a gain towards 0 fights the normalisation it scales.
         groups = [self._group(weight_decay, whole_matrices, lambda p: p.local.ndim >= 2),
                   self._group(0.0, whole_matrices, lambda p: p.local.ndim < 2)]  # fmt: skip
         self.inner = build_inner([g for g in groups if g["params"]])
+
+    def _scaled_groups(self, weight_decay: float, layouts: bool, scales: ParamScales) -> list[dict]:
+        """One group per key of `scales` (empty where this rank holds none of its parameters), each parameter's key
+        read off its global shape; matrices decay by `weight_decay` times their factor, vectors do not decay."""
+        keys = {p.name: scales.key(p.name, p.param.shape) for p in self.params}
+        known = scales.keys()
+        stray = [(name, key) for name, key in keys.items() if key not in known]
+        if stray:
+            raise ValueError(f"the factors {stray[0][1]} of {stray[0][0]} are none of the model's {known}")
+        groups = []
+        for key in known:
+            decays, lr, decay, eps = key
+            group = self._group(weight_decay * decay if decays else 0.0, layouts, partial(_keyed, keys, key))
+            groups.append(group | {"lr_factor": lr, "eps_factor": eps})
+        return groups
 
     def _group(self, weight_decay: float, layouts: bool, member: Callable[[ShardedParameter], bool]) -> dict:
         """A param group of the inner optimizer: the masters of the parameters `member` selects and their names,
@@ -87,6 +111,12 @@ class DistributedOptimizer:
         if self.data_parallel.shards_parameters:
             return param.param
         return param.shard.detach() if param.shard.dtype == torch.float32 else param.shard.detach().float().clone()
+
+    @property
+    def lr(self) -> float:
+        """The schedule's learning rate now (a group's lr over its parametrization factor)."""
+        group = self.inner.param_groups[0]
+        return group["lr"] / group.get("lr_factor", 1.0)
 
     def owns_master(self, i: int) -> bool:
         """Whether the i-th master is a copy of its own (the parameter is not fp32). Decided by dtype, not by
@@ -352,6 +382,19 @@ class DistributedOptimizer:
     def grad_bytes(self) -> int:
         """Bytes of this rank's persistent gradient storage (the reduction's)."""
         return self.reduction.grad_bytes()
+
+
+def _keyed(keys: dict[str, GroupKey], key: GroupKey, param: ShardedParameter) -> bool:
+    return keys[param.name] == key
+
+
+def _apply_factors(inner: torch.optim.Optimizer) -> None:
+    """Each group's lr (and eps, for an optimizer that has one) times the group's parametrization factors, before
+    the LR schedule records the groups' lrs as its bases."""
+    for group in inner.param_groups:
+        group["lr"] = group["lr"] * group["lr_factor"]
+        if "eps" in group:
+            group["eps"] = group["eps"] * group["eps_factor"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import difflib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -67,6 +68,9 @@ class OptimizerSpec:
     whole matrices only if the class assembles them (`whole_matrices`: it takes the param groups' "layouts", see
     `DistributedOptimizer`), and is refused where a rank holds shards (ZeRO >= 1, TP, EP) otherwise.
     `check`: validates the values of the keys it reads (by constructor argument), before any work.
+    `mup_update`: which per-parameter rule µP and CompleteP apply to its learning rates (torchpre.models.
+    parametrization): "adaptive" for an update normalised entrywise (Adam-like), "sgd" for one proportional to the
+    gradient; None: no rule is stated, and model.parametrization other than "sp" is refused with it.
     """
 
     cls: type[torch.optim.Optimizer]
@@ -75,6 +79,7 @@ class OptimizerSpec:
     elementwise: bool = True
     whole_matrices: bool = False
     check: Callable[[dict[str, object]], None] | None = None
+    mup_update: Literal["adaptive", "sgd"] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.arguments) - set(HYPERPARAMETER_KEYS)
@@ -117,12 +122,12 @@ _MUON = (*_ADAM, "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_coe
          "muon_lr_adjust", "muon_adamw_params")  # fmt: skip
 
 _REGISTRY: dict[str, OptimizerSpec] = {
-    "AdamW": OptimizerSpec(torch.optim.AdamW, _ADAM),
-    "Adam": OptimizerSpec(torch.optim.Adam, _ADAM),
-    "SGD": OptimizerSpec(torch.optim.SGD, ("lr", "weight_decay", "momentum")),
+    "AdamW": OptimizerSpec(torch.optim.AdamW, _ADAM, mup_update="adaptive"),
+    "Adam": OptimizerSpec(torch.optim.Adam, _ADAM, mup_update="adaptive"),
+    "SGD": OptimizerSpec(torch.optim.SGD, ("lr", "weight_decay", "momentum"), mup_update="sgd"),
     # Fused Adagrad was CPU-only in the torch releases this was checked against.
-    "Adagrad": OptimizerSpec(torch.optim.Adagrad, ("lr", "weight_decay", "eps"), fused=False),
-    "RMSprop": OptimizerSpec(torch.optim.RMSprop, ("lr", "weight_decay", "eps", "momentum")),
+    "Adagrad": OptimizerSpec(torch.optim.Adagrad, ("lr", "weight_decay", "eps"), fused=False, mup_update="adaptive"),
+    "RMSprop": OptimizerSpec(torch.optim.RMSprop, ("lr", "weight_decay", "eps", "momentum"), mup_update="adaptive"),
     "Muon": OptimizerSpec(Muon, _MUON, fused=False, elementwise=False, whole_matrices=True, check=check_settings),
 }
 

@@ -62,6 +62,7 @@ from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
 from torchpre.training.multiple_choice import Task, read_tasks
+from torchpre.training.parametrization import optimizer_scales
 from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.step_plan import StepPlan, StepShape
@@ -318,7 +319,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     ))  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
     optimizer = build_optimizer_from_config(
-        model, reduction, config.optimizer, max_norm=t.max_norm, vocab_size=pre.model_args.vocab_size
+        model, reduction, config.optimizer, max_norm=t.max_norm, vocab_size=pre.model_args.vocab_size,
+        scales=optimizer_scales(pre.model_args, config.optimizer.name),
     )
     lr_scheduler = build_lr_scheduler_from_config(optimizer.inner, config.lr_scheduler, steps=t.steps)
     d = pre.dims
@@ -448,6 +450,9 @@ def _build_model(
     )  # fmt: skip
     if pre.pipeline:
         logger.info("pipeline: %s", pre.pipeline.describe())
+    parametrization = getattr(args, "parametrization", None)
+    if parametrization is not None and not parametrization.is_standard:
+        logger.info("parametrization %s", parametrization.describe())
     return parallel, num_params, flops_per_token
 
 

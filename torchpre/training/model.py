@@ -30,28 +30,41 @@ from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, ch
 from torchpre.parallel.quantized_experts import check_quantize_experts
 from torchpre.training.hf_load import FROM_HF, folder_args
 from torchpre.training.hf_reader import is_hf_folder
+from torchpre.training.parametrization import refuse_shape_keys, with_model_shape, with_parametrization
 from torchpre.training.rope import refuse_rope_keys, with_rope
 
 
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
     """The flavor's args (model.flavor = 'from_hf': the folder's at checkpoint.initial_load_path) with the job's
-    vocabulary (`vocab_size`), `max_seq_len` (default: training.seq_len) and RoPE (model.rope_*, `with_rope`); a
-    family with `args_from_job` (model.name = 'hf') builds its own."""
+    shape (model.dim, n_layers, n_heads, n_kv_heads), vocabulary (`vocab_size`), `max_seq_len` (default:
+    training.seq_len), RoPE (model.rope_*, `with_rope`) and parametrization (model.parametrization, relative to the
+    same model at its base shape); a family with `args_from_job` (model.name = 'hf') builds its own."""
     seq_len = config.training.seq_len if max_seq_len is None else max_seq_len
-    spec = get_model_spec(config.model.name)
+    spec, m = get_model_spec(config.model.name), config.model
     if spec.args_from_job is not None:
-        if config.model.vocab_size:
+        if m.vocab_size:
             raise ConfigError(
-                f"model.vocab_size = {config.model.vocab_size} with model.name = '{config.model.name}': this family "
-                "takes its vocabulary from its own config (model.hf_config's vocab_size). Set model.vocab_size = 0."
+                f"model.vocab_size = {m.vocab_size} with model.name = '{m.name}': this family takes its vocabulary "
+                "from its own config (model.hf_config's vocab_size). Set model.vocab_size = 0."
             )
-        refuse_rope_keys(config.model, "its RoPE comes from its own config, model.hf_config: set it there")
-        with_mtp(config.model, None)
-        return spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
-    base = flavor_args(config)
-    flavor = with_mtp(config.model, with_rope(config.model, base))
-    vocabulary = folder_vocab_size(config, tokenizer, base) if _from_hf(config) else vocab_size(config, tokenizer)
-    return dataclasses.replace(flavor, vocab_size=vocabulary, max_seq_len=seq_len)
+        refuse_rope_keys(m, "its RoPE comes from its own config, model.hf_config: set it there")
+        refuse_shape_keys(m, f"model.name = '{m.name}' takes its shape from model.hf_config: set it there")
+        with_mtp(m, None)
+        args = spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
+        return with_parametrization(config, spec, args, None, lambda dim, depth: None)
+    flavor = flavor_args(config)
+    if _from_hf(config):
+        refuse_shape_keys(m, f"model.flavor = '{FROM_HF}' takes the shape of the folder's config.json")
+    vocabulary = folder_vocab_size(config, tokenizer, flavor) if _from_hf(config) else vocab_size(config, tokenizer)
+
+    def finished(args: Any) -> Any:
+        args = with_mtp(m, with_rope(m, args))
+        return dataclasses.replace(args, vocab_size=vocabulary, max_seq_len=seq_len)
+
+    def base_at(dim: int, depth: int) -> Any:
+        return finished(with_model_shape(m, flavor, dim=dim, n_layers=depth))
+
+    return with_parametrization(config, spec, finished(with_model_shape(m, flavor)), flavor, base_at)
 
 
 def flavor_args(config: JobConfig) -> Any:

@@ -71,7 +71,7 @@ class Trainer:
                 with metrics.phase("data"):
                     microbatches = job.data.next_step()
                 metrics.data_wait(time.perf_counter() - fetch_start)
-                lr = job.optimizer.inner.param_groups[0]["lr"]
+                lr = job.optimizer.lr
                 # A background save that failed stops every rank after this step, as SIGTERM does; the save that
                 # follows raises its error on all of them.
                 stop = preemption.requested or (job.checkpoint is not None and job.checkpoint.failed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from torchpre.errors import ConfigError
 from torchpre.models.moe.args import MoEArgs, active_params
@@ -54,6 +55,11 @@ class DeepSeekV3Args(MoEArgs):
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.3
 
+    shape_keys: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads")  # MLA has no key/value heads
+    width_fields: ClassVar[tuple[str, ...]] = (
+        "moe_hidden_dim", "shared_expert_hidden_dim", "q_lora_rank", "kv_lora_rank", "dense_hidden_dim",
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rope_scaling is not None:
@@ -95,6 +101,10 @@ class DeepSeekV3Args(MoEArgs):
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.qk_head_dim
 
     @property
     def ffn_hidden_dim(self) -> int:

@@ -126,7 +126,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.latent_norm_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
-        self.query_scale = softmax_scale(args) * args.qk_head_dim**0.5  # over the kernels' 1/sqrt(qk_head_dim)
+        # Over the kernels' 1/sqrt(qk_head_dim): YaRN's mscale^2 and the parametrization's factor (µP's 1/d).
+        self.query_scale = softmax_scale(args) * args.qk_head_dim**0.5 * args.parametrization.attention_multiplier
         self.kv_cache = None
 
     def forward(
@@ -269,7 +270,7 @@ class DeepSeekV3Transformer(MoETransformer):
         h = self.blocks(tokens, start_pos, doc_mask)
         # The embedding module itself where this part holds it: its parallel plan, not only its weight, is there.
         embedding = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
-        mtp_loss = self.mtp(h, future_tokens, embedding, self.output, self.rope_cache, doc_mask)
+        mtp_loss = self.mtp(h, future_tokens, partial(self.embed, embedding), self.logits, self.rope_cache, doc_mask)
         return self.head(AddAuxLoss.apply(h, mtp_loss))
 
     def set_token_loss_scale(self, scale: float | None) -> None:
@@ -311,6 +312,9 @@ class DeepSeekV3Transformer(MoETransformer):
 
     def param_init_rule(self) -> InitRule:
         return init_rule(self.args)
+
+    def vocabulary_parameters(self) -> set[str]:
+        return super().vocabulary_parameters() | {"mtp_embeddings.weight"}
 
 
 def init_rule(args: DeepSeekV3Args) -> InitRule:

@@ -22,7 +22,7 @@ like the inputs, so each position keeps its own tokens ahead.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,19 +76,20 @@ class MultiTokenPrediction(nn.Module):
         self,
         hidden: Tensor,
         ahead: Tensor,
-        embedding: nn.Module,
-        output: nn.Module,
+        embed: Callable[[Tensor], Tensor],
+        logits_of: Callable[[Tensor], Tensor],
         rope_cache: Tensor,
         doc_mask: DocumentMask | None,
     ) -> Tensor:
         """`hidden`: the main model's last block output; `ahead`: `future_tokens` of this microbatch's positions;
-        `embedding`, `output`: the shared layers. Records each depth's summed cross-entropy and target count."""
+        `embed`, `logits_of`: the shared embedding and output layer (with the model's multipliers). Records each
+        depth's summed cross-entropy and target count."""
         total: Tensor | None = None
         for k, depth in self.depths.items():
             k = int(k)
-            embedded = embedding(ahead[..., k - 1].clamp(min=0))  # past the end: any id, its targets are ignored
+            embedded = embed(ahead[..., k - 1].clamp(min=0))  # past the end: any id, its targets are ignored
             hidden = depth(hidden, embedded, rope_cache, doc_mask)
-            logits = output(depth.norm(hidden))
+            logits = logits_of(depth.norm(hidden))
             targets = ahead[..., k]
             loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX

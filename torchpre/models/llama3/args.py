@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torchpre.errors import ConfigError
+from torchpre.models.parametrization import Parametrization
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,11 @@ class TransformerArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 131072
     tie_word_embeddings: bool = False
+    parametrization: Parametrization = Parametrization()  # the standard one; see torchpre.models.parametrization
+
+    # The model.* shape keys these args take, and the widths that scale with `dim` (torchpre.models.shapes).
+    shape_keys: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads", "n_kv_heads")
+    width_fields: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -51,6 +58,11 @@ class TransformerArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The size of the query-key dot products, which the softmax scale divides by its square root."""
+        return self.head_dim
 
     @property
     def ffn_hidden_dim(self) -> int:

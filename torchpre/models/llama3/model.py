@@ -124,17 +124,21 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary position embeddings."""
+    """Causal grouped-query self-attention with rotary position embeddings.
+
+    `query_multiplier` scales the queries, so the softmax sees the scores times query_multiplier / sqrt(head_dim)
+    whichever kernel runs (µP's 1/head_dim scale, `torchpre.models.parametrization`); 1 computes nothing."""
 
     kv_cache: KVCache | None
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, query_multiplier: float = 1.0) -> None:
         super().__init__()
         self.head_dim = dim // n_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.query_multiplier = query_multiplier
         self.kv_cache = None
 
     def forward(
@@ -162,6 +166,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rope(q, rope_cache), apply_rope(k, rope_cache)
+        if self.query_multiplier != 1.0:
+            q = q * self.query_multiplier
         out = attend(q, k, v, self.kv_cache, start_pos, doc_mask)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
@@ -213,6 +219,8 @@ class TransformerBlock(nn.Module):
     A family with another feed-forward (routed experts, say) subclasses it and overrides `build_ffn` and
     `ffn_name`, the feed-forward's attribute and so the prefix of its parameters' names; one with another
     attention overrides `build_attention` (its module takes Attention's forward arguments).
+    Each branch's output is multiplied by `residual_multiplier` before it joins the residual stream (CompleteP's
+    1 / depth multiplier; 1 computes nothing).
     """
 
     ffn_name = "feed_forward"
@@ -223,9 +231,10 @@ class TransformerBlock(nn.Module):
         self.attention = self.build_attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.add_module(self.ffn_name, self.build_ffn(args))
+        self.residual_multiplier = args.parametrization.residual_multiplier
 
     def build_attention(self, args: TransformerArgs) -> nn.Module:
-        return Attention(args.dim, args.n_heads, args.n_kv_heads)
+        return Attention(args.dim, args.n_heads, args.n_kv_heads, args.parametrization.attention_multiplier)
 
     def build_ffn(self, args: TransformerArgs) -> nn.Module:
         return FeedForward(args.dim, args.ffn_hidden_dim)
@@ -237,8 +246,12 @@ class TransformerBlock(nn.Module):
         start_pos: int | None = None,
         doc_mask: DocumentMask | None = None,
     ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos, doc_mask=doc_mask)
-        return h + getattr(self, self.ffn_name)(self.ffn_norm(h))
+        h = x + self.branch(self.attention(self.attention_norm(x), rope_cache, start_pos=start_pos, doc_mask=doc_mask))
+        return h + self.branch(getattr(self, self.ffn_name)(self.ffn_norm(h)))
+
+    def branch(self, out: Tensor) -> Tensor:
+        """A residual branch's output as it joins the residual stream."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class Transformer(nn.Module):
@@ -283,15 +296,21 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Re-tie embeddings, initialize every parameter from (seed, its name), and recompute
-        the RoPE cache. The result does not depend on device, dtype, sharding or stage split."""
+        """Re-tie embeddings, initialize every parameter from (seed, its name) as the family's rule scaled by the
+        parametrization says, and recompute the RoPE cache. The result does not depend on device, dtype, sharding
+        or stage split."""
         self.tie_weights()
-        init_parameters(self, seed, self.param_init_rule())
+        init_parameters(self, seed, self.args.parametrization.init_rule(self.param_init_rule()))
         self.init_buffers()
 
     def param_init_rule(self) -> InitRule:
-        """Each parameter's initialisation, by name (`init_rule`)."""
+        """Each parameter's initialisation in the standard parametrization, by name (`init_rule`)."""
         return init_rule(self.args)
+
+    def vocabulary_parameters(self) -> set[str]:
+        """The names of the matrices with a row per token: the embedding and the output layer (a parametrization
+        scales them unlike the hidden matrices)."""
+        return {"tok_embeddings.weight", "output.weight"}
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -351,7 +370,7 @@ class Transformer(nn.Module):
 
     def blocks(self, tokens: Tensor, start_pos: int | None, doc_mask: DocumentMask | None) -> Tensor:
         """The embedding (on the stage holding it) and the blocks: the hidden states before the final norm."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.embed(self.tok_embeddings, tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.rope_cache, start_pos=start_pos, doc_mask=doc_mask)
         return h
@@ -359,7 +378,17 @@ class Transformer(nn.Module):
     def head(self, h: Tensor) -> Tensor:
         """The final norm and the output layer (on the stage holding them) of the last block's hidden states."""
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.logits(h) if self.output is not None else h
+
+    def embed(self, embedding: nn.Module, tokens: Tensor) -> Tensor:
+        """`embedding` (this model's, or its copy on another stage) of `tokens`, times the embedding multiplier."""
+        multiplier = self.args.parametrization.embedding_multiplier
+        return embedding(tokens) if multiplier == 1.0 else embedding(tokens) * multiplier
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The output layer of normalised hidden states, times the logit multiplier."""
+        multiplier = self.args.parametrization.logit_multiplier
+        return self.output(h) if multiplier == 1.0 else self.output(h) * multiplier
 
 
 def init_rule(args: TransformerArgs) -> InitRule:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import TransformerArgs
@@ -42,6 +42,8 @@ class MoEArgs(TransformerArgs):
     bias_update_rate: float = 0.0
     router_z_loss_coeff: float = 0.0
     first_k_dense: int = 0
+
+    width_fields: ClassVar[tuple[str, ...]] = ("moe_hidden_dim", "shared_expert_hidden_dim")
 
     def __post_init__(self) -> None:
         super().__post_init__()
