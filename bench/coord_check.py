@@ -5,9 +5,9 @@ across widths; under the standard parametrization the updates grow with the widt
 
 Each width is the same job with model.dim (each depth with model.n_layers), trained in this process through the
 trainer itself (its optimizer groups, multipliers and data): train.py flags after the tool's own set the model and
-the optimizer. Defaults: the tiny flavor (its dim 64 is the base), AdamW at lr 1e-3 without
-warm-up, clipping or weight decay, so that the parametrization alone sets the step sizes, training on one fixed
-batch of 8 x 64 tokens (the mup package's default) that is also the probe.
+the optimizer. Defaults: the tiny flavor (its dim 64 is the base), AdamW at lr 1e-3 without warm-up, clipping or
+weight decay, so that the parametrization alone sets the step sizes, trained on one fixed batch of 8 x 64 tokens (as
+the mup package's coordinate check does) that is also the probe.
 
 What µP keeps within a factor 2 is every change and the blocks' outputs. The logits at init shrink as 1/sqrt(width)
 under µP by design (its output layer starts at the infinite-width limit, zero; the logit multiplier is base / width
@@ -15,7 +15,8 @@ over a matrix of constant scale), and after a few small steps they are still mos
 
     python -m bench.coord_check --parametrization mup --plot docs/images/coord_check_mup.png
     python -m bench.coord_check --parametrization sp --plot docs/images/coord_check_sp.png
-    python -m bench.coord_check --parametrization complete_p --depths 2,4,8 --plot docs/images/coord_check_complete_p.png
+    python -m bench.coord_check --parametrization complete_p --depths 2,4,8 \
+        --plot docs/images/coord_check_complete_p.png
     python -m bench.coord_check --parametrization mup --model.name moe     # any train.py flag after the tool's own
 
 `--compare-mup` (needs the `mup` package) also runs the mup package's own coordinate check (`mup.get_coord_data`,
