@@ -24,7 +24,8 @@ base's), as the `mup` package's MuAdamW and MuSGD and CompleteP do. Under comple
 divided by m_width x m_depth, as CompleteP's reference implementation does. The forward: the embedding's output times
 `embedding_multiplier`, the logits times `logit_multiplier` / m_width, the attention's softmax scale sqrt(base head
 dim) / head dim (the queries times sqrt(base head dim / head dim)), and under complete_p each residual branch times
-1 / m_depth. Hidden layers are initialised as the base model's layer at the same relative depth.
+1 / m_depth. Each parameter is drawn as the base model's (its std, and a block's as the base model's block at the same
+relative depth), times its init factor: at the base shape the model is the standard one.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Parametrization:
     base_shapes: Shapes = ()
     shapes: Shapes = ()
     vocabulary: frozenset[str] = frozenset()
+    base_args: Any = None  # the same model at the base shape, in the standard parametrization
 
     @property
     def is_standard(self) -> bool:
@@ -109,12 +111,14 @@ class Parametrization:
             return m_in**-0.5, 1 / m_in if update == "adaptive" else m_out / m_in
         return 1 / m_in, 1 / m_in  # readout
 
-    def init_rule(self, rule: InitRule) -> InitRule:
-        """`rule` (the family's standard init) with each parameter's std scaled by its `factors`, read off the whole
-        tensor it fills; under complete_p a block is initialised as the base model's block at the same relative
-        depth. The standard parametrization returns `rule` itself."""
+    def init_rule(self, rule_of: Callable[[Any], InitRule]) -> InitRule:
+        """The model's init from `rule_of(args)`, the family's standard init of the model `args` describe (None: the
+        model's own): as it is in the standard parametrization; else the base model's, each parameter's std scaled by
+        its `factors` (read off the whole tensor it fills), a block drawn as the base model's block at the same
+        relative depth (under µP the depth is the base's)."""
         if self.is_standard:
-            return rule
+            return rule_of(None)
+        rule = rule_of(self.base_args)
 
         def scaled(fqn: str) -> ParamInit:
             source = self._at_relative_depth(fqn)
@@ -124,7 +128,7 @@ class Parametrization:
         return scaled
 
     def _at_relative_depth(self, fqn: str) -> str:
-        if self.name != "complete_p" or self.n_layers == self.base_depth:
+        if self.n_layers == self.base_depth:
             return fqn
         return re.sub(r"^layers\.(\d+)\.", lambda m: f"layers.{int(m[1]) * self.base_depth // self.n_layers}.", fqn)
 
@@ -195,6 +199,7 @@ def parametrize(model_cls: Callable[[Any], Any], args: Any, base_args: Any, sett
         base_shapes=base_shapes,
         shapes=shapes,
         vocabulary=vocabulary,
+        base_args=base_args,
     )
     return dataclasses.replace(args, parametrization=parametrization)
 

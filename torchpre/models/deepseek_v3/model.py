@@ -310,8 +310,8 @@ class DeepSeekV3Transformer(MoETransformer):
         for layer in self.layers.values():
             layer.attention.kv_cache = LatentKVCache(batch_size, max_len)
 
-    def param_init_rule(self) -> InitRule:
-        return init_rule(self.args)
+    def param_init_rule(self, args: DeepSeekV3Args | None = None) -> InitRule:
+        return init_rule(args or self.args)
 
     def vocabulary_parameters(self) -> set[str]:
         return super().vocabulary_parameters() | {"mtp_embeddings.weight"}

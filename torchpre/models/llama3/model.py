@@ -300,12 +300,13 @@ class Transformer(nn.Module):
         parametrization says, and recompute the RoPE cache. The result does not depend on device, dtype, sharding
         or stage split."""
         self.tie_weights()
-        init_parameters(self, seed, self.args.parametrization.init_rule(self.param_init_rule()))
+        init_parameters(self, seed, self.args.parametrization.init_rule(self.param_init_rule))
         self.init_buffers()
 
-    def param_init_rule(self) -> InitRule:
-        """Each parameter's initialisation in the standard parametrization, by name (`init_rule`)."""
-        return init_rule(self.args)
+    def param_init_rule(self, args: TransformerArgs | None = None) -> InitRule:
+        """Each parameter's initialisation in the standard parametrization, by name (`init_rule`), of this model or
+        of the model `args` describe (a parametrization's base model)."""
+        return init_rule(args or self.args)
 
     def vocabulary_parameters(self) -> set[str]:
         """The names of the matrices with a row per token: the embedding and the output layer (a parametrization

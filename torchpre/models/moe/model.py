@@ -256,8 +256,8 @@ class MoETransformer(Transformer):
         for layer_id in range(args.first_k_dense):
             self.layers[str(layer_id)] = self.dense_block(args)
 
-    def param_init_rule(self) -> InitRule:
-        return init_rule(self.args)
+    def param_init_rule(self, args: MoEArgs | None = None) -> InitRule:
+        return init_rule(args or self.args)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
