@@ -217,6 +217,8 @@ TP2, PP2 = ["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeli
 
 
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+MUP = ["--model.parametrization", "mup"]
+DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 
 
 def case(case_id: str, argv: list[str], fragments: list[str], entry: str = "train.py", ranks: int = 1):
@@ -462,6 +464,37 @@ CATALOGUE = [
          "parallelism.tensor_parallel_degree = 4", "1, 2)"],
         ranks=4,
     ),
+    # The shape on top of a flavor (model.dim, n_layers, n_heads, n_kv_heads) and model.parametrization.
+    case("shape-key-negative", ["--model.dim", "-64"], ["model.dim = -64", "must be positive"]),
+    case("shape-does-not-hold", ["--model.dim", "66"],
+         ["model.dim = 66 on model.name = 'llama3', model.flavor = 'tiny'", "not divisible by n_heads 4"]),
+    case("shape-key-the-family-does-not-take", [*DSV3, "--model.n_kv_heads", "2"],
+         ["model.n_kv_heads = 2 with model.name = 'deepseek_v3'", "it takes model.dim, model.n_layers, model.n_heads"]),
+    case("shape-width-field-not-whole", [*DSV3, "--model.flavor", "2B", "--model.dim", "1000"],
+         ["model.dim = 1000", "moe_hidden_dim (512 at dim 1536) follows the width", "a multiple of 3"]),
+    case("shape-keys-with-hf", [*HF, HF_LLAMA, "--model.dim", "128"],
+         ["model.dim = 128", "model.name = 'hf' takes its shape from model.hf_config"]),
+    case("shape-keys-with-from-hf", [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_llama", "--model.dim", "128"],
+         ["model.dim = 128", "model.flavor = 'from_hf' takes the shape of the folder's config.json"]),
+    case("mup-keys-under-sp", ["--model.mup_base_dim", "64"],
+         ["model.mup_base_dim = 64 with model.parametrization = 'sp'", "'mup' or 'complete_p'"]),
+    case("mup-base-depth-under-mup", [*MUP, "--model.mup_base_depth", "2"],
+         ["model.mup_base_depth = 2 with model.parametrization = 'mup'", "'complete_p' only"]),
+    case("mup-family-without-multipliers", [*HF, HF_LLAMA, *MUP],
+         ["model.parametrization = 'mup' with model.name = 'hf'", "no multipliers to set", "moe or deepseek_v3"]),
+    case("mup-with-muon", [*MUP, "--optimizer.name", "Muon"],
+         ["model.parametrization = 'mup' with optimizer.name = 'Muon'", "spectral scaling", "Use AdamW"]),
+    case("mup-from-a-hugging-face-folder", [*MUP, "--checkpoint.initial_load_path", "{d}/hf_llama"],
+         ["checkpoint.initial_load_path = {d}/hf_llama is a Hugging Face folder, with model.parametrization = 'mup'",
+          "without the µP multipliers"]),
+    case("mup-base-does-not-hold", [*MUP, "--model.mup_base_dim", "66"],
+         ["The base model (model.mup_base_dim = 66, depth 2) does not hold", "not divisible by n_heads 4"]),
+    case("mup-base-depth-without-every-block", [*DSV3, "--model.parametrization", "complete_p",
+                                                "--model.mup_base_depth", "1"],
+         ["model.mup_base_depth = 1", "no 'layers.*.moe.router.weight'"]),
+    case("mup-multiplier-not-positive", [*MUP, "--model.mup_logit_multiplier", "0"],
+         ["model.mup_logit_multiplier = 0.0", "must be positive"]),
+    case("mup-base-negative", [*MUP, "--model.mup_base_dim", "-1"], ["model.mup_base_dim = -1", "must be positive"]),
     case("unknown-flavor", ["--model.flavor", "debugmodell"], ["model.flavor", "'debugmodell'", "'debugmodel'"]),
     case(
         "unknown-schedule",
@@ -859,6 +892,12 @@ CATALOGUE = [
         CONVERT,
     ),
     case("convert-hf-folder-missing", ["hf-to-dcp", "{d}/no_hf", "{d}/out"], ["{d}/no_hf does not exist"], CONVERT),
+    case(
+        "convert-hf-folder-into-a-mup-model",
+        ["hf-to-dcp", "{d}/hf_llama", "{d}/out", "--model.flavor", "tiny", "--model.n_layers", "3", *MUP],
+        ["hf-to-dcp HF_DIR = {d}/hf_llama is a Hugging Face folder, with model.parametrization = 'mup'"],
+        CONVERT,
+    ),
     case(
         "convert-hf-folder-unknown-config-field",
         ["hf-to-dcp", "{d}/hf_unknown_field", "{d}/out", *FROM_HF],

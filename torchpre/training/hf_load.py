@@ -103,6 +103,13 @@ def hf_weights(path: Path, spec: ModelSpec, args: Any, key: str) -> HFWeights:
     """The folder at `path` (given as `key`, e.g. checkpoint.initial_load_path) checked against the model `args`
     describes: a TorchpreError names what does not fit and what to do, before any weight is read."""
     adapter = spec.hf
+    parametrization = getattr(args, "parametrization", None)
+    if parametrization is not None and not parametrization.is_standard:
+        raise ConfigError(
+            f"{key} = {path} is a Hugging Face folder, with model.parametrization = '{parametrization.name}': its "
+            "weights are a model in the standard parametrization, without the µP multipliers, so they would not "
+            "compute the model they were trained as. Train from scratch, or use model.parametrization = 'sp'."
+        )
     if adapter is None or adapter.hf_sources is None:
         raise ConfigError(
             f"{key} = {path} is a Hugging Face folder, but this model family has no mapping from one (its ModelSpec's "

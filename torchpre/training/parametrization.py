@@ -5,7 +5,6 @@ name before any work.
 """
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from torchpre.config.job_config import JobConfig, Model
@@ -15,7 +14,6 @@ from torchpre.models.registry import ModelSpec
 from torchpre.models.shapes import SHAPE_KEYS, with_shape
 from torchpre.optim.param_scales import ParamScales
 from torchpre.optim.registry import get_optimizer
-from torchpre.training.hf_reader import is_hf_folder
 
 MUP_KEYS = ("mup_base_dim", "mup_base_depth", "mup_base_head_dim", "mup_embedding_multiplier", "mup_logit_multiplier")
 _DEFAULTS = Model()
@@ -67,7 +65,7 @@ def with_parametrization(
 
 def check_parametrization(config: JobConfig, args: Any) -> None:
     """Refuses model.parametrization where it cannot apply: a family without the multipliers in its forward, an
-    optimizer without a stated rule, weights from a Hugging Face folder (plain weights, without the multipliers)."""
+    optimizer without a stated rule. (A Hugging Face folder's weights are refused where they load: `hf_weights`.)"""
     m, key = config.model, f"model.parametrization = '{config.model.parametrization}'"
     if not hasattr(args, "parametrization"):
         raise ConfigError(
@@ -82,13 +80,6 @@ def check_parametrization(config: JobConfig, args: Any) -> None:
             "Muon's would be spectral scaling (each matrix's update scaled by sqrt(fan-out / fan-in), "
             "optimizer.muon_lr_adjust = 'spectral_unclamped', no 1/width on its learning rate), which the "
             "learning-rate transfer test has not checked. Use AdamW, Adam, SGD, Adagrad or RMSprop."
-        )
-    c = config.checkpoint
-    if m.flavor == "from_hf" or (c.initial_load_path and is_hf_folder(Path(c.initial_load_path))):
-        raise ConfigError(
-            f"{key} with a Hugging Face folder at checkpoint.initial_load_path: its weights are a model in the "
-            "standard parametrization, without the multipliers. Train from scratch, or use model.parametrization = "
-            "'sp'."
         )
 
 
