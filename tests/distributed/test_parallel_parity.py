@@ -193,7 +193,7 @@ QUANTIZED_CI_ROWS = ("fp8_dp2_zero1", "fp8_tensorwise_tp2_sp", "moe_mxfp8_expert
 
 @pytest.fixture(scope="module")
 def quantized_reference(tmp_path_factory) -> Callable[[list[str]], list[dict]]:
-    """One process's run with the given model and quantize keys, trained once per module."""
+    """One process's run with the given model and quantize (or parametrization) keys, trained once per module."""
     runs: dict[tuple[str, ...], list[dict]] = {}
 
     def reference(quantize: list[str]) -> list[dict]:
@@ -256,3 +256,42 @@ def test_pp2_with_tied_embeddings_matches_one_process(tmp_path):
     # tp2 x pp2 keeps the tied copies equal while both are sharded over the vocabulary
     records = train_and_read_metrics([*tied, *TP2, *pp("1F1B")], 4, tmp_path / "tp2_pp2")
     assert_same_curve(records, reference)
+
+
+# µP and CompleteP models (model.parametrization, docs/mup.md) under every kind of layout, each against one process with
+# the same model: the debug model at twice its base width (mup_base_dim 128: hidden learning rates and init halved,
+# attention 1/head_dim, logits x 1/2), for complete_p also at twice its base depth (residual branches x 1/2, eps / 4),
+# and the MoE debug model at twice its base width under expert parallelism. Every multiplier and per-parameter learning
+# rate comes from global shapes, so a layout only reorders sums: held to 1e-5, as the cp rows.
+MUP_DEBUG = ["--model.parametrization", "mup", "--model.mup_base_dim", "128"]
+COMPLETE_P_DEBUG = ["--model.parametrization", "complete_p", "--model.mup_base_dim", "128",
+                    "--model.mup_base_depth", "3"]
+MUP_MOE = [*MOE, "--model.parametrization", "mup", "--model.mup_base_dim", "32"]
+MUP_ATOL = 1e-5
+MUP_LAYOUTS = {
+    "mup_dp2_zero1": (MUP_DEBUG, 2, zero(1)),
+    "mup_dp2_zero2": (MUP_DEBUG, 2, zero(2)),
+    "mup_dp2_zero3": (MUP_DEBUG, 2, zero(3)),
+    "mup_hsdp": (MUP_DEBUG, 4, [*per_rank_batch(4), "--optimizer.zero_stage", "3",
+                                "--parallelism.data_parallel_replicate_degree", "2"]),
+    "mup_tp2_sp_lp": (MUP_DEBUG, 2, [*TP2, *SP, *LP]),
+    "mup_dp2_tp2_zero1": (MUP_DEBUG, 4, [*zero(1), *TP2, *SP]),
+    "mup_pp2_1f1b": (MUP_DEBUG, 2, pp("1F1B")),
+    "mup_cp2": (MUP_DEBUG, 2, CP2),
+    "complete_p_pp2_interleaved1f1b": (COMPLETE_P_DEBUG, 2, pp("Interleaved1F1B", *V2)),
+    "complete_p_tp2_sp_lp": (COMPLETE_P_DEBUG, 2, [*TP2, *SP, *LP]),
+    "moe_mup_ep2": (MUP_MOE, 2, [*per_rank_batch(2), *EP2]),
+    "moe_mup_tp2_sp": (MUP_MOE, 2, [*TP2, *SP]),
+}  # fmt: skip
+# Tensor parallel (whose shards would give other fan-ins than the whole matrices') and ZeRO-3 (FSDP's shards).
+MUP_CI_ROWS = ("mup_tp2_sp_lp", "mup_dp2_zero3")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [name if name in MUP_CI_ROWS else pytest.param(name, marks=pytest.mark.parity_matrix) for name in MUP_LAYOUTS],
+)
+def test_mup_layout_matches_one_process(layout, quantized_reference, tmp_path):
+    model, nproc, args = MUP_LAYOUTS[layout]
+    records = train_and_read_metrics([*DEBUG, *model, *args], nproc, tmp_path)
+    assert_same_curve(records, quantized_reference(model), MUP_ATOL)
