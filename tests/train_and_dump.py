@@ -1,5 +1,6 @@
-"""train.py, then every rank saves its parameters (TP shards gathered) to {dump_folder}/params_rank{R}.pt and its
-persistent buffers (training state outside the optimizer, e.g. MoE routing biases) to buffers_rank{R}.pt.
+"""train.py, then every rank saves its parameters (TP shards gathered) to {dump_folder}/params_rank{R}.pt, its
+persistent buffers (training state outside the optimizer, e.g. MoE routing biases) to buffers_rank{R}.pt, and its
+parametrization (each parameter's optimizer group settings, each module's multipliers) to parametrization_rank{R}.pt.
 
 Run like train.py (`torchrun ... tests/train_and_dump.py --section.key value ...`); tests compare the
 saved parameters of two layouts after training.
@@ -20,6 +21,7 @@ from torchpre.runtime.cli import run_entry_point  # noqa: E402
 def main(argv: list[str]) -> None:
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
+    from torchpre.distributed.names import canonical_fqn
     from torchpre.training.trainer import Trainer
 
     config = parse_args(JobConfig, argv)
@@ -38,6 +40,22 @@ def main(argv: list[str]) -> None:
         if not isinstance(value, torch.nn.Parameter)  # a tied weight's second name is a parameter, not a buffer
     }
     torch.save(buffers, Path(config.job.dump_folder) / f"buffers_rank{dist.get_rank()}.pt")
+    groups = {
+        name: {key: group[key] for key in ("initial_lr", "weight_decay", "eps") if key in group}
+        for group in trainer.job.optimizer.inner.param_groups
+        for name in group["names"]
+    }
+    multipliers = {
+        f"{canonical_fqn(name)}.{attribute}": getattr(module, attribute)
+        for part in trainer.job.model.parts
+        for name, module in part.named_modules()
+        for attribute in ("query_multiplier", "query_scale", "residual_multiplier")
+        if hasattr(module, attribute)
+    }
+    parametrization = trainer.job.preflight.model_args.parametrization
+    multipliers |= {"logits": parametrization.logit_multiplier, "embedding": parametrization.embedding_multiplier}
+    path = Path(config.job.dump_folder) / f"parametrization_rank{dist.get_rank()}.pt"
+    torch.save({"groups": groups, "multipliers": multipliers}, path)
 
 
 if __name__ == "__main__":
