@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from bench.coord_check import DEFAULTS, coordinates, fixed_batch
+from tests.integration.test_hf_convert import LOGITS_ATOL, SEQ_LEN, convert_ok, save_checkpoint, tokens
 from tests.launch import TINY, train_and_read_params
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args, to_toml
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.models.registry import get_model_spec
+from torchpre.training.model import model_args
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 
 def test_coordinate_check_holds_under_mup_and_fails_under_the_standard_logit_scaling(tmp_path):
@@ -57,3 +63,41 @@ def test_a_resume_under_another_layout_keeps_every_multiplier_and_learning_rate(
     groups, multipliers = _parametrization(tmp_path / "dp2")
     assert len(groups) == 3 + 9 * 4 and multipliers["logits"] == 0.5  # embedding, norm, output; 9 per block
     assert (groups, multipliers) == _parametrization(tmp_path / "pp2")
+
+
+EXPORTS = {
+    # untied: every multiplier folds into the weights it scales; tied: Granite's config carries them
+    "llama3-untied": (["--model.flavor", "tiny"], "LlamaForCausalLM"),
+    "llama3-tied": (["--model.flavor", "debugmodel_tied"], "GraniteForCausalLM"),
+    "deepseek_v3": (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"], "DeepseekV3ForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("case", EXPORTS)
+def test_hf_export_of_a_mup_model_gives_transformers_torchpres_logits(case, tmp_path):
+    """CompleteP at twice the base width (64 for tiny, the flavor's own for the others) and depth, with embedding and
+    logit multipliers of 2 and 1.5: `dcp-to-hf` writes a folder whose transformers model computes torchpre's logits
+    within 1e-5 (fp32, reduction order only, as tests/integration/test_hf_convert.py; measured <= 3.1e-6 on logits up
+    to 5.1), while leaving one multiplier out of the Llama export moves them by 1.2e-4 (the queries': attention is near
+    uniform at init), 0.027 (embedding, residual) or 1.7 (logits)."""
+    transformers = pytest.importorskip("transformers")
+    flags, architecture = EXPORTS[case]
+    mup = ["--model.parametrization", "complete_p", "--model.mup_base_dim", "64", "--model.mup_base_depth", "2",
+           "--model.dim", "128", "--model.n_layers", "4", "--model.mup_embedding_multiplier", "2",
+           "--model.mup_logit_multiplier", "1.5"]  # fmt: skip
+    config = parse_args(JobConfig, [*flags, *mup, "--training.seq_len", str(SEQ_LEN)])
+    job = tmp_path / "job.toml"
+    job.write_text(to_toml(config))
+    args = model_args(config, Tokenizer(DEFAULT_TOKENIZER_PATH))
+    with torch.device("meta"):
+        model = get_model_spec(config.model.name).model_cls(args)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    step_dir, hf_dir = tmp_path / "ckpt" / "step-5", tmp_path / "hf"
+    save_checkpoint(model.eval(), config, step_dir)
+    convert_ok("dcp-to-hf", step_dir, hf_dir, "--job.config_file", job)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    assert type(hf_model).__name__ == architecture
+    ids = tokens(args.vocab_size, SEQ_LEN)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, model(ids), rtol=0, atol=LOGITS_ATOL)

@@ -2,6 +2,7 @@
 2 layers): the optimizer's per-parameter learning rates, weight decays and eps at two widths, the init they draw, the
 attention scale, the residual multipliers, and the shape keys."""
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,9 @@ from torch import nn
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.errors import ConfigError
 from torchpre.models.llama3.model import apply_rope
+from torchpre.models.parametrization import fold_multipliers
 from torchpre.models.registry import get_model_spec
 from torchpre.optim import build_optimizer
 from torchpre.parallel import ParallelPlan, parallelize
@@ -156,3 +159,17 @@ def test_shape_keys_scale_the_widths_that_follow_dim():
     assert (dsv3.n_layers, dsv3.n_heads, *widths) == (4, 8, 64, 64, 256, 64)  # the flavor's x 2; head sizes kept
     llama = args_of("--model.dim", "128", "--model.n_heads", "8", "--model.n_kv_heads", "4")
     assert (llama.head_dim, llama.n_kv_heads, llama.ffn_hidden_dim) == (16, 4, 352)
+
+
+def test_tied_embedding_and_logit_multipliers_that_differ_do_not_fold():
+    """An architecture without multipliers gets them folded into the weights; one matrix serving both ends takes one
+    factor only, so differing embedding and logit multipliers are refused by name, equal ones fold."""
+    parametrization = args_of("--model.dim", "128", "--model.parametrization", "mup").parametrization
+    state = {"tok_embeddings.weight": torch.ones(2), "output.weight": torch.ones(2)}
+    weights = {"embedding": ("tok_embeddings.weight",), "logits": ("output.weight",)}
+    with pytest.raises(ConfigError, match="embedding multiplier 1 and the logit multiplier 0.5 differ"):
+        fold_multipliers(state, parametrization, weights, tied=True)
+    folded = fold_multipliers(state, parametrization, weights, tied=False)
+    assert folded["tok_embeddings.weight"].tolist() == [1, 1] and folded["output.weight"].tolist() == [0.5, 0.5]
+    same = dataclasses.replace(parametrization, embedding_multiplier=0.5)
+    assert fold_multipliers(state, same, weights, tied=True)["tok_embeddings.weight"].tolist() == [0.5, 0.5]

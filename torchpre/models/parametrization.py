@@ -31,8 +31,9 @@ relative depth), times its init factor: at the base shape the model is the stand
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -156,6 +157,34 @@ class ScaledFill:
         factor = self.parametrization.factors(self.name, tensor.shape).init_std
         if factor != 1.0:
             tensor.mul_(factor)
+
+
+def fold_multipliers(
+    state: Mapping[str, Tensor], parametrization: Parametrization, weights: Mapping[str, tuple[str, ...]], tied: bool
+) -> dict[str, Tensor]:
+    """`state` (torchpre names) with each multiplier of the forward multiplied into the weights whose output it scales,
+    for an export to an architecture without multipliers: `weights` maps "embedding", "logits", "queries" and
+    "residual" to the fnmatch patterns of those weights (meta tensors stay meta). With `tied` embeddings one matrix
+    serves both ends, so the embedding and logit multipliers fold only when they are equal; a ConfigError says so."""
+    if parametrization.is_standard:
+        return dict(state)
+    p = parametrization
+    factors = {"embedding": p.embedding_multiplier, "logits": p.logit_multiplier,
+               "queries": p.attention_multiplier, "residual": p.residual_multiplier}  # fmt: skip
+    if tied and factors["embedding"] != factors["logits"]:
+        raise ConfigError(
+            f"model.parametrization = '{p.name}' with tied embeddings: the embedding multiplier "
+            f"{factors['embedding']:.4g} and the logit multiplier {factors['logits']:.4g} differ, so they cannot fold "
+            "into the one matrix both use, and this Hugging Face architecture has no multipliers of its own. Train "
+            "with untied embeddings to export, or keep the checkpoint in torchpre's format."
+        )
+    folded = dict(state)
+    for multiplier, patterns in weights.items():
+        if factors[multiplier] == 1.0:
+            continue
+        for name in [n for n in folded if any(fnmatch.fnmatchcase(n, pattern) for pattern in patterns)]:
+            folded[name] = folded[name] * factors[multiplier]
+    return folded
 
 
 def block_pattern(name: str) -> str:

@@ -30,6 +30,7 @@ from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
 from torchpre.models.hf_fields import check_fields
 from torchpre.models.hf_sources import Copy, Same, Source, Sources, StackedExperts, Zeros, whole_state_dict
+from torchpre.models.parametrization import fold_multipliers
 from torchpre.models.state_dict_checks import check_tensors
 
 _TOP_LEVEL = {
@@ -65,6 +66,16 @@ _MTP = {
     "norm.weight": "shared_head.norm.weight",
 }
 _MTP_EMBEDDING = "mtp_embeddings.weight"  # the embedding's second name (its own Parameter on the last stage)
+# The weights whose outputs a parametrization's multipliers scale, in the layers and the multi-token prediction blocks
+# (torchpre.models.parametrization.fold_multipliers): the queries' scale goes into their last projection.
+_MULTIPLIED = {
+    "embedding": ("tok_embeddings.weight",),
+    "logits": ("output.weight",),
+    "queries": ("*.attention.wq.weight", "*.attention.wq_b.weight"),
+    "residual": (
+        "*.attention.wo.weight", "*.feed_forward.w2.weight", "*.moe.experts.w2", "*.moe.shared_expert.w2.weight",
+    ),
+}
 # Each multi-token prediction layer's copies of the model's embedding and output layer.
 _MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 
@@ -103,11 +114,13 @@ _COMPARED_FIELDS = (
 
 
 def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> dict[str, Tensor]:
-    """torchpre FQNs -> Hugging Face names, each routed expert's weights as their own `nn.Linear` weights. Raises
-    TorchpreError naming missing, unknown or misshapen tensors."""
+    """torchpre FQNs -> Hugging Face names, each routed expert's weights as their own `nn.Linear` weights, a
+    parametrization's multipliers folded into the weights they scale. Raises TorchpreError naming missing, unknown or
+    misshapen tensors."""
     state_dict = {fqn: t for fqn, t in state_dict.items() if fqn != _MTP_EMBEDDING}  # the embedding's alias
     shapes = {fqn: shape for fqn, shape in _torchpre_shapes(args).items() if fqn != _MTP_EMBEDDING}
     check_tensors(state_dict, shapes, "torchpre model state dict")
+    state_dict = fold_multipliers(state_dict, args.parametrization, _MULTIPLIED, args.tie_word_embeddings)
     hf: dict[str, Tensor] = {}
     for fqn, tensor in state_dict.items():
         names = _hf_names(fqn, args)

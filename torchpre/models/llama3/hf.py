@@ -24,6 +24,7 @@ from torchpre.models.hf_fields import check_fields
 from torchpre.models.hf_sources import Copy, RotaryRows, Same, Source, Sources, whole_state_dict
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
 from torchpre.models.llama3.model import Transformer
+from torchpre.models.parametrization import fold_multipliers
 from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
 
 _TOP_LEVEL = {
@@ -44,6 +45,13 @@ _PER_LAYER = {
 }
 _TIED = "output.weight"
 _TIED_HF = "lm_head.weight"
+# The weights whose outputs a parametrization's multipliers scale (torchpre.models.parametrization.fold_multipliers).
+_MULTIPLIED = {
+    "embedding": ("tok_embeddings.weight",),
+    "logits": ("output.weight",),
+    "queries": ("layers.*.attention.wq.weight",),
+    "residual": ("layers.*.attention.wo.weight", "layers.*.feed_forward.w2.weight"),
+}
 
 # The config.json fields Llama 3's args are read from, and those with the one value torchpre's Llama computes with.
 _READ = frozenset({
@@ -86,7 +94,15 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: TransformerArgs) ->
         state_dict = without_tied_copy(state_dict, _TIED, "tok_embeddings.weight")
         del shapes[_TIED]
     check_tensors(state_dict, shapes, "torchpre model state dict")
+    if not _as_granite(args):
+        state_dict = fold_multipliers(state_dict, args.parametrization, _MULTIPLIED, args.tie_word_embeddings)
     return {_hf_name(fqn): _to_rotate_half(fqn, tensor, args) for fqn, tensor in state_dict.items()}
+
+
+def _as_granite(args: TransformerArgs) -> bool:
+    """A µP model with tied embeddings exports as Granite, whose config carries the multipliers that cannot fold into
+    the one matrix both ends use; every other model as Llama, its multipliers folded into its weights."""
+    return args.tie_word_embeddings and not args.parametrization.is_standard
 
 
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
@@ -128,11 +144,20 @@ def hf_config(
     max_position_embeddings: int | None = None,
 ) -> dict[str, Any]:
     """The `config.json` of a `LlamaForCausalLM` with these args (Llama 3.1 style keys, which
-    transformers 4.x and 5.x both read). `max_position_embeddings` defaults to args.max_seq_len."""
-    scaling = args.rope_scaling
+    transformers 4.x and 5.x both read), or of a `GraniteForCausalLM` with the parametrization's multipliers (a µP
+    model with tied embeddings). `max_position_embeddings` defaults to args.max_seq_len."""
+    scaling, granite = args.rope_scaling, _as_granite(args)
+    p = args.parametrization
+    multipliers = {
+        "embedding_multiplier": p.embedding_multiplier,
+        "logits_scaling": 1 / p.logit_multiplier,  # Granite divides the logits by it
+        "residual_multiplier": p.residual_multiplier,
+        "attention_multiplier": p.attention_multiplier * args.head_dim**-0.5,  # Granite's softmax scale itself
+    }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["GraniteForCausalLM" if granite else "LlamaForCausalLM"],
+        "model_type": "granite" if granite else "llama",
+        **(multipliers if granite else {}),
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
