@@ -112,13 +112,13 @@ class Parametrization:
             return m_in**-0.5, 1 / m_in if update == "adaptive" else m_out / m_in
         return 1 / m_in, 1 / m_in  # readout
 
-    def init_rule(self, rule_of: Callable[[Any], InitRule]) -> InitRule:
-        """The model's init from `rule_of(args)`, the family's standard init of the model `args` describe (None: the
-        model's own): as it is in the standard parametrization; else the base model's, each parameter's std scaled by
-        its `factors` (read off the whole tensor it fills), a block drawn as the base model's block at the same
-        relative depth (under µP the depth is the base's)."""
+    def init_rule(self, rule_of: Callable[..., InitRule]) -> InitRule:
+        """The model's init from `rule_of`, the family's standard init: `rule_of()` (the model's own) in the standard
+        parametrization; else `rule_of(base_args)`, the base model's, each parameter's std scaled by its `factors`
+        (read off the whole tensor it fills), a block drawn as the base model's block at the same relative depth
+        (under µP the depth is the base's)."""
         if self.is_standard:
-            return rule_of(None)
+            return rule_of()
         rule = rule_of(self.base_args)
 
         def scaled(fqn: str) -> ParamInit:

@@ -261,7 +261,7 @@ class Transformer(nn.Module):
     and `output` to None (it then returns hidden states), and delete entries of `layers`.
 
     A family built on it passes its own `block` class (see `TransformerBlock`) and overrides
-    `param_init_rule`.
+    `param_init_rule(args=None)` (a parametrization asks it for its base model's rule).
     """
 
     tok_embeddings: nn.Embedding | None
