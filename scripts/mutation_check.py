@@ -78,6 +78,9 @@ STOP_READ_LATE_TEST = (
     "test_a_stop_request_read_late_stops_every_rank_one_step_later_and_resumes_exactly"
 )
 STEP_PLAN_TEST = "tests/unit/test_step_plan.py"
+PARITY = "tests/distributed/test_parallel_parity.py"
+MUP_UNIT = "tests/unit/test_parametrization.py"
+MUP_INTEGRATION = "tests/integration/test_mup.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
@@ -540,6 +543,24 @@ BREAKS = [
           "        if int(window.max()) >= self.reader.manifest.vocab_size:", "        if False:",
           (f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message[shards-token-id-beyond-the-vocabulary-unrecorded]",),
           "a shard token id beyond the vocabulary reaches the embedding (an IndexError mid-run)"),
+    Break("mup-factors-from-local-shapes", "torchpre/optim/distributed_optimizer.py",
+          "keys = {p.name: scales.key(p.name, p.param.shape) for p in self.params}",
+          "keys = {p.name: scales.key(p.name, p.local.shape) for p in self.params}",
+          (f"{PARITY}::test_mup_layout_matches_one_process[mup_tp2_sp_lp]",),
+          "µP's per-parameter learning rates computed from a rank's shard: a row-parallel matrix's halved fan-in"),
+    Break("mup-attention-scale-left-at-sqrt-d", "torchpre/models/parametrization.py",
+          "attention_multiplier=(base_head_dim / head_dim) ** 0.5,", "attention_multiplier=1.0,",
+          (f"{MUP_UNIT}::test_attention_scale_is_one_over_head_dim_and_logits_shrink_with_width",),
+          "µP's attention scale left at 1/sqrt(head dim) instead of sqrt(base head dim) / head dim"),
+    Break("mup-logits-at-the-standard-scale", "torchpre/models/parametrization.py",
+          "logit_multiplier=settings.logit_multiplier / width,", "logit_multiplier=settings.logit_multiplier,",
+          (f"{MUP_INTEGRATION}::test_coordinate_check_holds_under_mup_and_fails_under_the_standard_logit_scaling",),
+          "µP's logit multiplier left at the base's instead of base / width: the logits' updates grow with width"),
+    Break("mup-export-not-folded", "torchpre/models/llama3/hf.py",
+          "state_dict = fold_multipliers(state_dict, args.parametrization, _MULTIPLIED, args.tie_word_embeddings)",
+          "state_dict = dict(state_dict)",
+          (f"{MUP_INTEGRATION}::test_hf_export_of_a_mup_model_gives_transformers_torchpres_logits[llama3-untied]",),
+          "a µP model exported to Llama without its multipliers: transformers computes another model"),
 ]
 
 def check_unique(repo: Path, breaks: list[Break]) -> None:
