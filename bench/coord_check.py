@@ -69,10 +69,12 @@ class Coordinates:
                              for values in (self.init, self.after, self.change)))  # fmt: skip
 
 
-def fixed_batch(folder: Path, batch: int = BATCH, seq_len: int = SEQ_LEN) -> tuple[list[str], torch.Tensor]:
+def fixed_batch(
+    folder: Path, batch: int = BATCH, seq_len: int = SEQ_LEN
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """train.py's data flags for a dataset of exactly one global batch (`batch` windows of `seq_len` + 1 tokens: lines
     of the standard library's docstrings, each shorter than a window), so that every step trains on the same batch,
-    as the `mup` package's coordinate check does; and that batch's inputs [batch, seq_len], the probe."""
+    as the `mup` package's coordinate check does; and that batch's inputs (the probe) and labels [batch, seq_len]."""
     tokenizer, lines, total = Tokenizer(DEFAULT_TOKENIZER_PATH), [], 0
     for line in (line.strip() for document in stdlib_documents() for line in document.splitlines()):
         size = len(tokenizer.encode(line, bos=True, eos=True))
@@ -84,10 +86,10 @@ def fixed_batch(folder: Path, batch: int = BATCH, seq_len: int = SEQ_LEN) -> tup
     path = folder / "one_batch.jsonl"
     path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     windows = PackedWindows(pack_documents(lines, tokenizer), seq_len)
-    inputs = torch.stack([windows[i][0] for i in range(len(windows))])
+    inputs, labels = (torch.stack(column) for column in zip(*(windows[i] for i in range(len(windows)))))
     flags = ["--training.dataset", "text", "--training.dataset_path", str(path),
              "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch)]  # fmt: skip
-    return flags, inputs
+    return flags, inputs, labels
 
 
 def coordinates(train_args: Sequence[str], steps: int, tokens: torch.Tensor) -> Coordinates:
@@ -139,7 +141,7 @@ def spread(values: Sequence[float]) -> float:
 def sweep(train_args: Sequence[str], key: str, values: Sequence[int], steps: int) -> dict[int, Coordinates]:
     """`coordinates` of the job at each of `values` of model.`key` (dim or n_layers), on one fixed batch."""
     with tempfile.TemporaryDirectory() as folder:
-        data, tokens = fixed_batch(Path(folder))
+        data, tokens, _ = fixed_batch(Path(folder))
         runs = {
             value: coordinates([*train_args, *data, f"--model.{key}", str(value)], steps, tokens) for value in values
         }

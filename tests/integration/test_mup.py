@@ -25,7 +25,7 @@ def test_coordinate_check_holds_under_mup_and_fails_under_the_standard_logit_sca
     blocks, 0.76 for the logits, which converge from above as the initial output layer's share fades like
     1/sqrt(width)). With the standard parametrization's logit scaling (mup_logit_multiplier 4 x base / width = 1)
     the logits' change grows with the width: measured 2.7x at 4x the width (under SP altogether: docs/mup.md)."""
-    data, tokens = fixed_batch(tmp_path, batch=4, seq_len=32)
+    data, tokens, _ = fixed_batch(tmp_path, batch=4, seq_len=32)
     mup = [*DEFAULTS, *data, "--model.parametrization", "mup"]
     base = coordinates([*mup, "--model.dim", "64"], 3, tokens)
     wide = coordinates([*mup, "--model.dim", "256"], 3, tokens)
