@@ -321,12 +321,14 @@ def test_a_config_breaking_a_condition_trains_exactly_under_the_layouts_it_keeps
     """The row's "exact" holds for a config start-up does not refuse: the changed config under its other exact
     layouts trains to one process's losses."""
     args = tiny_args(model_type)
+    changed = dataclasses.replace(args, config=type(args.config).from_dict({**args.config.to_dict(), **change}))
     config = tmp_path / f"{model_type}.json"
-    config.write_text(type(args.config).from_dict({**args.config.to_dict(), **change}).to_json_string())
+    config.write_text(changed.config.to_json_string())
     reference = [r["loss"] for r in train_and_read_metrics(job(config), 1, tmp_path / "one")]
-    row = read_table()[model_type]
-    for other, (_, extra) in LAYOUTS.items():
-        if other == column or row[other] != EXACT:
+    row, reasons = read_table()[model_type], refusals(changed)
+    assert reasons[LAYOUTS[column][0]] is not None
+    for other, (layout, extra) in LAYOUTS.items():
+        if row[other] != EXACT or reasons[layout] is not None:
             continue
         records = train_and_read_metrics(job(config, *extra), 2, tmp_path / other.replace(" ", "_"))
         gap = max(abs(r["loss"] - loss) for r, loss in zip(records, reference))
