@@ -201,9 +201,14 @@ def main(argv: list[str]) -> None:
     gen = parse_args(GenerateConfig, argv)
     import_custom_module(gen.job.custom_import)
     validate_generation_args(gen)
+    # Everything that can reject the input runs before the process group, identically on every rank. The job's
+    # layout must fit the world as training's would, context parallelism included (its ranks decode as replicas).
+    p = gen.parallelism
+    ParallelDims.from_degrees(
+        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env(),
+        cp=p.context_parallel_degree,
+    )  # fmt: skip
     config = decoding_config(gen)
-
-    # Everything that can reject the input runs before the process group, identically on every rank.
     p = config.parallelism
     dims = ParallelDims.from_degrees(
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()

@@ -556,6 +556,11 @@ class Eval:
     local_batch_size: int = _option(
         8, "(context, choice) sequences per data-parallel rank per forward pass, padded to the longest of them"
     )
+    max_length: int = _option(
+        0,
+        "the most tokens a (context, choice) row feeds the model: a longer row keeps its last max_length + 1 tokens "
+        "(lm-evaluation-harness's max_length, which defaults to the model's context); 0 = training.seq_len",
+    )
 
 
 @dataclass
