@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
 
     logging.getLogger("torchpre").setLevel(logging.WARNING)  # the planner builds thousands of trainers
     start = time.perf_counter()
-    result = search(config, hardware, planner.gpus)
+    result = search(config, hardware, planner.gpus, progress=True)
     seconds = time.perf_counter() - start
     if planner.json:
         print(json.dumps(result.as_dict(planner.top) | {"seconds": round(seconds, 1)}, indent=1))

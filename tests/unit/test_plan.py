@@ -325,7 +325,7 @@ def test_expert_parallel_costs_are_interpolated_in_one_over_ep_to_the_byte():
             assert (g.flops, g.other_bytes) == pytest.approx((w.flops, w.other_bytes), rel=1e-9, abs=1e-6), name
             assert g.ops == w.ops and [(c.op, c.dim) for c in g.collectives] == [(c.op, c.dim) for c in w.collectives]
             assert [c.bytes for c in g.collectives] == pytest.approx([c.bytes for c in w.collectives], rel=1e-9)
-    at_ep2 = pieces._probed_microbatch_pieces(pieces._with_ep(config, 2), 1)
+    at_ep2 = pieces._probed_microbatch_pieces(pieces._with_degree(config, "ep", 2), 1)
     assert interpolated.block.backward.other_bytes < at_ep2.block.backward.other_bytes  # fewer local experts
 
 
