@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from torchpre.config.job_config import JobConfig
-from torchpre.config.parser import parse_args
+from torchpre.config.parser import parse_args, to_toml
 from torchpre.distributed.hardware import get_hardware
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.schedules import names_where
@@ -17,8 +17,10 @@ from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
 from torchpre.planner import layouts, pieces
 from torchpre.planner import search as search_module
-from torchpre.planner.dryrun import build_rank
+from torchpre.planner.dryrun import build_rank, probe_rank_parts
+from torchpre.planner.dryrun import probe_rank as build_and_probe
 from torchpre.planner.layouts import Layout, check, valid_layouts
+from torchpre.planner.measured import microbatch_costs, microbatch_key, state_key
 from torchpre.planner.pieces import microbatch_pieces
 from torchpre.planner.predict import model_flops_per_token, predict
 from torchpre.planner.search import needs_context_parallel, search
@@ -308,25 +310,108 @@ def test_expert_parallel_costs_are_interpolated_in_one_over_ep_to_the_byte():
     base = _job(*DSV3_DEBUG, "--training.global_batch_size", "16")
     for zero in (0, 1, 2, 3):
         config = check(Layout(dp=8, tp=1, pp=1, ep=8, zero_stage=zero), base, 8).config
-        state, measured = pieces.state_pieces(config), pieces._measured_state_pieces(pieces._state_config(config))
+        state, measured = pieces.state_pieces(config), pieces._measured_state_pieces(pieces.state_config(config))
         for name in ("block", "first", "last"):  # the step's transient is `step_transient`'s, below
             assert _without_step(getattr(state, name)) == _without_step(getattr(measured, name)), (zero, name)
         interpolated, measured = pieces.step_transient(config, 3), pieces._measure_step_transient(
-            pieces._state_config(config), 3)  # fmt: skip
+            pieces.state_config(config), 3)  # fmt: skip
         assert interpolated.at(3) == pytest.approx(measured.at(3), rel=0.05), zero
     config = check(Layout(dp=8, tp=1, pp=1, ep=8), base, 8).config
     interpolated = microbatch_pieces(config, 1)
-    probed = pieces._probed_microbatch_pieces(config, 1)
+    _same_microbatch_costs(interpolated, pieces._probed_microbatch_pieces(config, 1))
+    at_ep2 = pieces._probed_microbatch_pieces(pieces._with_degree(config, "ep", 2), 1)
+    assert interpolated.block.backward.other_bytes < at_ep2.block.backward.other_bytes  # fewer local experts
+
+
+def _same_microbatch_costs(got: pieces.Pieces, want: pieces.Pieces) -> None:
+    """Every number of two `MicrobatchCost` pieces within 1e-9 relative (float rounding of an interpolation), their
+    ops and collectives the same."""
     for name in ("block", "first", "last"):
-        got, want = getattr(interpolated, name), getattr(probed, name)
+        a, b = getattr(got, name), getattr(want, name)
         for field in ("saved_bytes", "transient_bytes", "received_bytes", "held_output_bytes"):
-            assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-9, abs=1e-6), (name, field)
-        for g, w in ((got.forward, want.forward), (got.backward, want.backward)):
+            assert getattr(a, field) == pytest.approx(getattr(b, field), rel=1e-9, abs=1e-6), (name, field)
+        for g, w in ((a.forward, b.forward), (a.backward, b.backward)):
             assert (g.flops, g.other_bytes) == pytest.approx((w.flops, w.other_bytes), rel=1e-9, abs=1e-6), name
             assert g.ops == w.ops and [(c.op, c.dim) for c in g.collectives] == [(c.op, c.dim) for c in w.collectives]
             assert [c.bytes for c in g.collectives] == pytest.approx([c.bytes for c in w.collectives], rel=1e-9)
-    at_ep2 = pieces._probed_microbatch_pieces(pieces._with_degree(config, "ep", 2), 1)
-    assert interpolated.block.backward.other_bytes < at_ep2.block.backward.other_bytes  # fewer local experts
+
+
+def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly():
+    """Microbatch costs at cp8 from probes at cp2 and cp4 (every tensor is affine in 1 / cp: a rank's share of each
+    sequence, or the whole gathered keys and values) equal a probe at cp8, debug model at 256 tokens, no activation
+    checkpointing: every number within 1e-9, the transients included. The transient is a peak, and its moment
+    moves here (the first stage's, 1.17 MB at cp8, falls elsewhere than at cp2 and cp4): interpolated as a number
+    it would be 25% short; the probes' live-bytes traces interpolated entry by entry give it exactly."""
+    base = _job("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.global_batch_size", "8")
+    config = check(Layout(dp=1, tp=1, pp=1, cp=8), base, 8).config
+    probed = pieces._probed_microbatch_pieces(config, 1)
+    _same_microbatch_costs(microbatch_pieces(config, 1), probed)
+    low, high = (pieces._probed_microbatch_pieces(pieces._with_degree(config, "cp", cp), 1) for cp in (2, 4))
+    as_numbers = low.first.transient_bytes + (1 / 8 - 1 / 2) / (1 / 4 - 1 / 2) * (
+        high.first.transient_bytes - low.first.transient_bytes)  # fmt: skip
+    assert as_numbers == pytest.approx(0.754 * probed.first.transient_bytes, rel=0.01)
+
+
+def test_microbatch_costs_beyond_two_sequences_are_the_probes():
+    """Costs of 4 sequences per microbatch from probes of 1 and 2 (affine in the microbatch size) equal a probe
+    of 4, debug model at pp2 x cp2 with full activation checkpointing: every number within 1e-9, the transients
+    too (interpolated as numbers, the first stage's would be short by a third: the dry run found the old
+    prediction's activations of this layout's mb8 GPipe variant 36% short on its first stage)."""
+    base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
+    config = check(Layout(dp=1, tp=1, pp=2, cp=2, activation_checkpoint="full", microbatch_size=4,
+                          schedule="1F1B"), base, 4).config  # fmt: skip
+    probed = pieces._probed_microbatch_pieces(config, 4)
+    _same_microbatch_costs(microbatch_costs(config, 4), probed)
+
+
+def test_cp_layouts_share_the_state_of_dp_x_cp_ranks():
+    """The state pieces and the optimizer step's transient of dp2 x cp2 measured as built (cp2) equal those of the
+    four dp ranks cp folds into (what the planner measures), at every ZeRO stage, to the byte: ZeRO and FSDP shard
+    over dp x cp ranks, and cp holds no state of its own."""
+    base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
+    for zero in (0, 1, 2, 3):
+        config = check(Layout(dp=2, tp=1, pp=1, cp=2, zero_stage=zero), base, 4).config
+        as_built = pieces.two_stage_config(config)
+        as_built.activation_checkpoint.mode = "none"
+        assert as_built.parallelism.context_parallel_degree == 2
+        assert pieces._measured_state_pieces(as_built) == pieces.state_pieces(config), zero
+        built, folded = pieces._measure_step_transient(as_built, 6), pieces.step_transient(config, 6)
+        assert built == folded, zero
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(("--model.flavor", "debugmodel", "--training.seq_len", "64"), id="llama3"),
+        pytest.param(DSV3_DEBUG, id="deepseek_v3"),
+    ],
+)
+def test_a_search_tells_its_measurements_apart_by_their_keys(argv):
+    """A search looks each piece up by the few layout fields it depends on (`Measured`), not by each layout's
+    whole config: over every layout of a search with cp (and ep for the MoE family) on 8 GPUs, layouts with the
+    same key are measured on the same config (`state_config`, `microbatch_config`)."""
+    base = _job(*argv, "--training.global_batch_size", "8")
+    checked = [c for cp in (False, True) for c in valid_layouts(base, 8, 8, context_parallel=cp)[0]]
+    assert {c.layout.cp for c in checked} == {1, 2, 4, 8}
+    assert {c.layout.ep for c in checked} == ({1, 2, 4, 8} if argv == DSV3_DEBUG else {1})
+    for key, config in ((state_key, lambda c: pieces.state_config(c.config)),
+                        (microbatch_key, lambda c: pieces.microbatch_config(c.config, c.layout.microbatch_size))):
+        configs = {}
+        for c in checked:
+            configs.setdefault(key(c.layout), set()).add(to_toml(config(c)))
+        assert len(configs) > 20 and all(len(found) == 1 for found in configs.values()), key.__name__
+
+
+def test_the_microbatch_probe_counts_what_the_dry_run_counts():
+    """The planner probes a microbatch without building the rank's optimizer state or running its step
+    (`probe_rank_parts`); the dry run's `probe_rank` runs them first. Both count the same, on one rank (a plain
+    model whose gradients stay in its parameters) and under tp2 x cp2."""
+    base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
+    for tp, cp in ((1, 1), (2, 2)):
+        config = check(Layout(dp=1, tp=tp, pp=2, cp=cp, schedule="1F1B"), base, 2 * tp * cp).config
+        for rank in (0, tp * cp):
+            _, parts = build_and_probe(config, 2 * tp * cp, rank, checkpoint=False, data=False)
+            assert probe_rank_parts(config, 2 * tp * cp, rank) == parts, (tp, cp, rank)
 
 
 def _narrow(monkeypatch, tp: tuple[int, ...] = (1,), pp: tuple[int, ...] = (1,), **values) -> None:

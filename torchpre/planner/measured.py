@@ -10,17 +10,14 @@ every layout as `predict` does alone.
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from torchpre.planner.layouts import CheckedLayout
+from torchpre.planner.layouts import CheckedLayout, Layout
 from torchpre.planner.pieces import Pieces, StepTransient, affine, microbatch_pieces, state_pieces, step_transient
 
 T = TypeVar("T")
 
 
 class Measured:
-    """The pieces of one search's layouts, by key. `state` and `step` depend on the sharding of the model state
-    (dp, cp, tp, ep, ZeRO stage: the probes pipeline it over two stages, without activation checkpointing);
-    `microbatch` on the sharding of a microbatch (tp, cp, ep: probed at dp = ep and ZeRO-1), the activation
-    checkpointing and the microbatch size."""
+    """The pieces of one search's layouts, by key (`state_key`, `microbatch_key`)."""
 
     def __init__(self) -> None:
         self._found: dict[tuple, Any] = {}
@@ -29,16 +26,15 @@ class Measured:
         return len(self._found)
 
     def state(self, checked: CheckedLayout) -> Pieces:
-        return self._once(("state", *_state_key(checked)), lambda: state_pieces(checked.config))
+        return self._once(("state", *state_key(checked.layout)), lambda: state_pieces(checked.config))
 
     def step(self, checked: CheckedLayout) -> StepTransient:
         n_layers = checked.model_args.n_layers
-        return self._once(("step", *_state_key(checked)), lambda: step_transient(checked.config, n_layers))
+        return self._once(("step", *state_key(checked.layout)), lambda: step_transient(checked.config, n_layers))
 
     def microbatch(self, checked: CheckedLayout) -> Pieces:
-        layout = checked.layout
-        key = ("microbatch", layout.tp, layout.cp, layout.ep, layout.activation_checkpoint, layout.microbatch_size)
-        return self._once(key, lambda: microbatch_costs(checked.config, layout.microbatch_size))
+        size = checked.layout.microbatch_size
+        return self._once(microbatch_key(checked.layout), lambda: microbatch_costs(checked.config, size))
 
     def _once(self, key: tuple, measure: Callable[[], T]) -> T:
         if key not in self._found:
@@ -46,9 +42,17 @@ class Measured:
         return self._found[key]
 
 
-def _state_key(checked: CheckedLayout) -> tuple[int, ...]:
-    layout = checked.layout
+def state_key(layout: Layout) -> tuple[int, ...]:
+    """What the model state's pieces and the optimizer step depend on (`torchpre.planner.pieces.state_config`):
+    its sharding (dp, cp, tp, ep, ZeRO stage), not the pipeline (the probes' is two stages), activation
+    checkpointing or the microbatch."""
     return layout.dp, layout.cp, layout.tp, layout.ep, layout.zero_stage
+
+
+def microbatch_key(layout: Layout) -> tuple:
+    """What a microbatch's costs depend on (`torchpre.planner.pieces.microbatch_config`): its sharding (tp, cp, ep;
+    probed at dp = ep and ZeRO-1 over two stages), activation checkpointing and the microbatch size."""
+    return "microbatch", layout.tp, layout.cp, layout.ep, layout.activation_checkpoint, layout.microbatch_size
 
 
 def microbatch_costs(config: Any, microbatch_size: int) -> Pieces:

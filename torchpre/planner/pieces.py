@@ -248,9 +248,9 @@ def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subt
 
 def state_pieces(config: JobConfig) -> Pieces:
     """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config (with
-    activation checkpointing off: it changes no state; cp folded into dp: see `_state_config`). The optimizer
+    activation checkpointing off: it changes no state; cp folded into dp: see `state_config`). The optimizer
     step's transient is not additive (see `StepTransient`): the pieces carry 0 for it."""
-    return _in_one_over("ep", _state_config(config), _measured_state_pieces, affine)
+    return _in_one_over("ep", state_config(config), _measured_state_pieces, affine)
 
 
 def _measured_state_pieces(config: JobConfig) -> Pieces:
@@ -288,7 +288,7 @@ def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
             _STEP_CACHE[key] = _measure_step_transient(config, n_layers)
         return _STEP_CACHE[key]
 
-    return _in_one_over("ep", _state_config(config), measure, lambda one, two, k: one.interpolated(two, k))
+    return _in_one_over("ep", state_config(config), measure, lambda one, two, k: one.interpolated(two, k))
 
 
 def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
@@ -308,7 +308,7 @@ def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
     return StepTransient(a, one.optimizer_step_bytes, per_block, ceiling)
 
 
-def _state_config(config: JobConfig) -> JobConfig:
+def state_config(config: JobConfig) -> JobConfig:
     """The config whose builds give a layout's state: two stages, no activation checkpointing, and context
     parallelism folded into data parallelism (dp x cp ranks at cp 1). Parameters, gradients and optimizer state
     do not depend on how a sequence is split, and every mesh view's dp dimension already spans dp x cp ranks
@@ -381,11 +381,17 @@ def _same_ops(one: object, two: object) -> bool:
 
 
 def _probed_microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
+    config = microbatch_config(config, microbatch_size)
+    return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
+
+
+def microbatch_config(config: JobConfig, microbatch_size: int) -> JobConfig:
+    """The config whose probes give a layout's microbatch costs: its tensor, context and expert sharding over two
+    stages, at data-parallel degree ep (1 without experts) and ZeRO-1."""
     config = copy.deepcopy(config)
     config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree
     config.optimizer.zero_stage = 1
-    config = two_stage_config(config, microbatch_size)
-    return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
+    return two_stage_config(config, microbatch_size)
 
 
 def affine(one: Pieces, two: Pieces, k: float) -> Pieces:
