@@ -379,6 +379,18 @@ def test_cp_layouts_share_the_state_of_dp_x_cp_ranks():
         assert built == folded, zero
 
 
+def test_zero0_state_is_the_same_at_every_data_parallel_degree_above_one():
+    """Under ZeRO-0 every dp rank holds the whole state (and all-reduces whole buckets): the state pieces and the
+    optimizer step's transient measured at dp8 equal those of dp2, which the planner measures for every dp > 1."""
+    base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
+    config = check(Layout(dp=8, tp=1, pp=1, zero_stage=0), base, 8).config
+    as_built = pieces.two_stage_config(config)
+    as_built.activation_checkpoint.mode = "none"
+    assert pieces.state_config(config).parallelism.data_parallel_degree == 2
+    assert pieces._measured_state_pieces(as_built) == pieces.state_pieces(config)
+    assert pieces._measure_step_transient(as_built, 6) == pieces.step_transient(config, 6)
+
+
 @pytest.mark.parametrize(
     "argv",
     [

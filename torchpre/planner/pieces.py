@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
+from torchpre.distributed.zero_stages import zero_stage
 from torchpre.metrics.activation_probe import ActivationProbe
 from torchpre.metrics.activation_probe import Collective as ProbedCollective
 from torchpre.models.registry import get_model_spec
@@ -54,7 +55,9 @@ class StateCost:
     optimizer_state_bytes: int = 0
     tp_numel: int = 0
     param_tensors: int = 0
-    optimizer_step_bytes: int = 0  # the optimizer step's transient (`torchpre.planner.dryrun.optimizer_step_bytes`)
+    # The optimizer step's transient (`torchpre.planner.dryrun.optimizer_step_bytes`), measured on stage 0 only
+    # (`StepTransient`: 0 on the last stage's build, whose step would cost a third of the builds' time).
+    optimizer_step_bytes: int = 0
     expert_numel: int = 0
 
     def __add__(self, other: "StateCost") -> "StateCost":
@@ -313,10 +316,14 @@ def state_config(config: JobConfig) -> JobConfig:
     parallelism folded into data parallelism (dp x cp ranks at cp 1). Parameters, gradients and optimizer state
     do not depend on how a sequence is split, and every mesh view's dp dimension already spans dp x cp ranks
     (`torchpre.distributed.parallel_dims.Meshes`): ZeRO and FSDP shard over them, DP reduces over them. So the cp
-    layouts of a search reuse the builds of the layouts without cp (to the byte: `tests/unit/test_plan.py`)."""
+    layouts of a search reuse the builds of the layouts without cp (to the byte: `tests/unit/test_plan.py`). Under
+    ZeRO-0 nothing is sharded over dp: every dp > 1 holds what dp2 holds (dp1 keeps its gradients in place of
+    buckets), so dense layouts are built at dp2 at most."""
     config = copy.deepcopy(config)
     p = config.parallelism
     p.data_parallel_degree, p.context_parallel_degree = p.data_parallel_degree * p.context_parallel_degree, 1
+    if not zero_stage(config.optimizer.zero_stage).shards_optimizer_state and p.expert_parallel_degree == 1:
+        p.data_parallel_degree = min(p.data_parallel_degree, 2)
     config = two_stage_config(config)
     config.activation_checkpoint.mode = "none"
     return config
@@ -451,7 +458,7 @@ def _measure_state(config: JobConfig, world: int, rank: int) -> StateCost:
         memory = rank_memory(job, checkpoint=False)
         params = [param for part in job.model.parts for param in part.parameters()]
         numel = [(unsharded_numel(param, job), is_expert(param)) for param in params]
-        step = optimizer_step_bytes(job)
+        step = optimizer_step_bytes(job) if rank == 0 else 0
     finally:
         leave_fake_world()
     return StateCost(
