@@ -133,12 +133,16 @@ def test_moe_planner_memory_is_the_dry_runs(argv, layout, world, ranks):
         assert rank.total_bytes == pytest.approx(real.total_bytes, rel=0.015)
 
 
-def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys):
+def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys, monkeypatch):
+    """The tiny model on 2 GPUs, the search cut to ZeRO-1 and -3, no activation checkpointing, 1 or 2 sequences per
+    microbatch and 1F1B (12 layouts, each kind of layout: dp2, tp2, pp2)."""
+    _narrow(monkeypatch, tp=(1, 2), pp=(1, 2), ZERO_STAGES=(1, 3), AC_MODES=("none",), MICROBATCH_SIZES=(1, 2),
+            PLANNED_SCHEDULES=(("1F1B", 1),))  # fmt: skip
     plan_main(["--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8",
                "--gpus", "2", "--gpu", "a100-80gb", "--json"])  # fmt: skip
     result = json.loads(capsys.readouterr().out)
     layouts = result["layouts"]
-    assert len(layouts) == result["valid_layouts"] > 10
+    assert len(layouts) == result["valid_layouts"] == 12
     for layout in layouts:
         assert JSON_KEYS <= set(layout), JSON_KEYS - set(layout)
         state = layout["param_bytes"] + layout["grad_bytes"] + layout["optimizer_state_bytes"]
@@ -301,22 +305,27 @@ def _without_step(state: pieces.StateCost) -> pieces.StateCost:
     return dataclasses.replace(state, optimizer_step_bytes=0)
 
 
-def test_expert_parallel_costs_are_interpolated_in_one_over_ep_to_the_byte():
-    """Costs at ep8 from measurements at ep2 and ep4 (affine in 1 / ep: the local experts and the dispatch's
-    bookkeeping) equal measurements at ep8, deepseek_v3 debugmodel at dp8: the state pieces to the byte at every
-    ZeRO stage, every number of the microbatch pieces within 1e-9 relative (float rounding of the interpolation),
-    their collectives the same; the optimizer step's transient (not affine in general: its buckets) within 5% at
-    every ZeRO stage (measured: exact at 0, 1 and 3, 4.5% low at 2)."""
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_expert_parallel_costs_are_interpolated_in_one_over_ep_to_the_byte(zero):
+    """The state at ep8 from measurements at ep2 and ep4 (affine in 1 / ep: the local experts) equals a measurement
+    at ep8, deepseek_v3 debugmodel at dp8: the state pieces to the byte at every ZeRO stage; the optimizer step's
+    transient (not affine in general: its buckets) within 5% (measured: exact at 0, 1 and 3, 4.5% low at 2). One
+    case per stage, each within pytest's timeout on a loaded machine."""
     base = _job(*DSV3_DEBUG, "--training.global_batch_size", "16")
-    for zero in (0, 1, 2, 3):
-        config = check(Layout(dp=8, tp=1, pp=1, ep=8, zero_stage=zero), base, 8).config
-        state, measured = pieces.state_pieces(config), pieces._measured_state_pieces(pieces.state_config(config))
-        for name in ("block", "first", "last"):  # the step's transient is `step_transient`'s, below
-            assert _without_step(getattr(state, name)) == _without_step(getattr(measured, name)), (zero, name)
-        interpolated, measured = pieces.step_transient(config, 3), pieces._measure_step_transient(
-            pieces.state_config(config), 3)  # fmt: skip
-        assert interpolated.at(3) == pytest.approx(measured.at(3), rel=0.05), zero
-    config = check(Layout(dp=8, tp=1, pp=1, ep=8), base, 8).config
+    config = check(Layout(dp=8, tp=1, pp=1, ep=8, zero_stage=zero), base, 8).config
+    state, measured = pieces.state_pieces(config), pieces._measured_state_pieces(pieces.state_config(config))
+    for name in ("block", "first", "last"):  # the step's transient is `step_transient`'s, below
+        assert _without_step(getattr(state, name)) == _without_step(getattr(measured, name)), name
+    interpolated = pieces.step_transient(config, 3)
+    assert interpolated.at(3) == pytest.approx(pieces._measure_step_transient(pieces.state_config(config), 3).at(3),
+                                               rel=0.05)  # fmt: skip
+
+
+def test_expert_parallel_microbatch_costs_are_interpolated_in_one_over_ep():
+    """A microbatch's costs at ep8 from probes at ep2 and ep4 (the dispatch's bookkeeping and the local experts'
+    work) equal a probe at ep8, deepseek_v3 debugmodel at dp8: every number within 1e-9 relative, the collectives
+    the same; fewer local experts than at ep2 do less work."""
+    config = check(Layout(dp=8, tp=1, pp=1, ep=8), _job(*DSV3_DEBUG, "--training.global_batch_size", "16"), 8).config
     interpolated = microbatch_pieces(config, 1)
     _same_microbatch_costs(interpolated, pieces._probed_microbatch_pieces(config, 1))
     at_ep2 = pieces._probed_microbatch_pieces(pieces._with_degree(config, "ep", 2), 1)
