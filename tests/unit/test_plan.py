@@ -423,6 +423,23 @@ def test_a_search_tells_its_measurements_apart_by_their_keys(argv):
         assert len(configs) > 20 and all(len(found) == 1 for found in configs.values()), key.__name__
 
 
+def test_two_worker_processes_predict_what_one_process_does(monkeypatch):
+    """`search(..., workers=2)` deals the layouts out by tp to two forked processes: the same predictions in the same
+    order as one process, with cp searched (so the second phase reuses what the first phase's workers measured),
+    and the pieces the workers measured come back to the caller's caches. Tiny model on 2 GPUs, narrowed."""
+    _narrow(monkeypatch, tp=(1, 2), pp=(1,), ZERO_STAGES=(1, 3), AC_MODES=("none",), MICROBATCH_SIZES=(1,),
+            PLANNED_SCHEDULES=(("1F1B", 1),))  # fmt: skip
+    monkeypatch.setattr(search_module, "needs_context_parallel", lambda predictions: True)
+    base = _job("--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8")
+    one = search(base, get_hardware("h100-80gb"), 2)
+    for cache in (pieces._CACHE, pieces._STEP_CACHE, pieces._STATE_BUILDS):
+        cache.clear()
+    two = search(base, get_hardware("h100-80gb"), 2, workers=2)
+    assert {(p.checked.layout.tp, p.checked.layout.cp) for p in two.predictions} == {(1, 1), (1, 2), (2, 1)}
+    assert [p.as_dict() for p in two.predictions] == [p.as_dict() for p in one.predictions]
+    assert len(pieces._CACHE) > 0 and len(pieces._STATE_BUILDS) > 0
+
+
 def test_the_microbatch_probe_counts_what_the_dry_run_counts():
     """The planner probes a microbatch without building the rank's optimizer state or running its step
     (`probe_rank_parts`); the dry run's `probe_rank` runs them first. Both count the same, on one rank (a plain

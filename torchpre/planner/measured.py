@@ -25,6 +25,14 @@ class Measured:
     def __len__(self) -> int:
         return len(self._found)
 
+    def found(self) -> dict[tuple, Any]:
+        """The pieces found so far, by key (a view)."""
+        return self._found
+
+    def update(self, found: dict[tuple, Any]) -> None:
+        """Adds pieces found elsewhere (a worker process's: `torchpre.planner.workers`)."""
+        self._found.update(found)
+
     def state(self, checked: CheckedLayout) -> Pieces:
         return self._once(("state", *state_key(checked.layout)), lambda: state_pieces(checked.config))
 
