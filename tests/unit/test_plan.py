@@ -3,6 +3,8 @@
 import dataclasses
 import json
 import logging
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -139,7 +141,7 @@ def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys, monkeyp
     _narrow(monkeypatch, tp=(1, 2), pp=(1, 2), ZERO_STAGES=(1, 3), AC_MODES=("none",), MICROBATCH_SIZES=(1, 2),
             PLANNED_SCHEDULES=(("1F1B", 1),))  # fmt: skip
     plan_main(["--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8",
-               "--gpus", "2", "--gpu", "a100-80gb", "--json"])  # fmt: skip
+               "--gpus", "2", "--gpu", "a100-80gb", "--json", "--workers", "1"])  # fmt: skip
     result = json.loads(capsys.readouterr().out)
     layouts = result["layouts"]
     assert len(layouts) == result["valid_layouts"] == 12
@@ -423,21 +425,30 @@ def test_a_search_tells_its_measurements_apart_by_their_keys(argv):
         assert len(configs) > 20 and all(len(found) == 1 for found in configs.values()), key.__name__
 
 
-def test_two_worker_processes_predict_what_one_process_does(monkeypatch):
-    """`search(..., workers=2)` deals the layouts out by tp to two forked processes: the same predictions in the same
-    order as one process, with cp searched (so the second phase reuses what the first phase's workers measured),
-    and the pieces the workers measured come back to the caller's caches. Tiny model on 2 GPUs, narrowed."""
-    _narrow(monkeypatch, tp=(1, 2), pp=(1,), ZERO_STAGES=(1, 3), AC_MODES=("none",), MICROBATCH_SIZES=(1,),
-            PLANNED_SCHEDULES=(("1F1B", 1),))  # fmt: skip
-    monkeypatch.setattr(search_module, "needs_context_parallel", lambda predictions: True)
-    base = _job("--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8")
-    one = search(base, get_hardware("h100-80gb"), 2)
-    for cache in (pieces._CACHE, pieces._STEP_CACHE, pieces._STATE_BUILDS):
-        cache.clear()
-    two = search(base, get_hardware("h100-80gb"), 2, workers=2)
-    assert {(p.checked.layout.tp, p.checked.layout.cp) for p in two.predictions} == {(1, 1), (1, 2), (2, 1)}
-    assert [p.as_dict() for p in two.predictions] == [p.as_dict() for p in one.predictions]
-    assert len(pieces._CACHE) > 0 and len(pieces._STATE_BUILDS) > 0
+_SEARCH_IN_A_NEW_PROCESS = """
+import json, sys
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args
+from torchpre.distributed.hardware import get_hardware
+from torchpre.planner import layouts, search
+layouts.ZERO_STAGES, layouts.AC_MODES, layouts.MICROBATCH_SIZES = (1, 3), ("none",), (1,)
+search.needs_context_parallel = lambda predictions: True
+base = parse_args(JobConfig, "--model.flavor tiny --training.seq_len 32 --training.global_batch_size 8".split())
+result = search.search(base, get_hardware("h100-80gb"), 2, workers=int(sys.argv[1]))
+print(json.dumps([p.as_dict() for p in result.predictions]))
+"""
+
+
+def test_two_worker_processes_predict_what_one_process_does():
+    """`search(..., workers=2)` deals the layouts out by tp to two forked processes: the same predictions, in the
+    same order, as one process, with cp searched (its second phase reuses what the first phase's workers measured).
+    Tiny model on 2 GPUs, narrowed; each search in a new process, as a user's runs: a process that has run autograd
+    (as this test session has) cannot fork workers that run it."""
+    runs = [subprocess.run([sys.executable, "-c", _SEARCH_IN_A_NEW_PROCESS, n], capture_output=True, text=True,
+                           timeout=140, check=True) for n in ("1", "2")]  # fmt: skip
+    one, two = (json.loads(run.stdout) for run in runs)
+    assert {(layout["tp"], layout["cp"]) for layout in two} == {(1, 1), (1, 2), (2, 1)}
+    assert two == one
 
 
 def test_the_microbatch_probe_counts_what_the_dry_run_counts():

@@ -38,7 +38,8 @@ def predict_in_workers(
     report: Callable[[int, int], None],
 ) -> list[Prediction]:  # fmt: skip
     """`predict` of every layout, in `workers` forked processes; `report(done, pieces)` while they run. The pieces
-    they measured join `measured` and `torchpre.planner.pieces`' caches."""
+    they measured join `measured` and `torchpre.planner.pieces`' caches. The caller must not have run autograd
+    (torch's engine threads do not survive a fork): `python -m torchpre.plan` never does before it searches."""
     shares = deal_by_tp(checked, workers)
     context = multiprocessing.get_context("fork")
     done, found = context.Array("i", len(shares)), context.Array("i", len(shares))
