@@ -164,6 +164,17 @@ def optimizer_step_bytes(job: TrainingJob) -> int:
     return counter.peak - counter.step_start
 
 
+def probe_rank_parts(config: JobConfig, world_size: int, rank: int) -> list["PartProbe"]:
+    """`probe_rank`'s probes of the rank's parts alone (there they run after an optimizer step, which leaves no
+    gradients, as here), without counting its memory or running that step: the planner's microbatch costs need
+    only the probes (counted equal: `tests/unit/test_plan.py`)."""
+    job = build_job(config, Runtime(world_size, fake_rank=rank, data=False))
+    try:
+        return probe_parts(job)
+    finally:
+        leave_fake_world()
+
+
 def leave_fake_world() -> None:
     """Destroys the fake process group and forgets DTensor's cached sharding decisions: their specs hold the
     meshes of this world, which compare equal to the next rank's, so the next rank would issue collectives on

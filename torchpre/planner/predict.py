@@ -19,16 +19,8 @@ from torchpre.distributed.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import peak_bytes
 from torchpre.planner.layouts import CheckedLayout
-from torchpre.planner.pieces import (
-    MicrobatchCost,
-    Pieces,
-    StateCost,
-    affine,
-    microbatch_pieces,
-    stage_shape,
-    state_pieces,
-    step_transient,
-)
+from torchpre.planner.measured import Measured
+from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, stage_shape
 from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
 from torchpre.training.model import meta_model
@@ -107,11 +99,14 @@ class Prediction:
         }
 
 
-def predict(checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_token: int) -> Prediction:
-    """The layout's per-rank memory and, if its model state fits, its step time."""
+def predict(
+    checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_token: int, measured: Measured | None = None
+) -> Prediction:
+    """The layout's per-rank memory and, if its model state fits, its step time; its pieces from `measured` (a
+    search's, shared by its layouts) or measured for it alone."""
     config, layout = checked.config, checked.layout
-    states = state_pieces(config)
-    step = step_transient(config, checked.model_args.n_layers)
+    measured = Measured() if measured is None else measured
+    states, step = measured.state(checked), measured.step(checked)
     chunks = [stage_shape(checked, pp_rank) for pp_rank in range(layout.pp)]
     rank_states = [
         dataclasses.replace(
@@ -125,7 +120,7 @@ def predict(checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_tok
         ranks = [RankPrediction(r, s.param_bytes, s.grad_bytes, s.optimizer_state_bytes, 0, s.optimizer_step_bytes)
                  for r, s in enumerate(rank_states)]  # fmt: skip
         return Prediction(checked, ranks, None, 0, flops_per_token, gpus, hardware)  # not worth probing
-    work_pieces = _microbatch_pieces(config, layout.microbatch_size)
+    work_pieces = measured.microbatch(checked)
     ranks, rank_work = [], []
     for pp_rank, (rank_chunks, state) in enumerate(zip(chunks, rank_states)):
         costs = [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in rank_chunks]
@@ -143,14 +138,6 @@ def model_flops_per_token(config: JobConfig, args: Any) -> int:
     spec = get_model_spec(config.model.name)
     num_params = sum(p.numel() for p in meta_model(config, spec, args).parameters())
     return spec.flops_per_token(args, num_params, config.training.seq_len)
-
-
-def _microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
-    """Probed at 1 and 2 sequences and extended linearly beyond: activations and work per microbatch are
-    affine in its size (every tensor but a few scalars scales with it; the op count does not change)."""
-    if microbatch_size <= 2:
-        return microbatch_pieces(config, microbatch_size)
-    return affine(microbatch_pieces(config, 1), microbatch_pieces(config, 2), microbatch_size - 1)
 
 
 def _activation_bytes(
