@@ -39,9 +39,9 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.schedules import get_schedule
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
+from torchpre.layouts.schedules import get_schedule
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan, stages_per_rank

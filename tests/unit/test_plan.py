@@ -13,8 +13,8 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.distributed.hardware import get_hardware
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.schedules import names_where
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import names_where
 from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
 from torchpre.planner import layouts, pieces

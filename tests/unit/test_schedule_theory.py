@@ -15,8 +15,8 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from bench.pipeline_bubble import theory as bench_theory
-from torchpre.distributed.schedules import SCHEDULES, bubble_fraction, get_schedule, in_flight_microbatches
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import SCHEDULES, bubble_fraction, get_schedule, in_flight_microbatches
 from torchpre.parallel.pipeline import stage_ids, validate_microbatches
 
 FREES = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_INPUT)

@@ -10,8 +10,8 @@ from torch.distributed.pipelining import schedules
 from torchpre.config.job_config import JobConfig, Parallelism
 from torchpre.config.parser import format_help, parse_args
 from torchpre.config.validate import validate_config
-from torchpre.distributed import schedules as table
 from torchpre.errors import ConfigError
+from torchpre.layouts import schedules as table
 from torchpre.parallel.pipeline import schedule_class, stage_ids
 
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchpre.distributed.schedules import SCHEDULE_NAMES, aliases_text, names_where
+from torchpre.layouts.schedules import SCHEDULE_NAMES, aliases_text, names_where
 
 
 def _option(default, doc: str):

@@ -5,9 +5,9 @@ import tempfile
 from pathlib import Path
 
 from torchpre.config.job_config import JobConfig, Optimizer
-from torchpre.distributed.schedules import SCHEDULE_KEY, get_schedule, names_where
-from torchpre.distributed.zero_stages import zero_stage
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import SCHEDULE_KEY, get_schedule, names_where
+from torchpre.layouts.zero_stages import zero_stage
 from torchpre.optional import import_tensorboard, import_wandb
 
 

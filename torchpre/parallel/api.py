@@ -56,8 +56,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.names import canonical_fqn
-from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import get_schedule, names_where
 from torchpre.parallel.activation_checkpoint import BlockSlot, apply_activation_checkpointing, slots
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.data_parallel import FSDPPlan, apply_fsdp

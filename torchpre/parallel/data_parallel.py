@@ -28,14 +28,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES, rank_chunk
-from torchpre.distributed.zero_stages import zero_stage
 from torchpre.errors import ConfigError
+from torchpre.layouts.zero_stages import zero_stage
 
 
 @dataclass(frozen=True)
 class DataParallel:
     """How data parallelism shards the training state and reduces gradients: ZeRO stage `zero_stage`
-    (`torchpre.distributed.zero_stages`), asked by capability, and the reduction's settings.
+    (`torchpre.layouts.zero_stages`), asked by capability, and the reduction's settings.
 
     | zero_stage | optimizer state | gradients | parameters | gradient reduction |
     |---|---|---|---|---|

@@ -19,8 +19,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._backward import stage_backward_weight
 
 from torchpre.distributed.clock import SpanClock
-from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import get_schedule, names_where
 
 
 def schedule_class(name: str) -> type:

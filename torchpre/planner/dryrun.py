@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware, get_hardware
-from torchpre.distributed.schedules import in_flight_microbatches
 from torchpre.errors import ConfigError, TorchpreError
+from torchpre.layouts.schedules import in_flight_microbatches
 from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
 from torchpre.metrics.tensor_memory import TensorMemory
 from torchpre.models.registry import get_model_spec

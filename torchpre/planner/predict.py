@@ -14,8 +14,8 @@ import torch
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
-from torchpre.distributed.schedules import in_flight_microbatches
-from torchpre.distributed.zero_stages import zero_stage
+from torchpre.layouts.schedules import in_flight_microbatches
+from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import peak_bytes
 from torchpre.planner.layouts import CheckedLayout

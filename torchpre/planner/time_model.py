@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from torchpre.distributed.hardware import Hardware
-from torchpre.distributed.schedules import bubble_fraction
-from torchpre.distributed.zero_stages import zero_stage
+from torchpre.layouts.schedules import bubble_fraction
+from torchpre.layouts.zero_stages import zero_stage
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 Dim = Literal["tp", "ep", "cp", "dp", "edp", "pp"]

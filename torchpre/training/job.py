@@ -31,11 +31,11 @@ from torchpre.config.validate import validate_config
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
-from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.errors import ConfigError
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
+from torchpre.layouts.schedules import bubble_fraction
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.attention import masked_attention
 from torchpre.models.registry import ModelSpec, get_model_spec
