@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO, print_table
-from torchpre.layouts.schedules import bubble_fraction
+from torchpre.layouts.schedules import get_schedule
 
 PP = 2
 TARGET = 0.10
@@ -82,7 +82,7 @@ class Row:
 
 def theory(schedule: str, pp: int, microbatches: int) -> float:
     """The idle fraction of each rank with equal stage times and free communication (see the docstring)."""
-    return bubble_fraction(schedule, pp, microbatches, STAGES_PER_RANK[schedule])
+    return get_schedule(schedule).bubble(pp, microbatches, STAGES_PER_RANK[schedule])
 
 
 def train_args(schedule: str, microbatches: int, model: list[str]) -> list[str]:

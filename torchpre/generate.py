@@ -44,7 +44,7 @@ from torchpre.errors import ConfigError, TorchpreError
 from torchpre.layouts.schedules import get_schedule
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
-from torchpre.parallel.pipeline import PipelinePlan, stages_per_rank
+from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan
 from torchpre.training.rope import check_saved_rope
@@ -302,8 +302,8 @@ def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: Any) -> Pipeline
     """The stages of the job's pipeline layout, placed as its schedule places them. Decoding passes one sequence
     stage to stage itself (`ParallelModel.forward_only`), so the schedule's microbatch rules do not apply."""
     p = config.parallelism
-    schedule = get_schedule(p.pipeline_parallel_schedule).name
-    per_rank = stages_per_rank(schedule, p.pipeline_parallel_virtual_stages)
+    schedule = get_schedule(p.pipeline_parallel_schedule)
+    per_rank = schedule.stages_per_rank(p.pipeline_parallel_virtual_stages)
     num_stages = p.pipeline_parallel_degree * per_rank
     stages = spec.pipeline_stages(args, num_stages, p.pipeline_parallel_split_points)
     return PipelinePlan(schedule, p.pipeline_parallel_degree, per_rank, n_microbatches=1, stage_modules=stages)

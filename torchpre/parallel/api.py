@@ -57,7 +57,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.names import canonical_fqn
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import get_schedule, names_where
+from torchpre.layouts.schedules import names_where
 from torchpre.parallel.activation_checkpoint import BlockSlot, apply_activation_checkpointing, slots
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.data_parallel import FSDPPlan, apply_fsdp
@@ -363,9 +363,9 @@ class ParallelModel:
             return None if output is None else logits_of(output)
         if self.plan.pipeline is None:
             return replicated_value(self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels))
-        if not get_schedule(self.plan.pipeline.schedule).forward_only:
+        if not self.plan.pipeline.schedule.forward_only:
             raise ConfigError(
-                f"The '{self.plan.pipeline.schedule}' pipeline schedule cannot run forward-only (schedule.eval); "
+                f"The '{self.plan.pipeline.schedule.name}' pipeline schedule cannot run forward-only (schedule.eval); "
                 f"use one of {', '.join(names_where(forward_only=True))}."
             )
         schedule = self._schedule_for(self.plan.pipeline.n_microbatches, inputs)

@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware, get_hardware
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.layouts.schedules import in_flight_microbatches
 from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
 from torchpre.metrics.tensor_memory import TensorMemory
 from torchpre.models.registry import get_model_spec
@@ -294,7 +293,7 @@ def _in_flight(job: TrainingJob) -> int:
     # A global-batch ramp's largest step runs the most microbatches.
     sequences = job.preflight.plan.peak(job.config.training.steps)[0]
     n_microbatches = sequences // job.config.parallelism.pipeline_parallel_microbatch_size
-    return in_flight_microbatches(pipeline.schedule, pipeline.pp, n_microbatches, pp_rank, pipeline.stages_per_rank)
+    return pipeline.schedule.in_flight_microbatches(pipeline.pp, n_microbatches, pp_rank, pipeline.stages_per_rank)
 
 
 def _fsdp_gathered(job: TrainingJob) -> int:

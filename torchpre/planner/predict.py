@@ -14,7 +14,6 @@ import torch
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
-from torchpre.layouts.schedules import in_flight_microbatches
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import peak_bytes
@@ -147,8 +146,8 @@ def _activation_bytes(
     layout, pipeline = checked.layout, checked.pipeline
     in_flight = 1
     if pipeline is not None:
-        in_flight = in_flight_microbatches(
-            pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
+        in_flight = pipeline.schedule.in_flight_microbatches(
+            pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
         )
     held = pipeline is not None
     saved = max(c.saved_bytes + (c.pipeline_held_bytes if held else 0) for c in costs)
@@ -209,7 +208,7 @@ def _time_layout(checked: CheckedLayout) -> TimeLayout:
         ep=layout.ep,
         cp=layout.cp,
         microbatches=checked.microbatches,
-        schedule=pipeline.schedule if pipeline else "1F1B",
+        schedule=pipeline.schedule.name if pipeline else "1F1B",
         stages_per_rank=pipeline.stages_per_rank if pipeline else 1,
         zero_stage=layout.zero_stage,
         bucket_bytes=checked.config.optimizer.bucket_size_mb * 2**20,

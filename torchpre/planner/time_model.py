@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from torchpre.distributed.hardware import Hardware
-from torchpre.layouts.schedules import bubble_fraction
+from torchpre.layouts.schedules import get_schedule
 from torchpre.layouts.zero_stages import zero_stage
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
@@ -290,7 +290,7 @@ def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardwar
     """Each pipeline rank's `StepTime` (`ranks[r]` is pp rank r), all paced by the slowest rank's microbatches."""
     if len(ranks) != layout.pp:
         raise ValueError(f"{len(ranks)} ranks of work for pp = {layout.pp}")
-    bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
+    bubble = get_schedule(layout.schedule).bubble(layout.pp, layout.microbatches, layout.stages_per_rank)
     m = layout.microbatches
     busy = [m * (_microbatch_seconds(r.forward, layout, hardware) + _microbatch_seconds(r.backward, layout, hardware))
             + pp_seconds(r, layout, hardware) for r in ranks]

@@ -35,7 +35,6 @@ from torchpre.distributed.utils import apply_comm_timeout, configure_flight_reco
 from torchpre.errors import ConfigError
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
-from torchpre.layouts.schedules import bubble_fraction
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.attention import masked_attention
 from torchpre.models.registry import ModelSpec, get_model_spec
@@ -492,6 +491,6 @@ def _pipeline_timing(model: ParallelModel, pipeline: PipelinePlan | None, meshes
         return None
     return PipelineTiming(
         ranks=dist.get_process_group_ranks(meshes.mesh["pp"].get_group()),
-        theory=bubble_fraction(pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pipeline.stages_per_rank),
+        theory=pipeline.schedule.bubble(pipeline.pp, pipeline.n_microbatches, pipeline.stages_per_rank),
         busy=model.pipeline_busy_seconds,
     )
