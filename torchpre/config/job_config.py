@@ -195,15 +195,21 @@ class Training:
     )
 
 
+# The rows `torchpre.optim.registry` ships, named here for --help, which answers before torch (and so the registry)
+# loads; tests/unit/test_optimizer_registry.py keeps the two equal. The defaults below are the registry's too.
+BUILT_IN_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adagrad", "RMSprop", "Muon")
+
+
 @dataclass
 class Optimizer:
-    """The optimizer by name, its hyperparameters, the ZeRO stage and gradient reduction."""
+    """The optimizer by name, its hyperparameters, the ZeRO stage and gradient reduction. These defaults are
+    `torchpre.optim.build_optimizer`'s too."""
 
     name: str = _option(
         "AdamW",
-        "an optimizer from torchpre.optim.registry: AdamW, Adam, SGD, Adagrad, RMSprop, or Muon (Muon for the hidden "
-        "matrices, AdamW for the rest, whole matrices under every layout); a key below that it does not read must "
-        "stay at its default",
+        f"an optimizer from torchpre.optim.registry: {', '.join(BUILT_IN_OPTIMIZERS)} (Muon for the hidden "
+        "matrices, AdamW for the rest, whole matrices under every layout), or one a job.custom_import registers; a "
+        "key below that it does not read must stay at its default",
     )
     lr: float = _option(8e-4, "peak learning rate")
     eps: float = _option(1e-8, "term added to the denominator (AdamW, Adam, Adagrad, RMSprop)")
