@@ -117,7 +117,7 @@ def run_entry(
     entry: str,
     argv: list[str],
     nproc: int = 1,
-    timeout: float = 240,
+    timeout: float = 600,
     launcher: Literal["fork", "torchrun"] = "fork",
 ) -> subprocess.CompletedProcess:
     """`python entry argv` (`python -m entry` for a module) as one process, or as `nproc` ranks of one job.
@@ -145,7 +145,7 @@ def run_train(
     args: list[str],
     nproc: int,
     dump_folder: Path,
-    timeout: float = 240,
+    timeout: float = 600,
     script: str = "train.py",
     launcher: Literal["fork", "torchrun"] = "fork",
 ) -> subprocess.CompletedProcess:
@@ -182,7 +182,7 @@ def train_and_read_params(args: list[str], nproc: int, dump_folder: Path) -> tup
     return records, params
 
 
-def spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, timeout_s: float = 120) -> None:
+def spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, timeout_s: float = 480) -> None:
     """Runs `fn(mesh)` on `world_size` gloo processes; a worker's exception or a hang fails.
 
     The workers are forked from multiprocessing's fork server, which imported torch once (and never ran an op, so

@@ -151,6 +151,18 @@ def files(tmp_path_factory) -> Path:
         (d / f"hf_{model_type}.json").write_text(default_tiny_config(model_type).to_json_string())
     llama = json.loads((REPO / HF_LLAMA).read_text())
     (d / "hf_small_vocab.json").write_text(json.dumps(llama | {"vocab_size": 1000}))
+    (d / "hf_llama_encoder_decoder.json").write_text(json.dumps(llama | {"is_encoder_decoder": True}))
+    (d / "hf_unknown.json").write_text(json.dumps(llama | {"model_type": "llama9"}))
+    for model_type in ("bart", "t5"):
+        (d / f"hf_{model_type}.json").write_text(json.dumps({"model_type": model_type, "d_model": 64}))
+    # Configs whose values, not their architecture, decide a layout (docs/hf-models.md's conditions).
+    granite = json.loads(default_tiny_config("granite").to_json_string())
+    (d / "hf_granite_multiplier.json").write_text(json.dumps(granite | {"embedding_multiplier": 12.0}))
+    gemma3 = json.loads(default_tiny_config("gemma3_text").to_json_string())
+    (d / "hf_gemma3_window.json").write_text(json.dumps(gemma3 | {"sliding_window": 16}))
+    (d / "task.jsonl").write_text(question)
+    (d / "not_utf8_task.jsonl").write_bytes(question.encode() + b'{"context": "caf\xe9", "choices": ["a", "b"], '
+                                            b'"answer": 0}\n')
 
     ids = Tokenizer(DEFAULT_TOKENIZER_PATH).encode(sentence * 20, bos=True, eos=True)
     good = _write_shards(d / "shards", [ids] * 10)
@@ -317,6 +329,23 @@ CATALOGUE = [
         ["--eval.tasks", "{d}/bad_answer_task.jsonl"],
         ["eval.tasks: {d}/bad_answer_task.jsonl:2:", "'answer' = 2 is not an index into its 2 choices"],
     ),
+    case(
+        "eval-task-not-utf8",
+        ["--eval.tasks", "{d}/not_utf8_task.jsonl"],
+        ["eval.tasks: {d}/not_utf8_task.jsonl:2: not UTF-8 text (byte 0xe9 at column 17)", "save the file as UTF-8"],
+        ranks=2,
+    ),
+    case(
+        "eval-window-longer-than-the-model",
+        ["--eval.tasks", "{d}/task.jsonl", "--eval.max_length", "4096"],
+        ["eval.max_length = 4096 is longer than the model's context of 2048 tokens"],
+    ),
+    case(
+        "eval-window-sequence-parallel",
+        ["--eval.tasks", "{d}/task.jsonl", "--eval.max_length", "33", *TP2, "--parallelism.enable_sequence_parallel"],
+        ["eval.max_length = 33", "not divisible by parallelism.tensor_parallel_degree = 2"],
+        ranks=2,
+    ),
     case("eval-task-missing", ["--eval.tasks", "{d}/missing.jsonl"], ["eval.tasks: {d}/missing.jsonl does not exist"]),
     case("eval-task-not-jsonl", ["--eval.tasks", "{d}/text.txt"], ["eval.tasks names '{d}/text.txt'", ".jsonl"]),
     case(
@@ -330,6 +359,18 @@ CATALOGUE = [
         "hf-export-without-adapter",
         ["--model.name", "moe", "--hf_export.enable"],
         ["hf_export.enable", "model.name = 'moe' has no Hugging Face conversion"],
+    ),
+    case(
+        "hf-export-folder-not-writable",  # /sys takes no new file even from root, whom a folder's mode does not stop
+        ["--hf_export.enable", "--hf_export.folder", "/sys/torchpre-hf"],
+        ["hf_export.folder '/sys/torchpre-hf'", "cannot write there (it would be created in /sys)"],
+        ranks=2,
+    ),
+    case(
+        "load-step-without-checkpoints",
+        ["--checkpoint.load_step", "5"],
+        ["checkpoint.load_step = 5 with checkpoint.enable off", "train from step 0", "checkpoint.enable = true"],
+        ranks=2,
     ),
     case(
         "hf-export-into-checkpoint-folder",
@@ -406,6 +447,41 @@ CATALOGUE = [
          "hands the layers an attention-mask tensor"],
         ranks=2,
     ),
+    case(
+        "hf-encoder-decoder-family",
+        [*HF, "{d}/hf_bart.json"],
+        ["model_type = 'bart' is not a model torchpre trains", "encoder-decoder family", "the decoder half"],
+    ),
+    case(
+        "hf-encoder-decoder-without-causal-lm",
+        [*HF, "{d}/hf_t5.json"],
+        ["model_type = 't5' is not a model torchpre trains", "encoder-decoder family", "it has no causal LM"],
+    ),
+    case(
+        "hf-unknown-model-type",
+        [*HF, "{d}/hf_unknown.json"],
+        ["model_type = 'llama9'", "does not know this model_type", "misspelt"],
+    ),
+    case(
+        "hf-decoder-said-encoder-decoder",
+        [*HF, "{d}/hf_llama_encoder_decoder.json"],
+        ["{d}/hf_llama_encoder_decoder.json: is_encoder_decoder = true", "'llama' is a decoder-only causal LM"],
+    ),
+    case(
+        "hf-embedding-multiplier-under-pp",
+        [*HF, "{d}/hf_granite_multiplier.json", *PP2],
+        ["GraniteForCausalLM (model_type 'granite') under pipeline parallel: refused",
+         "two pipeline stages of it do not reproduce its forward"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "hf-window-shorter-than-seq-len-under-sp",
+        [*HF, "{d}/hf_gemma3_window.json", *TP2, "--parallelism.enable_sequence_parallel",
+         "--parallelism.enable_loss_parallel"],
+        ["Gemma3ForCausalLM (model_type 'gemma3_text') under sequence and loss parallel: refused",
+         "sliding window (16) is shorter than training.seq_len = 32"],
+        ranks=2,
+    ),  # fmt: skip
     case("hf-vocab-too-small", [*HF, "{d}/hf_small_vocab.json"], ["vocab_size = 1000", "tokenizer's 2048 ids"]),
     # checkpoint.initial_load_path = a Hugging Face folder, model.flavor = 'from_hf'.
     case("from-hf-without-a-folder", FROM_HF, ["model.flavor = 'from_hf'", "checkpoint.initial_load_path", "unset"]),
@@ -607,6 +683,35 @@ CATALOGUE = [
         ["model.mtp_loss_weight -0.1", ">= 0"],
     ),
     case(
+        "mtp-deeper-than-the-sequence",
+        ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.mtp_depth", "8",
+         "--training.seq_len", "8"],
+        ["model.mtp_depth = 8", "sequences of 8 tokens", "model.mtp_depth < 8"],
+    ),  # fmt: skip
+    case(
+        "quantize-recipe-without-a-format",
+        ["--quantize.recipe", "tensorwise"],
+        ["quantize.recipe = 'tensorwise' with quantize.linear = 'none'", "full precision", "'float8' or 'mxfp8'"],
+        ranks=2,
+    ),
+    case(
+        "quantize-pattern-matches-no-linear",
+        ["--quantize.linear", "mxfp8", "--quantize.modules", "layers.*.feed_forwrd.*"],
+        ["quantize.modules: the pattern 'layers.*.feed_forwrd.*' matches no linear", "layers.0.attention.wq"],
+        ranks=2,
+    ),
+    case(
+        "muon-pattern-matches-no-parameter",
+        ["--optimizer.name", "Muon", "--optimizer.muon_adamw_params", "layers.*.atention.*"],
+        ["optimizer.muon_adamw_params: the pattern 'layers.*.atention.*' matches no parameter", "tok_embeddings"],
+    ),
+    case(
+        "cli-value-not-a-choice",
+        ["--quantize.linear", "FP8"],
+        ["Invalid value 'FP8' for 'quantize.linear'", "'none', 'float8', 'mxfp8'"],
+        ranks=2,
+    ),
+    case(
         "fp8-kernels-asked-on-cpu",
         ["--quantize.linear", "float8", "--quantize.emulate", "false"],
         ["quantize.emulate = 'false'", "compute capability 8.9", "a cpu device", "quantize.emulate = 'auto'"],
@@ -663,6 +768,7 @@ CATALOGUE = [
         "float8-experts",
         ["--model.name", "moe", "--quantize.linear", "float8", "--quantize.experts"],
         ["quantize.experts with quantize.linear = 'float8'", "no emulation", "quantize.linear = 'mxfp8'"],
+        ranks=2,
     ),
     case(
         "mxfp8-experts-sliced-below-32-by-tp",
@@ -811,6 +917,13 @@ CATALOGUE = [
     # Generation.
     case("generate-no-prompt", ["--model.flavor", "tiny"], ["--prompt is required"], GEN),
     case("generate-bad-float", [*GENERATE, "--temperature", "hot"], ["'temperature'", "'hot'", "float"], GEN),
+    case(
+        "generate-context-parallel-larger-than-the-world",
+        [*GENERATE, "--parallelism.context_parallel_degree", "3"],
+        ["world size 2 is not divisible", "context_parallel_degree = 1 x 1 x 3"],
+        GEN,
+        ranks=2,
+    ),
     case(
         "generate-longer-than-the-context",
         [*GENERATE, "--max_new_tokens", "5000"],

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchpre.distributed.schedules import SCHEDULE_NAMES, aliases_text, names_where
+from torchpre.layouts.schedules import SCHEDULE_NAMES, aliases_text, names_where
 
 
 def _option(default, doc: str):
@@ -225,15 +225,21 @@ class Training:
     )
 
 
+# The rows `torchpre.optim.registry` ships, named here for --help, which answers before torch (and so the registry)
+# loads; tests/unit/test_optimizer_registry.py keeps the two equal. The defaults below are the registry's too.
+BUILT_IN_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adagrad", "RMSprop", "Muon")
+
+
 @dataclass
 class Optimizer:
-    """The optimizer by name, its hyperparameters, the ZeRO stage and gradient reduction."""
+    """The optimizer by name, its hyperparameters, the ZeRO stage and gradient reduction. These defaults are
+    `torchpre.optim.build_optimizer`'s too."""
 
     name: str = _option(
         "AdamW",
-        "an optimizer from torchpre.optim.registry: AdamW, Adam, SGD, Adagrad, RMSprop, or Muon (Muon for the hidden "
-        "matrices, AdamW for the rest, whole matrices under every layout); a key below that it does not read must "
-        "stay at its default",
+        f"an optimizer from torchpre.optim.registry: {', '.join(BUILT_IN_OPTIMIZERS)} (Muon for the hidden "
+        "matrices, AdamW for the rest, whole matrices under every layout), or one a job.custom_import registers; a "
+        "key below that it does not read must stay at its default",
     )
     lr: float = _option(8e-4, "peak learning rate")
     eps: float = _option(1e-8, "term added to the denominator (AdamW, Adam, Adagrad, RMSprop)")
@@ -585,6 +591,11 @@ class Eval:
     freq: int = _option(100, "evaluate every this many steps (and at the last step)")
     local_batch_size: int = _option(
         8, "(context, choice) sequences per data-parallel rank per forward pass, padded to the longest of them"
+    )
+    max_length: int = _option(
+        0,
+        "the most tokens a (context, choice) row feeds the model: a longer row keeps its last max_length + 1 tokens "
+        "(lm-evaluation-harness's max_length, which defaults to the model's context); 0 = training.seq_len",
     )
 
 

@@ -31,7 +31,6 @@ from torchpre.config.validate import validate_config
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
-from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.errors import ConfigError
 from torchpre.health.forensics import Forensics
@@ -64,6 +63,7 @@ from torchpre.training.model_update import StepWithModelUpdate
 from torchpre.training.multiple_choice import Task, read_tasks
 from torchpre.training.parametrization import optimizer_scales
 from torchpre.training.rope import rope_record
+from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.step_plan import StepPlan, StepShape
 from torchpre.training.validation import held_out_fraction
@@ -127,9 +127,12 @@ def preflight(
     plan = StepPlan.from_config(config, batches, dims.dp)
     spec = get_model_spec(config.model.name)
     tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    args = model_args(config, tokenizer, max_seq_len=plan.stages.max_seq_len)
-    for seq_len in sorted({stage.seq_len for stage in plan.stages.stages}):
+    window = _evaluation_window(config, tokenizer)
+    args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
+    seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
+    for seq_len in seq_lens:
         check_layout(at_seq_len(config, seq_len), spec, args, dims)
+    check_keys_take_effect(config, spec, args, seq_lens[0])
     initial_hf = None
     if resume_dir is None and c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
         initial_hf = hf_weights(Path(c.initial_load_path), spec, args, "checkpoint.initial_load_path")
@@ -138,7 +141,7 @@ def preflight(
             f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
             "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
         )
-    eval_tasks = read_tasks(config.eval.tasks, tokenizer, t.seq_len)
+    eval_tasks = read_tasks(config.eval.tasks, tokenizer, window)
     pipeline = None
     if dims.pp > 1:
         split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
@@ -152,6 +155,23 @@ def preflight(
     return Preflight(
         dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan, initial_hf
     )
+
+
+def _evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:
+    """The most tokens a multiple-choice row feeds the model (eval.max_length, 0 = training.seq_len); 0 without
+    tasks. The model's positions must cover it."""
+    e = config.eval
+    if not e.tasks:
+        return 0
+    if e.max_length > config.training.seq_len:
+        context = model_context(config, tokenizer)
+        if e.max_length > context:
+            raise ConfigError(
+                f"eval.max_length = {e.max_length} is longer than the model's context of {context} tokens (its "
+                "flavor's max_seq_len, or model.hf_config's max_position_embeddings). Lower eval.max_length, or use "
+                "0 (training.seq_len)."
+            )
+    return e.max_length or config.training.seq_len
 
 
 def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
@@ -476,6 +496,6 @@ def _pipeline_timing(model: ParallelModel, pipeline: PipelinePlan | None, meshes
         return None
     return PipelineTiming(
         ranks=dist.get_process_group_ranks(meshes.mesh["pp"].get_group()),
-        theory=bubble_fraction(pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pipeline.stages_per_rank),
+        theory=pipeline.schedule.bubble(pipeline.pp, pipeline.n_microbatches, pipeline.stages_per_rank),
         busy=model.pipeline_busy_seconds,
     )

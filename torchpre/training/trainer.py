@@ -46,6 +46,9 @@ class Trainer:
         if job.hf_export is not None:
             job.hf_export.remove_unfinished()
         save_resolved_config(config)
+        if job.is_logging_rank:
+            for warning in job.preflight.plan.warnings(config.training.steps):
+                logger.warning(warning)
         self._resume()
         if job.is_logging_rank:
             job.metrics.sink = open_metrics(config, resume_step=job.progress.step)
