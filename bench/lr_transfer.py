@@ -7,7 +7,7 @@ weight decay 0.1, 10 warm-up steps, no clipping (so that the parametrization alo
 loss is the mean training loss of the last 20 steps (one step's loss on 8 sequences is too noisy to rank runs). A run
 that stops on a non-finite loss counts as diverged. `--jobs` runs go at once.
 
-    python -m bench.lr_transfer --plot docs/images/lr_transfer.png        # 2 x 3 widths x 7 rates x 150 steps
+    python -m bench.lr_transfer --plot docs/images/lr_transfer.png        # 2 x 4 widths x 6 rates x 200 steps
     python -m bench.lr_transfer --quick                                   # a tiny sweep, for tests
 """
 
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from bench.common import REPO, print_table, run_torchpre
 
-WIDTHS = (64, 128, 256)
-LRS = tuple(2.0**-k for k in range(11, 4, -1))  # 2^-11 (4.9e-4) .. 2^-5 (3.1e-2)
+WIDTHS = (64, 128, 256, 512)
+LRS = tuple(2.0**-k for k in range(10, 4, -1))  # 2^-10 (9.8e-4) .. 2^-5 (3.1e-2)
 PARAMETRIZATIONS = ("sp", "mup")
-STEPS, FINAL_STEPS = 150, 20
+STEPS, FINAL_STEPS = 200, 20
 TRAIN = [
     "--model.flavor", "tiny", "--training.seq_len", "64", "--training.local_batch_size", "8",
     "--lr_scheduler.warmup_steps", "10", "--training.max_norm", "0", "--metrics.log_freq", "1",
@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Sweep]:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one thread each)")
     parser.add_argument("--plot", type=Path)
-    parser.add_argument("--quick", action="store_true", help="2 widths, 2 rates, 25 steps")
+    parser.add_argument("--quick", action="store_true", help="the first 2 widths, 2 rates, 25 steps")
     options = parser.parse_args(argv)
     widths = [int(width) for width in options.widths.split(",")]
     lrs, steps = LRS, options.steps
