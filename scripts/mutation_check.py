@@ -298,7 +298,7 @@ BREAKS = [
           "                grad_out, q, k_prefix, v_prefix, out, lse, 0.0, True",
           ("tests/unit/test_suffix_attention.py",),
           "the CPU kernel's backward masks the keys before a query chunk as if they were the chunk's own"),
-    Break("probe-causal-attention-counted-whole", "torchpre/metrics/activation_probe.py",
+    Break("probe-causal-attention-counted-whole", "torchpre/planner/activation_probe.py",
           "    flops = sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value))\n"
           "    return round(flops * _causal_share(query, key)) if is_causal else flops",
           "    return sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value))",

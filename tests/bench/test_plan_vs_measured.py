@@ -20,7 +20,7 @@ from bench.plan_check import (
     measured_memory,
     predicted,
 )
-from torchpre.distributed.hardware import get_hardware
+from torchpre.planner.hardware import get_hardware
 from torchpre.planner.calibrate import calibrate
 
 pytestmark = pytest.mark.slow

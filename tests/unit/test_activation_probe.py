@@ -13,7 +13,7 @@ from torch._subclasses import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.metrics.activation_probe import ActivationProbe, Collective, probe_microbatch
+from torchpre.planner.activation_probe import ActivationProbe, Collective, probe_microbatch
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel

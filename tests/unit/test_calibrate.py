@@ -2,7 +2,7 @@
 
 import pytest
 
-from torchpre.distributed.hardware import load_profile
+from torchpre.planner.hardware import load_profile
 from torchpre.planner.calibrate import calibrate, fit_latency_bandwidth
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.hardware import get_hardware
+from torchpre.planner.hardware import get_hardware
 from torchpre.errors import ConfigError
 from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer

@@ -11,7 +11,7 @@ import pytest
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
-from torchpre.distributed.hardware import get_hardware
+from torchpre.planner.hardware import get_hardware
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.layouts.schedules import names_where
@@ -429,7 +429,7 @@ _SEARCH_IN_A_NEW_PROCESS = """
 import json, sys
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.hardware import get_hardware
+from torchpre.planner.hardware import get_hardware
 from torchpre.planner import layouts, search
 layouts.ZERO_STAGES, layouts.AC_MODES, layouts.MICROBATCH_SIZES = (1, 3), ("none",), (1,)
 search.needs_context_parallel = lambda predictions: True

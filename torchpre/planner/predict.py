@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from torchpre.config.job_config import JobConfig
-from torchpre.distributed.hardware import Hardware
+from torchpre.planner.hardware import Hardware
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import peak_bytes

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchpre.config.job_config import JobConfig
-from torchpre.distributed.hardware import Hardware
+from torchpre.planner.hardware import Hardware
 from torchpre.errors import ConfigError
 from torchpre.planner.layouts import CheckedLayout, valid_layouts
 from torchpre.planner.measured import Measured

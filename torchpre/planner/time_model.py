@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from torchpre.distributed.hardware import Hardware
+from torchpre.planner.hardware import Hardware
 from torchpre.layouts.schedules import get_schedule
 from torchpre.layouts.zero_stages import zero_stage
 
