@@ -14,7 +14,7 @@ from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel import ParallelPlan, parallelize
-from torchpre.training.multiple_choice import (
+from torchpre.evaluation.multiple_choice import (
     MultipleChoiceEvaluator,
     Question,
     Row,

@@ -22,7 +22,7 @@ from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.api import ParallelModel, ParallelPlan
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.validation import Validator, held_out_fraction, validation_batches
+from torchpre.evaluation.validation import Validator, held_out_fraction, validation_batches
 
 TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
 SEQ_LEN = 8

@@ -53,19 +53,19 @@ from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
-from torchpre.training.evaluation import EvalContext, Evaluations, build_evaluations
+from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
 from torchpre.training.hf_export import HFExporter
 from torchpre.training.hf_load import FROM_HF, HFWeights, hf_weights
 from torchpre.training.hf_reader import is_hf_folder
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
-from torchpre.training.multiple_choice import Task, read_tasks
+from torchpre.evaluation.multiple_choice import Task, read_tasks
 from torchpre.training.rope import rope_record
 from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.step_plan import StepPlan, StepShape
-from torchpre.training.validation import held_out_fraction
+from torchpre.evaluation.validation import held_out_fraction
 
 logger = logging.getLogger("torchpre")
 

@@ -18,8 +18,8 @@ from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import Meshes
 from torchpre.parallel.api import Batch, ParallelModel
-from torchpre.training.multiple_choice import MultipleChoiceEvaluator, Task
-from torchpre.training.validation import Validator, build_validator
+from torchpre.evaluation.multiple_choice import MultipleChoiceEvaluator, Task
+from torchpre.evaluation.validation import Validator, build_validator
 
 
 class Evaluator(Protocol):
