@@ -54,9 +54,9 @@ from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
 from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
-from torchpre.training.hf_export import HFExporter
-from torchpre.training.hf_load import FROM_HF, HFWeights, hf_weights
-from torchpre.training.hf_reader import is_hf_folder
+from torchpre.interchange.export import HFExporter
+from torchpre.interchange.load import FROM_HF, HFWeights, hf_weights
+from torchpre.interchange.reader import is_hf_folder
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate

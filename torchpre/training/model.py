@@ -28,8 +28,8 @@ from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, check_quantize, resolve_emulate
 from torchpre.parallel.quantized_experts import check_quantize_experts
-from torchpre.training.hf_load import FROM_HF, folder_args
-from torchpre.training.hf_reader import is_hf_folder
+from torchpre.interchange.load import FROM_HF, folder_args
+from torchpre.interchange.reader import is_hf_folder
 from torchpre.training.rope import refuse_rope_keys, with_rope
 
 

@@ -20,7 +20,7 @@ from torchpre.runtime.preemption import PreemptionHandler, leave_stop_note
 from torchpre.runtime.profiling import Profiler
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import kept_global_batch
-from torchpre.training.hf_load import HFWeights, LoadReport, load_hf_weights, log_reports
+from torchpre.interchange.load import HFWeights, LoadReport, load_hf_weights, log_reports
 from torchpre.training.job import build_job
 from torchpre.training.run_folder import open_metrics, save_resolved_config, set_aside_later_history
 from torchpre.training.stages import saved_stages, stages_change

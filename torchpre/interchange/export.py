@@ -38,7 +38,7 @@ from torchpre.distributed.utils import comm_timeout
 from torchpre.errors import StorageError
 from torchpre.models.registry import ModelSpec
 from torchpre.parallel.api import ParallelModel
-from torchpre.training.hf_folder import (
+from torchpre.interchange.folder import (
     SAFETENSORS,
     give_default_modes,
     save_safetensors,

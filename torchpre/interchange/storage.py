@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from torchpre.models.hf_sources import Box, Source, StackedExperts
-from torchpre.training.hf_reader import HFFolder
+from torchpre.interchange.reader import HFFolder
 
 
 class HFStorageReader(StorageReader):
