@@ -23,9 +23,9 @@ from torchpre.runtime.cli import run_entry_point  # noqa: E402
 def main(argv: list[str]) -> None:
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
+    from torchpre.interchange.load import load_hf_weights
     from torchpre.parallel.api import parallelize
     from torchpre.runtime.world import Runtime
-    from torchpre.interchange.load import load_hf_weights
     from torchpre.training.job import preflight
     from torchpre.training.model import meta_model, parallel_plan
 

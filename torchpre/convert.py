@@ -50,9 +50,6 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
-from torchpre.models.registry import HFAdapter, get_model_spec
-from torchpre.runtime.cli import run_entry_point
-from torchpre.runtime.custom_import import import_custom_module
 from torchpre.interchange.folder import (
     SAFETENSORS,
     give_default_modes,
@@ -62,6 +59,9 @@ from torchpre.interchange.folder import (
     write_metadata,
 )
 from torchpre.interchange.load import FROM_HF, hf_weights, load_hf_weights
+from torchpre.models.registry import HFAdapter, get_model_spec
+from torchpre.runtime.cli import run_entry_point
+from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.model import model_args, model_context
 from torchpre.training.rope import check_saved_rope
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware
 from torchpre.errors import ConfigError
+from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware
 from torchpre.runtime.cli import run_entry_point
 
 PROG = "python -m torchpre.plan"

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.planner.hardware import get_hardware
 from torchpre.errors import ConfigError
 from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
@@ -33,6 +32,7 @@ from torchpre.planner.dryrun import (
     rank_memory,
     run_dry_run,
 )
+from torchpre.planner.hardware import get_hardware
 from torchpre.runtime.world import Runtime
 from torchpre.training.job import TrainingJob, build_job
 from torchpre.training.trainer import Trainer

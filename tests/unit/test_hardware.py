@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from tests.launch import REPO
-from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware, load_profile, save_profile
 from torchpre.errors import ConfigError
+from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware, load_profile, save_profile
 
 
 def test_rows_hold_the_datasheet_numbers():

@@ -17,8 +17,8 @@ import torchpre.interchange.export as hf_export
 from torchpre.config.job_config import HFExport
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import StorageError
-from torchpre.models.registry import get_model_spec
 from torchpre.interchange.export import HFExporter, TensorInfo, _balanced_owners
+from torchpre.models.registry import get_model_spec
 
 TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
 

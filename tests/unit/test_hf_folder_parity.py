@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from torchpre.errors import TorchpreError
-from torchpre.models.registry import get_model_spec
 from torchpre.interchange.load import folder_args, hf_weights, load_hf_weights
+from torchpre.models.registry import get_model_spec
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,6 @@ import pytest
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
-from torchpre.planner.hardware import get_hardware
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.layouts.schedules import names_where
@@ -21,6 +20,7 @@ from torchpre.planner import layouts, pieces
 from torchpre.planner import search as search_module
 from torchpre.planner.dryrun import build_rank, probe_rank_parts
 from torchpre.planner.dryrun import probe_rank as build_and_probe
+from torchpre.planner.hardware import get_hardware
 from torchpre.planner.layouts import Layout, check, valid_layouts
 from torchpre.planner.measured import microbatch_costs, microbatch_key, state_key
 from torchpre.planner.pieces import microbatch_pieces

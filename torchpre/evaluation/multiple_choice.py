@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, FieldError, field
-from torchpre.parallel.api import ParallelModel
 from torchpre.evaluation.validation import eval_mode
+from torchpre.parallel.api import ParallelModel
 
 TARGET_DELIMITER = " "
 PAD_MULTIPLE = 64  # few distinct batch shapes, for compiled models

@@ -17,9 +17,9 @@ import torch
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import Meshes
-from torchpre.parallel.api import Batch, ParallelModel
 from torchpre.evaluation.multiple_choice import MultipleChoiceEvaluator, Task
 from torchpre.evaluation.validation import Validator, build_validator
+from torchpre.parallel.api import Batch, ParallelModel
 
 
 class Evaluator(Protocol):
