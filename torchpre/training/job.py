@@ -33,8 +33,15 @@ from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.errors import ConfigError
+from torchpre.evaluation.multiple_choice import Task, read_tasks
+from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
+from torchpre.evaluation.validation import held_out_fraction
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
+from torchpre.interchange.export import HFExporter
+from torchpre.interchange.load import FROM_HF, HFWeights, hf_weights
+from torchpre.interchange.reader import is_hf_folder
+from torchpre.layouts.batch import BatchSizes, CurrentBatch
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.attention import masked_attention
 from torchpre.models.registry import ModelSpec, get_model_spec
@@ -52,20 +59,14 @@ from torchpre.parallel.quantize import convert_linears
 from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
-from torchpre.training.batches import BatchSizes, batch_sizes
-from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
-from torchpre.interchange.export import HFExporter
-from torchpre.interchange.load import FROM_HF, HFWeights, hf_weights
-from torchpre.interchange.reader import is_hf_folder
+from torchpre.training.batches import batch_sizes
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
-from torchpre.evaluation.multiple_choice import Task, read_tasks
 from torchpre.training.rope import rope_record
 from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.step_plan import StepPlan, StepShape
-from torchpre.evaluation.validation import held_out_fraction
 
 logger = logging.getLogger("torchpre")
 
@@ -183,21 +184,22 @@ def _check_pipeline_microbatches(parallelism, sequences_per_step: int) -> None:
     PipelinePlan.from_config(parallelism, stage_modules=lambda num_stages: [], sequences_per_step=sequences_per_step)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainingJob:
     """One rank's components of a training job (see the module docstring). `data` is None for a planner's fake
     ranks, `evaluations` empty without validation or eval.tasks, `checkpoint` without checkpoint.enable and
     checkpoint.initial_load_path, `hf_export` without hf_export.enable (and on a fake rank), `context_parallel`
-    without cp; `metrics.sink` writes on rank 0 only."""
+    without cp; `metrics.sink` writes on rank 0 only. `batch` is the step's batch sizes, which the loss, metrics,
+    data, step guard and progress read (`begin_step` publishes each step's)."""
 
     config: JobConfig
     runtime: Runtime
     preflight: Preflight
     device: torch.device
     meshes: Meshes
+    batch: CurrentBatch
     model: ParallelModel
     num_params: int
-    flops_per_token: int
     loss: GlobalMeanLoss
     forward_inputs: ForwardInputs
     data: TrainingData | None
@@ -207,7 +209,7 @@ class TrainingJob:
     evaluations: Evaluations
     progress: TrainProgress
     guard: StepGuard
-    checkpoint: CheckpointManager | None
+    checkpoint: CheckpointManager | None = None  # built once the job exists: it saves the job's components
     metrics: TrainingMetrics
     context_parallel: ContextParallel | None = None
     hf_export: HFExporter | None = None
@@ -220,12 +222,12 @@ class TrainingJob:
     @property
     def batches(self) -> BatchSizes:
         """The batch sizes of the step running now (or last run; before any, the first step's)."""
-        return self.shape.sizes if self.shape is not None else self.preflight.batches
+        return self.batch.sizes
 
     def begin_step(self, resumed: bool = False) -> StepShape:
-        """Puts every component on the shape of the step about to run (`StepPlan.at`: a global-batch ramp's
-        batch, a data stage's data and seq_len), where it differs from the last step's, and logs the change; after
-        a checkpoint is loaded (`resumed`) it logs where the run resumes instead."""
+        """Publishes the shape of the step about to run (`StepPlan.at`: a global-batch ramp's batch, a data
+        stage's data and seq_len) where it differs from the last step's, and logs the change; after a checkpoint is
+        loaded (`resumed`) it logs where the run resumes instead."""
         consumed = self.data.consumed_samples if self.data is not None else 0
         shape = self.preflight.plan.at(self.progress.step, consumed)
         if shape != self.shape:
@@ -252,31 +254,15 @@ class TrainingJob:
             )  # fmt: skip
 
     def _use(self, shape: StepShape) -> None:
-        """Sets what depends on the global batch and the seq_len: the loss's divisor (the mean stays over all
-        tokens of the step), the metrics' throughput, MoE's auxiliary loss scale, the pipeline's microbatches, the
-        data loader (its stage, its microbatches per step) and the progress a checkpoint records."""
-        sizes, stage, before = shape.sizes, shape.stage, self.shape
-        spec, args, plan = self.preflight.model_spec, self.preflight.model_args, self.preflight.plan
-        self.shape = shape
-        self.loss.tokens_per_step = sizes.tokens_per_step
-        self.metrics.tokens_per_step, self.metrics.global_batch_size = sizes.tokens_per_step, sizes.global_batch_size
-        self.metrics.flops_per_token = spec.flops_per_token(args, self.num_params, sizes.seq_len)
-        base = self.preflight.batches
-        scaled_for = (before.sizes if before else base).global_batch_size, (before.sizes if before else base).seq_len
-        if (sizes.global_batch_size, sizes.seq_len) != scaled_for:  # `_build_model` scaled it for the job's batch
-            for part in self.model.parts:
-                spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
-                spec.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
-        self.guard.global_batch_size = self.progress.global_batch_size = sizes.global_batch_size
-        self.progress.layout |= {"accumulation_steps": sizes.accumulation_steps, "seq_len": sizes.seq_len}
-        if self.pipeline is not None:
-            microbatch = self.config.parallelism.pipeline_parallel_microbatch_size
-            self.model.n_microbatches = sizes.local_batch_size * sizes.accumulation_steps // microbatch
-        if self.data is not None:
-            self.data.global_batch_size = sizes.global_batch_size
-            self.data.accumulation_steps = sizes.accumulation_steps
-            if before is None or stage != before.stage:
-                self.data.enter(stage.index, plan.first_sample(stage))
+        """Publishes `shape`'s batch sizes to the components that read them (`batch`), gives the model the loss
+        scales of another batch (`ModelSpec.set_aux_loss_scale`: a mean over the global batch's sequences or tokens)
+        and the data loader another stage's data."""
+        before, self.shape = self.shape, shape
+        if shape.sizes != self.batch.sizes:
+            self.batch.sizes = shape.sizes
+            scale_auxiliary_losses(self.preflight.model_spec, self.model, shape.sizes)
+        if self.data is not None and (before is None or shape.stage != before.stage):
+            self.data.enter(shape.stage.index, self.preflight.plan.first_sample(shape.stage))
 
     @property
     def pipeline(self) -> PipelinePlan | None:
@@ -313,11 +299,11 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     if not runtime.fake:
         apply_comm_timeout(*meshes.all())
     torch.manual_seed(t.seed)
-    batches = pre.batches
-    data = _training_data(config, pre, meshes, device) if runtime.data else None
+    batch = CurrentBatch(pre.batches)  # the first step's, once `begin_step` has run
+    data = _training_data(config, pre, meshes, device, batch) if runtime.data else None
     # Under loss parallel the logits are a vocab-sharded DTensor handled by loss_parallel's dispatch: eager.
     loss_parallel = config.parallelism.enable_loss_parallel and pre.dims.tp > 1
-    loss = GlobalMeanLoss(batches.tokens_per_step, compile=config.compile.enable and not loss_parallel)
+    loss = GlobalMeanLoss(batch, compile=config.compile.enable and not loss_parallel)
     context_parallel = None
     tokens_ahead = pre.model_spec.tokens_ahead(pre.model_args)
     if meshes.context_mesh is not None:
@@ -330,7 +316,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         if context_parallel
         else ForwardInputs(t.document_mask, pre.tokenizer.bos_id, tokens_ahead)
     )
-    model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
+    model, num_params = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
     # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
     evaluations = build_evaluations(EvalContext(
         config, pre.tokenizer, meshes, model, device, forward_inputs, loss_scale=lambda: loss.tokens_per_step,
@@ -343,23 +329,25 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     lr_scheduler = build_lr_scheduler_from_config(optimizer.inner, config.lr_scheduler, steps=t.steps)
     d = pre.dims
     progress = TrainProgress(
-        batches.global_batch_size,
+        batch,
         {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
-         "accumulation_steps": batches.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
+         "accumulation_steps": batch.sizes.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
     )  # fmt: skip
     after_step = partial(pre.model_spec.after_optimizer_step, model.parts, pre.model_args, device)
     guard = StepGuard(
-        t, StepWithModelUpdate(optimizer, after_step), _forensics(model, pre, meshes), tp_degree=d.tp,
-        global_batch_size=batches.global_batch_size, is_logging_rank=dist.get_rank() == 0,
+        t, StepWithModelUpdate(optimizer, after_step), _forensics(model, pre, meshes), tp_degree=d.tp, batch=batch,
+        is_logging_rank=dist.get_rank() == 0,
     )  # fmt: skip
     metrics = TrainingMetrics(
-        config.metrics, device, None, tokens_per_step=batches.tokens_per_step,
-        global_batch_size=batches.global_batch_size, flops_per_token=flops_per_token, meshes=meshes.all(),
+        config.metrics, device, None, batch=batch,
+        flops_per_token=partial(pre.model_spec.flops_per_token, pre.model_args, num_params), meshes=meshes.all(),
         pipeline=_pipeline_timing(model, pre.pipeline, meshes), linear=config.quantize.linear,
     )  # fmt: skip
     job = TrainingJob(
-        config, runtime, pre, device, meshes, model, num_params, flops_per_token, loss, forward_inputs, data,
-        reduction, optimizer, lr_scheduler, evaluations, progress, guard, None, metrics, context_parallel,
+        config=config, runtime=runtime, preflight=pre, device=device, meshes=meshes, batch=batch, model=model,
+        num_params=num_params, loss=loss, forward_inputs=forward_inputs, data=data, reduction=reduction,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, evaluations=evaluations, progress=progress, guard=guard,
+        metrics=metrics, context_parallel=context_parallel,
     )  # fmt: skip
     if c.enable or c.initial_load_path:
         job.checkpoint = CheckpointManager(
@@ -388,7 +376,9 @@ def _join(config: JobConfig, runtime: Runtime) -> torch.device:
     return device
 
 
-def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: torch.device) -> TrainingData:
+def _training_data(
+    config: JobConfig, pre: Preflight, meshes: Meshes, device: torch.device, batch: CurrentBatch
+) -> TrainingData:
     """This rank's data: the loader of the first data stage, and how to build the others' (`TrainingData.enter`)."""
     t = config.training
     dp_rank, dp_size = meshes.data_rank()
@@ -413,8 +403,7 @@ def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: to
             pin_memory=pins_memory(device),
         )
 
-    first = pre.plan.at(0, 0).sizes
-    return TrainingData(loader_for(0), first.global_batch_size, first.accumulation_steps, 0, loader_for)
+    return TrainingData(loader_for(0), batch, 0, loader_for)
 
 
 def _build_model(
@@ -425,8 +414,8 @@ def _build_model(
     loss: GlobalMeanLoss,
     fake: bool,
     context_parallel: ContextParallel | None,
-) -> tuple[ParallelModel, int, int]:
-    """The model, or this rank's pipeline stages of it, with its parameter count and FLOPs per token: built on the
+) -> tuple[ParallelModel, int]:
+    """The model, or this rank's pipeline stages of it, with its parameter count: built on the
     meta device in the parameter dtype, parallelized, then materialised and initialised from the seed alone (so
     every layout starts equal). When a checkpoint will overwrite the weights, only the buffers it does not hold
     are computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
@@ -455,9 +444,7 @@ def _build_model(
         expert_dp_mesh=meshes.expert_fsdp_mesh,
     )
     batches, d = pre.batches, pre.dims
-    for part in parallel.parts:  # an auxiliary loss is a mean over the global batch's sequences (MoE's) or tokens
-        spec.set_aux_loss_scale(part, 1 / batches.global_batch_size)
-        spec.set_token_loss_scale(part, 1 / batches.tokens_per_step)
+    scale_auxiliary_losses(spec, parallel, batches)
     logger.info(
         "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d%s (ep %d); "
         "global batch %d = %d microbatches of %d per DP rank",
@@ -468,7 +455,14 @@ def _build_model(
     )  # fmt: skip
     if pre.pipeline:
         logger.info("pipeline: %s", pre.pipeline.describe())
-    return parallel, num_params, flops_per_token
+    return parallel, num_params
+
+
+def scale_auxiliary_losses(spec: ModelSpec, model: ParallelModel, sizes: BatchSizes) -> None:
+    """An auxiliary loss is a mean over the global batch's sequences (MoE's balance loss) or tokens (MTP's)."""
+    for part in model.parts:
+        spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
+        spec.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
 
 
 def _weights_source(config: JobConfig, resume_dir: Path | None) -> Path | None:
