@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     from torchpre.interchange.load import load_hf_weights
     from torchpre.parallel.api import parallelize
     from torchpre.runtime.world import Runtime
-    from torchpre.training.job import preflight
+    from torchpre.training.preflight import preflight
     from torchpre.training.model import meta_model, parallel_plan
 
     config = parse_args(JobConfig, argv)

@@ -15,7 +15,7 @@ from torchpre.errors import ConfigError
 from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.job import preflight
+from torchpre.training.preflight import preflight
 from torchpre.training.model import model_args
 
 AC_MODES = ("none", "selective", "full")

@@ -4,14 +4,12 @@ result, the LR schedule, evaluation (validation loss, multiple-choice tasks), th
 Face exports and metrics.
 
 Everything that can reject the config (values, layout, batch arithmetic, model shapes, pipeline schedule, files)
-runs first, in `preflight`, before the process group is joined and identically on every rank, so bad input stops
+runs first, in `preflight` (`training.preflight`), before the process group is joined and identically on every rank, so bad input stops
 every rank with the same message instead of leaving some waiting for a peer. The dry run and the planner build
 jobs for ranks of a fake world through the same functions (`Runtime.fake`).
 """
 
-import dataclasses
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,167 +19,47 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchpre.checkpoint.folders import find_step_dir
-from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
-from torchpre.config.validate import validate_config
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
-from torchpre.errors import ConfigError
-from torchpre.evaluation.multiple_choice import Task, read_tasks
 from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
 from torchpre.evaluation.validation import held_out_fraction
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
 from torchpre.interchange.export import HFExporter
-from torchpre.interchange.load import FROM_HF, HFWeights, hf_weights
-from torchpre.interchange.reader import is_hf_folder
 from torchpre.layouts.batch import BatchSizes, CurrentBatch
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.attention import masked_attention
-from torchpre.models.registry import ModelSpec, get_model_spec
+from torchpre.models.registry import ModelSpec
 from torchpre.models.suffix_attention import causal_suffix_attention
 from torchpre.optim.build import build_optimizer_from_config
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import WarmupStableDecay, build_lr_scheduler_from_config
-from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.api import ParallelModel, parallelize
 from torchpre.parallel.context_parallel import AttentionKernels, ContextParallel
-from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.quantize import convert_linears
 from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
-from torchpre.training.batches import batch_sizes
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
-from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
+from torchpre.training.model import meta_model, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
+from torchpre.training.preflight import Preflight, preflight
 from torchpre.training.rope import rope_record
-from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.state import ModelState, TrainProgress
-from torchpre.training.step_plan import StepPlan, StepShape
+from torchpre.training.step_plan import StepShape
 
 logger = logging.getLogger("torchpre")
 
 # Context parallelism's attention: mask-free causal attention of each query chunk over its key prefix, and a
 # boolean mask under training.document_mask.
 CONTEXT_PARALLEL_KERNELS = AttentionKernels(causal_suffix=causal_suffix_attention, masked=masked_attention)
-
-
-@dataclass(frozen=True)
-class Preflight:
-    """What a job derives from its config before it joins the process group, every check passed."""
-
-    dims: ParallelDims
-    data_parallel: DataParallel
-    batches: BatchSizes
-    model_spec: ModelSpec
-    tokenizer: Tokenizer
-    model_args: Any
-    pipeline: PipelinePlan | None
-    resume_dir: Path | None  # the checkpoint a resume will load
-    eval_tasks: list[Task]  # eval.tasks, read and tokenized
-    plan: StepPlan  # each step's global batch and data stage (a ramp, data stages)
-    initial_hf: HFWeights | None = None  # checkpoint.initial_load_path as a Hugging Face folder, checked
-
-
-def preflight(
-    config: JobConfig,
-    world_size: int,
-    tokenizer: Tokenizer | None = None,
-    stage_modules: Callable[[ModelSpec, Any, int, Sequence[str]], list[list[str]]] | None = None,
-) -> Preflight:
-    """Every check start-up runs before the process group, in order; raises the first ConfigError. The planner,
-    which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:
-    `ModelSpec.pipeline_stages`, which builds the model on the meta device)."""
-    validate_config(config)
-    p, t, c = config.parallelism, config.training, config.checkpoint
-    check_optimizer_config(config.optimizer, {
-        "optimizer.zero_stage": config.optimizer.zero_stage,
-        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
-        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
-    })  # fmt: skip
-    data_parallel = DataParallel.from_config(config)
-    dims = ParallelDims.from_degrees(
-        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
-        ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
-    )  # fmt: skip
-    # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
-    resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
-    trust = Trust.from_settings(c)
-    if resume_dir is not None:
-        key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
-        check_verifiable(resume_dir, key, trust)
-    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
-        check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
-    # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
-    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
-    plan = StepPlan.from_config(config, batches, dims.dp)
-    spec = get_model_spec(config.model.name)
-    tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    window = _evaluation_window(config, tokenizer)
-    args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
-    seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
-    for seq_len in seq_lens:
-        check_layout(at_seq_len(config, seq_len), spec, args, dims)
-    check_keys_take_effect(config, spec, args, seq_lens[0])
-    initial_hf = None
-    if resume_dir is None and c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
-        initial_hf = hf_weights(Path(c.initial_load_path), spec, args, "checkpoint.initial_load_path")
-    if config.hf_export.enable and spec.hf is None:
-        raise ConfigError(
-            f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
-            "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
-        )
-    eval_tasks = read_tasks(config.eval.tasks, tokenizer, window)
-    pipeline = None
-    if dims.pp > 1:
-        split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
-        first = plan.at(0, 0).sizes
-        pipeline = PipelinePlan.from_config(
-            p,
-            stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
-            sequences_per_step=t.local_batch_size * first.accumulation_steps,
-        )
-    plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
-    return Preflight(
-        dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan, initial_hf
-    )
-
-
-def _evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:
-    """The most tokens a multiple-choice row feeds the model (eval.max_length, 0 = training.seq_len); 0 without
-    tasks. The model's positions must cover it."""
-    e = config.eval
-    if not e.tasks:
-        return 0
-    if e.max_length > config.training.seq_len:
-        context = model_context(config, tokenizer)
-        if e.max_length > context:
-            raise ConfigError(
-                f"eval.max_length = {e.max_length} is longer than the model's context of {context} tokens (its "
-                "flavor's max_seq_len, or model.hf_config's max_position_embeddings). Lower eval.max_length, or use "
-                "0 (training.seq_len)."
-            )
-    return e.max_length or config.training.seq_len
-
-
-def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
-    """The config with training.seq_len = `seq_len` (a data stage's), for the checks that depend on it."""
-    return dataclasses.replace(config, training=dataclasses.replace(config.training, seq_len=seq_len))
-
-
-def _check_pipeline_microbatches(parallelism, sequences_per_step: int) -> None:
-    """The pipeline schedule's rules for a step of `sequences_per_step` per DP rank (a ramp's, a stage's)."""
-    PipelinePlan.from_config(parallelism, stage_modules=lambda num_stages: [], sequences_per_step=sequences_per_step)
 
 
 @dataclass(kw_only=True)
