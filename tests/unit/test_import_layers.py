@@ -6,6 +6,7 @@ test needs nothing imported and catches an import that only runs on some code pa
 """
 
 import ast
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,3 +274,11 @@ def test_a_synthetic_cycle_is_reported_with_its_path():
     assert _describe(cycles) == "pkg.a -> pkg.b -> pkg.c -> pkg.a"
     assert find_cycles({"x": {"y"}, "y": set()}) == []
     assert find_cycles({"x": {"x"}}) == [["x", "x"]]
+
+
+def test_the_architecture_page_lists_the_layers():
+    """docs/architecture.md's table of layers is `LAYERS`, in order, so the map contributors read is the rule."""
+    page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = page.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [tuple(re.findall(r"`([a-z_]+)`", packages)) for packages in rows] == list(LAYERS)
