@@ -112,6 +112,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[rows] = grad_logits.to(weight.dtype) @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.T, hidden[rows].float())
+            del grad_logits  # before the next chunk's logits exist
         return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
 
 
