@@ -75,7 +75,7 @@ class ChunkedProjection:
     (parallelism.fsdp_reshard_after_forward), so both gather it first (`unshard`: a no-op when gathered), the gather
     the backward would start with anyway. The loss's backward finds it still gathered: only a forward of this part
     reshards it, and each is followed by its own loss, which gathers it again (a pipeline schedule computes the loss
-    right after the last stage's forward). `compile` compiles the chunked loss."""
+    right after the last stage's forward). `compile` compiles the chunked loss (one graph, on one vocabulary shard)."""
 
     def __init__(self, part: nn.Module, compile: bool = False) -> None:
         outputs = [module for module in part.modules() if isinstance(module, ChunkedOutput)]
@@ -83,7 +83,7 @@ class ChunkedProjection:
             raise ValueError(f"expected one ChunkedOutput in the model part, found {len(outputs)}")
         self.output = outputs[0]
         self.fsdp = part if isinstance(part, FSDPModule) else None
-        self._cross_entropy = torch.compile(linear_cross_entropy) if compile else linear_cross_entropy
+        self._cross_entropy = torch.compile(linear_cross_entropy, fullgraph=True) if compile else linear_cross_entropy
 
     def cross_entropy_sum(self, hidden: Tensor, labels: Tensor) -> Tensor:
         """The summed token cross-entropy of the hidden states the part returned, fp32."""
