@@ -19,6 +19,7 @@ Usage: python -m bench.loss_memory [--dim 256] [--chunk-size 1024] [--repeats 2]
 """
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,8 +117,12 @@ def measure(vocab: int, seq_len: int, dim: int, chunk_size: int, repeats: int) -
 
 
 def run(dim: int, chunk_size: int, repeats: int, quick: bool) -> list[Row]:
-    shapes = QUICK if quick else [(vocab, seq_len) for vocab in VOCABS for seq_len in SEQ_LENS]
-    return [measure(vocab, seq_len, dim, chunk_size, repeats) for vocab, seq_len in shapes]
+    """Every row, each reported on stderr as it is measured (the 128K rows take minutes)."""
+    rows = []
+    for vocab, seq_len in QUICK if quick else [(vocab, seq_len) for vocab in VOCABS for seq_len in SEQ_LENS]:
+        rows.append(measure(vocab, seq_len, dim, chunk_size, repeats))
+        print(f"measured vocab {vocab}, seq {seq_len}: {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
 
 
 def main() -> None:

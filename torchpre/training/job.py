@@ -305,7 +305,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     )
     model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
     projection = None
-    if t.loss_chunk_size and model.last_part is not None:  # the compiled chunked loss runs on one vocabulary shard
+    if t.loss_chunk_size and model.last_part is not None:  # compiled without TP only: its collectives stay eager
         projection = ChunkedProjection(model.last_part, compile=config.compile.enable and pre.dims.tp == 1)
         loss.project_with(projection)
     # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
