@@ -11,9 +11,10 @@ its summed token cross-entropy, then the backward to the hidden states and the w
   the backward (Liger-Kernel's fused linear cross-entropy, written here in PyTorch).
 
 Peak is the tensor counter's (`TensorMemory`: every storage the ops create, the two gradients included) above what
-existed before; time the fastest of --repeats runs, the three ways interleaved so that another process's load hits
-them alike. Each row also checks the chunked loss against the full one. The default rows include a 128,256-token
-vocabulary at 8,192 tokens, whose full logits need about 13 GiB; --quick runs one small row (for tests).
+existed before; time the process's CPU seconds (which another process's load on a shared machine does not inflate as
+it does wall time), the fewest of --repeats runs, the three ways interleaved. Each row also checks the chunked loss
+against the full one. The default rows include a 128,256-token vocabulary at 8,192 tokens, whose full logits need
+about 13 GiB; --quick runs one small row (for tests).
 
 Usage: python -m bench.loss_memory [--dim 256] [--chunk-size 1024] [--repeats 2] [--quick]
 """
@@ -89,14 +90,14 @@ class Row:
 def measure_once(
     way: Callable, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int
 ) -> tuple[int, float, Tensor]:
-    """One forward and backward: the peak bytes above the start, the seconds, the loss."""
+    """One forward and backward: the peak bytes above the start, the CPU seconds, the loss."""
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with TensorMemory(("cpu",)) as memory:
         memory.begin_step()
-        start = time.perf_counter()
+        start = time.process_time()
         loss = way(h, w, labels, chunk_size)
         loss.backward()
-        seconds = time.perf_counter() - start
+        seconds = time.process_time() - start
     return memory.peak - memory.step_start, seconds, loss.detach()
 
 
@@ -136,8 +137,8 @@ def main() -> None:
     rows = run(args.dim, args.chunk_size, args.repeats, args.quick)
     print_table(
         f"The loss's forward and backward, one sequence, dim {args.dim}, fp32, {args.chunk_size} tokens per chunk",
-        ["vocab", "seq", "full GiB", "chunked GiB", "in forward GiB", "chunked / full", "full s", "chunked s",
-         "in forward s", "chunked / full", "loss rel. diff"],
+        ["vocab", "seq", "full GiB", "chunked GiB", "in forward GiB", "chunked / full", "full CPU s",
+         "chunked CPU s", "in forward CPU s", "chunked / full", "loss rel. diff"],
         [[f"{r.vocab:,}", f"{r.seq_len:,}", *(f"{r.peak_bytes[w] / GiB:.3f}" for w in WAYS),
           f"{r.peak_bytes['chunked'] / r.peak_bytes['full']:.3f}", *(f"{r.seconds[w]:.2f}" for w in WAYS),
           f"{r.seconds['chunked'] / r.seconds['full']:.2f}", f"{r.loss_error:.1e}"] for r in rows],
