@@ -32,7 +32,8 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.models.registry import get_flavor, get_model_spec
-from torchpre.parallel.api import ParallelModel, parallelize, retie
+from torchpre.parallel.api import ParallelModel, parallelize
+from torchpre.parallel.ties import retie, tie_groups
 from torchpre.training.model import meta_model, parallel_plan
 
 GiB = 2**30
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=options.world)
     try:
         mesh = dims.build_mesh("cpu")
+        ties = tie_groups(meta_model(config, spec, args), plan.tied_weights)  # materialising unties them
 
         def build() -> ParallelModel:
             return parallelize(meta_model(config, spec, args), mesh, plan, device=torch.device("meta"),
@@ -85,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             part = build().parts[0]
             start = time.perf_counter()
             part.to_empty(device="cpu")
-            retie(part, plan.tied_weights)
+            retie(part, ties)
             init(part)
             seconds = time.perf_counter() - start
             sizes.update(local=local_bytes(part), full=largest_full_fp32_bytes(part))

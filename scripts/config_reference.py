@@ -1,6 +1,6 @@
-"""Writes docs/config.md, the reference of every option, from the config dataclasses (the text `--help` prints).
+"""Writes docs/config-reference.md, the reference of every option, from the config dataclasses (what `--help` prints).
 
-    python scripts/config_reference.py          # rewrite docs/config.md
+    python scripts/config_reference.py          # rewrite docs/config-reference.md
     python scripts/config_reference.py --check  # exit 1 naming the file when it is stale (tests/unit/test_docs.py)
 """
 
@@ -15,7 +15,7 @@ from torchpre.config.job_config import JobConfig  # noqa: E402
 from torchpre.config.parser import format_reference  # noqa: E402
 from torchpre.generate import GenerateConfig  # noqa: E402
 
-PATH = REPO / "docs" / "config.md"
+PATH = REPO / "docs" / "config-reference.md"
 
 HEADER = """# Configuration reference
 
@@ -47,7 +47,9 @@ def render() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail when docs/config.md is not what it renders")
+    parser.add_argument(
+        "--check", action="store_true", help="fail when docs/config-reference.md is not what it renders"
+    )
     text = render()
     if parser.parse_args().check:
         if PATH.read_text(encoding="utf-8") != text:

@@ -50,12 +50,14 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
     import torchpre.generate
     import torchpre.train
     import train
-    from tests import count_host_syncs, reshard_worker, train_and_dump
+    from tests import count_host_syncs, hf_import_worker, hf_load_memory, reshard_worker, train_and_dump
 
     return {
         "tests/reshard_worker.py": (reshard_worker.main, "tests/reshard_worker.py"),
         "tests/train_and_dump.py": (train_and_dump.main, "tests/train_and_dump.py"),
         "tests/count_host_syncs.py": (count_host_syncs.main, "tests/count_host_syncs.py"),
+        "tests/hf_import_worker.py": (hf_import_worker.main, "tests/hf_import_worker.py"),
+        "tests/hf_load_memory.py": (hf_load_memory.main, "tests/hf_load_memory.py"),
         "train.py": (train.main, "train.py"),
         "torchpre.train": (torchpre.train.main, torchpre.train.PROG),
         "torchpre.generate": (torchpre.generate.main, "python -m torchpre.generate"),

@@ -36,7 +36,10 @@ multiprocessing.set_forkserver_preload(
 # What every launched job gets on top of the caller's environment: two processes share two cores.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # The entry points tests/fork_server.py can run.
-FORKABLE = ("train.py", "tests/train_and_dump.py", "tests/count_host_syncs.py", "torchpre.generate", "torchpre.convert")
+FORKABLE = (
+    "train.py", "tests/train_and_dump.py", "tests/count_host_syncs.py", "tests/hf_import_worker.py",
+    "tests/hf_load_memory.py", "torchpre.generate", "torchpre.convert",
+)  # fmt: skip
 
 # The debug model (6 layers, so up to 4 pipeline stages) on short sequences: the layout tests' model.
 DEBUG = [
@@ -114,7 +117,7 @@ def run_entry(
     entry: str,
     argv: list[str],
     nproc: int = 1,
-    timeout: float = 240,
+    timeout: float = 600,
     launcher: Literal["fork", "torchrun"] = "fork",
 ) -> subprocess.CompletedProcess:
     """`python entry argv` (`python -m entry` for a module) as one process, or as `nproc` ranks of one job.
@@ -142,7 +145,7 @@ def run_train(
     args: list[str],
     nproc: int,
     dump_folder: Path,
-    timeout: float = 240,
+    timeout: float = 600,
     script: str = "train.py",
     launcher: Literal["fork", "torchrun"] = "fork",
 ) -> subprocess.CompletedProcess:
@@ -179,7 +182,7 @@ def train_and_read_params(args: list[str], nproc: int, dump_folder: Path) -> tup
     return records, params
 
 
-def spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, timeout_s: float = 120) -> None:
+def spawn(fn: Callable[[DeviceMesh], None], world_size: int, store_path: Path, timeout_s: float = 480) -> None:
     """Runs `fn(mesh)` on `world_size` gloo processes; a worker's exception or a hang fails.
 
     The workers are forked from multiprocessing's fork server, which imported torch once (and never ran an op, so

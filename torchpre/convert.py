@@ -7,18 +7,20 @@
 
 The model comes from the job config exactly as the trainer builds it: model.name and model.flavor
 from the registry, vocab_size from the tokenizer at model.tokenizer_path. Any --section.key
-override of the job config is accepted.
+override of the job config is accepted. hf-to-dcp with --model.flavor from_hf reads the model from
+HF_DIR's config.json (checkpoint.initial_load_path defaults to HF_DIR).
 
 dcp-to-hf reads only the "model" entry of a checkpoint step folder and writes OUT_DIR with
 config.json, generation_config.json and model.safetensors (split into numbered files plus
 model.safetensors.index.json above --max_shard_size, like transformers does), plus the tokenizer:
 tokenizer.model (the tiktoken file) and tokenizer_config.json, which transformers.AutoTokenizer loads.
 
-hf-to-dcp checks HF_DIR's config.json against the job's model, then writes CKPT_STEP_DIR as a
-checkpoint folder holding only {"model": ...}, the job's config.toml and the manifest.json (each file's
-size and CRC-32) that loading checks; start training from it with --checkpoint.initial_load_path
-CKPT_STEP_DIR. dcp-to-hf checks the manifest of the folder it reads, and refuses one without a manifest
-unless --checkpoint.allow_unverified is given.
+hf-to-dcp checks HF_DIR's config.json and tensors against the job's model, reads the weights through the
+reader a training job loads a folder with (--checkpoint.initial_load_path HF_DIR does that without this
+step), then writes CKPT_STEP_DIR as a checkpoint folder holding only {"model": ...}, the job's config.toml
+and the manifest.json (each file's size and CRC-32) that loading checks; start training from it with
+--checkpoint.initial_load_path CKPT_STEP_DIR. dcp-to-hf checks the manifest of the folder it reads, and
+refuses one without a manifest unless --checkpoint.allow_unverified is given.
 
 --dtype casts the weights (default: keep the dtype they are stored in). Output folders are
 written under a temporary name next to their final one and renamed when complete; an existing
@@ -26,7 +28,6 @@ non-empty output folder is an error.
 """
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -39,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -48,14 +48,12 @@ from torchpre.checkpoint.reader import Loader, read_metadata
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
-from torchpre.confined import confined_path
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.hf_folder import (
-    INDEX,
     SAFETENSORS,
     give_default_modes,
     save_safetensors,
@@ -63,6 +61,7 @@ from torchpre.training.hf_folder import (
     write_index,
     write_metadata,
 )
+from torchpre.training.hf_load import FROM_HF, hf_weights, load_hf_weights
 from torchpre.training.model import model_args, model_context
 from torchpre.training.rope import check_saved_rope
 
@@ -93,6 +92,8 @@ def main(argv: list[str]) -> None:
         raise HelpRequested
     command, source, target, options, rest = _parse_command_line(argv)
     config = parse_args(JobConfig, rest)
+    if command == "hf-to-dcp" and config.model.flavor == FROM_HF and not config.checkpoint.initial_load_path:
+        config.checkpoint.initial_load_path = str(source)  # the model comes from HF_DIR; its config.toml says so
     import_custom_module(config.job.custom_import)
     model = _job_model(config)
     dtype = _dtype(options.get("--dtype"))
@@ -135,14 +136,11 @@ def dcp_to_hf(
 
 
 def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | None, config: JobConfig) -> None:
-    if not hf_dir.is_dir():
-        raise TorchpreError(
-            f"Hugging Face folder {hf_dir} does not exist. Give a folder holding config.json and model.safetensors."
-        )
-    _check_hf_config(hf_dir / "config.json", model, config)
-    loaded = dequantize_fp8_blocks(_load_safetensors(hf_dir), _read_json(hf_dir / "config.json"), hf_dir)
-    hf_state_dict = {name: tensor.to(dtype or tensor.dtype) for name, tensor in loaded.items()}
-    state_dict = model.hf.from_hf_state_dict(hf_state_dict, model.args)
+    """The folder's weights into whole tensors (in `dtype`, default their own) through the reader a training job loads
+    a folder with (`torchpre.training.hf_load`), saved as a model-only checkpoint."""
+    weights = hf_weights(hf_dir, get_model_spec(config.model.name), model.args, "hf-to-dcp HF_DIR")
+    state_dict = {name: torch.empty(size, dtype=dtype or weights.dtype(name)) for name, size in weights.shapes.items()}
+    report = load_hf_weights(weights, state_dict, no_dist=True)
 
     def write(folder: Path) -> None:
         """The checkpoint and its manifest, as a training save writes them (CRCs taken while writing)."""
@@ -154,35 +152,7 @@ def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | 
         write_manifest(folder, "write", writer.fs.records, signing_key)
 
     _write_atomically(step_dir, write)
-    logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}")
-
-
-def dequantize_fp8_blocks(state_dict: dict[str, Tensor], hf_config: dict[str, Any], hf_dir: Path) -> dict[str, Tensor]:
-    """A block-FP8 folder's weights in bfloat16 (the dtype the released models trained in), its scales dropped.
-
-    DeepSeek-V3's released folders (`quantization_config`: quant_method 'fp8', weight_block_size [128, 128]) hold
-    each linear weight in float8_e4m3fn and a float32 `weight_scale_inv` per block of it: the weight is the FP8
-    value times its block's scale. A folder without a quantization_config is returned as it is; another method is
-    refused by name."""
-    quantization = hf_config.get("quantization_config")
-    if not quantization:
-        return state_dict
-    method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
-    if method != "fp8" or not block or len(block) != 2:
-        raise TorchpreError(
-            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}, weight_block_size {block!r}) is "
-            "not supported; torchpre imports unquantized folders and block-FP8 ones (quant_method 'fp8' with a "
-            "weight_block_size). Dequantize the weights first."
-        )
-    weights = dict(state_dict)
-    for scale_name in [name for name in state_dict if name.endswith(".weight_scale_inv")]:
-        name = scale_name.removesuffix("_scale_inv")
-        if name not in weights:
-            raise TorchpreError(f"{hf_dir}: {scale_name} has no weight {name} to scale.")
-        weight, scale = weights[name], weights.pop(scale_name)
-        scale = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-        weights[name] = (weight.float() * scale[: weight.shape[0], : weight.shape[1]]).to(torch.bfloat16)
-    return weights
+    logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}: {report.describe()}")
 
 
 def _parse_command_line(argv: list[str]) -> tuple[str, Path, Path, dict[str, str], list[str]]:
@@ -248,40 +218,6 @@ def _load_dcp_model(step_dir: Path, loader: Loader) -> dict[str, Tensor]:
     return state_dict
 
 
-def _check_hf_config(path: Path, model: _Model, config: JobConfig) -> None:
-    try:
-        mismatches = model.hf.hf_config_mismatches(_read_json(path), model.args)
-    except TorchpreError as error:
-        raise TorchpreError(f"{path}: {error}") from None
-    if mismatches:
-        raise TorchpreError(
-            f"{path} does not describe the job's model ({_job_model_name(config)}, vocab_size "
-            f"{model.args.vocab_size}): {'; '.join(mismatches)}. "
-            "Use the job config (model, tokenizer) the weights were made with."
-        )
-
-
-def _job_model_name(config: JobConfig) -> str:
-    if config.model.hf_config:
-        return f"model.hf_config = {config.model.hf_config}"
-    return f"model.flavor = '{config.model.flavor}'"
-
-
-def _load_safetensors(hf_dir: Path) -> dict[str, Tensor]:
-    index = hf_dir / INDEX
-    if index.is_file():
-        weight_map = _read_json(index)["weight_map"]
-        files = {name: confined_path(hf_dir, name, index, f"weight_map[{key!r}]") for key, name in weight_map.items()}
-    else:
-        files = {SAFETENSORS: hf_dir / SAFETENSORS}
-    state_dict = {}
-    for path in sorted(set(files.values())):
-        if not path.is_file():
-            raise TorchpreError(f"{path} does not exist (only safetensors weights, single or sharded, are read).")
-        state_dict |= load_file(path)
-    return state_dict
-
-
 def _save_safetensors(state_dict: dict[str, Tensor], folder: Path, max_shard_size: int) -> None:
     """One model.safetensors, or numbered files of at most max_shard_size bytes (a bigger tensor
     gets a file to itself) and an index mapping each name to its file."""
@@ -323,15 +259,6 @@ def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-
-
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        raise TorchpreError(f"{path} does not exist.")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise TorchpreError(f"{path} is not valid JSON: {error}.") from None
 
 
 if __name__ == "__main__":

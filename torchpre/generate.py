@@ -39,12 +39,12 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.schedules import get_schedule
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
+from torchpre.layouts.schedules import get_schedule
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
-from torchpre.parallel.pipeline import PipelinePlan, stages_per_rank
+from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan
 from torchpre.training.rope import check_saved_rope
@@ -201,9 +201,14 @@ def main(argv: list[str]) -> None:
     gen = parse_args(GenerateConfig, argv)
     import_custom_module(gen.job.custom_import)
     validate_generation_args(gen)
+    # Everything that can reject the input runs before the process group, identically on every rank. The job's
+    # layout must fit the world as training's would, context parallelism included (its ranks decode as replicas).
+    p = gen.parallelism
+    ParallelDims.from_degrees(
+        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env(),
+        cp=p.context_parallel_degree,
+    )  # fmt: skip
     config = decoding_config(gen)
-
-    # Everything that can reject the input runs before the process group, identically on every rank.
     p = config.parallelism
     dims = ParallelDims.from_degrees(
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()
@@ -297,8 +302,8 @@ def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: Any) -> Pipeline
     """The stages of the job's pipeline layout, placed as its schedule places them. Decoding passes one sequence
     stage to stage itself (`ParallelModel.forward_only`), so the schedule's microbatch rules do not apply."""
     p = config.parallelism
-    schedule = get_schedule(p.pipeline_parallel_schedule).name
-    per_rank = stages_per_rank(schedule, p.pipeline_parallel_virtual_stages)
+    schedule = get_schedule(p.pipeline_parallel_schedule)
+    per_rank = schedule.stages_per_rank(p.pipeline_parallel_virtual_stages)
     num_stages = p.pipeline_parallel_degree * per_rank
     stages = spec.pipeline_stages(args, num_stages, p.pipeline_parallel_split_points)
     return PipelinePlan(schedule, p.pipeline_parallel_degree, per_rank, n_microbatches=1, stage_modules=stages)

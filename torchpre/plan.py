@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ def planner_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     parser.add_argument("--plot", default="", help="draw the best layouts' memory and step time into this PNG")
     parser.add_argument("--calibrate", default="", help="measure this machine into this profile JSON and exit")
+    parser.add_argument("--workers", type=int, default=0, help="processes that measure layouts (default: one per core)")
     return parser
 
 
@@ -49,11 +51,18 @@ def main(argv: list[str]) -> None:
     hardware = _hardware(planner)
     if planner.gpus < 1:
         raise ConfigError(f"{PROG} needs --gpus N: the number of GPUs the job will run on.")
+    if config.model.flavor == "from_hf":  # torchpre.training.hf_load.FROM_HF, named here before torch loads
+        raise ConfigError(
+            f"{PROG} searches the layouts of registered flavors; model.flavor = 'from_hf' (the model of a Hugging Face "
+            "folder's config.json) is not one. Plan the flavor of the same shape, or check this job's layout with "
+            "`python train.py ... --job.dry_run --job.dry_run_world_size N`."
+        )
     from torchpre.planner.search import search  # torch loads here: a mistyped flag answers without it
 
     logging.getLogger("torchpre").setLevel(logging.WARNING)  # the planner builds thousands of trainers
     start = time.perf_counter()
-    result = search(config, hardware, planner.gpus)
+    workers = planner.workers or len(os.sched_getaffinity(0))
+    result = search(config, hardware, planner.gpus, progress=True, workers=workers)
     seconds = time.perf_counter() - start
     if planner.json:
         print(json.dumps(result.as_dict(planner.top) | {"seconds": round(seconds, 1)}, indent=1))

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 
+from tests.hf_folders import write_llama_folder
 from tests.hostile import Payload, legacy_checkpoint, replace_metadata, rewrite_manifest
 from tests.launch import REPO, TINY, ForkServer, add_manifest, manifest_record, run_train
 from torchpre.checkpoint.integrity import MANIFEST
@@ -97,6 +99,27 @@ def _tamper_with(step_dir: Path) -> None:
         data.write(bytes([byte[0] ^ 0xFF]))
 
 
+def _write_hf_folders(d: Path) -> None:
+    """A released-looking Llama folder shaped like no flavor (3 layers), and copies of it broken one way each."""
+    args = dataclasses.replace(LLAMA3_FLAVORS["tiny"], n_layers=3)
+    write_llama_folder(d / "hf_llama", args)
+    (weights,) = (d / "hf_llama").glob("model-*.safetensors")
+    _edit_json(shutil.copytree(d / "hf_llama", d / "hf_unknown_field") / "config.json",
+               lambda config: config.update(sliding_window=16))  # fmt: skip
+    _edit_json(shutil.copytree(d / "hf_llama", d / "hf_small_vocab_folder") / "config.json",
+               lambda config: config.update(vocab_size=1000))  # fmt: skip
+    missing = shutil.copytree(d / "hf_llama", d / "hf_missing_tensor") / weights.name
+    tensors = load_file(missing)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, missing)
+    _edit_json(missing.parent / "model.safetensors.index.json",
+               lambda index: index["weight_map"].pop("model.layers.1.mlp.up_proj.weight"))  # fmt: skip
+    (shutil.copytree(d / "hf_llama", d / "hf_damaged") / weights.name).write_bytes(b"\x10\x00\x00\x00garbage")
+    outside = {"model.norm.weight": f"../hf_llama/{weights.name}"}
+    _edit_json(shutil.copytree(d / "hf_llama", d / "hf_escaping_index") / "model.safetensors.index.json",
+               lambda index: index["weight_map"].update(outside))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
     """Every bad (and the few good) files the cases point at, made once; cases name them as {d}/NAME."""
@@ -128,6 +151,18 @@ def files(tmp_path_factory) -> Path:
         (d / f"hf_{model_type}.json").write_text(default_tiny_config(model_type).to_json_string())
     llama = json.loads((REPO / HF_LLAMA).read_text())
     (d / "hf_small_vocab.json").write_text(json.dumps(llama | {"vocab_size": 1000}))
+    (d / "hf_llama_encoder_decoder.json").write_text(json.dumps(llama | {"is_encoder_decoder": True}))
+    (d / "hf_unknown.json").write_text(json.dumps(llama | {"model_type": "llama9"}))
+    for model_type in ("bart", "t5"):
+        (d / f"hf_{model_type}.json").write_text(json.dumps({"model_type": model_type, "d_model": 64}))
+    # Configs whose values, not their architecture, decide a layout (docs/hf-models.md's conditions).
+    granite = json.loads(default_tiny_config("granite").to_json_string())
+    (d / "hf_granite_multiplier.json").write_text(json.dumps(granite | {"embedding_multiplier": 12.0}))
+    gemma3 = json.loads(default_tiny_config("gemma3_text").to_json_string())
+    (d / "hf_gemma3_window.json").write_text(json.dumps(gemma3 | {"sliding_window": 16}))
+    (d / "task.jsonl").write_text(question)
+    (d / "not_utf8_task.jsonl").write_bytes(question.encode() + b'{"context": "caf\xe9", "choices": ["a", "b"], '
+                                            b'"answer": 0}\n')
 
     ids = Tokenizer(DEFAULT_TOKENIZER_PATH).encode(sentence * 20, bos=True, eos=True)
     good = _write_shards(d / "shards", [ids] * 10)
@@ -172,6 +207,7 @@ def files(tmp_path_factory) -> Path:
                       Payload(d / "marker"))  # fmt: skip
     (d / "full_output").mkdir()
     (d / "full_output" / "keep.txt").write_text("someone's files\n")
+    _write_hf_folders(d)
     return d
 
 
@@ -185,6 +221,7 @@ TAMPERED = ["--model.flavor", "debugmodel", "--prompt", "hello", "--checkpoint.f
 GEN, CONVERT, PREPARE = "torchpre.generate", "torchpre.convert", "torchpre.data.prepare"
 HF_LLAMA = "assets/hf_configs/llama_tiny.json"
 HF = ["--model.name", "hf", "--model.hf_config"]
+FROM_HF = ["--model.flavor", "from_hf"]
 # Architectures with a refused layout (docs/hf-models.md): every layout (its init), tensor parallel (MLA attention),
 # pipeline parallel (its layers return tuples), sequence parallel (its eager attention takes a mask tensor).
 HF_REFUSED = ("mamba", "deepseek_v3", "bloom", "gemma2")
@@ -290,6 +327,23 @@ CATALOGUE = [
         ["--eval.tasks", "{d}/bad_answer_task.jsonl"],
         ["eval.tasks: {d}/bad_answer_task.jsonl:2:", "'answer' = 2 is not an index into its 2 choices"],
     ),
+    case(
+        "eval-task-not-utf8",
+        ["--eval.tasks", "{d}/not_utf8_task.jsonl"],
+        ["eval.tasks: {d}/not_utf8_task.jsonl:2: not UTF-8 text (byte 0xe9 at column 17)", "save the file as UTF-8"],
+        ranks=2,
+    ),
+    case(
+        "eval-window-longer-than-the-model",
+        ["--eval.tasks", "{d}/task.jsonl", "--eval.max_length", "4096"],
+        ["eval.max_length = 4096 is longer than the model's context of 2048 tokens"],
+    ),
+    case(
+        "eval-window-sequence-parallel",
+        ["--eval.tasks", "{d}/task.jsonl", "--eval.max_length", "33", *TP2, "--parallelism.enable_sequence_parallel"],
+        ["eval.max_length = 33", "not divisible by parallelism.tensor_parallel_degree = 2"],
+        ranks=2,
+    ),
     case("eval-task-missing", ["--eval.tasks", "{d}/missing.jsonl"], ["eval.tasks: {d}/missing.jsonl does not exist"]),
     case("eval-task-not-jsonl", ["--eval.tasks", "{d}/text.txt"], ["eval.tasks names '{d}/text.txt'", ".jsonl"]),
     case(
@@ -303,6 +357,18 @@ CATALOGUE = [
         "hf-export-without-adapter",
         ["--model.name", "moe", "--hf_export.enable"],
         ["hf_export.enable", "model.name = 'moe' has no Hugging Face conversion"],
+    ),
+    case(
+        "hf-export-folder-not-writable",  # /sys takes no new file even from root, whom a folder's mode does not stop
+        ["--hf_export.enable", "--hf_export.folder", "/sys/torchpre-hf"],
+        ["hf_export.folder '/sys/torchpre-hf'", "cannot write there (it would be created in /sys)"],
+        ranks=2,
+    ),
+    case(
+        "load-step-without-checkpoints",
+        ["--checkpoint.load_step", "5"],
+        ["checkpoint.load_step = 5 with checkpoint.enable off", "train from step 0", "checkpoint.enable = true"],
+        ranks=2,
     ),
     case(
         "hf-export-into-checkpoint-folder",
@@ -379,7 +445,92 @@ CATALOGUE = [
          "hands the layers an attention-mask tensor"],
         ranks=2,
     ),
+    case(
+        "hf-encoder-decoder-family",
+        [*HF, "{d}/hf_bart.json"],
+        ["model_type = 'bart' is not a model torchpre trains", "encoder-decoder family", "the decoder half"],
+    ),
+    case(
+        "hf-encoder-decoder-without-causal-lm",
+        [*HF, "{d}/hf_t5.json"],
+        ["model_type = 't5' is not a model torchpre trains", "encoder-decoder family", "it has no causal LM"],
+    ),
+    case(
+        "hf-unknown-model-type",
+        [*HF, "{d}/hf_unknown.json"],
+        ["model_type = 'llama9'", "does not know this model_type", "misspelt"],
+    ),
+    case(
+        "hf-decoder-said-encoder-decoder",
+        [*HF, "{d}/hf_llama_encoder_decoder.json"],
+        ["{d}/hf_llama_encoder_decoder.json: is_encoder_decoder = true", "'llama' is a decoder-only causal LM"],
+    ),
+    case(
+        "hf-embedding-multiplier-under-pp",
+        [*HF, "{d}/hf_granite_multiplier.json", *PP2],
+        ["GraniteForCausalLM (model_type 'granite') under pipeline parallel: refused",
+         "two pipeline stages of it do not reproduce its forward"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "hf-window-shorter-than-seq-len-under-sp",
+        [*HF, "{d}/hf_gemma3_window.json", *TP2, "--parallelism.enable_sequence_parallel",
+         "--parallelism.enable_loss_parallel"],
+        ["Gemma3ForCausalLM (model_type 'gemma3_text') under sequence and loss parallel: refused",
+         "sliding window (16) is shorter than training.seq_len = 32"],
+        ranks=2,
+    ),  # fmt: skip
     case("hf-vocab-too-small", [*HF, "{d}/hf_small_vocab.json"], ["vocab_size = 1000", "tokenizer's 2048 ids"]),
+    # checkpoint.initial_load_path = a Hugging Face folder, model.flavor = 'from_hf'.
+    case("from-hf-without-a-folder", FROM_HF, ["model.flavor = 'from_hf'", "checkpoint.initial_load_path", "unset"]),
+    case(
+        "from-hf-not-a-hugging-face-folder",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/not_a_checkpoint"],
+        ["model.flavor = 'from_hf'", "'{d}/not_a_checkpoint', which is not one"],
+    ),
+    case(
+        "from-hf-family-without-a-config-mapping",
+        ["--model.name", "moe", *FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_llama"],
+        ["model.flavor = 'from_hf' with model.name = 'moe'", "cannot read its args from a Hugging Face config.json"],
+    ),
+    case(
+        "hf-folder-unknown-config-field",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_unknown_field"],
+        ["{d}/hf_unknown_field/config.json", "sliding_window = 16 is a field torchpre's llama3 does not know"],
+        ranks=2,
+    ),
+    case(
+        "hf-folder-of-another-model",
+        ["--checkpoint.initial_load_path", "{d}/hf_llama"],
+        ["checkpoint.initial_load_path = {d}/hf_llama", "does not describe the job's model", "num_hidden_layers = 3",
+         "model.flavor = 'from_hf' reads it from the folder"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "hf-folder-missing-tensor",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_missing_tensor"],
+        ["checkpoint.initial_load_path = {d}/hf_missing_tensor", "1 missing: model.layers.1.mlp.up_proj.weight"],
+    ),
+    case(
+        "hf-folder-vocab-below-the-tokenizer",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_small_vocab_folder"],
+        ["tokenizer (model.tokenizer_path) has 2048 ids, more than the 1000 rows"],
+    ),
+    case(
+        "hf-folder-family-without-mapping",
+        ["--model.name", "moe", "--checkpoint.initial_load_path", "{d}/hf_llama"],
+        ["checkpoint.initial_load_path = {d}/hf_llama is a Hugging Face folder", "no mapping from one"],
+    ),
+    case(
+        "hf-folder-damaged-file",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_damaged"],
+        ["{d}/hf_damaged/model-00001-of-00001.safetensors is not a readable safetensors file"],
+    ),
+    case(
+        "hf-folder-index-names-a-file-outside",
+        [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_escaping_index"],
+        ["{d}/hf_escaping_index/model.safetensors.index.json", "weight_map['model.norm.weight']", "climbs out"],
+    ),
     case(
         "hf-tp-does-not-divide-kv-heads",
         [*HF, HF_LLAMA, "--parallelism.tensor_parallel_degree", "4"],
@@ -517,6 +668,35 @@ CATALOGUE = [
         ["model.mtp_loss_weight -0.1", ">= 0"],
     ),
     case(
+        "mtp-deeper-than-the-sequence",
+        ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.mtp_depth", "8",
+         "--training.seq_len", "8"],
+        ["model.mtp_depth = 8", "sequences of 8 tokens", "model.mtp_depth < 8"],
+    ),  # fmt: skip
+    case(
+        "quantize-recipe-without-a-format",
+        ["--quantize.recipe", "tensorwise"],
+        ["quantize.recipe = 'tensorwise' with quantize.linear = 'none'", "full precision", "'float8' or 'mxfp8'"],
+        ranks=2,
+    ),
+    case(
+        "quantize-pattern-matches-no-linear",
+        ["--quantize.linear", "mxfp8", "--quantize.modules", "layers.*.feed_forwrd.*"],
+        ["quantize.modules: the pattern 'layers.*.feed_forwrd.*' matches no linear", "layers.0.attention.wq"],
+        ranks=2,
+    ),
+    case(
+        "muon-pattern-matches-no-parameter",
+        ["--optimizer.name", "Muon", "--optimizer.muon_adamw_params", "layers.*.atention.*"],
+        ["optimizer.muon_adamw_params: the pattern 'layers.*.atention.*' matches no parameter", "tok_embeddings"],
+    ),
+    case(
+        "cli-value-not-a-choice",
+        ["--quantize.linear", "FP8"],
+        ["Invalid value 'FP8' for 'quantize.linear'", "'none', 'float8', 'mxfp8'"],
+        ranks=2,
+    ),
+    case(
         "fp8-kernels-asked-on-cpu",
         ["--quantize.linear", "float8", "--quantize.emulate", "false"],
         ["quantize.emulate = 'false'", "compute capability 8.9", "a cpu device", "quantize.emulate = 'auto'"],
@@ -573,6 +753,7 @@ CATALOGUE = [
         "float8-experts",
         ["--model.name", "moe", "--quantize.linear", "float8", "--quantize.experts"],
         ["quantize.experts with quantize.linear = 'float8'", "no emulation", "quantize.linear = 'mxfp8'"],
+        ranks=2,
     ),
     case(
         "mxfp8-experts-sliced-below-32-by-tp",
@@ -722,6 +903,13 @@ CATALOGUE = [
     case("generate-no-prompt", ["--model.flavor", "tiny"], ["--prompt is required"], GEN),
     case("generate-bad-float", [*GENERATE, "--temperature", "hot"], ["'temperature'", "'hot'", "float"], GEN),
     case(
+        "generate-context-parallel-larger-than-the-world",
+        [*GENERATE, "--parallelism.context_parallel_degree", "3"],
+        ["world size 2 is not divisible", "context_parallel_degree = 1 x 1 x 3"],
+        GEN,
+        ranks=2,
+    ),
+    case(
         "generate-longer-than-the-context",
         [*GENERATE, "--max_new_tokens", "5000"],
         ["--max_new_tokens 5000", "context of 2048"],
@@ -802,6 +990,12 @@ CATALOGUE = [
         CONVERT,
     ),
     case("convert-hf-folder-missing", ["hf-to-dcp", "{d}/no_hf", "{d}/out"], ["{d}/no_hf does not exist"], CONVERT),
+    case(
+        "convert-hf-folder-unknown-config-field",
+        ["hf-to-dcp", "{d}/hf_unknown_field", "{d}/out", *FROM_HF],
+        ["sliding_window = 16 is a field torchpre's llama3 does not know"],
+        CONVERT,
+    ),
     # Data preparation.
     case(
         "prepare-input-missing",

@@ -25,7 +25,6 @@ from tests.launch import add_manifest, run_entry
 from torchpre.checkpoint.integrity import MANIFEST, read_manifest, verify_share
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
-from torchpre.convert import dequantize_fp8_blocks
 from torchpre.convert import main as convert_main
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
@@ -319,8 +318,14 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor,
 
 
 def test_a_quantization_other_than_block_fp8_is_refused_by_name(tmp_path):
+    from torchpre.training.hf_reader import HFFolder
+
+    save_file({"w.weight": torch.ones(2, 2)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4}}))
     with pytest.raises(TorchpreError, match="quant_method 'gptq'.*Dequantize the weights first"):
-        dequantize_fp8_blocks({}, {"quantization_config": {"quant_method": "gptq", "bits": 4}}, tmp_path)
+        HFFolder(tmp_path)
+    save_file({"w.weight_scale_inv": torch.ones(1, 1)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128]}}))  # fmt: skip
     with pytest.raises(TorchpreError, match="w.weight_scale_inv has no weight w.weight"):
-        dequantize_fp8_blocks({"w.weight_scale_inv": torch.ones(1, 1)}, {"quantization_config": {
-            "quant_method": "fp8", "weight_block_size": [128, 128]}}, tmp_path)  # fmt: skip
+        HFFolder(tmp_path)

@@ -45,10 +45,13 @@ QUESTIONS = [
     ("import os\nimport", ["banana split", "the", "sys"], 2),
     ("Un café, s'il vous", ["plaît", "seven hundred", "purple"], 0),
     ("One, two, three,", ["four", "five", "six", "seven"], 0),
+    # Longer than eval.max_length: the model reads the last MAX_LENGTH tokens, lm-evaluation-harness's window.
+    ("Count with me: " + ", ".join(str(i) for i in range(1, 12)) + ",", ["twelve", "12", "a dozen eggs"], 1),
 ]
+MAX_LENGTH = 24
 COMMON = [
     *TINY, "--training.steps", "4",
-    "--eval.freq", "2", "--eval.local_batch_size", "4",
+    "--eval.freq", "2", "--eval.local_batch_size", "4", "--eval.max_length", str(MAX_LENGTH),
     "--hf_export.enable", "--hf_export.interval", "2",
     "--checkpoint.enable", "--checkpoint.interval", "4",
 ]  # fmt: skip
@@ -111,7 +114,8 @@ def checkpoint_model(step_dir: Path) -> Transformer:
 
 def transformers_log_likelihoods(folder: Path) -> list[list[float]]:
     """Per question, each choice's summed log-probability after the context, by transformers alone: the exported
-    model and tokenizer, the continuation " " + choice as lm-evaluation-harness appends it."""
+    model and tokenizer, the continuation " " + choice as lm-evaluation-harness appends it, the model reading
+    lm-evaluation-harness's window of max_length = MAX_LENGTH tokens."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     scores = []
@@ -122,10 +126,16 @@ def transformers_log_likelihoods(folder: Path) -> list[list[float]]:
         row = []
         for choice in choices:
             ids = tokenizer(f"{context} {choice}")["input_ids"]
+            continuation = ids[len(prefix) :]
+            window = ids[-(MAX_LENGTH + 1) :][:-1]  # HFLM._loglikelihood_tokens' input
             with torch.no_grad():
-                log_probs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
-            row.append(sum(log_probs[i - 1, ids[i]].item() for i in range(len(prefix), len(ids))))
+                log_probs = torch.log_softmax(model(torch.tensor([window])).logits[0].double(), dim=-1)
+            start = len(window) - len(continuation)
+            row.append(sum(log_probs[start + i, token].item() for i, token in enumerate(continuation)))
         scores.append(row)
+    assert max(len(tokenizer(f"{c} {choice}")["input_ids"]) for c, choices, _ in QUESTIONS for choice in choices) > (
+        MAX_LENGTH + 1
+    )  # one question is cut by the window
     return scores
 
 

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launch import REPO, run_entry, train_and_read_metrics, train_and_read_params
+from tests.launch import REPO, read_checkpoint, run_entry, train_and_read_metrics, train_and_read_params
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.convert import _load_dcp_model
 from torchpre.models.hf import HFCausalLM, hf_args
 from torchpre.models.hf.tiny import default_tiny_config
 
@@ -130,7 +129,7 @@ def test_export_loads_with_from_pretrained_and_imports_back(model_type, pipeline
     convert("dcp-to-hf", step_dir, hf_dir, model_type)
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["model_type"] == model_type
-    trained = _load_dcp_model(step_dir)
+    trained = read_checkpoint(step_dir)["model"]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     for name, tensor in hf_model.state_dict().items():
         expected = trained.get(name, trained["model.embed_tokens.weight"] if name == "lm_head.weight" else None)
@@ -141,7 +140,7 @@ def test_export_loads_with_from_pretrained_and_imports_back(model_type, pipeline
                                    atol=LOGITS_ATOL)
 
     convert("hf-to-dcp", hf_dir, back_dir, model_type)
-    back = _load_dcp_model(back_dir)
+    back = read_checkpoint(back_dir)["model"]
     for name, tensor in trained.items():
         assert torch.equal(back[name], tensor), name
 
@@ -154,7 +153,7 @@ def test_a_folder_saved_by_transformers_imports(tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     theirs.save_pretrained(tmp_path / "hf")
     convert("hf-to-dcp", tmp_path / "hf", tmp_path / "imported" / "step-0", "qwen2")
-    imported = _load_dcp_model(tmp_path / "imported" / "step-0")
+    imported = read_checkpoint(tmp_path / "imported" / "step-0")["model"]
     assert imported.keys() == theirs.state_dict().keys()
     for name, tensor in theirs.state_dict().items():
         assert torch.equal(imported[name], tensor), name
@@ -227,14 +226,14 @@ def test_other_architectures_export_and_import(model_type, tmp_path):
     step_dir, hf_dir, back_dir = tmp_path / "run/checkpoint/step-2", tmp_path / "hf", tmp_path / "back/step-0"
     for command, source, target in (("dcp-to-hf", step_dir, hf_dir), ("hf-to-dcp", hf_dir, back_dir)):
         convert(command, source, target, model_type, config)
-    trained = _load_dcp_model(step_dir)
+    trained = read_checkpoint(step_dir)["model"]
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     assert json.loads((hf_dir / "config.json").read_text())["model_type"] == hf_model.config.model_type == model_type
     ids = torch.randint(0, 2048, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf_model(ids).logits, torchpre_logits(model_type, trained, ids, config), rtol=0,
                                    atol=LOGITS_ATOL)
-    back = _load_dcp_model(back_dir)
+    back = read_checkpoint(back_dir)["model"]
     assert back.keys() == trained.keys()
     for name, tensor in trained.items():
         assert torch.equal(back[name], tensor), name

@@ -39,6 +39,8 @@ DEEPSEEK_V3_BLOCKS = [
     "docs/deepseek-v3.md: Train the debug model #1", "docs/deepseek-v3.md: Train the debug model #2",
     "docs/deepseek-v3.md: Import and export a Hugging Face folder #1",
 ]  # fmt: skip
+# The released stand-ins' models come from their config.json.
+RELEASED_BLOCK = "docs/checkpoints.md: Start from a released model #1"
 BLOCK_ARGS = {
     # The ZBV schedule puts 2 stages on each of 2 ranks: 4 layers at least (tiny has 2).
     LAYOUTS_BLOCK: ["--model.flavor", "debugmodel", "--training.steps", "10"],
@@ -48,6 +50,7 @@ BLOCK_ARGS = {
     EXTENSION_BLOCK: ["--training.seq_len", "64"],
     # deepseek_v3 has no tiny flavor: its debug model (446,592 parameters) is as small.
     **{block: ["--model.flavor", "debugmodel"] for block in DEEPSEEK_V3_BLOCKS},
+    RELEASED_BLOCK: ["--model.flavor", "from_hf"],
 }
 BLOCK_TEXT = {PREEMPTION_BLOCK: ("sleep 60", "until [ -s outputs/preempt/metrics.jsonl ]; do sleep 0.2; done")}
 # CI's sample: the README's tour up to the planner (dp, tp, pp, ZeRO-3, a checkpoint resumed under another
@@ -136,7 +139,8 @@ def test_block_names_and_markers_are_well_formed():
     assert skipped == {
         "Quick start #1", "Quick start #2", "docs/fault-tolerance.md: Elastic training #1",
         "docs/fault-tolerance.md: Elastic training #2", "docs/multinode.md: Two nodes by hand #1",
-        "docs/multinode.md: Slurm #1", "docs/testing.md: Testing #1",
+        "docs/multinode.md: Slurm #1", "docs/testing.md: Testing #1", "docs/multinode.md: The rendezvous address #1",
+        "docs/multinode.md: Tested under a real Slurm #1", "docs/checkpoints.md: Start from a released model #2",
     }, "a block is skipped that should run (or a new skip marker: add it here with its reason)"
     for block in all_blocks():
         if block.language == "python":

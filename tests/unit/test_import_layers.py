@@ -15,15 +15,16 @@ PACKAGE = "torchpre"
 
 # Bottom to top. A unit (a subpackage or top-level module of torchpre, or `train` for train.py) may import its own
 # layer's and lower layers' units, never a higher one's. Within a layer, imports are allowed as long as they form no
-# cycle between units. `errors` and `optional` are the leaves; `distributed` the mesh, collectives and name helpers;
-# `config` the job's sections (torch-free: tests/unit/test_help_without_torch.py), which the layers above read;
-# `parallel` the parallelize machinery and the data-parallel strategy; then the components built on it, each from
-# its config section; then the training loop that sequences them; then the planner (dry run included) and the
-# entry points (`python -m torchpre.X`). `runtime` holds what every entry point shares (the runner of entry points,
-# custom imports) and the job's runtime services (determinism, preemption, GC, profiling, the world it runs in).
+# cycle between units. `errors`, `optional` and `confined` are the leaves; `distributed` the mesh, collectives and
+# name helpers, and `layouts` the torch-free tables of pipeline schedules and ZeRO stages; `config` the job's sections
+# (torch-free: tests/unit/test_help_without_torch.py), which the layers above read; `parallel` the parallelize
+# machinery and the data-parallel strategy; then the components built on it, each from its config section; then the
+# training loop that sequences them; then the planner (dry run included) and the entry points (`python -m
+# torchpre.X`). `runtime` holds what every entry point shares (the runner of entry points, custom imports) and the
+# job's runtime services (determinism, preemption, GC, profiling, the world it runs in).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "optional", "confined"),
-    ("distributed",),
+    ("distributed", "layouts"),
     ("config",),
     ("parallel",),
     ("optim", "models", "data", "checkpoint", "metrics", "health", "runtime"),
@@ -45,6 +46,8 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("torchpre.runtime.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
     ("torchpre.runtime.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
     ("torchpre.runtime.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",
+    ("torchpre.runtime.cli", "torchpre.distributed.peer_exit"): "loads torch; only needed once a rank of a torchrun "
+    "job has failed",
     ("torchpre.data.documents", "torchpre.data.corpus"): "the built-in corpus reads the standard library's "
     "sources; only the 'stdlib' dataset needs it",
 }

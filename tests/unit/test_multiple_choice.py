@@ -1,7 +1,8 @@
-"""Multiple-choice scoring without a model: lm-evaluation-harness's acc and acc_norm, its tokenization of a
-(context, continuation) pair, and the task file's errors, which name the file and line (the scores against
-transformers under dp2 and pp2 are in tests/integration/test_hf_export_eval.py)."""
+"""Multiple-choice scoring: lm-evaluation-harness's acc and acc_norm, its tokenization of a (context, continuation)
+pair, the task file's errors, which name the file and line, and lm-evaluation-harness's window on a long context,
+on a tiny model (the scores against transformers under dp2 and pp2 are in tests/integration/test_hf_export_eval.py)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import torch
 
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import ConfigError
+from torchpre.models.llama3.args import LLAMA3_FLAVORS
+from torchpre.models.llama3.model import Transformer
+from torchpre.parallel import ParallelPlan, parallelize
 from torchpre.training.multiple_choice import (
     MultipleChoiceEvaluator,
     Question,
@@ -47,7 +51,7 @@ def test_a_pair_is_tokenized_as_lm_evaluation_harness_does():
 def test_a_long_row_keeps_its_last_tokens(tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"context": " ".join(["word"] * 40), "choices": ["yes", "no"], "answer": 0}) + "\n")
-    task = read_task(str(path), TOKENIZER, seq_len=16)
+    task = read_task(str(path), TOKENIZER, max_length=16)
     assert [len(row.tokens) for row in task.rows] == [17, 17]
     assert TOKENIZER.decode(task.rows[0].tokens[-task.rows[0].continuation_length :]) == " yes"
 
@@ -66,16 +70,16 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
     path = tmp_path / "task.jsonl"
     path.write_text('{"context": "c", "choices": ["a", "b"], "answer": 1}\n\n' + line + "\n")
     with pytest.raises(ConfigError, match="eval.tasks: " + str(path) + ":3: ") as error:
-        read_task(str(path), TOKENIZER, seq_len=32)
+        read_task(str(path), TOKENIZER, max_length=32)
     assert message in str(error.value)
 
 
 def test_a_choice_longer_than_the_sequence_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text('\n{"context": "c", "choices": ["a", "' + "word " * 40 + '"], "answer": 0}\n')
-    message = f"eval.tasks: {path}:2: the choice .* tokens, more than training.seq_len = 16"
+    message = f"eval.tasks: {path}:2: the choice .* tokens, more than the 16 the model reads of a row .eval.max_length"
     with pytest.raises(ConfigError, match=message):
-        read_task(str(path), TOKENIZER, seq_len=16)
+        read_task(str(path), TOKENIZER, max_length=16)
 
 
 def test_two_tasks_of_one_name_are_refused(tmp_path):
@@ -89,7 +93,7 @@ def test_two_tasks_of_one_name_are_refused(tmp_path):
 def _evaluator(rows: list[Row], seq_len: int, tp: int) -> MultipleChoiceEvaluator:
     task = Task("t", Path("t.jsonl"), [], rows)
     return MultipleChoiceEvaluator(
-        task, freq=1, model=None, device=torch.device("cpu"), local_batch_size=3, seq_len=seq_len, tp=tp,
+        task, freq=1, model=None, device=torch.device("cpu"), local_batch_size=3, max_length=seq_len, tp=tp,
         data_rank=(0, 1), groups=[], forward_kwargs=lambda inputs: {}, pad_id=0, samples_folder=None,
     )  # fmt: skip
 
@@ -121,3 +125,50 @@ def test_a_rows_log_likelihood_sums_its_choices_targets_only():
     ]
     # fp32 log-softmax against fp64: ~1e-7 apart
     assert _continuation_log_likelihoods(logits, targets, mask).tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def lm_eval_log_likelihood(model: torch.nn.Module, context_enc: list[int], continuation_enc: list[int],
+                           max_length: int) -> float:
+    """lm-evaluation-harness's `HFLM._loglikelihood_tokens` for one request, as written there (v0.4): the input is
+    `(context_enc + continuation_enc)[-(max_length + 1):][:-1]`, and the continuation's log-probabilities are read
+    at `logits[inplen - contlen : inplen]`."""
+    inp = torch.tensor((context_enc + continuation_enc)[-(max_length + 1) :][:-1])
+    (inplen,) = inp.shape
+    contlen = len(continuation_enc)
+    with torch.no_grad():
+        logits = torch.log_softmax(model(inp.unsqueeze(0))[0].double(), dim=-1)
+    logits = logits[inplen - contlen : inplen]
+    return logits.gather(-1, torch.tensor(continuation_enc).unsqueeze(-1)).sum().item()
+
+
+def test_the_window_of_a_long_context_is_lm_evaluation_harness_s_max_length(mesh, tmp_path):
+    """A context of about 150 tokens scored with eval.max_length 48 and 96 (each shorter than the row): the evaluator's
+    log-likelihoods equal lm-evaluation-harness's definition on the same model within 1e-5 (measured: at most
+    1.4e-6; the evaluator runs a padded batch of rows, the reference one row at a time). The two windows give
+    log-likelihoods 1.6e-2 to 6e-2 apart, so a window off by its definition cannot pass."""
+    context = " ".join(f"item {i} is {'odd' if i % 2 else 'even'}," for i in range(30)) + " and item 30 is"
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"context": context, "choices": ["even", "odd", "neither of them"], "answer": 0}))
+    args = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=TOKENIZER.vocab_size, max_seq_len=256)
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallel = parallelize(model, mesh, ParallelPlan(), device=torch.device("cpu"),
+                           init_weights=lambda m: m.init_weights(0))
+    with torch.no_grad():  # sharper than at initialisation, so that the tokens a window drops matter
+        for param in parallel.parts[0].parameters():
+            param.mul_(2)
+    scores = {}
+    for max_length in (48, 96):
+        task = read_task(str(path), TOKENIZER, max_length=max_length)
+        evaluator = MultipleChoiceEvaluator(
+            task, freq=1, model=parallel, device=torch.device("cpu"), local_batch_size=2, max_length=max_length, tp=1,
+            data_rank=(0, 1), groups=[], forward_kwargs=lambda inputs: {}, pad_id=TOKENIZER.eos_id, samples_folder=None,
+        )  # fmt: skip
+        scores[max_length] = evaluator.log_likelihoods()
+        expected = []
+        for choice in task.questions[0].choices:
+            context_enc, continuation_enc = encode_pair(TOKENIZER, context, " " + choice)
+            assert len(context_enc) + len(continuation_enc) > 150  # longer than either window
+            expected.append(lm_eval_log_likelihood(parallel.parts[0].eval(), context_enc, continuation_enc, max_length))
+        assert scores[max_length] == pytest.approx(expected, abs=1e-5, rel=0)
+    assert min(abs(a - b) for a, b in zip(scores[48], scores[96])) > 1e-2

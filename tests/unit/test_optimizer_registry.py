@@ -5,11 +5,16 @@ import pytest
 import torch
 from torch import nn
 
-from torchpre.config.job_config import JobConfig
+from torchpre.config.job_config import BUILT_IN_OPTIMIZERS, JobConfig
 from torchpre.errors import ConfigError
 from torchpre.optim import OptimizerSpec, build_optimizer, get_optimizer, optimizer_names, register_optimizer
-from torchpre.optim.muon import Muon
-from torchpre.optim.registry import check_config, constructor_kwargs, hyperparameters_from_config
+from torchpre.optim.muon import NS_COEFFICIENTS, Muon
+from torchpre.optim.registry import (
+    DEFAULT_HYPERPARAMETERS,
+    check_config,
+    constructor_kwargs,
+    hyperparameters_from_config,
+)
 from torchpre.parallel import ParallelPlan, parallelize
 
 HYPERPARAMETERS = {"lr": 0.1, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1, "momentum": 0.5}
@@ -236,3 +241,13 @@ def test_fused_adamw_on_cuda_equals_foreach_after_one_step():
     for fused, foreach, before in zip(*results, weights):
         assert not torch.equal(fused, before)
         torch.testing.assert_close(fused, foreach, rtol=0, atol=1e-6)
+
+
+def test_the_help_names_the_registry_s_optimizers_and_build_takes_the_config_s_defaults():
+    """--help (torch-free) names the built-in rows, and `build_optimizer` fills what a caller leaves out with the
+    config's defaults: one set of names and defaults, whichever way an optimizer is built."""
+    assert tuple(optimizer_names()[: len(BUILT_IN_OPTIMIZERS)]) == BUILT_IN_OPTIMIZERS
+    defaults = JobConfig().optimizer
+    assert DEFAULT_HYPERPARAMETERS["lr"] == defaults.lr == 8e-4
+    assert DEFAULT_HYPERPARAMETERS["betas"] == (defaults.beta1, defaults.beta2)
+    assert DEFAULT_HYPERPARAMETERS["muon_ns_coefficients"] == tuple(defaults.muon_ns_coefficients) == NS_COEFFICIENTS

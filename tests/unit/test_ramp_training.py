@@ -2,6 +2,7 @@
 is the mean token cross-entropy over that batch (not over the final one), the data position advances by it, and
 MoE's auxiliary loss is scaled by it."""
 
+import logging
 from pathlib import Path
 
 import torch
@@ -69,3 +70,18 @@ def test_the_moe_auxiliary_loss_follows_the_ramps_batch(tmp_path: Path) -> None:
         assert scales == [{1 / 2}, {1 / 4}, {1 / 6}]
     finally:
         shutdown_distributed()
+
+
+def test_the_trainer_warns_at_start_up_of_a_ramp_over_no_samples(tmp_path: Path, caplog) -> None:
+    """`StepPlan.warnings` reach the log once the job is built (tests/unit/test_step_plan.py has their cases)."""
+    config = parse_args(JobConfig, [
+        "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+        "--training.global_batch_size", "6", "--training.batch_rampup", "2,2,0", "--training.steps", "3",
+        "--job.dump_folder", str(tmp_path),
+    ])  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="torchpre"):
+            Trainer(config)
+    finally:
+        shutdown_distributed()
+    assert [r.getMessage() for r in caplog.records if "ramps over 0 samples" in r.getMessage()]

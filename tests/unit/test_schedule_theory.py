@@ -15,16 +15,15 @@ import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from bench.pipeline_bubble import theory as bench_theory
-from torchpre.distributed.schedules import SCHEDULES, bubble_fraction, get_schedule, in_flight_microbatches
 from torchpre.errors import ConfigError
-from torchpre.parallel.pipeline import stage_ids, validate_microbatches
+from torchpre.layouts.schedules import SCHEDULES, get_schedule
 
 FREES = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_INPUT)
 
 
 def _stages_per_rank(name: str, virtual: int) -> int:
     row = get_schedule(name)
-    return 1 if not row.multi_stage else 2 if row.placement == "v" else virtual
+    return row.stages_per_rank(virtual if row.multi_stage else 1)
 
 
 def _torch_order(name: str, pp: int, microbatches: int, per_rank: int) -> dict[int, list]:
@@ -35,7 +34,7 @@ def _torch_order(name: str, pp: int, microbatches: int, per_rank: int) -> dict[i
             num_stages=num_stages, group_size=pp, group_rank=0, stage_index=index, is_first=index == 0,
             is_last=index == num_stages - 1, submod=torch.nn.Module(),
         )
-        for index in stage_ids(0, pp, name, per_rank)
+        for index in get_schedule(name).stage_ids(0, pp, per_rank)
     ]
     row = get_schedule(name)
     schedule_class = getattr(torch_schedules, row.torch_class)
@@ -67,12 +66,12 @@ CASES = [
 def test_in_flight_closed_form_matches_torch_action_order(name, pp, microbatches, virtual):
     per_rank = _stages_per_rank(name, virtual)
     try:
-        validate_microbatches(name, microbatches, pp, pp * per_rank)
+        get_schedule(name).check_microbatches(microbatches, pp, pp * per_rank)
     except ConfigError:
         pytest.skip("torchpre does not run this schedule with these microbatches")
     order = _torch_order(name, pp, microbatches, per_rank)
     walked = [_walk_in_flight(order[rank]) for rank in range(pp)]
-    closed = [in_flight_microbatches(name, pp, microbatches, rank, per_rank) for rank in range(pp)]
+    closed = [get_schedule(name).in_flight_microbatches(pp, microbatches, rank, per_rank) for rank in range(pp)]
     assert closed == walked
 
 
@@ -97,21 +96,21 @@ def test_bubble_values_are_the_old_bench_theory(name):
     for pp in (2, 4, 8):
         for microbatches in (1, 4, 8, 32):
             old = _old_bench_theory(name, pp, microbatches)
-            assert bubble_fraction(name, pp, microbatches, per_rank) == old
+            assert get_schedule(name).bubble(pp, microbatches, per_rank) == old
             assert bench_theory(name, pp, microbatches) == old
 
 
 def test_bubble_hand_values():
-    assert bubble_fraction("1F1B", 4, 8) == pytest.approx(3 / 11)
-    assert bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 19)
-    assert bubble_fraction("InterleavedZeroBubble", 4, 8, 2) == pytest.approx(3 / 51)
-    assert bubble_fraction("AFAB", 1, 8) == 0.0
+    assert get_schedule("1F1B").bubble(4, 8, 1) == pytest.approx(3 / 11)
+    assert get_schedule("Interleaved1F1B").bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert get_schedule("InterleavedZeroBubble").bubble(4, 8, 2) == pytest.approx(3 / 51)
+    assert get_schedule("AFAB").bubble(1, 8, 1) == 0.0
 
 
 def test_wrong_stage_counts_and_ranks_are_refused():
     with pytest.raises(ValueError, match="1 stages per rank"):
-        bubble_fraction("1F1B", 2, 4, 2)
+        get_schedule("1F1B").bubble(2, 4, 2)
     with pytest.raises(ValueError, match="2 stages per rank"):
-        in_flight_microbatches("ZBVZeroBubble", 2, 4, 0, 1)
+        get_schedule("ZBVZeroBubble").in_flight_microbatches(2, 4, 0, 1)
     with pytest.raises(ValueError, match="pipeline rank 2"):
-        in_flight_microbatches("GPipe", 2, 4, 2)
+        get_schedule("GPipe").in_flight_microbatches(2, 4, 2)

@@ -10,9 +10,9 @@ from torch.distributed.pipelining import schedules
 from torchpre.config.job_config import JobConfig, Parallelism
 from torchpre.config.parser import format_help, parse_args
 from torchpre.config.validate import validate_config
-from torchpre.distributed import schedules as table
 from torchpre.errors import ConfigError
-from torchpre.parallel.pipeline import schedule_class, stage_ids
+from torchpre.layouts import schedules as table
+from torchpre.parallel.pipeline import schedule_class
 
 
 @pytest.mark.parametrize("row", table.SCHEDULES, ids=lambda row: row.name)
@@ -26,7 +26,7 @@ def test_rows_match_torch(row):
 
 def test_alias_resolves_to_its_row():
     assert table.get_schedule("AFAB") is table.get_schedule("GPipe")
-    assert schedule_class("AFAB") is schedules.ScheduleGPipe
+    assert schedule_class(table.get_schedule("AFAB")) is schedules.ScheduleGPipe
 
 
 def test_config_choices_and_help_list_every_row():
@@ -68,8 +68,8 @@ def test_changing_a_row_changes_validation_and_placement(monkeypatch):
     """Validation and stage placement read the row, not a list of names of their own."""
     gpipe = table.get_schedule("GPipe")
     _validate_with_validation("GPipe")
-    assert stage_ids(1, 4, "GPipe", 2) == [1, 5]
+    assert table.get_schedule("GPipe").stage_ids(1, 4, 2) == [1, 5]
     monkeypatch.setitem(table._BY_NAME, "GPipe", dataclasses.replace(gpipe, forward_only=False, placement="v"))
     with pytest.raises(ConfigError, match="cannot run it forward-only"):
         _validate_with_validation("GPipe")
-    assert stage_ids(1, 4, "GPipe", 2) == [1, 6]
+    assert table.get_schedule("GPipe").stage_ids(1, 4, 2) == [1, 6]

@@ -211,3 +211,15 @@ def test_the_peak_shape_a_memory_estimate_holds_is_the_largest_batch_and_the_lon
     assert plan(stages, ramp="4,4,12", dp=2).peak(10) == (4, 64)
     assert plan(stages, ramp="2,2,12").peak(3) == (4, 32)  # 3 steps: batches 2, 2, 4, the first stage only
     assert plan([]).peak(10) == (8, 32)
+
+
+def test_a_ramp_over_no_samples_or_into_a_stage_of_another_seq_len_is_warned_of():
+    """Both run as configured (Megatron accepts 0 ramp samples; a ramp in sequences may cross a stage), but neither is
+    likely what was meant: the trainer logs these warnings at start-up."""
+    (none,) = plan([DataStage()], ramp="2,2,0").warnings(10)
+    assert 'training.batch_rampup = "2,2,0" ramps over 0 samples' in none and "final global batch of 8" in none
+    (crossing,) = plan([DataStage(), DataStage(start_step=2, seq_len=64)], ramp="2,2,12").warnings(10)
+    assert "still ramping at step 2 (4 of its 12 samples)" in crossing and "64-token sequences" in crossing
+    assert plan([DataStage(), DataStage(start_step=5, seq_len=64)], ramp="2,2,12").warnings(10) == []  # ramp done
+    assert plan([DataStage(), DataStage(start_step=2, seq_len=64)], ramp="2,2,12").warnings(2) == []  # not reached
+    assert plan([DataStage(), DataStage(start_step=2)], ramp="2,2,12").warnings(10) == []  # same seq_len

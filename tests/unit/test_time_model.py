@@ -146,6 +146,16 @@ def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
     assert time.total_s == approx(2 * (0.6 + 4 * 0.027 + 0.051))
 
 
+def test_a_collective_counted_n_times_costs_n_of_them():
+    """A stage of n blocks carries each of a block's collectives once with count n (`Collective.count`), not n
+    entries: it costs what n entries cost. tp2 within a node, all-reduce of 1e8 bytes = 0.027 s (above)."""
+    layout = Layout(dp=2, tp=2, microbatches=1)
+    repeated = Work(flops=0.0, collectives=(Collective("all_reduce", "tp", 1e8),) * 126)
+    counted = Work(flops=0.0, collectives=(Collective("all_reduce", "tp", 1e8, count=126),))
+    times = [step_time(layout, [RankWork(work, Work(0.0))], TOY).tp_comm_s for work in (repeated, counted)]
+    assert times == [approx(126 * 0.027)] * 2
+
+
 def test_a_ranks_chunks_add_up():
     tp = Collective("all_reduce", "tp", 1e6)
     total = Work(1e9, 2e6, 10, (tp,)) + Work(3e9, 1e6, 5, (tp, tp))

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchpre.distributed.schedules import SCHEDULE_NAMES, aliases_text, names_where
+from torchpre.layouts.schedules import SCHEDULE_NAMES, aliases_text, names_where
 
 
 def _option(default, doc: str):
@@ -46,7 +46,11 @@ class Model:
     """The model family and size, its tokenizer and vocabulary."""
 
     name: str = _option("llama3", "model family from the model registry")
-    flavor: str = _option("debugmodel", "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B)")
+    flavor: str = _option(
+        "debugmodel",
+        "model size within the family (debugmodel, 1B, 3B, 8B, 70B, 405B); from_hf: the config.json of the Hugging "
+        "Face folder at checkpoint.initial_load_path (llama3, deepseek_v3)",
+    )
     tokenizer_path: str = _option(
         "", "tiktoken BPE ranks file (Llama 3 tokenizer.model format); empty = the shipped one"
     )
@@ -197,15 +201,21 @@ class Training:
     )
 
 
+# The rows `torchpre.optim.registry` ships, named here for --help, which answers before torch (and so the registry)
+# loads; tests/unit/test_optimizer_registry.py keeps the two equal. The defaults below are the registry's too.
+BUILT_IN_OPTIMIZERS = ("AdamW", "Adam", "SGD", "Adagrad", "RMSprop", "Muon")
+
+
 @dataclass
 class Optimizer:
-    """The optimizer by name, its hyperparameters, the ZeRO stage and gradient reduction."""
+    """The optimizer by name, its hyperparameters, the ZeRO stage and gradient reduction. These defaults are
+    `torchpre.optim.build_optimizer`'s too."""
 
     name: str = _option(
         "AdamW",
-        "an optimizer from torchpre.optim.registry: AdamW, Adam, SGD, Adagrad, RMSprop, or Muon (Muon for the hidden "
-        "matrices, AdamW for the rest, whole matrices under every layout); a key below that it does not read must "
-        "stay at its default",
+        f"an optimizer from torchpre.optim.registry: {', '.join(BUILT_IN_OPTIMIZERS)} (Muon for the hidden "
+        "matrices, AdamW for the rest, whole matrices under every layout), or one a job.custom_import registers; a "
+        "key below that it does not read must stay at its default",
     )
     lr: float = _option(8e-4, "peak learning rate")
     eps: float = _option(1e-8, "term added to the denominator (AdamW, Adam, Adagrad, RMSprop)")
@@ -401,7 +411,9 @@ class Checkpoint:
     )
     model_only: bool = _option(False, "save only the model weights (for export); resuming then restarts the rest")
     initial_load_path: str = _option(
-        "", "a checkpoint step folder (or a hf-to-dcp output) whose weights start a run with no checkpoint yet"
+        "",
+        "a checkpoint step folder (or a hf-to-dcp output), or a Hugging Face folder (config.json, safetensors), whose "
+        "weights start a run with no checkpoint yet; each rank reads only the shards it holds",
     )
     save_on_preemption: bool = _option(
         False,
@@ -555,6 +567,11 @@ class Eval:
     freq: int = _option(100, "evaluate every this many steps (and at the last step)")
     local_batch_size: int = _option(
         8, "(context, choice) sequences per data-parallel rank per forward pass, padded to the longest of them"
+    )
+    max_length: int = _option(
+        0,
+        "the most tokens a (context, choice) row feeds the model: a longer row keeps its last max_length + 1 tokens "
+        "(lm-evaluation-harness's max_length, which defaults to the model's context); 0 = training.seq_len",
     )
 
 

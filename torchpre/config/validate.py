@@ -1,12 +1,13 @@
 """Value checks that the type system cannot express, run before any expensive work."""
 
 import math
+import tempfile
 from pathlib import Path
 
 from torchpre.config.job_config import JobConfig, Optimizer
-from torchpre.distributed.schedules import SCHEDULE_KEY, get_schedule, names_where
-from torchpre.distributed.zero_stages import zero_stage
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import SCHEDULE_KEY, get_schedule, names_where
+from torchpre.layouts.zero_stages import zero_stage
 from torchpre.optional import import_tensorboard, import_wandb
 
 
@@ -215,6 +216,14 @@ def _validate_eval_and_export(config: JobConfig) -> None:
     e, h = config.eval, config.hf_export
     _at_least("eval.freq", e.freq, 1)
     _at_least("eval.local_batch_size", e.local_batch_size, 1)
+    _at_least("eval.max_length", e.max_length, 0)
+    tp, window = config.parallelism.tensor_parallel_degree, e.max_length or config.training.seq_len
+    if e.tasks and tp > 1 and config.parallelism.enable_sequence_parallel and window % tp:
+        raise ConfigError(
+            f"eval.max_length = {window} (0: training.seq_len) is not divisible by "
+            f"parallelism.tensor_parallel_degree = {tp}: sequence parallelism splits an evaluation row's positions "
+            f"evenly over the ranks. Use a multiple of {tp}."
+        )
     not_jsonl = [path for path in e.tasks if not path.endswith(".jsonl")]
     if not_jsonl:
         raise ConfigError(
@@ -261,13 +270,24 @@ def _validate_health_and_profiling(config: JobConfig) -> None:
 
 
 def _check_writable_folder(key: str, folder: Path) -> None:
-    """A folder the job will create and write into must not be a file, nor lie under one."""
+    """A folder the job will create and write into must not be a file, nor lie under one, and the job must be allowed
+    to write in it (or in the folder it will be created in): tried with a nameless file that vanishes when closed, as
+    permissions alone do not tell (root ignores them; a read-only or special file system refuses anyone)."""
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         where = "is a file" if existing == folder else f"lies under the file {existing}"
         raise ConfigError(f"{key} '{folder}' {where}, so the job cannot write there. Give a folder path.")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        where = "" if existing == folder else f" (it would be created in {existing})"
+        raise ConfigError(
+            f"{key} '{folder}': the job cannot write there{where}: {error.strerror}. Give a folder this user may "
+            "write in, or change its permissions."
+        ) from None
 
 
 def _check_data_parallel_degrees(config: JobConfig) -> None:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.distributed.elastic import die_with_agent
+from torchpre.distributed.peer_exit import count_joined
 from torchpre.errors import TorchpreError
 
 logger = logging.getLogger("torchpre")
@@ -78,6 +79,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600) -> None:
     _timeout_key = "comm.init_timeout_seconds"
     if "WORLD_SIZE" in os.environ:
         die_with_agent()
+        count_joined()  # past the checks: a peer that failed them need not wait for this rank
         device_id = device if device.type == "cuda" else None
         store = _restart_store(timeout)
         if store is None:

@@ -106,6 +106,10 @@ class ActivationProbe:
       (at least 0): temporaries on top of the saved activations, recomputation under checkpointing included.
       Parameter gradients that are still alive when the probe ends are left out of the peak (`grad_bytes`);
       gradients freed during backward (e.g. by a bucketing hook) are transient.
+    - `transient_trace`: live bytes minus start minus `saved_bytes` after each allocation (without those gradients):
+      `transient_bytes` is its maximum, at least 0. Each entry is a sum of tensor sizes, so where every size is
+      affine in something (the microbatch size, 1 / cp), so is each entry, and the planner interpolates the trace
+      entry by entry, then takes the maximum: the peak itself is not affine, as the moment it falls on can move.
     - `grad_bytes`: bytes of the parameter `.grad` tensors created by this backward and still alive at the end.
     - `flops`: FLOPs of forward and backward (recomputation included) by torch's formulas: matmuls,
       convolutions and attention; elementwise ops are not counted. Causal attention counts the scores below
@@ -134,6 +138,7 @@ class ActivationProbe:
     collectives: list[Collective]
     subclass_ops: int = 0
     fp8_flops: int = 0
+    transient_trace: tuple[int, ...] = ()
 
     @property
     def ops(self) -> int:
@@ -186,7 +191,9 @@ class ProbeMode(TensorMemory):
                 self.created_at[key] = len(self.live_trace)
             self.live_trace.append(self.live)
 
-    def counts(self, saved_bytes: int, transient_bytes: int, grad_bytes: int) -> ActivationProbe:
+    def counts(
+        self, saved_bytes: int, transient_bytes: int, grad_bytes: int, transient_trace: tuple[int, ...] = ()
+    ) -> ActivationProbe:
         """What this mode counted, with the byte figures its caller derived from it."""
         return ActivationProbe(
             saved_bytes=saved_bytes,
@@ -199,23 +206,24 @@ class ProbeMode(TensorMemory):
             collectives=self.collectives,
             subclass_ops=self.subclass_ops,
             fp8_flops=self.fp8_flops,
+            transient_trace=transient_trace,
         )
 
     def tracks(self, storage: torch.UntypedStorage) -> bool:
         """Whether `storage` is counted (made on one of `devices` by an op this mode saw) and alive."""
         return id(storage) in self._sizes
 
-    def peak_without(self, storages: list[torch.UntypedStorage]) -> int:
-        """The peak of live bytes over the probe if `storages` (made during it, alive at its end) had never
-        been allocated: each is subtracted from the moment it was created on."""
+    def trace_without(self, storages: list[torch.UntypedStorage]) -> list[int]:
+        """Live bytes after each allocation of the probe if `storages` (made during it, alive at its end) had
+        never been allocated: each is subtracted from the moment it was created on."""
         held = [0] * (len(self.live_trace) + 1)
         for storage in storages:
             held[self.created_at[id(storage)]] += storage.nbytes()
-        peak, running = self.step_start, 0
+        trace, running = [], 0
         for index, live in enumerate(self.live_trace):
             running += held[index]
-            peak = max(peak, live - running)
-        return peak
+            trace.append(live - running)
+        return trace
 
 
 def _nbytes(tensor: Tensor) -> int:
@@ -337,8 +345,8 @@ def probe_microbatch(
             del output
     grads = [storage for storage in _new_grad_storages(params, had_grad) if mode.tracks(storage)]
     saved = mode.at_backward - mode.step_start
-    peak = mode.peak_without(grads)
-    return mode.counts(saved, max(0, peak - mode.step_start - saved), sum(s.nbytes() for s in grads))
+    beyond_saved = tuple(live - mode.step_start - saved for live in mode.trace_without(grads))
+    return mode.counts(saved, max((0, *beyond_saved)), sum(s.nbytes() for s in grads), beyond_saved)
 
 
 def _new_grad_storages(params: list[Tensor], had_grad: set[int]) -> list[torch.UntypedStorage]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
+from torchpre.models.hf_sources import Sources
 from torchpre.parallel.api import pipeline_stages
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.quantized_experts import GroupedMM
@@ -29,12 +30,20 @@ from torchpre.parallel.quantized_experts import GroupedMM
 
 @dataclass(frozen=True)
 class HFAdapter:
-    """The mapping between a family's state dict and a Hugging Face model folder, for torchpre.convert."""
+    """The mapping between a family's state dict and a Hugging Face model folder, for torchpre.convert, exports and
+    loading a folder's weights straight into a sharded model.
+
+    `hf_sources(args, folder_names)` says where each tensor of the model comes from in a folder holding those
+    tensors (`torchpre.models.hf_sources`), so each rank reads only the boxes it holds; without it a folder does
+    not load (`hf-to-dcp` and `checkpoint.initial_load_path` refuse it by name). `args_from_hf_config(config)` gives
+    the family's args from a folder's config.json (`model.flavor = "from_hf"`), reading or refusing every field."""
 
     to_hf_state_dict: Callable[[Mapping[str, Tensor], Any], dict[str, Tensor]]
     from_hf_state_dict: Callable[[Mapping[str, Tensor], Any], dict[str, Tensor]]
     hf_config: Callable[..., dict[str, Any]]  # (args, **token ids, torch_dtype, max_position_embeddings)
     hf_config_mismatches: Callable[[Mapping[str, Any], Any], list[str]]
+    hf_sources: Callable[[Any, Collection[str]], Sources] | None = None
+    args_from_hf_config: Callable[[Mapping[str, Any]], Any] | None = None
 
 
 @dataclass(frozen=True)

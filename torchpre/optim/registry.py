@@ -31,10 +31,16 @@ import torch
 
 from torchpre.config.job_config import Optimizer
 from torchpre.errors import ConfigError
-from torchpre.optim.muon import NS_COEFFICIENTS, Muon, check_settings
+from torchpre.optim.muon import Muon, check_settings
 
-# Constructor arguments the registry knows, each filled from `optimizer.*` config keys, and their defaults in
-# `build_optimizer`. A new one is a row here and a field of the config's `Optimizer` section.
+
+def _frozen(value: object) -> object:
+    """A config default as a constructor takes it: lists (Newton-Schulz coefficients, name patterns) as tuples."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+# Constructor arguments the registry knows, each filled from `optimizer.*` config keys. A new one is a row here and a
+# field of the config's `Optimizer` section, whose default is the one `build_optimizer` uses too.
 HYPERPARAMETER_KEYS = {
     "lr": ("lr",),
     "weight_decay": ("weight_decay",),
@@ -49,10 +55,12 @@ HYPERPARAMETER_KEYS = {
     "muon_lr_adjust": ("muon_lr_adjust",),
     "muon_adamw_params": ("muon_adamw_params",),
 }
+_CONFIG_DEFAULTS = Optimizer()
+# The config's defaults, by constructor argument: `python train.py --help` and `build_optimizer` agree by construction.
 DEFAULT_HYPERPARAMETERS = {
-    "lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8, "momentum": 0.0,
-    "muon_momentum": 0.95, "muon_nesterov": True, "muon_ns_steps": 5, "muon_ns_coefficients": NS_COEFFICIENTS,
-    "muon_ns_dtype": "bfloat16", "muon_lr_adjust": "match_rms_adamw", "muon_adamw_params": (),
+    argument: tuple(getattr(_CONFIG_DEFAULTS, key) for key in keys) if len(keys) > 1
+    else _frozen(getattr(_CONFIG_DEFAULTS, keys[0]))
+    for argument, keys in HYPERPARAMETER_KEYS.items()
 }  # fmt: skip
 
 

@@ -32,14 +32,17 @@ model must do:
   such a forward for transformers' Llama-family decoders;
 - be initialised by `init_weights(module)` once it is materialised, identically for any layout
   (`torchpre.models.init.init_parameters` draws each parameter from (seed, its name));
-- with `tied_weights = ("embed.weight", "head.weight")`, use one Parameter for both when both live on one
-  stage; `parallelize` re-ties them after sharding and materialising, and the optimizer sums the two
-  copies' gradients when they live on different stages.
+- share a Parameter between modules (tied embeddings) on the model as given: `parallelize` finds every shared
+  Parameter there, re-ties it after sharding and materialising, and has the optimizer sum the two copies'
+  gradients when they live on the first and the last pipeline stage; a layout that cannot keep one weight (a
+  tensor-parallel plan sharding the copies unlike each other, copies on other stages) is refused by name
+  (`parallel.ties`). `tied_weights = ("embed.weight", "head.weight")` ties a pair the model does not share itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,13 +56,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.names import canonical_fqn
-from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import names_where
 from torchpre.parallel.activation_checkpoint import BlockSlot, apply_activation_checkpointing, slots
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.data_parallel import FSDPPlan, apply_fsdp
 from torchpre.parallel.pipeline import PipelinePlan, Stage, build_schedule, prune_to, split_layers
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_plan
+from torchpre.parallel.ties import check_tied_placements, cross_stage_pair, retie, tie_groups
 
 TensorParallelPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
 """A `parallelize_module` plan (keys are fnmatch paths such as "blocks.*.mlp.fc"), or a function that
@@ -88,6 +92,9 @@ class ParallelPlan:
     dotted paths of blocks outside that container (DeepSeek-V3's multi-token prediction blocks,
     "mtp.depths.1.block", ...): activation checkpointing, compile and FSDP make each one more unit, after the
     container's, in the part that holds it; a pipeline split leaves them with the modules around the container.
+    `parallelize` keeps the Parameters the model shares tied by itself; `tied_weights` names a pair to tie that the
+    model built on the meta device does not share (and, under pipeline parallelism, the pair whose two copies'
+    gradients the optimizer sums).
     """
 
     tensor_parallel: TensorParallelPlan | None = None
@@ -356,9 +363,9 @@ class ParallelModel:
             return None if output is None else logits_of(output)
         if self.plan.pipeline is None:
             return replicated_value(self.loss_fn(self.parts[0](inputs, **forward_kwargs(inputs)), labels))
-        if not get_schedule(self.plan.pipeline.schedule).forward_only:
+        if not self.plan.pipeline.schedule.forward_only:
             raise ConfigError(
-                f"The '{self.plan.pipeline.schedule}' pipeline schedule cannot run forward-only (schedule.eval); "
+                f"The '{self.plan.pipeline.schedule.name}' pipeline schedule cannot run forward-only (schedule.eval); "
                 f"use one of {', '.join(names_where(forward_only=True))}."
             )
         schedule = self._schedule_for(self.plan.pipeline.n_microbatches, inputs)
@@ -440,7 +447,10 @@ def parallelize(
         check_plan(model, plan.tensor_parallel)
     if plan.fsdp is not None and dp_mesh is None:
         raise ConfigError("ParallelPlan.fsdp shards over data parallelism: pass parallelize(..., dp_mesh=...).")
+    ties = tie_groups(model, plan.tied_weights)  # on the model as given: materialising unties them
     if plan.pipeline is not None:
+        pair = cross_stage_pair(ties, plan.pipeline.stage_modules)
+        plan = dataclasses.replace(plan, tied_weights=pair or plan.tied_weights)
         ids = plan.pipeline.stage_ids(mesh["pp"].get_local_rank())
         parts = [prune_to(model, plan.pipeline.stage_modules[stage]) for stage in ids]
     else:
@@ -452,6 +462,7 @@ def parallelize(
             plan.expert_parallel(part, expert_mesh["ep"])
         if plan.tensor_parallel is not None and tp_mesh.size() > 1:
             apply_tensor_parallel_plan(part, tp_mesh, plan.tensor_parallel)
+            check_tied_placements(part, ties)
         if plan.context_parallel is not None:
             plan.context_parallel(part)
         if plan.activation_checkpoint != "none":
@@ -462,11 +473,11 @@ def parallelize(
             blocks = block_slots(part, plan, "compile")
             compile_blocks(_held(blocks), per_child=per_child, fullgraph=plan.compile_fullgraph)
         if plan.fsdp is not None:
-            retie(part, plan.tied_weights)  # before sharding: a tied Parameter must be one FSDP parameter
+            retie(part, ties)  # before sharding: a tied Parameter must be one FSDP parameter
             blocks = [] if plan.blocks is None else block_slots(part, plan, "FSDP")
             apply_fsdp(part, dp_mesh, plan.fsdp, _held(blocks), expert_dp_mesh)
         part.to_empty(device=device)
-        retie(part, plan.tied_weights)
+        retie(part, ties)
         init_weights(part)
     return ParallelModel(parts, mesh, plan, device, loss_fn, expert_mesh, dp_mesh)
 
@@ -491,17 +502,6 @@ def _resolves(module: nn.Module, key: str) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def retie(part: nn.Module, tied: tuple[str, str] | None) -> None:
-    """Makes the second tied name use the first's Parameter when this part holds both: sharding and
-    `to_empty` give each module its own Parameter."""
-    if tied is None:
-        return
-    held = dict(part.named_parameters(remove_duplicate=False))
-    if tied[0] in held and tied[1] in held:
-        owner, _, name = tied[1].rpartition(".")
-        setattr(part.get_submodule(owner), name, held[tied[0]])
 
 
 def _send_tensor(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, device: torch.device) -> None:

@@ -15,7 +15,7 @@ token count, so FSDP's default division by the data-parallel degree would divide
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -28,14 +28,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES, rank_chunk
-from torchpre.distributed.zero_stages import zero_stage
 from torchpre.errors import ConfigError
+from torchpre.layouts.zero_stages import ZeroStage, zero_stage
 
 
 @dataclass(frozen=True)
 class DataParallel:
     """How data parallelism shards the training state and reduces gradients: ZeRO stage `zero_stage`
-    (`torchpre.distributed.zero_stages`), asked by capability, and the reduction's settings.
+    (`torchpre.layouts.zero_stages`), asked by capability, and the reduction's settings.
 
     | zero_stage | optimizer state | gradients | parameters | gradient reduction |
     |---|---|---|---|---|
@@ -56,9 +56,10 @@ class DataParallel:
     overlap_grad_reduce: bool = True
     accumulate_locally: bool = False
     accumulate_in_fp32: bool = True
+    stage: ZeroStage = field(init=False, repr=False, compare=False)  # `zero_stage`'s row, resolved once
 
     def __post_init__(self) -> None:
-        zero_stage(self.zero_stage)  # an unknown stage is an error naming the valid ones
+        object.__setattr__(self, "stage", zero_stage(self.zero_stage))  # an unknown stage names the valid ones
 
     @classmethod
     def from_config(cls, config: JobConfig) -> "DataParallel":
@@ -86,17 +87,17 @@ class DataParallel:
     @property
     def shards_optimizer_state(self) -> bool:
         """Each DP rank keeps the optimizer state (and fp32 masters) of its chunk of every parameter only."""
-        return zero_stage(self.zero_stage).shards_optimizer_state
+        return self.stage.shards_optimizer_state
 
     @property
     def shards_gradients(self) -> bool:
         """Each DP rank keeps the reduced gradient of its chunk only (ZeRO-2's transient buckets, FSDP's shards)."""
-        return zero_stage(self.zero_stage).shards_gradients
+        return self.stage.shards_gradients
 
     @property
     def shards_parameters(self) -> bool:
         """The parameters themselves are sharded, by FSDP2 (ZeRO-3): they are the optimizer's fp32 masters."""
-        return zero_stage(self.zero_stage).shards_parameters
+        return self.stage.shards_parameters
 
     @property
     def reduces_each_microbatch(self) -> bool:

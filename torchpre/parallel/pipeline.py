@@ -19,74 +19,21 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._backward import stage_backward_weight
 
 from torchpre.distributed.clock import SpanClock
-from torchpre.distributed.schedules import get_schedule, names_where
 from torchpre.errors import ConfigError
+from torchpre.layouts.schedules import PipelineSchedule, get_schedule
 
 
-def schedule_class(name: str) -> type:
-    """The torch schedule class that `name` (or an alias) selects."""
-    return getattr(schedules, get_schedule(name).torch_class)
-
-
-def stages_per_rank(schedule: str, virtual_stages: int) -> int:
-    """Stages each rank holds: 1 for single-stage schedules, 2 for V schedules, else `virtual_stages`."""
-    key = "parallelism.pipeline_parallel_virtual_stages"
-    row = get_schedule(schedule)
-    if not row.multi_stage:
-        if virtual_stages > 1:
-            raise ConfigError(
-                f"{key} = {virtual_stages}, but '{schedule}' runs one stage per rank. Use one of "
-                f"{', '.join(names_where(multi_stage=True, placement='loop'))} for virtual stages, or set it to 1."
-            )
-        return 1
-    if row.placement == "v":
-        if virtual_stages not in (1, 2):
-            raise ConfigError(f"{key} = {virtual_stages}, but '{schedule}' places exactly 2 stages per rank (a V).")
-        return 2
-    return virtual_stages
-
-
-def stage_ids(pp_rank: int, pp: int, schedule: str, per_rank: int) -> list[int]:
-    """The global stage indices held by `pp_rank`."""
-    if get_schedule(schedule).placement == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(per_rank)]
-
-
-def stage_rank(stage: int, pp: int, schedule: str) -> int:
-    """The pp rank that holds global stage `stage`."""
-    if get_schedule(schedule).placement == "v":
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
-def validate_microbatches(schedule: str, n_microbatches: int, pp: int, num_stages: int) -> None:
-    """Rejects microbatch counts the schedule cannot run, before any work."""
-    fix = (
-        "Raise training.local_batch_size (or training.global_batch_size) or lower "
-        "parallelism.pipeline_parallel_microbatch_size."
-    )
-    row = get_schedule(schedule)
-    if row.microbatches_per_stage and n_microbatches < num_stages:
-        raise ConfigError(
-            f"The '{schedule}' schedule needs at least as many microbatches as stages ({num_stages}), "
-            f"but a step has {n_microbatches}. {fix}"
-        )
-    if row.rounds:
-        rounds = max(1, n_microbatches // pp)
-        if n_microbatches % rounds:
-            raise ConfigError(
-                f"The '{schedule}' schedule runs microbatches in rounds of the pipeline degree ({pp}); "
-                f"{n_microbatches} microbatches per step do not split into {rounds} equal rounds. "
-                f"Use a multiple of {pp}. {fix}"
-            )
+def schedule_class(schedule: PipelineSchedule) -> type:
+    """The torch schedule class of `schedule`'s row."""
+    return getattr(schedules, schedule.torch_class)
 
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """Everything about the pipeline that follows from the config, checked before any work."""
+    """Everything about the pipeline that follows from the config, checked before any work; `schedule` is its row
+    of the schedules' table, resolved once from the config's name."""
 
-    schedule: str
+    schedule: PipelineSchedule
     pp: int
     stages_per_rank: int
     n_microbatches: int
@@ -102,9 +49,9 @@ class PipelinePlan:
     ) -> "PipelinePlan":
         """`parallelism` is the config section; `stage_modules(num_stages)` is the model's split;
         `sequences_per_step` is what one DP rank processes per optimizer step."""
-        schedule = get_schedule(parallelism.pipeline_parallel_schedule).name
+        schedule = get_schedule(parallelism.pipeline_parallel_schedule)
         pp = parallelism.pipeline_parallel_degree
-        per_rank = stages_per_rank(schedule, parallelism.pipeline_parallel_virtual_stages)
+        per_rank = schedule.stages_per_rank(parallelism.pipeline_parallel_virtual_stages)
         microbatch_size = parallelism.pipeline_parallel_microbatch_size
         if microbatch_size < 1 or sequences_per_step % microbatch_size:
             raise ConfigError(
@@ -113,32 +60,32 @@ class PipelinePlan:
                 "(training.local_batch_size x gradient-accumulation steps)."
             )
         n_microbatches = sequences_per_step // microbatch_size
-        validate_microbatches(schedule, n_microbatches, pp, pp * per_rank)
+        schedule.check_microbatches(n_microbatches, pp, pp * per_rank)
         return cls(schedule, pp, per_rank, n_microbatches, stage_modules(pp * per_rank))
 
     @classmethod
     def build(cls, stage_modules: list[list[str]], pp: int, schedule: str = "1F1B", n_microbatches: int = 1):
         """A plan from module names per stage (e.g. `pipeline_stages(model, ...)`): len(stage_modules) / pp
         stages per rank, checked like a config."""
-        schedule = get_schedule(schedule).name
+        row = get_schedule(schedule)
         if len(stage_modules) % pp:
             raise ConfigError(f"{len(stage_modules)} pipeline stages do not split evenly over {pp} ranks.")
         per_rank = len(stage_modules) // pp
-        if per_rank != stages_per_rank(schedule, per_rank):
-            raise ConfigError(f"The '{schedule}' schedule cannot hold {per_rank} stages per rank.")
-        validate_microbatches(schedule, n_microbatches, pp, len(stage_modules))
-        return cls(schedule, pp, per_rank, n_microbatches, [list(names) for names in stage_modules])
+        if per_rank != row.stages_per_rank(per_rank):
+            raise ConfigError(f"The '{row.name}' schedule cannot hold {per_rank} stages per rank.")
+        row.check_microbatches(n_microbatches, pp, len(stage_modules))
+        return cls(row, pp, per_rank, n_microbatches, [list(names) for names in stage_modules])
 
     def stage_ids(self, pp_rank: int) -> list[int]:
-        return stage_ids(pp_rank, self.pp, self.schedule, self.stages_per_rank)
+        return self.schedule.stage_ids(pp_rank, self.pp, self.stages_per_rank)
 
     def stage_rank(self, stage: int) -> int:
-        return stage_rank(stage, self.pp, self.schedule)
+        return self.schedule.stage_rank(stage, self.pp)
 
     def describe(self) -> str:
         stages = "; ".join(f"{i}: {', '.join(names)}" for i, names in enumerate(self.stage_modules))
         return (
-            f"{self.schedule}, {self.num_stages} stages ({self.stages_per_rank} per rank), "
+            f"{self.schedule.name}, {self.num_stages} stages ({self.stages_per_rank} per rank), "
             f"{self.n_microbatches} microbatches per step; stages {stages}"
         )
 
@@ -320,12 +267,12 @@ def _grad_version(param: nn.Parameter) -> tuple[int, int] | None:
 
 
 def build_schedule(
-    stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
+    stages: list[PipelineStage], schedule: PipelineSchedule, n_microbatches: int, loss_fn: Callable[..., torch.Tensor]
 ):
     """The schedule object; gradients are not rescaled, since `loss_fn` already divides by the global
     token count."""
     cls = schedule_class(schedule)
-    if get_schedule(schedule).multi_stage:
+    if schedule.multi_stage:
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
 

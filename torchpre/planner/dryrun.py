@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware, get_hardware
-from torchpre.distributed.schedules import in_flight_microbatches
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
 from torchpre.metrics.tensor_memory import TensorMemory
@@ -164,6 +163,17 @@ def optimizer_step_bytes(job: TrainingJob) -> int:
     return counter.peak - counter.step_start
 
 
+def probe_rank_parts(config: JobConfig, world_size: int, rank: int) -> list["PartProbe"]:
+    """`probe_rank`'s probes of the rank's parts alone (there they run after an optimizer step, which leaves no
+    gradients, as here), without counting its memory or running that step: the planner's microbatch costs need
+    only the probes (counted equal: `tests/unit/test_plan.py`)."""
+    job = build_job(config, Runtime(world_size, fake_rank=rank, data=False))
+    try:
+        return probe_parts(job)
+    finally:
+        leave_fake_world()
+
+
 def leave_fake_world() -> None:
     """Destroys the fake process group and forgets DTensor's cached sharding decisions: their specs hold the
     meshes of this world, which compare equal to the next rank's, so the next rank would issue collectives on
@@ -283,7 +293,7 @@ def _in_flight(job: TrainingJob) -> int:
     # A global-batch ramp's largest step runs the most microbatches.
     sequences = job.preflight.plan.peak(job.config.training.steps)[0]
     n_microbatches = sequences // job.config.parallelism.pipeline_parallel_microbatch_size
-    return in_flight_microbatches(pipeline.schedule, pipeline.pp, n_microbatches, pp_rank, pipeline.stages_per_rank)
+    return pipeline.schedule.in_flight_microbatches(pipeline.pp, n_microbatches, pp_rank, pipeline.stages_per_rank)
 
 
 def _fsdp_gathered(job: TrainingJob) -> int:

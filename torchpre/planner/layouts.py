@@ -11,8 +11,8 @@ from typing import Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchpre.distributed.zero_stages import ZERO_STAGES
 from torchpre.errors import ConfigError
+from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.training.job import preflight

@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
+from torchpre.layouts.zero_stages import zero_stage
 from torchpre.metrics.activation_probe import ActivationProbe
 from torchpre.metrics.activation_probe import Collective as ProbedCollective
 from torchpre.models.registry import get_model_spec
@@ -31,7 +32,7 @@ from torchpre.planner.dryrun import (
     is_expert,
     leave_fake_world,
     optimizer_step_bytes,
-    probe_rank,
+    probe_rank_parts,
     rank_memory,
     unsharded_numel,
 )
@@ -54,23 +55,31 @@ class StateCost:
     optimizer_state_bytes: int = 0
     tp_numel: int = 0
     param_tensors: int = 0
-    optimizer_step_bytes: int = 0  # the optimizer step's transient (`torchpre.planner.dryrun.optimizer_step_bytes`)
+    # The optimizer step's transient (`torchpre.planner.dryrun.optimizer_step_bytes`), measured on stage 0 only
+    # (`StepTransient`: 0 on the last stage's build, whose step would cost a third of the builds' time).
+    optimizer_step_bytes: int = 0
     expert_numel: int = 0
 
     def __add__(self, other: "StateCost") -> "StateCost":
-        return StateCost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return StateCost(*(a + b for a, b in zip(self.numbers(), other.numbers())))
 
     def __sub__(self, other: "StateCost") -> "StateCost":
-        return StateCost(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return StateCost(*(a - b for a, b in zip(self.numbers(), other.numbers())))
 
     def scaled(self, k: int) -> "StateCost":
         """k identical blocks."""
-        return StateCost(*(a * k for a in dataclasses.astuple(self)))
+        return StateCost(*(a * k for a in self.numbers()))
 
     def interpolated(self, other: "StateCost", k: float) -> "StateCost":
         """self + k x (other - self), to the byte (`affine`)."""
-        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other))
-        return StateCost(*(round(a + k * (b - a)) for a, b in pairs))
+        return StateCost(*(round(a + k * (b - a)) for a, b in zip(self.numbers(), other.numbers())))
+
+    def numbers(self) -> tuple[int, ...]:
+        """The fields in order (`dataclasses.astuple` without its deep copies: a search adds millions of these)."""
+        return tuple(getattr(self, name) for name in _STATE_FIELDS)
+
+
+_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(StateCost))
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,9 @@ class MicrobatchCost:
     # and, on the last stage, its output. Only the ends' are measured (`Pieces.stage` places them).
     received_bytes: float = 0.0
     held_output_bytes: float = 0.0
+    # The probe's live bytes beyond the saved ones after each allocation (`ActivationProbe.transient_trace`): what
+    # `interpolated` extends to another size. Only probed pieces carry it; sums and multiples of them do not.
+    transient_trace: tuple[float, ...] = ()
 
     @property
     def pipeline_held_bytes(self) -> float:
@@ -111,27 +123,37 @@ class MicrobatchCost:
             _work_minus(self.backward, other.backward),
             self.received_bytes,
             self.held_output_bytes - other.held_output_bytes,
+            self.transient_trace,
         )
 
     def interpolated(self, other: "MicrobatchCost", k: float) -> "MicrobatchCost":
-        """self + k x (other - self), number by number (`affine`); the op counts are self's."""
+        """self + k x (other - self), number by number (`affine`); the op counts are self's. The transient is the
+        maximum of the transient traces interpolated entry by entry (every live total is a sum of tensor sizes,
+        affine where they are; the moment of the peak may move), or, where the two probes allocated a different
+        number of times, the transients interpolated."""
 
         def grow(a: float, b: float) -> float:
             return a + k * (b - a)
 
         def work(a: Work, b: Work) -> Work:
             pairs = zip(a.collectives, b.collectives)
-            collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes)) for x, y in pairs)
+            collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes), x.count) for x, y in pairs)
             return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
                         grow(a.fp8_flops, b.fp8_flops))
 
+        trace: tuple[float, ...] = ()
+        transient = grow(self.transient_bytes, other.transient_bytes)
+        if self.transient_trace and len(self.transient_trace) == len(other.transient_trace):
+            trace = tuple(grow(a, b) for a, b in zip(self.transient_trace, other.transient_trace))
+            transient = max((0.0, *trace))
         return MicrobatchCost(
             grow(self.saved_bytes, other.saved_bytes),
-            grow(self.transient_bytes, other.transient_bytes),
+            transient,
             work(self.forward, other.forward),
             work(self.backward, other.backward),
             grow(self.received_bytes, other.received_bytes),
             grow(self.held_output_bytes, other.held_output_bytes),
+            trace,
         )
 
     def scaled(self, k: int) -> "MicrobatchCost":
@@ -145,7 +167,9 @@ class MicrobatchCost:
 
 
 def _times(work: Work, k: int) -> Work:
-    return Work(work.flops * k, work.other_bytes * k, work.ops * k, work.collectives * k, work.subclass_ops * k,
+    """k times `work`: each collective's count k times (one entry each, not k: the time model sums them)."""
+    collectives = tuple(dataclasses.replace(c, count=c.count * k) for c in work.collectives)
+    return Work(work.flops * k, work.other_bytes * k, work.ops * k, collectives, work.subclass_ops * k,
                 work.fp8_flops * k)
 
 
@@ -227,9 +251,9 @@ def _pieces(measure: Callable[[JobConfig, int, int], T], config: JobConfig, subt
 
 def state_pieces(config: JobConfig) -> Pieces:
     """`StateCost` pieces of a layout's config: builds only, no probes; cached by the probed config (with
-    activation checkpointing off: it changes no state). The optimizer step's transient is not additive (see
-    `StepTransient`): the pieces carry 0 for it."""
-    return _in_one_over_ep(_state_config(config), _measured_state_pieces, affine)
+    activation checkpointing off: it changes no state; cp folded into dp: see `state_config`). The optimizer
+    step's transient is not additive (see `StepTransient`): the pieces carry 0 for it."""
+    return _in_one_over("ep", state_config(config), _measured_state_pieces, affine)
 
 
 def _measured_state_pieces(config: JobConfig) -> Pieces:
@@ -267,7 +291,7 @@ def step_transient(config: JobConfig, n_layers: int) -> StepTransient:
             _STEP_CACHE[key] = _measure_step_transient(config, n_layers)
         return _STEP_CACHE[key]
 
-    return _in_one_over_ep(_state_config(config), measure, lambda one, two, k: one.interpolated(two, k))
+    return _in_one_over("ep", state_config(config), measure, lambda one, two, k: one.interpolated(two, k))
 
 
 def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
@@ -287,7 +311,19 @@ def _measure_step_transient(config: JobConfig, n_layers: int) -> StepTransient:
     return StepTransient(a, one.optimizer_step_bytes, per_block, ceiling)
 
 
-def _state_config(config: JobConfig) -> JobConfig:
+def state_config(config: JobConfig) -> JobConfig:
+    """The config whose builds give a layout's state: two stages, no activation checkpointing, and context
+    parallelism folded into data parallelism (dp x cp ranks at cp 1). Parameters, gradients and optimizer state
+    do not depend on how a sequence is split, and every mesh view's dp dimension already spans dp x cp ranks
+    (`torchpre.distributed.parallel_dims.Meshes`): ZeRO and FSDP shard over them, DP reduces over them. So the cp
+    layouts of a search reuse the builds of the layouts without cp (to the byte: `tests/unit/test_plan.py`). Under
+    ZeRO-0 nothing is sharded over dp: every dp > 1 holds what dp2 holds (dp1 keeps its gradients in place of
+    buckets), so dense layouts are built at dp2 at most."""
+    config = copy.deepcopy(config)
+    p = config.parallelism
+    p.data_parallel_degree, p.context_parallel_degree = p.data_parallel_degree * p.context_parallel_degree, 1
+    if not zero_stage(config.optimizer.zero_stage).shards_optimizer_state and p.expert_parallel_degree == 1:
+        p.data_parallel_degree = min(p.data_parallel_degree, 2)
     config = two_stage_config(config)
     config.activation_checkpoint.mode = "none"
     return config
@@ -298,29 +334,42 @@ def microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
     expert-parallel degree under EP) and ZeRO-1: activations and work per microbatch do not depend on how the
     state is sharded over DP (ZeRO-3's gathered parameters are the caller's to add). Under expert parallelism a
     rank's routed rows (a balanced router's) and all-to-all buffers do not depend on ep either, and what does is
-    interpolated (`_in_one_over_ep`)."""
-    return _in_one_over_ep(config, lambda config: _probed_microbatch_pieces(config, microbatch_size), affine)
+    interpolated in 1 / ep; under context parallelism, in 1 / cp (`_in_one_over`)."""
+
+    def in_one_over_ep(config: JobConfig) -> Pieces:
+        return _in_one_over("ep", config, lambda config: _probed_microbatch_pieces(config, microbatch_size), affine)
+
+    return _in_one_over("cp", config, in_one_over_ep, affine)
 
 
-def _in_one_over_ep(config: JobConfig, measure: Callable[[JobConfig], T], interpolate: Callable[[T, T, float], T]) -> T:
-    """`measure(config)`; under expert parallelism, at the two smallest degrees > 1 that divide its ep and
-    interpolated in 1 / ep between them (`interpolate(at_low, at_high, k)`), when they ran the same ops. What a
-    rank holds and does depends on ep through its local experts only (1 / ep of them), and the bookkeeping of its
-    dispatch: affine in 1 / ep (to the byte: deepseek_v3 lite measured at ep 2, 4, 8 and 16). So a search
-    measures two degrees of each sharding, not every one."""
-    ep = config.parallelism.expert_parallel_degree
-    degrees = [d for d in range(2, ep) if ep % d == 0][:2]
+_DEGREES = {"ep": "expert_parallel_degree", "cp": "context_parallel_degree"}
+
+
+def _in_one_over(
+    dim: str, config: JobConfig, measure: Callable[[JobConfig], T], interpolate: Callable[[T, T, float], T]
+) -> T:
+    """`measure(config)`; for a degree n of `dim` ("ep" or "cp") with two divisors above 1 below it, measured at
+    those two smallest ones and interpolated in 1 / n between them (`interpolate(at_low, at_high, k)`), when they
+    ran the same ops. Under expert parallelism what a rank holds and does depends on ep through its local experts
+    only (1 / ep of them) and the bookkeeping of its dispatch; under context parallelism through its 1 / cp share
+    of each sequence (activations, work, and causal attention's scores: the head-tail split gives a rank two
+    chunks whose scores add up to seq x (seq + 1) / 2cp) and the keys and values it gathers (whole sequences:
+    constant). Every tensor is affine in 1 / n, and so is every count and live total (to the byte: deepseek_v3
+    lite measured at ep 2, 4, 8 and 16; `tests/unit/test_plan.py` at ep 8 and cp 8). So a search measures two
+    degrees of each sharding, not every one."""
+    n = getattr(config.parallelism, _DEGREES[dim])
+    degrees = [d for d in range(2, n) if n % d == 0][:2]
     if len(degrees) < 2:
         return measure(config)
-    (low, high), (one, two) = degrees, [measure(_with_ep(config, d)) for d in degrees]
+    (low, high), (one, two) = degrees, [measure(_with_degree(config, dim, d)) for d in degrees]
     if not _same_ops(one, two):
         return measure(config)
-    return interpolate(one, two, (1 / ep - 1 / low) / (1 / high - 1 / low))
+    return interpolate(one, two, (1 / n - 1 / low) / (1 / high - 1 / low))
 
 
-def _with_ep(config: JobConfig, ep: int) -> JobConfig:
+def _with_degree(config: JobConfig, dim: str, degree: int) -> JobConfig:
     config = copy.deepcopy(config)
-    config.parallelism.expert_parallel_degree = ep
+    setattr(config.parallelism, _DEGREES[dim], degree)
     return config
 
 
@@ -334,15 +383,22 @@ def _same_ops(one: object, two: object) -> bool:
         return work.ops, work.subclass_ops, tuple((c.op, c.dim) for c in work.collectives)
 
     costs = ((one.block, two.block), (one.first, two.first), (one.last, two.last))
-    return all(shape(a.forward) == shape(b.forward) and shape(a.backward) == shape(b.backward) for a, b in costs)
+    return all(shape(a.forward) == shape(b.forward) and shape(a.backward) == shape(b.backward)
+               and len(a.transient_trace) == len(b.transient_trace) for a, b in costs)  # fmt: skip
 
 
 def _probed_microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
+    config = microbatch_config(config, microbatch_size)
+    return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
+
+
+def microbatch_config(config: JobConfig, microbatch_size: int) -> JobConfig:
+    """The config whose probes give a layout's microbatch costs: its tensor, context and expert sharding over two
+    stages, at data-parallel degree ep (1 without experts) and ZeRO-1."""
     config = copy.deepcopy(config)
     config.parallelism.data_parallel_degree = config.parallelism.expert_parallel_degree
     config.optimizer.zero_stage = 1
-    config = two_stage_config(config, microbatch_size)
-    return _cached("microbatch\n" + to_toml(config), lambda: _microbatch_pieces(config))
+    return two_stage_config(config, microbatch_size)
 
 
 def affine(one: Pieces, two: Pieces, k: float) -> Pieces:
@@ -365,7 +421,9 @@ def _microbatch_pieces(config: JobConfig) -> Pieces:
     world = 3 * _model_ranks(config)
     with shortened_flavor(three, (leading_blocks(config), 1, 1)) as short:
         middle = _microbatch(short, world, world // 3)
-    return dataclasses.replace(pieces, block=dataclasses.replace(pieces.block, transient_bytes=middle.transient_bytes))
+    block = dataclasses.replace(pieces.block, transient_bytes=middle.transient_bytes,
+                                transient_trace=middle.transient_trace)  # fmt: skip
+    return dataclasses.replace(pieces, block=block)
 
 
 def _model_ranks(config: JobConfig) -> int:
@@ -400,7 +458,7 @@ def _measure_state(config: JobConfig, world: int, rank: int) -> StateCost:
         memory = rank_memory(job, checkpoint=False)
         params = [param for part in job.model.parts for param in part.parameters()]
         numel = [(unsharded_numel(param, job), is_expert(param)) for param in params]
-        step = optimizer_step_bytes(job)
+        step = optimizer_step_bytes(job) if rank == 0 else 0
     finally:
         leave_fake_world()
     return StateCost(
@@ -415,7 +473,7 @@ def _measure_state(config: JobConfig, world: int, rank: int) -> StateCost:
 
 
 def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
-    _, parts = probe_rank(config, world, rank, checkpoint=False, data=False)
+    parts = probe_rank_parts(config, world, rank)
     (part,) = parts
     tp, cp = config.parallelism.tensor_parallel_degree, config.parallelism.context_parallel_degree
     forward = to_work(part.forward, tp, cp)
@@ -426,6 +484,7 @@ def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
         backward=_work_minus(to_work(part.total, tp, cp), forward),
         received_bytes=part.received_bytes,
         held_output_bytes=part.held_output_bytes,
+        transient_trace=part.total.transient_trace,
     )
 
 
@@ -458,10 +517,12 @@ def _collective_kind(op: str) -> str:
 
 
 def _work_minus(a: Work, b: Work) -> Work:
-    """`a` without `b` (b's collectives are a prefix-multiset of a's)."""
-    remaining = Counter(a.collectives)
-    remaining.subtract(Counter(b.collectives))
-    collectives = tuple(c for c, n in remaining.items() for _ in range(max(n, 0)))
+    """`a` without `b` (b's collectives are a prefix-multiset of a's), one entry per collective run."""
+    remaining: Counter[tuple] = Counter()
+    for collectives, sign in ((a.collectives, 1), (b.collectives, -1)):
+        for c in collectives:
+            remaining[c.op, c.dim, c.bytes] += sign * c.count
+    collectives = tuple(Collective(*key) for key, n in remaining.items() for _ in range(max(n, 0)))
     return Work(a.flops - b.flops, a.other_bytes - b.other_bytes, a.ops - b.ops, collectives,
                 a.subclass_ops - b.subclass_ops, a.fp8_flops - b.fp8_flops)
 

@@ -14,21 +14,12 @@ import torch
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
-from torchpre.distributed.schedules import in_flight_microbatches
-from torchpre.distributed.zero_stages import zero_stage
+from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.dryrun import peak_bytes
 from torchpre.planner.layouts import CheckedLayout
-from torchpre.planner.pieces import (
-    MicrobatchCost,
-    Pieces,
-    StateCost,
-    affine,
-    microbatch_pieces,
-    stage_shape,
-    state_pieces,
-    step_transient,
-)
+from torchpre.planner.measured import Measured
+from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, stage_shape
 from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
 from torchpre.training.model import meta_model
@@ -107,11 +98,14 @@ class Prediction:
         }
 
 
-def predict(checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_token: int) -> Prediction:
-    """The layout's per-rank memory and, if its model state fits, its step time."""
+def predict(
+    checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_token: int, measured: Measured | None = None
+) -> Prediction:
+    """The layout's per-rank memory and, if its model state fits, its step time; its pieces from `measured` (a
+    search's, shared by its layouts) or measured for it alone."""
     config, layout = checked.config, checked.layout
-    states = state_pieces(config)
-    step = step_transient(config, checked.model_args.n_layers)
+    measured = Measured() if measured is None else measured
+    states, step = measured.state(checked), measured.step(checked)
     chunks = [stage_shape(checked, pp_rank) for pp_rank in range(layout.pp)]
     rank_states = [
         dataclasses.replace(
@@ -125,7 +119,7 @@ def predict(checked: CheckedLayout, hardware: Hardware, gpus: int, flops_per_tok
         ranks = [RankPrediction(r, s.param_bytes, s.grad_bytes, s.optimizer_state_bytes, 0, s.optimizer_step_bytes)
                  for r, s in enumerate(rank_states)]  # fmt: skip
         return Prediction(checked, ranks, None, 0, flops_per_token, gpus, hardware)  # not worth probing
-    work_pieces = _microbatch_pieces(config, layout.microbatch_size)
+    work_pieces = measured.microbatch(checked)
     ranks, rank_work = [], []
     for pp_rank, (rank_chunks, state) in enumerate(zip(chunks, rank_states)):
         costs = [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in rank_chunks]
@@ -145,14 +139,6 @@ def model_flops_per_token(config: JobConfig, args: Any) -> int:
     return spec.flops_per_token(args, num_params, config.training.seq_len)
 
 
-def _microbatch_pieces(config: JobConfig, microbatch_size: int) -> Pieces:
-    """Probed at 1 and 2 sequences and extended linearly beyond: activations and work per microbatch are
-    affine in its size (every tensor but a few scalars scales with it; the op count does not change)."""
-    if microbatch_size <= 2:
-        return microbatch_pieces(config, microbatch_size)
-    return affine(microbatch_pieces(config, 1), microbatch_pieces(config, 2), microbatch_size - 1)
-
-
 def _activation_bytes(
     checked: CheckedLayout, pp_rank: int, costs: list[MicrobatchCost], states: Pieces, chunks: list
 ) -> int:
@@ -160,8 +146,8 @@ def _activation_bytes(
     layout, pipeline = checked.layout, checked.pipeline
     in_flight = 1
     if pipeline is not None:
-        in_flight = in_flight_microbatches(
-            pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
+        in_flight = pipeline.schedule.in_flight_microbatches(
+            pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
         )
     held = pipeline is not None
     saved = max(c.saved_bytes + (c.pipeline_held_bytes if held else 0) for c in costs)
@@ -222,7 +208,7 @@ def _time_layout(checked: CheckedLayout) -> TimeLayout:
         ep=layout.ep,
         cp=layout.cp,
         microbatches=checked.microbatches,
-        schedule=pipeline.schedule if pipeline else "1F1B",
+        schedule=pipeline.schedule.name if pipeline else "1F1B",
         stages_per_rank=pipeline.stages_per_rank if pipeline else 1,
         zero_stage=layout.zero_stage,
         bucket_bytes=checked.config.optimizer.bucket_size_mb * 2**20,

@@ -7,8 +7,11 @@ from torchpre.config.job_config import JobConfig
 from torchpre.distributed.hardware import Hardware
 from torchpre.errors import ConfigError
 from torchpre.planner.layouts import CheckedLayout, valid_layouts
+from torchpre.planner.measured import Measured
 from torchpre.planner.predict import Prediction, model_flops_per_token, predict
+from torchpre.planner.progress import Progress
 from torchpre.planner.time_model import assumptions
+from torchpre.planner.workers import predict_in_workers
 
 GiB = 2**30
 
@@ -72,15 +75,20 @@ def _row(p: Prediction) -> str:
     )
 
 
-def search(config: JobConfig, hardware: Hardware, gpus: int) -> SearchResult:
+def search(
+    config: JobConfig, hardware: Hardware, gpus: int, progress: bool = False, workers: int = 1
+) -> SearchResult:
     """Predicts every layout start-up accepts and ranks them; a ConfigError naming the most common refusals when
-    start-up accepts none. Context parallelism is searched too when sequences are long (`needs_context_parallel`)."""
+    start-up accepts none. Context parallelism is searched too when sequences are long (`needs_context_parallel`).
+    With `progress`, reports on stderr as it goes (`Progress`); with `workers` > 1, predicts in that many forked
+    processes (`torchpre.planner.workers`)."""
+    measured = Measured()
     checked, refusals = valid_layouts(config, gpus, hardware.gpus_per_node)
-    predictions = _predict(checked, hardware, gpus)
+    predictions = _predict(checked, hardware, gpus, measured, "planner" if progress else "", workers)
     if needs_context_parallel(predictions):
         with_cp, cp_refusals = valid_layouts(config, gpus, hardware.gpus_per_node, context_parallel=True)
         checked, refusals = checked + with_cp, refusals + cp_refusals
-        predictions += _predict(with_cp, hardware, gpus)
+        predictions += _predict(with_cp, hardware, gpus, measured, "planner, with cp" if progress else "", workers)
     rejected = sum(refusals.values())
     if not checked:
         reasons = " ".join(
@@ -105,8 +113,27 @@ def needs_context_parallel(predictions: list[Prediction]) -> bool:
     return not any(p.fits and p.checked.layout.activation_checkpoint != "full" for p in predictions)
 
 
-def _predict(checked: list[CheckedLayout], hardware: Hardware, gpus: int) -> list[Prediction]:
+def _predict(
+    checked: list[CheckedLayout], hardware: Hardware, gpus: int, measured: Measured, label: str, workers: int = 1
+) -> list[Prediction]:
+    """Each layout predicted from `measured`'s pieces, in `workers` processes; progress reported under `label`
+    (none when empty)."""
     if not checked:
         return []
     flops = model_flops_per_token(checked[0].config, checked[0].model_args)
-    return [predict(c, hardware, gpus, flops) for c in checked]
+    progress = Progress(label, len(checked)) if label else None
+
+    def report(done: int, pieces: int) -> None:
+        if progress:
+            progress.update(done, pieces)
+
+    if workers > 1:
+        predictions = predict_in_workers(checked, hardware, gpus, flops, measured, workers, report)
+    else:
+        predictions = []
+        for checked_layout in checked:
+            predictions.append(predict(checked_layout, hardware, gpus, flops, measured))
+            report(len(predictions), len(measured))
+    if progress:
+        progress.close()
+    return predictions

@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from torchpre.distributed.hardware import Hardware
-from torchpre.distributed.schedules import bubble_fraction
-from torchpre.distributed.zero_stages import zero_stage
+from torchpre.layouts.schedules import get_schedule
+from torchpre.layouts.zero_stages import zero_stage
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 Dim = Literal["tp", "ep", "cp", "dp", "edp", "pp"]
@@ -58,12 +58,14 @@ MEMORY_TRAFFIC = 2.5  # bytes a memory-bound op moves per byte it writes (see th
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective over a mesh dimension. `bytes` is the full buffer: an all-reduce's tensor, an all-gather's
-    output, a reduce-scatter's input, an all-to-all's send buffer, a send's tensor."""
+    """One collective over a mesh dimension, run `count` times. `bytes` is the full buffer: an all-reduce's tensor,
+    an all-gather's output, a reduce-scatter's input, an all-to-all's send buffer, a send's tensor. A stage of n
+    blocks runs each of a block's collectives n times: one entry with count n, timed once."""
 
     op: Op
     dim: Dim
     bytes: float
+    count: int = 1
 
 
 @dataclass(frozen=True)
@@ -184,12 +186,17 @@ def assumptions(hardware: Hardware) -> dict[str, float | bool | str]:
     }
 
 
-@functools.cache
 def intra_node(layout: Layout, dim: Dim, gpus_per_node: int) -> bool:
     """Whether every group of `dim` lies within one node (ranks r and r' share a node iff r // g == r' // g)."""
-    size, stride = layout.group(dim)
+    return _groups_within_nodes(*layout.group(dim), layout.world_size, gpus_per_node)
+
+
+@functools.cache
+def _groups_within_nodes(size: int, stride: int, world_size: int, gpus_per_node: int) -> bool:
+    """`intra_node` for groups of `size` ranks `stride` apart in a row-major world: cached on what it depends on,
+    not on the layout (a search asks it for thousands of layouts and a few distinct groups)."""
     span = (size - 1) * stride
-    starts = (rank for rank in range(layout.world_size) if (rank // stride) % size == 0)
+    starts = (rank for rank in range(world_size) if (rank // stride) % size == 0)
     return all(rank // gpus_per_node == (rank + span) // gpus_per_node for rank in starts)
 
 
@@ -207,7 +214,8 @@ def collective_seconds(op: Op, n: int, nbytes: float, bw: float, hardware: Hardw
 
 
 def collective_on(collective: Collective, layout: Layout, hardware: Hardware) -> float:
-    """`collective_seconds` over the groups of its mesh dimension, on the link they use; nothing to move is free."""
+    """`collective_seconds` over the groups of its mesh dimension, on the link they use, `count` times; nothing to
+    move is free."""
     size, _ = layout.group(collective.dim)
     if collective.op == "send":
         size = 2
@@ -215,7 +223,7 @@ def collective_on(collective: Collective, layout: Layout, hardware: Hardware) ->
         return 0.0
     within_node = intra_node(layout, collective.dim, hardware.gpus_per_node)
     bw = hardware.intra_node_bw if within_node else hardware.inter_node_bw
-    return collective_seconds(collective.op, size, collective.bytes, bw, hardware)
+    return collective.count * collective_seconds(collective.op, size, collective.bytes, bw, hardware)
 
 
 def compute_seconds(work: Work, hardware: Hardware) -> float:
@@ -282,7 +290,7 @@ def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardwar
     """Each pipeline rank's `StepTime` (`ranks[r]` is pp rank r), all paced by the slowest rank's microbatches."""
     if len(ranks) != layout.pp:
         raise ValueError(f"{len(ranks)} ranks of work for pp = {layout.pp}")
-    bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
+    bubble = get_schedule(layout.schedule).bubble(layout.pp, layout.microbatches, layout.stages_per_rank)
     m = layout.microbatches
     busy = [m * (_microbatch_seconds(r.forward, layout, hardware) + _microbatch_seconds(r.backward, layout, hardware))
             + pp_seconds(r, layout, hardware) for r in ranks]

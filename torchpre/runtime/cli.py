@@ -15,9 +15,6 @@ from torchpre.errors import StorageError, TorchpreError
 EXIT_BAD_INPUT = 2
 EXIT_COMM_FAILURE = 3
 EXIT_STORAGE_FAILURE = 4  # a checkpoint could not be written (full disk, no permission, I/O error)
-# torchrun stops every worker as soon as one exits: a rank that found bad input waits, at most this long, until
-# every rank has printed its own message (its peers check the same input a moment later), so that none is cut off.
-PEER_WAIT_S = 20.0
 # gloo reports a timed-out or broken connection as a plain RuntimeError; these mark its messages.
 _GLOO_FAILURES = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "gloo/transport")
 
@@ -59,42 +56,20 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
 
 def _fail(message: str, code: int, wait_for_peers: bool = False) -> NoReturn:
     """One paragraph on stderr and in torchrun's summary, then a non-zero exit; with `wait_for_peers`, once every
-    rank has failed too (`_wait_for_failed_peers`)."""
+    rank has failed too or passed the checks (`torchpre.distributed.peer_exit`)."""
     rank = os.environ.get("RANK", "0")
     # One write of the whole line (print writes the newline apart: with PYTHONUNBUFFERED, two system calls), so
     # that ranks sharing torchrun's stderr never interleave mid-line.
     sys.stderr.write(f"error (rank {rank}): {message}\n")
     sys.stderr.flush()
     _report_to_torchrun(message)
-    if wait_for_peers:
-        _wait_for_failed_peers(PEER_WAIT_S)
+    if wait_for_peers:  # torchrun stops every worker once one exits: first let each print its own message
+        import torch.distributed as dist
+
+        from torchpre.distributed.peer_exit import wait_for_failed_peers
+
+        wait_for_failed_peers(joined=dist.is_initialized())
     sys.exit(code)
-
-
-def _wait_for_failed_peers(timeout_s: float) -> None:
-    """Counts this rank's failure in the store of torchrun's agent and waits until every rank of the job has
-    counted its own, or `timeout_s` has passed (a rank whose input alone is bad). Bad input is checked identically
-    on every rank, so they all fail, at slightly different times: without this, torchrun would stop the slower ones
-    as soon as the first exits, before they print their message."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    world_size = int(os.environ["WORLD_SIZE"])
-    key = f"torchpre/failed_ranks/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    deadline = time.monotonic() + timeout_s
-    try:
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-        )  # fmt: skip
-        failed = store.add(key, 1)
-        while failed < world_size and time.monotonic() < deadline:
-            time.sleep(0.05)
-            failed = store.add(key, 0)
-    except Exception:  # a courtesy wait: whatever keeps it from the store, the exit goes on
-        # No agent store to reach (or it failed): wait the time a peer needs at most.
-        time.sleep(max(0.0, min(3.0, deadline - time.monotonic())))
 
 
 def _under_torchrun_with_peers() -> bool:

@@ -76,7 +76,8 @@ def _multiple_choice(context: EvalContext) -> list[Evaluator]:
     return [
         MultipleChoiceEvaluator(
             task, freq=e.freq, model=context.model, device=context.device, local_batch_size=e.local_batch_size,
-            seq_len=context.config.training.seq_len, tp=mesh["tp"].size(), data_rank=context.meshes.data_rank(),
+            max_length=e.max_length or context.config.training.seq_len, tp=mesh["tp"].size(),
+            data_rank=context.meshes.data_rank(),
             groups=[mesh["dp"].get_group(), mesh["pp"].get_group()], forward_kwargs=context.forward_kwargs,
             pad_id=context.tokenizer.eos_id, samples_folder=Path(context.config.job.dump_folder) / "eval",
             projection=context.projection,

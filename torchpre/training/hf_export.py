@@ -109,7 +109,10 @@ class HFExporter:
         start = time.perf_counter()
         weights = self._hf_tensors(self._gather())
         tmp = self.folder / f"{TMP_PREFIX}step-{step}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # checked writable at start-up: the file system changed since
+            raise StorageError(f"hf_export.folder: cannot create {tmp} for step {step}'s export: {error}") from None
         if self._background is None:
             _raise_if_failed(self._write_and_publish(step, tmp, weights, start))
             return

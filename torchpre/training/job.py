@@ -31,7 +31,6 @@ from torchpre.config.validate import validate_config
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
-from torchpre.distributed.schedules import bubble_fraction
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.errors import ConfigError
 from torchpre.health.forensics import Forensics
@@ -57,11 +56,14 @@ from torchpre.runtime.world import Runtime
 from torchpre.training.batches import BatchSizes, batch_sizes
 from torchpre.training.evaluation import EvalContext, Evaluations, build_evaluations
 from torchpre.training.hf_export import HFExporter
+from torchpre.training.hf_load import FROM_HF, HFWeights, hf_weights
+from torchpre.training.hf_reader import is_hf_folder
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
 from torchpre.training.multiple_choice import Task, read_tasks
 from torchpre.training.rope import rope_record
+from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.step_plan import StepPlan, StepShape
 from torchpre.training.validation import held_out_fraction
@@ -87,6 +89,7 @@ class Preflight:
     resume_dir: Path | None  # the checkpoint a resume will load
     eval_tasks: list[Task]  # eval.tasks, read and tokenized
     plan: StepPlan  # each step's global batch and data stage (a ramp, data stages)
+    initial_hf: HFWeights | None = None  # checkpoint.initial_load_path as a Hugging Face folder, checked
 
 
 def preflight(
@@ -117,22 +120,28 @@ def preflight(
     if resume_dir is not None:
         key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
         check_verifiable(resume_dir, key, trust)
-    elif c.initial_load_path:
+    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
     batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
     plan = StepPlan.from_config(config, batches, dims.dp)
     spec = get_model_spec(config.model.name)
     tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    args = model_args(config, tokenizer, max_seq_len=plan.stages.max_seq_len)
-    for seq_len in sorted({stage.seq_len for stage in plan.stages.stages}):
+    window = _evaluation_window(config, tokenizer)
+    args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
+    seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
+    for seq_len in seq_lens:
         check_layout(at_seq_len(config, seq_len), spec, args, dims)
+    check_keys_take_effect(config, spec, args, seq_lens[0])
+    initial_hf = None
+    if resume_dir is None and c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
+        initial_hf = hf_weights(Path(c.initial_load_path), spec, args, "checkpoint.initial_load_path")
     if config.hf_export.enable and spec.hf is None:
         raise ConfigError(
             f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
             "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
         )
-    eval_tasks = read_tasks(config.eval.tasks, tokenizer, t.seq_len)
+    eval_tasks = read_tasks(config.eval.tasks, tokenizer, window)
     pipeline = None
     if dims.pp > 1:
         split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
@@ -143,7 +152,26 @@ def preflight(
             sequences_per_step=t.local_batch_size * first.accumulation_steps,
         )
     plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
-    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan)
+    return Preflight(
+        dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan, initial_hf
+    )
+
+
+def _evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:
+    """The most tokens a multiple-choice row feeds the model (eval.max_length, 0 = training.seq_len); 0 without
+    tasks. The model's positions must cover it."""
+    e = config.eval
+    if not e.tasks:
+        return 0
+    if e.max_length > config.training.seq_len:
+        context = model_context(config, tokenizer)
+        if e.max_length > context:
+            raise ConfigError(
+                f"eval.max_length = {e.max_length} is longer than the model's context of {context} tokens (its "
+                "flavor's max_seq_len, or model.hf_config's max_position_embeddings). Lower eval.max_length, or use "
+                "0 (training.seq_len)."
+            )
+    return e.max_length or config.training.seq_len
 
 
 def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
@@ -470,6 +498,6 @@ def _pipeline_timing(model: ParallelModel, pipeline: PipelinePlan | None, meshes
         return None
     return PipelineTiming(
         ranks=dist.get_process_group_ranks(meshes.mesh["pp"].get_group()),
-        theory=bubble_fraction(pipeline.schedule, pipeline.pp, pipeline.n_microbatches, pipeline.stages_per_rank),
+        theory=pipeline.schedule.bubble(pipeline.pp, pipeline.n_microbatches, pipeline.stages_per_rank),
         busy=model.pipeline_busy_seconds,
     )

@@ -12,6 +12,7 @@ import fnmatch
 import functools
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,12 +29,15 @@ from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, check_quantize, resolve_emulate
 from torchpre.parallel.quantized_experts import check_quantize_experts
+from torchpre.training.hf_load import FROM_HF, folder_args
+from torchpre.training.hf_reader import is_hf_folder
 from torchpre.training.rope import refuse_rope_keys, with_rope
 
 
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
-    """The flavor's args with the job's vocabulary (`vocab_size`), `max_seq_len` (default: training.seq_len) and RoPE
-    (model.rope_*, `with_rope`); a family with `args_from_job` (model.name = 'hf') builds its own."""
+    """The flavor's args (model.flavor = 'from_hf': the folder's at checkpoint.initial_load_path) with the job's
+    vocabulary (`vocab_size`), `max_seq_len` (default: training.seq_len) and RoPE (model.rope_*, `with_rope`); a
+    family with `args_from_job` (model.name = 'hf') builds its own."""
     seq_len = config.training.seq_len if max_seq_len is None else max_seq_len
     spec = get_model_spec(config.model.name)
     if spec.args_from_job is not None:
@@ -45,8 +49,46 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
         refuse_rope_keys(config.model, "its RoPE comes from its own config, model.hf_config: set it there")
         with_mtp(config.model, None)
         return spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
-    flavor = with_mtp(config.model, with_rope(config.model, get_flavor(config.model.name, config.model.flavor)))
-    return dataclasses.replace(flavor, vocab_size=vocab_size(config, tokenizer), max_seq_len=seq_len)
+    base = flavor_args(config)
+    flavor = with_mtp(config.model, with_rope(config.model, base))
+    vocabulary = folder_vocab_size(config, tokenizer, base) if _from_hf(config) else vocab_size(config, tokenizer)
+    return dataclasses.replace(flavor, vocab_size=vocabulary, max_seq_len=seq_len)
+
+
+def flavor_args(config: JobConfig) -> Any:
+    """The args model.flavor names: a registered flavor's, or with 'from_hf' those of checkpoint.initial_load_path's
+    config.json."""
+    if not _from_hf(config):
+        return get_flavor(config.model.name, config.model.flavor)
+    path = Path(config.checkpoint.initial_load_path)
+    if not config.checkpoint.initial_load_path or not is_hf_folder(path):
+        given = f"'{path}', which is not one" if config.checkpoint.initial_load_path else "unset"
+        raise ConfigError(
+            f"model.flavor = '{FROM_HF}' reads the model from the Hugging Face folder at checkpoint.initial_load_path "
+            f"(config.json and safetensors weights), which is {given}. Set checkpoint.initial_load_path to the folder."
+        )
+    return folder_args(path, get_model_spec(config.model.name), config.model.name)
+
+
+def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: Any) -> int:
+    """The folder's vocabulary (its embedding's rows), which the tokenizer's ids must fit and model.vocab_size may
+    only repeat."""
+    if config.model.vocab_size not in (0, args.vocab_size):
+        raise ConfigError(
+            f"model.vocab_size = {config.model.vocab_size} with model.flavor = '{FROM_HF}': the folder's embedding has "
+            f"vocab_size = {args.vocab_size} rows. Set model.vocab_size = 0."
+        )
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ConfigError(
+            f"The tokenizer (model.tokenizer_path) has {tokenizer.vocab_size} ids, more than the {args.vocab_size} "
+            f"rows of the embedding of {config.checkpoint.initial_load_path}. Use the tokenizer the model was "
+            "released with."
+        )
+    return args.vocab_size
+
+
+def _from_hf(config: JobConfig) -> bool:
+    return config.model.flavor == FROM_HF
 
 
 def with_mtp(model: Any, flavor: Any) -> Any:
@@ -86,7 +128,7 @@ def model_context(config: JobConfig, tokenizer: Tokenizer) -> int:
     spec = get_model_spec(config.model.name)
     if spec.args_from_job is not None:
         return spec.args_from_job(config, vocab_size(config, tokenizer), None).max_seq_len
-    return get_flavor(config.model.name, config.model.flavor).max_seq_len
+    return flavor_args(config).max_seq_len
 
 
 def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:

@@ -8,10 +8,11 @@ after a BOS token, as every training document starts. `acc` counts the questions
 log-likelihood; `acc_norm` ranks the choices by log-likelihood divided by the choice's length in characters
 (lm-evaluation-harness's `acc_norm`: `np.argmax(lls / [len(choice) for choice in choices])`).
 
-Every (question, choice) pair is one row of at most training.seq_len + 1 tokens (a longer one keeps its last ones,
-as lm-evaluation-harness truncates on the left). A batch is padded at the end to its longest row, rounded up to a
-multiple of `PAD_MULTIPLE` and of the tensor-parallel degree (sequence parallel splits positions) but never past the
-training sequence length: rows are far shorter than training's sequences, and the logits are only turned into
+Every (question, choice) pair is one row of at most `max_length` + 1 tokens (eval.max_length, 0 = training.seq_len):
+a longer one keeps its last ones and the model reads all but the last, lm-evaluation-harness's window
+(`(context_enc + continuation_enc)[-(max_length + 1):][:-1]`). A batch is padded at the end to its longest row,
+rounded up to a multiple of `PAD_MULTIPLE` and of the tensor-parallel degree (sequence parallel splits positions)
+but never past `max_length`: rows are far shorter than training's sequences, and the logits are only turned into
 log-probabilities at the choices' positions, so an evaluation costs little memory. The rows are dealt to the
 data-parallel ranks in global batches like validation's; each rank scores its rows through
 `ParallelModel.forward_only` (under pipeline parallelism the last stage's logits, the activations passed stage to
@@ -76,8 +77,15 @@ def read_questions(path: Path) -> list[Question]:
     if not path.is_file():
         raise ConfigError(f"eval.tasks: {path} does not exist. Give JSONL files of multiple-choice questions.")
     questions = []
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
+    with path.open("rb") as file:
+        for number, raw in enumerate(file, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ConfigError(
+                    f"eval.tasks: {path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column "
+                    f"{error.start + 1}); JSON Lines are UTF-8: save the file as UTF-8."
+                ) from None
             if line.strip():
                 questions.append(_question(line, f"{path}:{number}"))
     if not questions:
@@ -118,24 +126,26 @@ def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[
 
 
 @cache
-def read_task(path: str, tokenizer: Tokenizer, seq_len: int) -> Task:
-    """A task file's questions and rows; a choice whose tokens alone exceed `seq_len` is an error naming its line.
-    Read once per process (the planner checks many layouts of one job, each through start-up's checks)."""
+def read_task(path: str, tokenizer: Tokenizer, max_length: int) -> Task:
+    """A task file's questions and rows of at most `max_length` + 1 tokens; a choice whose tokens alone exceed
+    `max_length` is an error naming its line. Read once per process (the planner checks many layouts of one job, each
+    through start-up's checks)."""
     questions = read_questions(Path(path))
     rows = []
     for question in questions:
         for choice in question.choices:
             context, continuation = encode_pair(tokenizer, question.context, TARGET_DELIMITER + choice)
-            if len(continuation) > seq_len:
+            if len(continuation) > max_length:
                 raise ConfigError(
                     f"eval.tasks: {question.where}: the choice {choice!r} is {len(continuation)} tokens, more than "
-                    f"training.seq_len = {seq_len}: shorten it, or train on longer sequences."
+                    f"the {max_length} the model reads of a row (eval.max_length; 0 = training.seq_len): shorten "
+                    "it, or raise eval.max_length."
                 )
-            rows.append(Row((context + continuation)[-(seq_len + 1) :], len(continuation)))
+            rows.append(Row((context + continuation)[-(max_length + 1) :], len(continuation)))
     return Task(task_name(path), Path(path), questions, rows)
 
 
-def read_tasks(paths: list[str], tokenizer: Tokenizer, seq_len: int) -> list[Task]:
+def read_tasks(paths: list[str], tokenizer: Tokenizer, max_length: int) -> list[Task]:
     """Every eval.tasks file, read before any work; two files of the same name are an error (their metrics would
     mix)."""
     names = [task_name(path) for path in paths]
@@ -145,7 +155,7 @@ def read_tasks(paths: list[str], tokenizer: Tokenizer, seq_len: int) -> list[Tas
             f"eval.tasks: two files are named '{twice[0]}.jsonl'; each task's metrics are named by its file, so "
             "give them different names."
         )
-    return [read_task(path, tokenizer, seq_len) for path in paths]
+    return [read_task(path, tokenizer, max_length) for path in paths]
 
 
 def accuracies(questions: list[Question], lls: list[float]) -> dict[str, float]:
@@ -178,7 +188,7 @@ class MultipleChoiceEvaluator:
         model: ParallelModel,
         device: torch.device,
         local_batch_size: int,
-        seq_len: int,
+        max_length: int,
         tp: int,
         data_rank: tuple[int, int],
         groups: list[dist.ProcessGroup],
@@ -189,7 +199,7 @@ class MultipleChoiceEvaluator:
     ):
         self.task, self.freq, self.model, self.device = task, freq, model, device
         self.projection = projection  # the last stage's chunked output layer, under training.loss_chunk_size
-        self.local_batch_size, self.seq_len = local_batch_size, seq_len
+        self.local_batch_size, self.max_length = local_batch_size, max_length
         self.pad_multiple = math.lcm(PAD_MULTIPLE, tp)
         self.dp_rank, self.dp_size = data_rank
         self.groups, self.forward_kwargs, self.pad_id = groups, forward_kwargs, pad_id
@@ -226,7 +236,7 @@ class MultipleChoiceEvaluator:
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs, targets and the mask of the choice's target positions; rows past the task's end are padding."""
         longest = max((len(self.task.rows[index].tokens) - 1 for index in indices), default=1)
-        length = min(-(-longest // self.pad_multiple) * self.pad_multiple, self.seq_len)
+        length = min(-(-longest // self.pad_multiple) * self.pad_multiple, self.max_length)
         shape = (self.local_batch_size, length)
         inputs = torch.full(shape, self.pad_id, dtype=torch.long)
         targets = torch.full(shape, self.pad_id, dtype=torch.long)

@@ -107,6 +107,31 @@ class StepPlan:
                 )
             check_microbatches(sizes.local_batch_size * sizes.accumulation_steps)
 
+    def warnings(self, steps: int) -> list[str]:
+        """What the run's config does that a user may not expect, though it runs as configured: a ramp over no
+        samples (Megatron accepts it: the final batch from the first step), and a ramp still growing, counted in
+        sequences, when a stage changes the sequence length within the run's `steps` steps."""
+        found = []
+        if self.ramp is not None and self.ramp.samples == 0:
+            found.append(
+                f'{RAMP_KEY} = "{self.ramp.start},{self.ramp.increment},0" ramps over 0 samples: every step trains '
+                f"with the final global batch of {self.ramp.final} sequences, as without a ramp. Give the samples "
+                "the ramp should take, or leave training.batch_rampup empty."
+            )
+        ramp_end = self.ramp.samples if self.ramp is not None else -1
+        for step, consumed, shape in self.walk():
+            if step >= steps or consumed > ramp_end:
+                break
+            if shape.stage.seq_len != self.base.seq_len:
+                found.append(
+                    f"{RAMP_KEY} is still ramping at step {step} ({consumed} of its {self.ramp.samples} samples), "
+                    f"where {shape.stage.describe()} (training.seq_len = {self.base.seq_len}): the ramp counts "
+                    f"sequences, so from there its batches hold {shape.stage.seq_len}-token sequences. End the ramp "
+                    "before that stage (fewer ramp samples) to ramp at one sequence length."
+                )
+                break
+        return found
+
     def _in_stage(self, batch: int, stage: Stage) -> int:
         kept = kept_global_batch(batch, self.base.seq_len, stage.seq_len, self.unit)
         if kept is None:

@@ -20,6 +20,7 @@ from torchpre.runtime.preemption import PreemptionHandler, leave_stop_note
 from torchpre.runtime.profiling import Profiler
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import kept_global_batch
+from torchpre.training.hf_load import HFWeights, LoadReport, load_hf_weights, log_reports
 from torchpre.training.job import build_job
 from torchpre.training.run_folder import open_metrics, save_resolved_config, set_aside_later_history
 from torchpre.training.stages import saved_stages, stages_change
@@ -36,6 +37,7 @@ class Trainer:
         self.config = config
         self.job = job = build_job(config, runtime or Runtime.from_env())
         self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
+        self.hf_load_report: LoadReport | None = None  # this rank's load of a Hugging Face folder, if it loaded one
         self.preemption = PreemptionHandler(config.checkpoint.save_on_preemption)
         if job.runtime.fake:
             return
@@ -44,6 +46,9 @@ class Trainer:
         if job.hf_export is not None:
             job.hf_export.remove_unfinished()
         save_resolved_config(config)
+        if job.is_logging_rank:
+            for warning in job.preflight.plan.warnings(config.training.steps):
+                logger.warning(warning)
         self._resume()
         if job.is_logging_rank:
             job.metrics.sink = open_metrics(config, resume_step=job.progress.step)
@@ -229,7 +234,9 @@ class Trainer:
         job, c = self.job, self.config.checkpoint
         step_dir = job.checkpoint.find(c.load_step) if job.checkpoint and c.enable else None
         if step_dir is None:
-            if c.initial_load_path:
+            if job.preflight.initial_hf is not None:
+                self._load_hf(job.preflight.initial_hf)
+            elif c.initial_load_path:
                 job.checkpoint.load(Path(c.initial_load_path), weights_only=True)
             return
         job.checkpoint.load(step_dir)
@@ -256,6 +263,15 @@ class Trainer:
         self._compare_stages(step_dir)
         if c.load_step != -1:
             set_aside_later_history(self.config, job.checkpoint.folder, progress.step)
+
+    def _load_hf(self, weights: HFWeights) -> None:
+        """The model's weights from a Hugging Face folder, each rank reading the shards it holds, into the fp32
+        masters (as a checkpoint's load does), then the parameters; the memory it took is logged."""
+        model = self.job.checkpoint_components()["model"]
+        targets = model.load_targets(set())
+        self.hf_load_report = load_hf_weights(weights, targets)
+        model.load_state_dict(targets)
+        log_reports(weights.folder.folder, self.hf_load_report)
 
     def _compare_stages(self, step_dir: Path) -> None:
         """Says what a resume changes of the data stages (`stages_change`): a warning for steps already taken."""

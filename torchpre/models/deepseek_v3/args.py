@@ -12,8 +12,10 @@ from torchpre.models.moe.args import MoEArgs, active_params
 class YarnScaling:
     """YaRN RoPE scaling as DeepSeek-V3 releases it (Hugging Face's `rope_type = "yarn"`): frequencies between the
     `beta_fast` and `beta_slow` rotation counts ramp from extrapolated to divided by `factor`; cos and sin are
-    scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim), the softmax by mscale(factor, mscale_all_dim)^2
-    (mscale(s, m) = 0.1 m ln s + 1)."""
+    scaled by mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else by mscale(factor), or
+    by `attention_factor` when it is given; the softmax by mscale(factor, mscale_all_dim)^2 (mscale(s, m) =
+    0.1 m ln s + 1). `truncate` rounds the ramp's ends to whole dimensions (transformers' default; False keeps them
+    fractional)."""
 
     factor: float
     original_max_position_embeddings: int
@@ -21,6 +23,8 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +37,8 @@ class DeepSeekV3Args(MoEArgs):
       `qk_nope_head_dim` wide from it plus a `qk_rope_head_dim` RoPE part computed once from the input and shared
       across heads; values `v_head_dim` wide.
     `dense_hidden_dim` is the width of the dense first blocks' feed-forward (`ffn_hidden_dim`); `n_kv_heads` and
-    `rope_scaling` of the Llama fields do not apply (`yarn` is the RoPE scaling).
+    `rope_scaling` of the Llama fields do not apply (`yarn` is the RoPE scaling). The two latents' RMSNorms use
+    `latent_norm_eps`, 1e-6 as released (transformers and DeepSeek's code fix it), not `norm_eps`.
     `mtp_depth` multi-token prediction depths after the main model (mtp.py; the released model has 1, trained with
     `mtp_loss_weight` 0.3 then 0.1), each with a block of the last layer's kind.
     """
@@ -44,6 +49,7 @@ class DeepSeekV3Args(MoEArgs):
     v_head_dim: int
     dense_hidden_dim: int
     q_lora_rank: int = 0
+    latent_norm_eps: float = 1e-6
     yarn: YarnScaling | None = None
     mtp_depth: int = 0
     mtp_loss_weight: float = 0.3

@@ -19,7 +19,7 @@ job. Beyond names:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ from torch import Tensor
 from torchpre.errors import TorchpreError
 from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
+from torchpre.models.hf_fields import check_fields
+from torchpre.models.hf_sources import Copy, Same, Source, Sources, StackedExperts, Zeros, whole_state_dict
 from torchpre.models.state_dict_checks import check_tensors
 
 _TOP_LEVEL = {
@@ -62,8 +64,34 @@ _MTP = {
     "projection.weight": "eh_proj.weight",
     "norm.weight": "shared_head.norm.weight",
 }
+_MTP_EMBEDDING = "mtp_embeddings.weight"  # the embedding's second name (its own Parameter on the last stage)
 # Each multi-token prediction layer's copies of the model's embedding and output layer.
 _MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+
+# The config.json fields DeepSeek-V3's args are read from, and those with the one value torchpre's computes with.
+_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+_READ = frozenset({
+    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "qk_head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+    "v_head_dim", "intermediate_size", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "n_shared_experts", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "aux_loss_alpha",
+    "first_k_dense_replace",
+    # Read by the job instead: its multi-token prediction depths are model.mtp_depth (transformers writes 1 for
+    # folders without the layers), its expert parallelism parallelism.expert_parallel_degree.
+    "num_nextn_predict_layers", "ep_size",
+})  # fmt: skip
+_FIXED = {
+    "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rope_interleave": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "seq_aux": True,
+    "output_router_logits": False, "is_encoder_decoder": False,
+}  # fmt: skip
+_ROPE_NAMES = {"rope_type", "type", "rope_theta"}
+_ROPE_READ = {
+    "default": _ROPE_NAMES,
+    "yarn": _ROPE_NAMES | {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                           "mscale_all_dim", "attention_factor", "truncate"},
+}  # fmt: skip
 
 # DeepSeekV3Args fields that must agree with a Hugging Face config for its weights to load and compute the same.
 _COMPARED_FIELDS = (
@@ -77,8 +105,9 @@ _COMPARED_FIELDS = (
 def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> dict[str, Tensor]:
     """torchpre FQNs -> Hugging Face names, each routed expert's weights as their own `nn.Linear` weights. Raises
     TorchpreError naming missing, unknown or misshapen tensors."""
-    state_dict = {fqn: t for fqn, t in state_dict.items() if fqn != "mtp_embeddings.weight"}  # the embedding's alias
-    check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
+    state_dict = {fqn: t for fqn, t in state_dict.items() if fqn != _MTP_EMBEDDING}  # the embedding's alias
+    shapes = {fqn: shape for fqn, shape in _torchpre_shapes(args).items() if fqn != _MTP_EMBEDDING}
+    check_tensors(state_dict, shapes, "torchpre model state dict")
     hf: dict[str, Tensor] = {}
     for fqn, tensor in state_dict.items():
         names = _hf_names(fqn, args)
@@ -106,43 +135,48 @@ def _routed_layers(args: DeepSeekV3Args) -> list[int]:
 
 
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> dict[str, Tensor]:
-    """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict` (the per-expert weights stacked)."""
-    hf_state_dict = {
-        name: tensor for name, tensor in hf_state_dict.items() if _layer_of(name) < args.n_layers + args.mtp_depth
+    """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict` (read through `hf_sources`)."""
+    state_dict = whole_state_dict(hf_sources(args, hf_state_dict.keys()), _torchpre_shapes(args), hf_state_dict)
+    if args.mtp_depth:
+        state_dict[_MTP_EMBEDDING] = state_dict["tok_embeddings.weight"]
+    return state_dict
+
+
+def hf_sources(args: DeepSeekV3Args, folder: Collection[str]) -> Sources:
+    """Where each tensor of `DeepSeekV3Transformer(args)` comes from in a folder holding the tensors named `folder`:
+    routed experts stacked, multi-token prediction's copies of the embedding and output layer checked against them,
+    routing biases a model without bias balancing has no place for checked to be zeros, and the layers past the
+    job's multi-token prediction depths dropped."""
+    copies: dict[str, tuple[Copy, ...]] = {
+        fqn: tuple(
+            Copy(name, "torchpre's multi-token prediction shares the model's embedding and output layer")
+            for layer in _mtp_layers(args)
+            if (name := f"model.layers.{layer}.{copy}") in folder
+        )
+        for fqn, copy in _MTP_COPIES.items()
     }
-    for layer in _mtp_layers(args):
-        for fqn, name in _MTP_COPIES.items():
-            copy, main = hf_state_dict.pop(f"model.layers.{layer}.{name}", None), hf_state_dict.get(_TOP_LEVEL[fqn])
-            if copy is not None and main is not None and not torch.equal(copy, main):
-                raise TorchpreError(
-                    f"model.layers.{layer}.{name} (multi-token prediction) differs from {_TOP_LEVEL[fqn]}: torchpre's "
-                    "multi-token prediction shares the model's embedding and output layer."
-                )
-    if args.bias_update_rate == 0:
-        for layer in _routed_layers(args):
-            bias = hf_state_dict.pop(f"model.layers.{layer}.{_PER_LAYER['moe.expert_bias']}", None)
-            if bias is not None and bool(bias.any()):
-                raise TorchpreError(
-                    f"layer {layer} of the Hugging Face model has a nonzero e_score_correction_bias, but the job's "
-                    "model has no balancing bias: set the model's bias_update_rate > 0 to import it."
-                )
-    shapes = _torchpre_shapes(args)
-    expected = {
-        name: torch.Size(shape[1:][::-1]) if _is_experts(fqn) else shape
-        for fqn, shape in shapes.items()
-        for name in _hf_names(fqn, args)
-    }
-    check_tensors(hf_state_dict, expected, "Hugging Face state dict")
-    state_dict = {}
-    for fqn in shapes:
+    by_name: dict[str, Source] = {}
+    for fqn in _torchpre_shapes(args):
+        if fqn == _MTP_EMBEDDING:
+            by_name[fqn] = Same(_TOP_LEVEL["tok_embeddings.weight"])
+            continue
         names = _hf_names(fqn, args)
         if _is_experts(fqn):
-            state_dict[fqn] = torch.stack([hf_state_dict[name].t() for name in names])
+            by_name[fqn] = StackedExperts(tuple(names))
         else:
-            state_dict[fqn] = hf_state_dict[names[0]]
-    if args.mtp_depth:
-        state_dict["mtp_embeddings.weight"] = state_dict["tok_embeddings.weight"]
-    return state_dict
+            by_name[fqn] = Same(names[0], copies=copies.get(fqn, ()), zeros=_zero_bias(names[0], args, folder))
+    last = args.n_layers + args.mtp_depth
+    return Sources(by_name, frozenset(name for name in folder if _layer_of(name) >= last))
+
+
+def _zero_bias(name: str, args: DeepSeekV3Args, folder: Collection[str]) -> tuple[Zeros, ...]:
+    """For a router's weight in a model without bias balancing: the folder's routing bias of that layer, which
+    transformers always saves, must be zeros (it would change which experts are chosen)."""
+    bias = name.removesuffix("weight") + "e_score_correction_bias"
+    if args.bias_update_rate or not name.endswith("mlp.gate.weight") or bias not in folder:
+        return ()
+    why = "the job's model has no balancing bias: set the model's bias_update_rate > 0 to import it"
+    return (Zeros(bias, why),)
 
 
 def _is_experts(fqn: str) -> bool:
@@ -190,8 +224,10 @@ def hf_config(
             f"= {args.moe_hidden_dim}: a Hugging Face DeepSeek-V3 has n_shared_experts routed experts' width."
         )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.yarn is not None:
-        rope = {"rope_type": "yarn", "rope_theta": args.rope_theta, **vars(args.yarn)}
+    if args.yarn is not None:  # attention_factor and truncate only when set, as transformers writes them
+        unset = {"attention_factor": None, "truncate": True}
+        yarn = {key: value for key, value in vars(args.yarn).items() if unset.get(key, ...) != value}
+        rope = {"rope_type": "yarn", "rope_theta": args.rope_theta, **yarn}
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -231,49 +267,39 @@ def hf_config(
 
 def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
     """The DeepSeekV3Args a Hugging Face DeepSeek-V3 `config.json` describes (transformers' defaults for missing
-    keys), with bias balancing on at DeepSeek-V3's rate 1e-3 so that the folder's routing biases load. Raises
-    TorchpreError for a config this family cannot express."""
-    if config.get("model_type") != "deepseek_v3":
+    keys), with bias balancing on at DeepSeek-V3's rate 1e-3 so that the folder's routing biases load. Every field is
+    read or refused (`_READ`, `_FIXED`, `torchpre.models.hf_fields`): a TorchpreError names the first one this family
+    cannot express. Kimi-K2's folders (model_type 'kimi_k2', DeepSeek-V3's architecture) read the same."""
+    if config.get("model_type") not in _MODEL_TYPES:
         raise TorchpreError(f"model_type is {config.get('model_type')!r}; only 'deepseek_v3' configs can be converted.")
-    supported = {"hidden_act": "silu", "attention_bias": False, "rope_interleave": True, "scoring_func": "sigmoid",
-                 "topk_method": "noaux_tc", "moe_layer_freq": 1}  # fmt: skip
-    for key, value in supported.items():
-        if config.get(key, value) != value:
-            raise TorchpreError(f"{key} = {config[key]!r} is not supported (torchpre's deepseek_v3 has {value!r}).")
+    check_fields(config, _READ, _FIXED, "deepseek_v3")
     heads = config.get("num_attention_heads", 128)
-    if config.get("num_key_value_heads") not in (None, heads):
-        raise TorchpreError(
-            f"num_key_value_heads = {config['num_key_value_heads']} is not num_attention_heads = {heads}."
-        )
+    qk_rope_head_dim, qk_nope_head_dim = config.get("qk_rope_head_dim", 64), config.get("qk_nope_head_dim", 128)
+    derived = {
+        "num_key_value_heads": heads,
+        "head_dim": qk_rope_head_dim,
+        "qk_head_dim": qk_nope_head_dim + qk_rope_head_dim,
+    }
+    for key, value in derived.items():
+        if config.get(key) not in (None, value):
+            raise TorchpreError(f"{key} = {config[key]} is not {value}, which the other fields make it in deepseek_v3.")
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise TorchpreError(f"rope_type = {rope_type!r} is not supported; deepseek_v3 has 'default' and 'yarn'.")
-    yarn = None
-    if rope_type == "yarn":
-        yarn = YarnScaling(
-            factor=rope["factor"],
-            original_max_position_embeddings=rope["original_max_position_embeddings"],
-            beta_fast=rope.get("beta_fast") or 32.0,
-            beta_slow=rope.get("beta_slow") or 1.0,
-            mscale=rope.get("mscale") or 1.0,
-            mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
-        )
+    context = config.get("max_position_embeddings", 4096)
     moe_hidden = config.get("moe_intermediate_size", 2048)
     return DeepSeekV3Args(
         dim=config.get("hidden_size", 7168),
         n_layers=config.get("num_hidden_layers", 61),
         n_heads=heads,
         vocab_size=config.get("vocab_size", 129280),
-        max_seq_len=config.get("max_position_embeddings", 4096),
+        max_seq_len=context,
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        yarn=yarn,
+        yarn=_yarn(rope, context),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         q_lora_rank=config.get("q_lora_rank", 1536) or 0,
         kv_lora_rank=config.get("kv_lora_rank", 512),
-        qk_nope_head_dim=config.get("qk_nope_head_dim", 128),
-        qk_rope_head_dim=config.get("qk_rope_head_dim", 64),
+        qk_nope_head_dim=qk_nope_head_dim,
+        qk_rope_head_dim=qk_rope_head_dim,
         v_head_dim=config.get("v_head_dim", 128),
         dense_hidden_dim=config.get("intermediate_size", 18432),
         num_experts=config.get("n_routed_experts", 256),
@@ -285,9 +311,34 @@ def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
         topk_group=config.get("topk_group", 4),
         norm_topk_prob=config.get("norm_topk_prob", True),
         routed_scaling_factor=config.get("routed_scaling_factor", 2.5),
-        aux_loss_coeff=1e-4,
+        aux_loss_coeff=config.get("aux_loss_alpha", 1e-4),
         bias_update_rate=1e-3,
         first_k_dense=config.get("first_k_dense_replace", 3),
+    )
+
+
+def _yarn(rope: Mapping[str, Any], context: int) -> YarnScaling | None:
+    """The YaRN scaling of a config's RoPE fields, read as transformers reads them (`_compute_yarn_parameters`): an
+    absent factor is max_position_embeddings / original_max_position_embeddings, an absent mscale leaves the cos/sin
+    scale at mscale(factor)."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _ROPE_READ:
+        raise TorchpreError(f"rope_type = {rope_type!r} is not supported; deepseek_v3 has 'default' and 'yarn'.")
+    check_fields(rope, _ROPE_READ[rope_type], {}, "deepseek_v3", prefix="rope_parameters.")
+    if rope_type == "default":
+        return None
+    if "original_max_position_embeddings" not in rope:
+        raise TorchpreError("the YaRN RoPE scaling lacks original_max_position_embeddings.")
+    original = rope["original_max_position_embeddings"]
+    return YarnScaling(
+        factor=rope.get("factor") or context / original,
+        original_max_position_embeddings=original,
+        beta_fast=rope.get("beta_fast") or 32.0,
+        beta_slow=rope.get("beta_slow") or 1.0,
+        mscale=rope.get("mscale") or 0.0,
+        mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
+        attention_factor=rope.get("attention_factor"),
+        truncate=rope.get("truncate", True),
     )
 
 
@@ -307,6 +358,4 @@ def hf_config_mismatches(config: Mapping[str, Any], args: DeepSeekV3Args) -> lis
 def _torchpre_shapes(args: DeepSeekV3Args) -> dict[str, torch.Size]:
     """FQN -> shape of every tensor in `DeepSeekV3Transformer(args).state_dict()`, built on the meta device."""
     with torch.device("meta"):
-        shapes = {fqn: t.shape for fqn, t in DeepSeekV3Transformer(args).state_dict().items()}
-    shapes.pop("mtp_embeddings.weight", None)  # the embedding's second name
-    return shapes
+        return {fqn: t.shape for fqn, t in DeepSeekV3Transformer(args).state_dict().items()}

@@ -59,8 +59,10 @@ def _yarn_frequencies(dim: int, theta: float, yarn: YarnScaling, device: torch.d
     def correction_dim(rotations: float) -> float:
         return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
     base = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
@@ -78,7 +80,9 @@ def mla_rope_cache(args: DeepSeekV3Args, device: torch.device | str | None) -> T
     else:
         yarn = args.yarn
         freqs = _yarn_frequencies(dim, theta, yarn, device)
-        if yarn.mscale and yarn.mscale_all_dim:
+        if yarn.attention_factor is not None:
+            attention_factor = yarn.attention_factor
+        elif yarn.mscale and yarn.mscale_all_dim:
             attention_factor = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
         else:
             attention_factor = yarn_mscale(yarn.factor)
@@ -116,10 +120,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.wq = nn.Linear(args.dim, args.n_heads * args.qk_head_dim, bias=False)
         else:
             self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
-            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = nn.RMSNorm(args.q_lora_rank, eps=args.latent_norm_eps)
             self.wq_b = nn.Linear(args.q_lora_rank, args.n_heads * args.qk_head_dim, bias=False)
         self.wkv_a = nn.Linear(args.dim, args.kv_lora_rank + args.qk_rope_head_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = nn.RMSNorm(args.kv_lora_rank, eps=args.latent_norm_eps)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.query_scale = softmax_scale(args) * args.qk_head_dim**0.5  # over the kernels' 1/sqrt(qk_head_dim)

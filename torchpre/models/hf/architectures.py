@@ -39,6 +39,14 @@ def not_decoder_only(model_type: str) -> str | None:
     """Why `model_type` is not a decoder-only causal LM torchpre can train (None: it is one)."""
     auto = _auto_mappings()
     classes = causal_lm_classes()
+    if model_type not in _transformers().CONFIG_MAPPING:
+        return (
+            f"the installed transformers ({_transformers().__version__}) does not know this model_type (misspelt, or "
+            "added in a later transformers)"
+        )
+    if model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        causal = "its causal LM is the decoder half" if model_type in classes else "it has no causal LM"
+        return f"it is an encoder-decoder family (sequence to sequence); {causal}"
     if model_type not in classes:
         return "transformers has no causal LM (AutoModelForCausalLM) for it"
     name = classes[model_type]
@@ -46,8 +54,6 @@ def not_decoder_only(model_type: str) -> str | None:
         return f"its causal LM class {name} is a multimodal model (it needs inputs besides token ids)"
     if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "it is an encoder family (it has a masked LM); its causal LM is the encoder run as a decoder"
-    if model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        return "it is an encoder-decoder family; its causal LM is the decoder half"
     config_class = _transformers().CONFIG_MAPPING[model_type]
     if getattr(config_class, "is_encoder_decoder", False):
         return "it is an encoder-decoder model (is_encoder_decoder)"

@@ -87,6 +87,11 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
         raise ConfigError(
             f"{KEY} = {path}: transformers cannot build a '{model_type}' config from it: {error}"
         ) from None
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"{KEY} = {path}: is_encoder_decoder = true, but model_type = '{model_type}' is a decoder-only causal LM "
+            "and torchpre trains it as one. Remove is_encoder_decoder from the config (or set it to false)."
+        )
     config.use_cache = False  # training: no KV cache is kept
     random = stochastic_keys(config)
     if random:

@@ -3,7 +3,7 @@ conversion checks names and shapes against the model and writes the config the j
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from torch import Tensor
 from torchpre.errors import TorchpreError
 from torchpre.models.hf.args import HFArgs
 from torchpre.models.hf.model import meta_model, tied_weights
+from torchpre.models.hf_sources import Copy, Same, Source, Sources, whole_state_dict
 from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
 
 
@@ -27,14 +28,25 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: HFArgs) -> dict[str
 
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: HFArgs) -> dict[str, Tensor]:
     """A transformers state dict as the model's state dict (the tied output copy is the embedding tensor)."""
+    state_dict = whole_state_dict(hf_sources(args, hf_state_dict.keys()), _state_shapes(args), hf_state_dict)
     tied = tied_weights(args)
-    if tied is not None:
-        hf_state_dict = without_tied_copy(hf_state_dict, tied[1], tied[0])
-    check_tensors(hf_state_dict, _shapes(args), "Hugging Face state dict")
-    state_dict = dict(hf_state_dict)
     if tied is not None:
         state_dict[tied[1]] = state_dict[tied[0]]
     return state_dict
+
+
+def hf_sources(args: HFArgs, folder: Collection[str]) -> Sources:
+    """Every tensor of the model's state dict from the folder tensor of its own name; a tied output layer from the
+    embedding, whose saved copy, if the folder has one, must equal it."""
+    by_name: dict[str, Source] = {name: Same(name) for name in _state_shapes(args)}
+    tied = tied_weights(args)
+    if tied is not None:
+        embedding, output = tied
+        if output in folder:
+            why = "the model ties them; these weights belong to a model with untied embeddings"
+            by_name[embedding] = Same(embedding, copies=(Copy(output, why),))
+        by_name[output] = Same(embedding)
+    return Sources(by_name)
 
 
 def hf_config(
@@ -76,3 +88,8 @@ def hf_config_mismatches(config: Mapping[str, Any], args: HFArgs) -> list[str]:
 
 def _shapes(args: HFArgs) -> dict[str, torch.Size]:
     return {name: param.shape for name, param in meta_model(args).named_parameters()}
+
+
+def _state_shapes(args: HFArgs) -> dict[str, torch.Size]:
+    """The shapes of the model's state dict: its parameters and persistent buffers, a tied copy under both names."""
+    return {name: tensor.shape for name, tensor in meta_model(args).state_dict().items()}

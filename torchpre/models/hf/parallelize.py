@@ -269,6 +269,17 @@ def _is_router(module: nn.Module, block: nn.Module) -> bool:
     return experts is not None and bool(weights) and all(w.shape[0] in (experts, 1) for w in weights)
 
 
+def divided_counts(model: HFCausalLM, plan: Plan) -> dict[str, int]:
+    """The head and expert counts of `model` that a tensor-parallel degree must divide under `plan` (each rank holds
+    whole heads and experts), by the config key that sets them."""
+    counts = {f"{path} num_experts": model.get_submodule(path).num_experts for path in plan.experts[:1]}
+    if plan.head_attention:
+        heads = model.config.num_attention_heads
+        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
+        counts |= {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    return counts
+
+
 def tensor_parallel_refusal(model: HFCausalLM, tp: int) -> str | None:
     """Why tensor parallelism of degree `tp` would not run `model` exactly (None: it runs it): a module without a
     rule, or a head or expert count `tp` does not divide."""
@@ -276,11 +287,7 @@ def tensor_parallel_refusal(model: HFCausalLM, tp: int) -> str | None:
         plan = tensor_parallel_plan(model)
     except Unplanned as error:
         return str(error)
-    counts = {f"{path} num_experts": model.get_submodule(path).num_experts for path in plan.experts[:1]}
-    if plan.head_attention:
-        heads = model.config.num_attention_heads
-        kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
-        counts |= {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    counts = divided_counts(model, plan)
     for key, count in counts.items():
         if count % tp:
             common = math.gcd(*counts.values())
@@ -338,6 +345,12 @@ def _per_rank_head_counts(attention: nn.Module, tp: int) -> None:
             setattr(attention, name, value // tp)
 
 
+def sliding_window(config: Any) -> int | None:
+    """The config's sliding attention window, if it has one: a slice of the sequence cannot apply it."""
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
+
+
 def sequence_parallel_refusal(model: HFCausalLM, seq_len: int) -> str | None:
     """Why sequence parallelism would not run `model` exactly (None: it runs it): the hidden states between the
     layers' parts are this rank's slice of the sequence, so every module with parameters on the residual stream
@@ -355,8 +368,8 @@ def sequence_parallel_refusal(model: HFCausalLM, seq_len: int) -> str | None:
     inside = [path for path in plan.kinds if path.rpartition(".")[0] not in layers]
     if inside:
         return f"{inside[0]} is not a part of its own in the layer, to gather the sequence for"
-    window = getattr(model.config, "sliding_window", None)
-    if isinstance(window, int) and window < seq_len:
+    window = sliding_window(model.config)
+    if window is not None and window < seq_len:
         return f"its sliding window ({window}) is shorter than training.seq_len = {seq_len}: it masks each slice"
     after = [name for name in _after_layers(model) if not _is_norm(model.get_submodule(name))]
     if after:

@@ -23,5 +23,6 @@ SPEC = ModelSpec(
         from_hf_state_dict=convert.from_hf_state_dict,
         hf_config=convert.hf_config,
         hf_config_mismatches=convert.hf_config_mismatches,
+        hf_sources=convert.hf_sources,
     ),
 )

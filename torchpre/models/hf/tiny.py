@@ -87,14 +87,17 @@ def default_tiny_config(model_type: str) -> Any:
     return tiny_config(default, **dict.fromkeys(stochastic_keys(default), 0.0))
 
 
+def is_stochastic_key(name: str) -> bool:
+    """Whether a config key sets a random part of the training forward (dropout, jitter, noise)."""
+    return any(word in name for word in ("dropout", "pdrop", "jitter", "noise"))
+
+
 def stochastic_keys(config: Any) -> list[str]:
     """The config keys that make a training forward random (dropout, jitter, noise) with a non-zero value."""
     return [
         name
         for name, value in config.to_dict().items()
-        if any(word in name for word in ("dropout", "pdrop", "jitter", "noise"))
-        and isinstance(value, float)
-        and value > 0
+        if is_stochastic_key(name) and isinstance(value, float) and value > 0
     ]
 
 

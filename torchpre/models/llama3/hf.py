@@ -13,13 +13,15 @@ Pure functions on state dicts (FQN -> tensor) and config dicts; reading and writ
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from torchpre.errors import TorchpreError
+from torchpre.models.hf_fields import check_fields
+from torchpre.models.hf_sources import Copy, RotaryRows, Same, Source, Sources, whole_state_dict
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
@@ -43,6 +45,20 @@ _PER_LAYER = {
 _TIED = "output.weight"
 _TIED_HF = "lm_head.weight"
 
+# The config.json fields Llama 3's args are read from, and those with the one value torchpre's Llama computes with.
+_READ = frozenset({
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "tie_word_embeddings",
+})  # fmt: skip
+_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+          "is_encoder_decoder": False}  # fmt: skip
+_ROPE_NAMES = {"rope_type", "type", "rope_theta"}
+_ROPE_READ = {
+    "default": _ROPE_NAMES,
+    "llama3": _ROPE_NAMES | {f.name for f in dataclasses.fields(RopeScaling)},
+}
+
 # (TransformerArgs attribute, Hugging Face config key) pairs that must agree for weights to load.
 _COMPARED_FIELDS = [
     ("dim", "hidden_size"),
@@ -65,29 +81,42 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: TransformerArgs) ->
     dropped, as Hugging Face saves only `model.embed_tokens.weight`. Raises TorchpreError naming
     missing, unknown or misshapen tensors.
     """
+    shapes = _torchpre_shapes(args)
     if args.tie_word_embeddings:
         state_dict = without_tied_copy(state_dict, _TIED, "tok_embeddings.weight")
-    check_tensors(state_dict, _torchpre_shapes(args), "torchpre model state dict")
-    return {_hf_name(fqn): _permute_rope_rows(fqn, tensor, args, to_hf=True) for fqn, tensor in state_dict.items()}
+        del shapes[_TIED]
+    check_tensors(state_dict, shapes, "torchpre model state dict")
+    return {_hf_name(fqn): _to_rotate_half(fqn, tensor, args) for fqn, tensor in state_dict.items()}
 
 
 def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: TransformerArgs) -> dict[str, Tensor]:
-    """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict`.
+    """Hugging Face names -> torchpre FQNs, the inverse of `to_hf_state_dict` (read through `hf_sources`).
 
     With tied embeddings `lm_head.weight` may be present (equal to the embedding) or not, and
     `output.weight` is the embedding tensor itself, as in `Transformer.state_dict()`.
     """
-    shapes = _torchpre_shapes(args)
-    fqns = {_hf_name(fqn): fqn for fqn in shapes}
-    if args.tie_word_embeddings:
-        hf_state_dict = without_tied_copy(hf_state_dict, _TIED_HF, "model.embed_tokens.weight")
-    check_tensors(hf_state_dict, {name: shapes[fqn] for name, fqn in fqns.items()}, "Hugging Face state dict")
-    state_dict = {
-        fqns[name]: _permute_rope_rows(fqns[name], tensor, args, to_hf=False) for name, tensor in hf_state_dict.items()
-    }
+    state_dict = whole_state_dict(hf_sources(args, hf_state_dict.keys()), _torchpre_shapes(args), hf_state_dict)
     if args.tie_word_embeddings:
         state_dict[_TIED] = state_dict["tok_embeddings.weight"]
     return state_dict
+
+
+def hf_sources(args: TransformerArgs, folder: Collection[str]) -> Sources:
+    """Where each tensor of `Transformer(args)` comes from in a folder holding the tensors named `folder`: wq and
+    wk with their rows moved within each head, the tied output layer from the embedding (whose saved copy, if the
+    folder has one, must equal it)."""
+    by_name: dict[str, Source] = {}
+    for fqn in _torchpre_shapes(args):
+        name = _hf_name(fqn)
+        rotary = fqn.endswith(("attention.wq.weight", "attention.wk.weight"))
+        by_name[fqn] = RotaryRows(name, args.head_dim) if rotary else Same(name)
+    if args.tie_word_embeddings:
+        embedding = "model.embed_tokens.weight"
+        if _TIED_HF in folder:
+            why = "the model ties them (tie_word_embeddings); these weights belong to a model with untied embeddings"
+            by_name["tok_embeddings.weight"] = Same(embedding, copies=(Copy(_TIED_HF, why),))
+        by_name[_TIED] = Same(embedding)
+    return Sources(by_name)
 
 
 def hf_config(
@@ -135,15 +164,14 @@ def hf_config(
 
 def args_from_hf_config(config: Mapping[str, Any]) -> TransformerArgs:
     """The TransformerArgs a Hugging Face Llama `config.json` describes; missing optional keys take
-    transformers' defaults. Raises TorchpreError for a config torchpre's Llama cannot express.
+    transformers' defaults. Every field is read or refused (`_READ`, `_FIXED`, `torchpre.models.hf_fields`):
+    a TorchpreError names the first one torchpre's Llama cannot express.
 
     Reads both the 4.x keys (`rope_theta`, `rope_scaling`) and 5.x's `rope_parameters`.
     """
     if config.get("model_type") != "llama":
         raise TorchpreError(f"model_type is {config.get('model_type')!r}; only 'llama' configs can be converted.")
-    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(key, supported) != supported:
-            raise TorchpreError(f"{key} = {config[key]!r} is not supported (torchpre's Llama has {supported!r}).")
+    check_fields(config, _READ, _FIXED, "llama3")
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [key for key in required if key not in config]
     if missing:
@@ -190,10 +218,11 @@ def hf_config_mismatches(config: Mapping[str, Any], args: TransformerArgs) -> li
 
 def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _ROPE_READ:
+        raise TorchpreError(f"rope_type = {rope_type!r} is not supported; torchpre's Llama has 'default' and 'llama3'.")
+    check_fields(rope, _ROPE_READ[rope_type], {}, "llama3", prefix="rope_parameters.")
     if rope_type == "default":
         return None
-    if rope_type != "llama3":
-        raise TorchpreError(f"rope_type = {rope_type!r} is not supported; torchpre's Llama has 'default' and 'llama3'.")
     missing = [f.name for f in dataclasses.fields(RopeScaling) if f.name not in rope]
     if missing:
         raise TorchpreError(f"the llama3 RoPE scaling lacks {', '.join(missing)}.")
@@ -201,11 +230,10 @@ def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
 
 
 def _torchpre_shapes(args: TransformerArgs) -> dict[str, torch.Size]:
-    """FQN -> shape of every tensor in `Transformer(args).state_dict()`, except the tied copy of
-    the embedding; built on the meta device, so it costs no memory."""
+    """FQN -> shape of every tensor in `Transformer(args).state_dict()` (the tied copy of the embedding included);
+    built on the meta device, so it costs no memory."""
     with torch.device("meta"):
-        state_dict = Transformer(args).state_dict()
-    return {fqn: t.shape for fqn, t in state_dict.items() if not (args.tie_word_embeddings and fqn == _TIED)}
+        return {fqn: t.shape for fqn, t in Transformer(args).state_dict().items()}
 
 
 def _hf_name(fqn: str) -> str:
@@ -215,11 +243,9 @@ def _hf_name(fqn: str) -> str:
     return f"model.layers.{layer}.{_PER_LAYER[name]}"
 
 
-def _permute_rope_rows(fqn: str, weight: Tensor, args: TransformerArgs, to_hf: bool) -> Tensor:
-    """wq/wk rows from interleaved pairs (h, i, pair) to halves (h, pair, i), or back."""
+def _to_rotate_half(fqn: str, weight: Tensor, args: TransformerArgs) -> Tensor:
+    """wq/wk rows from interleaved pairs (h, i, pair) to halves (h, pair, i); `RotaryRows` reads them back."""
     if not fqn.endswith(("attention.wq.weight", "attention.wk.weight")):
         return weight
     heads = weight.shape[0] // args.head_dim
-    pairs_first = (heads, args.head_dim // 2, 2, args.dim)
-    halves_first = (heads, 2, args.head_dim // 2, args.dim)
-    return weight.reshape(pairs_first if to_hf else halves_first).transpose(1, 2).reshape(weight.shape)
+    return weight.reshape(heads, args.head_dim // 2, 2, args.dim).transpose(1, 2).reshape(weight.shape)

@@ -30,5 +30,7 @@ SPEC = ModelSpec(
         from_hf_state_dict=hf.from_hf_state_dict,
         hf_config=hf.hf_config,
         hf_config_mismatches=hf.hf_config_mismatches,
+        hf_sources=hf.hf_sources,
+        args_from_hf_config=hf.args_from_hf_config,
     ),
 )

@@ -58,8 +58,80 @@ class PipelineSchedule:
         bench/pipeline_bubble.py measures GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble against these; LoopedBFS,
         InterleavedZeroBubble and DualPipeV take the same forms, unmeasured.
         """
+        self.check_stages_per_rank(stages_per_rank)
         work = (3 if self.zero_bubble else 1) * stages_per_rank * microbatches
         return (pp - 1) / (work + pp - 1)
+
+    def in_flight_microbatches(self, pp: int, microbatches: int, rank: int, stages_per_rank: int = 1) -> int:
+        """The most stage-chunk forwards whose saved activations pipeline rank `rank` holds at once.
+
+        The unit is one microbatch's activations of one of the rank's stages (a "chunk"): a rank holding v stages
+        can hold up to v m of them. A forward adds one; a full backward (B) frees it, and so does the input backward
+        (I) of zero-bubble schedules (the weight backward W keeps only the matmul inputs, not counted here). Read off
+        torch's own action order (`pipeline_order`); tests/unit/test_schedule_theory.py checks each row's closed
+        form against it.
+        """
+        self.check_stages_per_rank(stages_per_rank)
+        if not 0 <= rank < pp:
+            raise ValueError(f"pipeline rank {rank} is not in [0, {pp})")
+        return self.in_flight(pp, microbatches, stages_per_rank, rank)
+
+    def stages_per_rank(self, virtual_stages: int) -> int:
+        """Stages each rank holds under parallelism.pipeline_parallel_virtual_stages = `virtual_stages`: 1 for
+        single-stage schedules, 2 for V schedules, else `virtual_stages`; a ConfigError if the schedule cannot."""
+        key = "parallelism.pipeline_parallel_virtual_stages"
+        if not self.multi_stage:
+            if virtual_stages > 1:
+                raise ConfigError(
+                    f"{key} = {virtual_stages}, but '{self.name}' runs one stage per rank. Use one of "
+                    f"{', '.join(names_where(multi_stage=True, placement='loop'))} for virtual stages, or set it to 1."
+                )
+            return 1
+        if self.placement == "v":
+            if virtual_stages not in (1, 2):
+                raise ConfigError(
+                    f"{key} = {virtual_stages}, but '{self.name}' places exactly 2 stages per rank (a V)."
+                )
+            return 2
+        return virtual_stages
+
+    def stage_ids(self, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+        """The global stage indices held by `pp_rank`: r, r + pp, ... in a loop; r and 2 pp - 1 - r in a V."""
+        if self.placement == "v":
+            return [pp_rank, 2 * pp - 1 - pp_rank]
+        return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+    def stage_rank(self, stage: int, pp: int) -> int:
+        """The pp rank that holds global stage `stage`."""
+        if self.placement == "v":
+            return stage if stage < pp else 2 * pp - 1 - stage
+        return stage % pp
+
+    def check_microbatches(self, n_microbatches: int, pp: int, num_stages: int) -> None:
+        """Rejects microbatch counts the schedule cannot run, before any work."""
+        fix = (
+            "Raise training.local_batch_size (or training.global_batch_size) or lower "
+            "parallelism.pipeline_parallel_microbatch_size."
+        )
+        if self.microbatches_per_stage and n_microbatches < num_stages:
+            raise ConfigError(
+                f"The '{self.name}' schedule needs at least as many microbatches as stages ({num_stages}), "
+                f"but a step has {n_microbatches}. {fix}"
+            )
+        if self.rounds:
+            rounds = max(1, n_microbatches // pp)
+            if n_microbatches % rounds:
+                raise ConfigError(
+                    f"The '{self.name}' schedule runs microbatches in rounds of the pipeline degree ({pp}); "
+                    f"{n_microbatches} microbatches per step do not split into {rounds} equal rounds. "
+                    f"Use a multiple of {pp}. {fix}"
+                )
+
+    def check_stages_per_rank(self, stages_per_rank: int) -> None:
+        expected = 1 if not self.multi_stage else 2 if self.placement == "v" else None
+        if stages_per_rank < 1 or expected not in (None, stages_per_rank):
+            count = expected or "a positive number of"
+            raise ValueError(f"'{self.name}' holds {count} stages per rank, not {stages_per_rank}")
 
 
 def _one_forward_one_backward(p: int, m: int, v: int, r: int) -> int:
@@ -156,35 +228,3 @@ def names_where(**facts: object) -> list[str]:
 def aliases_text() -> str:
     """E.g. "AFAB is GPipe", for help texts."""
     return ", ".join(f"{alias} is {row.name}" for row in SCHEDULES for alias in row.aliases)
-
-
-def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """`schedule`'s pipeline bubble: the idle fraction of each rank (`PipelineSchedule.bubble`).
-
-    stages_per_rank: 1 for single-stage schedules, 2 for V schedules, the virtual stages for the looped ones.
-    """
-    row = get_schedule(schedule)
-    _check_stages_per_rank(row, stages_per_rank)
-    return row.bubble(pp, microbatches, stages_per_rank)
-
-
-def in_flight_microbatches(schedule: str, pp: int, microbatches: int, rank: int, stages_per_rank: int = 1) -> int:
-    """The most stage-chunk forwards whose saved activations pipeline rank `rank` holds at once under `schedule`.
-
-    The unit is one microbatch's activations of one of the rank's stages (a "chunk"): a rank holding v stages can
-    hold up to v m of them. A forward adds one; a full backward (B) frees it, and so does the input backward (I) of
-    zero-bubble schedules (the weight backward W keeps only the matmul inputs, not counted here). Read off torch's own
-    action order (`pipeline_order`); tests/unit/test_schedule_theory.py checks each row's closed form against it.
-    """
-    row = get_schedule(schedule)
-    _check_stages_per_rank(row, stages_per_rank)
-    if not 0 <= rank < pp:
-        raise ValueError(f"pipeline rank {rank} is not in [0, {pp})")
-    return row.in_flight(pp, microbatches, stages_per_rank, rank)
-
-
-def _check_stages_per_rank(row: PipelineSchedule, stages_per_rank: int) -> None:
-    expected = 1 if not row.multi_stage else 2 if row.placement == "v" else None
-    if stages_per_rank < 1 or expected not in (None, stages_per_rank):
-        count = expected or "a positive number of"
-        raise ValueError(f"'{row.name}' holds {count} stages per rank, not {stages_per_rank}")

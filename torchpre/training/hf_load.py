@@ -1,0 +1,183 @@
+"""A Hugging Face folder's weights, loaded straight into a job's sharded model (`checkpoint.initial_load_path` = the
+folder) or into whole tensors in one process (`python -m torchpre.convert hf-to-dcp`), through the same reader.
+
+`hf_weights` checks the folder against the model before any work: its config.json against the job's model (every
+field that differs named), and its tensors against where the family's adapter reads each of the model's
+(`ModelSpec.hf.hf_sources`): missing, unknown and misshapen tensors named. `load_hf_weights` then loads any state
+dict (whole tensors, DTensor shards, a pipeline stage's tensors) with DCP through `HFStorageReader`, each rank
+reading the boxes it holds, and reports what that took: the bytes held and read, and the peak resident memory
+while loading, against the bound 1.5 x held + 1 GiB (the process's own ~0.5 GiB of Python and torch, the boxes in
+flight). Peak memory of a rank is then its shard, never a whole tensor it does not hold, let alone the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from torchpre.errors import ConfigError, TorchpreError
+from torchpre.metrics.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from torchpre.models.hf_sources import Sources, check_folder
+from torchpre.models.registry import ModelSpec
+from torchpre.training.hf_reader import HFFolder, read_config
+from torchpre.training.hf_storage import HFStorageReader, first_name
+
+logger = logging.getLogger("torchpre")
+
+GIB = 2**30
+FROM_HF = "from_hf"  # model.flavor: the model from checkpoint.initial_load_path's config.json
+
+
+@dataclass(frozen=True)
+class HFWeights:
+    """A folder checked against a model: its tensors, where each of the model's comes from, and the model's shapes
+    (its whole state dict's, by torchpre name)."""
+
+    folder: HFFolder
+    sources: Sources
+    shapes: dict[str, torch.Size]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype the folder gives the model's tensor `name` (bfloat16 for block-FP8 weights)."""
+        return self.folder.dtype(first_name(self.sources.by_name[name]))
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """One rank's load: the bytes of the tensors it holds and of those it read (as stored), its resident memory
+    before and at its peak while loading, and the seconds it took."""
+
+    held_bytes: int
+    read_bytes: int
+    rss_before: int
+    peak_rss: int
+    seconds: float
+
+    @property
+    def bound(self) -> int:
+        return int(1.5 * self.held_bytes) + GIB
+
+    def describe(self) -> str:
+        return (
+            f"held {_gib(self.held_bytes)}, read {_gib(self.read_bytes)}, peak RSS {_gib(self.peak_rss)} "
+            f"({_gib(self.rss_before)} before; bound 1.5 x held + 1 GiB = {_gib(self.bound)})"
+        )
+
+
+def folder_args(path: Path, spec: ModelSpec, family: str) -> Any:
+    """The family's args from the config.json of the folder at `path` (`model.flavor = "from_hf"`), every field read
+    or refused (the adapter's `args_from_hf_config`)."""
+    adapter = spec.hf
+    if adapter is None or adapter.args_from_hf_config is None:
+        raise ConfigError(
+            f"model.flavor = '{FROM_HF}' with model.name = '{family}': this family cannot read its args from a Hugging "
+            "Face config.json (llama3 and deepseek_v3 can; model.name = 'hf' takes any transformers config through "
+            "model.hf_config). Choose one of the family's flavors."
+        )
+    try:
+        return adapter.args_from_hf_config(read_config(path))
+    except ConfigError:
+        raise
+    except TorchpreError as error:
+        raise ConfigError(f"model.flavor = '{FROM_HF}': {path / 'config.json'}: {error}") from None
+
+
+def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
+    """The shape of every tensor in the model's state dict, from the model built on the meta device."""
+    with torch.device("meta"):
+        return {name: tensor.shape for name, tensor in spec.model_cls(args).state_dict().items()}
+
+
+def hf_weights(path: Path, spec: ModelSpec, args: Any, key: str) -> HFWeights:
+    """The folder at `path` (given as `key`, e.g. checkpoint.initial_load_path) checked against the model `args`
+    describes: a TorchpreError names what does not fit and what to do, before any weight is read."""
+    adapter = spec.hf
+    if adapter is None or adapter.hf_sources is None:
+        raise ConfigError(
+            f"{key} = {path} is a Hugging Face folder, but this model family has no mapping from one (its ModelSpec's "
+            "`hf` adapter has no hf_sources). Load it with model.name = 'hf' (transformers' own model), or convert it "
+            "to a checkpoint another way."
+        )
+    try:
+        mismatches = adapter.hf_config_mismatches(read_config(path), args)
+    except TorchpreError as error:
+        raise ConfigError(f"{key} = {path}: {path / 'config.json'}: {error}") from None
+    if mismatches:
+        raise ConfigError(
+            f"{key} = {path}: its config.json does not describe the job's model: {'; '.join(mismatches)}. Use the "
+            "model the weights were made with (model.flavor = 'from_hf' reads it from the folder)."
+        )
+    folder = HFFolder(path)
+    shapes = model_shapes(spec, args)
+    sources = adapter.hf_sources(args, folder.shapes.keys())
+    try:
+        check_folder(sources, shapes, folder.shapes)
+    except TorchpreError as error:
+        raise ConfigError(f"{key} = {path}: {error} Use the model the weights were made with.") from None
+    return HFWeights(folder, sources, shapes)
+
+
+def load_hf_weights(weights: HFWeights, targets: Mapping[str, Tensor], no_dist: bool = False) -> LoadReport:
+    """Loads `targets` (this rank's tensors by torchpre name: whole, DTensors, a stage's) from the folder; a
+    collective over the default process group unless `no_dist`. Tensors the folder reads as copies of one another
+    check them box by box (`Copy`), so a bad folder still fails on every rank that reads it."""
+    unknown = sorted(targets.keys() - weights.sources.by_name.keys())
+    if unknown:
+        raise TorchpreError(f"The model's {', '.join(unknown[:6])} have no source in {weights.folder.folder}.")
+    reader = HFStorageReader(weights.folder, weights.sources.by_name, weights.shapes)
+    rss_before, start, read_before = rss_bytes(), time.perf_counter(), weights.folder.bytes_read
+    reset_peak_rss()
+    try:
+        dcp.load(dict(targets), storage_reader=reader, no_dist=no_dist)
+    except CheckpointException as error:  # a bad folder found while reading, on any rank: its message on every rank
+        raise _input_error(error) or error from None
+    held = sum(_local(tensor).numel() * _local(tensor).element_size() for tensor in targets.values())
+    read = weights.folder.bytes_read - read_before
+    return LoadReport(held, read, rss_before, peak_rss_bytes(), time.perf_counter() - start)
+
+
+def log_reports(folder: Path, report: LoadReport) -> None:
+    """Rank 0 logs every rank's load in one line (the rank nearest its memory bound first), and a warning for a rank
+    that went past it."""
+    reports = [report]
+    if dist.is_initialized():
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+        if dist.get_rank() != 0:
+            return
+    ranks = sorted(range(len(reports)), key=lambda r: -reports[r].peak_rss / reports[r].bound)
+    seconds = max(r.seconds for r in reports)
+    logger.info(
+        "loaded the Hugging Face folder %s in %.1f s: %s",
+        folder, seconds, "; ".join(f"rank {rank} {reports[rank].describe()}" for rank in ranks[:8]),
+    )  # fmt: skip
+    over = [rank for rank in ranks if reports[rank].peak_rss > reports[rank].bound]
+    if over:
+        logger.warning("ranks %s went past the loading memory bound 1.5 x held + 1 GiB", over)
+
+
+def _input_error(error: CheckpointException) -> TorchpreError | None:
+    """The first rank's TorchpreError among the failures DCP gathered, as the error of every rank."""
+    for rank, (failure, _) in sorted(error.failures.items()):
+        if isinstance(failure, TorchpreError):
+            return TorchpreError(f"{failure} (found by rank {rank})")
+    return None
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _gib(count: int) -> str:
+    return f"{count / GIB:.3f} GiB"
