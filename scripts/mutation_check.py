@@ -58,6 +58,7 @@ READ_LATE_STOP_TEST = (
     "test_non_finite_step_stops_every_rank_after_saving_the_last_good_state[read-during-the-next]"
 )
 CP_ATTENTION = "tests/distributed/test_context_parallel_attention.py"
+LINEAR_CROSS_ENTROPY = "tests/unit/test_linear_cross_entropy.py"
 CP_MODEL = "tests/distributed/test_context_parallel_model.py"
 HF_EXPORT_EVAL = "tests/integration/test_hf_export_eval.py"
 HF_PARITY = "tests/unit/test_hf_folder_parity.py"
@@ -610,6 +611,14 @@ BREAKS = [
           "        if int(window.max()) >= self.reader.manifest.vocab_size:", "        if False:",
           (f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message[shards-token-id-beyond-the-vocabulary-unrecorded]",),
           "a shard token id beyond the vocabulary reaches the embedding (an IndexError mid-run)"),
+    Break("loss-chunk-gradient-dropped", "torchpre/parallel/linear_cross_entropy.py",
+          "            grad_logits.mul_(scale[rows, None])",
+          "            grad_logits.mul_(scale[rows, None] * (rows.stop < len(labels)))",
+          (f"{LINEAR_CROSS_ENTROPY}::test_chunked_loss_and_every_gradient_equal_the_full_logits[llama3-7-short-last]",),
+          "the chunked loss's backward drops its last chunk's share of the hidden states' and weight's gradients"),
+    Break("loss-chunk-max-not-reduced-over-tp", "torchpre/parallel/linear_cross_entropy.py",
+          "        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=shard.group)", "        pass",
+          (TENSOR_PARALLEL,), "each tensor-parallel rank offsets its chunk's exponentials by its own shard's maximum"),
 ]
 
 def check_unique(repo: Path, breaks: list[Break]) -> None:

@@ -26,8 +26,8 @@ def main(argv: list[str]) -> None:
     from torchpre.interchange.load import load_hf_weights
     from torchpre.parallel.api import parallelize
     from torchpre.runtime.world import Runtime
-    from torchpre.training.preflight import preflight
     from torchpre.training.model import meta_model, parallel_plan
+    from torchpre.training.preflight import preflight
 
     config = parse_args(JobConfig, argv)
     runtime = Runtime.from_env()

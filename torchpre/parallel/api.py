@@ -384,6 +384,13 @@ class ParallelModel:
         return losses
 
     @property
+    def last_part(self) -> nn.Module | None:
+        """The part holding the last stage (the whole model without a pipeline); None on ranks without it."""
+        if not self.has_last_stage:
+            return None
+        return self.parts[self.stage_ids.index(self.plan.pipeline.num_stages - 1 if self.plan.pipeline else 0)]
+
+    @property
     def last_stage_rank(self) -> int:
         """The pp rank holding the last stage (0 without a pipeline)."""
         pipeline = self.plan.pipeline

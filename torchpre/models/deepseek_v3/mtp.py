@@ -11,7 +11,9 @@ output layer are the main model's. Its loss is the cross-entropy of logits_k aga
 loss gains mtp_loss_weight / D x (loss_1 + ... + loss_D), each term a sum over tokens divided by the global token
 count like the language-model loss, so it adds up over microbatches, stages and ranks to the same value as in one
 process. It enters the gradient through `AddAuxLoss`: the logged `loss` stays the language model's, and each
-depth's own mean cross-entropy is logged as `loss/mtp_k` (`mtp_stats`).
+depth's own mean cross-entropy is logged as `loss/mtp_k` (`mtp_stats`). Under training.loss_chunk_size the output
+layer is a `ChunkedOutput` and each depth's cross-entropy is computed a chunk of tokens at a time, like the main loss
+(`output_cross_entropy_sum`).
 
 The tokens ahead come in the forward's `future_tokens` [batch, seq, D + 1]
 (`torchpre.parallel.forward_inputs.future_tokens`), read from the sequence's inputs: so depth k trains on the
@@ -26,11 +28,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from torchpre.models.attention import DocumentMask
+from torchpre.parallel.chunked_output import output_cross_entropy_sum
 from torchpre.parallel.forward_inputs import IGNORE_INDEX
 
 
@@ -88,11 +90,8 @@ class MultiTokenPrediction(nn.Module):
             k = int(k)
             embedded = embedding(ahead[..., k - 1].clamp(min=0))  # past the end: any id, its targets are ignored
             hidden = depth(hidden, embedded, rope_cache, doc_mask)
-            logits = output(depth.norm(hidden))
             targets = ahead[..., k]
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-            )
+            loss = output_cross_entropy_sum(output, depth.norm(hidden), targets)
             with torch.no_grad():
                 self.loss_sums[k - 1] += _local(loss).double()
                 self.target_counts[k - 1] += (targets != IGNORE_INDEX).sum()
