@@ -4,9 +4,9 @@ result, the LR schedule, evaluation (validation loss, multiple-choice tasks), th
 Face exports and metrics.
 
 Everything that can reject the config (values, layout, batch arithmetic, model shapes, pipeline schedule, files)
-runs first, in `preflight` (`training.preflight`), before the process group is joined and identically on every rank, so bad input stops
-every rank with the same message instead of leaving some waiting for a peer. The dry run and the planner build
-jobs for ranks of a fake world through the same functions (`Runtime.fake`).
+runs first, in `preflight` (`training.preflight`), before the process group is joined and identically on every
+rank, so bad input stops every rank with the same message instead of leaving some waiting for a peer. The dry run
+and the planner build jobs for ranks of a fake world through the same functions (`Runtime.fake`).
 """
 
 import logging
