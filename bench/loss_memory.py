@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torchpre.metrics.tensor_memory import TensorMemory
 
 from bench.common import print_table
 from torchpre.parallel.linear_cross_entropy import linear_cross_entropy
+from torchpre.planner.tensor_memory import TensorMemory
 from torchpre.training.loss import cross_entropy_sum
 
 GiB = 2**30

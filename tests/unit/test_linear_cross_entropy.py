@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchpre.metrics.tensor_memory import TensorMemory
 
 from torchpre.evaluation.multiple_choice import _continuation_log_likelihoods
 from torchpre.layouts.batch import BatchSizes, CurrentBatch
@@ -29,6 +28,7 @@ from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.chunked_output import ChunkedOutput, ChunkedProjection, chunk_output_layer
 from torchpre.parallel.forward_inputs import IGNORE_INDEX, future_tokens
 from torchpre.parallel.linear_cross_entropy import linear_cross_entropy
+from torchpre.planner.tensor_memory import TensorMemory
 from torchpre.training.loss import GlobalMeanLoss
 
 RELATIVE = 1e-6
