@@ -621,6 +621,12 @@ BREAKS = [
           (TENSOR_PARALLEL,), "each tensor-parallel rank offsets its chunk's exponentials by its own shard's maximum"),
 ]
 
+def breaks_table(breaks: list[Break]) -> str:
+    """The breaks as a Markdown table: what each breaks, where, and the tests that must catch it."""
+    rows = [f"| `{b.name}` | {b.breaks} | `{b.file}` | {', '.join(f'`{t}`' for t in b.tests)} |" for b in breaks]
+    return "\n".join(["| break | what it breaks | file | caught by |", "|---|---|---|---|", *rows])
+
+
 def check_unique(repo: Path, breaks: list[Break]) -> None:
     """Every break's old text occurs exactly once in its file; stops naming the first that does not."""
     for b in breaks:
@@ -665,8 +671,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="only the breaks whose name contains this")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per break before it counts as a hang")
+    parser.add_argument("--list", action="store_true", help="print the breaks as a Markdown table and run none")
     args = parser.parse_args(argv)
     breaks = [b for b in BREAKS if args.k in b.name]
+    if args.list:
+        print(breaks_table(breaks))
+        return 0
     check_unique(REPO, breaks)
     survived, start = [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutation-") as workdir:
