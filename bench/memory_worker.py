@@ -1,13 +1,13 @@
 """train.py with exact tensor-memory accounting per step, for bench/memory.py.
 
 Builds the real Trainer from the same arguments as train.py and trains it under
-`torchpre.metrics.tensor_memory.TensorMemory`, a TorchDispatchMode entered before the Trainer is
+`torchpre.planner.tensor_memory.TensorMemory`, a TorchDispatchMode entered before the Trainer is
 built: every storage an op creates is counted at its size until its last reference dies, so the
 running total is every tensor byte of the job (parameters, buffers, optimizer state, gradients,
 activations, temporaries) and its maximum is the CPU counterpart of CUDA's `max_memory_allocated`
 (the module says why not the profiler, and what it cannot see). Peak RSS, which torchpre reports on
 CPU, adds the Python/torch baseline and what the C allocator keeps cached. The dry run predicts
-activations with the same counter (`torchpre.metrics.activation_probe`).
+activations with the same counter (`torchpre.planner.activation_probe`).
 
 Per train_step, as the max over ranks:
 - `step_start_bytes`: tensor bytes live when the step begins (parameters, buffers, optimizer state, data),
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchpre.metrics.tensor_memory import TensorMemory
+from torchpre.planner.tensor_memory import TensorMemory
 from torchpre.runtime.cli import run_entry_point
 
 FIELDS = ("step_start_bytes", "activation_bytes", "tensor_peak_bytes")

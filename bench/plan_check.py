@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.common import print_table, run_torchpre
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
-from torchpre.distributed.hardware import Hardware, get_hardware
+from torchpre.planner.hardware import Hardware, get_hardware
 from torchpre.planner.layouts import Layout, check
 from torchpre.planner.predict import model_flops_per_token, predict
 

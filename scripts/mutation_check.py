@@ -58,6 +58,7 @@ READ_LATE_STOP_TEST = (
     "test_non_finite_step_stops_every_rank_after_saving_the_last_good_state[read-during-the-next]"
 )
 CP_ATTENTION = "tests/distributed/test_context_parallel_attention.py"
+LINEAR_CROSS_ENTROPY = "tests/unit/test_linear_cross_entropy.py"
 CP_MODEL = "tests/distributed/test_context_parallel_model.py"
 HF_EXPORT_EVAL = "tests/integration/test_hf_export_eval.py"
 HF_PARITY = "tests/unit/test_hf_folder_parity.py"
@@ -123,7 +124,7 @@ BREAKS = [
            "tests/distributed/test_hf_parallelize_api.py::"
            "test_the_api_keeps_a_transformers_models_tied_embeddings_tied_at_dp2"),
           "parallelize finds no shared Parameter on the model as given: to_empty unties a tied transformers model"),
-    Break("eval-window-off-by-one", "torchpre/training/multiple_choice.py",
+    Break("eval-window-off-by-one", "torchpre/evaluation/multiple_choice.py",
           "rows.append(Row((context + continuation)[-(max_length + 1) :], len(continuation)))",
           "rows.append(Row((context + continuation)[-max_length:], len(continuation)))",
           ("tests/unit/test_multiple_choice.py::test_the_window_of_a_long_context_is_lm_evaluation_harness_s_max_length",),
@@ -301,7 +302,7 @@ BREAKS = [
           "                grad_out, q, k_prefix, v_prefix, out, lse, 0.0, True",
           ("tests/unit/test_suffix_attention.py",),
           "the CPU kernel's backward masks the keys before a query chunk as if they were the chunk's own"),
-    Break("probe-causal-attention-counted-whole", "torchpre/metrics/activation_probe.py",
+    Break("probe-causal-attention-counted-whole", "torchpre/planner/activation_probe.py",
           "    flops = sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value))\n"
           "    return round(flops * _causal_share(query, key)) if is_causal else flops",
           "    return sdpa_flop_count(query, _query_heads(query, key), _query_heads(query, value))",
@@ -365,7 +366,7 @@ BREAKS = [
           "param_groups, retain_graph=True)", "param_groups, retain_graph=False)",
           ("tests/unit/test_zero_bubble_param_groups.py",),
           "zero-bubble weight steps free the graph group by group: a group running through another's nodes fails"),
-    Break("fp8-checkpoint-scales-ignored", "torchpre/training/hf_reader.py",
+    Break("fp8-checkpoint-scales-ignored", "torchpre/interchange/reader.py",
           "return (value.float() * blocks).to(torch.bfloat16)", "return value.float().to(torch.bfloat16)",
           ("tests/integration/test_hf_convert.py::test_deepseek_v3_dcp_to_hf_matches_transformers_and_round_trips_bitwise",),
           "a block-FP8 folder (DeepSeek-V3 as released) imports its FP8 values without their block scales"),
@@ -379,7 +380,7 @@ BREAKS = [
           '        attention_factor=rope.get("attention_factor"),', "        attention_factor=None,",
           (f"{HF_PARITY}::test_a_deepseek_v3_folder_unlike_any_flavor_gives_transformers_logits[yarn-attention-factor]",),
           "a folder's YaRN attention_factor is dropped: cos and sin keep the scale mscale gives them"),
-    Break("hf-rank-reads-whole-tensors", "torchpre/training/hf_storage.py",
+    Break("hf-rank-reads-whole-tensors", "torchpre/interchange/storage.py",
           "value = self.sources[item.storage_index.fqn].read(self.folder.read, box_of(item))",
           "whole = tuple(slice(0, size) for size in self.shapes[item.storage_index.fqn])\n"
           "                value = self.sources[item.storage_index.fqn].read(self.folder.read, whole)[box_of(item)]",
@@ -514,34 +515,40 @@ BREAKS = [
           '"folder for metrics.jsonl and checkpoints"',
           ("tests/unit/test_docs.py::test_the_configuration_reference_is_current",),
           "an option's help changes and docs/config-reference.md still shows the old text"),
-    Break("eval-acc-norm-not-length-normalised", "torchpre/training/multiple_choice.py",
+    Break("eval-acc-norm-not-length-normalised", "torchpre/evaluation/multiple_choice.py",
           "        normalised = [score / len(choice) for score, choice in zip(scores, question.choices)]",
           "        normalised = list(scores)",
           ("tests/unit/test_multiple_choice.py",), "acc_norm ranks the choices by their summed log-likelihood, as acc"),
-    Break("eval-choice-scored-with-its-context", "torchpre/training/multiple_choice.py",
+    Break("eval-choice-scored-with-its-context", "torchpre/evaluation/multiple_choice.py",
           "            mask[i, n - row.continuation_length : n] = True",
           "            mask[i, :n] = True",
           ("tests/unit/test_multiple_choice.py",
            f"{HF_EXPORT_EVAL}::test_multiple_choice_scores_equal_transformers_on_the_export"),
           "a choice's log-likelihood includes its context's tokens"),
-    Break("hf-export-written-under-its-final-name", "torchpre/training/hf_export.py",
+    Break("hf-export-written-under-its-final-name", "torchpre/interchange/export.py",
           '        tmp = self.folder / f"{TMP_PREFIX}step-{step}"',
           '        tmp = self.folder / f"step-{step}"',
           ("tests/unit/test_hf_export.py::test_no_step_folder_exists_while_its_files_are_written",),
           "an export is written under its final name, which looks complete before it is"),
-    Break("hf-export-every-rank-writes-every-tensor", "torchpre/training/hf_export.py",
+    Break("hf-export-every-rank-writes-every-tensor", "torchpre/interchange/export.py",
           "            if self.owners[name] == self.rank:",
           "            if True:",
           (f"{HF_EXPORT_EVAL}::test_both_ranks_write_a_part_and_neither_the_whole_model",),
           "every rank gathers and writes the whole model"),
     Break("ramp-loss-normalised-by-final-batch", "torchpre/training/job.py",
-          "        self.loss.tokens_per_step = sizes.tokens_per_step",
-          "        self.loss.tokens_per_step = self.preflight.batches.tokens_per_step",
+          "    loss = GlobalMeanLoss(batch, ",
+          "    loss = GlobalMeanLoss(CurrentBatch(pre.batches), ",
           (RAMP_TRAINING_TEST,), "a ramped step's loss divides by the final global batch's tokens, not its own"),
     Break("ramp-data-position-by-final-batch", "torchpre/training/job.py",
-          "            self.data.global_batch_size = sizes.global_batch_size",
-          "            self.data.global_batch_size = self.preflight.batches.global_batch_size",
+          "    data = _training_data(config, pre, meshes, device, batch) if",
+          "    data = _training_data(config, pre, meshes, device, CurrentBatch(pre.batches)) if",
           (RAMP_TRAINING_TEST,), "the data position advances by the final global batch during a ramp"),
+    Break("ramp-pipeline-microbatches-fixed", "torchpre/parallel/pipeline.py",
+          "        return sequences // self.microbatch_size if self.microbatch_size else self.n_microbatches",
+          "        return self.n_microbatches",
+          ("tests/unit/test_pipeline_plan.py::test_a_smaller_step_runs_fewer_microbatches_of_the_set_size",),
+          "a ramped pipeline step is cut into the final batch's microbatch count (some empty), not microbatches of the "
+          "set size"),
     Break("ramp-rounds-instead-of-truncating", "torchpre/training/ramp.py",
           "        return self.start + int(consumed_samples / per_increment) * self.increment",
           "        return self.start + round(consumed_samples / per_increment) * self.increment",
@@ -607,6 +614,14 @@ BREAKS = [
           "        if int(window.max()) >= self.reader.manifest.vocab_size:", "        if False:",
           (f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message[shards-token-id-beyond-the-vocabulary-unrecorded]",),
           "a shard token id beyond the vocabulary reaches the embedding (an IndexError mid-run)"),
+    Break("loss-chunk-gradient-dropped", "torchpre/parallel/linear_cross_entropy.py",
+          "            grad_logits.mul_(scale[rows, None])",
+          "            grad_logits.mul_(scale[rows, None] * (rows.stop < len(labels)))",
+          (f"{LINEAR_CROSS_ENTROPY}::test_chunked_loss_and_every_gradient_equal_the_full_logits[llama3-7-short-last]",),
+          "the chunked loss's backward drops its last chunk's share of the hidden states' and weight's gradients"),
+    Break("loss-chunk-max-not-reduced-over-tp", "torchpre/parallel/linear_cross_entropy.py",
+          "        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=shard.group)", "        pass",
+          (TENSOR_PARALLEL,), "each tensor-parallel rank offsets its chunk's exponentials by its own shard's maximum"),
     Break("mup-factors-from-local-shapes", "torchpre/optim/distributed_optimizer.py",
           "keys = {p.name: scales.key(p.name, p.param.shape) for p in self.params}",
           "keys = {p.name: scales.key(p.name, p.local.shape) for p in self.params}",
@@ -626,6 +641,12 @@ BREAKS = [
           (f"{MUP_INTEGRATION}::test_hf_export_of_a_mup_model_gives_transformers_torchpres_logits[llama3-untied]",),
           "a µP model exported to Llama without its multipliers: transformers computes another model"),
 ]
+
+def breaks_table(breaks: list[Break]) -> str:
+    """The breaks as a Markdown table: what each breaks, where, and the tests that must catch it."""
+    rows = [f"| `{b.name}` | {b.breaks} | `{b.file}` | {', '.join(f'`{t}`' for t in b.tests)} |" for b in breaks]
+    return "\n".join(["| break | what it breaks | file | caught by |", "|---|---|---|---|", *rows])
+
 
 def check_unique(repo: Path, breaks: list[Break]) -> None:
     """Every break's old text occurs exactly once in its file; stops naming the first that does not."""
@@ -671,8 +692,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="only the breaks whose name contains this")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per break before it counts as a hang")
+    parser.add_argument("--list", action="store_true", help="print the breaks as a Markdown table and run none")
     args = parser.parse_args(argv)
     breaks = [b for b in BREAKS if args.k in b.name]
+    if args.list:
+        print(breaks_table(breaks))
+        return 0
     check_unique(REPO, breaks)
     survived, start = [], time.monotonic()
     with tempfile.TemporaryDirectory(prefix="mutation-") as workdir:

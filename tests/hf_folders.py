@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from torchpre.interchange.folder import shard_file_name, write_index
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs
 from torchpre.models.llama3.hf import hf_config
-from torchpre.training.hf_folder import shard_file_name, write_index
 
 # A few hundred MB in bf16 (188M parameters): the CI-sized memory test's model.
 CI_SIZED = TransformerArgs(

@@ -1,6 +1,6 @@
 """One rank's share of a model, built under a job's layout (its ZeRO-3 or tensor-parallel sharding) in
 training.mixed_precision_param and without an optimizer, loaded from checkpoint.initial_load_path (a Hugging Face
-folder) by the loader training uses (`torchpre.training.hf_load.load_hf_weights`); each rank writes its load report
+folder) by the loader training uses (`torchpre.interchange.load.load_hf_weights`); each rank writes its load report
 (bytes held and read, RSS before and at its peak while loading) to {dump_folder}/load_rank{R}.json.
 
 For the memory tests: a whole training job would also hold fp32 masters and optimizer state, which a folder of
@@ -23,11 +23,11 @@ from torchpre.runtime.cli import run_entry_point  # noqa: E402
 def main(argv: list[str]) -> None:
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
+    from torchpre.interchange.load import load_hf_weights
     from torchpre.parallel.api import parallelize
     from torchpre.runtime.world import Runtime
-    from torchpre.training.hf_load import load_hf_weights
-    from torchpre.training.job import preflight
     from torchpre.training.model import meta_model, parallel_plan
+    from torchpre.training.preflight import preflight
 
     config = parse_args(JobConfig, argv)
     runtime = Runtime.from_env()

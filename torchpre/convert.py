@@ -50,10 +50,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
-from torchpre.models.registry import HFAdapter, get_model_spec
-from torchpre.runtime.cli import run_entry_point
-from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.hf_folder import (
+from torchpre.interchange.folder import (
     SAFETENSORS,
     give_default_modes,
     save_safetensors,
@@ -61,7 +58,10 @@ from torchpre.training.hf_folder import (
     write_index,
     write_metadata,
 )
-from torchpre.training.hf_load import FROM_HF, hf_weights, load_hf_weights
+from torchpre.interchange.load import FROM_HF, hf_weights, load_hf_weights
+from torchpre.models.registry import HFAdapter, get_model_spec
+from torchpre.runtime.cli import run_entry_point
+from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.model import model_args, model_context
 from torchpre.training.rope import check_saved_rope
 
@@ -137,7 +137,7 @@ def dcp_to_hf(
 
 def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | None, config: JobConfig) -> None:
     """The folder's weights into whole tensors (in `dtype`, default their own) through the reader a training job loads
-    a folder with (`torchpre.training.hf_load`), saved as a model-only checkpoint."""
+    a folder with (`torchpre.interchange.load`), saved as a model-only checkpoint."""
     weights = hf_weights(hf_dir, get_model_spec(config.model.name), model.args, "hf-to-dcp HF_DIR")
     state_dict = {name: torch.empty(size, dtype=dtype or weights.dtype(name)) for name, size in weights.shapes.items()}
     report = load_hf_weights(weights, state_dict, no_dist=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.hardware import HARDWARE, Hardware, get_hardware
 from torchpre.errors import ConfigError
+from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware
 from torchpre.runtime.cli import run_entry_point
 
 PROG = "python -m torchpre.plan"
@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
     hardware = _hardware(planner)
     if planner.gpus < 1:
         raise ConfigError(f"{PROG} needs --gpus N: the number of GPUs the job will run on.")
-    if config.model.flavor == "from_hf":  # torchpre.training.hf_load.FROM_HF, named here before torch loads
+    if config.model.flavor == "from_hf":  # torchpre.interchange.load.FROM_HF, named here before torch loads
         raise ConfigError(
             f"{PROG} searches the layouts of registered flavors; model.flavor = 'from_hf' (the model of a Hugging Face "
             "folder's config.json) is not one. Plan the flavor of the same shape, or check this job's layout with "

@@ -20,8 +20,8 @@ from bench.plan_check import (
     measured_memory,
     predicted,
 )
-from torchpre.distributed.hardware import get_hardware
 from torchpre.planner.calibrate import calibrate
+from torchpre.planner.hardware import get_hardware
 
 pytestmark = pytest.mark.slow
 CI_SAMPLE = ("dp2-zero1-ac-full", "pp2-gpipe-ac-full")

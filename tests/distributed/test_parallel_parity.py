@@ -4,12 +4,14 @@ Each case runs train.py in real processes on gloo with the debug model (6 layers
 and compares metrics.jsonl with the single-process run of the same config and seed.
 """
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from tests.launch import DEBUG as DEBUG_MODEL
-from tests.launch import short_documents_args, train_and_read_metrics
+from tests.launch import REPO, short_documents_args, train_and_read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -256,6 +258,78 @@ def test_pp2_with_tied_embeddings_matches_one_process(tmp_path):
     # tp2 x pp2 keeps the tied copies equal while both are sharded over the vocabulary
     records = train_and_read_metrics([*tied, *TP2, *pp("1F1B")], 4, tmp_path / "tp2_pp2")
     assert_same_curve(records, reference)
+
+
+# training.loss_chunk_size: the output layer and cross-entropy a chunk of tokens at a time, under each kind of layout,
+# against one process with the same chunking. 24 tokens divide no microbatch (256 tokens at one process, 128 at dp2
+# and per cp rank, 32 for a pipeline microbatch), so every run has several chunks and a short last one. The rows with
+# EVAL also score the validation loss and a multiple-choice task at steps 5 and 10 (against a reference with them too:
+# validation holds its samples out of the training data). The layouts differ in reduction order only (tp2: each
+# chunk's maximum and sum of exponentials over two vocabulary shards); held to 1e-5 like the cp rows. Measured over
+# the 10 steps: every row's losses within 9.6e-7 of one process, its grad norms equal as logged, the multi-token
+# prediction losses within 1.1e-6; one process chunked is within 1.9e-6 of one process unchunked. The CI sample is pp2
+# under ZBVZeroBubble: the last stage on rank 0 beside the first, and the zero-bubble schedules' split backward (an
+# input-only, then a weight-only pass through the chunked loss); CI checks vocabulary-sharded chunks in
+# tests/distributed/test_tensor_parallel.py, in one spawn with the other tensor-parallel variants.
+CHUNKED = ["--training.loss_chunk_size", "24"]
+DSV3_MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_pp", "--model.mtp_depth", "2"]
+TASK = REPO / "examples" / "eval" / "tiny_choices.jsonl"
+EVAL = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2", "--eval.tasks", str(TASK),
+        "--eval.freq", "5"]  # fmt: skip
+CHUNKED_LAYOUTS = {
+    "chunked_tp2_sp_lp_pp2_zbv": ([], 4, [*TP2, *SP, *LP, *pp("ZBVZeroBubble")]),
+    "chunked_dp2_zero3": (EVAL, 2, zero(3)),
+    "chunked_tp2_sp_lp": (EVAL, 2, [*TP2, *SP, *LP]),
+    "chunked_tp2_no_lp": ([], 2, TP2),
+    "chunked_pp2_1f1b": (EVAL, 2, pp("1F1B")),
+    "chunked_pp2_zbv": ([], 2, pp("ZBVZeroBubble")),
+    "chunked_dp2_zero3_pp2_gpipe": ([], 4, [*zero(3), *pp("GPipe")]),
+    "chunked_cp2": ([], 2, CP2),
+    "chunked_mtp_pp2_1f1b": (DSV3_MTP, 2, pp("1F1B")),
+    "chunked_mtp_pp2_zbv": (DSV3_MTP, 2, pp("ZBVZeroBubble")),
+    "chunked_mtp_tp2_sp_lp": (DSV3_MTP, 2, [*TP2, *SP, *LP]),
+}
+CHUNKED_CI_ROWS = ("chunked_pp2_zbv",)
+CHUNKED_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def chunked_reference(tmp_path_factory) -> Callable[[list[str]], tuple[Path, list[dict]]]:
+    """One process's run with the given extra arguments and chunking on (its folder and records), once per module."""
+    runs: dict[tuple[str, ...], tuple[Path, list[dict]]] = {}
+
+    def reference(extra: list[str]) -> tuple[Path, list[dict]]:
+        if tuple(extra) not in runs:
+            folder = tmp_path_factory.mktemp("chunked_ref")
+            runs[tuple(extra)] = folder, train_and_read_metrics([*DEBUG, *CHUNKED, *extra], 1, folder)
+        return runs[tuple(extra)]
+
+    return reference
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [name if name in CHUNKED_CI_ROWS else pytest.param(name, marks=pytest.mark.parity_matrix)
+     for name in CHUNKED_LAYOUTS],
+)  # fmt: skip
+def test_chunked_loss_layout_matches_one_process(layout, chunked_reference, tmp_path):
+    extra, nproc, args = CHUNKED_LAYOUTS[layout]
+    records = train_and_read_metrics([*DEBUG, *CHUNKED, *extra, *args], nproc, tmp_path)
+    reference_folder, reference = chunked_reference(extra)
+    assert_same_curve(records, reference, CHUNKED_ATOL)
+    evaluated = ("loss/mtp_1", "loss/mtp_2") if extra is DSV3_MTP else ("val_loss",) if extra is EVAL else ()
+    for key in evaluated:
+        assert [r.get(key) for r in records] == pytest.approx([r.get(key) for r in reference], abs=CHUNKED_ATOL), key
+    if extra is EVAL:
+        for step in (5, 10):
+            ours, theirs = (choice_log_likelihoods(folder, step) for folder in (tmp_path, reference_folder))
+            assert ours == pytest.approx(theirs, abs=CHUNKED_ATOL), step
+
+
+def choice_log_likelihoods(folder: Path, step: int) -> list[float]:
+    """Every choice's log-likelihood that the multiple-choice evaluation wrote at `step`."""
+    lines = (folder / "eval" / TASK.stem / f"step-{step}.jsonl").read_text().splitlines()
+    return [score for line in lines for score in json.loads(line)["log_likelihoods"]]
 
 
 # µP and CompleteP models (model.parametrization, docs/mup.md) under every kind of layout, each against one process with

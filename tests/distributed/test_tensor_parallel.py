@@ -35,6 +35,7 @@ from torchpre.models.llama3.parallelize import (
     apply_llama3_tensor_parallel,
     validate_llama3_tensor_parallel,
 )
+from torchpre.parallel.chunked_output import ChunkedProjection, chunk_output_layer
 from torchpre.parallel.tensor_parallel import (
     apply_tensor_parallel,
     loss_parallel_context,
@@ -58,8 +59,10 @@ class Variant(NamedTuple):
     sequence_parallel: bool
     loss_parallel: bool
     tie_word_embeddings: bool = False
+    chunk_size: int = 0  # training.loss_chunk_size: a ChunkedOutput, vocabulary-parallel chunk by chunk
 
 
+# 12 tokens per chunk: 3 chunks of the 32 tokens, the last one short.
 VARIANTS = [
     Variant("tp", sequence_parallel=False, loss_parallel=False),
     Variant("tp+sp", sequence_parallel=True, loss_parallel=False),
@@ -67,6 +70,8 @@ VARIANTS = [
     Variant("tp+loss_parallel", sequence_parallel=False, loss_parallel=True),
     Variant("tp, tied", sequence_parallel=False, loss_parallel=False, tie_word_embeddings=True),
     Variant("tp+sp+loss_parallel, tied", sequence_parallel=True, loss_parallel=True, tie_word_embeddings=True),
+    Variant("tp+sp, chunked", sequence_parallel=True, loss_parallel=False, chunk_size=12),
+    Variant("tp, tied, chunked", sequence_parallel=False, loss_parallel=True, tie_word_embeddings=True, chunk_size=12),
 ]
 
 
@@ -83,6 +88,8 @@ def _check_variant(variant: Variant, mesh: DeviceMesh) -> None:
     args = dataclasses.replace(ARGS, tie_word_embeddings=variant.tie_word_embeddings)
     reference = _materialize(_meta_model(args))
     model = _meta_model(args)
+    if variant.chunk_size:
+        chunk_output_layer(model, "output", variant.chunk_size)
     apply_llama3_tensor_parallel(
         model, mesh, sequence_parallel=variant.sequence_parallel, loss_parallel=variant.loss_parallel
     )
@@ -100,11 +107,14 @@ def _check_variant(variant: Variant, mesh: DeviceMesh) -> None:
     reference_loss = _loss(reference(tokens), labels)
     reference_loss.backward()
     with loss_parallel_context(variant.loss_parallel), CommDebugMode() as comms:
-        logits = model(tokens)
-        loss = _loss(logits, labels)
+        output = model(tokens)
+        chunked = variant.chunk_size > 0
+        loss = ChunkedProjection(model).cross_entropy_sum(output, labels) if chunked else _loss(output, labels)
         loss.backward()
-    if not variant.loss_parallel:
-        assert type(logits) is Tensor and logits.shape == (BATCH, SEQ, ARGS.vocab_size), variant.name
+    if chunked:  # the hidden states, every rank's whole sequence
+        assert output.placements == (Replicate(),) and output.shape == (BATCH, SEQ, ARGS.dim), variant.name
+    elif not variant.loss_parallel:
+        assert type(output) is Tensor and output.shape == (BATCH, SEQ, ARGS.vocab_size), variant.name
     torch.testing.assert_close(_full(loss.detach()), reference_loss.detach(), rtol=1e-5, atol=0)
     assert comms.get_comm_counts() == _expected_collectives(variant), variant.name
 
@@ -148,7 +158,8 @@ def _expected_collectives(variant: Variant) -> dict[object, int]:
     reduced in the backward: an all-reduce each, or under SP a reduce-scatter each, paired with
     the all-gather that is the other direction's transpose. Then the logits are all-gathered,
     or loss parallel all-reduces three times (max and sum of exponentials for log-softmax, the
-    target logits for NLL).
+    target logits for NLL); the chunked loss all-reduces twice per chunk (the maximum; the sum
+    of exponentials with the label logits), whether or not loss parallel is on.
     """
     ops = torch.ops.c10d_functional
     crossings = 2 * (2 * ARGS.n_layers + 1)
@@ -157,7 +168,9 @@ def _expected_collectives(variant: Variant) -> dict[object, int]:
         counts.update({ops.reduce_scatter_tensor: crossings, ops.all_gather_into_tensor: crossings})
     else:
         counts[ops.all_reduce] += crossings
-    if variant.loss_parallel:
+    if variant.chunk_size:
+        counts[torch.ops.c10d.allreduce_] += 2 * -(-BATCH * SEQ // variant.chunk_size)
+    elif variant.loss_parallel:
         counts[ops.all_reduce] += 3
     else:
         counts[ops.all_gather_into_tensor] += 1

@@ -670,6 +670,24 @@ CATALOGUE = [
         ["context_parallel_degree = 2", "model.name = 'hf' has no context-parallel attention", "llama3, moe"],
         ranks=2,
     ),
+    case(
+        "loss-chunk-size-negative",
+        ["--training.loss_chunk_size", "-1"],
+        ["training.loss_chunk_size = -1", "at least 0"],
+    ),
+    case(
+        "loss-chunks-for-a-family-without-an-output-layer",
+        [*HF, HF_LLAMA, "--training.loss_chunk_size", "64"],
+        ["training.loss_chunk_size = 64: model.name = 'hf' names no output layer", "training.loss_chunk_size = 0",
+         "llama3, moe, deepseek_v3"],
+        ranks=2,
+    ),  # fmt: skip
+    case(
+        "loss-chunks-with-a-quantized-output-layer",
+        ["--training.loss_chunk_size", "64", "--quantize.linear", "float8", "--quantize.modules", "layers.*,output"],
+        ["training.loss_chunk_size = 64 with quantize.linear = 'float8'", "names the output layer 'output'",
+         "Leave it out of quantize.modules"],
+    ),  # fmt: skip
     # Low precision (quantize.*; torchao missing: tests/unit/test_quantize.py, since this process has torchao).
     case(
         "mtp-for-a-family-without-it",

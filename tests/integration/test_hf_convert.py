@@ -318,7 +318,7 @@ def quantize_fp8_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor,
 
 
 def test_a_quantization_other_than_block_fp8_is_refused_by_name(tmp_path):
-    from torchpre.training.hf_reader import HFFolder
+    from torchpre.interchange.reader import HFFolder
 
     save_file({"w.weight": torch.ones(2, 2)}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4}}))

@@ -3,7 +3,6 @@ step against theory and against another microbatch count, and the straggler a sl
 
 import json
 import socket
-import statistics
 from pathlib import Path
 
 import pytest
@@ -64,7 +63,7 @@ BUBBLE_MODEL = ["--model.flavor", "bench", "--training.seq_len", "128"]
 
 
 def _bubbles(tmp_path: Path, microbatches: int) -> list[dict]:
-    args = [*BUBBLE_MODEL, "--training.local_batch_size", str(microbatches), "--training.steps", "4",
+    args = [*BUBBLE_MODEL, "--training.local_batch_size", str(microbatches), "--training.steps", "6",
             "--metrics.log_freq", "1", "--parallelism.pipeline_parallel_degree", "2",
             "--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_microbatch_size", "1",
             "--lr_scheduler.warmup_steps", "2"]  # fmt: skip
@@ -75,12 +74,14 @@ def test_the_pipeline_bubble_follows_the_schedule_and_shrinks_with_more_microbat
     """pp2 1F1B: every record has the theory's bubble, (p-1)/(m+p-1), and a measured one in [0, bubble_max]; and the
     bubble measured with 8 microbatches (theory 1/9) is below the one with 2 (theory 1/3), measured in this same
     test. Its distance to the theory depends on how idle the machine is, so the absolute comparison is
-    bench/pipeline_bubble.py's (`python -m bench.pipeline_bubble`, and its test under the bench marker)."""
-    medians = {}
+    bench/pipeline_bubble.py's (`python -m bench.pipeline_bubble`, and its test under the bench marker). The
+    comparison takes each run's least disturbed step (the smallest bubble of 5): another process taking a core
+    only ever adds waiting, and under a load of 18 the medians of 3 steps came out in the wrong order once."""
+    least = {}
     for microbatches, theory in ((2, 1 / 3), (8, 1 / 9)):
         records = _bubbles(tmp_path, microbatches)
         for record in records:
             assert record["pipeline/bubble_theory"] == pytest.approx(theory)
             assert 0 <= record["pipeline/bubble"] <= record["pipeline/bubble_max"] < 1
-        medians[microbatches] = statistics.median(r["pipeline/bubble"] for r in records[1:])
-    assert medians[8] < medians[2], medians
+        least[microbatches] = min(r["pipeline/bubble"] for r in records[1:])
+    assert least[8] < least[2], least

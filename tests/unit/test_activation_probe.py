@@ -13,13 +13,13 @@ from torch._subclasses import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.metrics.activation_probe import ActivationProbe, Collective, probe_microbatch
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel import ParallelPlan, parallelize
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing, slots
+from torchpre.planner.activation_probe import ActivationProbe, Collective, probe_microbatch
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], max_seq_len=32)  # dim 64, 2 blocks, 4 heads, 2 kv heads
 BATCH, SEQ = 2, 32

@@ -2,8 +2,8 @@
 
 import pytest
 
-from torchpre.distributed.hardware import load_profile
 from torchpre.planner.calibrate import calibrate, fit_latency_bandwidth
+from torchpre.planner.hardware import load_profile
 
 
 def test_the_fit_recovers_latency_and_bandwidth_exactly():

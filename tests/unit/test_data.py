@@ -11,6 +11,7 @@ from torchpre.data.loader import TrainingData, build_dataloader
 from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import TorchpreError
+from torchpre.layouts.batch import BatchSizes, CurrentBatch
 
 
 def take(sampler: GlobalBatchSampler, n: int) -> list[list[int]]:
@@ -114,7 +115,7 @@ def test_a_resumed_data_position_gives_the_batches_training_would_have_read(tmp_
     job that loads it reads the very batches the uninterrupted job reads next; one sample off shifts them all."""
     data = tmp_path / "data.jsonl"
     write_jsonl(data, [f"document number {i} says something about topic {i % 7}." for i in range(200)])
-    running = TrainingData(build(data), global_batch_size=4, accumulation_steps=2)
+    running = TrainingData(build(data), CurrentBatch(BatchSizes(4, 2, 2, 8)))
     for _ in range(3):
         running.next_step()
         running.step_done()
@@ -122,7 +123,7 @@ def test_a_resumed_data_position_gives_the_batches_training_would_have_read(tmp_
     assert state == {"consumed_samples": 12}
     expected = running.next_step()
 
-    resumed = TrainingData(build(data), global_batch_size=4, accumulation_steps=2)
+    resumed = TrainingData(build(data), CurrentBatch(BatchSizes(4, 2, 2, 8)))
     resumed.load_state_dict(state)
     got = resumed.next_step()
     assert resumed.consumed_samples == 12

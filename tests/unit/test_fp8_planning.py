@@ -9,10 +9,10 @@ from torch import nn
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.hardware import get_hardware
 from torchpre.metrics import flops
-from torchpre.metrics.activation_probe import probe_microbatch
 from torchpre.metrics.logger import format_step_line
+from torchpre.planner.activation_probe import probe_microbatch
+from torchpre.planner.hardware import get_hardware
 from torchpre.planner.layouts import Layout, check
 from torchpre.planner.pieces import microbatch_pieces
 from torchpre.planner.predict import model_flops_per_token, predict

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from tests.launch import REPO
-from torchpre.distributed.hardware import HARDWARE, Hardware, get_hardware, load_profile, save_profile
 from torchpre.errors import ConfigError
+from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware, load_profile, save_profile
 
 
 def test_rows_hold_the_datasheet_numbers():
@@ -71,7 +71,7 @@ def test_a_missing_profile_is_a_config_error(tmp_path):
 def test_the_module_imports_without_torch(tmp_path):
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch is hidden by this test')\n")
-    code = "import torchpre.distributed.hardware as h; print(h.get_hardware('a100-80gb').name)"
+    code = "import torchpre.planner.hardware as h; print(h.get_hardware('a100-80gb').name)"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
         env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"},

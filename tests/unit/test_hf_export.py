@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import torchpre.training.hf_export as hf_export
+import torchpre.interchange.export as hf_export
 from torchpre.config.job_config import HFExport
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import StorageError
+from torchpre.interchange.export import HFExporter, TensorInfo, _balanced_owners
 from torchpre.models.registry import get_model_spec
-from torchpre.training.hf_export import HFExporter, TensorInfo, _balanced_owners
 
 TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
 

@@ -3,7 +3,7 @@ config.json (every field read, fixed or refused by name) and its logits equal tr
 
 Each folder is a random model saved by transformers' `save_pretrained` in several files with an index, its norms and
 routing biases moved off their initial values; torchpre builds the model from the folder and loads it through the
-reader every layout uses (`torchpre.training.hf_load`, here in one process). fp32 on CPU: the two implementations
+reader every layout uses (`torchpre.interchange.load`, here in one process). fp32 on CPU: the two implementations
 differ in operation order only (measured at most 2.6e-6 on logits of a few units); a field read wrongly or ignored
 moves them by far more: the latent norms at rms_norm_eps instead of 1e-6 by 6.0e-5 with eps 1e-5 (1.5 with 1e-2),
 YaRN's attention_factor ignored by 1.6, its truncate by 2.4e-3, an absent mscale read as 1 by 1.4.
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from torchpre.errors import TorchpreError
+from torchpre.interchange.load import folder_args, hf_weights, load_hf_weights
 from torchpre.models.registry import get_model_spec
-from torchpre.training.hf_load import folder_args, hf_weights, load_hf_weights
 
 transformers = pytest.importorskip("transformers")
 

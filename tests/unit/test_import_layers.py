@@ -6,6 +6,7 @@ test needs nothing imported and catches an import that only runs on some code pa
 """
 
 import ast
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,8 @@ PACKAGE = "torchpre"
 # cycle between units. `errors`, `optional` and `confined` are the leaves; `distributed` the mesh, collectives and
 # name helpers, and `layouts` the torch-free tables of pipeline schedules and ZeRO stages; `config` the job's sections
 # (torch-free: tests/unit/test_help_without_torch.py), which the layers above read; `parallel` the parallelize
-# machinery and the data-parallel strategy; then the components built on it, each from its config section; then the
+# machinery and the data-parallel strategy; then the components built on it, each from its config section
+# (`evaluation` the held-out loss and downstream tasks, `interchange` Hugging Face folders in and out); then the
 # training loop that sequences them; then the planner (dry run included) and the entry points (`python -m
 # torchpre.X`). `runtime` holds what every entry point shares (the runner of entry points, custom imports) and the
 # job's runtime services (determinism, preemption, GC, profiling, the world it runs in).
@@ -27,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("distributed", "layouts"),
     ("config",),
     ("parallel",),
-    ("optim", "models", "data", "checkpoint", "metrics", "health", "runtime"),
+    ("optim", "models", "data", "checkpoint", "metrics", "health", "runtime", "evaluation", "interchange"),
     ("training",),
     ("planner", "train", "generate", "convert", "plot", "plan"),
 )
@@ -272,3 +274,11 @@ def test_a_synthetic_cycle_is_reported_with_its_path():
     assert _describe(cycles) == "pkg.a -> pkg.b -> pkg.c -> pkg.a"
     assert find_cycles({"x": {"y"}, "y": set()}) == []
     assert find_cycles({"x": {"x"}}) == [["x", "x"]]
+
+
+def test_the_architecture_page_lists_the_layers():
+    """docs/architecture.md's table of layers is `LAYERS`, in order, so the map contributors read is the rule."""
+    page = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = page.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [tuple(re.findall(r"`([a-z_]+)`", packages)) for packages in rows] == list(LAYERS)

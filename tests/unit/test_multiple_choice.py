@@ -11,10 +11,7 @@ import torch
 
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.errors import ConfigError
-from torchpre.models.llama3.args import LLAMA3_FLAVORS
-from torchpre.models.llama3.model import Transformer
-from torchpre.parallel import ParallelPlan, parallelize
-from torchpre.training.multiple_choice import (
+from torchpre.evaluation.multiple_choice import (
     MultipleChoiceEvaluator,
     Question,
     Row,
@@ -25,6 +22,9 @@ from torchpre.training.multiple_choice import (
     read_task,
     read_tasks,
 )
+from torchpre.models.llama3.args import LLAMA3_FLAVORS
+from torchpre.models.llama3.model import Transformer
+from torchpre.parallel import ParallelPlan, parallelize
 
 TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
 

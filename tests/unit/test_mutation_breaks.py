@@ -24,3 +24,9 @@ def test_every_break_names_a_line_that_occurs_once_and_tests_that_exist():
         for test in b.tests:
             path = REPO / test.split("::")[0]
             assert path.exists(), f"mutation '{b.name}': its test file {path} does not exist"
+
+
+def test_the_testing_page_counts_the_breaks():
+    """docs/testing.md says how many breaks the check applies; a break added without the page follows fails here."""
+    page = (REPO / "docs" / "testing.md").read_text(encoding="utf-8")
+    assert f"({len(load_breaks())} today)" in page, "update the count of breaks in docs/testing.md"

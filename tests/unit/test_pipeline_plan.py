@@ -68,6 +68,15 @@ def test_plan_counts_stages_and_microbatches():
     assert plan(schedule="AFAB").schedule.name == "GPipe"
 
 
+def test_a_smaller_step_runs_fewer_microbatches_of_the_set_size():
+    """A global-batch ramp's early steps have fewer rows: they run as microbatches of
+    pipeline_parallel_microbatch_size (not the final batch's count, which would leave some empty)."""
+    p = plan(sequences=12, microbatch_size=2)
+    assert (p.n_microbatches, p.microbatches_in(12), p.microbatches_in(4)) == (6, 6, 2)
+    built = PipelinePlan.build([LAYERS[:3], LAYERS[3:]], pp=2, n_microbatches=4)
+    assert (built.microbatches_in(8), built.microbatches_in(4)) == (4, 4)  # no size given: the plan's number
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -15,6 +15,7 @@ from torchpre.config.job_config import Training
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard, TakenStep
 from torchpre.health.verdict import NonFiniteError
+from torchpre.layouts.batch import BatchSizes, CurrentBatch
 
 ROWS = 3
 
@@ -70,9 +71,8 @@ class ToyLoop:
 
 def _guard(loop: ToyLoop, **settings) -> StepGuard:
     forensics = Forensics([loop.model], [0], dp_rank=0, dp_size=1, local_batch_size=ROWS, rows_per_microbatch=ROWS)
-    return StepGuard(
-        Training(**settings), loop.optimizer, forensics, tp_degree=1, global_batch_size=ROWS, is_logging_rank=True
-    )
+    batch = CurrentBatch(BatchSizes(ROWS, 1, ROWS, 4))
+    return StepGuard(Training(**settings), loop.optimizer, forensics, tp_degree=1, batch=batch, is_logging_rank=True)
 
 
 def _inputs(seed: int, poisoned: bool = False) -> torch.Tensor:

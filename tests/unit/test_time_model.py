@@ -7,7 +7,7 @@ rounding only; the model is closed-form.
 
 import pytest
 
-from torchpre.distributed.hardware import HARDWARE, Hardware
+from torchpre.planner.hardware import HARDWARE, Hardware
 from torchpre.planner.time_model import (
     Collective,
     Layout,

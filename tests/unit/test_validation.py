@@ -17,12 +17,12 @@ from torchpre.data.sampler import EpochShuffle
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
 from torchpre.errors import ConfigError
+from torchpre.evaluation.validation import Validator, held_out_fraction, validation_batches
 from torchpre.metrics.logger import format_step_line
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.api import ParallelModel, ParallelPlan
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.validation import Validator, held_out_fraction, validation_batches
 
 TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
 SEQ_LEN = 8

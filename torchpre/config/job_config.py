@@ -188,6 +188,12 @@ class Training:
     mixed_precision_grad: Literal["float32", "bfloat16"] = _option(
         "float32", "dtype gradients accumulate in across microbatches (bfloat16 only to measure its error)"
     )
+    loss_chunk_size: int = _option(
+        0,
+        "tokens per chunk of the output layer and cross-entropy: the [tokens, vocabulary] logits are computed a chunk "
+        "at a time and never held whole (forward and backward; every layout, multi-token prediction and evaluation "
+        "too); 0 = the whole logits at once",
+    )
     document_mask: bool = _option(
         False,
         "attend only within each document of a packed sequence (a document starts at each BOS token); "

@@ -17,6 +17,7 @@ def validate_config(config: JobConfig) -> None:
     _at_least("training.local_batch_size", t.local_batch_size, 1)
     _at_least("training.seq_len", t.seq_len, 1)
     _at_least("training.steps", t.steps, 1)
+    _at_least("training.loss_chunk_size", t.loss_chunk_size, 0)
     _at_least("training.max_norm", t.max_norm, 0)
     _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
     _at_least("metrics.log_freq", m.log_freq, 1)

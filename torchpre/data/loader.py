@@ -17,6 +17,7 @@ from torchpre.data.shard_dataset import ShardWindows
 from torchpre.data.synthetic import SyntheticTokens, in_order
 from torchpre.data.tokenizer import Tokenizer, tokenizer_hash
 from torchpre.errors import ConfigError, TorchpreError
+from torchpre.layouts.batch import CurrentBatch
 
 # torchdata 0.11 calls a torch API that newer torch deprecated; the warning says nothing to users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
@@ -78,19 +79,18 @@ class TrainingData:
     loop says when a step is done (`step_done`), and a resume puts the sampler where training stopped.
 
     `loader` reads data stage `stage` (any hashable key); with data stages, `loader_for(stage)` builds another
-    stage's and `enter(stage)` switches to it at the current position. The job sets `global_batch_size` and
-    `accumulation_steps` before each step whose batch differs (a global-batch ramp)."""
+    stage's and `enter(stage)` switches to it at the current position. Each step's microbatches and samples are the
+    `batch`'s now (a global-batch ramp changes them)."""
 
     def __init__(
         self,
         loader: StatefulDataLoader,
-        global_batch_size: int,
-        accumulation_steps: int,
+        batch: CurrentBatch,
         stage: Hashable = None,
         loader_for: Callable[[Hashable], StatefulDataLoader] | None = None,
     ):
         self.loader, self.stage, self.loader_for = loader, stage, loader_for
-        self.global_batch_size, self.accumulation_steps = global_batch_size, accumulation_steps
+        self.batch = batch
         self.consumed_samples = 0
         self.stage_first_sample = 0  # where the stage's data began: `shares` counts from there
         self._batches = None
@@ -108,10 +108,10 @@ class TrainingData:
         """This rank's microbatches of the next optimizer step (`accumulation_steps` of them)."""
         if self._batches is None:  # from the position a resume (or a stage change) set
             self._batches = iter(self.loader)
-        return [next(self._batches) for _ in range(self.accumulation_steps)]
+        return [next(self._batches) for _ in range(self.batch.sizes.accumulation_steps)]
 
     def step_done(self) -> None:
-        self.consumed_samples += self.global_batch_size
+        self.consumed_samples += self.batch.sizes.global_batch_size
 
     def shares(self) -> dict[str, float]:
         """`data_share/NAME` of the tokens trained on so far in this stage (see `data_shares`)."""

@@ -26,6 +26,7 @@ from torchpre.config.job_config import Training
 from torchpre.health.forensics import Forensics
 from torchpre.health.spikes import LossSpikeDetector
 from torchpre.health.verdict import NonFiniteError, StepHealth, StepVerdict, step_verdict
+from torchpre.layouts.batch import CurrentBatch
 
 logger = logging.getLogger("torchpre")
 
@@ -74,8 +75,8 @@ class GuardedLoop(Protocol):
 
 class StepGuard:
     """Decides, applies and counts each step's verdict; see the module docstring. `settings` is the job's [training]
-    section (on_nonfinite, nonfinite_forensics, spike_zscore, spike_window); `global_batch_size` names a step's
-    samples in messages. Its `state_dict` is the counters a resumed run continues."""
+    section (on_nonfinite, nonfinite_forensics, spike_zscore, spike_window); the `batch`'s global size names a
+    step's samples in messages. Its `state_dict` is the counters a resumed run continues."""
 
     def __init__(
         self,
@@ -84,14 +85,14 @@ class StepGuard:
         forensics: Forensics,
         *,
         tp_degree: int,
-        global_batch_size: int,
+        batch: CurrentBatch,
         is_logging_rank: bool,
     ):
         self.on_nonfinite, self.forensics_budget = settings.on_nonfinite, settings.nonfinite_forensics
         self.spike_window = settings.spike_window
         self.spikes = LossSpikeDetector(settings.spike_zscore, settings.spike_window) if settings.spike_zscore else None
         self.optimizer, self.forensics = optimizer, forensics
-        self.tp_degree, self.global_batch_size = tp_degree, global_batch_size
+        self.tp_degree, self.batch = tp_degree, batch
         self.is_logging_rank = is_logging_rank
         self.skipped_steps = self.loss_spikes = self.replays = 0
         self.record: dict[str, Any] = {}  # the nonfinite/* keys of a replayed step, for its metrics record
@@ -170,7 +171,7 @@ class StepGuard:
 
     def _samples(self, step: TakenStep) -> str:
         """The global sample indices of `step`, to find its data again."""
-        return f"global samples [{step.first_sample}, {step.first_sample + self.global_batch_size})"
+        return f"global samples [{step.first_sample}, {step.first_sample + self.batch.sizes.global_batch_size})"
 
     def _on_nonfinite(self, health: StepHealth, step: TakenStep, loop: GuardedLoop) -> None:
         """Counts `step`, which was not applied (`skip`), or saves the last good state and stops (`stop`).

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.config.job_config import Metrics
 from torchpre.distributed.comm_timer import CommTimer
+from torchpre.layouts.batch import CurrentBatch
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger
 from torchpre.metrics.memory import max_memory_bytes
@@ -64,8 +65,8 @@ class _Interval:
 class TrainingMetrics:
     """Times the steps and writes a record every `settings.log_freq` steps (see the module docstring).
 
-    `sink` is rank 0's logger (None elsewhere); `tokens_per_step`, `global_batch_size` and `flops_per_token` give
-    throughput and MFU; `meshes` are the views whose collectives `settings.time_collectives` times; `pipeline`
+    `sink` is rank 0's logger (None elsewhere); the step's `batch` and `flops_per_token(seq_len)` give throughput and
+    MFU; `meshes` are the views whose collectives `settings.time_collectives` times; `pipeline`
     the bubble's reference (None without pipeline parallelism)."""
 
     def __init__(
@@ -74,16 +75,14 @@ class TrainingMetrics:
         device: torch.device,
         sink: MetricsLogger | None,
         *,
-        tokens_per_step: int,
-        global_batch_size: int,
-        flops_per_token: int,
+        batch: CurrentBatch,
+        flops_per_token: Callable[[int], int],
         meshes: list[DeviceMesh],
         pipeline: PipelineTiming | None = None,
         linear: str = "none",
     ):
         self.settings, self.device, self.sink = settings, device, sink
-        self.tokens_per_step, self.global_batch_size = tokens_per_step, global_batch_size
-        self.flops_per_token, self.pipeline = flops_per_token, pipeline
+        self.batch, self.flops_per_token, self.pipeline = batch, flops_per_token, pipeline
         self.linear = linear  # quantize.linear: which datasheet peak MFU divides by
         self.world_size = dist.get_world_size()
         self.phases = PhaseTimer(device)
@@ -122,8 +121,8 @@ class TrainingMetrics:
     def step_done(self) -> None:
         self.step_times.step()
         self._interval.steps += 1
-        self._interval.tokens += self.tokens_per_step
-        self._interval.samples += self.global_batch_size
+        self._interval.tokens += self.batch.sizes.tokens_per_step
+        self._interval.samples += self.batch.sizes.global_batch_size
 
     def restart_interval(self) -> None:
         """The next interval's first step starts now (after a record and whatever followed it)."""
@@ -191,7 +190,7 @@ class TrainingMetrics:
             return
         more |= self._rank_time_metrics(every_rank, step)
         tokens_per_sec = per_step[0] / step_time
-        mfu = self._mfu(self.flops_per_token * tokens_per_sec / self.world_size)
+        mfu = self._mfu(self.flops_per_token(self.batch.sizes.seq_len) * tokens_per_sec / self.world_size)
         self.sink.log(
             {
                 "step": step,
@@ -199,7 +198,7 @@ class TrainingMetrics:
                 "tokens_per_sec": tokens_per_sec,
                 "tokens_per_sec_per_device": tokens_per_sec / self.world_size,
                 "samples_per_sec": per_step[1] / step_time,
-                "global_batch_size": self.global_batch_size,
+                "global_batch_size": self.batch.sizes.global_batch_size,
                 "mfu": mfu,
                 "mfu_peak": self.peak_name,
                 "step_time_s": step_time,

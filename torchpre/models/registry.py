@@ -72,6 +72,10 @@ class ModelSpec:
     - `tied_weights(args)`: the two names of a weight shared by two modules (tied embeddings).
     - `flops_per_token(args, num_params, seq_len)` for MFU; default 6 x parameters.
     - `hf`: Hugging Face conversion.
+    - `output_layer`: the dotted path of the output layer, a bias-free nn.Linear from the final hidden states to the
+      vocabulary whose output the model returns as its logits; training.loss_chunk_size replaces it by a
+      `torchpre.parallel.chunked_output.ChunkedOutput` (the model then returns the hidden states). The family's
+      tensor-parallel plan must give that module `VocabParallelOutput`.
     - `set_grouped_mm(module, grouped_mm)` makes the routed experts of a model or stage run their grouped matmuls
       through `grouped_mm` and returns how many layers it changed; `expert_matmul_dims(args, dims)` names the
       dimensions each rank's expert matmuls multiply (both for `quantize.experts`, torchpre.parallel.quantized_experts).
@@ -114,6 +118,7 @@ class ModelSpec:
     tied_weights: Callable[[Any], tuple[str, str] | None] = lambda args: None
     flops_per_token: Callable[[Any, int, int], int] = lambda args, num_params, seq_len: 6 * num_params
     hf: HFAdapter | None = None
+    output_layer: str | None = None
     set_grouped_mm: Callable[[nn.Module, GroupedMM], int] | None = None
     expert_matmul_dims: Callable[[Any, ParallelDims], dict[str, int]] | None = None
     compile_fullgraph: bool = True  # False: blocks with data-dependent shapes compile around graph breaks

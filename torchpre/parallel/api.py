@@ -239,8 +239,6 @@ class ParallelModel:
         self._backward_callback: Callable[[int, bool], None] | None = None
         # The compute time of this rank's stages in training steps (not evaluation): see `pipeline_busy_seconds`.
         self._pipeline_clock = SpanClock(device)
-        # Training's microbatches per schedule step: the plan's, until a global-batch ramp changes them.
-        self.n_microbatches = pipeline.n_microbatches if pipeline else 1
         # Schedules by (microbatches, batch shape): torch's stages size their buffers from the first batch they
         # run, so another shape (a ramp's batch, a data stage's seq_len) gets stages and a schedule of its own.
         self._schedules: dict[tuple[int, tuple[int, ...]], tuple[Any, list[Stage]]] = {}
@@ -329,7 +327,7 @@ class ParallelModel:
     ) -> torch.Tensor:
         inputs = torch.cat([x for x, _ in microbatches])
         labels = torch.cat([y for _, y in microbatches])
-        schedule = self._schedule_for(self.n_microbatches, inputs)
+        schedule = self._schedule_for(self.plan.pipeline.microbatches_in(len(inputs)), inputs)
         for stage in self._stages:
             stage.clock = self._pipeline_clock
         try:
@@ -384,6 +382,13 @@ class ParallelModel:
         args = (inputs,) if self.has_first_stage else ()
         run(*args, **targets, **kwargs, return_outputs=False)
         return losses
+
+    @property
+    def last_part(self) -> nn.Module | None:
+        """The part holding the last stage (the whole model without a pipeline); None on ranks without it."""
+        if not self.has_last_stage:
+            return None
+        return self.parts[self.stage_ids.index(self.plan.pipeline.num_stages - 1 if self.plan.pipeline else 0)]
 
     @property
     def last_stage_rank(self) -> int:

@@ -31,13 +31,16 @@ def schedule_class(schedule: PipelineSchedule) -> type:
 @dataclass(frozen=True)
 class PipelinePlan:
     """Everything about the pipeline that follows from the config, checked before any work; `schedule` is its row
-    of the schedules' table, resolved once from the config's name."""
+    of the schedules' table, resolved once from the config's name. `microbatch_size` is the sequences per pipeline
+    microbatch (parallelism.pipeline_parallel_microbatch_size); 0 for a plan built with a number of microbatches
+    only, which every training step is cut into."""
 
     schedule: PipelineSchedule
     pp: int
     stages_per_rank: int
     n_microbatches: int
     stage_modules: list[list[str]]
+    microbatch_size: int = 0
 
     @property
     def num_stages(self) -> int:
@@ -61,7 +64,7 @@ class PipelinePlan:
             )
         n_microbatches = sequences_per_step // microbatch_size
         schedule.check_microbatches(n_microbatches, pp, pp * per_rank)
-        return cls(schedule, pp, per_rank, n_microbatches, stage_modules(pp * per_rank))
+        return cls(schedule, pp, per_rank, n_microbatches, stage_modules(pp * per_rank), microbatch_size)
 
     @classmethod
     def build(cls, stage_modules: list[list[str]], pp: int, schedule: str = "1F1B", n_microbatches: int = 1):
@@ -75,6 +78,11 @@ class PipelinePlan:
             raise ConfigError(f"The '{row.name}' schedule cannot hold {per_rank} stages per rank.")
         row.check_microbatches(n_microbatches, pp, len(stage_modules))
         return cls(row, pp, per_rank, n_microbatches, [list(names) for names in stage_modules])
+
+    def microbatches_in(self, sequences: int) -> int:
+        """The microbatches a training step of `sequences` (on one data-parallel rank) runs as: as many sequences
+        each whatever the step's batch (a global-batch ramp's smaller steps run fewer), or the plan's number."""
+        return sequences // self.microbatch_size if self.microbatch_size else self.n_microbatches
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         return self.schedule.stage_ids(pp_rank, self.pp, self.stages_per_rank)

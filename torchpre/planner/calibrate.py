@@ -36,11 +36,11 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchpre.distributed.collectives import all_gather_flat, reduce_scatter_flat
-from torchpre.distributed.hardware import Hardware, save_profile
-from torchpre.metrics.activation_probe import ProbeMode, probe_microbatch
 from torchpre.metrics.flops import measure_matmul_flops
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
+from torchpre.planner.activation_probe import ProbeMode, probe_microbatch
+from torchpre.planner.hardware import Hardware, save_profile
 from torchpre.planner.time_model import MEMORY_TRAFFIC
 
 GEMM_SHAPE = (1024, 512, 1536)  # [m, k] x [k, n]

@@ -21,12 +21,12 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from torchpre.config.job_config import JobConfig
-from torchpre.distributed.hardware import Hardware, get_hardware
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.metrics.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
-from torchpre.metrics.tensor_memory import TensorMemory
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel.tensor_parallel import loss_parallel_context
+from torchpre.planner.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
+from torchpre.planner.hardware import Hardware, get_hardware
+from torchpre.planner.tensor_memory import TensorMemory
 from torchpre.runtime.world import Runtime
 from torchpre.training.job import TrainingJob, build_job
 

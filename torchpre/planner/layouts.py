@@ -15,8 +15,8 @@ from torchpre.errors import ConfigError
 from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.job import preflight
 from torchpre.training.model import model_args
+from torchpre.training.preflight import preflight
 
 AC_MODES = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)

@@ -25,9 +25,9 @@ from typing import Generic, TypeVar
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.layouts.zero_stages import zero_stage
-from torchpre.metrics.activation_probe import ActivationProbe
-from torchpre.metrics.activation_probe import Collective as ProbedCollective
 from torchpre.models.registry import get_model_spec
+from torchpre.planner.activation_probe import ActivationProbe
+from torchpre.planner.activation_probe import Collective as ProbedCollective
 from torchpre.planner.dryrun import (
     is_expert,
     leave_fake_world,

@@ -4,8 +4,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchpre.config.job_config import JobConfig
-from torchpre.distributed.hardware import Hardware
 from torchpre.errors import ConfigError
+from torchpre.planner.hardware import Hardware
 from torchpre.planner.layouts import CheckedLayout, valid_layouts
 from torchpre.planner.measured import Measured
 from torchpre.planner.predict import Prediction, model_flops_per_token, predict

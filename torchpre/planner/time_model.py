@@ -43,9 +43,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from torchpre.distributed.hardware import Hardware
 from torchpre.layouts.schedules import get_schedule
 from torchpre.layouts.zero_stages import zero_stage
+from torchpre.planner.hardware import Hardware
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 Dim = Literal["tp", "ep", "cp", "dp", "edp", "pp"]

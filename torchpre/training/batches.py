@@ -2,7 +2,6 @@
 data-parallel rank accumulates for it; a resumed job keeps the batch its checkpoint was trained with."""
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 from torchpre.checkpoint.integrity import Trust
@@ -10,23 +9,9 @@ from torchpre.checkpoint.state import read_train_values
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.elastic import world_sizes_hint
 from torchpre.errors import ConfigError
+from torchpre.layouts.batch import BatchSizes
 
 logger = logging.getLogger("torchpre")
-
-
-@dataclass(frozen=True)
-class BatchSizes:
-    """`global_batch_size` sequences of `seq_len` labelled tokens per optimizer step, as `accumulation_steps`
-    microbatches of `local_batch_size` on each data-parallel rank."""
-
-    global_batch_size: int
-    accumulation_steps: int
-    local_batch_size: int
-    seq_len: int
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
 
 
 def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp: int) -> tuple[int, int]:

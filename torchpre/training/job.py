@@ -4,14 +4,12 @@ result, the LR schedule, evaluation (validation loss, multiple-choice tasks), th
 Face exports and metrics.
 
 Everything that can reject the config (values, layout, batch arithmetic, model shapes, pipeline schedule, files)
-runs first, in `preflight`, before the process group is joined and identically on every rank, so bad input stops
+runs first, in `preflight` (`training.preflight`), before the process group is joined and identically on every rank, so bad input stops
 every rank with the same message instead of leaving some waiting for a peer. The dry run and the planner build
 jobs for ranks of a fake world through the same functions (`Runtime.fake`).
 """
 
-import dataclasses
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,52 +19,42 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchpre.checkpoint.folders import find_step_dir
-from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
-from torchpre.config.validate import validate_config
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
-from torchpre.errors import ConfigError
+from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
+from torchpre.evaluation.validation import held_out_fraction
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
+from torchpre.interchange.export import HFExporter
+from torchpre.layouts.batch import BatchSizes, CurrentBatch
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.attention import masked_attention
-from torchpre.models.registry import ModelSpec, get_model_spec
+from torchpre.models.registry import ModelSpec
 from torchpre.models.suffix_attention import causal_suffix_attention
 from torchpre.optim.build import build_optimizer_from_config
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import WarmupStableDecay, build_lr_scheduler_from_config
-from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.api import ParallelModel, parallelize
 from torchpre.parallel.context_parallel import AttentionKernels, ContextParallel
-from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.quantize import convert_linears
 from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
-from torchpre.training.batches import BatchSizes, batch_sizes
-from torchpre.training.evaluation import EvalContext, Evaluations, build_evaluations
-from torchpre.training.hf_export import HFExporter
-from torchpre.training.hf_load import FROM_HF, HFWeights, hf_weights
-from torchpre.training.hf_reader import is_hf_folder
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
-from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan, quantize_plan
+from torchpre.training.model import meta_model, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
-from torchpre.training.multiple_choice import Task, read_tasks
 from torchpre.training.parametrization import optimizer_scales
+from torchpre.training.preflight import Preflight, preflight
 from torchpre.training.rope import rope_record
-from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.state import ModelState, TrainProgress
-from torchpre.training.step_plan import StepPlan, StepShape
-from torchpre.training.validation import held_out_fraction
+from torchpre.training.step_plan import StepShape
 
 logger = logging.getLogger("torchpre")
 
@@ -75,130 +63,22 @@ logger = logging.getLogger("torchpre")
 CONTEXT_PARALLEL_KERNELS = AttentionKernels(causal_suffix=causal_suffix_attention, masked=masked_attention)
 
 
-@dataclass(frozen=True)
-class Preflight:
-    """What a job derives from its config before it joins the process group, every check passed."""
-
-    dims: ParallelDims
-    data_parallel: DataParallel
-    batches: BatchSizes
-    model_spec: ModelSpec
-    tokenizer: Tokenizer
-    model_args: Any
-    pipeline: PipelinePlan | None
-    resume_dir: Path | None  # the checkpoint a resume will load
-    eval_tasks: list[Task]  # eval.tasks, read and tokenized
-    plan: StepPlan  # each step's global batch and data stage (a ramp, data stages)
-    initial_hf: HFWeights | None = None  # checkpoint.initial_load_path as a Hugging Face folder, checked
-
-
-def preflight(
-    config: JobConfig,
-    world_size: int,
-    tokenizer: Tokenizer | None = None,
-    stage_modules: Callable[[ModelSpec, Any, int, Sequence[str]], list[list[str]]] | None = None,
-) -> Preflight:
-    """Every check start-up runs before the process group, in order; raises the first ConfigError. The planner,
-    which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:
-    `ModelSpec.pipeline_stages`, which builds the model on the meta device)."""
-    validate_config(config)
-    p, t, c = config.parallelism, config.training, config.checkpoint
-    check_optimizer_config(config.optimizer, {
-        "optimizer.zero_stage": config.optimizer.zero_stage,
-        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
-        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
-    })  # fmt: skip
-    data_parallel = DataParallel.from_config(config)
-    dims = ParallelDims.from_degrees(
-        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
-        ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
-    )  # fmt: skip
-    # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
-    resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
-    trust = Trust.from_settings(c)
-    if resume_dir is not None:
-        key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
-        check_verifiable(resume_dir, key, trust)
-    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
-        check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
-    # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
-    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
-    plan = StepPlan.from_config(config, batches, dims.dp)
-    spec = get_model_spec(config.model.name)
-    tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
-    window = _evaluation_window(config, tokenizer)
-    args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
-    seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
-    for seq_len in seq_lens:
-        check_layout(at_seq_len(config, seq_len), spec, args, dims)
-    check_keys_take_effect(config, spec, args, seq_lens[0])
-    initial_hf = None
-    if resume_dir is None and c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
-        initial_hf = hf_weights(Path(c.initial_load_path), spec, args, "checkpoint.initial_load_path")
-    if config.hf_export.enable and spec.hf is None:
-        raise ConfigError(
-            f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
-            "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
-        )
-    eval_tasks = read_tasks(config.eval.tasks, tokenizer, window)
-    pipeline = None
-    if dims.pp > 1:
-        split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
-        first = plan.at(0, 0).sizes
-        pipeline = PipelinePlan.from_config(
-            p,
-            stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
-            sequences_per_step=t.local_batch_size * first.accumulation_steps,
-        )
-    plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
-    return Preflight(
-        dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan, initial_hf
-    )
-
-
-def _evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:
-    """The most tokens a multiple-choice row feeds the model (eval.max_length, 0 = training.seq_len); 0 without
-    tasks. The model's positions must cover it."""
-    e = config.eval
-    if not e.tasks:
-        return 0
-    if e.max_length > config.training.seq_len:
-        context = model_context(config, tokenizer)
-        if e.max_length > context:
-            raise ConfigError(
-                f"eval.max_length = {e.max_length} is longer than the model's context of {context} tokens (its "
-                "flavor's max_seq_len, or model.hf_config's max_position_embeddings). Lower eval.max_length, or use "
-                "0 (training.seq_len)."
-            )
-    return e.max_length or config.training.seq_len
-
-
-def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
-    """The config with training.seq_len = `seq_len` (a data stage's), for the checks that depend on it."""
-    return dataclasses.replace(config, training=dataclasses.replace(config.training, seq_len=seq_len))
-
-
-def _check_pipeline_microbatches(parallelism, sequences_per_step: int) -> None:
-    """The pipeline schedule's rules for a step of `sequences_per_step` per DP rank (a ramp's, a stage's)."""
-    PipelinePlan.from_config(parallelism, stage_modules=lambda num_stages: [], sequences_per_step=sequences_per_step)
-
-
-@dataclass
+@dataclass(kw_only=True)
 class TrainingJob:
     """One rank's components of a training job (see the module docstring). `data` is None for a planner's fake
     ranks, `evaluations` empty without validation or eval.tasks, `checkpoint` without checkpoint.enable and
     checkpoint.initial_load_path, `hf_export` without hf_export.enable (and on a fake rank), `context_parallel`
-    without cp; `metrics.sink` writes on rank 0 only."""
+    without cp; `metrics.sink` writes on rank 0 only. `batch` is the step's batch sizes, which the loss, metrics,
+    data, step guard and progress read (`begin_step` publishes each step's)."""
 
     config: JobConfig
     runtime: Runtime
     preflight: Preflight
     device: torch.device
     meshes: Meshes
+    batch: CurrentBatch
     model: ParallelModel
     num_params: int
-    flops_per_token: int
     loss: GlobalMeanLoss
     forward_inputs: ForwardInputs
     data: TrainingData | None
@@ -208,7 +88,7 @@ class TrainingJob:
     evaluations: Evaluations
     progress: TrainProgress
     guard: StepGuard
-    checkpoint: CheckpointManager | None
+    checkpoint: CheckpointManager | None = None  # built once the job exists: it saves the job's components
     metrics: TrainingMetrics
     context_parallel: ContextParallel | None = None
     hf_export: HFExporter | None = None
@@ -221,12 +101,12 @@ class TrainingJob:
     @property
     def batches(self) -> BatchSizes:
         """The batch sizes of the step running now (or last run; before any, the first step's)."""
-        return self.shape.sizes if self.shape is not None else self.preflight.batches
+        return self.batch.sizes
 
     def begin_step(self, resumed: bool = False) -> StepShape:
-        """Puts every component on the shape of the step about to run (`StepPlan.at`: a global-batch ramp's
-        batch, a data stage's data and seq_len), where it differs from the last step's, and logs the change; after
-        a checkpoint is loaded (`resumed`) it logs where the run resumes instead."""
+        """Publishes the shape of the step about to run (`StepPlan.at`: a global-batch ramp's batch, a data
+        stage's data and seq_len) where it differs from the last step's, and logs the change; after a checkpoint is
+        loaded (`resumed`) it logs where the run resumes instead."""
         consumed = self.data.consumed_samples if self.data is not None else 0
         shape = self.preflight.plan.at(self.progress.step, consumed)
         if shape != self.shape:
@@ -253,31 +133,15 @@ class TrainingJob:
             )  # fmt: skip
 
     def _use(self, shape: StepShape) -> None:
-        """Sets what depends on the global batch and the seq_len: the loss's divisor (the mean stays over all
-        tokens of the step), the metrics' throughput, MoE's auxiliary loss scale, the pipeline's microbatches, the
-        data loader (its stage, its microbatches per step) and the progress a checkpoint records."""
-        sizes, stage, before = shape.sizes, shape.stage, self.shape
-        spec, args, plan = self.preflight.model_spec, self.preflight.model_args, self.preflight.plan
-        self.shape = shape
-        self.loss.tokens_per_step = sizes.tokens_per_step
-        self.metrics.tokens_per_step, self.metrics.global_batch_size = sizes.tokens_per_step, sizes.global_batch_size
-        self.metrics.flops_per_token = spec.flops_per_token(args, self.num_params, sizes.seq_len)
-        base = self.preflight.batches
-        scaled_for = (before.sizes if before else base).global_batch_size, (before.sizes if before else base).seq_len
-        if (sizes.global_batch_size, sizes.seq_len) != scaled_for:  # `_build_model` scaled it for the job's batch
-            for part in self.model.parts:
-                spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
-                spec.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
-        self.guard.global_batch_size = self.progress.global_batch_size = sizes.global_batch_size
-        self.progress.layout |= {"accumulation_steps": sizes.accumulation_steps, "seq_len": sizes.seq_len}
-        if self.pipeline is not None:
-            microbatch = self.config.parallelism.pipeline_parallel_microbatch_size
-            self.model.n_microbatches = sizes.local_batch_size * sizes.accumulation_steps // microbatch
-        if self.data is not None:
-            self.data.global_batch_size = sizes.global_batch_size
-            self.data.accumulation_steps = sizes.accumulation_steps
-            if before is None or stage != before.stage:
-                self.data.enter(stage.index, plan.first_sample(stage))
+        """Publishes `shape`'s batch sizes to the components that read them (`batch`), gives the model the loss
+        scales of another batch (`ModelSpec.set_aux_loss_scale`: a mean over the global batch's sequences or tokens)
+        and the data loader another stage's data."""
+        before, self.shape = self.shape, shape
+        if shape.sizes != self.batch.sizes:
+            self.batch.sizes = shape.sizes
+            scale_auxiliary_losses(self.preflight.model_spec, self.model, shape.sizes)
+        if self.data is not None and (before is None or shape.stage != before.stage):
+            self.data.enter(shape.stage.index, self.preflight.plan.first_sample(shape.stage))
 
     @property
     def pipeline(self) -> PipelinePlan | None:
@@ -314,11 +178,11 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     if not runtime.fake:
         apply_comm_timeout(*meshes.all())
     torch.manual_seed(t.seed)
-    batches = pre.batches
-    data = _training_data(config, pre, meshes, device) if runtime.data else None
+    batch = CurrentBatch(pre.batches)  # the first step's, once `begin_step` has run
+    data = _training_data(config, pre, meshes, device, batch) if runtime.data else None
     # Under loss parallel the logits are a vocab-sharded DTensor handled by loss_parallel's dispatch: eager.
     loss_parallel = config.parallelism.enable_loss_parallel and pre.dims.tp > 1
-    loss = GlobalMeanLoss(batches.tokens_per_step, compile=config.compile.enable and not loss_parallel)
+    loss = GlobalMeanLoss(batch, compile=config.compile.enable and not loss_parallel)
     context_parallel = None
     tokens_ahead = pre.model_spec.tokens_ahead(pre.model_args)
     if meshes.context_mesh is not None:
@@ -331,7 +195,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         if context_parallel
         else ForwardInputs(t.document_mask, pre.tokenizer.bos_id, tokens_ahead)
     )
-    model, num_params, flops_per_token = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
+    model, num_params = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
     # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
     evaluations = build_evaluations(EvalContext(
         config, pre.tokenizer, meshes, model, device, forward_inputs, loss_scale=lambda: loss.tokens_per_step,
@@ -345,23 +209,25 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     lr_scheduler = build_lr_scheduler_from_config(optimizer.inner, config.lr_scheduler, steps=t.steps)
     d = pre.dims
     progress = TrainProgress(
-        batches.global_batch_size,
+        batch,
         {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
-         "accumulation_steps": batches.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
+         "accumulation_steps": batch.sizes.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
     )  # fmt: skip
     after_step = partial(pre.model_spec.after_optimizer_step, model.parts, pre.model_args, device)
     guard = StepGuard(
-        t, StepWithModelUpdate(optimizer, after_step), _forensics(model, pre, meshes), tp_degree=d.tp,
-        global_batch_size=batches.global_batch_size, is_logging_rank=dist.get_rank() == 0,
+        t, StepWithModelUpdate(optimizer, after_step), _forensics(model, pre, meshes), tp_degree=d.tp, batch=batch,
+        is_logging_rank=dist.get_rank() == 0,
     )  # fmt: skip
     metrics = TrainingMetrics(
-        config.metrics, device, None, tokens_per_step=batches.tokens_per_step,
-        global_batch_size=batches.global_batch_size, flops_per_token=flops_per_token, meshes=meshes.all(),
+        config.metrics, device, None, batch=batch,
+        flops_per_token=partial(pre.model_spec.flops_per_token, pre.model_args, num_params), meshes=meshes.all(),
         pipeline=_pipeline_timing(model, pre.pipeline, meshes), linear=config.quantize.linear,
     )  # fmt: skip
     job = TrainingJob(
-        config, runtime, pre, device, meshes, model, num_params, flops_per_token, loss, forward_inputs, data,
-        reduction, optimizer, lr_scheduler, evaluations, progress, guard, None, metrics, context_parallel,
+        config=config, runtime=runtime, preflight=pre, device=device, meshes=meshes, batch=batch, model=model,
+        num_params=num_params, loss=loss, forward_inputs=forward_inputs, data=data, reduction=reduction,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, evaluations=evaluations, progress=progress, guard=guard,
+        metrics=metrics, context_parallel=context_parallel,
     )  # fmt: skip
     if c.enable or c.initial_load_path:
         job.checkpoint = CheckpointManager(
@@ -390,7 +256,9 @@ def _join(config: JobConfig, runtime: Runtime) -> torch.device:
     return device
 
 
-def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: torch.device) -> TrainingData:
+def _training_data(
+    config: JobConfig, pre: Preflight, meshes: Meshes, device: torch.device, batch: CurrentBatch
+) -> TrainingData:
     """This rank's data: the loader of the first data stage, and how to build the others' (`TrainingData.enter`)."""
     t = config.training
     dp_rank, dp_size = meshes.data_rank()
@@ -415,8 +283,7 @@ def _training_data(config: JobConfig, pre: Preflight, meshes: Meshes, device: to
             pin_memory=pins_memory(device),
         )
 
-    first = pre.plan.at(0, 0).sizes
-    return TrainingData(loader_for(0), first.global_batch_size, first.accumulation_steps, 0, loader_for)
+    return TrainingData(loader_for(0), batch, 0, loader_for)
 
 
 def _build_model(
@@ -427,8 +294,8 @@ def _build_model(
     loss: GlobalMeanLoss,
     fake: bool,
     context_parallel: ContextParallel | None,
-) -> tuple[ParallelModel, int, int]:
-    """The model, or this rank's pipeline stages of it, with its parameter count and FLOPs per token: built on the
+) -> tuple[ParallelModel, int]:
+    """The model, or this rank's pipeline stages of it, with its parameter count: built on the
     meta device in the parameter dtype, parallelized, then materialised and initialised from the seed alone (so
     every layout starts equal). When a checkpoint will overwrite the weights, only the buffers it does not hold
     are computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
@@ -457,9 +324,7 @@ def _build_model(
         expert_dp_mesh=meshes.expert_fsdp_mesh,
     )
     batches, d = pre.batches, pre.dims
-    for part in parallel.parts:  # an auxiliary loss is a mean over the global batch's sequences (MoE's) or tokens
-        spec.set_aux_loss_scale(part, 1 / batches.global_batch_size)
-        spec.set_token_loss_scale(part, 1 / batches.tokens_per_step)
+    scale_auxiliary_losses(spec, parallel, batches)
     logger.info(
         "model %s %s: %s parameters, %s FLOPs/token; layout dp %d x tp %d x pp %d%s (ep %d); "
         "global batch %d = %d microbatches of %d per DP rank",
@@ -473,7 +338,14 @@ def _build_model(
     parametrization = getattr(args, "parametrization", None)
     if parametrization is not None and not parametrization.is_standard:
         logger.info("parametrization %s", parametrization.describe())
-    return parallel, num_params, flops_per_token
+    return parallel, num_params
+
+
+def scale_auxiliary_losses(spec: ModelSpec, model: ParallelModel, sizes: BatchSizes) -> None:
+    """An auxiliary loss is a mean over the global batch's sequences (MoE's balance loss) or tokens (MTP's)."""
+    for part in model.parts:
+        spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
+        spec.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
 
 
 def _weights_source(config: JobConfig, resume_dir: Path | None) -> Path | None:

@@ -6,7 +6,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from torchpre.layouts.batch import CurrentBatch
 from torchpre.parallel.api import logits_of
+from torchpre.parallel.chunked_output import ChunkedProjection
 from torchpre.parallel.forward_inputs import future_tokens
 
 
@@ -17,13 +19,24 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 class GlobalMeanLoss:
     """A microbatch's share of the global-batch mean token cross-entropy: its summed token losses divided by the
-    global token count (`tokens_per_step`), not the microbatch's. So the sum over microbatches, pipeline chunks and
-    DP ranks is the exact global mean, for any layout. `compile` compiles the sum (not under loss parallel, whose
-    vocab-sharded DTensor logits go through loss_parallel's dispatch)."""
+    global token count (the `batch`'s tokens per step), not the microbatch's. So the sum over microbatches, pipeline
+    chunks and DP ranks is the exact global mean, for any layout. `compile` compiles the sum (not under loss parallel,
+    whose vocab-sharded DTensor logits go through loss_parallel's dispatch).
 
-    def __init__(self, tokens_per_step: int, compile: bool = False):
-        self.tokens_per_step = tokens_per_step
+    Under training.loss_chunk_size the model returns its final hidden states, not logits: `project_with` gives the
+    last stage's output layer (`ChunkedProjection`, known once the model is built), which scores them a chunk of
+    tokens at a time."""
+
+    def __init__(self, batch: CurrentBatch, compile: bool = False):
+        self.batch = batch
         self.cross_entropy_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch.sizes.tokens_per_step
+
+    def project_with(self, projection: ChunkedProjection) -> None:
+        self.cross_entropy_sum = projection.cross_entropy_sum
 
     def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
         return self.cross_entropy_sum(logits_of(output), labels) / self.tokens_per_step

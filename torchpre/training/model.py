@@ -21,6 +21,8 @@ from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
+from torchpre.interchange.load import FROM_HF, folder_args
+from torchpre.interchange.reader import is_hf_folder
 from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
 from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.context_parallel import ContextParallel
@@ -28,8 +30,6 @@ from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, check_quantize, resolve_emulate
 from torchpre.parallel.quantized_experts import check_quantize_experts
-from torchpre.training.hf_load import FROM_HF, folder_args
-from torchpre.training.hf_reader import is_hf_folder
 from torchpre.training.parametrization import refuse_shape_keys, with_model_shape, with_parametrization
 from torchpre.training.rope import refuse_rope_keys, with_rope
 

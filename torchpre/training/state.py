@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from torchpre.checkpoint.layout import LAYOUT_KEYS, STAGE_KEYS
+from torchpre.layouts.batch import CurrentBatch
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.parallel.api import ParallelModel
 
@@ -38,14 +39,23 @@ class ModelState:
 class TrainProgress:
     """The "train" entry: the optimizer steps taken, the global batch size they were taken with (a resume with
     training.global_batch_size = -1 keeps it), and this job's layout (`LAYOUT_KEYS`, with the world size), sequence
-    length and RoPE (`STAGE_KEYS`), so that a resume under another one can say what changed. After a load, `saved`
-    holds the checkpoint's values."""
+    length and RoPE (`STAGE_KEYS`), so that a resume under another one can say what changed; the batch and sequence
+    length are the `batch`'s now. After a load, `saved` holds the checkpoint's values."""
 
-    def __init__(self, global_batch_size: int, layout: dict[str, float]):
+    def __init__(self, batch: CurrentBatch, layout: dict[str, float]):
         self.step = 0
-        self.global_batch_size = global_batch_size
-        self.layout = layout
+        self.batch = batch
+        self._layout = layout
         self.saved: dict[str, float] = {}
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch.sizes.global_batch_size
+
+    @property
+    def layout(self) -> dict[str, float]:
+        sizes = self.batch.sizes
+        return self._layout | {"accumulation_steps": sizes.accumulation_steps, "seq_len": sizes.seq_len}
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "global_batch_size": self.global_batch_size, **self.layout}

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
-from torchpre.training.batches import BatchSizes, kept_global_batch
+from torchpre.layouts.batch import BatchSizes
+from torchpre.training.batches import kept_global_batch
 from torchpre.training.ramp import KEY as RAMP_KEY
 from torchpre.training.ramp import BatchRamp
 from torchpre.training.stages import Stage, StageTable

@@ -14,13 +14,13 @@ from torchpre.config.job_config import JobConfig
 from torchpre.distributed.utils import set_comm_timeout
 from torchpre.health.guard import Batch, TakenStep
 from torchpre.health.verdict import StepHealth
+from torchpre.interchange.load import HFWeights, LoadReport, load_hf_weights, log_reports
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.runtime.garbage_collection import GarbageCollection
 from torchpre.runtime.preemption import PreemptionHandler, leave_stop_note
 from torchpre.runtime.profiling import Profiler
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import kept_global_batch
-from torchpre.training.hf_load import HFWeights, LoadReport, load_hf_weights, log_reports
 from torchpre.training.job import build_job
 from torchpre.training.run_folder import open_metrics, save_resolved_config, set_aside_later_history
 from torchpre.training.stages import saved_stages, stages_change

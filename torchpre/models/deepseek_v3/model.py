@@ -244,7 +244,7 @@ class DeepSeekV3Transformer(MoETransformer):
         if args.mtp_depth:
             block = self.moe_block if args.mtp_block_is_moe else self.dense_block
             depths = [MTPDepth(args.dim, args.norm_eps, block(args)) for _ in range(args.mtp_depth)]
-            self.mtp = MultiTokenPrediction(depths, args.mtp_loss_weight)
+            self.mtp = MultiTokenPrediction(depths, args.mtp_loss_weight, args.parametrization.logit_multiplier)
             self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim)
             self.tie_weights()
 
@@ -270,7 +270,7 @@ class DeepSeekV3Transformer(MoETransformer):
         h = self.blocks(tokens, start_pos, doc_mask)
         # The embedding module itself where this part holds it: its parallel plan, not only its weight, is there.
         embedding = self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings
-        mtp_loss = self.mtp(h, future_tokens, partial(self.embed, embedding), self.logits, self.rope_cache, doc_mask)
+        mtp_loss = self.mtp(h, future_tokens, partial(self.embed, embedding), self.output, self.rope_cache, doc_mask)
         return self.head(AddAuxLoss.apply(h, mtp_loss))
 
     def set_token_loss_scale(self, scale: float | None) -> None:

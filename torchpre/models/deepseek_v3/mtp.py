@@ -11,7 +11,9 @@ output layer are the main model's. Its loss is the cross-entropy of logits_k aga
 loss gains mtp_loss_weight / D x (loss_1 + ... + loss_D), each term a sum over tokens divided by the global token
 count like the language-model loss, so it adds up over microbatches, stages and ranks to the same value as in one
 process. It enters the gradient through `AddAuxLoss`: the logged `loss` stays the language model's, and each
-depth's own mean cross-entropy is logged as `loss/mtp_k` (`mtp_stats`).
+depth's own mean cross-entropy is logged as `loss/mtp_k` (`mtp_stats`). Under training.loss_chunk_size the output
+layer is a `ChunkedOutput` and each depth's cross-entropy is computed a chunk of tokens at a time, like the main loss
+(`output_cross_entropy_sum`).
 
 The tokens ahead come in the forward's `future_tokens` [batch, seq, D + 1]
 (`torchpre.parallel.forward_inputs.future_tokens`), read from the sequence's inputs: so depth k trains on the
@@ -26,11 +28,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from torchpre.models.attention import DocumentMask
+from torchpre.parallel.chunked_output import output_cross_entropy_sum
 from torchpre.parallel.forward_inputs import IGNORE_INDEX
 
 
@@ -60,10 +62,11 @@ class MultiTokenPrediction(nn.Module):
     loss_sums: Tensor
     target_counts: Tensor
 
-    def __init__(self, depths: Sequence[MTPDepth], loss_weight: float) -> None:
+    def __init__(self, depths: Sequence[MTPDepth], loss_weight: float, logit_multiplier: float = 1.0) -> None:
         super().__init__()
         self.depths = nn.ModuleDict({str(k): depth for k, depth in enumerate(depths, start=1)})
         self.loss_weight = loss_weight
+        self.logit_multiplier = logit_multiplier  # a parametrization's (µP), as the main model's logits
         self.loss_scale: float | None = None
         self.register_buffer("loss_sums", torch.zeros(len(depths), dtype=torch.float64), persistent=False)
         self.register_buffer("target_counts", torch.zeros(len(depths), dtype=torch.float64), persistent=False)
@@ -77,23 +80,24 @@ class MultiTokenPrediction(nn.Module):
         hidden: Tensor,
         ahead: Tensor,
         embed: Callable[[Tensor], Tensor],
-        logits_of: Callable[[Tensor], Tensor],
+        output: nn.Module,
         rope_cache: Tensor,
         doc_mask: DocumentMask | None,
     ) -> Tensor:
         """`hidden`: the main model's last block output; `ahead`: `future_tokens` of this microbatch's positions;
-        `embed`, `logits_of`: the shared embedding and output layer (with the model's multipliers). Records each
-        depth's summed cross-entropy and target count."""
+        `embed`: the shared embedding (with the model's multiplier); `output`: the shared output layer, bias-free, so
+        the logit multiplier scales its input (the same logits whole or chunked). Records each depth's summed
+        cross-entropy and target count."""
         total: Tensor | None = None
         for k, depth in self.depths.items():
             k = int(k)
             embedded = embed(ahead[..., k - 1].clamp(min=0))  # past the end: any id, its targets are ignored
             hidden = depth(hidden, embedded, rope_cache, doc_mask)
-            logits = logits_of(depth.norm(hidden))
             targets = ahead[..., k]
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
-            )
+            normed = depth.norm(hidden)
+            if self.logit_multiplier != 1.0:
+                normed = normed * self.logit_multiplier
+            loss = output_cross_entropy_sum(output, normed, targets)
             with torch.no_grad():
                 self.loss_sums[k - 1] += _local(loss).double()
                 self.target_counts[k - 1] += (targets != IGNORE_INDEX).sum()

@@ -12,7 +12,9 @@ Megatron-style sharding over the `tp` mesh dimension (tp ranks):
 - `output`: column-parallel, weight Shard(0), the same placement as the embedding, so tied
   embeddings remain one Parameter. The logits are all-gathered into a plain [batch, seq, vocab]
   tensor, or, under loss parallel, returned as a vocab-sharded Shard(-1) DTensor for
-  cross-entropy inside `torchpre.parallel.tensor_parallel.loss_parallel_context`.
+  cross-entropy inside `torchpre.parallel.tensor_parallel.loss_parallel_context`. Under
+  training.loss_chunk_size (a `ChunkedOutput`) the weight is sharded alike and the loss computes
+  each rank's vocabulary shard of each chunk's logits, with or without loss parallel.
 - Norms: replicated. Under SP they run on this rank's slice of the sequence and their weights
   become Replicate DTensors.
 
@@ -44,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
+from torchpre.parallel.chunked_output import ChunkedOutput, VocabParallelOutput
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole_heads
 
@@ -103,7 +106,9 @@ def _outer_plan(
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
     if model.norm is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
-    if model.output is not None:
+    if isinstance(model.output, ChunkedOutput):  # training.loss_chunk_size: vocabulary-parallel, chunk by chunk
+        plan["output"] = VocabParallelOutput(input_layout=residual)
+    elif model.output is not None:
         plan["output"] = ColwiseParallel(
             input_layouts=residual,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),

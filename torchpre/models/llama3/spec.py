@@ -24,6 +24,7 @@ SPEC = ModelSpec(
     context_parallel=apply_llama3_context_parallel,
     tied_weights=llama3_tied_weights,
     flops_per_token=flops_per_token,
+    output_layer="output",
     hf=HFAdapter(
         to_hf_state_dict=hf.to_hf_state_dict,
         from_hf_state_dict=hf.from_hf_state_dict,

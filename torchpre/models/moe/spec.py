@@ -28,6 +28,7 @@ SPEC = ModelSpec(
     context_parallel=apply_moe_context_parallel,
     tied_weights=llama3_tied_weights,
     flops_per_token=flops_per_token,
+    output_layer="output",
     compile_fullgraph=False,
     set_grouped_mm=MoETransformer.set_grouped_mm,
     expert_matmul_dims=moe_expert_matmul_dims,

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from torchpre.interchange.reader import HFFolder
 from torchpre.models.hf_sources import Box, Source, StackedExperts
-from torchpre.training.hf_reader import HFFolder
 
 
 class HFStorageReader(StorageReader):

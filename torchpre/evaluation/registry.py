@@ -17,9 +17,10 @@ import torch
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import Meshes
+from torchpre.evaluation.multiple_choice import MultipleChoiceEvaluator, Task
+from torchpre.evaluation.validation import Validator, build_validator
 from torchpre.parallel.api import Batch, ParallelModel
-from torchpre.training.multiple_choice import MultipleChoiceEvaluator, Task
-from torchpre.training.validation import Validator, build_validator
+from torchpre.parallel.chunked_output import ChunkedProjection
 
 
 class Evaluator(Protocol):
@@ -43,6 +44,7 @@ class EvalContext:
     loss_scale: Callable[[], float]
     tasks: list[Task]
     shard: Callable[[Batch], Batch] | None = None
+    projection: ChunkedProjection | None = None  # under training.loss_chunk_size, on the last stage's ranks
 
 
 class ValidationLoss:
@@ -78,6 +80,7 @@ def _multiple_choice(context: EvalContext) -> list[Evaluator]:
             data_rank=context.meshes.data_rank(),
             groups=[mesh["dp"].get_group(), mesh["pp"].get_group()], forward_kwargs=context.forward_kwargs,
             pad_id=context.tokenizer.eos_id, samples_folder=Path(context.config.job.dump_folder) / "eval",
+            projection=context.projection,
         )  # fmt: skip
         for task in context.tasks
     ]

@@ -33,8 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, FieldError, field
+from torchpre.evaluation.validation import eval_mode
 from torchpre.parallel.api import ParallelModel
-from torchpre.training.validation import eval_mode
+from torchpre.parallel.chunked_output import ChunkedProjection
 
 TARGET_DELIMITER = " "
 PAD_MULTIPLE = 64  # few distinct batch shapes, for compiled models
@@ -194,8 +195,10 @@ class MultipleChoiceEvaluator:
         forward_kwargs: Callable[[torch.Tensor], dict],
         pad_id: int,
         samples_folder: Path | None,
+        projection: ChunkedProjection | None = None,
     ):
         self.task, self.freq, self.model, self.device = task, freq, model, device
+        self.projection = projection  # the last stage's chunked output layer, under training.loss_chunk_size
         self.local_batch_size, self.max_length = local_batch_size, max_length
         self.pad_multiple = math.lcm(PAD_MULTIPLE, tp)
         self.dp_rank, self.dp_size = data_rank
@@ -222,9 +225,10 @@ class MultipleChoiceEvaluator:
                 start = first + self.dp_rank * self.local_batch_size
                 indices = list(range(start, min(start + self.local_batch_size, rows)))
                 inputs, targets, mask = self._batch(indices)
-                logits = self.model.forward_only(inputs, forward_kwargs=self.forward_kwargs)
-                if logits is not None and indices:
-                    lls[indices] = _continuation_log_likelihoods(logits, targets, mask)[: len(indices)]
+                output = self.model.forward_only(inputs, forward_kwargs=self.forward_kwargs)
+                if output is not None:  # also without rows: a chunked projection may gather its weight over ZeRO-3
+                    scores = _continuation_log_likelihoods(output, targets, mask, self.projection)
+                    lls[indices] = scores[: len(indices)]
         for group in self.groups:
             dist.all_reduce(lls, group=group)
         return lls.tolist()
@@ -258,12 +262,18 @@ class MultipleChoiceEvaluator:
         (folder / f"step-{step}.jsonl").write_text("".join(lines), encoding="utf-8")
 
 
-def _continuation_log_likelihoods(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row, the summed log-probability of the masked targets, in float64; the log-softmax is taken at those
-    positions only (vocab-sharded logits are gathered first)."""
-    if isinstance(logits, DTensor):
-        logits = logits.full_tensor()
+def _continuation_log_likelihoods(
+    output: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, projection: ChunkedProjection | None = None
+) -> torch.Tensor:
+    """Per row, the summed log-probability of the masked targets, in float64, taken at those positions only: from the
+    logits (vocab-sharded ones gathered first), or under training.loss_chunk_size from the hidden states the model
+    returns (each tensor-parallel rank's whole), projected chunk by chunk by `projection`."""
     rows = mask.nonzero()[:, 0]
-    log_probs = torch.log_softmax(logits[mask].float(), dim=-1)
-    picked = log_probs.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1).double()
+    if projection is not None:
+        hidden = output.to_local() if isinstance(output, DTensor) else output
+        picked = projection.log_probs(hidden[mask], targets[mask]).double()
+    else:
+        logits = output.full_tensor() if isinstance(output, DTensor) else output
+        log_probs = torch.log_softmax(logits[mask].float(), dim=-1)
+        picked = log_probs.gather(-1, targets[mask].unsqueeze(-1)).squeeze(-1).double()
     return torch.zeros(mask.shape[0], dtype=torch.float64, device=picked.device).index_add_(0, rows, picked)

@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from torchpre.errors import ConfigError, TorchpreError
+from torchpre.interchange.reader import HFFolder, read_config
+from torchpre.interchange.storage import HFStorageReader, first_name
 from torchpre.metrics.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from torchpre.models.hf_sources import Sources, check_folder
 from torchpre.models.registry import ModelSpec
-from torchpre.training.hf_reader import HFFolder, read_config
-from torchpre.training.hf_storage import HFStorageReader, first_name
 
 logger = logging.getLogger("torchpre")
 

@@ -36,9 +36,7 @@ from torchpre.config.job_config import HFExport
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.utils import comm_timeout
 from torchpre.errors import StorageError
-from torchpre.models.registry import ModelSpec
-from torchpre.parallel.api import ParallelModel
-from torchpre.training.hf_folder import (
+from torchpre.interchange.folder import (
     SAFETENSORS,
     give_default_modes,
     save_safetensors,
@@ -46,6 +44,8 @@ from torchpre.training.hf_folder import (
     write_index,
     write_metadata,
 )
+from torchpre.models.registry import ModelSpec
+from torchpre.parallel.api import ParallelModel
 
 logger = logging.getLogger("torchpre")
 

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count, shape_wrapper
 
-from torchpre.metrics.tensor_memory import TensorMemory
+from torchpre.planner.tensor_memory import TensorMemory
 
 aten = torch.ops.aten
 

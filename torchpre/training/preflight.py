@@ -1,0 +1,141 @@
+"""What a job derives from its config before it joins the process group (`Preflight`): every check that can
+reject the config (values, layout, batch arithmetic, model shapes, pipeline schedule, files) runs here, identically
+on every rank, so bad input stops every rank with the same message instead of leaving some waiting for a peer."""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from torchpre.checkpoint.folders import find_step_dir
+from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
+from torchpre.config.job_config import JobConfig
+from torchpre.config.validate import validate_config
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.errors import ConfigError
+from torchpre.evaluation.multiple_choice import Task, read_tasks
+from torchpre.interchange.load import FROM_HF, HFWeights, hf_weights
+from torchpre.interchange.reader import is_hf_folder
+from torchpre.layouts.batch import BatchSizes
+from torchpre.models.registry import ModelSpec, get_model_spec
+from torchpre.optim.registry import check_config as check_optimizer_config
+from torchpre.parallel.data_parallel import DataParallel
+from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.training.batches import batch_sizes
+from torchpre.training.model import check_layout, model_args, model_context
+from torchpre.training.silent_keys import check_keys_take_effect
+from torchpre.training.step_plan import StepPlan
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What a job derives from its config before it joins the process group, every check passed."""
+
+    dims: ParallelDims
+    data_parallel: DataParallel
+    batches: BatchSizes
+    model_spec: ModelSpec
+    tokenizer: Tokenizer
+    model_args: Any
+    pipeline: PipelinePlan | None
+    resume_dir: Path | None  # the checkpoint a resume will load
+    eval_tasks: list[Task]  # eval.tasks, read and tokenized
+    plan: StepPlan  # each step's global batch and data stage (a ramp, data stages)
+    initial_hf: HFWeights | None = None  # checkpoint.initial_load_path as a Hugging Face folder, checked
+
+
+def preflight(
+    config: JobConfig,
+    world_size: int,
+    tokenizer: Tokenizer | None = None,
+    stage_modules: Callable[[ModelSpec, Any, int, Sequence[str]], list[list[str]]] | None = None,
+) -> Preflight:
+    """Every check start-up runs before the process group, in order; raises the first ConfigError. The planner,
+    which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:
+    `ModelSpec.pipeline_stages`, which builds the model on the meta device)."""
+    validate_config(config)
+    p, t, c = config.parallelism, config.training, config.checkpoint
+    check_optimizer_config(config.optimizer, {
+        "optimizer.zero_stage": config.optimizer.zero_stage,
+        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
+    })  # fmt: skip
+    data_parallel = DataParallel.from_config(config)
+    dims = ParallelDims.from_degrees(
+        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
+        ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
+    )  # fmt: skip
+    # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
+    resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
+    trust = Trust.from_settings(c)
+    if resume_dir is not None:
+        key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
+        check_verifiable(resume_dir, key, trust)
+    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
+        check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
+    # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
+    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
+    plan = StepPlan.from_config(config, batches, dims.dp)
+    spec = get_model_spec(config.model.name)
+    tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    window = _evaluation_window(config, tokenizer)
+    args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
+    seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
+    for seq_len in seq_lens:
+        check_layout(at_seq_len(config, seq_len), spec, args, dims)
+    check_keys_take_effect(config, spec, args, seq_lens[0])
+    initial_hf = None
+    if resume_dir is None and c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
+        initial_hf = hf_weights(Path(c.initial_load_path), spec, args, "checkpoint.initial_load_path")
+    if config.hf_export.enable and spec.hf is None:
+        raise ConfigError(
+            f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
+            "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
+        )
+    eval_tasks = read_tasks(config.eval.tasks, tokenizer, window)
+    pipeline = None
+    if dims.pp > 1:
+        split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
+        first = plan.at(0, 0).sizes
+        pipeline = PipelinePlan.from_config(
+            p,
+            stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
+            sequences_per_step=t.local_batch_size * first.accumulation_steps,
+        )
+    plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
+    return Preflight(
+        dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan, initial_hf
+    )
+
+
+def _evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:
+    """The most tokens a multiple-choice row feeds the model (eval.max_length, 0 = training.seq_len); 0 without
+    tasks. The model's positions must cover it."""
+    e = config.eval
+    if not e.tasks:
+        return 0
+    if e.max_length > config.training.seq_len:
+        context = model_context(config, tokenizer)
+        if e.max_length > context:
+            raise ConfigError(
+                f"eval.max_length = {e.max_length} is longer than the model's context of {context} tokens (its "
+                "flavor's max_seq_len, or model.hf_config's max_position_embeddings). Lower eval.max_length, or use "
+                "0 (training.seq_len)."
+            )
+    return e.max_length or config.training.seq_len
+
+
+def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
+    """The config with training.seq_len = `seq_len` (a data stage's), for the checks that depend on it."""
+    return dataclasses.replace(config, training=dataclasses.replace(config.training, seq_len=seq_len))
+
+
+def _check_pipeline_microbatches(parallelism, sequences_per_step: int) -> None:
+    """The pipeline schedule's rules for a step of `sequences_per_step` per DP rank (a ramp's, a stage's)."""
+    PipelinePlan.from_config(parallelism, stage_modules=lambda num_stages: [], sequences_per_step=sequences_per_step)
+
+
