@@ -9,7 +9,7 @@ import torch
 
 from bench.coord_check import DEFAULTS, coordinates, fixed_batch
 from tests.integration.test_hf_convert import LOGITS_ATOL, SEQ_LEN, convert_ok, save_checkpoint, tokens
-from tests.launch import TINY, train_and_read_params
+from tests.launch import TINY, train_and_read_metrics, train_and_read_params
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
@@ -101,3 +101,17 @@ def test_hf_export_of_a_mup_model_gives_transformers_torchpres_logits(case, tmp_
     ids = tokens(args.vocab_size, SEQ_LEN)
     with torch.no_grad():
         torch.testing.assert_close(hf_model(ids).logits, model(ids), rtol=0, atol=LOGITS_ATOL)
+
+
+def test_the_chunked_loss_keeps_the_logit_multiplier(tmp_path):
+    """Under training.loss_chunk_size the model returns hidden states and the loss projects them: a µP model's logit
+    multiplier must scale those hidden states as it scales the whole logits. DeepSeek-V3 at twice its base width with a
+    multi-token prediction depth, 3 steps at one process: the chunked run's language-model and MTP losses equal the
+    unchunked run's within 1e-5."""
+    args = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--model.mtp_depth", "1",
+            "--model.parametrization", "mup", "--model.mup_base_dim", "128", "--model.dim", "256",
+            "--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2"]  # fmt: skip
+    whole = train_and_read_metrics(args, 1, tmp_path / "whole")
+    chunked = train_and_read_metrics([*args, "--training.loss_chunk_size", "24"], 1, tmp_path / "chunked")
+    for key in ("loss", "loss/mtp_1"):
+        assert [r[key] for r in chunked] == pytest.approx([r[key] for r in whole], abs=1e-5), key
