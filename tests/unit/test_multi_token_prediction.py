@@ -32,8 +32,10 @@ ARGS = dataclasses.replace(
 GRAD_TOLERANCE = 1e-6
 
 
-def model_and_tokens() -> tuple[DeepSeekV3Transformer, torch.Tensor]:
-    model = DeepSeekV3Transformer(ARGS)
+def model_and_tokens(logit_multiplier: float = 1.0) -> tuple[DeepSeekV3Transformer, torch.Tensor]:
+    """The debug model; a `logit_multiplier` (µP's, here alone) scales the main and every depth's logits."""
+    parametrization = dataclasses.replace(ARGS.parametrization, logit_multiplier=logit_multiplier)
+    model = DeepSeekV3Transformer(dataclasses.replace(ARGS, parametrization=parametrization))
     model.init_weights(seed=0)
     model.set_aux_loss_scale(1 / BATCH)
     model.set_token_loss_scale(1 / (BATCH * SEQ))
@@ -56,7 +58,7 @@ def reference_loss(
         joined = torch.cat((depth.hidden_norm(h), depth.embedding_norm(model.tok_embeddings(ahead))), dim=-1)
         h = depth.block(depth.projection(joined), model.rope_cache, doc_mask=doc_mask)
         valid = SEQ - k - 1
-        logits_k = model.output(depth.norm(h))[:, :valid]
+        logits_k = model.logits(depth.norm(h))[:, :valid]
         loss_k = F.cross_entropy(logits_k.flatten(0, 1), tokens[:, k + 1 :].flatten(), reduction="sum")
         depth_means.append(loss_k.item() / (BATCH * valid))
         total = total + WEIGHT / DEPTH * loss_k
@@ -75,9 +77,13 @@ def test_future_tokens_are_the_tokens_ahead_and_ignored_past_the_row():
 DOCUMENTS = torch.tensor([0] * 5 + [1] * 6 + [2] * 5).expand(BATCH, SEQ)
 
 
-@pytest.mark.parametrize("documents", [None, DOCUMENTS], ids=["causal", "document-mask"])
-def test_gradients_equal_the_written_out_loss_and_depth_losses_are_logged(world, documents):
-    model, tokens = model_and_tokens()
+@pytest.mark.parametrize(
+    ("documents", "logit_multiplier"),
+    [(None, 1.0), (DOCUMENTS, 1.0), (None, 0.5)],
+    ids=["causal", "document-mask", "logit-multiplier"],
+)
+def test_gradients_equal_the_written_out_loss_and_depth_losses_are_logged(world, documents, logit_multiplier):
+    model, tokens = model_and_tokens(logit_multiplier)
     labels = torch.randint(0, ARGS.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     logits = model(tokens, document_ids=documents, future_tokens=future_tokens(tokens, DEPTH + 1))
     (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (BATCH * SEQ)).backward()
