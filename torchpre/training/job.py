@@ -4,9 +4,9 @@ result, the LR schedule, evaluation (validation loss, multiple-choice tasks), th
 Face exports and metrics.
 
 Everything that can reject the config (values, layout, batch arithmetic, model shapes, pipeline schedule, files)
-runs first, in `preflight` (`training.preflight`), before the process group is joined and identically on every rank, so bad input stops
-every rank with the same message instead of leaving some waiting for a peer. The dry run and the planner build
-jobs for ranks of a fake world through the same functions (`Runtime.fake`).
+runs first, in `preflight` (`training.preflight`), before the process group is joined and identically on every
+rank, so bad input stops every rank with the same message instead of leaving some waiting for a peer. The dry run
+and the planner build jobs for ranks of a fake world through the same functions (`Runtime.fake`).
 """
 
 import logging
@@ -40,6 +40,7 @@ from torchpre.optim.build import build_optimizer_from_config
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.optim.lr_scheduler import WarmupStableDecay, build_lr_scheduler_from_config
 from torchpre.parallel.api import ParallelModel, parallelize
+from torchpre.parallel.chunked_output import ChunkedProjection, chunk_output_layer
 from torchpre.parallel.context_parallel import AttentionKernels, ContextParallel
 from torchpre.parallel.grad_reduction import GradReduction, build_grad_reduction
 from torchpre.parallel.pipeline import PipelinePlan
@@ -196,10 +197,14 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         else ForwardInputs(t.document_mask, pre.tokenizer.bos_id, tokens_ahead)
     )
     model, num_params = _build_model(config, pre, meshes, device, loss, runtime.fake, context_parallel)
+    projection = None
+    if t.loss_chunk_size and model.last_part is not None:  # compiled without TP only: its collectives stay eager
+        projection = ChunkedProjection(model.last_part, compile=config.compile.enable and pre.dims.tp == 1)
+        loss.project_with(projection)
     # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
     evaluations = build_evaluations(EvalContext(
         config, pre.tokenizer, meshes, model, device, forward_inputs, loss_scale=lambda: loss.tokens_per_step,
-        tasks=pre.eval_tasks, shard=context_parallel.shard if context_parallel else None,
+        tasks=pre.eval_tasks, shard=context_parallel.shard if context_parallel else None, projection=projection,
     ))  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
     optimizer = build_optimizer_from_config(
@@ -301,6 +306,8 @@ def _build_model(
     are computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
     spec, args = pre.model_spec, pre.model_args
     model = meta_model(config, spec, args, fp32=pre.data_parallel.shards_parameters)
+    if config.training.loss_chunk_size:  # checked: the family names its output layer
+        chunk_output_layer(model, spec.output_layer, config.training.loss_chunk_size)
     # Before any parallelism: the swapped linears keep their Parameters, so TP, AC, compile and FSDP see them.
     plan = quantize_plan(config, device, spec.blocks_of(args))
     convert_linears(model, plan)

@@ -8,6 +8,7 @@ plain model on the meta device in the parameter dtype, and hands it to `torchpre
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -174,6 +175,8 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
         )
     if dims.cp > 1:
         check_context_parallel(config, spec, dims)
+    if config.training.loss_chunk_size:
+        check_chunked_loss(config, spec)
     seq_len, cp = config.training.seq_len, dims.cp
     tokens_key = "training.seq_len" + (f" / parallelism.context_parallel_degree {cp}" if cp > 1 else "")
     q = config.quantize
@@ -206,6 +209,24 @@ def check_context_parallel(config: JobConfig, spec: ModelSpec, dims: ParallelDim
             f"{key} with parallelism.enable_sequence_parallel: each cp rank's {seq_len // cp} positions are sharded "
             f"again over tensor_parallel_degree = {dims.tp}, which does not divide them. Use a training.seq_len that "
             f"is a multiple of {math.lcm(2 * cp, cp * dims.tp)}."
+        )
+
+
+def check_chunked_loss(config: JobConfig, spec: ModelSpec) -> None:
+    """Rejects what training.loss_chunk_size cannot run: a family that names no output layer to replace, and an
+    output layer that quantize.modules asks to convert (the chunked loss runs its matmuls itself)."""
+    key, name, q = f"training.loss_chunk_size = {config.training.loss_chunk_size}", config.model.name, config.quantize
+    if spec.output_layer is None:
+        raise ConfigError(
+            f"{key}: model.name = '{name}' names no output layer that the chunked loss can replace "
+            "(ModelSpec.output_layer). Set training.loss_chunk_size = 0, or use a family that has one (llama3, moe, "
+            "deepseek_v3)."
+        )
+    if q.linear != "none" and any(fnmatch.fnmatchcase(spec.output_layer, pattern) for pattern in q.modules):
+        raise ConfigError(
+            f"{key} with quantize.linear = '{q.linear}' and quantize.modules = {list(q.modules)}, which names the "
+            f"output layer '{spec.output_layer}': the chunked loss computes that layer's matmuls itself, in the "
+            "parameters' dtype. Leave it out of quantize.modules, or set training.loss_chunk_size = 0."
         )
 
 
