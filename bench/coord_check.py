@@ -25,7 +25,6 @@ its per-parameter learning rates and init equal torchpre's.
 """
 
 import argparse
-import json
 import logging
 import tempfile
 from collections.abc import Sequence
@@ -35,11 +34,9 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO, print_table
+from bench.one_batch import fixed_batch
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.data.corpus import stdlib_documents
-from torchpre.data.dataset import PackedWindows, pack_documents
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.utils import shutdown_distributed
 from torchpre.parallel.api import ParallelModel
 from torchpre.training.trainer import Trainer
@@ -49,7 +46,6 @@ DEFAULTS = [
     "--model.flavor", "tiny", "--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0", "--training.max_norm", "0",
     "--lr_scheduler.warmup_steps", "0", "--lr_scheduler.decay_ratio", "0",
 ]  # fmt: skip
-BATCH, SEQ_LEN = 8, 64  # one global batch, trained on at every step
 WITHIN = 2.0  # the issue's bar: under µP each coordinate within a factor 2 across widths
 
 
@@ -67,29 +63,6 @@ class Coordinates:
         keep = {"last block": last, "logits": "logits"}
         return Coordinates(*({new: values[old] for new, old in keep.items()}
                              for values in (self.init, self.after, self.change)))  # fmt: skip
-
-
-def fixed_batch(
-    folder: Path, batch: int = BATCH, seq_len: int = SEQ_LEN
-) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    """train.py's data flags for a dataset of exactly one global batch (`batch` windows of `seq_len` + 1 tokens: lines
-    of the standard library's docstrings, each shorter than a window), so that every step trains on the same batch,
-    as the `mup` package's coordinate check does; and that batch's inputs (the probe) and labels [batch, seq_len]."""
-    tokenizer, lines, total = Tokenizer(DEFAULT_TOKENIZER_PATH), [], 0
-    for line in (line.strip() for document in stdlib_documents() for line in document.splitlines()):
-        size = len(tokenizer.encode(line, bos=True, eos=True))
-        if line and size <= seq_len:
-            lines.append(line)
-            total += size
-        if total >= batch * (seq_len + 1):
-            break
-    path = folder / "one_batch.jsonl"
-    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    windows = PackedWindows(pack_documents(lines, tokenizer), seq_len)
-    inputs, labels = (torch.stack(column) for column in zip(*(windows[i] for i in range(len(windows)))))
-    flags = ["--training.dataset", "text", "--training.dataset_path", str(path),
-             "--training.seq_len", str(seq_len), "--training.local_batch_size", str(batch)]  # fmt: skip
-    return flags, inputs, labels
 
 
 def coordinates(train_args: Sequence[str], steps: int, tokens: torch.Tensor) -> Coordinates:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from bench.common import print_table
-from bench.coord_check import fixed_batch
+from bench.one_batch import fixed_batch
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.coord_check import DEFAULTS, coordinates, fixed_batch
+from bench.coord_check import DEFAULTS, coordinates
+from bench.one_batch import fixed_batch
 from tests.integration.test_hf_convert import LOGITS_ATOL, SEQ_LEN, convert_ok, save_checkpoint, tokens
 from tests.launch import TINY, train_and_read_metrics, train_and_read_params
 from torchpre.config.job_config import JobConfig
