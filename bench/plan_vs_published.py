@@ -4,11 +4,11 @@ torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (torchtitan 9dec370, 
 8B on Grand Teton hosts (8 x H100 SXM 96 GB HBM2e at 500 W per host, NVLink, 400 Gb/s RDMA per GPU), the tokens
 per second per GPU at iteration 90 and the peak memory the CUDA caching allocator reserved (max over GPUs). Each
 row here is that run's keys (torchtitan's llama3_8b.toml of that commit: seq_len 8192, selective AC 'op'; bf16
-parameters, fp32 reductions, AdamW, vocabulary 128,256, FSDP2 = ZeRO-3), predicted by `predict_fixed` on the
-`h100-96gb-hbm2e-500w` profile: the dry run's tensor peak, the planner's reserved peak, TPS/GPU and MFU (against
-the H100 SXM bf16 peak, as torchtitan quotes it).
+parameters, fp32 reductions, AdamW, vocabulary 128,256, FSDP2 = ZeRO-3), counted by a dry run of the whole job
+(rank 0's tensor peak) and predicted by `predict_fixed` on the `h100-96gb-hbm2e-500w` profile: the planner's tensor
+and reserved peaks, TPS/GPU and MFU (against the H100 SXM bf16 peak, as torchtitan quotes it).
 
-Usage: python -m bench.plan_vs_published [--gpu NAME] [--plot published.png]
+Usage: python -m bench.plan_vs_published [--gpu NAME] [--plot published.png] [--no-dry-run]
 """
 
 import argparse
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.planner.dryrun import build_rank
 from torchpre.planner.fixed import predict_fixed
 from torchpre.planner.hardware import get_hardware
 from torchpre.planner.predict import Prediction
@@ -81,6 +82,7 @@ ROWS = (
 class Compared:
     row: Published
     prediction: Prediction
+    dry_run_bytes: int | None = None  # rank 0's tensor peak, from a dry run of the whole job (`--dry-run`)
 
     @property
     def tensor_gib(self) -> float:
@@ -108,24 +110,30 @@ class Compared:
         return self.tps_per_gpu / self.row.tps_per_gpu - 1
 
 
-def compare(row: Published, gpu: str) -> Compared:
+def compare(row: Published, gpu: str, dry_run: bool = False) -> Compared:
+    """The planner's prediction of the row's run and, with `dry_run`, the dry run's count of its rank 0."""
     config = parse_args(JobConfig, row.argv())
-    return Compared(row, predict_fixed(config, get_hardware(gpu), row.gpus))
+    counted = build_rank(config, row.gpus, 0, checkpoint=False).total_bytes if dry_run else None
+    return Compared(row, predict_fixed(config, get_hardware(gpu), row.gpus), counted)
 
 
-def compare_all(gpu: str) -> list[Compared]:
+def compare_all(gpu: str, dry_run: bool = False) -> list[Compared]:
     logging.getLogger("torchpre").setLevel(logging.WARNING)
-    return [compare(row, gpu) for row in ROWS]
+    return [compare(row, gpu, dry_run) for row in ROWS]
 
 
 def table(compared: Sequence[Compared]) -> str:
     """A Markdown table of every row and a summary line of the worst and median errors."""
-    lines = ["| run | tensor GiB | reserved GiB | published GiB | error | TPS/GPU | published | error | MFU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | dry run GiB | tensor GiB | reserved GiB | published GiB | error | TPS/GPU | published | error | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in compared:
-        lines.append(f"| {c.row.name} | {c.tensor_gib:.1f} | {c.reserved_gib:.1f} | {c.row.memory_gib:.1f} | "
-                     f"{c.memory_error:+.1%} | {c.tps_per_gpu:,.0f} | {c.row.tps_per_gpu:,.0f} | {c.tps_error:+.1%} | "
-                     f"{c.mfu:.1%} |")  # fmt: skip
+        counted = "" if c.dry_run_bytes is None else f"{c.dry_run_bytes / GiB:.1f}"
+        memory = f"{counted} | {c.tensor_gib:.1f} | {c.reserved_gib:.1f} | {c.row.memory_gib:.1f}"
+        memory += f" | {c.memory_error:+.1%}"
+        tps = f"{c.tps_per_gpu:,.0f} | {c.row.tps_per_gpu:,.0f} | {c.tps_error:+.1%}"
+        lines.append(f"| {c.row.name} | {memory} | {tps} | {c.mfu:.1%} |")
     memory = [abs(c.memory_error) for c in compared]
     tps = [abs(c.tps_error) for c in compared]
     lines.append(f"\nmemory error: worst {max(memory):.1%}, median {statistics.median(memory):.1%}; "
@@ -161,8 +169,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.plan_vs_published", description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", default="h100-96gb-hbm2e-500w", help="the hardware row or profile JSON")
     parser.add_argument("--plot", default="", help="draw predicted against published into this PNG")
+    parser.add_argument("--no-dry-run", action="store_true", help="leave out the dry runs of whole jobs (faster)")
     args = parser.parse_args(argv)
-    compared = compare_all(args.gpu)
+    compared = compare_all(args.gpu, dry_run=not args.no_dry_run)
     print(table(compared))
     if args.plot:
         plot(compared, Path(args.plot))
