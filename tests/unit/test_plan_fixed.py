@@ -70,3 +70,17 @@ def test_the_table_states_the_error_bars(capsys):
     plan_main([*TINY, "--gpus", "1", "--gpu", "a100-80gb", "--fixed"])
     out = capsys.readouterr().out
     assert "reserved by the CUDA allocator" in out and "stated error ±10% memory, ±20% tokens/s" in out
+
+
+def test_a_fixed_pipeline_is_the_schedule_the_keys_name():
+    """pp2 Interleaved1F1B with 2 stages per rank and 2-sequence microbatches: the layout --fixed predicts."""
+    config = parse_args(JobConfig, [
+        "--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8",
+        "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_virtual_stages",
+        "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+    ])  # fmt: skip
+    checked = check_fixed(config, 2)
+    assert checked.layout == Layout(dp=1, tp=1, pp=2, zero_stage=0, activation_checkpoint="none", microbatch_size=2,
+                                    schedule="Interleaved1F1B", virtual_stages=2)  # fmt: skip
+    assert checked.microbatches == 4
