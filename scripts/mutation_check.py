@@ -58,6 +58,7 @@ READ_LATE_STOP_TEST = (
     "test_non_finite_step_stops_every_rank_after_saving_the_last_good_state[read-during-the-next]"
 )
 CP_ATTENTION = "tests/distributed/test_context_parallel_attention.py"
+PUBLISHED_TEST = "tests/unit/test_published_calibration.py"
 LINEAR_CROSS_ENTROPY = "tests/unit/test_linear_cross_entropy.py"
 CP_MODEL = "tests/distributed/test_context_parallel_model.py"
 HF_EXPORT_EVAL = "tests/integration/test_hf_export_eval.py"
@@ -435,6 +436,15 @@ BREAKS = [
           ("tests/unit/test_quantized_experts.py::test_an_expert_s_weight_gradient_depends_on_its_own_tokens_only",),
           "MXFP8 weight-gradient scales of 32 tokens span two experts' groups (and fail when a rank's rows are not a "
           "multiple of 32, under expert parallelism)"),
+    Break("plan-fp8-rate-ignored", "torchpre/planner/time_model.py",
+          "        + work.fp8_flops / (fp8_peak * fp8_efficiency)",
+          "        + work.fp8_flops / (hardware.peak_flops * fp8_efficiency)",
+          (PUBLISHED_TEST,),
+          "the planner runs FP8 matmuls at the bf16 rate: torchtitan's Float8 rows predicted a quarter slow"),
+    Break("plan-allocator-gap-dropped", "torchpre/planner/allocator.py",
+          "    return round(tensor_bytes * (1 + FRAGMENTATION))", "    return round(tensor_bytes)",
+          (PUBLISHED_TEST,),
+          "the planner reports the tensor peak as the allocator's: every published memory row 14% low"),
     Break("plan-cp-never-enumerated", "torchpre/planner/layouts.py",
           "            for cp in cps if context_parallel else [1]:",
           "            for cp in [1]:",

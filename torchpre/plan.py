@@ -4,7 +4,8 @@ Enumerates the layouts of the job over N GPUs that torchpre's start-up accepts (
 activation checkpointing, microbatch size, pipeline schedule), predicts each one's per-rank memory (the dry
 run's own counts) and step time (`time_model`), and prints the fastest layouts that fit, then why the fastest
 ones that do not fit do not. `--json` prints one JSON object instead; `--plot plan.png` draws the best ones;
-`--calibrate OUT.json` measures this machine into a profile for `--gpu custom --gpu_profile OUT.json`.
+`--calibrate OUT.json` measures this machine into a profile for `--gpu custom --gpu_profile OUT.json`; `--fixed`
+evaluates the one layout the job's own keys set instead of searching.
 """
 
 import argparse
@@ -15,12 +16,16 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.errors import ConfigError
 from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware
 from torchpre.runtime.cli import run_entry_point
+
+if TYPE_CHECKING:
+    from torchpre.planner.search import SearchResult
 
 PROG = "python -m torchpre.plan"
 
@@ -36,6 +41,9 @@ def planner_arguments() -> argparse.ArgumentParser:
     parser.add_argument("--plot", default="", help="draw the best layouts' memory and step time into this PNG")
     parser.add_argument("--calibrate", default="", help="measure this machine into this profile JSON and exit")
     parser.add_argument("--workers", type=int, default=0, help="processes that measure layouts (default: one per core)")
+    parser.add_argument("--fixed", action="store_true",
+                        help="evaluate the layout the job's keys set (degrees, ZeRO, AC, microbatch, schedule, "
+                        "compile, quantize) instead of searching")
     return parser
 
 
@@ -57,22 +65,49 @@ def main(argv: list[str]) -> None:
             "folder's config.json) is not one. Plan the flavor of the same shape, or check this job's layout with "
             "`python train.py ... --job.dry_run --job.dry_run_world_size N`."
         )
-    from torchpre.planner.search import search  # torch loads here: a mistyped flag answers without it
-
     logging.getLogger("torchpre").setLevel(logging.WARNING)  # the planner builds thousands of trainers
     start = time.perf_counter()
-    workers = planner.workers or len(os.sched_getaffinity(0))
-    result = search(config, hardware, planner.gpus, progress=True, workers=workers)
+    result = _fixed(config, hardware, planner.gpus) if planner.fixed else _search(config, hardware, planner)
     seconds = time.perf_counter() - start
     if planner.json:
         print(json.dumps(result.as_dict(planner.top) | {"seconds": round(seconds, 1)}, indent=1))
     else:
         print(result.table(planner.top))
+        print(error_bars(result))
         print(f"planned in {seconds:.0f} s")
     if planner.plot:
         from torchpre.planner.plot import plot_layouts
 
         plot_layouts(result, planner.top, Path(planner.plot))
+
+
+def error_bars(result: "SearchResult") -> str:
+    """The best layout's allocator peak and TPS per GPU with the stated error of the predictions."""
+    from torchpre.planner.predict import ERROR_BARS
+
+    best = result.predictions[0]
+    reserved, tensors = best.reserved_bytes / 2**30, best.peak.total_bytes / 2**30
+    return (
+        f"{best.checked.layout.describe()}: {reserved:.1f} GiB reserved by the CUDA allocator ({tensors:.1f} GiB of "
+        f"tensors), {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {best.mfu:.1%}; stated error "
+        f"±{ERROR_BARS['memory_gib']:.0%} memory, ±{ERROR_BARS['tokens_per_s_per_gpu']:.0%} tokens/s "
+        "(docs/planning.md#checked-against-published-runs)"
+    )
+
+
+def _search(config: JobConfig, hardware: Hardware, planner: argparse.Namespace) -> "SearchResult":
+    from torchpre.planner.search import search  # torch loads here: a mistyped flag answers without it
+
+    workers = planner.workers or len(os.sched_getaffinity(0))
+    return search(config, hardware, planner.gpus, progress=True, workers=workers)
+
+
+def _fixed(config: JobConfig, hardware: Hardware, gpus: int) -> "SearchResult":
+    """The job's own layout, predicted, as a one-layout result (refused by start-up's checks: their ConfigError)."""
+    from torchpre.planner.fixed import predict_fixed
+    from torchpre.planner.search import SearchResult
+
+    return SearchResult([predict_fixed(config, hardware, gpus)], 0, hardware, gpus, config)
 
 
 def _hardware(planner: argparse.Namespace) -> Hardware:

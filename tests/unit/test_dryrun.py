@@ -175,6 +175,16 @@ def test_a_rank_that_does_not_fit_is_named_with_its_largest_part():
         check_fits([fits, big], hardware)
 
 
+def test_a_compiled_job_dry_runs_eager_and_states_the_allocators_peak(capsys):
+    """compile.enable: the blocks run eager under the probe (dynamo cannot trace under its dispatch modes), so the
+    dry run counts what the eager job holds; the table adds the allocator's reserved estimate (x 1.17)."""
+    argv = ("--parallelism.data_parallel_degree", "2", "--optimizer.zero_stage", "3", "--job.dry_run_world_size", "2")
+    eager, compiled = (run_dry_run(_config(*argv, *extra)) for extra in ((), ("--compile.enable", "true")))
+    assert [r.total_bytes for r in compiled] == [r.total_bytes for r in eager]
+    reserved = eager[0].total_bytes * 1.17 / 2**30
+    assert f"about {reserved:.2f} GiB on rank 0 (total x 1.17" in capsys.readouterr().out
+
+
 def test_a_mixture_of_experts_counts_the_activations_of_a_balanced_router(capsys):
     """The router's splits depend on values, which meta tensors do not have: the dry run counts them as a balanced
     router's (and says so). Under ep2 each rank then receives what it sends, so its activations are one process's

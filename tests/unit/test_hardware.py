@@ -20,9 +20,19 @@ def test_rows_hold_the_datasheet_numbers():
         989e12, 141e9, 450e9, 50e9, 4.8e12)
     assert (a100.peak_flops, a100.memory_bytes, a100.intra_node_bw, a100.inter_node_bw, a100.mem_bw) == (
         312e12, 80e9, 300e9, 25e9, 2.0e12)
-    for row in HARDWARE.values():
+    for row in (h100, h200, a100):
         assert (row.matmul_efficiency, row.overlap, row.gpus_per_node) == (0.6, 1.0, 8)
+    for row in HARDWARE.values():
         assert not row.reduce_scatter_as_all_reduce
+
+
+def test_the_published_platform_holds_its_sheet_and_the_calibrated_efficiencies():
+    """torchtitan's Grand Teton H100 (96 GB HBM2e at 2.4 TB/s, 500 W): the SXM datasheet's peaks, the benchmark's
+    memory and links; the efficiencies bench/plan_vs_published.py calibrates (FP8 matmuls take the bf16 one)."""
+    row = get_hardware("h100-96gb-hbm2e-500w")
+    assert (row.peak_flops, row.fp8_peak_flops, row.memory_bytes, row.mem_bw) == (989e12, 1979e12, 96e9, 2.4e12)
+    assert (row.intra_node_bw, row.inter_node_bw, row.gpus_per_node) == (450e9, 50e9, 8)
+    assert (row.matmul_efficiency, row.fp8_matmul_efficiency, row.attention_efficiency) == (0.59, 0.0, 0.21)
 
 
 def test_a_profile_round_trips_and_is_selected_by_its_path(tmp_path):

@@ -43,6 +43,9 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("torchpre.train", "torchpre.planner.dryrun"): "entry point: loads torch, like the trainer it builds",
     ("torchpre.plan", "torchpre.planner.search"): "entry point: `--help` and bad flags answer before torch "
     "loads",
+    ("torchpre.plan", "torchpre.planner.fixed"): "entry point: only --fixed needs it (and torch)",
+    ("torchpre.plan", "torchpre.planner.predict"): "entry point: the error bars are printed after a search, with torch "
+    "loaded",
     ("torchpre.plan", "torchpre.planner.calibrate"): "entry point: only --calibrate needs it (and torch)",
     ("torchpre.plan", "torchpre.planner.plot"): "entry point: only --plot needs it (and matplotlib)",
     ("torchpre.runtime.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",

@@ -32,7 +32,7 @@ from torchpre.training.model import meta_model
 JSON_KEYS = {
     "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",
     "param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes", "step_time_s", "tokens_per_sec", "mfu",
-    "fits", "cp",
+    "fits", "cp", "memory_gib", "tensor_memory_gib", "tokens_per_s_per_gpu", "error_bars",
 }  # fmt: skip
 
 

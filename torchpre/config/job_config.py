@@ -37,7 +37,9 @@ class Job:
         [], "global ranks a dry run builds; empty = rank (dp 0, tp 0) of every pipeline stage"
     )
     dry_run_gpu: str = _option(
-        "h100-80gb", "the GPU whose memory a dry run checks against: h100-80gb, h200-141gb, a100-80gb or a profile JSON"
+        "h100-80gb",
+        "the GPU whose memory a dry run checks against: h100-80gb, h200-141gb, a100-80gb, h100-96gb-hbm2e-500w or a "
+        "profile JSON",
     )
 
 

@@ -118,6 +118,9 @@ class ActivationProbe:
     - `matmul_flops`: the part of `flops` done by matmuls (mm, addmm, bmm, baddbmm), i.e. without attention.
     - `fp8_flops`: the part of `matmul_flops` done by `aten._scaled_mm`, the FP8 tensor-core matmul torchao's float8
       linears call (quantize.linear): what runs at the FP8 peak.
+    - `fp8_operand_elements`: elements of the FP8 operands of those matmuls: each was cast from high precision by
+      torchao (an amax reduction and a scaled cast), which torch.compile fuses into kernels that move a fixed number
+      of bytes per element (`torchpre.planner.time_model.FUSED_FP8_CAST_BYTES`).
     - `other_bytes`: bytes of the outputs written by all other non-view ops (elementwise, norms, copies,
       embedding lookups): the memory-bound traffic.
     - `op_counts`: how many times each op ran on plain tensors, views included, by name such as "aten.mm"
@@ -139,6 +142,7 @@ class ActivationProbe:
     subclass_ops: int = 0
     fp8_flops: int = 0
     transient_trace: tuple[int, ...] = ()
+    fp8_operand_elements: int = 0
 
     @property
     def ops(self) -> int:
@@ -152,7 +156,7 @@ class ProbeMode(TensorMemory):
 
     def __init__(self, devices: tuple[str, ...] = ("meta", "cpu")) -> None:
         super().__init__(devices)
-        self.flops = self.matmul_flops = self.fp8_flops = self.other_bytes = 0
+        self.flops = self.matmul_flops = self.fp8_flops = self.other_bytes = self.fp8_operand_elements = 0
         self.op_counts: Counter[str] = Counter()
         self.collectives: list[Collective] = []
         self.live_trace: list[int] = []  # live bytes after each counted allocation
@@ -175,6 +179,7 @@ class ProbeMode(TensorMemory):
                 self.matmul_flops += flops
             if packet == aten._scaled_mm:
                 self.fp8_flops += flops
+                self.fp8_operand_elements += args[0].numel() + args[1].numel()
         elif func.namespace in _COLLECTIVE_NAMESPACES:
             if packet._qualified_op_name.split("::")[1] not in _NOT_COLLECTIVES:
                 self.collectives.append(_collective(func, args, kwargs))
@@ -207,6 +212,7 @@ class ProbeMode(TensorMemory):
             subclass_ops=self.subclass_ops,
             fp8_flops=self.fp8_flops,
             transient_trace=transient_trace,
+            fp8_operand_elements=self.fp8_operand_elements,
         )
 
     def tracks(self, storage: torch.UntypedStorage) -> bool:

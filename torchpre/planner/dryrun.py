@@ -25,6 +25,7 @@ from torchpre.errors import ConfigError, TorchpreError
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.planner.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
+from torchpre.planner.allocator import FRAGMENTATION, reserved_bytes
 from torchpre.planner.hardware import Hardware, get_hardware
 from torchpre.planner.tensor_memory import TensorMemory
 from torchpre.runtime.world import Runtime
@@ -246,7 +247,9 @@ def probe_parts(job: TrainingJob) -> list[PartProbe]:
     model = job.model
     model.set_backward_callback(None)
     probes = []
-    with loss_parallel_context(p.enable_loss_parallel and dims.tp > 1):
+    # Compiled blocks run eager: dynamo cannot trace under the probe's dispatch modes, and the eager ops are what
+    # it counts (the planner models what compile saves: torchpre.planner.allocator, time_model.COMPILE_ELEMENTWISE).
+    with loss_parallel_context(p.enable_loss_parallel and dims.tp > 1), torch.compiler.set_stance("force_eager"):
         for part, stage in zip(model.parts, model.stage_ids):
             first, last = stage == 0, stage == (job.pipeline.num_stages - 1 if job.pipeline else 0)
             inputs = tokens if first else torch.empty(hidden_shape, dtype=dtype, device="meta", requires_grad=True)
@@ -365,9 +368,15 @@ def memory_table(results: list[RankMemory], hardware: Hardware) -> str:
                  r.total_bytes)  # fmt: skip
         rows.append(f"{r.rank:>6} {r.pp:>4} {r.dp:>4} {r.tp:>4} " + " ".join(f"{b / GiB:>9.2f}" for b in parts))
     usable = hardware.memory_bytes - hardware.reserved_bytes
+    busiest = max(results, key=lambda r: r.total_bytes)
+    reserved = reserved_bytes(busiest.total_bytes) / GiB
     rows.append(
         f"GiB per rank; total = params + grads + optim + the larger of activ (backward's peak) and opt step (the "
         f"optimizer step's buffers); {hardware.name}: {usable / GiB:.2f} GiB usable"
+    )
+    rows.append(
+        f"a GPU run's peak (the CUDA caching allocator's reserved segments) is more than its tensors: about "
+        f"{reserved:.2f} GiB on rank {busiest.rank} (total x {1 + FRAGMENTATION:.2f}: torchpre/planner/allocator.py)"
     )
     return "\n".join(rows)
 

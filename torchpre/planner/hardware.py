@@ -46,6 +46,9 @@ class Hardware:
         profile: calibration sets it when gloo's reduce-scatter costs as much as its all-reduce).
     fp8_peak_flops: dense FP8 matmul FLOP/s of one device (quantize.linear's matmuls, and MFU's peak under it);
         0 = no FP8 tensor cores (A100, CPUs): torchao emulates FP8 there, at `peak_flops`.
+    fp8_matmul_efficiency: the fraction of `fp8_peak_flops` an FP8 matmul reaches; 0 = `matmul_efficiency`.
+    attention_efficiency: the fraction of `peak_flops` attention kernels (flash attention, forward and backward)
+        reach; 0 = `matmul_efficiency`.
     """
 
     name: str
@@ -63,6 +66,8 @@ class Hardware:
     reduce_scatter_as_all_reduce: bool = False
     subclass_op_overhead_s: float = 0.0
     fp8_peak_flops: float = 0.0
+    fp8_matmul_efficiency: float = 0.0
+    attention_efficiency: float = 0.0
 
 
 # Datasheet numbers (dense bf16 and FP8, SXM parts: NVIDIA prints FP8 with sparsity, 3,958 TFLOPS on H100/H200,
@@ -73,6 +78,24 @@ class Hardware:
 _GPU_ASSUMPTIONS = dict(
     reserved_bytes=2e9, latency_s=10e-6, gpus_per_node=8, matmul_efficiency=0.6, op_overhead_s=5e-6, overlap=1.0
 )
+# Meta's Grand Teton H100s, the platform of torchtitan's published benchmark (pytorch/torchtitan,
+# benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"): H100 SXM with 96 GB of HBM2e at 2.4 TB/s (memory_bytes,
+# mem_bw), a 500 W power limit (the SXM's TDP is 700 W), 8 per host on NVLink 4 (intra_node_bw: 450 GB/s per
+# direction, the H100 SXM datasheet), 400 Gb/s of RDMA per GPU (inter_node_bw: 50 GB/s). peak_flops and
+# fp8_peak_flops: the H100 SXM datasheet's dense bf16 and FP8, which torchtitan's MFU divides by (its footnote 2:
+# the 500 W part's own peak lies between SXM and NVL and is not known), so the power limit shows in the
+# efficiencies. matmul_efficiency (0.59) and attention_efficiency (0.21): calibrated against that table's ten
+# Llama 3.1 8B rows by least squares of the log TPS error, one value each for every row, no per-row factor
+# (bench/plan_vs_published.py prints the errors; docs/planning.md#checked-against-published-runs); FP8 matmuls take
+# matmul_efficiency (fp8_matmul_efficiency 0): the rows do not tell them apart (a free fit runs into any upper
+# bound given, 0.75 of the FP8 peak, with the other errors nearly unchanged), and no larger fraction of the doubled
+# peak is the conservative assumption under a power limit. latency_s, op_overhead_s, overlap, reserved_bytes: the
+# other GPU rows' assumptions.
+H100_96GB_HBM2E_500W = Hardware(
+    "h100-96gb-hbm2e-500w", peak_flops=989e12, memory_bytes=96e9, intra_node_bw=450e9, inter_node_bw=50e9,
+    mem_bw=2.4e12, fp8_peak_flops=1979e12, **{**_GPU_ASSUMPTIONS, "matmul_efficiency": 0.59},
+    attention_efficiency=0.21,
+)
 HARDWARE: dict[str, Hardware] = {
     row.name: row
     for row in (
@@ -82,6 +105,7 @@ HARDWARE: dict[str, Hardware] = {
                  mem_bw=4.8e12, fp8_peak_flops=1979e12, **_GPU_ASSUMPTIONS),
         Hardware("a100-80gb", peak_flops=312e12, memory_bytes=80e9, intra_node_bw=300e9, inter_node_bw=25e9,
                  mem_bw=2.0e12, **_GPU_ASSUMPTIONS),
+        H100_96GB_HBM2E_500W,
     )
 }
 
@@ -139,8 +163,8 @@ def _check_values(fields: dict, path: Path, key: str) -> None:
             ok = isinstance(value, bool)
         elif field.name == "gpus_per_node":
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-        elif field.name in ("matmul_efficiency", "overlap"):
-            ok = _number(value) and 0 <= value <= 1 and (field.name == "overlap" or value > 0)
+        elif field.name in ("matmul_efficiency", "overlap", "fp8_matmul_efficiency", "attention_efficiency"):
+            ok = _number(value) and 0 <= value <= 1 and (field.name != "matmul_efficiency" or value > 0)
         elif field.name in ("reserved_bytes", "latency_s", "op_overhead_s", "subclass_op_overhead_s", "fp8_peak_flops"):
             ok = _number(value) and value >= 0
         else:

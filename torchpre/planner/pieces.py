@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from torchpre.config.job_config import JobConfig
+from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.config.parser import to_toml
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
@@ -139,7 +139,8 @@ class MicrobatchCost:
             pairs = zip(a.collectives, b.collectives)
             collectives = tuple(Collective(x.op, x.dim, grow(x.bytes, y.bytes), x.count) for x, y in pairs)
             return Work(grow(a.flops, b.flops), grow(a.other_bytes, b.other_bytes), a.ops, collectives, a.subclass_ops,
-                        grow(a.fp8_flops, b.fp8_flops))
+                        grow(a.fp8_flops, b.fp8_flops), grow(a.attention_flops, b.attention_flops),
+                        grow(a.fp8_cast_elements, b.fp8_cast_elements))
 
         trace: tuple[float, ...] = ()
         transient = grow(self.transient_bytes, other.transient_bytes)
@@ -170,7 +171,7 @@ def _times(work: Work, k: int) -> Work:
     """k times `work`: each collective's count k times (one entry each, not k: the time model sums them)."""
     collectives = tuple(dataclasses.replace(c, count=c.count * k) for c in work.collectives)
     return Work(work.flops * k, work.other_bytes * k, work.ops * k, collectives, work.subclass_ops * k,
-                work.fp8_flops * k)
+                work.fp8_flops * k, work.attention_flops * k, work.fp8_cast_elements * k)
 
 
 @dataclass(frozen=True)
@@ -473,6 +474,31 @@ def _measure_state(config: JobConfig, world: int, rank: int) -> StateCost:
 
 
 def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
+    """The rank's microbatch probed eager: the probe counts eager ops on meta tensors, which torch.compile cannot
+    trace under its dispatch modes, so the time and memory models account for compile
+    (`torchpre.planner.time_model.COMPILE_ELEMENTWISE`, `torchpre.planner.allocator`). A compiled job with FP8
+    linears takes its memory and elementwise work from the same job in high precision (torch.compile fuses
+    torchao's casts, whose eager temporaries and traffic the float8 probe counts: torchtitan's compiled Llama 3.1
+    8B reserves the same with and without Float8, 77.0 and 76.8 GiB), and its matmuls and FP8 operands from the
+    float8 probe."""
+    eager = copy.deepcopy(config)
+    eager.compile.enable = False
+    cost = _probed_microbatch(eager, world, rank)
+    if not config.compile.enable or config.quantize.linear == "none":
+        return cost
+    eager.quantize = Quantize()
+    plain = _probed_microbatch(eager, world, rank)
+    return dataclasses.replace(plain, forward=_fused_fp8(cost.forward, plain.forward),
+                               backward=_fused_fp8(cost.backward, plain.backward))
+
+
+def _fused_fp8(fp8: Work, plain: Work) -> Work:
+    """`plain`'s elementwise work and collectives with `fp8`'s matmul and attention FLOPs and FP8 operands."""
+    return dataclasses.replace(plain, flops=fp8.flops, fp8_flops=fp8.fp8_flops, attention_flops=fp8.attention_flops,
+                               fp8_cast_elements=fp8.fp8_cast_elements)
+
+
+def _probed_microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
     parts = probe_rank_parts(config, world, rank)
     (part,) = parts
     tp, cp = config.parallelism.tensor_parallel_degree, config.parallelism.context_parallel_degree
@@ -500,7 +526,8 @@ def to_work(probe: ActivationProbe, tp: int, cp: int = 1) -> Work:
         dim = "ep" if kind == "all_to_all" else "cp" if _is_cp(c, tp, cp) else "tp"
         nbytes = c.bytes * c.group_size if kind == "all_gather" else c.bytes  # the probe counts inputs
         collectives.append(Collective(kind, dim, nbytes))
-    return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives), probe.subclass_ops, probe.fp8_flops)
+    return Work(probe.flops, probe.other_bytes, probe.ops, tuple(collectives), probe.subclass_ops, probe.fp8_flops,
+                probe.flops - probe.matmul_flops, probe.fp8_operand_elements)
 
 
 def _is_cp(collective: ProbedCollective, tp: int, cp: int) -> bool:
@@ -524,7 +551,8 @@ def _work_minus(a: Work, b: Work) -> Work:
             remaining[c.op, c.dim, c.bytes] += sign * c.count
     collectives = tuple(Collective(*key) for key, n in remaining.items() for _ in range(max(n, 0)))
     return Work(a.flops - b.flops, a.other_bytes - b.other_bytes, a.ops - b.ops, collectives,
-                a.subclass_ops - b.subclass_ops, a.fp8_flops - b.fp8_flops)
+                a.subclass_ops - b.subclass_ops, a.fp8_flops - b.fp8_flops, a.attention_flops - b.attention_flops,
+                a.fp8_cast_elements - b.fp8_cast_elements)
 
 
 def stage_shape(checked: CheckedLayout, pp_rank: int) -> list[tuple[int, bool, bool]]:

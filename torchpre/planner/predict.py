@@ -15,6 +15,7 @@ import torch
 from torchpre.config.job_config import JobConfig
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
+from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
 from torchpre.planner.dryrun import peak_bytes
 from torchpre.planner.hardware import Hardware
 from torchpre.planner.layouts import CheckedLayout
@@ -24,6 +25,9 @@ from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
 from torchpre.training.model import meta_model
 
+# The stated error of the predictions (relative), from the comparison with torchtitan's published H100 runs
+# (bench/plan_vs_published.py, docs/planning.md): printed next to every prediction.
+ERROR_BARS = {"memory_gib": 0.10, "tokens_per_s_per_gpu": 0.20, "mfu": 0.20}
 OPTIMIZER_OPS_PER_TENSOR = 12  # eager ops of single-tensor AdamW per parameter tensor (torch's _single_tensor_adamw)
 
 
@@ -40,7 +44,13 @@ class RankPrediction:
 
     @property
     def total_bytes(self) -> int:
+        """The tensor peak, as the dry run counts it."""
         return peak_bytes(self)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The peak the CUDA caching allocator reserves (`torchpre.planner.allocator`)."""
+        return reserved_bytes(self.total_bytes)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,15 @@ class Prediction:
     @property
     def peak(self) -> RankPrediction:
         return max(self.ranks, key=lambda r: r.total_bytes)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The busiest rank's predicted allocator peak: what a GPU run reports (max_memory_reserved)."""
+        return self.peak.reserved_bytes
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_sec / self.gpus
 
     @property
     def fits(self) -> bool:
@@ -88,8 +107,12 @@ class Prediction:
             "optimizer_step_bytes": peak.optimizer_step_bytes,
             "step_time_s": self.step.total_s if self.step else None,
             "tokens_per_sec": self.tokens_per_sec,
+            "memory_gib": self.reserved_bytes / 2**30,
+            "tensor_memory_gib": self.peak.total_bytes / 2**30,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
             "mfu": self.mfu,
             "mfu_peak": self.mfu_peak,
+            "error_bars": ERROR_BARS,
             "fits": self.fits,
             "breakdown": {
                 "step": self.step.as_dict() if self.step else None,
@@ -123,7 +146,7 @@ def predict(
     ranks, rank_work = [], []
     for pp_rank, (rank_chunks, state) in enumerate(zip(chunks, rank_states)):
         costs = [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in rank_chunks]
-        activations = _activation_bytes(checked, pp_rank, costs, states, rank_chunks)
+        activations = _activation_bytes(checked, pp_rank, costs, states, rank_chunks, work_pieces.block)
         ranks.append(RankPrediction(pp_rank, state.param_bytes, state.grad_bytes, state.optimizer_state_bytes,
                                     activations, state.optimizer_step_bytes))  # fmt: skip
         rank_work.append(_rank_work(config, costs, state))
@@ -140,7 +163,8 @@ def model_flops_per_token(config: JobConfig, args: Any) -> int:
 
 
 def _activation_bytes(
-    checked: CheckedLayout, pp_rank: int, costs: list[MicrobatchCost], states: Pieces, chunks: list
+    checked: CheckedLayout, pp_rank: int, costs: list[MicrobatchCost], states: Pieces, chunks: list,
+    block: MicrobatchCost,
 ) -> int:
     """What `torchpre.planner.dryrun.probe_rank` adds up for a built rank, from the pieces."""
     layout, pipeline = checked.layout, checked.pipeline
@@ -150,7 +174,8 @@ def _activation_bytes(
             pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
         )
     held = pipeline is not None
-    saved = max(c.saved_bytes + (c.pipeline_held_bytes if held else 0) for c in costs)
+    cut = [_compiled_cut(checked, block, blocks) for blocks, _, _ in chunks]
+    saved = max(c.saved_bytes - k + (c.pipeline_held_bytes if held else 0) for c, k in zip(costs, cut))
     transient = max(c.transient_bytes for c in costs)
     gathered = 0
     if zero_stage(layout.zero_stage).shards_parameters:
@@ -160,6 +185,30 @@ def _activation_bytes(
         else:
             gathered = sum(states.stage(*chunk, zero=StateCost()).tp_numel for chunk in chunks) * itemsize
     return int(in_flight * saved + transient + gathered)
+
+
+def _compiled_cut(checked: CheckedLayout, block: MicrobatchCost, blocks: int) -> float:
+    """The saved bytes compile spares a stage chunk of `blocks` blocks: (1 - COMPILED_SAVED_KEPT) of what its eager
+    blocks save beyond their inputs (`torchpre.planner.allocator`); none without compile or under full AC."""
+    config = checked.config
+    if not config.compile.enable or config.activation_checkpoint.mode == "full":
+        return 0.0
+    beyond_input = max(block.saved_bytes - _block_input_bytes(checked), 0)
+    return (1 - COMPILED_SAVED_KEPT) * blocks * beyond_input
+
+
+def _block_input_bytes(checked: CheckedLayout) -> int:
+    """One microbatch's hidden states entering a block on one rank (its share under cp and sequence parallelism)."""
+    config = checked.config
+    itemsize = getattr(torch, config.training.mixed_precision_param).itemsize
+    return checked.layout.microbatch_size * _local_seq(config) * _dim(config) * itemsize
+
+
+def _local_seq(config: JobConfig) -> int:
+    """A rank's positions of each sequence: its 1 / cp share, and 1 / tp of that under sequence parallelism."""
+    p = config.parallelism
+    seq = config.training.seq_len // p.context_parallel_degree
+    return seq // p.tensor_parallel_degree if p.enable_sequence_parallel and p.tensor_parallel_degree > 1 else seq
 
 
 def _reshards_after_forward(config: JobConfig) -> bool:
@@ -173,9 +222,7 @@ def _reshards_after_forward(config: JobConfig) -> bool:
 def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost) -> RankWork:
     t, p = config.training, config.parallelism
     microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else t.local_batch_size
-    sequence_parallel = p.enable_sequence_parallel and p.tensor_parallel_degree > 1
-    seq = t.seq_len // p.context_parallel_degree  # a cp rank's positions of each sequence
-    seq = seq // p.tensor_parallel_degree if sequence_parallel else seq
+    seq = _local_seq(config)
     compute = getattr(torch, t.mixed_precision_param).itemsize
     args_dim = _dim(config)
     reduce = getattr(torch, config.optimizer.reduce_dtype).itemsize
@@ -212,4 +259,5 @@ def _time_layout(checked: CheckedLayout) -> TimeLayout:
         stages_per_rank=pipeline.stages_per_rank if pipeline else 1,
         zero_stage=layout.zero_stage,
         bucket_bytes=checked.config.optimizer.bucket_size_mb * 2**20,
+        compiled=checked.config.compile.enable,
     )

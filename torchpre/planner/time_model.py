@@ -4,7 +4,9 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
 - compute per microbatch = flops / (peak_flops x matmul_efficiency) + MEMORY_TRAFFIC x other_bytes / mem_bw
   + ops x op_overhead_s + subclass_ops x subclass_op_overhead_s (DTensor's Python dispatch under TP). `flops` are
   the matmul and attention FLOPs a `FlopCounterMode` counts (recompute included), of which `fp8_flops` (torchao's
-  FP8 matmuls under quantize.linear) run at fp8_peak_flops instead; everything else (norms,
+  FP8 matmuls under quantize.linear) run at fp8_peak_flops x fp8_matmul_efficiency instead and `attention_flops`
+  (flash attention) at peak_flops x attention_efficiency; under compile.enable the memory-bound term is
+  `COMPILE_ELEMENTWISE` of the eager one plus torchao's fused casts (`compute_seconds`). Everything else (norms,
   activations, adds, copies) is memory-bound: it moves MEMORY_TRAFFIC = 2.5 bytes per byte it writes (about half
   of a block's elementwise ops are unary: read 1, write 1; half binary, as most of backward's grad x saved
   products: read 2, write 1). `mem_bw` is read + write traffic, as datasheets and
@@ -45,6 +47,7 @@ from typing import Literal
 
 from torchpre.layouts.schedules import get_schedule
 from torchpre.layouts.zero_stages import zero_stage
+from torchpre.planner.allocator import FRAGMENTATION
 from torchpre.planner.hardware import Hardware
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
@@ -54,6 +57,14 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20  # torchpre.distributed.collectives.DEFAULT_BU
 MICROBATCH_DIMS: tuple[Dim, ...] = ("tp", "ep", "cp")  # whose collectives run, exposed, inside each microbatch
 OPTIMIZER_TRAFFIC = 3.5  # bytes AdamW moves per byte of its state (see the module docstring)
 MEMORY_TRAFFIC = 2.5  # bytes a memory-bound op moves per byte it writes (see the module docstring)
+# The share of eager elementwise traffic and op launches a torch.compile'd step still pays. Calibrated (one number
+# for every layout, with the h100-96gb-hbm2e-500w row's efficiencies) against torchtitan's Llama 3.1 8B rows, eager
+# and compiled (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md): bench/plan_vs_published.py.
+COMPILE_ELEMENTWISE = 0.4
+# Bytes a compiled torchao tensorwise cast moves per FP8 operand element: its amax pass reads the bf16 value (2),
+# the scaled cast reads it again (2) and writes one FP8 byte (1). (An eager cast runs the chain unfused: the
+# probe counts 13-18 bytes written per element for Llama 3.1 8B's blocks.)
+FUSED_FP8_CAST_BYTES = 5.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +85,8 @@ class Work:
 
     flops: matmul and attention FLOPs (recompute included in the backward). other_bytes: bytes written by every
     other op. ops: eager ops dispatched. collectives: the TP/EP collectives it runs (group size from the dim).
-    fp8_flops: the part of `flops` done by FP8 matmuls.
+    fp8_flops: the part of `flops` done by FP8 matmuls. attention_flops: the part done by attention kernels (flash
+    attention reaches a smaller fraction of peak than a large matmul: `Hardware.attention_efficiency`).
     """
 
     flops: float
@@ -83,12 +95,15 @@ class Work:
     collectives: tuple[Collective, ...] = ()
     subclass_ops: int = 0
     fp8_flops: float = 0.0
+    attention_flops: float = 0.0
+    fp8_cast_elements: float = 0.0
 
     def __add__(self, other: "Work") -> "Work":
         """Both, one after the other: how a rank's stage chunks (or a probe's parts) add up."""
         return Work(self.flops + other.flops, self.other_bytes + other.other_bytes, self.ops + other.ops,
                     self.collectives + other.collectives, self.subclass_ops + other.subclass_ops,
-                    self.fp8_flops + other.fp8_flops)
+                    self.fp8_flops + other.fp8_flops, self.attention_flops + other.attention_flops,
+                    self.fp8_cast_elements + other.fp8_cast_elements)
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,7 @@ class Layout:
     stages_per_rank: int = 1
     zero_stage: int = 0
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
+    compiled: bool = False  # compile.enable: blocks' elementwise ops fused (`COMPILE_ELEMENTWISE`)
 
     @property
     def world_size(self) -> int:
@@ -176,6 +192,11 @@ def assumptions(hardware: Hardware) -> dict[str, float | bool | str]:
     return {
         "hardware": hardware.name,
         "matmul_efficiency": hardware.matmul_efficiency,
+        "fp8_matmul_efficiency": hardware.fp8_matmul_efficiency or hardware.matmul_efficiency,
+        "attention_efficiency": hardware.attention_efficiency or hardware.matmul_efficiency,
+        "compile_elementwise": COMPILE_ELEMENTWISE,
+        "fused_fp8_cast_bytes": FUSED_FP8_CAST_BYTES,
+        "allocator_reserved_per_tensor_byte": 1 + FRAGMENTATION,
         "overlap": hardware.overlap,
         "op_overhead_s": hardware.op_overhead_s,
         "latency_s": hardware.latency_s,
@@ -226,15 +247,24 @@ def collective_on(collective: Collective, layout: Layout, hardware: Hardware) ->
     return collective.count * collective_seconds(collective.op, size, collective.bytes, bw, hardware)
 
 
-def compute_seconds(work: Work, hardware: Hardware) -> float:
-    """The work's FLOPs at the matmul rate, its other ops' memory traffic at memory bandwidth, and every op's
-    overhead."""
+def compute_seconds(work: Work, hardware: Hardware, compiled: bool = False) -> float:
+    """The work's matmul FLOPs at the matmul rate (FP8 ones at the FP8 rate), its attention FLOPs at the attention
+    rate, its other ops' memory traffic at memory bandwidth, and every op's overhead. `compiled`: torch.compile
+    fuses the elementwise ops into few kernels, which keep `COMPILE_ELEMENTWISE` of the eager traffic and launches,
+    and torchao's FP8 casts into kernels moving `FUSED_FP8_CAST_BYTES` per FP8 operand element."""
     fp8_peak = hardware.fp8_peak_flops or hardware.peak_flops  # no FP8 tensor cores: emulated at the high rate
+    fp8_efficiency = hardware.fp8_matmul_efficiency or hardware.matmul_efficiency
+    attention_efficiency = hardware.attention_efficiency or hardware.matmul_efficiency
+    elementwise = MEMORY_TRAFFIC * work.other_bytes / hardware.mem_bw + work.ops * hardware.op_overhead_s
+    if compiled:
+        casts = FUSED_FP8_CAST_BYTES * work.fp8_cast_elements / hardware.mem_bw
+        elementwise = COMPILE_ELEMENTWISE * elementwise + casts
+    bf16_matmul = work.flops - work.fp8_flops - work.attention_flops
     return (
-        (work.flops - work.fp8_flops) / (hardware.peak_flops * hardware.matmul_efficiency)
-        + work.fp8_flops / (fp8_peak * hardware.matmul_efficiency)
-        + MEMORY_TRAFFIC * work.other_bytes / hardware.mem_bw
-        + work.ops * hardware.op_overhead_s
+        bf16_matmul / (hardware.peak_flops * hardware.matmul_efficiency)
+        + work.fp8_flops / (fp8_peak * fp8_efficiency)
+        + work.attention_flops / (hardware.peak_flops * attention_efficiency)
+        + elementwise
         + work.subclass_ops * hardware.subclass_op_overhead_s
     )
 
@@ -275,7 +305,8 @@ def _dp_dim_seconds(
 
 
 def _microbatch_seconds(work: Work, layout: Layout, hardware: Hardware) -> float:
-    return compute_seconds(work, hardware) + sum(comm_seconds(work, d, layout, hardware) for d in MICROBATCH_DIMS)
+    communication = sum(comm_seconds(work, d, layout, hardware) for d in MICROBATCH_DIMS)
+    return compute_seconds(work, hardware, layout.compiled) + communication
 
 
 def pp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
@@ -299,7 +330,7 @@ def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardwar
     for rank, rank_busy in zip(ranks, busy):
         dp, dp_exposed = dp_seconds(rank, layout, hardware)
         times.append(StepTime(
-            compute_s=m * (compute_seconds(rank.forward, hardware) + compute_seconds(rank.backward, hardware)),
+            compute_s=m * sum(compute_seconds(w, hardware, layout.compiled) for w in (rank.forward, rank.backward)),
             tp_comm_s=m * sum(comm_seconds(w, "tp", layout, hardware) for w in (rank.forward, rank.backward)),
             ep_comm_s=m * sum(comm_seconds(w, "ep", layout, hardware) for w in (rank.forward, rank.backward)),
             cp_comm_s=m * sum(comm_seconds(w, "cp", layout, hardware) for w in (rank.forward, rank.backward)),

@@ -1,0 +1,86 @@
+"""`python -m torchpre.plan --fixed`: exactly the layout the job's keys set, predicted as a search predicts it."""
+
+import json
+import logging
+
+import pytest
+
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args
+from torchpre.errors import ConfigError
+from torchpre.plan import main as plan_main
+from torchpre.planner.fixed import check_fixed, predict_fixed
+from torchpre.planner.hardware import get_hardware
+from torchpre.planner.layouts import Layout, check
+from torchpre.planner.predict import ERROR_BARS, model_flops_per_token, predict
+
+TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8"]
+FIXED_KEYS = {"memory_gib", "tensor_memory_gib", "tokens_per_s_per_gpu", "mfu", "error_bars"}
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    logging.getLogger("torchpre").setLevel(logging.WARNING)
+    yield
+    logging.getLogger("torchpre").setLevel(logging.INFO)
+
+
+def test_fixed_json_is_one_layout_equal_to_the_searched_prediction_of_it(capsys):
+    """dp2 ZeRO-3, per-op AC, 2 sequences per microbatch on 2 GPUs: the keys a search writes for that layout, so the
+    fixed prediction is the search's, number for number; memory_gib is the allocator's peak over the tensors'."""
+    keys = [*TINY, "--parallelism.data_parallel_degree", "2", "--optimizer.zero_stage", "3",
+            "--activation_checkpoint.mode", "selective", "--training.local_batch_size", "2"]  # fmt: skip
+    plan_main([*keys, "--gpus", "2", "--gpu", "a100-80gb", "--fixed", "--json"])
+    (layout,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert FIXED_KEYS <= set(layout)
+    assert (layout["dp"], layout["tp"], layout["zero_stage"], layout["activation_checkpoint"],
+            layout["microbatch_size"]) == (2, 1, 3, "selective", 2)  # fmt: skip
+    base = parse_args(JobConfig, TINY)
+    checked = check(Layout(dp=2, tp=1, pp=1, zero_stage=3, activation_checkpoint="selective", microbatch_size=2),
+                    base, 2)  # fmt: skip
+    searched = predict(checked, get_hardware("a100-80gb"), 2, model_flops_per_token(checked.config,
+                                                                                     checked.model_args))
+    assert layout["memory_bytes"] == searched.peak.total_bytes
+    assert layout["tokens_per_sec"] == pytest.approx(searched.tokens_per_sec)
+    assert layout["tokens_per_s_per_gpu"] == pytest.approx(searched.tokens_per_sec / 2)
+    assert layout["memory_gib"] * 2**30 == pytest.approx(searched.reserved_bytes, abs=1)
+    assert layout["memory_gib"] > layout["tensor_memory_gib"]
+    assert layout["error_bars"] == ERROR_BARS
+
+
+def test_fixed_keeps_the_keys_a_search_would_rewrite():
+    """tp2 without sequence parallelism and block-level selective AC: a search sets sequence parallelism and per-op
+    AC for every tp2 layout; --fixed predicts the job as written."""
+    config = parse_args(JobConfig, [*TINY, "--parallelism.tensor_parallel_degree", "2",
+                                    "--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", "2"])  # fmt: skip
+    checked = check_fixed(config, 2)
+    assert not checked.config.parallelism.enable_sequence_parallel
+    assert checked.config.activation_checkpoint.selective_ac_option == "2"
+    assert (checked.layout.dp, checked.layout.tp) == (1, 2)
+    assert predict_fixed(config, get_hardware("a100-80gb"), 2).tokens_per_sec > 0
+
+
+def test_fixed_names_start_ups_refusal():
+    with pytest.raises(ConfigError, match="not divisible"):
+        plan_main([*TINY, "--parallelism.tensor_parallel_degree", "3", "--gpus", "3", "--fixed"])
+
+
+def test_the_table_states_the_error_bars(capsys):
+    plan_main([*TINY, "--gpus", "1", "--gpu", "a100-80gb", "--fixed"])
+    out = capsys.readouterr().out
+    assert "reserved by the CUDA allocator" in out and "stated error ±10% memory, ±20% tokens/s" in out
+
+
+def test_a_fixed_pipeline_is_the_schedule_the_keys_name():
+    """pp2 Interleaved1F1B with 2 stages per rank and 2-sequence microbatches: the layout --fixed predicts."""
+    config = parse_args(JobConfig, [
+        "--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8",
+        "--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_virtual_stages",
+        "2", "--parallelism.pipeline_parallel_microbatch_size", "2",
+    ])  # fmt: skip
+    checked = check_fixed(config, 2)
+    assert checked.layout == Layout(dp=1, tp=1, pp=2, zero_stage=0, activation_checkpoint="none", microbatch_size=2,
+                                    schedule="Interleaved1F1B", virtual_stages=2)  # fmt: skip
+    assert checked.microbatches == 4
