@@ -366,16 +366,28 @@ def _same_microbatch_costs(got: pieces.Pieces, want: pieces.Pieces) -> None:
             assert [c.bytes for c in g.collectives] == pytest.approx([c.bytes for c in w.collectives], rel=1e-9)
 
 
-def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly():
+def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly(monkeypatch):
     """Microbatch costs at cp8 from probes at cp2 and cp4 (every tensor is affine in 1 / cp: a rank's share of each
     sequence, or the whole gathered keys and values) equal a probe at cp8, debug model at 256 tokens, no activation
     checkpointing: every number within 1e-9, the transients included. The transient is a peak, and its moment
     moves here (the first stage's, 1.17 MB at cp8, falls elsewhere than at cp2 and cp4): interpolated as a number
-    it would be 25% short; the probes' live-bytes traces interpolated entry by entry give it exactly."""
+    it would be 25% short; the probes' live-bytes traces interpolated entry by entry give it exactly. And cp8 is
+    not probed: probes whose traces differ in length do not interpolate, and the planner then probes every degree
+    (a view op's outputs, as many as `chunk(cp)` makes, once added entries: issue 57's 405B probed 12 degrees)."""
     base = _job("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.global_batch_size", "8")
     config = check(Layout(dp=1, tp=1, pp=1, cp=8), base, 8).config
+    monkeypatch.setattr(pieces, "_CACHE", {})
+    probe, probed_degrees = pieces._microbatch, set()
+
+    def counted(config, world: int, rank: int) -> pieces.MicrobatchCost:
+        probed_degrees.add(config.parallelism.context_parallel_degree)
+        return probe(config, world, rank)
+
+    monkeypatch.setattr(pieces, "_microbatch", counted)
+    interpolated = microbatch_pieces(config, 1)
+    assert probed_degrees == {2, 4}
     probed = pieces._probed_microbatch_pieces(config, 1)
-    _same_microbatch_costs(microbatch_pieces(config, 1), probed)
+    _same_microbatch_costs(interpolated, probed)
     low, high = (pieces._probed_microbatch_pieces(pieces._with_degree(config, "cp", cp), 1) for cp in (2, 4))
     as_numbers = low.first.transient_bytes + (1 / 8 - 1 / 2) / (1 / 4 - 1 / 2) * (
         high.first.transient_bytes - low.first.transient_bytes)  # fmt: skip

@@ -188,11 +188,18 @@ class ProbeMode(TensorMemory):
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
+        """An entry of the trace per allocation that moved the live total. A view of a counted storage moves
+        nothing, and a view op's outputs are as many as its split makes (`chunk(cp)`: cp), so counting them would
+        give probes at two degrees traces of different lengths, which do not interpolate; the entry it would add
+        equals the live total since the last entry less any frees, never above that entry, so the maximum (the
+        transient) is the same without it."""
         key = id(storage)
         with self._lock:
-            new = key not in self._sizes
+            before = self._sizes.get(key)
             super()._track(storage)
-            if new:
+            if self._sizes[key] == before:
+                return
+            if before is None:
                 self.created_at[key] = len(self.live_trace)
             self.live_trace.append(self.live)
 

@@ -20,7 +20,7 @@ from torchpre.planner.dryrun import peak_bytes
 from torchpre.planner.hardware import Hardware
 from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.measured import Measured
-from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, stage_shape
+from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
 from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
 from torchpre.training.model import meta_model
@@ -129,30 +129,37 @@ def predict(
     config, layout = checked.config, checked.layout
     measured = Measured() if measured is None else measured
     states, step = measured.state(checked), measured.step(checked)
-    chunks = [stage_shape(checked, pp_rank) for pp_rank in range(layout.pp)]
-    rank_states = [
-        dataclasses.replace(
-            sum((states.stage(*c, zero=StateCost()) for c in rank), StateCost()),
-            optimizer_step_bytes=step.at(sum(blocks for blocks, _, _ in rank)),
-        )
-        for rank in chunks
-    ]
+    chunks = [tuple(stage_shape(checked, pp_rank)) for pp_rank in range(layout.pp)]
+    # A deep pipeline's ranks hold a few distinct shapes of chunks (most hold the same blocks): each shape is costed
+    # once, the same numbers for every rank that holds it.
+    shapes = dict.fromkeys(chunks)
+    state_of = {shape: _rank_state(states, step, shape) for shape in shapes}
+    rank_states = [state_of[shape] for shape in chunks]
     usable = hardware.memory_bytes - hardware.reserved_bytes
     if max(s.param_bytes + s.grad_bytes + s.optimizer_state_bytes for s in rank_states) > usable:
         ranks = [RankPrediction(r, s.param_bytes, s.grad_bytes, s.optimizer_state_bytes, 0, s.optimizer_step_bytes)
                  for r, s in enumerate(rank_states)]  # fmt: skip
         return Prediction(checked, ranks, None, 0, flops_per_token, gpus, hardware)  # not worth probing
     work_pieces = measured.microbatch(checked)
-    ranks, rank_work = [], []
-    for pp_rank, (rank_chunks, state) in enumerate(zip(chunks, rank_states)):
-        costs = [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in rank_chunks]
-        activations = _activation_bytes(checked, pp_rank, costs, states, rank_chunks, work_pieces.block)
+    costs_of = {shape: [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in shape] for shape in shapes}
+    work_of = {shape: _rank_work(config, costs_of[shape], state_of[shape]) for shape in shapes}
+    ranks = []
+    for pp_rank, (shape, state) in enumerate(zip(chunks, rank_states)):
+        activations = _activation_bytes(checked, pp_rank, costs_of[shape], states, list(shape), work_pieces.block)
         ranks.append(RankPrediction(pp_rank, state.param_bytes, state.grad_bytes, state.optimizer_state_bytes,
                                     activations, state.optimizer_step_bytes))  # fmt: skip
-        rank_work.append(_rank_work(config, costs, state))
-    timing = step_time(_time_layout(checked), rank_work, hardware)
+    timing = step_time(_time_layout(checked), [work_of[shape] for shape in chunks], hardware)
     tokens = config.training.global_batch_size * config.training.seq_len
     return Prediction(checked, ranks, timing, tokens, flops_per_token, gpus, hardware)
+
+
+def _rank_state(states: Pieces, step: StepTransient, shape: tuple) -> StateCost:
+    """What a rank holding the stage chunks `shape` ((blocks, first, last) each) keeps, its optimizer step's
+    transient included."""
+    return dataclasses.replace(
+        sum((states.stage(*c, zero=StateCost()) for c in shape), StateCost()),
+        optimizer_step_bytes=step.at(sum(blocks for blocks, _, _ in shape)),
+    )
 
 
 def model_flops_per_token(config: JobConfig, args: Any) -> int:

@@ -322,26 +322,37 @@ def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardwar
     if len(ranks) != layout.pp:
         raise ValueError(f"{len(ranks)} ranks of work for pp = {layout.pp}")
     bubble = get_schedule(layout.schedule).bubble(layout.pp, layout.microbatches, layout.stages_per_rank)
+    distinct = list({id(rank): rank for rank in ranks}.values())  # a deep pipeline's ranks share a few RankWorks
+    busy = {id(rank): _busy_seconds(rank, layout, hardware) for rank in distinct}
+    pipeline = max(busy.values()) / (1 - bubble)
+    times = {id(rank): _rank_step_time(rank, busy[id(rank)], pipeline, layout, hardware) for rank in distinct}
+    return [times[id(rank)] for rank in ranks]
+
+
+def _busy_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
+    """The rank's microbatches and pipeline sends of one step."""
     m = layout.microbatches
-    busy = [m * (_microbatch_seconds(r.forward, layout, hardware) + _microbatch_seconds(r.backward, layout, hardware))
-            + pp_seconds(r, layout, hardware) for r in ranks]
-    pipeline = max(busy) / (1 - bubble)
-    times = []
-    for rank, rank_busy in zip(ranks, busy):
-        dp, dp_exposed = dp_seconds(rank, layout, hardware)
-        times.append(StepTime(
-            compute_s=m * sum(compute_seconds(w, hardware, layout.compiled) for w in (rank.forward, rank.backward)),
-            tp_comm_s=m * sum(comm_seconds(w, "tp", layout, hardware) for w in (rank.forward, rank.backward)),
-            ep_comm_s=m * sum(comm_seconds(w, "ep", layout, hardware) for w in (rank.forward, rank.backward)),
-            cp_comm_s=m * sum(comm_seconds(w, "cp", layout, hardware) for w in (rank.forward, rank.backward)),
-            pp_comm_s=pp_seconds(rank, layout, hardware),
-            dp_comm_s=dp,
-            dp_comm_exposed_s=dp_exposed,
-            bubble_s=pipeline - rank_busy,
-            optimizer_s=OPTIMIZER_TRAFFIC * rank.optimizer_state_bytes / hardware.mem_bw
-            + rank.optimizer_ops * hardware.op_overhead_s,
-        ))
-    return times
+    return (m * (_microbatch_seconds(rank.forward, layout, hardware) + _microbatch_seconds(rank.backward, layout,
+                                                                                          hardware))
+            + pp_seconds(rank, layout, hardware))  # fmt: skip
+
+
+def _rank_step_time(rank: RankWork, busy: float, pipeline: float, layout: Layout, hardware: Hardware) -> StepTime:
+    """One rank's `StepTime`, paced by the slowest rank's `pipeline` seconds."""
+    m = layout.microbatches
+    dp, dp_exposed = dp_seconds(rank, layout, hardware)
+    return StepTime(
+        compute_s=m * sum(compute_seconds(w, hardware, layout.compiled) for w in (rank.forward, rank.backward)),
+        tp_comm_s=m * sum(comm_seconds(w, "tp", layout, hardware) for w in (rank.forward, rank.backward)),
+        ep_comm_s=m * sum(comm_seconds(w, "ep", layout, hardware) for w in (rank.forward, rank.backward)),
+        cp_comm_s=m * sum(comm_seconds(w, "cp", layout, hardware) for w in (rank.forward, rank.backward)),
+        pp_comm_s=pp_seconds(rank, layout, hardware),
+        dp_comm_s=dp,
+        dp_comm_exposed_s=dp_exposed,
+        bubble_s=pipeline - busy,
+        optimizer_s=OPTIMIZER_TRAFFIC * rank.optimizer_state_bytes / hardware.mem_bw
+        + rank.optimizer_ops * hardware.op_overhead_s,
+    )
 
 
 def step_time(layout: Layout, ranks: Sequence[RankWork], hardware: Hardware) -> StepTime:
