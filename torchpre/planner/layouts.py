@@ -111,7 +111,7 @@ def check(layout: Layout, base: JobConfig, world_size: int) -> CheckedLayout:
     """`layout` applied to `base`, through the checks a real start-up runs before joining the process group
     (`torchpre.training.job.preflight`): raises their ConfigError when the layout is impossible."""
     config = layout.apply(base)
-    checked = preflight(config, world_size, _tokenizer(config.model.tokenizer_path), _stage_modules)
+    checked = preflight(config, world_size, cached_tokenizer(config.model.tokenizer_path), cached_stage_modules)
     return CheckedLayout(layout, config, checked.model_args, checked.batches.accumulation_steps, checked.pipeline)
 
 
@@ -155,7 +155,7 @@ def valid_layouts(
             "this family's args come from elsewhere (model.hf_config), not a flavor. `--job.dry_run` reports the "
             "per-rank memory of a given layout."
         )
-    model_args(base, _tokenizer(base.model.tokenizer_path))  # a misnamed flavor, or a vocabulary that cannot be
+    model_args(base, cached_tokenizer(base.model.tokenizer_path))  # a misnamed flavor, or a vocabulary that cannot be
     valid, refusals = [], Counter()
     experts = spec.expert_parallel is not None
     for layout in candidates(base, gpus, gpus_per_node, experts, context_parallel):
@@ -188,14 +188,15 @@ def _divisors(n: int) -> list[int]:
 
 
 @cache
-def _tokenizer(path: str) -> Tokenizer:
+def cached_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer at `path` (the default when empty), loaded once for every layout the planner checks."""
     return Tokenizer(path or DEFAULT_TOKENIZER_PATH)
 
 
 _STAGES: dict[tuple, list[list[str]] | ConfigError] = {}
 
 
-def _stage_modules(spec: ModelSpec, args: Any, stages: int, split_points: Sequence[str]) -> list[list[str]]:
+def cached_stage_modules(spec: ModelSpec, args: Any, stages: int, split_points: Sequence[str]) -> list[list[str]]:
     """`spec.pipeline_stages`, once per model and stage count, refusals included (it builds the model on meta:
     ~1 s at 405B)."""
     key = (repr(args), stages, tuple(split_points))
