@@ -52,8 +52,9 @@ def main(argv: list[str]) -> None:
         for attribute in ("query_multiplier", "query_scale", "residual_multiplier")
         if hasattr(module, attribute)
     }
-    parametrization = trainer.job.preflight.model_args.parametrization
-    multipliers |= {"logits": parametrization.logit_multiplier, "embedding": parametrization.embedding_multiplier}
+    parametrization = getattr(trainer.job.preflight.model_args, "parametrization", None)  # none: model.name = 'hf'
+    if parametrization is not None:
+        multipliers |= {"logits": parametrization.logit_multiplier, "embedding": parametrization.embedding_multiplier}
     path = Path(config.job.dump_folder) / f"parametrization_rank{dist.get_rank()}.pt"
     torch.save({"groups": groups, "multipliers": multipliers}, path)
 
