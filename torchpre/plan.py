@@ -59,15 +59,12 @@ def main(argv: list[str]) -> None:
     hardware = _hardware(planner)
     if planner.gpus < 1:
         raise ConfigError(f"{PROG} needs --gpus N: the number of GPUs the job will run on.")
-    if config.model.flavor == "from_hf":  # torchpre.interchange.load.FROM_HF, named here before torch loads
-        raise ConfigError(
-            f"{PROG} searches the layouts of registered flavors; model.flavor = 'from_hf' (the model of a Hugging Face "
-            "folder's config.json) is not one. Plan the flavor of the same shape, or check this job's layout with "
-            "`python train.py ... --job.dry_run --job.dry_run_world_size N`."
-        )
     logging.getLogger("torchpre").setLevel(logging.WARNING)  # the planner builds thousands of trainers
+    from torchpre.planner.released import planned_flavor  # torch loads here: a mistyped flag answers without it
+
     start = time.perf_counter()
-    result = _fixed(config, hardware, planner.gpus) if planner.fixed else _search(config, hardware, planner)
+    with planned_flavor(config) as planned:
+        result = _fixed(planned, hardware, planner.gpus) if planner.fixed else _search(planned, hardware, planner)
     seconds = time.perf_counter() - start
     if planner.json:
         print(json.dumps(result.as_dict(planner.top) | {"seconds": round(seconds, 1)}, indent=1))

@@ -15,13 +15,15 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.terminal = self.stream.isatty()
         self.start = self._shown = time.perf_counter()
+        self._ended = False
 
     def update(self, done: int, pieces: int) -> None:
         """`done` layouts of `total` predicted, `pieces` distinct pieces measured so far."""
         now = time.perf_counter()
-        if now - self._shown < (TERMINAL_EVERY_S if self.terminal else LOG_EVERY_S) and done < self.total:
+        if self._ended or (now - self._shown < (TERMINAL_EVERY_S if self.terminal else LOG_EVERY_S)
+                           and done < self.total):  # fmt: skip
             return
-        self._shown = now
+        self._shown, self._ended = now, done >= self.total
         line = self.line(done, pieces, now - self.start)
         self.stream.write(f"\r{line}\033[K" if self.terminal else f"{line}\n")
         self.stream.flush()

@@ -54,8 +54,6 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
         args = spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
         return with_parametrization(config, spec, args, None, lambda dim, depth: None)
     flavor = flavor_args(config)
-    if _from_hf(config):
-        refuse_shape_keys(m, f"model.flavor = '{FROM_HF}' takes the shape of the folder's config.json")
     vocabulary = folder_vocab_size(config, tokenizer, flavor) if _from_hf(config) else vocab_size(config, tokenizer)
 
     def finished(args: Any) -> Any:
@@ -85,7 +83,8 @@ def flavor_args(config: JobConfig) -> Any:
 
 def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: Any) -> int:
     """The folder's vocabulary (its embedding's rows), which the tokenizer's ids must fit and model.vocab_size may
-    only repeat."""
+    only repeat; the shape keys are refused, as the folder's config.json sets the shape."""
+    refuse_shape_keys(config.model, f"model.flavor = '{FROM_HF}' takes the shape of the folder's config.json")
     if config.model.vocab_size not in (0, args.vocab_size):
         raise ConfigError(
             f"model.vocab_size = {config.model.vocab_size} with model.flavor = '{FROM_HF}': the folder's embedding has "

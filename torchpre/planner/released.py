@@ -1,0 +1,52 @@
+"""A released Hugging Face folder planned like a flavor.
+
+`model.flavor = 'from_hf'` builds the model from the config.json at `checkpoint.initial_load_path`. The planner
+measures a model by cutting its flavor to fewer blocks (`pieces.shortened_flavor`), so for the search the folder's
+args are registered as a flavor of their family, under a name that says where they came from. Only config.json is
+read, so a model can be planned before its weights are downloaded: which boxes of them each rank reads does not
+change a layout's step.
+"""
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+from torchpre.config.job_config import JobConfig
+from torchpre.errors import ConfigError
+from torchpre.interchange.load import FROM_HF, folder_args
+from torchpre.interchange.reader import CONFIG
+from torchpre.models.registry import get_model_spec
+from torchpre.planner.layouts import cached_tokenizer
+from torchpre.training.model import folder_vocab_size
+
+
+@contextlib.contextmanager
+def planned_flavor(config: JobConfig) -> Iterator[JobConfig]:
+    """`config` itself, or with `model.flavor = 'from_hf'` a copy whose flavor is the folder's args, registered for
+    as long as the planning runs (forked workers inherit it), with the folder's vocabulary and no weights to load.
+    The refusals of a run come first, worded as train.py words them: a field the family cannot honour, a shape
+    key, a tokenizer larger than the embedding."""
+    if config.model.flavor != FROM_HF:
+        yield config
+        return
+    path = Path(config.checkpoint.initial_load_path)
+    if not config.checkpoint.initial_load_path or not (path / CONFIG).is_file():
+        given = f"'{path}', which has none" if config.checkpoint.initial_load_path else "unset"
+        raise ConfigError(
+            f"model.flavor = '{FROM_HF}' plans the model of the config.json in the Hugging Face folder at "
+            f"checkpoint.initial_load_path, which is {given}. Set it to the folder: its config.json is all the planner "
+            "reads."
+        )
+    args = folder_args(path, get_model_spec(config.model.name), config.model.name)
+    vocabulary = folder_vocab_size(config, cached_tokenizer(config.model.tokenizer_path), args)
+    flavors = get_model_spec(config.model.name).flavors
+    name = f"{FROM_HF}:{path.resolve().name}"
+    planned = copy.deepcopy(config)
+    planned.model.flavor, planned.model.vocab_size = name, vocabulary
+    planned.checkpoint.initial_load_path = ""
+    flavors[name] = args
+    try:
+        yield planned
+    finally:
+        del flavors[name]
