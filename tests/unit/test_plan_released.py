@@ -59,8 +59,9 @@ def without_time(result: dict) -> dict:
                                           "--training.local_batch_size", "4", "--gpus", "16"]),
     ],
 )  # fmt: skip
-def test_a_fixed_layout_of_a_released_folder_is_predicted_as_its_flavor(capsys, tmp_path, family, flavor,
-                                                                        vocab_size, layout):
+def test_a_fixed_layout_of_a_released_folder_is_predicted_as_its_flavor(
+    capsys, tmp_path, family, flavor, vocab_size, layout
+):
     """Every number of `--fixed --json` (each rank's bytes by kind, the step's pieces, tokens/s, MFU) equal."""
     folder = released(tmp_path / f"released-{flavor}", family, flavor, vocab_size)
     job = ["--model.name", family, "--training.seq_len", "4096", "--training.global_batch_size", "32",
