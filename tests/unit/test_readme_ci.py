@@ -48,3 +48,16 @@ def test_ci_installs_into_a_new_virtual_environment() -> None:
     assert creates < activates < first_install
     assert not any("--system-site-packages" in line for line in ci)
     assert "export TORCHPRE_REQUIRE_EXTRAS=1" in ci
+
+
+def test_ci_installs_the_versions_the_committed_outputs_were_made_with() -> None:
+    """A fresh install gets the newest releases; CI pins the ones docs/hf-models.md was generated with (a new
+    transformers adds rows) and the bitwise tests were run against, through PIP_CONSTRAINT, not the README."""
+    ci = shell_commands((REPO / ".ci" / "run").read_text())
+    constrains = next(i for i, line in enumerate(ci) if line.startswith("export PIP_CONSTRAINT="))
+    assert constrains < next(i for i, line in enumerate(ci) if line.startswith("pip install"))
+    assert ci[constrains] == 'export PIP_CONSTRAINT="$PWD/.ci/constraints.txt"'
+    pins = dict(line.split("==") for line in shell_commands((REPO / ".ci" / "constraints.txt").read_text()))
+    assert set(pins) == {"torch", "torchao", "transformers"}
+    table_version = re.search(r"\(([^ ]+) here\)", (REPO / "docs" / "hf-models.md").read_text()).group(1)
+    assert pins["transformers"] == table_version, "regenerate docs/hf-models.md with the pinned transformers"
