@@ -173,9 +173,3 @@ def test_a_llama3_field_torchpre_cannot_honour_is_refused_by_name():
         args_from_hf_config(transformers.LlamaConfig(**LLAMA).to_dict())
     )
 
-
-def test_the_planner_refuses_from_hf_by_name(tmp_path):
-    from torchpre.plan import main as plan
-
-    with pytest.raises(TorchpreError, match="model.flavor = 'from_hf' .* is not one.*--job.dry_run"):
-        plan(["--gpus", "4", "--model.flavor", "from_hf", "--checkpoint.initial_load_path", str(tmp_path)])
