@@ -74,21 +74,21 @@ class Row:
 def layout_config(layout: Layout, model: Sequence[str]) -> tuple[JobConfig, int]:
     """The job a layout runs (checked as start-up checks it) and its world size."""
     world = layout.dp * layout.tp * layout.pp
-    base = parse_args(JobConfig, [*model, *BASE])
+    base = parse_args(JobConfig, [*BASE, *model])
     return check(layout, base, world).config, world
 
 
 def predicted(layout: Layout, model: Sequence[str], hardware: Hardware) -> tuple[int, float]:
     """(peak tensor bytes of the busiest rank, step seconds) as the planner predicts them."""
     world = layout.dp * layout.tp * layout.pp
-    checked = check(layout, parse_args(JobConfig, [*model, *BASE]), world)
+    checked = check(layout, parse_args(JobConfig, [*BASE, *model]), world)
     prediction = predict(checked, hardware, world, model_flops_per_token(checked.config, checked.model_args))
     return prediction.peak.total_bytes, prediction.step.total_s
 
 
-def measured_memory(layout: Layout) -> int:
-    """The tensor peak of the last step, max over ranks (bench/memory_worker.py)."""
-    records = _run(layout, MEMORY_MODEL, "bench/memory_worker.py", steps=3)
+def measured_memory(layout: Layout, model: Sequence[str] = MEMORY_MODEL) -> int:
+    """The tensor peak of the last step, max over ranks (bench/memory_worker.py); `model`'s keys override BASE's."""
+    records = _run(layout, model, "bench/memory_worker.py", steps=3)
     return int(max(r["tensor_peak_bytes"] for r in records if r["step"] == 3 and "tensor_peak_bytes" in r))
 
 

@@ -1,14 +1,19 @@
 """The planner's predictions against torchtitan's published H100 runs (issue 53), row by row.
 
 torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (torchtitan 9dec370, 2024-12-26) reports, for Llama 3.1
-8B on Grand Teton hosts (8 x H100 SXM 96 GB HBM2e at 500 W per host, NVLink, 400 Gb/s RDMA per GPU), the tokens
-per second per GPU at iteration 90 and the peak memory the CUDA caching allocator reserved (max over GPUs). Each
-row here is that run's keys (torchtitan's llama3_8b.toml of that commit: seq_len 8192, selective AC 'op'; bf16
-parameters, fp32 reductions, AdamW, vocabulary 128,256, FSDP2 = ZeRO-3), counted by a dry run of the whole job
-(rank 0's tensor peak) and predicted by `predict_fixed` on the `h100-96gb-hbm2e-500w` profile: the planner's tensor
-and reserved peaks, TPS/GPU and MFU (against the H100 SXM bf16 peak, as torchtitan quotes it).
+8B, 70B and 405B on Grand Teton hosts (8 x H100 SXM 96 GB HBM2e at 500 W per host, NVLink, 400 Gb/s RDMA per GPU),
+the tokens per second per GPU at iteration 90 and the peak memory the CUDA caching allocator reserved (max over
+GPUs). Each row here is that run's keys (torchtitan's llama3_*.toml of that commit: seq_len 8192, selective AC
+'op'; bf16 parameters, fp32 reductions, AdamW, vocabulary 128,256, FSDP2 = ZeRO-3; with TP, sequence and loss
+parallel as torchtitan applies them; a pipeline split into as many microbatches as stages, torchtitan's default, two
+stages per rank for Interleaved 1F1B), counted by a dry run of the whole job (rank 0's tensor peak) and predicted by
+`predict_fixed` on the `h100-96gb-hbm2e-500w` profile: the planner's tensor and reserved peaks, TPS/GPU and MFU
+(against the H100 SXM bf16 peak, as torchtitan quotes it).
 
-Usage: python -m bench.plan_vs_published [--gpu NAME] [--plot published.png] [--no-dry-run]
+The model's two fitted efficiencies were fitted on the 8B rows (`ROWS`) only. The 70B and 405B rows (`HELD_OUT`)
+check it: nothing was fitted to them, and they use what the 8B rows do not (tensor parallelism, pipelines).
+
+Usage: python -m bench.plan_vs_published [--gpu NAME] [--plot published.png] [--no-dry-run] [--held-out]
 """
 
 import argparse
@@ -27,7 +32,7 @@ from torchpre.planner.predict import Prediction
 
 GiB = 2**30
 H100_SXM_BF16_PEAK = 989e12  # what torchtitan's MFU divides by (their footnote 2)
-MODEL = ["--model.flavor", "8B", "--model.vocab_size", "128256", "--training.dataset", "synthetic",
+MODEL = ["--model.vocab_size", "128256", "--training.dataset", "synthetic",
          "--training.mixed_precision_param", "bfloat16", "--optimizer.reduce_dtype", "float32",
          "--optimizer.zero_stage", "3"]  # fmt: skip
 
@@ -46,19 +51,43 @@ class Published:
     float8: bool
     tps_per_gpu: float
     memory_gib: float
+    flavor: str = "8B"
+    tp: int = 1
+    pp: int = 1
+    schedule: str = ""  # with pp > 1: 1F1B or Interleaved1F1B
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.cp * self.tp * self.pp)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.schedule == "Interleaved1F1B" else 1
 
     @property
     def name(self) -> str:
         extras = "+compile" * self.compile + "+float8" * self.float8
-        return f"t{self.table} fsdp{self.gpus // self.cp}" + (f" cp{self.cp}" if self.cp > 1 else "") + \
-            f" seq{self.seq_len // 1024}k ac:{self.ac}{extras}"
+        degrees = "".join(f" {axis}{n}" for axis, n in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if n > 1)
+        schedule = f" {self.schedule}" if self.pp > 1 else ""
+        return f"t{self.table} {self.flavor} fsdp{self.dp}{degrees}{schedule} seq{self.seq_len // 1024}k " \
+            f"ac:{self.ac}{extras}"
 
     def argv(self) -> list[str]:
         """The job's keys, as `python -m torchpre.plan --fixed` takes them."""
-        keys = [*MODEL, "--training.seq_len", str(self.seq_len), "--training.local_batch_size", str(self.local_batch),
-                "--training.global_batch_size", str(self.local_batch * self.gpus // self.cp),
-                "--parallelism.data_parallel_degree", str(self.gpus // self.cp),
+        keys = [*MODEL, "--model.flavor", self.flavor, "--training.seq_len", str(self.seq_len),
+                "--training.local_batch_size", str(self.local_batch),
+                "--training.global_batch_size", str(self.local_batch * self.dp),
+                "--parallelism.data_parallel_degree", str(self.dp),
                 "--parallelism.context_parallel_degree", str(self.cp), "--activation_checkpoint.mode", self.ac]
+        if self.tp > 1:
+            keys += ["--parallelism.tensor_parallel_degree", str(self.tp), "--parallelism.enable_sequence_parallel",
+                     "--parallelism.enable_loss_parallel"]
+        if self.pp > 1:
+            microbatches = self.pp * self.stages_per_rank  # torchtitan's default: one per stage
+            keys += ["--parallelism.pipeline_parallel_degree", str(self.pp),
+                     "--parallelism.pipeline_parallel_schedule", self.schedule,
+                     "--parallelism.pipeline_parallel_virtual_stages", str(self.stages_per_rank),
+                     "--parallelism.pipeline_parallel_microbatch_size", str(self.local_batch // microbatches)]
         keys += ["--compile.enable"] * self.compile
         keys += ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise"] * self.float8
         return keys
@@ -75,6 +104,19 @@ ROWS = (
     Published(3, 128, 1, 8192, 2, "selective", False, False, 5605, 67.0),
     Published(3, 128, 1, 8192, 2, "selective", True, False, 6514, 62.0),
     Published(3, 128, 1, 8192, 2, "selective", True, True, 8380, 61.8),
+)  # fmt: skip
+# Tables 4-6: 70B on 256 GPUs and 405B on 512, compiled with Float8. Table 4's "2D + AsyncTP" row and tables 5 and
+# 6, which run AsyncTP, are compared all the same: the model does not overlap TP's collectives with the matmuls, so
+# it predicts those rows slower by the TP communication AsyncTP hides.
+HELD_OUT = (
+    Published(4, 256, 1, 8192, 16, "full", True, True, 829, 71.9, flavor="70B", tp=8),
+    Published(5, 512, 1, 8192, 32, "full", True, True, 100, 82.5, flavor="405B", tp=8, pp=8, schedule="1F1B"),
+    Published(5, 512, 1, 8192, 32, "full", True, True, 128, 72.7, flavor="405B", tp=8, pp=8,
+              schedule="Interleaved1F1B"),
+    Published(6, 512, 1, 32768, 8, "full", True, True, 76, 75.3, flavor="405B", tp=8, pp=8, schedule="1F1B"),
+    Published(6, 512, 2, 65536, 8, "full", True, True, 47, 75.9, flavor="405B", tp=8, pp=8, schedule="1F1B"),
+    Published(6, 512, 4, 131072, 8, "full", True, True, 31, 77.1, flavor="405B", tp=8, pp=8, schedule="1F1B"),
+    Published(6, 512, 8, 262144, 8, "full", True, True, 16, 84.9, flavor="405B", tp=8, pp=8, schedule="1F1B"),
 )  # fmt: skip
 
 
@@ -117,9 +159,9 @@ def compare(row: Published, gpu: str, dry_run: bool = False) -> Compared:
     return Compared(row, predict_fixed(config, get_hardware(gpu), row.gpus), counted)
 
 
-def compare_all(gpu: str, dry_run: bool = False) -> list[Compared]:
+def compare_all(gpu: str, dry_run: bool = False, rows: Sequence[Published] = ROWS) -> list[Compared]:
     logging.getLogger("torchpre").setLevel(logging.WARNING)
-    return [compare(row, gpu, dry_run) for row in ROWS]
+    return [compare(row, gpu, dry_run) for row in rows]
 
 
 def table(compared: Sequence[Compared]) -> str:
@@ -170,8 +212,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--gpu", default="h100-96gb-hbm2e-500w", help="the hardware row or profile JSON")
     parser.add_argument("--plot", default="", help="draw predicted against published into this PNG")
     parser.add_argument("--no-dry-run", action="store_true", help="leave out the dry runs of whole jobs (faster)")
+    parser.add_argument("--held-out", action="store_true",
+                        help="the 70B and 405B rows the model was not fitted on, instead of the 8B rows")
     args = parser.parse_args(argv)
-    compared = compare_all(args.gpu, dry_run=not args.no_dry_run)
+    compared = compare_all(args.gpu, dry_run=not args.no_dry_run, rows=HELD_OUT if args.held_out else ROWS)
     print(table(compared))
     if args.plot:
         plot(compared, Path(args.plot))

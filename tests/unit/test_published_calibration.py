@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from bench.plan_vs_published import compare_all
+from bench.plan_vs_published import HELD_OUT, compare_all
 from torchpre.planner.predict import ERROR_BARS
 
 pytest.importorskip("torchao")  # the Float8 rows' linears
@@ -46,3 +46,31 @@ def test_the_tensor_peak_is_below_the_reserved_one(compared):
     """The dry run counts tensors; the allocator reserves more (docs: the gap, modelled explicitly)."""
     for c in compared:
         assert c.tensor_gib < c.reserved_gib < 1.2 * c.tensor_gib
+
+
+# torchtitan's 70B and 405B rows (tables 4-6), which nothing in the model was fitted to: today's errors, pinned as the
+# 8B rows' are. Before the unsharded gradients of ZeRO-3 under pipelining were counted, every 405B row's memory was
+# 19-35% low (docs/planning.md#rows-the-model-was-not-fitted-on).
+HELD_OUT_TPS_ERROR = (-0.132, -0.077, 0.084, -0.110, 0.039, 0.015, 0.149)
+HELD_OUT_MEMORY_ERROR = (-0.043, -0.040, 0.140, 0.086, 0.080, 0.063, -0.033)
+# Over the band: the planner holds the largest chunk's saved bytes for each microbatch in flight on a rank, and on an
+# interleaved schedule's last rank that chunk is the output layer's (the dry run counts it the same way).
+MEMORY_OVER_THE_BAND = {"t5 405B fsdp8 tp8 pp8 Interleaved1F1B seq8k ac:full+compile+float8"}
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    return compare_all("h100-96gb-hbm2e-500w", rows=HELD_OUT)
+
+
+def test_the_rows_nothing_was_fitted_to_are_within_the_bands_but_one(held_out):
+    """70B at FSDP 32 x TP 8, 405B at FSDP x TP 8 x PP 8 under 1F1B and Interleaved 1F1B, with cp 1-8: TPS/GPU
+    within ±20% on every row, memory within ±10% on every row but the one named (+14%)."""
+    assert all(abs(c.tps_error) <= ERROR_BARS["tokens_per_s_per_gpu"] for c in held_out), held_out
+    over = {c.row.name for c in held_out if abs(c.memory_error) > ERROR_BARS["memory_gib"]}
+    assert over == MEMORY_OVER_THE_BAND
+
+
+def test_the_held_out_errors_are_the_documented_ones(held_out):
+    assert [c.tps_error for c in held_out] == pytest.approx(HELD_OUT_TPS_ERROR, abs=0.03)
+    assert [c.memory_error for c in held_out] == pytest.approx(HELD_OUT_MEMORY_ERROR, abs=0.02)

@@ -137,6 +137,9 @@ def probe_rank(
     try:
         memory = rank_memory(job, checkpoint)
         in_flight, gathered = _in_flight(job), _fsdp_gathered(job)
+        if job.pipeline is not None and job.preflight.data_parallel.shards_parameters:
+            memory = dataclasses.replace(memory, grad_bytes=_fsdp_unsharded_numel(job) * accumulated_grad_itemsize(
+                job.config))  # fmt: skip
         step = optimizer_step_bytes(job)
         parts = probe_parts(job)
     finally:
@@ -306,17 +309,29 @@ def _fsdp_gathered(job: TrainingJob) -> int:
     if not job.preflight.data_parallel.shards_parameters:
         return 0
     itemsize = getattr(torch, job.config.training.mixed_precision_param).itemsize
+    if not job.model.plan.fsdp.reshard_after_forward:
+        return _fsdp_unsharded_numel(job) * itemsize
     blocks: dict[str, int] = {}
-    total = 0
     for part in job.model.parts:
         for name, param in part.named_parameters():
-            local = unsharded_numel(param, job) * itemsize
-            total += local
-            block = name.split(".")[:2]
-            blocks[".".join(block)] = blocks.get(".".join(block), 0) + local
-    if job.model.plan.fsdp.reshard_after_forward:
-        return 2 * max(blocks.values())
-    return total
+            block = ".".join(name.split(".")[:2])
+            blocks[block] = blocks.get(block, 0) + unsharded_numel(param, job) * itemsize
+    return 2 * max(blocks.values())
+
+
+def _fsdp_unsharded_numel(job: TrainingJob) -> int:
+    return sum(unsharded_numel(param, job) for part in job.model.parts for param in part.parameters())
+
+
+def accumulated_grad_itemsize(config: JobConfig) -> int:
+    """Under pipelining, ZeRO-3's gradients are unsharded for the whole step: the schedule turns FSDP2's gradient
+    sync off until the last microbatch's backward, so FSDP2 keeps every parameter's unsharded gradient, adding each
+    microbatch's to it, and reduce-scatters them once, after the activations are freed. It accumulates them in the
+    reduce dtype when that differs from the compute dtype (bf16 compute, fp32 reduce: 4 bytes an element, as
+    `to_accumulated_grad_if_needed` upcasts them), else in the compute dtype."""
+    compute = getattr(torch, config.training.mixed_precision_param)
+    reduce = getattr(torch, config.optimizer.reduce_dtype)
+    return (reduce if reduce != compute else compute).itemsize
 
 
 def is_expert(param: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
-from torchpre.planner.dryrun import peak_bytes
+from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
 from torchpre.planner.hardware import Hardware
 from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.measured import Measured
@@ -146,8 +146,9 @@ def predict(
     ranks = []
     for pp_rank, (shape, state) in enumerate(zip(chunks, rank_states)):
         activations = _activation_bytes(checked, pp_rank, costs_of[shape], states, list(shape), work_pieces.block)
-        ranks.append(RankPrediction(pp_rank, state.param_bytes, state.grad_bytes, state.optimizer_state_bytes,
-                                    activations, state.optimizer_step_bytes))  # fmt: skip
+        grads = _step_grad_bytes(checked, states, list(shape), state)
+        ranks.append(RankPrediction(pp_rank, state.param_bytes, grads, state.optimizer_state_bytes, activations,
+                                    state.optimizer_step_bytes))  # fmt: skip
     timing = step_time(_time_layout(checked), [work_of[shape] for shape in chunks], hardware)
     tokens = config.training.global_batch_size * config.training.seq_len
     return Prediction(checked, ranks, timing, tokens, flops_per_token, gpus, hardware)
@@ -192,6 +193,16 @@ def _activation_bytes(
         else:
             gathered = sum(states.stage(*chunk, zero=StateCost()).tp_numel for chunk in chunks) * itemsize
     return int(in_flight * saved + transient + gathered)
+
+
+def _step_grad_bytes(checked: CheckedLayout, states: Pieces, chunks: list, state: StateCost) -> int:
+    """The rank's gradients during the step, as `torchpre.planner.dryrun.probe_rank` counts them: ZeRO-3 under
+    pipelining keeps them unsharded until the last microbatch (`accumulated_grad_itemsize`), other layouts their
+    sharded or replicated gradients."""
+    if checked.pipeline is None or not zero_stage(checked.layout.zero_stage).shards_parameters:
+        return state.grad_bytes
+    numel = sum(states.stage(*chunk, zero=StateCost()).tp_numel for chunk in chunks)
+    return numel * accumulated_grad_itemsize(checked.config)
 
 
 def _compiled_cut(checked: CheckedLayout, block: MicrobatchCost, blocks: int) -> float:
