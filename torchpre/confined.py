@@ -1,31 +1,220 @@
-"""File names that come from inside a file (a checkpoint's metadata or manifest, a Hugging Face index, a shard
-manifest) name files of that file's own folder, and nothing else: a bare name, no `..`, no absolute path, and no
-symbolic link that leads out of the folder. Whoever wrote the file may not be whoever loads it (docs/security.md).
+"""The one way torchpre opens a file in a folder someone else may have made, and the one way it writes into a run
+folder, so that neither ever reaches outside the folder (docs/security.md).
+
+Reading (`open_file`, `read_file`, `file_kind`): a name that comes from inside a file (a checkpoint's metadata or
+manifest, a Hugging Face index, a shard manifest) must be a relative name with no `..`, no root and no backslash
+(`check_name`); the file is then opened relative to the folder without following a symbolic link on any component
+of the name (`openat2` with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS where the kernel has it, O_NOFOLLOW component by
+component otherwise), and must be a regular file on the open descriptor, so that what is checked is what is read. The
+folder itself is the caller's choice (a key of the config, an argument): a link there is followed.
+
+Writing (`write_file`, `open_new`, `open_for_append`, `touch_marker`): a file is created with O_EXCL | O_NOFOLLOW
+under a fresh temporary name and renamed into place, which replaces a symbolic link at the name instead of writing
+through it; an existing file is appended to only when it is a regular file, opened without following a link.
 """
 
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import secrets
+import stat
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import BinaryIO, Literal
 
 from torchpre.errors import UntrustedInput
 
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x02, 0x04, 0x08
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437, "ppc64le": 437, "s390x": 437}
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO in place of a file opens at once, and is refused as no file
 
-def confined_path(folder: Path, name: object, source: Path, entry: str) -> Path:
-    """`folder / name`, once `name` is shown to be a file name inside `folder`; otherwise an UntrustedInput error naming
-    `source` (the file that holds the name), `entry` (where in it) and the name.
 
-    A name may have subfolders ("sub/x.bin") but no part that climbs (`..`), no root or drive, no backslash, and
-    must not resolve, through symbolic links, to a place outside the folder's own resolved path."""
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+class _Openat2:
+    """Linux's openat2(2) through libc's syscall(); `available` is False on other systems, on kernels before 5.6 and
+    where a sandbox (seccomp) refuses it, and `open_beneath` then walks the name one component at a time."""
+
+    def __init__(self) -> None:
+        self.available = False
+        number = _SYS_OPENAT2.get(os.uname().machine) if sys.platform == "linux" else None
+        if number is None:
+            return
+        try:
+            self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+        except (OSError, AttributeError):
+            return
+        self._number = number
+        probe = os.open(".", os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+        try:
+            fd = self(probe, ".", os.O_RDONLY | _DIRECTORY)
+            os.close(fd)
+            self.available = True
+        except OSError:
+            pass
+        finally:
+            os.close(probe)
+
+    def __call__(self, dir_fd: int, name: str, flags: int, mode: int = 0) -> int:
+        mode = mode if flags & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)) else 0  # openat2 refuses a mode otherwise
+        how = _OpenHow(flags | _CLOEXEC, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        fd = self._syscall(self._number, dir_fd, os.fsencode(name), ctypes.byref(how), ctypes.sizeof(how))
+        if fd < 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), name)
+        return fd
+
+
+_openat2 = _Openat2()
+
+
+def openat2_available() -> bool:
+    """Whether this process opens beneath a folder with openat2 (else component by component with O_NOFOLLOW)."""
+    return _openat2.available
+
+
+def check_name(name: object, source: Path, entry: str) -> str:
+    """`name` (a file name read from the file `source`, at `entry`) once shown to name a file inside its folder: a
+    non-empty string with no NUL, no root or drive, no backslash and no `..` part. Otherwise an UntrustedInput error
+    naming `source`, `entry` and the name. Whether the file is reached without a symbolic link is for `open_file`."""
     if not isinstance(name, str) or not name or "\x00" in name:
         raise _escape(source, entry, name, "is not a file name")
-    parts = PurePosixPath(name).parts
     if name.startswith("/") or PureWindowsPath(name).drive or "\\" in name:
         raise _escape(source, entry, name, "is an absolute path")
-    if ".." in parts:
+    if ".." in PurePosixPath(name).parts:
         raise _escape(source, entry, name, "climbs out of the folder with '..'")
+    return name
+
+
+def confined_path(folder: Path, name: object, source: Path, entry: str) -> Path:
+    """`folder / name` once `check_name` accepts `name` and the file it names is not reached through a symbolic link
+    (it may be missing: the caller reports that); an UntrustedInput error naming `source` and `entry` otherwise."""
+    checked = check_name(name, source, entry)
+    if file_kind(folder, checked) == "link":
+        raise _escape(source, entry, name, "is, or leads through, a symbolic link")
+    return folder / checked
+
+
+FileKind = Literal["file", "missing", "link", "other"]
+
+
+def file_kind(folder: Path, name: str) -> FileKind:
+    """What `folder/name` is, without following a symbolic link on any component of `name`: a regular file, missing,
+    a link (or a path through one), or something else (a folder, a FIFO, a device)."""
+    try:
+        fd = open_beneath(folder, name, os.O_PATH if hasattr(os, "O_PATH") else os.O_RDONLY | _NONBLOCK)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EXDEV, errno.EMLINK):
+            return "link"
+        if error.errno == errno.ENOTDIR and _a_component_is_a_link(folder, name):
+            return "link"
+        return "missing" if error.errno in (errno.ENOENT, errno.ENOTDIR) else "other"
+    try:
+        mode = os.fstat(fd).st_mode
+        return "file" if stat.S_ISREG(mode) else "link" if stat.S_ISLNK(mode) else "other"
+    finally:
+        os.close(fd)
+
+
+def _a_component_is_a_link(folder: Path, name: str) -> bool:
+    path = folder
+    for part in PurePosixPath(name).parts:
+        path = path / part
+        if path.is_symlink():
+            return True
+    return False
+
+
+def open_beneath(folder: Path | str, name: str, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of `folder/name` opened with `flags`, no component of `name` followed if it is a symbolic link
+    (OSError ELOOP, EXDEV or ENOTDIR then). `folder` itself is opened as given."""
+    dir_fd = os.open(folder, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    try:
+        if _openat2.available:
+            return _openat2(dir_fd, name, flags, mode)
+        return _open_by_components(dir_fd, name, flags, mode)
+    finally:
+        os.close(dir_fd)
+
+
+def _open_by_components(dir_fd: int, name: str, flags: int, mode: int) -> int:
+    parts = [part for part in PurePosixPath(name).parts if part != "."]
+    if not parts or ".." in parts or name.startswith("/"):
+        raise OSError(errno.EXDEV, "leaves the folder", name)
+    current = os.dup(dir_fd)
+    try:
+        for part in parts[:-1]:
+            following = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=current)
+            os.close(current)
+            current = following
+        return os.open(parts[-1], flags | _NOFOLLOW | _CLOEXEC, mode, dir_fd=current)
+    finally:
+        os.close(current)
+
+
+def open_file(folder: Path, name: str, source: Path | None = None, entry: str = "") -> BinaryIO:
+    """`folder/name` open for reading, once shown to be a regular file reached without a symbolic link; `name` is
+    checked by `check_name` when it comes from inside the file `source` (at `entry`). A missing file raises
+    FileNotFoundError (the caller knows what its absence means); a link or something other than a file raises an
+    UntrustedInput error naming the path."""
+    if source is not None:
+        check_name(name, source, entry)
     path = folder / name
-    root = folder.resolve()
-    if not path.resolve().is_relative_to(root):
-        raise _escape(source, entry, name, f"leads through a symbolic link to {path.resolve()}, outside {root}")
-    return path
+    try:
+        fd = open_beneath(folder, name, os.O_RDONLY | _NONBLOCK)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EXDEV, errno.EMLINK) or (
+            error.errno == errno.ENOTDIR and _a_component_is_a_link(folder, name)
+        ):
+            raise UntrustedInput(_link_message(path, source, entry)) from None
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise FileNotFoundError(errno.ENOENT, "No such file", str(path)) from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise UntrustedInput(f"{path} is {kind}; torchpre reads only regular files from a folder it is given.")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_file(folder: Path, name: str, limit: int, source: Path | None = None, entry: str = "") -> bytes:
+    """The bytes of `folder/name`, opened as `open_file` opens it, refused (UntrustedInput naming the path) when it
+    holds more than `limit` bytes: files of records (JSON, metadata) are bounded before they are parsed."""
+    with open_file(folder, name, source, entry) as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > limit:
+            raise UntrustedInput(too_large(folder / name, size, limit))
+        data = file.read(limit + 1)
+    if len(data) > limit:  # it grew while read
+        raise UntrustedInput(too_large(folder / name, len(data), limit))
+    return data
+
+
+def too_large(path: Path, size: int, limit: int) -> str:
+    return (
+        f"{path} holds {size:,} bytes; a file of this kind holds at most {limit:,}. It was not written by torchpre "
+        "or its peers, or was altered (docs/security.md)."
+    )
+
+
+def _link_message(path: Path, source: Path | None, entry: str) -> str:
+    named = f" (named by {source}, {entry})" if source is not None else ""
+    return (
+        f"{path}{named} is, or leads through, a symbolic link. torchpre reads only the files of the folder it was "
+        "given, never a link that may lead out of it; this folder was written by another tool or altered. Copy the "
+        "real file in its place, or load another folder (docs/security.md)."
+    )
 
 
 def _escape(source: Path, entry: str, name: object, why: str) -> UntrustedInput:
@@ -33,4 +222,82 @@ def _escape(source: Path, entry: str, name: object, why: str) -> UntrustedInput:
         f"{source}: {entry} names {name!r}, which {why}. A file may only name files inside its own folder "
         f"({source.parent}); this one was written by another tool or altered. Do not load it, or fix the entry "
         "(docs/security.md)."
+    )
+
+
+# Writing ----------------------------------------------------------------------------------------------------------
+
+
+def write_file(path: Path, data: bytes | str, durable: bool = False) -> None:
+    """Replaces `path` with `data` (a str as UTF-8) all at once: a reader sees the old content or the new one. The
+    bytes go to a new file of a fresh name beside it (O_EXCL | O_NOFOLLOW), renamed over `path`: a symbolic link
+    at `path` is replaced, never written through. `durable` flushes the file to the disk before the rename."""
+    content = data.encode("utf-8") if isinstance(data, str) else data
+    with _temporary_beside(path) as (file, temporary):
+        file.write(content)
+        file.flush()
+        if durable:
+            os.fsync(file.fileno())
+        file.close()
+        os.replace(temporary, path)
+
+
+@contextmanager
+def _temporary_beside(path: Path) -> Iterator[tuple[BinaryIO, Path]]:
+    """A new file beside `path` that no one else can have made (a random name, O_EXCL | O_NOFOLLOW), removed unless
+    the body renamed it away."""
+    temporary = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
+    file = open_new(temporary)
+    try:
+        yield file, temporary
+    finally:
+        file.close()
+        if temporary.is_symlink() or temporary.exists():
+            temporary.unlink()
+
+
+def open_new(path: Path) -> BinaryIO:
+    """`path` created for writing, failing (FileExistsError) if anything, a symbolic link included, is there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
+    return os.fdopen(fd, "wb")
+
+
+def open_for_append(path: Path) -> BinaryIO:
+    """`path` open for appending (created if missing) when it is a regular file; a symbolic link or anything else
+    at `path` is an UntrustedInput error naming it, never written through."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.EMLINK):
+            raise UntrustedInput(_not_a_file(path, "a symbolic link")) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UntrustedInput(_not_a_file(path, "not a regular file"))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab")
+
+
+def touch_marker(path: Path) -> None:
+    """Creates the empty marker file `path`; one already there is kept if it is a regular file. A symbolic link or
+    anything else there is an UntrustedInput error: a marker is never touched through a link."""
+    try:
+        open_new(path).close()
+    except FileExistsError:
+        if not is_regular_file(path):
+            raise UntrustedInput(_not_a_file(path, "not a regular file (a symbolic link, a folder)")) from None
+
+
+def is_regular_file(path: Path) -> bool:
+    """Whether `path` itself is a regular file (a symbolic link, even to a file, is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _not_a_file(path: Path, what: str) -> str:
+    return (
+        f"{path} is {what}, where torchpre writes a file of its own. It never writes through a link, which could lead "
+        "out of the folder: remove it, or give the job another folder (docs/security.md)."
     )

@@ -129,7 +129,7 @@ def test_no_file_is_read_before_the_manifest_vouches_for_it(saved, tmp_path):
     "name, why",
     [("../outside", "climbs out of the folder with '..'"), ("a/../b", "climbs out of the folder with '..'"),
      ("/etc/passwd", "is an absolute path"), ("C:\\x", "is an absolute path"),
-     ("link/passwd", "leads through a symbolic link to /etc/passwd"), ("", "is not a file name")],
+     ("link/passwd", "is, or leads through, a symbolic link"), ("", "is not a file name")],
 )  # fmt: skip
 def test_confined_path_refuses_names_leaving_the_folder(tmp_path, name, why):
     folder = tmp_path / "folder"
