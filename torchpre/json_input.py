@@ -1,6 +1,7 @@
 """JSON written by someone else, parsed within bounds: its size is checked before it is read, the digits of its
-integers while it is parsed, and its nesting depth after (the parser itself stops at Python's recursion limit), so that a hostile file ends in one message naming it instead of a
-RecursionError, a ValueError of Python's integer-string limit, or memory exhausted (docs/security.md).
+integers while it is parsed, and its nesting depth after (the parser itself stops at Python's recursion limit), so
+that a hostile file ends in one message naming it instead of a RecursionError, a ValueError of Python's
+integer-string limit, or memory exhausted (docs/security.md).
 
 Each format torchpre reads from others has its size bound here (`LIMITS`); the fields are checked by its reader.
 """
