@@ -1,6 +1,6 @@
 """The one way to read a file from a folder someone else made, and to write one into a run folder
-(torchpre/confined.py), and JSON from others parsed within bounds (torchpre/json_input.py): each under openat2 and under the per-component
-fallback that kernels without openat2 take."""
+(torchpre/confined.py), and JSON from others parsed within bounds (torchpre/json_input.py): each under openat2 and
+under the per-component fallback that kernels without openat2 take."""
 
 import os
 from pathlib import Path
