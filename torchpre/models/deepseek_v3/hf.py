@@ -28,7 +28,18 @@ from torch import Tensor
 from torchpre.errors import TorchpreError
 from torchpre.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
-from torchpre.models.hf_fields import check_fields
+from torchpre.models.hf_fields import (
+    BOOLEAN,
+    COUNT,
+    NON_NEGATIVE,
+    OBJECT,
+    POSITIVE,
+    POSITIVE_INT,
+    STRING,
+    check_divides,
+    check_fields,
+    check_kinds,
+)  # fmt: skip
 from torchpre.models.hf_sources import Copy, Same, Source, Sources, StackedExperts, Zeros, whole_state_dict
 from torchpre.models.parametrization import fold_multipliers
 from torchpre.models.state_dict_checks import check_tensors
@@ -79,29 +90,38 @@ _MULTIPLIED = {
 # Each multi-token prediction layer's copies of the model's embedding and output layer.
 _MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
 
-# The config.json fields DeepSeek-V3's args are read from, and those with the one value torchpre's computes with.
+# The config.json fields DeepSeek-V3's args are read from, each with the kind of value it must hold, and those with
+# the one value torchpre's computes with.
 _MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-_READ = frozenset({
-    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "qk_head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
-    "rope_parameters", "tie_word_embeddings", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-    "v_head_dim", "intermediate_size", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "n_shared_experts", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "aux_loss_alpha",
-    "first_k_dense_replace",
+_READ = {
+    "model_type": STRING, "hidden_size": POSITIVE_INT, "num_hidden_layers": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT, "num_key_value_heads": POSITIVE_INT.or_null(),
+    "head_dim": POSITIVE_INT.or_null(), "qk_head_dim": POSITIVE_INT.or_null(), "vocab_size": POSITIVE_INT,
+    "max_position_embeddings": POSITIVE_INT, "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE,
+    "rope_scaling": OBJECT.or_null(), "rope_parameters": OBJECT.or_null(), "tie_word_embeddings": BOOLEAN,
+    "q_lora_rank": COUNT.or_null(), "kv_lora_rank": POSITIVE_INT, "qk_nope_head_dim": POSITIVE_INT,
+    "qk_rope_head_dim": POSITIVE_INT, "v_head_dim": POSITIVE_INT, "intermediate_size": POSITIVE_INT,
+    "n_routed_experts": POSITIVE_INT, "num_experts_per_tok": POSITIVE_INT, "moe_intermediate_size": POSITIVE_INT,
+    "n_shared_experts": POSITIVE_INT, "n_group": POSITIVE_INT, "topk_group": POSITIVE_INT,
+    "norm_topk_prob": BOOLEAN, "routed_scaling_factor": POSITIVE, "aux_loss_alpha": NON_NEGATIVE,
+    "first_k_dense_replace": COUNT,
     # Read by the job instead: its multi-token prediction depths are model.mtp_depth (transformers writes 1 for
     # folders without the layers), its expert parallelism parallelism.expert_parallel_degree.
-    "num_nextn_predict_layers", "ep_size",
-})  # fmt: skip
+    "num_nextn_predict_layers": COUNT, "ep_size": POSITIVE_INT,
+}  # fmt: skip
 _FIXED = {
     "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rope_interleave": True,
     "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1, "seq_aux": True,
     "output_router_logits": False, "is_encoder_decoder": False,
 }  # fmt: skip
-_ROPE_NAMES = {"rope_type", "type", "rope_theta"}
+_ROPE_NAMES = {"rope_type": STRING, "type": STRING, "rope_theta": POSITIVE}
 _ROPE_READ = {
     "default": _ROPE_NAMES,
-    "yarn": _ROPE_NAMES | {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                           "mscale_all_dim", "attention_factor", "truncate"},
+    "yarn": _ROPE_NAMES | {
+        "factor": POSITIVE.or_null(), "original_max_position_embeddings": POSITIVE_INT,
+        "beta_fast": POSITIVE.or_null(), "beta_slow": POSITIVE.or_null(), "mscale": NON_NEGATIVE.or_null(),
+        "mscale_all_dim": NON_NEGATIVE.or_null(), "attention_factor": POSITIVE.or_null(), "truncate": BOOLEAN,
+    },
 }  # fmt: skip
 
 # DeepSeekV3Args fields that must agree with a Hugging Face config for its weights to load and compute the same.
@@ -286,6 +306,7 @@ def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
     if config.get("model_type") not in _MODEL_TYPES:
         raise TorchpreError(f"model_type is {config.get('model_type')!r}; only 'deepseek_v3' configs can be converted.")
     check_fields(config, _READ, _FIXED, "deepseek_v3")
+    check_divides(config, "n_group", "n_routed_experts", "the routed experts form n_group groups of equal size")
     heads = config.get("num_attention_heads", 128)
     qk_rope_head_dim, qk_nope_head_dim = config.get("qk_rope_head_dim", 64), config.get("qk_nope_head_dim", 128)
     derived = {
@@ -296,7 +317,8 @@ def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
     for key, value in derived.items():
         if config.get(key) not in (None, value):
             raise TorchpreError(f"{key} = {config[key]} is not {value}, which the other fields make it in deepseek_v3.")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = dict(config.get(rope_key) or {})
     context = config.get("max_position_embeddings", 4096)
     moe_hidden = config.get("moe_intermediate_size", 2048)
     return DeepSeekV3Args(
@@ -307,7 +329,7 @@ def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
         max_seq_len=context,
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        yarn=_yarn(rope, context),
+        yarn=_yarn(rope, context, f"{rope_key}."),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
         q_lora_rank=config.get("q_lora_rank", 1536) or 0,
         kv_lora_rank=config.get("kv_lora_rank", 512),
@@ -330,14 +352,15 @@ def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
     )
 
 
-def _yarn(rope: Mapping[str, Any], context: int) -> YarnScaling | None:
-    """The YaRN scaling of a config's RoPE fields, read as transformers reads them (`_compute_yarn_parameters`): an
-    absent factor is max_position_embeddings / original_max_position_embeddings, an absent mscale leaves the cos/sin
-    scale at mscale(factor)."""
+def _yarn(rope: Mapping[str, Any], context: int, prefix: str) -> YarnScaling | None:
+    """The YaRN scaling of a config's RoPE fields (`prefix`: their object's key and a dot), read as transformers reads
+    them (`_compute_yarn_parameters`): an absent factor is max_position_embeddings / original_max_position_embeddings,
+    an absent mscale leaves the cos/sin scale at mscale(factor)."""
+    check_kinds(rope, _ROPE_NAMES, prefix)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _ROPE_READ:
         raise TorchpreError(f"rope_type = {rope_type!r} is not supported; deepseek_v3 has 'default' and 'yarn'.")
-    check_fields(rope, _ROPE_READ[rope_type], {}, "deepseek_v3", prefix="rope_parameters.")
+    check_fields(rope, _ROPE_READ[rope_type], {}, "deepseek_v3", prefix=prefix)
     if rope_type == "default":
         return None
     if "original_max_position_embeddings" not in rope:

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
+from torchpre.json_input import read_json
 from torchpre.models.hf.architectures import not_decoder_only
-from torchpre.models.hf.tiny import stochastic_keys
+from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
+from torchpre.models.hf_fields import (
+    BOOLEAN,
+    NON_NEGATIVE,
+    OBJECT,
+    POSITIVE,
+    POSITIVE_INT,
+    STRING,
+    Kind,
+    check_divides,
+    check_kinds,
+)  # fmt: skip
 from torchpre.optional import import_optional
 
 KEY = "model.hf_config"
@@ -68,8 +80,7 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
     """The transformers config at `model.hf_config` (a config.json or a folder holding one), checked against the
     job: the tokenizer's `vocab_size` ids must fit the model's vocabulary and `max_seq_len` (None: the model's
     own context) its positions."""
-    path = _config_path(job.model.hf_config)
-    values = _read_json(path)
+    path, values = _read_config(job.model.hf_config)
     model_type = values.get("model_type")
     why = not_decoder_only(model_type) if isinstance(model_type, str) else "the config has no model_type"
     if why is not None:
@@ -82,7 +93,11 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
     values = transformers.PretrainedConfig._decode_special_floats(values)
     fields = {key: value for key, value in values.items() if key != "model_type"}
     try:
+        check_values(values)
         config = transformers.AutoConfig.for_model(model_type, **fields)
+        check_values(read_attributes(config))
+    except TorchpreError as error:
+        raise ConfigError(f"{KEY} = {path}: {error}") from None
     except (TypeError, ValueError, KeyError) as error:
         raise ConfigError(
             f"{KEY} = {path}: transformers cannot build a '{model_type}' config from it: {error}"
@@ -129,25 +144,68 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
     )
 
 
-def _config_path(value: str) -> Path:
+def check_values(values: Mapping[str, Any]) -> None:
+    """A TorchpreError naming the first field of a transformers config (its JSON, or `read_attributes`) whose value
+    is not of its kind. transformers checks none of them: a size of 0 or "256" reaches a constructor or a division
+    and ends in a traceback, a dropout of 1 (an integer) would train at random."""
+    check_kinds(values, _KINDS)
+    check_kinds(values, {key: _STOCHASTIC for key in values if is_stochastic_key(key)})
+    check_divides(values, "num_key_value_heads", "num_attention_heads", "each key/value head serves a whole group")
+    for key in ("rope_scaling", "rope_parameters"):  # transformers 5 nests rope_parameters per layer type
+        rope = values.get(key) or {}
+        nested = [(f"{key}.{name}.", value) for name, value in rope.items() if isinstance(value, dict)]
+        for prefix, fields in [(f"{key}.", rope), *nested]:
+            check_kinds(fields, _ROPE_KINDS, prefix)
+
+
+def read_attributes(config: Any) -> dict[str, Any]:
+    """The values torchpre reads of a built transformers config, under transformers' common names (a family's own
+    names, e.g. GPT-2's n_embd, reach them through its attribute_map)."""
+    return {name: getattr(config, name) for name in _READ if hasattr(config, name)}
+
+
+# The fields of a transformers config torchpre reads, or that size the model transformers builds, and their kinds.
+_KINDS = {
+    "model_type": STRING, "vocab_size": POSITIVE_INT, "hidden_size": POSITIVE_INT, "intermediate_size": POSITIVE_INT,
+    "num_hidden_layers": POSITIVE_INT, "num_attention_heads": POSITIVE_INT,
+    "num_key_value_heads": POSITIVE_INT.or_null(), "head_dim": POSITIVE_INT.or_null(),
+    "max_position_embeddings": POSITIVE_INT.or_null(), "sliding_window": POSITIVE_INT.or_null(),
+    "rms_norm_eps": POSITIVE, "layer_norm_eps": POSITIVE, "layer_norm_epsilon": POSITIVE, "rope_theta": POSITIVE,
+    "rope_scaling": OBJECT.or_null(), "rope_parameters": OBJECT.or_null(), "quantization_config": OBJECT.or_null(),
+    "tie_word_embeddings": BOOLEAN, "is_encoder_decoder": BOOLEAN, "use_cache": BOOLEAN,
+}  # fmt: skip
+_READ = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "tie_word_embeddings", "is_encoder_decoder")  # fmt: skip
+_ROPE_KINDS = {
+    "rope_type": STRING, "type": STRING, "rope_theta": POSITIVE, "factor": POSITIVE,
+    "original_max_position_embeddings": POSITIVE_INT, "low_freq_factor": POSITIVE, "high_freq_factor": POSITIVE,
+    "beta_fast": POSITIVE, "beta_slow": POSITIVE, "attention_factor": POSITIVE.or_null(),
+}  # fmt: skip
+# A dropout, jitter or noise: a number (or null, or a switch), never text.
+_STOCHASTIC = Kind(lambda value: value is None or type(value) is bool or NON_NEGATIVE.accepts(value),
+                   "a number of 0 or more")  # fmt: skip
+
+
+def _read_config(value: str) -> tuple[Path, dict[str, Any]]:
+    """The path model.hf_config names (a config.json, or a folder holding one) and the object it holds. A file named
+    by the key is the user's choice (a symbolic link there is followed); the config.json of a named folder is the
+    folder's, read as every file of a Hugging Face folder is (`torchpre.confined`: no link). Both are bounded."""
     if not value:
         raise ConfigError(
             f"model.name = 'hf' needs {KEY}: the path of a transformers config.json (or of a folder holding one), "
             "e.g. --model.hf_config assets/hf_configs/llama_tiny.json."
         )
-    path = Path(value)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{KEY} = {value}: {path} does not exist. Give a transformers config.json or its folder.")
-    return path
-
-
-def _read_json(path: Path) -> dict[str, Any]:
+    named = Path(value)
+    folder, name = (named, "config.json") if named.is_dir() else (named.resolve().parent, named.resolve().name)
+    path = named / name if named.is_dir() else named
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{KEY} = {path} is not valid JSON ({error}). Give a transformers config.json.") from None
+        values = read_json(folder, name, "config")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{KEY} = {value}: {path} does not exist. Give a transformers config.json or its folder."
+        ) from None
+    except UntrustedInput as error:
+        raise UntrustedInput(f"{KEY} = {value}: {error}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{KEY} = {path} holds a JSON {type(values).__name__}, not a config object.")
-    return values
+    return path, values

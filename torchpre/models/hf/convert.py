@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from torchpre.errors import TorchpreError
-from torchpre.models.hf.args import HFArgs
+from torchpre.models.hf.args import HFArgs, check_values
 from torchpre.models.hf.model import meta_model, tied_weights
 from torchpre.models.hf_sources import Copy, Same, Source, Sources, whole_state_dict
 from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
@@ -73,6 +73,7 @@ def hf_config_mismatches(config: Mapping[str, Any], args: HFArgs) -> list[str]:
     or the parameters it names and their shapes."""
     if config.get("model_type") != args.config.model_type:
         return [f"model_type = {config.get('model_type')!r}, but model.hf_config has {args.config.model_type!r}"]
+    check_values(config)
     try:
         theirs = HFArgs(config=type(args.config).from_dict(dict(config)), path=args.path, max_seq_len=args.max_seq_len)
     except (TypeError, ValueError, KeyError) as error:

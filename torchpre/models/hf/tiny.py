@@ -97,7 +97,7 @@ def stochastic_keys(config: Any) -> list[str]:
     return [
         name
         for name, value in config.to_dict().items()
-        if is_stochastic_key(name) and isinstance(value, float) and value > 0
+        if is_stochastic_key(name) and type(value) in (int, float) and value > 0
     ]
 
 

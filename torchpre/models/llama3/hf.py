@@ -20,7 +20,16 @@ import torch
 from torch import Tensor
 
 from torchpre.errors import TorchpreError
-from torchpre.models.hf_fields import check_fields
+from torchpre.models.hf_fields import (
+    BOOLEAN,
+    OBJECT,
+    POSITIVE,
+    POSITIVE_INT,
+    STRING,
+    check_divides,
+    check_fields,
+    check_kinds,
+)
 from torchpre.models.hf_sources import Copy, RotaryRows, Same, Source, Sources, whole_state_dict
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
 from torchpre.models.llama3.model import Transformer
@@ -53,19 +62,23 @@ _MULTIPLIED = {
     "residual": ("layers.*.attention.wo.weight", "layers.*.feed_forward.w2.weight"),
 }
 
-# The config.json fields Llama 3's args are read from, and those with the one value torchpre's Llama computes with.
-_READ = frozenset({
-    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-    "max_position_embeddings", "tie_word_embeddings",
-})  # fmt: skip
+# The config.json fields Llama 3's args are read from, each with the kind of value it must hold, and those with the
+# one value torchpre's Llama computes with.
+_READ = {
+    "model_type": STRING, "hidden_size": POSITIVE_INT, "intermediate_size": POSITIVE_INT,
+    "num_hidden_layers": POSITIVE_INT, "num_attention_heads": POSITIVE_INT,
+    "num_key_value_heads": POSITIVE_INT.or_null(), "head_dim": POSITIVE_INT.or_null(), "vocab_size": POSITIVE_INT,
+    "rms_norm_eps": POSITIVE, "rope_theta": POSITIVE, "rope_scaling": OBJECT.or_null(),
+    "rope_parameters": OBJECT.or_null(), "max_position_embeddings": POSITIVE_INT, "tie_word_embeddings": BOOLEAN,
+}  # fmt: skip
 _FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
           "is_encoder_decoder": False}  # fmt: skip
-_ROPE_NAMES = {"rope_type", "type", "rope_theta"}
+_ROPE_NAMES = {"rope_type": STRING, "type": STRING, "rope_theta": POSITIVE}
 _ROPE_READ = {
     "default": _ROPE_NAMES,
-    "llama3": _ROPE_NAMES | {f.name for f in dataclasses.fields(RopeScaling)},
-}
+    "llama3": _ROPE_NAMES | {"factor": POSITIVE, "low_freq_factor": POSITIVE, "high_freq_factor": POSITIVE,
+                             "original_max_position_embeddings": POSITIVE_INT},
+}  # fmt: skip
 
 # (TransformerArgs attribute, Hugging Face config key) pairs that must agree for weights to load.
 _COMPARED_FIELDS = [
@@ -201,13 +214,16 @@ def args_from_hf_config(config: Mapping[str, Any]) -> TransformerArgs:
     missing = [key for key in required if key not in config]
     if missing:
         raise TorchpreError(f"the config lacks {', '.join(missing)}.")
+    check_divides(config, "num_attention_heads", "hidden_size", "each head is hidden_size / num_attention_heads wide")
+    check_divides(config, "num_key_value_heads", "num_attention_heads", "each key/value head serves a whole group")
     dim, n_heads, hidden = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
     if config.get("head_dim") not in (None, dim // n_heads):
         raise TorchpreError(
             f"head_dim = {config['head_dim']} is not hidden_size / num_attention_heads = {dim // n_heads}; "
             "torchpre's Llama derives head_dim from them."
         )
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(rope_key) or {}
     # TransformerArgs derives the MLP width as multiple_of * ceil(h / multiple_of) from
     # h = int(8 * dim / 3) (times ffn_dim_multiplier). With multiple_of = intermediate_size, and a
     # multiplier that brings h down to it when it is narrower, that is exactly intermediate_size.
@@ -222,7 +238,7 @@ def args_from_hf_config(config: Mapping[str, Any]) -> TransformerArgs:
         ffn_dim_multiplier=hidden / base if hidden < base else None,
         norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling(rope),
+        rope_scaling=_rope_scaling(rope, f"{rope_key}."),
         max_seq_len=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=config.get("tie_word_embeddings", False),
     )
@@ -241,11 +257,13 @@ def hf_config_mismatches(config: Mapping[str, Any], args: TransformerArgs) -> li
     ]
 
 
-def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+def _rope_scaling(rope: Mapping[str, Any], prefix: str) -> RopeScaling | None:
+    """The Llama 3.1 scaling of a config's RoPE object (`prefix`: its key and a dot), None for plain RoPE."""
+    check_kinds(rope, _ROPE_NAMES, prefix)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in _ROPE_READ:
         raise TorchpreError(f"rope_type = {rope_type!r} is not supported; torchpre's Llama has 'default' and 'llama3'.")
-    check_fields(rope, _ROPE_READ[rope_type], {}, "llama3", prefix="rope_parameters.")
+    check_fields(rope, _ROPE_READ[rope_type], {}, "llama3", prefix=prefix)
     if rope_type == "default":
         return None
     missing = [f.name for f in dataclasses.fields(RopeScaling) if f.name not in rope]
