@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.interchange.reader import HFFolder, read_config
+from torchpre.interchange.reader import CONFIG, HFFolder, read_config
 from torchpre.interchange.storage import HFStorageReader, first_name
 from torchpre.metrics.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from torchpre.models.hf_sources import Sources, check_folder
@@ -85,12 +85,11 @@ def folder_args(path: Path, spec: ModelSpec, family: str) -> Any:
             "Face config.json (llama3 and deepseek_v3 can; model.name = 'hf' takes any transformers config through "
             "model.hf_config). Choose one of the family's flavors."
         )
+    config = read_config(path)  # its errors name the file
     try:
-        return adapter.args_from_hf_config(read_config(path))
-    except ConfigError:
-        raise
+        return adapter.args_from_hf_config(config)
     except TorchpreError as error:
-        raise ConfigError(f"model.flavor = '{FROM_HF}': {path / 'config.json'}: {error}") from None
+        raise ConfigError(f"model.flavor = '{FROM_HF}': {path / CONFIG}: {error}") from None
 
 
 def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
@@ -116,10 +115,11 @@ def hf_weights(path: Path, spec: ModelSpec, args: Any, key: str) -> HFWeights:
             "`hf` adapter has no hf_sources). Load it with model.name = 'hf' (transformers' own model), or convert it "
             "to a checkpoint another way."
         )
+    config = read_config(path)
     try:
-        mismatches = adapter.hf_config_mismatches(read_config(path), args)
+        mismatches = adapter.hf_config_mismatches(config, args)
     except TorchpreError as error:
-        raise ConfigError(f"{key} = {path}: {path / 'config.json'}: {error}") from None
+        raise ConfigError(f"{key} = {path}: {path / CONFIG}: {error}") from None
     if mismatches:
         raise ConfigError(
             f"{key} = {path}: its config.json does not describe the job's model: {'; '.join(mismatches)}. Use the "

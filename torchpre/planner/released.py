@@ -3,7 +3,8 @@
 `model.flavor = 'from_hf'` builds the model from the config.json at `checkpoint.initial_load_path`. The planner
 measures a model by cutting its flavor to fewer blocks (`pieces.shortened_flavor`), so for the search the folder's
 args are registered as a flavor of their family, under a name that says where they came from. Only config.json is
-read, so a model can be planned before its weights are downloaded: which boxes of them each rank reads does not
+read (through the reader a job loads the folder with, `interchange.load.folder_args`: confined, bounded, every field
+checked), so a model can be planned before its weights are downloaded: which boxes of them each rank reads does not
 change a layout's step.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from torchpre.config.job_config import JobConfig
+from torchpre.confined import file_kind
 from torchpre.errors import ConfigError
 from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import CONFIG
@@ -31,7 +33,7 @@ def planned_flavor(config: JobConfig) -> Iterator[JobConfig]:
         yield config
         return
     path = Path(config.checkpoint.initial_load_path)
-    if not config.checkpoint.initial_load_path or not (path / CONFIG).is_file():
+    if not config.checkpoint.initial_load_path or file_kind(path, CONFIG) == "missing":  # a link: refused by name
         given = f"'{path}', which has none" if config.checkpoint.initial_load_path else "unset"
         raise ConfigError(
             f"model.flavor = '{FROM_HF}' plans the model of the config.json in the Hugging Face folder at "
