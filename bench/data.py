@@ -51,7 +51,7 @@ def loader_tokens_per_sec(shards: Path, num_workers: int, batches: int, seq_len:
     loader = build_dataloader(
         dataset="shards", dataset_path=str(shards), tokenizer=Tokenizer(DEFAULT_TOKENIZER_PATH), seq_len=seq_len,
         local_batch_size=batch_size, global_batch_size=batch_size, dp_rank=0, dp_size=1, seed=0,
-        num_workers=num_workers,
+        num_workers=num_workers, vocab_size=Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size,
     )
     iterator = iter(loader)
     next(iterator)

@@ -92,6 +92,7 @@ def train(flavor: str, seq_len: int, batch_size: int, steps: int, warmup: int, c
         dp_rank=0,
         dp_size=1,
         seed=t.seed,
+        vocab_size=model.config.vocab_size,
     )
     batches = iter(loader)
     step_times, losses = [], []

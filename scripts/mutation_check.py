@@ -650,7 +650,7 @@ BREAKS = [
           (f"{CHECKPOINT}::test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one",),
           "a damaged checkpoint a resume skipped stays a step-N, for retention to count and a save to replace"),
     Break("token-ids-beyond-the-vocabulary-unchecked", "torchpre/data/shard_dataset.py",
-          "        if int(window.max()) >= self.reader.manifest.vocab_size:", "        if False:",
+          "        if int(window.max()) >= self.reader.vocab_size:", "        if False:",
           (f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message[shards-token-id-beyond-the-vocabulary-unrecorded]",),
           "a shard token id beyond the vocabulary reaches the embedding (an IndexError mid-run)"),
     Break("loss-chunk-gradient-dropped", "torchpre/parallel/linear_cross_entropy.py",

@@ -107,6 +107,7 @@ def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
     loader = build_dataloader(
         dataset="stdlib", dataset_path="", tokenizer=Tokenizer(DEFAULT_TOKENIZER_PATH), seq_len=SEQ_LEN,
         local_batch_size=GLOBAL_BATCH, global_batch_size=GLOBAL_BATCH, dp_rank=0, dp_size=1, seed=SEED,
+        vocab_size=VOCAB,
     )  # fmt: skip
     return next(iter(loader))
 

@@ -90,6 +90,7 @@ def build(path, dp_rank=0, dp_size=1, local_batch_size=2, seq_len=8):
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=0,
+        vocab_size=Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size,
     )
 
 

@@ -42,7 +42,7 @@ def run(inputs: list[Path | str], output: Path, *options: str) -> None:
 
 
 def read_back(folder: Path) -> list[list[int]]:
-    reader = ShardReader(folder, expected_tokenizer_sha256=SHA256)
+    reader = ShardReader(folder, TOKENIZER.vocab_size, expected_tokenizer_sha256=SHA256)
     return [
         reader.document(index, doc).tolist()
         for index, shard in enumerate(reader.shards)
@@ -118,7 +118,7 @@ def test_round_trip_equals_direct_encoding(kind, tmp_path):
         TOKENIZER.vocab_size,
     )
     # At most SHARD_TOKENS per shard, unless one document alone is longer.
-    reader = ShardReader(tmp_path / "out")
+    reader = ShardReader(tmp_path / "out", TOKENIZER.vocab_size)
     for index, shard in enumerate(manifest.shards):
         assert shard.num_tokens <= SHARD_TOKENS or shard.num_documents == 1
         if index + 1 < len(manifest.shards):  # cut only when the next document would not fit
@@ -173,7 +173,7 @@ def test_resume_after_an_interruption_writes_only_the_missing_shards(tmp_path, m
     assert [s.name for s in interrupted.shards] == ["shard_00000", "shard_00001"]
     assert not interrupted.complete
     with pytest.raises(TorchpreError, match="incomplete.*Re-run the same prepare command"):
-        ShardReader(tmp_path / "out")
+        ShardReader(tmp_path / "out", TOKENIZER.vocab_size)
 
     monkeypatch.setattr(prepare, "write_shard", spy)
     written_shards.clear()
@@ -260,14 +260,14 @@ def test_shard_reader_names_a_truncated_file(tmp_path):
     index = tmp_path / "out" / "shard_00002.idx"
     index.write_bytes(index.read_bytes()[:-8])
     with pytest.raises(TorchpreError, match=rf"Shard file {index} has .* bytes, but {MANIFEST} says"):
-        ShardReader(tmp_path / "out")
+        ShardReader(tmp_path / "out", TOKENIZER.vocab_size)
 
 
 def test_shard_reader_refuses_another_tokenizer_hash(tmp_path):
     run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out")
     other = tokenizer_hash(other_tokenizer(tmp_path / "other.model"))
     with pytest.raises(TorchpreError, match="made with tokenizer 'tokenizer.model'.*model.tokenizer_path"):
-        ShardReader(tmp_path / "out", expected_tokenizer_sha256=other)
+        ShardReader(tmp_path / "out", TOKENIZER.vocab_size, expected_tokenizer_sha256=other)
 
 
 def write_file(name: str, content: str):
@@ -283,7 +283,7 @@ def write_file(name: str, content: str):
 @pytest.mark.parametrize(
     "make_input, message",
     [
-        (write_file("bad.jsonl", '{"text": "fine"}\n{"text": "cut\n'), r"bad\.jsonl:2 is not valid JSON"),
+        (write_file("bad.jsonl", '{"text": "fine"}\n{"text": "cut\n'), r"bad\.jsonl \(line 2\) is not valid JSON"),
         (
             write_file("keys.jsonl", '{"body": "x"}\n'),
             r"keys\.jsonl:1 has no 'text' field \(found 'body'\).*--text-field",

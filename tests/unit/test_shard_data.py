@@ -60,6 +60,7 @@ def build(folder_or_mixture, *, seq_len=8, local_batch_size=2, dp_rank=0, dp_siz
         dp_size=dp_size,
         seed=seed,
         num_workers=num_workers,
+        vocab_size=TOKENIZER.vocab_size,
     )
 
 
@@ -82,7 +83,7 @@ def test_shard_windows_equal_the_windows_of_the_documents_packed_in_memory(tmp_p
     """Windows span document and shard boundaries (an empty shard included) exactly as in-memory packing."""
     documents = random_documents(60, seed=seq_len)
     folder = write_shards(tmp_path, [documents[:25], [], documents[25:40], documents[40:]])
-    windows = ShardWindows(str(folder), seq_len, SHA256)
+    windows = ShardWindows(str(folder), seq_len, SHA256, TOKENIZER.vocab_size)
     packed = PackedWindows(torch.tensor([t for doc in documents for t in doc]), seq_len)
     assert len(windows) == len(packed) > 0
     for i in range(len(packed)):
@@ -95,7 +96,7 @@ def test_shard_windows_equal_the_windows_of_the_documents_packed_in_memory(tmp_p
 def test_shard_windows_pickle_as_their_folder_not_their_tokens(tmp_path):
     """Loader workers started by spawn reopen the memory maps instead of receiving every token."""
     folder = write_shard_folder(tmp_path, random_documents(400, seed=1))
-    windows = ShardWindows(str(folder), 8, SHA256)
+    windows = ShardWindows(str(folder), 8, SHA256, TOKENIZER.vocab_size)
     data = pickle.dumps(windows)
     assert len(data) < 1000 < windows.num_tokens
     copy = pickle.loads(data)

@@ -46,12 +46,15 @@ def loader(path, local_batch_size: int = 4, **kwargs):
         dp_rank=0,
         dp_size=1,
         seed=3,
+        vocab_size=TOKENIZER.vocab_size,
         **kwargs,
     )
 
 
 def held_out(fraction: float, **source):
-    return held_out_samples(**source, tokenizer=TOKENIZER, seq_len=SEQ_LEN, seed=3, fraction=fraction)
+    return held_out_samples(
+        **source, tokenizer=TOKENIZER, seq_len=SEQ_LEN, seed=3, fraction=fraction, vocab_size=TOKENIZER.vocab_size
+    )
 
 
 def text(path) -> dict[str, str]:
@@ -124,6 +127,7 @@ def test_a_mixture_holds_out_the_tail_of_every_source(tmp_path):
         dp_size=1,
         seed=3,
         held_out_fraction=0.25,
+        vocab_size=TOKENIZER.vocab_size,
     )
     samples, order = held_out(0.25, dataset="shards", dataset_path="", dataset_mixture=mixture)
     for trained, kept in zip(train.dataset.datasets, samples.datasets):  # per source, in path order
@@ -153,6 +157,7 @@ def test_a_split_that_leaves_no_training_data_names_the_key(text_file, tmp_path)
             dp_size=1,
             seed=0,
             held_out_fraction=0.9,
+            vocab_size=TOKENIZER.vocab_size,
         )
 
 

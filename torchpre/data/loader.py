@@ -37,7 +37,7 @@ def build_dataloader(
     dataset_mixture: dict[str, float] | None = None,
     num_workers: int = 0,
     held_out_fraction: float = 0.0,
-    vocab_size: int = 0,
+    vocab_size: int,
     pin_memory: bool = False,
 ) -> StatefulDataLoader:
     """Returns a loader of (inputs, labels) microbatches of `training.dataset`.
@@ -52,17 +52,20 @@ def build_dataloader(
     `split_held_out` and `held_out_samples`) and the order runs over the rest only; 0 leaves the
     samples and their order exactly as they are.
 
-    `dataset = "synthetic"` draws tokens in [0, `vocab_size`) (see `SyntheticTokens`); the tokenizer is not
-    used. `pin_memory` (see `pins_memory`) puts each batch in page-locked memory, so that its copy to the
-    GPU can run asynchronously (`non_blocking=True`).
+    `vocab_size` is the number of rows of the model's embedding: `dataset = "synthetic"` draws tokens in [0,
+    `vocab_size`) (see `SyntheticTokens`; the tokenizer is not used), and every shard window is checked against it.
+    `pin_memory` (see `pins_memory`) puts each batch in page-locked memory, so that its copy to the GPU can run
+    asynchronously (`non_blocking=True`).
     """
     if dataset == "synthetic":
         samples, order = SyntheticTokens(seq_len, vocab_size, seed), in_order
     elif dataset == "shards" and dataset_mixture:
-        samples, order = _mixture(dataset_mixture, seq_len, tokenizer, seed, held_out_fraction, held_out=False)
+        samples, order = _mixture(
+            dataset_mixture, seq_len, tokenizer, vocab_size, seed, held_out_fraction, held_out=False
+        )
     else:
         samples, order = _single_source(
-            dataset, dataset_path, seq_len, tokenizer, global_batch_size, seed, held_out_fraction
+            dataset, dataset_path, seq_len, tokenizer, vocab_size, global_batch_size, seed, held_out_fraction
         )
     sampler = GlobalBatchSampler(order, local_batch_size, dp_rank, dp_size)
     return StatefulDataLoader(samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
@@ -158,21 +161,22 @@ def held_out_samples(
     seq_len: int,
     seed: int,
     fraction: float,
+    vocab_size: int,
     dataset_mixture: dict[str, float] | None = None,
 ) -> tuple[Dataset, SampleOrder]:
     """The windows that `build_dataloader(..., held_out_fraction=fraction)` leaves out of training, in a
     seeded order; for a mixture, each source's held-out windows drawn with the training weights."""
     if dataset == "shards" and dataset_mixture:
-        return _mixture(dataset_mixture, seq_len, tokenizer, seed, fraction, held_out=True)
-    samples = split_held_out(_windows(dataset, dataset_path, seq_len, tokenizer)[0], fraction)[1]
+        return _mixture(dataset_mixture, seq_len, tokenizer, vocab_size, seed, fraction, held_out=True)
+    samples = split_held_out(_windows(dataset, dataset_path, seq_len, tokenizer, vocab_size)[0], fraction)[1]
     return samples, EpochShuffle(len(samples), seed)
 
 
 def source_samples(
-    *, dataset: str, dataset_path: str, tokenizer: Tokenizer, seq_len: int, seed: int
+    *, dataset: str, dataset_path: str, tokenizer: Tokenizer, seq_len: int, seed: int, vocab_size: int
 ) -> tuple[Dataset, SampleOrder]:
     """Every window of one source, in a seeded order: a validation set of its own."""
-    samples = _windows(dataset, dataset_path, seq_len, tokenizer)[0]
+    samples = _windows(dataset, dataset_path, seq_len, tokenizer, vocab_size)[0]
     return samples, EpochShuffle(len(samples), seed)
 
 
@@ -190,10 +194,13 @@ def split_held_out(windows: Dataset, fraction: float) -> tuple[Dataset, Dataset]
     return Subset(windows, range(cut)), Subset(windows, range(cut, len(windows)))
 
 
-def _windows(dataset: str, dataset_path: str, seq_len: int, tokenizer: Tokenizer) -> tuple[Dataset, int]:
-    """The seq_len+1-token windows of one source, and its token count (for messages)."""
+def _windows(
+    dataset: str, dataset_path: str, seq_len: int, tokenizer: Tokenizer, vocab_size: int
+) -> tuple[Dataset, int]:
+    """The seq_len+1-token windows of one source, and its token count (for messages); shard windows checked against
+    the model's `vocab_size` rows."""
     if dataset == "shards":
-        samples = ShardWindows(dataset_path, seq_len, tokenizer_hash(tokenizer.path))
+        samples = ShardWindows(dataset_path, seq_len, tokenizer_hash(tokenizer.path), vocab_size)
         return samples, samples.num_tokens
     tokens = pack_documents(load_documents(dataset, dataset_path), tokenizer)
     return PackedWindows(tokens, seq_len), tokens.numel()
@@ -204,11 +211,12 @@ def _single_source(
     dataset_path: str,
     seq_len: int,
     tokenizer: Tokenizer,
+    vocab_size: int,
     global_batch_size: int,
     seed: int,
     held_out_fraction: float,
 ) -> tuple[Dataset, SampleOrder]:
-    windows, num_tokens = _windows(dataset, dataset_path, seq_len, tokenizer)
+    windows, num_tokens = _windows(dataset, dataset_path, seq_len, tokenizer, vocab_size)
     samples = split_held_out(windows, held_out_fraction)[0]
     if len(samples) < global_batch_size <= len(windows):
         raise ConfigError(
@@ -227,7 +235,13 @@ def _single_source(
 
 
 def _mixture(
-    weights: dict[str, float], seq_len: int, tokenizer: Tokenizer, seed: int, held_out_fraction: float, held_out: bool
+    weights: dict[str, float],
+    seq_len: int,
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    seed: int,
+    held_out_fraction: float,
+    held_out: bool,
 ) -> tuple[Dataset, MixtureOrder]:
     """The sources in path order (so reordering the table changes nothing), concatenated; the
     mixture order picks from them. With `held_out_fraction` > 0 each source is first cut by
@@ -235,7 +249,7 @@ def _mixture(
     folders = sorted(weights)
     names = _source_names(folders)
     sha256 = tokenizer_hash(tokenizer.path)
-    windows = [ShardWindows(folder, seq_len, sha256) for folder in folders]
+    windows = [ShardWindows(folder, seq_len, sha256, vocab_size) for folder in folders]
     for folder, source in zip(folders, windows):
         if len(source) == 0:
             raise TorchpreError(

@@ -20,13 +20,17 @@ class ShardWindows(Dataset):
     not overlap, may span a document boundary and also a shard boundary (no tokens are dropped at
     shard ends; only the stream's last partial window is). A window is located by a binary search in
     the shards' cumulative token counts and only its own seq_len+1 tokens are read.
+
+    Every window is checked against `vocab_size`, the rows of the model's embedding (the manifest's claim is
+    checked against it too, by `ShardReader`): an id past them is an error naming the shard file and offset, never
+    an IndexError mid-run.
     """
 
-    def __init__(self, folder: str, seq_len: int, tokenizer_sha256: str):
+    def __init__(self, folder: str, seq_len: int, tokenizer_sha256: str, vocab_size: int):
         self.folder = folder
         self.seq_len = seq_len
         self.tokenizer_sha256 = tokenizer_sha256
-        self.reader = ShardReader(folder, expected_tokenizer_sha256=tokenizer_sha256)
+        self.reader = ShardReader(folder, vocab_size, expected_tokenizer_sha256=tokenizer_sha256)
         counts = [shard.num_tokens for shard in self.reader.shards]
         self.shard_starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
         self.num_tokens = int(self.shard_starts[-1])
@@ -40,17 +44,17 @@ class ShardWindows(Dataset):
             raise IndexError(f"window {index} of {self.num_windows}")
         start = index * (self.seq_len + 1)
         window = torch.from_numpy(self.tokens(start, self.seq_len + 1))
-        if int(window.max()) >= self.reader.manifest.vocab_size:  # cheap next to a step; shards from before max ids
+        if int(window.max()) >= self.reader.vocab_size:  # cheap next to a step; shards from before max ids
             self._out_of_vocabulary(start, window)
         return window[:-1], window[1:]
 
     def _out_of_vocabulary(self, start: int, window: torch.Tensor) -> None:
-        position = start + int(torch.nonzero(window >= self.reader.manifest.vocab_size)[0])
+        position = start + int(torch.nonzero(window >= self.reader.vocab_size)[0])
         shard = int(np.searchsorted(self.shard_starts, position, side="right")) - 1
         path = self.reader.folder / f"{self.reader.shards[shard].name}.bin"
         offset, token_id = position - int(self.shard_starts[shard]), int(window[position - start])
         where = f"at token offset {offset:,} holds"
-        raise TorchpreError(out_of_vocabulary(path, token_id, self.reader.manifest.vocab_size, where))
+        raise TorchpreError(out_of_vocabulary(path, token_id, self.reader.vocab_size, where))
 
     def tokens(self, start: int, count: int) -> np.ndarray:
         """`count` tokens of the stream from `start`, as int64, read across shard ends as needed."""
@@ -66,7 +70,8 @@ class ShardWindows(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         """DataLoader workers started by spawn/forkserver get the folder, not the data: pickling an
         np.memmap would copy every token into the message."""
-        return {"folder": self.folder, "seq_len": self.seq_len, "tokenizer_sha256": self.tokenizer_sha256}
+        names = ("folder", "seq_len", "tokenizer_sha256")
+        return {name: getattr(self, name) for name in names} | {"vocab_size": self.reader.vocab_size}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)

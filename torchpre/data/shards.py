@@ -15,6 +15,10 @@ A shard folder holds
 A shard is listed in the manifest only once both files are complete and flushed to disk, so an
 interrupted `prepare` never leaves a shard that reads as valid, and a reader refuses a folder whose
 `prepare` has not finished.
+
+A shard folder may come from someone else: its manifest is read bounded (`torchpre.json_input`), each file
+it names is opened inside the folder without following a symbolic link (`torchpre.confined`) and mapped
+from that descriptor, and token ids are checked against the model's embedding, not the manifest's claim.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from torchpre.confined import confined_path
+from torchpre.confined import check_name, open_file
 from torchpre.errors import FieldError, TorchpreError, field
+from torchpre.json_input import read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -79,21 +84,23 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
-        """The manifest of `folder`, every field checked: a missing one or one of the wrong type is an error naming
-        the file and the key, never a crash later on."""
+        """The manifest of `folder`, read as every file of a folder from others is (`json_input.read_json`: no
+        symbolic link, bounded in size and depth) and every field checked: a missing one or one of the wrong type is
+        an error naming the file and the key, never a crash later on."""
         path = folder / MANIFEST
-        if not path.is_file():
+        try:
+            record = read_json(folder, MANIFEST, "shard_manifest")
+        except FileNotFoundError:
             raise TorchpreError(
                 f"{folder} is not a shard folder: it has no {MANIFEST}. "
                 "Create one with `python -m torchpre.data.prepare INPUT... --output DIR`."
-            )
+            ) from None
         try:
-            manifest = cls._from_record(json.loads(path.read_text(encoding="utf-8")))
-        except (json.JSONDecodeError, UnicodeDecodeError, FieldError) as error:
+            manifest = cls._from_record(record)
+        except FieldError as error:
             raise TorchpreError(f"{path} is not a valid shard manifest ({error}). Re-run prepare.") from None
         for i, shard in enumerate(manifest.shards):
-            for suffix in (".bin", ".idx"):
-                confined_path(folder, f"{shard.name}{suffix}", path, f"shards[{i}].name")
+            check_name(shard.name, path, f"shards[{i}].name")
         if manifest.version != FORMAT_VERSION:
             raise TorchpreError(
                 f"{path} has format version {manifest.version}; this torchpre reads version {FORMAT_VERSION}. "
@@ -110,7 +117,7 @@ class Manifest:
                 field(shard, "name", str, f"shards[{i}]"),
                 _count(shard, "num_tokens", f"shards[{i}]"),
                 _count(shard, "num_documents", f"shards[{i}]"),
-                field(shard, "max_token_id", (int, type(None)), f"shards[{i}]", default=None),
+                _largest_id(shard, f"shards[{i}]"),
             )
             for i, shard in enumerate(field(record, "shards", list))
         ]
@@ -142,6 +149,15 @@ def _count(record: object, key: str, where: str = "") -> int:
     return value
 
 
+def _largest_id(shard: object, where: str) -> int | None:
+    """A shard's `max_token_id`: a token id (0 or more), or absent or null (manifests written before it was
+    recorded, an empty shard)."""
+    value = field(shard, "max_token_id", (int, type(None)), where, default=None)
+    if value is not None and value < 0:
+        raise FieldError(f"'{where}.max_token_id' is {value}, not a token id (0 or more)")
+    return value
+
+
 def write_shard(folder: Path, name: str, documents: Sequence[Sequence[int]], vocab_size: int) -> ShardInfo:
     """Writes NAME.bin and NAME.idx for already framed (BOS ... EOS) token documents (lists or arrays).
 
@@ -164,24 +180,54 @@ def _write_durably(path: Path, array: np.ndarray) -> None:
         os.fsync(file.fileno())
 
 
+class DamagedShard(TorchpreError):
+    """A shard file is missing, or not of the size its manifest's counts give: `prepare` writes it again."""
+
+
 def shard_file_problem(folder: Path, manifest: Manifest, shard: ShardInfo) -> str | None:
-    """What is wrong with `shard`'s files (missing, or sizes other than the manifest's counts), or None."""
-    files = ((".bin", manifest.dtype, shard.num_tokens), (".idx", _OFFSET, shard.num_documents + 1))
-    for suffix, dtype, count in files:
-        path = folder / f"{shard.name}{suffix}"
-        expected = count * dtype.itemsize
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != expected:
-            found = "is missing" if actual is None else f"has {actual:,} bytes"
-            return f"Shard file {path} {found}, but {MANIFEST} says {expected:,} bytes ({count:,} x {dtype.name})"
+    """What is wrong with `shard`'s files (missing, or sizes other than the manifest's counts), or None. A symbolic
+    link in place of one, or of a folder on the way, is no damage but an UntrustedInput error."""
+    try:
+        map_shard(folder, manifest, manifest.shards.index(shard))
+    except DamagedShard as problem:
+        return str(problem)
     return None
 
 
+def map_shard(folder: Path, manifest: Manifest, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens and document offsets of shard `index` of `manifest`, memory-mapped from descriptors opened by
+    `confined.open_file` (the names the manifest gives, inside the folder, no symbolic link on the way, regular
+    files) once their sizes are shown to be the manifest's counts: what is checked is what is mapped, and no file
+    the manifest does not list is opened. DamagedShard for a missing file or one of another size."""
+    shard, entry = manifest.shards[index], f"shards[{index}].name"
+    tokens = _map(folder, f"{shard.name}.bin", entry, manifest.dtype, shard.num_tokens)
+    offsets = _map(folder, f"{shard.name}.idx", entry, _OFFSET, shard.num_documents + 1)
+    return tokens, offsets
+
+
+def _map(folder: Path, name: str, entry: str, dtype: np.dtype, count: int) -> np.ndarray:
+    path, expected = folder / name, count * dtype.itemsize
+    try:
+        file = open_file(folder, name, folder / MANIFEST, entry)
+    except FileNotFoundError:
+        raise DamagedShard(_size_problem(path, "is missing", expected, count, dtype)) from None
+    with file:  # a mapping keeps the file open by itself
+        size = os.fstat(file.fileno()).st_size
+        if size != expected:
+            raise DamagedShard(_size_problem(path, f"has {size:,} bytes", expected, count, dtype))
+        return np.memmap(file, dtype=dtype, mode="r", shape=(count,)) if count else np.empty(0, dtype)
+
+
+def _size_problem(path: Path, found: str, expected: int, count: int, dtype: np.dtype) -> str:
+    return f"Shard file {path} {found}, but {MANIFEST} says {expected:,} bytes ({count:,} x {dtype.name})"
+
+
 def out_of_vocabulary(path: Path, token_id: int, vocab_size: int, where: str) -> str:
-    """The message for a token id that no embedding row holds, found in the shard file `path` (`where`)."""
+    """The message for a token id that no row of the model's embedding holds, found in the shard file `path`
+    (`where`)."""
     return (
-        f"{path}: {where} token id {token_id:,}, but the vocabulary its manifest names has {vocab_size:,} ids "
-        f"(0 to {vocab_size - 1:,}). The shard was not written by `python -m torchpre.data.prepare` with this "
+        f"{path}: {where} token id {token_id:,}, but the model's embedding has {vocab_size:,} rows (ids 0 to "
+        f"{vocab_size - 1:,}). The shard was not written by `python -m torchpre.data.prepare` with this run's "
         "tokenizer, or was altered; re-run prepare."
     )
 
@@ -189,14 +235,19 @@ def out_of_vocabulary(path: Path, token_id: int, vocab_size: int, where: str) ->
 class ShardReader:
     """Random access to the tokens of a shard folder, memory-mapped (nothing is read until used).
 
-    `expected_tokenizer_sha256` guards against training on ids from another tokenizer; every shard's
-    files are checked against the manifest's counts, so a truncated or missing file fails here, by
-    name, rather than as garbage tokens mid-run.
+    `vocab_size` is the number of rows of the model's embedding, which every token id indexes: the manifest's own
+    vocab_size and each shard's recorded largest id are checked against it, never trusted in its place.
+    `expected_tokenizer_sha256` guards against training on ids from another tokenizer; every shard's files are
+    checked against the manifest's counts, so a truncated or missing file fails here, by name, rather than as
+    garbage tokens mid-run.
     """
 
-    def __init__(self, folder: str | os.PathLike, expected_tokenizer_sha256: str | None = None) -> None:
+    def __init__(
+        self, folder: str | os.PathLike, vocab_size: int, expected_tokenizer_sha256: str | None = None
+    ) -> None:
         self.folder = Path(folder)
         self.manifest = Manifest.read(self.folder)
+        self.vocab_size = vocab_size
         if expected_tokenizer_sha256 and self.manifest.tokenizer_sha256 != expected_tokenizer_sha256:
             raise TorchpreError(
                 f"The shards in {self.folder} were made with tokenizer '{self.manifest.tokenizer_name}' "
@@ -209,26 +260,32 @@ class ShardReader:
                 f"The shard folder {self.folder} is incomplete: `python -m torchpre.data.prepare` was interrupted "
                 f"after {len(self.shards)} shards. Re-run the same prepare command to finish it."
             )
+        if self.manifest.vocab_size > self.vocab_size:
+            raise TorchpreError(
+                f"{self.folder / MANIFEST}: vocab_size = {self.manifest.vocab_size:,}, more ids than the "
+                f"{self.vocab_size:,} rows of the model's embedding (model.vocab_size, or the tokenizer's). The "
+                "shards were made with another tokenizer, or the manifest was altered; re-run prepare with this "
+                "run's tokenizer."
+            )
         for shard in self.shards:
-            if shard.max_token_id is not None and shard.max_token_id >= self.manifest.vocab_size:
+            if shard.max_token_id is not None and shard.max_token_id >= self.vocab_size:
                 raise TorchpreError(out_of_vocabulary(self.folder / f"{shard.name}.bin", shard.max_token_id,
-                                                      self.manifest.vocab_size, "its manifest records"))  # fmt: skip
-            problem = shard_file_problem(self.folder, self.manifest, shard)
-            if problem:
+                                                      self.vocab_size, "its manifest records"))  # fmt: skip
+        self.tokens: list[np.ndarray] = []
+        self.offsets: list[np.ndarray] = []
+        for index in range(len(self.shards)):
+            try:
+                tokens, offsets = map_shard(self.folder, self.manifest, index)
+            except DamagedShard as problem:
                 raise TorchpreError(
                     f"{problem}: the file is truncated or from another run. Re-run prepare for this folder."
-                )
-        self.tokens = [self._map(shard.name, ".bin", self.manifest.dtype, shard.num_tokens) for shard in self.shards]
-        self.offsets = [self._map(shard.name, ".idx", _OFFSET, shard.num_documents + 1) for shard in self.shards]
+                ) from None
+            self.tokens.append(tokens)
+            self.offsets.append(offsets)
 
     @property
     def shards(self) -> list[ShardInfo]:
         return self.manifest.shards
-
-    def _map(self, name: str, suffix: str, dtype: np.dtype, count: int) -> np.ndarray:
-        if count == 0:
-            return np.empty(0, dtype=dtype)
-        return np.memmap(self.folder / f"{name}{suffix}", dtype=dtype, mode="r", shape=(count,))
 
     def document(self, shard: int, index: int) -> np.ndarray:
         """The framed tokens of one document."""

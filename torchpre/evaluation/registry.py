@@ -43,6 +43,7 @@ class EvalContext:
     forward_kwargs: Callable[[torch.Tensor], dict]
     loss_scale: Callable[[], float]
     tasks: list[Task]
+    vocab_size: int  # the rows of the model's embedding, which every token id of validation data must index
     shard: Callable[[Batch], Batch] | None = None
     projection: ChunkedProjection | None = None  # under training.loss_chunk_size, on the last stage's ranks
 
@@ -66,7 +67,7 @@ def _validation(context: EvalContext) -> list[Evaluator]:
     validator = build_validator(
         context.config, context.tokenizer, context.meshes.mesh, context.model,
         forward_kwargs=context.forward_kwargs, loss_scale=context.loss_scale, device=context.device,
-        data_rank=context.meshes.data_rank(), shard=context.shard,
+        vocab_size=context.vocab_size, data_rank=context.meshes.data_rank(), shard=context.shard,
     )  # fmt: skip
     return [ValidationLoss(validator)]
 

@@ -146,17 +146,20 @@ def build_validator(
     forward_kwargs: Callable[[torch.Tensor], dict],
     loss_scale: Callable[[], float],
     device: torch.device,
+    vocab_size: int,
     data_rank: tuple[int, int] | None = None,
     shard: Callable[[Batch], Batch] | None = None,
 ) -> Validator:
-    """The job's validator: its data (separate, or the held-out split of the training data) and
-    this rank's batches of it, evaluated through the training model (or pipeline schedule). `data_rank` (this
-    rank's data-parallel coordinate and degree; default `mesh`'s "dp") and `shard` for context parallelism,
-    whose ranks read the same sequences (`Meshes.data_rank`, `ContextParallel.shard`)."""
+    """The job's validator: its data (separate, or the held-out split of the training data, its token ids checked
+    against the model's `vocab_size` embedding rows) and this rank's batches of it, evaluated through the training
+    model (or pipeline schedule). `data_rank` (this rank's data-parallel coordinate and degree; default `mesh`'s
+    "dp") and `shard` for context parallelism, whose ranks read the same sequences (`Meshes.data_rank`,
+    `ContextParallel.shard`)."""
     v, t = config.validation, config.training
     if v.dataset:
         samples, order = source_samples(
-            dataset=v.dataset, dataset_path=v.dataset_path, tokenizer=tokenizer, seq_len=t.seq_len, seed=t.seed
+            dataset=v.dataset, dataset_path=v.dataset_path, tokenizer=tokenizer, seq_len=t.seq_len, seed=t.seed,
+            vocab_size=vocab_size,
         )
     else:
         samples, order = held_out_samples(
@@ -167,6 +170,7 @@ def build_validator(
             seq_len=t.seq_len,
             seed=t.seed,
             fraction=v.split_fraction,
+            vocab_size=vocab_size,
         )
     local_batch_size = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
     dp_rank, dp_size = data_rank or (mesh["dp"].get_local_rank(), mesh["dp"].size())

@@ -204,7 +204,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     # Through `ParallelModel.forward_only`, whose losses are `loss`'s: a share of tokens_per_step.
     evaluations = build_evaluations(EvalContext(
         config, pre.tokenizer, meshes, model, device, forward_inputs, loss_scale=lambda: loss.tokens_per_step,
-        tasks=pre.eval_tasks, shard=context_parallel.shard if context_parallel else None, projection=projection,
+        tasks=pre.eval_tasks, vocab_size=pre.model_args.vocab_size,
+        shard=context_parallel.shard if context_parallel else None, projection=projection,
     ))  # fmt: skip
     reduction = build_grad_reduction(model, pre.data_parallel)
     optimizer = build_optimizer_from_config(
