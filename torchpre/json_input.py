@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from torchpre.confined import read_file
 from torchpre.errors import UntrustedInput
@@ -70,6 +71,21 @@ def read_json(folder: Path, name: str, kind: str, source: Path | None = None, en
     """The JSON file `folder/name`, opened by `confined.read_file` (no symbolic link, a regular file, at most
     `LIMITS[kind]` bytes) and parsed by `loads`. FileNotFoundError when it is missing."""
     return loads(read_file(folder, name, LIMITS[kind], source, entry), folder / name)
+
+
+def json_lines(file: BinaryIO, source: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of the JSON Lines `file` (the file `source`), each line refused
+    (UntrustedInput naming `source` and the line) past `LIMITS["line"]` bytes before anything of it is kept, then
+    parsed by `loads`: a file of records from others is bounded line by line, not as a whole."""
+    limit = LIMITS["line"]
+    for number, line in enumerate(iter(lambda: file.readline(limit + 1), b""), start=1):
+        if len(line) > limit and not line.endswith(b"\n"):
+            raise UntrustedInput(
+                f"{source} (line {number}) holds more than {limit:,} bytes; no record of a JSON Lines file torchpre "
+                "reads needs that many. Split the record, or fix the file."
+            )
+        if line.strip():
+            yield number, loads(line, source, f"line {number}")
 
 
 def nesting_depth(value: Any) -> int:

@@ -1,9 +1,10 @@
 """Where training text comes from: the built-in corpus or the user's local files."""
 
-import json
 from pathlib import Path
 
-from torchpre.errors import TorchpreError
+from torchpre.confined import file_kind, open_file
+from torchpre.errors import TorchpreError, UntrustedInput
+from torchpre.json_input import json_lines
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -20,7 +21,7 @@ def load_documents(dataset: str, dataset_path: str, text_field: str = "text") ->
 
         documents = stdlib_documents()
     else:
-        documents = [doc for path in _text_files(dataset_path) for doc in _read_file(path, text_field)]
+        documents = [doc for folder, name in _text_files(dataset_path) for doc in _read_file(folder, name, text_field)]
     documents = [doc for doc in documents if doc.strip()]
     if not documents:
         source = dataset_path or dataset
@@ -31,7 +32,10 @@ def load_documents(dataset: str, dataset_path: str, text_field: str = "text") ->
     return documents
 
 
-def _text_files(dataset_path: str) -> list[Path]:
+def _text_files(dataset_path: str) -> list[tuple[Path, str]]:
+    """(folder, name) of the file `dataset_path` names (a symbolic link there is followed: the key is the user's
+    choice), or of each text file of the folder it names, sorted. A folder of data may come from others: a link in
+    it, which could lead anywhere on the machine, is refused by name instead of read into training."""
     path = Path(dataset_path)
     if not path.exists():
         raise TorchpreError(
@@ -39,34 +43,49 @@ def _text_files(dataset_path: str) -> list[Path]:
             "Give a .txt or .jsonl file, or a folder holding such files."
         )
     if path.is_file():
-        files = [path]
+        files = [(path.resolve().parent, path.resolve().name)]
     else:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-    unsupported = [p for p in files if p.suffix not in TEXT_SUFFIXES]
+        names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
+        files = [(path, name) for name in names if _kind_within(path, name) == "file"]
+    unsupported = [name for _, name in files if Path(name).suffix not in TEXT_SUFFIXES]
     if unsupported or not files:
         raise TorchpreError(
             f"training.dataset_path '{dataset_path}' has no readable text files "
-            f"(supported: {', '.join(TEXT_SUFFIXES)}; found {unsupported[0].name if unsupported else 'none'})."
+            f"(supported: {', '.join(TEXT_SUFFIXES)}; found {Path(unsupported[0]).name if unsupported else 'none'})."
         )
     return files
 
 
-def _read_file(path: Path, text_field: str) -> list[str]:
-    if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8", errors="replace")]
-    documents = []
-    lines = path.read_bytes().splitlines()
-    for line_number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            text = json.loads(line)[text_field]  # json.loads takes UTF-8 bytes and rejects other encodings
-            if not isinstance(text, str):
-                raise TypeError(f"'{text_field}' is {type(text).__name__}, not a string")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-            raise TorchpreError(
-                f"{path}:{line_number} is not a JSON object with a string '{text_field}' field "
-                f"({error}). Each line of a .jsonl dataset must look like {{\"{text_field}\": \"...\"}}."
-            ) from None
-        documents.append(text)
-    return documents
+def _kind_within(folder: Path, name: str) -> str:
+    """What `folder/name` is (`confined.file_kind`); an UntrustedInput error if it is, or leads through, a link."""
+    kind = file_kind(folder, name)
+    if kind == "link":
+        raise UntrustedInput(
+            f"training.dataset_path '{folder}': {folder / name} is, or leads through, a symbolic link, which could "
+            "lead out of the folder. Copy the real file in its place, or name it as training.dataset_path itself."
+        )
+    return kind
+
+
+def _read_file(folder: Path, name: str, text_field: str) -> list[str]:
+    """A .txt file's text (one document), or the `text_field` of each line of a .jsonl file, each line bounded
+    (`json_input.json_lines`); opened by `confined.open_file`, so the file read is the one checked."""
+    path = folder / name
+    with open_file(folder, name) as file:
+        if path.suffix == ".txt":
+            return [file.read().decode("utf-8", errors="replace")]
+        return [_text(record, text_field, f"{path}:{number}") for number, record in json_lines(file, path)]
+
+
+def _text(record: object, text_field: str, where: str) -> str:
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if isinstance(text, str):
+        return text
+    if not isinstance(record, dict):
+        found = "not an object"
+    else:
+        found = f"'{text_field}' is {type(text).__name__}" if text_field in record else f"no '{text_field}' field"
+    raise TorchpreError(
+        f"{where} is not a JSON object with a string '{text_field}' field ({found}). "
+        f"Each line of a .jsonl dataset must look like {{\"{text_field}\": \"...\"}}."
+    )

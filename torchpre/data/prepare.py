@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import hashlib
 import itertools
-import json
 import multiprocessing
 import os
 import re
@@ -46,9 +45,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from torchpre.confined import file_kind
 from torchpre.data.shards import MANIFEST, Manifest, shard_file_problem, token_dtype, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
-from torchpre.errors import TorchpreError
+from torchpre.errors import TorchpreError, UntrustedInput
+from torchpre.json_input import json_lines
 
 PROG = "python -m torchpre.data.prepare"
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -169,12 +170,15 @@ def resolve_input(item: str, text_field: str, hf_split: str) -> list[Source]:
 
 
 def _files_under(folder: Path) -> list[Path]:
-    """Readable files under `folder`, sorted; hidden files and folders (.git, checkpoints) are skipped."""
-    files = sorted(
-        path
+    """Readable files under `folder`, sorted; hidden files and folders (.git, checkpoints) are skipped. A symbolic
+    link under it, which could lead anywhere on the machine (into the shards someone publishes), is refused by name:
+    the folder's own files are read, or a file named as an INPUT itself."""
+    names = sorted(
+        str(path.relative_to(folder))
         for path in folder.rglob("*")
-        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(folder).parts)
+        if not any(part.startswith(".") for part in path.relative_to(folder).parts)
     )
+    files = [folder / name for name in names if _kind_under(folder, name) == "file"]
     usable = [p for p in files if p.suffix.lower() in SUFFIXES]
     if not usable:
         found = f"{len(files)} other files, e.g. {files[0].name}" if files else "no files"
@@ -186,6 +190,16 @@ def _files_under(folder: Path) -> list[Path]:
             file=sys.stderr,
         )
     return usable
+
+
+def _kind_under(folder: Path, name: str) -> str:
+    kind = file_kind(folder, name)
+    if kind == "link":
+        raise UntrustedInput(
+            f"Input {folder}: {folder / name} is, or leads through, a symbolic link, which could lead out of the "
+            "folder. Copy the real file in its place, or give it as an INPUT of its own."
+        )
+    return kind
 
 
 def _file_source(path: Path, text_field: str) -> Source:
@@ -210,18 +224,14 @@ def _jsonl_source(path: Path, text_field: str) -> Source:
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str | None]:
+    """The `text_field` of each line, every line bounded and parsed by `json_input.json_lines`."""
     with path.open("rb") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if line.strip():
-                yield _jsonl_text(line, text_field, f"{path}:{line_number}")
+        for line_number, record in json_lines(lines, path):
+            yield _jsonl_text(record, text_field, f"{path}:{line_number}")
 
 
-def _jsonl_text(line: bytes, text_field: str, where: str) -> str | None:
+def _jsonl_text(record: object, text_field: str, where: str) -> str | None:
     example = f'Each line of a .jsonl input must be a JSON object like {{"{text_field}": "..."}}'
-    try:
-        record = json.loads(line)
-    except ValueError as error:  # also invalid UTF-8
-        raise TorchpreError(f"{where} is not valid JSON ({error}). {example}; fix or delete that line.") from None
     if not isinstance(record, dict) or text_field not in record:
         keys = ", ".join(map(repr, record)) if isinstance(record, dict) else f"a {type(record).__name__}"
         raise TorchpreError(
@@ -401,7 +411,7 @@ def open_output(folder: Path, tokenizer: Tokenizer, record: dict) -> Manifest:
         raise TorchpreError(f"--output {folder} is a file, not a folder. Give a new or empty folder.")
     folder.mkdir(parents=True, exist_ok=True)
     sha256 = tokenizer_hash(tokenizer.path)
-    if (folder / MANIFEST).is_file():
+    if file_kind(folder, MANIFEST) != "missing":  # a link or a folder there: Manifest.read refuses it by name
         try:
             existing = Manifest.read(folder)
         except TorchpreError as error:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import tiktoken
 
-from torchpre.errors import TorchpreError
+from torchpre.confined import read_file
+from torchpre.errors import TorchpreError, UntrustedInput
+from torchpre.json_input import LIMITS
 
 DEFAULT_TOKENIZER_PATH = (
     Path(__file__).resolve().parents[2] / "assets" / "tokenizer" / "tokenizer.model"
@@ -56,7 +58,7 @@ def llama3_special_tokens() -> list[str]:
 
 def tokenizer_hash(path: str | os.PathLike) -> str:
     """SHA-256 of the tokenizer file, to tie pre-tokenized data to the tokenizer that made it."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return hashlib.sha256(_read(Path(path))).hexdigest()
 
 
 def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
@@ -66,16 +68,27 @@ def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
     a temp dir (so a re-trained file at the same path would load stale) and gives no line numbers.
     """
     path = Path(path)
-    if not path.is_file():
-        problem = "is a folder, not a file" if path.is_dir() else "does not exist"
-        raise TorchpreError(f"Tokenizer file {path} {problem}. {_FORMAT_HINT}")
     ranks: dict[bytes, int] = {}
-    for line_number, line in enumerate(path.read_bytes().splitlines(), start=1):
+    for line_number, line in enumerate(_read(path).splitlines(), start=1):
         if line.strip():
             token, rank = _parse_line(line, f"{path}:{line_number}")
             ranks[token] = rank
     _check_ranks(ranks, path)
     return ranks
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of the tokenizer file `path` (a symbolic link there is followed: the path is the user's choice), a
+    regular file of at most `LIMITS["tokenizer"]` bytes: tokenizer files are downloaded, and read whole."""
+    if path.is_dir():
+        raise TorchpreError(f"Tokenizer file {path} is a folder, not a file. {_FORMAT_HINT}")
+    resolved = path.resolve()
+    try:
+        return read_file(resolved.parent, resolved.name, LIMITS["tokenizer"])
+    except FileNotFoundError:
+        raise TorchpreError(f"Tokenizer file {path} does not exist. {_FORMAT_HINT}") from None
+    except UntrustedInput as error:
+        raise UntrustedInput(f"Tokenizer file {path}: {error} {_FORMAT_HINT}") from None
 
 
 def save_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
@@ -85,8 +98,11 @@ def save_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
 
 
 def _parse_line(line: bytes, where: str) -> tuple[bytes, int]:
+    """A `base64token rank` line: two fields, the token valid base64, the rank at most 10 ASCII digits."""
     try:
         token, rank = line.split()
+        if not rank.isdigit() or len(rank) > 10:
+            raise ValueError("the rank is not a number of at most 10 digits")
         return base64.b64decode(token, validate=True), int(rank)
     except ValueError:  # also raised for bad base64 (binascii.Error)
         raise TorchpreError(f"Malformed line {where}: {line[:80]!r}. {_FORMAT_HINT}") from None

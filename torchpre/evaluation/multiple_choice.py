@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchpre.confined import open_file
 from torchpre.data.tokenizer import Tokenizer
-from torchpre.errors import ConfigError, FieldError, field
+from torchpre.errors import ConfigError, FieldError, UntrustedInput, field
 from torchpre.evaluation.validation import eval_mode
+from torchpre.json_input import json_lines
 from torchpre.parallel.api import ParallelModel
 from torchpre.parallel.chunked_output import ChunkedProjection
 
@@ -73,35 +75,37 @@ def task_name(path: str | Path) -> str:
 
 
 def read_questions(path: Path) -> list[Question]:
-    """The questions of a task file; a ConfigError naming `file:line` and what is wrong for a malformed line."""
-    if not path.is_file():
-        raise ConfigError(f"eval.tasks: {path} does not exist. Give JSONL files of multiple-choice questions.")
-    questions = []
-    with path.open("rb") as file:
-        for number, raw in enumerate(file, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ConfigError(
-                    f"eval.tasks: {path}:{number}: not UTF-8 text (byte 0x{raw[error.start]:02x} at column "
-                    f"{error.start + 1}); JSON Lines are UTF-8: save the file as UTF-8."
-                ) from None
-            if line.strip():
-                questions.append(_question(line, f"{path}:{number}"))
+    """The questions of a task file; a ConfigError naming `file:line` and what is wrong for a malformed line. Task
+    files are often downloaded: each line is bounded before it is parsed (`json_input.json_lines`), and the file
+    must be a regular file (a link named by eval.tasks is followed: the key is the user's choice)."""
+    resolved = path.resolve()
+    try:
+        file = open_file(resolved.parent, resolved.name)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"eval.tasks: {path} does not exist. Give JSONL files of multiple-choice questions."
+        ) from None
+    except UntrustedInput as error:
+        raise UntrustedInput(f"eval.tasks: {error}") from None
+    with file:
+        try:
+            questions = [_question(record, f"{path}:{number}") for number, record in json_lines(file, path)]
+        except UntrustedInput as error:
+            raise UntrustedInput(f"eval.tasks: {error} Each line must be a JSON object like {_EXPECTED}.") from None
     if not questions:
         raise ConfigError(f"eval.tasks: {path} holds no questions (one JSON object a line).")
     return questions
 
 
-def _question(line: str, where: str) -> Question:
-    expected = 'expected {"context": str, "choices": [str, ...], "answer": int}'
+_EXPECTED = '{"context": str, "choices": [str, ...], "answer": int}'
+
+
+def _question(record: object, where: str) -> Question:
+    expected = f"expected {_EXPECTED}"
     try:
-        record = json.loads(line)
         context = field(record, "context", str)
         choices = field(record, "choices", list)
         answer = field(record, "answer", int)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"eval.tasks: {where}: not valid JSON ({error}); {expected}.") from None
     except FieldError as error:
         raise ConfigError(f"eval.tasks: {where}: {error}; {expected}.") from None
     if len(choices) < 2 or not all(isinstance(choice, str) and choice for choice in choices):
