@@ -48,6 +48,7 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
     import torchpre.convert
     import torchpre.data.prepare
     import torchpre.generate
+    import torchpre.plan
     import torchpre.train
     import train
     from tests import count_host_syncs, hf_import_worker, hf_load_memory, reshard_worker, train_and_dump
@@ -63,6 +64,7 @@ def _entry_points() -> dict[str, tuple[Callable[[list[str]], None], str]]:
         "torchpre.generate": (torchpre.generate.main, "python -m torchpre.generate"),
         "torchpre.convert": (torchpre.convert.main, torchpre.convert.USAGE),
         "torchpre.data.prepare": (torchpre.data.prepare.main, torchpre.data.prepare.PROG),
+        "torchpre.plan": (torchpre.plan.main, torchpre.plan.PROG),
     }
 
 

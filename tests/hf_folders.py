@@ -42,10 +42,8 @@ def llama_shapes(args: TransformerArgs) -> dict[str, tuple[int, ...]]:
     return shapes | {"model.norm.weight": (args.dim,), "lm_head.weight": (args.vocab_size, args.dim)}
 
 
-def write_llama_folder(folder: Path, args: TransformerArgs, shard_bytes: int = 2 * 10**9) -> int:
-    """Writes the folder (random bf16 weights, seeded); returns the bytes of its weights."""
-    folder.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(0)
+def weight_files(args: TransformerArgs, shard_bytes: int) -> list[dict[str, tuple[int, ...]]]:
+    """The tensors (name -> shape) of each safetensors file of a folder written with at most `shard_bytes` a file."""
     groups: list[dict[str, tuple[int, ...]]] = [{}]
     size = 0
     for name, shape in llama_shapes(args).items():
@@ -55,6 +53,14 @@ def write_llama_folder(folder: Path, args: TransformerArgs, shard_bytes: int = 2
             size = 0
         groups[-1][name] = shape
         size += nbytes
+    return groups
+
+
+def write_llama_folder(folder: Path, args: TransformerArgs, shard_bytes: int = 2 * 10**9) -> int:
+    """Writes the folder (random bf16 weights, seeded); returns the bytes of its weights."""
+    folder.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    groups = weight_files(args, shard_bytes)
     weight_map, total = {}, 0
     for number, group in enumerate(groups, start=1):
         name = shard_file_name(number, len(groups))

@@ -1,0 +1,125 @@
+"""Files from others read as what was checked (issue 60): a safetensors file and a shard file are read through the
+descriptor `confined.open_file` checked, even when the name is swapped for a link after the check; each config.json
+field of the wrong kind is refused by name (the table of tests/foreign_cases.py, in process); shard token ids are
+checked against the model's embedding rows, not the manifest's claim; JSON Lines records are bounded one by one.
+The same inputs through the entry points (exit 2, one message): tests/integration/test_bad_input.py."""
+
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests import foreign_cases
+from torchpre import json_input
+from torchpre.data import shards
+from torchpre.data.shard_dataset import ShardWindows
+from torchpre.data.shards import Manifest, write_shard
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
+from torchpre.errors import TorchpreError, UntrustedInput
+from torchpre.interchange import reader
+from torchpre.interchange.reader import HFFolder
+from torchpre.models.deepseek_v3.hf import args_from_hf_config as deepseek_args
+from torchpre.models.hf.args import check_values
+from torchpre.models.llama3.hf import args_from_hf_config as llama_args
+
+TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+SHA256 = tokenizer_hash(DEFAULT_TOKENIZER_PATH)
+
+
+def swapping_after_the_check(module, monkeypatch, name: str, replacement: Path) -> None:
+    """`module.open_file` opening as before, then putting a symbolic link to `replacement` in place of the file
+    `name`: what a folder's author racing the reader could do between the check and a second open by name."""
+    opened = module.open_file
+
+    def open_then_swap(folder: Path, file: str, *args, **kwargs):
+        handle = opened(folder, file, *args, **kwargs)
+        if file == name:
+            os.replace(folder / file, folder / f".{file}.checked")
+            (folder / file).symlink_to(replacement)
+        return handle
+
+    monkeypatch.setattr(module, "open_file", open_then_swap)
+
+
+def test_safetensors_are_read_from_the_checked_descriptor_not_the_name(tmp_path, monkeypatch):
+    """The name swapped for a link to other weights after the check: the folder still reads the checked file's."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    save_file({"w": torch.full((4, 4), 1.0)}, folder / "model.safetensors")
+    save_file({"w": torch.full((4, 4), 7.0)}, tmp_path / "other.safetensors")
+    weights = HFFolder(folder)
+    swapping_after_the_check(reader, monkeypatch, "model.safetensors", tmp_path / "other.safetensors")
+    with weights.reading():
+        assert weights.read("w", ()).tolist() == [[1.0] * 4] * 4
+
+
+def test_shard_tokens_are_mapped_from_the_checked_descriptor_not_the_name(tmp_path, monkeypatch):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    info = write_shard(folder, "part-0", [[1, 2, 3, 4]], TOKENIZER.vocab_size)
+    Manifest(DEFAULT_TOKENIZER_PATH.name, SHA256, TOKENIZER.vocab_size, [info]).write(folder)
+    np.array([9, 9, 9, 9], dtype="<u2").tofile(tmp_path / "other.bin")
+    swapping_after_the_check(shards, monkeypatch, "part-0.bin", tmp_path / "other.bin")
+    assert shards.ShardReader(folder, TOKENIZER.vocab_size).document(0, 0).tolist() == [1, 2, 3, 4]
+
+
+FIELD_ROWS = [
+    pytest.param(family, *row, id=f"{family}-{row[0]}-{json.dumps(row[1])}")
+    for family in foreign_cases.HF_FIELDS
+    for row in foreign_cases.field_rows(family)
+]
+
+
+@pytest.mark.parametrize("family, name, value, fragment", FIELD_ROWS)
+def test_every_config_field_of_the_wrong_kind_is_refused_by_name(family, name, value, fragment):
+    """tests/foreign_cases.py's table, each row read by the family's reader: an error naming the field and the
+    value, before any arithmetic or constructor sees it."""
+    config = foreign_cases.bad_config(family, name, value)
+    read = {"llama3": llama_args, "deepseek_v3": deepseek_args, "hf": check_values}[family]
+    if fragment.startswith("attention_dropout = 1"):  # a number: refused later, as random (test_bad_input)
+        read(config)
+        return
+    with pytest.raises(TorchpreError) as error:
+        read(config)
+    assert (fragment or f"{name} is {foreign_cases.shown(value)}") in str(error.value)
+
+
+def shard_folder(folder: Path, manifest_vocab: int, token: int) -> Path:
+    """A shard folder whose manifest says `manifest_vocab` ids (its largest id unrecorded) over a file holding
+    `token` at offset 3."""
+    folder.mkdir()
+    info = write_shard(folder, "part-0", [[1, 2, 3, token, 5, 6, 7, 8, 9, 10]], TOKENIZER.vocab_size)
+    info = type(info)(info.name, info.num_tokens, info.num_documents, None)
+    Manifest(DEFAULT_TOKENIZER_PATH.name, SHA256, manifest_vocab, [info]).write(folder)
+    return folder
+
+
+def test_a_manifest_claiming_more_ids_than_the_embedding_has_rows_is_refused(tmp_path):
+    folder = shard_folder(tmp_path / "shards", manifest_vocab=4096, token=3000)
+    with pytest.raises(TorchpreError, match="vocab_size = 4,096, more ids than the 2,048 rows of the model's"):
+        ShardWindows(str(folder), 4, SHA256, vocab_size=2048)
+    windows = ShardWindows(str(folder), 4, SHA256, vocab_size=4096)  # a model with 4,096 rows holds id 3,000
+    assert windows[0][0].tolist() == [1, 2, 3, 3000]
+
+
+def test_each_window_is_checked_against_the_models_rows(tmp_path):
+    """The manifest's vocabulary is within the model's; the file holds an id past the model's rows."""
+    folder = shard_folder(tmp_path / "shards", manifest_vocab=2048, token=2500)
+    windows = ShardWindows(str(folder), 4, SHA256, vocab_size=2048)
+    with pytest.raises(TorchpreError, match="at token offset 3 holds token id 2,500, but the model's embedding has"):
+        windows[0]
+
+
+def test_a_json_lines_record_is_bounded_before_it_is_kept(monkeypatch):
+    monkeypatch.setitem(json_input.LIMITS, "line", 8)
+    lines = b'[1, 23]\n\n"12345"\n[1,2,3,4]\n'  # 7, 0, 7 and 9 bytes before the newline
+    with pytest.raises(UntrustedInput, match=r"x.jsonl \(line 4\) holds more than 8 bytes"):
+        for number, value in json_input.json_lines(io.BytesIO(lines), Path("x.jsonl")):
+            assert (number, value) in ((1, [1, 23]), (3, "12345"))
+    assert [*json_input.json_lines(io.BytesIO(b"[1,2,34]"), Path("x.jsonl"))] == [(1, [1, 2, 34])]  # 8: no newline
