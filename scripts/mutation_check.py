@@ -33,6 +33,8 @@ RANK_CHUNK_TEST = "tests/unit/test_chunk_layout.py::test_rank_chunk_is_torch_chu
 CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
 TRUST_TEST = "tests/unit/test_checkpoint_trust.py"
 BAD_INPUT = "tests/integration/test_bad_input.py"
+BAD_INPUT_CASE = f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message"
+FOREIGN = "tests/unit/test_foreign_inputs.py"
 MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file"
 PUBLICATION_TEST = (
     "tests/unit/test_checkpoint_publication.py::"
@@ -653,6 +655,31 @@ BREAKS = [
           "        if int(window.max()) >= self.reader.vocab_size:", "        if False:",
           (f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message[shards-token-id-beyond-the-vocabulary-unrecorded]",),
           "a shard token id beyond the vocabulary reaches the embedding (an IndexError mid-run)"),
+    Break("shard-token-ids-against-the-manifest-vocab", "torchpre/data/shards.py",
+          "        self.vocab_size = vocab_size", "        self.vocab_size = self.manifest.vocab_size",
+          (f"{FOREIGN}::test_a_manifest_claiming_more_ids_than_the_embedding_has_rows_is_refused",
+           f"{BAD_INPUT_CASE}[shards-manifest-claims-a-larger-vocabulary]"),
+          "shard token ids are checked against the manifest's vocab_size, not the model's embedding rows: a manifest "
+          "claiming more ids ends in an IndexError mid-run"),
+    Break("shard-file-opened-without-the-confined-open", "torchpre/data/shards.py",
+          "        file = open_file(folder, name, folder / MANIFEST, entry)", '        file = open(path, "rb")',
+          (f"{BAD_INPUT_CASE}[shards-link-part-0.bin]", f"{BAD_INPUT_CASE}[shards-link-subfolder]"),
+          "a shard file is opened by its path, through a symbolic link out of the folder"),
+    Break("hf-safetensors-opened-by-path", "torchpre/interchange/reader.py",
+          'return cls(file, safe_open(_descriptor_name(file), framework="pt"))',
+          'return cls(file, safe_open(path, framework="pt"))',
+          (f"{FOREIGN}::test_safetensors_are_read_from_the_checked_descriptor_not_the_name",),
+          "safetensors opens a folder's file by its name, following a link put there after the check"),
+    Break("hf-file-opened-without-the-confined-open", "torchpre/interchange/reader.py",
+          '            file = open_file(folder, name, index, f"weight_map (file {name!r})" if index else "")',
+          '            file = open(path, "rb")',
+          (f"{BAD_INPUT_CASE}[hf-link-model.safetensors-from-hf]",
+           f"{BAD_INPUT_CASE}[hf-link-model-00002-of-00003.safetensors-hf-to-dcp]"),
+          "a Hugging Face folder's safetensors file is opened through a symbolic link out of the folder"),
+    Break("hf-config-field-kinds-unchecked", "torchpre/models/hf_fields.py",
+          "        if field in config and not kind.accepts(config[field]):", "        if False:",
+          (f"{FOREIGN}::test_every_config_field_of_the_wrong_kind_is_refused_by_name",),
+          'config.json field types unchecked: a size of 0 or "256" reaches arithmetic and constructors'),
     Break("loss-chunk-gradient-dropped", "torchpre/parallel/linear_cross_entropy.py",
           "            grad_logits.mul_(scale[rows, None])",
           "            grad_logits.mul_(scale[rows, None] * (rows.stop < len(labels)))",
