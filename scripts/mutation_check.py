@@ -32,6 +32,7 @@ FSDP_PIPELINE_TEST = "tests/distributed/test_zero3_parity.py::test_zero3_gives_z
 RANK_CHUNK_TEST = "tests/unit/test_chunk_layout.py::test_rank_chunk_is_torch_chunk_of_that_rank"
 CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
 TRUST_TEST = "tests/unit/test_checkpoint_trust.py"
+BINDING_TEST = "tests/unit/test_checkpoint_binding.py"
 BAD_INPUT = "tests/integration/test_bad_input.py"
 BAD_INPUT_CASE = f"{BAD_INPUT}::test_bad_input_fails_fast_with_one_message"
 FOREIGN = "tests/unit/test_foreign_inputs.py"
@@ -639,6 +640,22 @@ BREAKS = [
     Break("signature-not-checked", "torchpre/checkpoint/integrity.py",
           "    if signing_key is not None:\n        _require_signed(", "    if False:\n        _require_signed(",
           (TRUST_TEST,), "under a signing key, an unsigned or wrongly signed checkpoint loads"),
+    Break("state-values-unranged", "torchpre/checkpoint/values.py",
+          "        if rule is not None and not rule[0](value):", "        if False:",
+          (BINDING_TEST,), "state.json's values used without their type and range checks (a step of -54)"),
+    Break("state-list-length-unchecked", "torchpre/checkpoint/values.py",
+          "        if not isinstance(saved, list) or len(saved) != len(live):",
+          "        if not isinstance(saved, list):",
+          (BINDING_TEST,), "a saved list shorter than the live one (a parameter group's lr left as it was)"),
+    Break("signature-does-not-bind-the-step", "torchpre/checkpoint/integrity.py",
+          "    elif step is not None and saved_step != step:", "    elif False:",
+          (BINDING_TEST,), "a signed step-2 copied as step-4 loads as step 4"),
+    Break("signature-does-not-bind-the-run", "torchpre/checkpoint/integrity.py",
+          "    elif run is not None and saved_run != run:", "    elif False:",
+          (BINDING_TEST,), "another run's signed checkpoint copied into this run's folder is resumed"),
+    Break("unlisted-file-read", "torchpre/checkpoint/integrity.py",
+          '            self._raise_if(f"{self.step_dir / name} is not in its {MANIFEST}")', "            return None",
+          (BINDING_TEST,), "a data file the manifest does not list is read because the metadata names it"),
     Break("clean-up-without-the-marker", "torchpre/checkpoint/folders.py",
           "    elif not (path / MARKER).is_file():", "    elif False:",
           (TRUST_TEST,), "the clean-up of unfinished saves deletes a `.tmp-` folder torchpre did not make"),

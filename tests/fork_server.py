@@ -10,11 +10,17 @@ A request with "nproc" > 1 forks that many ranks of one job at once, with the RA
 MASTER_PORT (a free port) torchrun would give them; the reply joins their output in rank order and carries the
 first non-zero exit code.
 
+A request may carry a "guard" (the fuzzer's, tests/fuzz): {"rlimit_as": bytes of address space the child may hold,
+"forbidden": a folder, "audit_log": a file}. The child then runs under RLIMIT_AS, and a Python audit hook appends to
+the log one line for every file event (open, rename, remove, mkdir, listdir, ...) whose path resolves under the
+forbidden folder, and at exit the child's peak address space ("VmPeak").
+
 Protocol: one JSON request per stdin line, {"entry", "argv", "env" (a null value unsets), "timeout_s",
-"nproc" (default 1)}; one JSON reply per line on the original stdout, {"returncode", "stdout", "stderr",
-"seconds", "timed_out"}.
+"nproc" (default 1), "guard" (optional)}; one JSON reply per line on the original stdout, {"returncode", "stdout",
+"stderr", "seconds", "timed_out"}.
 """
 
+import gc
 import importlib
 import json
 import os
@@ -101,6 +107,38 @@ def _child(main: Callable[[list[str]], None], prog: str, argv: list[str]) -> int
         sys.stderr.flush()
 
 
+def _guard(guard: dict | None) -> Callable[[], None]:
+    """The fuzzer's bounds on a child (see the module docstring): its address space, and a record of what it touches
+    under the forbidden folder; returns what writes the peak address space at the end (the child leaves by
+    os._exit, which runs no atexit). The record is written with os.write on a descriptor opened before the hook,
+    which raises no audit event of its own."""
+    if not guard:
+        return lambda: None
+    import re
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (guard["rlimit_as"], guard["rlimit_as"]))
+    forbidden = os.path.realpath(guard["forbidden"]) + os.sep
+    log = os.open(guard["audit_log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def hook(event: str, args: tuple) -> None:
+        if not (event == "open" or event.startswith(("os.", "shutil."))):
+            return
+        for arg in args:
+            if isinstance(arg, (str, bytes, os.PathLike)):
+                path = os.fsdecode(arg)
+                if path and os.path.realpath(path).startswith(forbidden):
+                    os.write(log, f"{event} {path}\n".encode())
+
+    def peak() -> None:
+        status = Path("/proc/self/status").read_text() if Path("/proc/self/status").exists() else ""
+        found = re.search(r"VmPeak:\s+(\d+) kB", status)
+        os.write(log, f"VmPeak {int(found.group(1)) * 1024 if found else 0}\n".encode())
+
+    sys.addaudithook(hook)
+    return peak
+
+
 def _set_env(env: dict[str, str | None]) -> None:
     for name, value in env.items():
         if value is None:
@@ -134,7 +172,9 @@ def _fork(request: dict, entries: dict, protocol_fd: int, env: dict, out: Path, 
             os.dup2(os.open(out, os.O_WRONLY | os.O_CREAT, 0o644), 1)
             os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT, 0o644), 2)
             _set_env({**request.get("env", {}), **env})
+            finish = _guard(request.get("guard"))
             code = _child(main, prog, request["argv"])
+            finish()
         finally:
             os._exit(code)
     return pid
@@ -177,6 +217,7 @@ def _run(request: dict, entries: dict, protocol_fd: int) -> dict:
 
 def serve() -> None:
     entries = _entry_points()
+    gc.freeze()  # what the server imported is never collected: a child's gc.collect then skips it (0.3 s a child)
     protocol_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints of the server itself must not corrupt the replies
     with os.fdopen(protocol_fd, "w") as replies:

@@ -259,11 +259,15 @@ class ForkServer:
         """`entry` with `argv`, as `nproc` ranks of one job (as torchrun would start them) when nproc > 1."""
         timeout_s = timeout_s or self.timeout_s
         request = {"entry": entry, "argv": argv, "env": env or {}, "timeout_s": timeout_s, "nproc": nproc}
-        self._process.stdin.write(json.dumps(request) + "\n")
-        self._process.stdin.flush()
-        reply = json.loads(self._process.stdout.readline())
+        reply = self.request(request)
         assert not reply["timed_out"], f"{entry} {argv} ran past {timeout_s} s:\n{reply['stderr'][-3000:]}"
         return ForkResult(reply["returncode"], reply["stdout"], reply["stderr"], reply["seconds"] + self.startup_s)
+
+    def request(self, request: dict) -> dict:
+        """The server's reply to one request of its protocol (tests/fork_server.py), as it is."""
+        self._process.stdin.write(json.dumps(request) + "\n")
+        self._process.stdin.flush()
+        return json.loads(self._process.stdout.readline())
 
     def run_completed(self, entry: str, argv: list[str], timeout_s: float, nproc: int) -> subprocess.CompletedProcess:
         """`run` with the caller's current environment (as a new process would inherit it), answered the way

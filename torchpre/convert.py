@@ -43,7 +43,14 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchpre.checkpoint.integrity import FileCheck, Trust, read_signing_key, require_intact, write_manifest
+from torchpre.checkpoint.integrity import (
+    FileCheck,
+    Trust,
+    folder_step,
+    read_signing_key,
+    require_intact,
+    write_manifest,
+)
 from torchpre.checkpoint.reader import Loader, read_metadata
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
@@ -149,7 +156,7 @@ def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | 
         dcp.save({"model": state_dict}, storage_writer=writer, no_dist=True)
         with writer.fs.create_stream(folder / "config.toml", "wb") as file:
             file.write(to_toml(config).encode("utf-8"))
-        write_manifest(folder, "write", writer.fs.records, signing_key)
+        write_manifest(folder, "write", writer.fs.records, signing_key, step=folder_step(step_dir))
 
     _write_atomically(step_dir, write)
     logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}: {report.describe()}")

@@ -34,9 +34,11 @@ from torch import Tensor, nn
 from torchpre.checkpoint.folders import STEP_DIR, find_step_dir
 from torchpre.checkpoint.integrity import FileCheck, Trust, find_intact_step, require_intact
 from torchpre.checkpoint.reader import Loader
+from torchpre.checkpoint.run import resume_trust
 from torchpre.checkpoint.state import check_shapes, checkpoint_metadata
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.confined import file_kind
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
@@ -93,7 +95,7 @@ def find_generation_step(folder: Path, load_step: int) -> Path:
 
     `folder` may also be a `step-N` folder itself (with load_step -1 or N).
     """
-    if STEP_DIR.match(folder.name) and (folder / ".metadata").is_file():
+    if STEP_DIR.match(folder.name) and file_kind(folder, ".metadata") == "file":
         if load_step in (-1, int(folder.name[5:])):
             return folder
     if not folder.is_dir():
@@ -231,6 +233,8 @@ def main(argv: list[str]) -> None:
     step_dir = find_generation_step(folder, load_step)
     model = meta_model(config, spec, args)
     trust = Trust.from_settings(config.checkpoint)
+    if step_dir.parent == folder:  # chosen among a run's checkpoints: it must be that run's
+        trust = resume_trust(folder, trust)
     check_checkpoint_fits(model, FileCheck(step_dir, trust, "checkpoint.folder"))
     check_saved_rope(step_dir, args, trust)
 

@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from torchpre.errors import TorchpreError
+from torchpre.errors import TorchpreError, UntrustedInput
 
 logger = logging.getLogger("torchpre")
 
@@ -27,10 +27,13 @@ REPLACED, DAMAGED = "replaced-", "damaged-"
 
 
 def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete checkpoint in `folder`, ascending."""
+    """Steps with a complete checkpoint in `folder`, ascending. A `step-N` that is a symbolic link is none: it may
+    lead to another run's folder (`find_step_dir` refuses it by name)."""
     if not folder.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+    return sorted(
+        int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()
+    )
 
 
 def find_step_dir(folder: Path, load_step: int) -> Path | None:
@@ -42,6 +45,12 @@ def find_step_dir(folder: Path, load_step: int) -> Path | None:
         raise TorchpreError(
             f"checkpoint.load_step = {load_step} names no step: give a step number that {folder} holds, or -1 for "
             "the latest."
+        )
+    if (folder / f"step-{load_step}").is_symlink():
+        raise UntrustedInput(
+            f"checkpoint.load_step = {load_step}: {folder / f'step-{load_step}'} is a symbolic link, which may lead to "
+            "another run's checkpoint; torchpre loads no step folder through one. Copy the checkpoint in its place, or "
+            "load it as checkpoint.initial_load_path (docs/security.md)."
         )
     if load_step not in steps:
         available = ", ".join(map(str, steps)) or "none"

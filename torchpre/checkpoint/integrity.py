@@ -7,11 +7,17 @@ The manifest is {"checksums": "write" | "off", "files": {name: {"size": bytes, "
 out under "off", and manifests written before checkpoint.checksums existed lack "checksums" (they hold every CRC).
 
 A CRC finds damage, not tampering: anyone can recompute it. With checkpoint.signing_key_file a save also records each
-file's SHA-256 and signs the manifest with HMAC-SHA256 under that key ("signature"); a load with the key refuses a
-folder that is unsigned, signed with another key, or whose files do not match their digests (docs/security.md).
-Every file name in a manifest is a file of its folder (`confined_path`).
+file's SHA-256, the step it saves ("step") and the run it belongs to ("run", run.py), and signs the manifest with
+HMAC-SHA256 under that key ("signature"); a load with the key refuses a
+folder that is unsigned, signed with another key, whose files do not match their digests, that lies under another
+step's name than it was signed as, or (on resume) that belongs to another run (docs/security.md).
+
+Every file is read through `torchpre.confined` (no symbolic link, a regular file), and every file name in a manifest
+is a file of its folder (`check_name`); the manifest itself is bounded JSON (`json_input`). A file the manifest does
+not list is never read.
 """
 
+import errno
 import hashlib
 import hmac
 import json
@@ -26,10 +32,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchpre.checkpoint.folders import complete_steps, find_step_dir
+from torchpre.checkpoint.folders import STEP_DIR, complete_steps, find_step_dir
 from torchpre.config.job_config import Checkpoint
-from torchpre.confined import confined_path
-from torchpre.errors import FieldError, TorchpreError, field
+from torchpre.confined import check_name, file_kind, open_file, read_file, write_file
+from torchpre.errors import FieldError, TorchpreError, UntrustedInput, field
+from torchpre.json_input import read_json
 
 logger = logging.getLogger("torchpre")
 
@@ -43,10 +50,12 @@ CHECKSUMS = ("write", "off")
 @dataclass(frozen=True)
 class Trust:
     """What a load accepts: a folder without a manifest (`allow_unverified`, with a warning), and, when
-    `signing_key` is set, only manifests signed with it."""
+    `signing_key` is set, only manifests signed with it, saved as the step their folder's name says and, when `run`
+    is set (a resume from the run's own checkpoint folder), saved by that run."""
 
     allow_unverified: bool = False
     signing_key: bytes | None = None
+    run: str | None = None  # "": the folder names no run, so no checkpoint signed as a run's belongs in it
 
     @classmethod
     def from_settings(cls, settings: Checkpoint) -> "Trust":
@@ -81,21 +90,32 @@ class FileRecord:
 
 
 def write_manifest(
-    step_dir: Path, checksums: str, files: dict[str, dict[str, Any]], signing_key: bytes | None = None
+    step_dir: Path,
+    checksums: str,
+    files: dict[str, dict[str, Any]],
+    signing_key: bytes | None = None,
+    step: int | None = None,
+    run: str | None = None,
 ) -> None:
     """Writes `step_dir`'s manifest (`checksums`: the setting the records were taken under), signed with
-    `signing_key` if given (the records then hold SHA-256 digests), and flushes it to the disk, so that the rename
-    publishing the folder never survives a power loss the manifest did not."""
+    `signing_key` if given (the records then hold SHA-256 digests, and the signature binds `step` and `run`, what
+    the folder was saved as, when known), and flushes it to the disk, so that the rename publishing the folder never
+    survives a power loss the manifest did not."""
     record: dict[str, Any] = {"checksums": checksums, "files": files}
     if signing_key is not None:
+        record |= {"step": step} if step is not None else {}
+        record |= {"run": run} if run is not None else {}
         missing = sorted(name for name, entry in files.items() if "sha256" not in entry)
         if missing:
             raise ValueError(f"a signed manifest needs every file's SHA-256; missing for {missing[:3]}")
         record["signature"] = _signature(record, signing_key)
-    with open(step_dir / MANIFEST, "w", encoding="utf-8") as file:
-        json.dump(record, file, indent=1, sort_keys=True)
-        file.flush()
-        os.fsync(file.fileno())
+    write_file(step_dir / MANIFEST, json.dumps(record, indent=1, sort_keys=True), durable=True)
+
+
+def folder_step(step_dir: Path) -> int | None:
+    """The step a folder's name says it holds (`step-N`); None for another name."""
+    match = STEP_DIR.match(step_dir.name)
+    return int(match.group(1)) if match else None
 
 
 def _signature(record: dict[str, Any], key: bytes) -> str:
@@ -105,29 +125,63 @@ def _signature(record: dict[str, Any], key: bytes) -> str:
     return hmac.new(key, text.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
-def read_manifest(step_dir: Path, signing_key: bytes | None = None) -> dict[str, FileRecord] | None:
-    """`step_dir`'s file records by name, every field checked; None when it has no manifest. A manifest that does
-    not parse, lacks a key, holds a value of the wrong type or names a file outside the folder raises a
-    TorchpreError naming the file and the key; with `signing_key`, so does one that is unsigned or signed with
-    another key."""
-    path = step_dir / MANIFEST
-    if not path.is_file():
+def read_manifest(
+    step_dir: Path, signing_key: bytes | None = None, run: str | None = None
+) -> dict[str, FileRecord] | None:
+    """`step_dir`'s file records by name, every field checked; None when it has no manifest. A manifest that is a
+    link, does not parse, lacks a key, holds a value of the wrong type or names a file outside the folder raises a
+    TorchpreError naming the file and the key; with `signing_key`, so does one that is unsigned, signed with another
+    key, signed as another step than the folder's name says, or (with `run`) saved by another run."""
+    if file_kind(step_dir, MANIFEST) == "missing":
         return None
+    path = step_dir / MANIFEST
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = read_json(step_dir, MANIFEST, "manifest")
+    except UntrustedInput as error:
+        raise TorchpreError(f"{path} is not a valid manifest: {error}") from None
+    try:
         checksums = field(record, "checksums", str, default="write")
         if checksums not in CHECKSUMS:
             raise FieldError(f"'checksums' is {checksums!r}, not 'write' or 'off'")
         files = field(record, "files", dict)
         records = {name: _file_record(files, name, checksums == "write") for name in sorted(files)}
         signature = field(record, "signature", str, default=None)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, FieldError) as error:
+        saved_step = field(record, "step", int, default=None)
+        if saved_step is not None and saved_step < 0:
+            raise FieldError(f"'step' is {saved_step}, not a step number")
+        saved_run = field(record, "run", str, default=None)
+    except FieldError as error:
         raise TorchpreError(f"{path} is not a valid manifest ({error})") from None
     for name in records:
-        confined_path(step_dir, name, path, f"files[{name!r}]")
+        check_name(name, path, f"files[{name!r}]")
     if signing_key is not None:
         _require_signed(path, record, signature, signing_key, records)
+        _require_bound(path, folder_step(step_dir), saved_step, run, saved_run)
     return records
+
+
+def _require_bound(
+    path: Path, step: int | None, saved_step: int | None, run: str | None, saved_run: str | None
+) -> None:
+    """Raises unless a signed manifest was saved as `step` (the folder's name; None: any) by `run` (None: any)."""
+    if step is not None and saved_step is None:
+        why = "its signature does not bind the step it was saved as (a torchpre from before 2026-12-07 signed it)"
+    elif step is not None and saved_step != step:
+        why = f"it was signed as step {saved_step}, but lies in {path.parent.name}: it was copied or renamed"
+    elif run == "" and saved_run is not None:
+        why = f"it was saved by run {saved_run}, but its folder has no run.json naming the run its checkpoints are"
+    elif run is not None and saved_run != run:
+        why = (
+            f"it was saved by run {saved_run}, not by this folder's run {run} (its run.json): it was copied in from "
+            "another run"
+        )
+    else:
+        return
+    raise UntrustedInput(
+        f"{path}: {why}, and {SIGNING_KEY} asks for checkpoints signed with its key as what they are. Load the "
+        "checkpoint under the name and in the folder it was saved in (checkpoint.initial_load_path takes another "
+        "run's weights), or leave the key unset to trust this folder without proof (docs/security.md)."
+    )
 
 
 def _require_signed(
@@ -161,7 +215,7 @@ def checkpoint_problems(step_dir: Path, trust: Trust = Trust()) -> list[str] | N
     """Every file of `step_dir` that does not match its manifest; None when it has no manifest to check against.
     Under a process group each rank checks a share and all get all; without one (convert) this process checks
     every file."""
-    if not (step_dir / MANIFEST).is_file():
+    if file_kind(step_dir, MANIFEST) == "missing":
         return None
     if not dist.is_initialized():
         return verify_share(step_dir, 0, 1, trust)
@@ -183,6 +237,9 @@ def find_intact_step(folder: Path, load_step: int, trust: Trust) -> Path | None:
         require_intact(step_dir, f"checkpoint.load_step = {load_step}", trust)
         return step_dir
     corrupt = []
+    for link in sorted(path for path in folder.glob("step-*") if path.is_symlink()):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            logger.warning("ignored %s: a symbolic link, which may lead to another run's checkpoint", link)
     for step in reversed(complete_steps(folder)):
         step_dir = folder / f"step-{step}"
         problems = checkpoint_problems(step_dir, trust)
@@ -223,7 +280,7 @@ def check_verifiable(step_dir: Path, key: str, trust: Trust) -> None:
     """Before any work (no process group needed): the error `accept_unverified` would raise when `step_dir` is
     loaded, if it has no manifest and `trust` does not accept that. The warning of an allowed one is left to the
     load, and so is checking the files (and a signature): a latest checkpoint that fails is skipped there."""
-    if not (step_dir / MANIFEST).is_file() and (not trust.allow_unverified or trust.signing_key is not None):
+    if file_kind(step_dir, MANIFEST) == "missing" and (not trust.allow_unverified or trust.signing_key is not None):
         accept_unverified(step_dir, key, trust)
 
 
@@ -232,7 +289,7 @@ def accept_unverified(step_dir: Path, key: str, trust: Trust) -> None:
     (checkpoint.allow_unverified), else an error naming it, `key` (the setting that chose it) and that option. A
     folder without DCP's metadata either is no checkpoint at all, which no option makes loadable, and under a
     signing key no unsigned folder loads."""
-    if not (step_dir / ".metadata").is_file():
+    if file_kind(step_dir, ".metadata") == "missing":
         raise TorchpreError(
             f"{key}: {step_dir} is not a checkpoint: it has neither {MANIFEST} nor torch.distributed.checkpoint's "
             ".metadata. Give a step-N folder that training or `python -m torchpre.convert hf-to-dcp` wrote."
@@ -260,7 +317,7 @@ def verify_share(step_dir: Path, rank: int, world_size: int, trust: Trust = Trus
     that is missing, has another size or fails its checksum or digest, and on rank 0 one for a manifest that is
     missing, not valid, or (under a signing key) not signed with it."""
     try:
-        records = read_manifest(step_dir, trust.signing_key)
+        records = read_manifest(step_dir, trust.signing_key, trust.run)
     except TorchpreError as error:
         return [str(error)] if rank == 0 else []
     if records is None:
@@ -272,44 +329,51 @@ def verify_share(step_dir: Path, rank: int, world_size: int, trust: Trust = Trus
             "checked, so altered bytes would go unnoticed",
             step_dir,
         )
-    problems = [file_problem(step_dir / name, record) for name, record in expected[rank::world_size]]
+    problems = [file_problem(step_dir, name, record) for name, record in expected[rank::world_size]]
     return [problem for problem in problems if problem is not None]
 
 
-def file_problem(file: Path, record: FileRecord) -> str | None:
-    """What is wrong with `file` against its manifest record, or None. An unreadable file is a finding, not an
-    exception: under a process group the other ranks wait for this one's answer."""
+def file_problem(folder: Path, name: str, record: FileRecord) -> str | None:
+    """What is wrong with `folder/name` against its manifest record, or None; its digests are taken from the file
+    `confined.open_file` opened (no link, a regular file), as it is read once. An unreadable file is a finding, not
+    an exception: under a process group the other ranks wait for this one's answer."""
+    file = folder / name
     try:
-        if file.is_symlink() or not file.is_file():
-            return f"{file} is missing" if not file.is_symlink() else f"{file} is a symbolic link, not a saved file"
-        if file.stat().st_size != record.size:
-            return f"{file} has {file.stat().st_size} bytes, not the {record.size} it was saved with"
-        if record.sha256 is not None or record.crc32 is not None:
-            crc, sha256 = _digests(file, record.sha256 is not None)
-            if record.sha256 is not None and sha256 != record.sha256:
-                return f"{file} fails its SHA-256 check (its bytes changed after the save)"
-            if record.crc32 is not None and crc != record.crc32:
-                return f"{file} fails its CRC-32 check (its bytes changed after the save)"
+        with open_file(folder, name) as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size != record.size:
+                return f"{file} has {size} bytes, not the {record.size} it was saved with"
+            if record.sha256 is None and record.crc32 is None:
+                return None
+            crc, sha = 0, hashlib.sha256() if record.sha256 is not None else None
+            while chunk := stream.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+                if sha is not None:
+                    sha.update(chunk)
+    except FileNotFoundError:
+        return f"{file} is missing"
+    except UntrustedInput:
+        return f"{file} is a symbolic link or no regular file, not a saved file"
     except OSError as error:
         return f"{file} cannot be read ({error})"
+    return _digest_problem(file, record, crc, None if sha is None else sha.hexdigest())
+
+
+def _digest_problem(file: Path, record: FileRecord, crc: int, sha256: str | None) -> str | None:
+    if record.sha256 is not None and sha256 != record.sha256:
+        return f"{file} fails its SHA-256 check (its bytes changed after the save)"
+    if record.crc32 is not None and crc != record.crc32:
+        return f"{file} fails its CRC-32 check (its bytes changed after the save)"
     return None
-
-
-def _digests(path: Path, with_sha256: bool) -> tuple[int, str | None]:
-    crc, sha = 0, hashlib.sha256() if with_sha256 else None
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-            if sha is not None:
-                sha.update(chunk)
-    return crc, None if sha is None else sha.hexdigest()
 
 
 @dataclass
 class FileCheck:
-    """Checks files of `step_dir` against its manifest one by one, before a reader opens them: `require` raises,
-    naming the file, unless it matches its record (or the folder has no manifest and `trust.allow_unverified`).
-    `whole_folder_checked` marks every file checked (the collective check of all files just ran)."""
+    """Checks files of `step_dir` against its manifest before a reader uses them: `require` raises, naming the
+    file, unless it matches its record, and `read` returns a small file's bytes checked as they were read (one open,
+    one read). A file the manifest does not list is never read; a folder without a manifest is read only if
+    `trust.allow_unverified`. `whole_folder_checked` records that every listed file was just checked (the
+    collective check of all files), so `require` checks no listed file again."""
 
     step_dir: Path
     trust: Trust = Trust()
@@ -317,33 +381,58 @@ class FileCheck:
     _checked: set[str] = dataclass_field(default_factory=set)
     _records: dict[str, FileRecord] | None = None
     _read: bool = False
+    _whole: bool = False
 
     def whole_folder_checked(self) -> "FileCheck":
-        self._checked.add("*")
+        self._whole = True
         return self
 
     def require(self, name: str) -> None:
-        if "*" in self._checked or name in self._checked:
+        if name in self._checked:
             return
-        if not self._read:
-            self._records, self._read = read_manifest(self.step_dir, self.trust.signing_key), True
-            if self._records is None:
-                accept_unverified(self.step_dir, self.key, self.trust)
-        if self._records is not None:
-            record = self._records.get(name)
-            problem = f"{self.step_dir / name} is not in its {MANIFEST}" if record is None else None
-            problem = problem or file_problem(self.step_dir / name, record)
-            if problem:
-                setting = f"{self.key}: " if self.key else ""
-                raise TorchpreError(
-                    f"{setting}the checkpoint {self.step_dir} is corrupt: {problem}. Load another checkpoint or "
-                    "restore the files; a file the manifest does not vouch for is never read."
-                )
+        record = self._record(name)
+        if record is not None and not self._whole:
+            self._raise_if(file_problem(self.step_dir, name, record))
         self._checked.add(name)
 
     def require_all(self, names: Iterable[str]) -> None:
         for name in sorted(set(names)):
             self.require(name)
+
+    def read(self, name: str, limit: int) -> bytes:
+        """The bytes of the folder's file `name` (at most `limit`; FileNotFoundError when it is missing), checked
+        against the manifest's record as they were read."""
+        if file_kind(self.step_dir, name) == "missing":
+            raise FileNotFoundError(errno.ENOENT, "No such file", str(self.step_dir / name))
+        record = self._record(name)
+        data = read_file(self.step_dir, name, limit)
+        if record is not None:
+            if len(data) != record.size:
+                self._raise_if(f"{self.step_dir / name} has {len(data)} bytes, not the {record.size} it was saved with")
+            sha = hashlib.sha256(data).hexdigest() if record.sha256 is not None else None
+            self._raise_if(_digest_problem(self.step_dir / name, record, zlib.crc32(data), sha))
+        self._checked.add(name)
+        return data
+
+    def _record(self, name: str) -> FileRecord | None:
+        """`name`'s manifest record; None when the folder has no manifest (and may be read unchecked)."""
+        if not self._read:
+            self._records, self._read = read_manifest(self.step_dir, self.trust.signing_key, self.trust.run), True
+            if self._records is None and not self._whole:  # the whole folder's check accepted it, with its warning
+                accept_unverified(self.step_dir, self.key, self.trust)
+        if self._records is None:
+            return None
+        if name not in self._records:
+            self._raise_if(f"{self.step_dir / name} is not in its {MANIFEST}")
+        return self._records[name]
+
+    def _raise_if(self, problem: str | None) -> None:
+        if problem:
+            setting = f"{self.key}: " if self.key else ""
+            raise TorchpreError(
+                f"{setting}the checkpoint {self.step_dir} is corrupt: {problem}. Load another checkpoint or "
+                "restore the files; a file the manifest does not vouch for is never read."
+            )
 
 
 def all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

@@ -65,6 +65,7 @@ from torchpre.checkpoint.integrity import (
     write_manifest,
 )
 from torchpre.checkpoint.reader import Loader
+from torchpre.checkpoint.run import ensure_run, resume_trust
 from torchpre.checkpoint.state import (
     Checkpointable,
     check_shapes,
@@ -358,7 +359,9 @@ class CheckpointManager:
         if not failures:
             files = published_records(tmp) if self.in_process else files
             try:
-                write_manifest(tmp, self.checksums, files, self.trust.signing_key)
+                key = self.trust.signing_key
+                run = ensure_run(self.folder, key) if key is not None else None
+                write_manifest(tmp, self.checksums, files, key, step, run)
                 publish(tmp, final)
             except OSError as error:
                 failures = {0: summary(error)}
@@ -400,7 +403,7 @@ class CheckpointManager:
         """`find_intact_step` in this manager's folder; `load` then skips checking it again. The damaged
         checkpoints it skipped (those after the one it found) are moved aside to `damaged-step-N` by rank 0, so
         that retention never counts them and a later save of their step does not replace them."""
-        found = find_intact_step(self.folder, load_step, self.trust)
+        found = find_intact_step(self.folder, load_step, resume_trust(self.folder, self.trust))
         if load_step == -1 and self.rank == 0:
             newest = int(found.name[5:]) if found is not None else -1
             for step in (s for s in complete_steps(self.folder) if s > newest):
@@ -410,13 +413,14 @@ class CheckpointManager:
         self._verified = found
         return found
 
-    def _require_intact(self, step_dir: Path, key: str) -> FileCheck:
+    def _require_intact(self, step_dir: Path, key: str, weights_only: bool) -> FileCheck:
         """The folder checked whole (on every rank, each a share), as a FileCheck that then reads without checking
-        again."""
+        again. A resume's checkpoint must be this run's; a run's initial weights may be any run's."""
+        trust = self.trust if weights_only else resume_trust(self.folder, self.trust)
         if step_dir != self._verified:
-            require_intact(step_dir, key, self.trust)
+            require_intact(step_dir, key, trust)
         self._verified = step_dir
-        return FileCheck(step_dir, self.trust, key).whole_folder_checked()
+        return FileCheck(step_dir, trust, key).whole_folder_checked()
 
     def load(self, step_dir: Path, weights_only: bool = False) -> list[str]:
         """Loads a checkpoint into the live components, resharding to this layout; returns the entries loaded.
@@ -428,7 +432,7 @@ class CheckpointManager:
         state. The folder is checked against its manifest before any of its files is read.
         """
         key = "checkpoint.initial_load_path" if weights_only else "checkpoint.load_step"
-        check = self._require_intact(step_dir, key)
+        check = self._require_intact(step_dir, key, weights_only)
         metadata = checkpoint_metadata(check)
         values = read_values(check) or {}
         saved = set(metadata)
@@ -442,7 +446,7 @@ class CheckpointManager:
         require_present(request, metadata, step_dir)
         loaded = without_values(request, values)
         Loader(check, self.settings.allow_pickle).load(loaded)
-        put_values(loaded, request, values)
+        put_values(loaded, request, values, step_dir)
         _to_current_locations(loaded, moved)
         for key, state in loaded.items():
             self.components[key].load_state_dict(state)

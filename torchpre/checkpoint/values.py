@@ -5,19 +5,57 @@ nothing a reader must unpickle beyond DCP's `.metadata` (docs/security.md), and 
 `state.json` is {flattened name: value}, names as DCP's ("train.step", "lr_scheduler.base_lrs"). It is written by rank
 0 before the tensors, covered by the manifest like every other file, and read back through the manifest check.
 Checkpoints written before it existed keep these values as DCP entries, which load as plain values only (reader.py).
+
+Read back, every value is checked before anything uses it: torchpre's own against `RULES` (a step or a count is never
+negative, a size never below 1, a learning rate finite; the step is the folder's), and every value a load puts into a
+component against the live value it replaces: the same JSON type, a list of the same length, item by item.
 """
 
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchpre.checkpoint.integrity import FileCheck
-from torchpre.errors import TorchpreError
+from torchpre.checkpoint.integrity import FileCheck, folder_step
+from torchpre.errors import UntrustedInput
+from torchpre.json_input import LIMITS, loads
 
 VALUES = "state.json"
+
+
+def _integer(least: int) -> Callable[[Any], bool]:
+    return lambda value: type(value) is int and least <= value < 2**63  # what an int64 tensor or counter holds
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+def _list_of(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(map(rule, value))
+
+
+_COUNTS = r"(train|dataloader)\.consumed_samples|train\.step|health\.\w+|lr_scheduler\.(last_epoch|_step_count)"
+_SIZES = ("global_batch_size", "accumulation_steps", "world_size", "dp", "tp", "pp", "ep", "cp", "seq_len")
+# What each value of `state.json` may hold, by its flattened name (a pattern), and in words for the message.
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    rf"train\.({'|'.join(_SIZES)})": (_integer(1), "a size (an integer of at least 1)"),
+    _COUNTS: (_integer(0), "a count (an integer of 0 or more)"),
+    r"train\.rope_\w+": (_finite, "a finite number of 0 or more"),
+    r"lr_scheduler\.(base_lrs|_last_lr)": (_list_of(_finite), "a list of finite learning rates of 0 or more"),
+    r"lr_scheduler\.(_is_initial|_get_lr_called_within_step)": (lambda value: type(value) is bool, "true or false"),
+    r"lr_scheduler\.lr_lambdas": (_list_of(lambda value: value is None), "a list of nulls"),
+}  # fmt: skip
+_COMPILED = [(re.compile(pattern), rule) for pattern, rule in RULES.items()]
+
+
+def rule_of(name: str) -> tuple[Callable[[Any], bool], str] | None:
+    """The rule `state.json`'s value `name` must meet; None when no value of that name is ever saved."""
+    return next((rule for pattern, rule in _COMPILED if pattern.fullmatch(name)), None)
 
 
 def split_values(state: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
@@ -60,23 +98,33 @@ def _exact_in_json(value: Any) -> bool:
 
 
 def read_values(check: FileCheck) -> dict[str, Any] | None:
-    """The checked folder's `state.json`; None when it has none (a checkpoint from before it existed, or one
-    converted from Hugging Face, which holds weights only)."""
+    """The checked folder's `state.json`, every value that has a rule meeting it (`RULES`) and its step the folder's;
+    None when it has none (a checkpoint from before it existed, or one converted from Hugging Face, which holds
+    weights only)."""
     path = check.step_dir / VALUES
-    if not path.is_file() and not path.is_symlink():
-        return None
-    check.require(VALUES)
     try:
-        values = json.loads(path.read_text(encoding="utf-8"), parse_constant=_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TorchpreError(f"{path} is not valid JSON ({error}): the checkpoint is damaged.") from None
+        values = loads(check.read(VALUES, LIMITS["state"]), path)
+    except FileNotFoundError:
+        return None
     if not isinstance(values, dict):
-        raise TorchpreError(f"{path} holds {type(values).__name__}, not an object of named values.")
+        raise UntrustedInput(f"{path} holds a JSON {type(values).__name__}, not an object of named values.")
+    for name, value in values.items():
+        rule = rule_of(name)
+        if rule is not None and not rule[0](value):
+            raise _bad_value(path, name, value, rule[1])
+    step, saved = folder_step(check.step_dir), values.get("train.step")
+    if step is not None and saved is not None and saved != step:
+        raise _bad_value(path, "train.step", saved, f"the step of its folder, {check.step_dir.name}")
     return values
 
 
-def _constant(name: str) -> float:
-    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[name]
+def _bad_value(path: Path, name: str, value: Any, expected: str) -> UntrustedInput:
+    shown = json.dumps(value)
+    return UntrustedInput(
+        f"{path}: {name!r} is {shown if len(shown) <= 60 else shown[:57] + '...'}, not {expected}. torchpre never "
+        "saves such a value: the checkpoint was altered or written by another tool. Load another checkpoint "
+        "(docs/security.md)."
+    )
 
 
 def without_values(state: dict[str, Any], values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -91,14 +139,42 @@ def without_values(state: dict[str, Any], values: dict[str, Any], prefix: str = 
     return kept
 
 
-def put_values(loaded: dict[str, Any], request: dict[str, Any], values: dict[str, Any], prefix: str = "") -> None:
-    """Puts into `loaded` (what DCP loaded of `request`) the leaves of `request` that `values` holds."""
+def put_values(
+    loaded: dict[str, Any], request: dict[str, Any], values: dict[str, Any], step_dir: Path, prefix: str = ""
+) -> None:
+    """Puts into `loaded` (what DCP loaded of `request`) the leaves of `request` that `values` (`step_dir`'s
+    state.json) holds, each once shown to have the shape of the live value it replaces (`same_shape`)."""
     for key, value in request.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            put_values(loaded.setdefault(key, {}), value, values, f"{name}.")
+            put_values(loaded.setdefault(key, {}), value, values, step_dir, f"{name}.")
         elif name in values:
+            expected = same_shape(values[name], value)
+            if expected is not None:
+                raise _bad_value(step_dir / VALUES, name, values[name], expected)
             loaded[key] = values[name]
+
+
+def same_shape(saved: Any, live: Any) -> str | None:
+    """None when `saved` (from JSON) can replace the live value `live`: a boolean for a boolean, an integer for an
+    integer, a number for a float, a string for a string, null for None, a list of as many items for a list or
+    tuple (item by item), an object of the same keys for a dict; otherwise what it should have been, in words."""
+    if isinstance(live, bool) or live is None or isinstance(live, str):
+        kind = type(live)
+        return None if type(saved) is kind else {bool: "true or false", str: "a string"}.get(kind, "null")
+    if isinstance(live, int):
+        return None if type(saved) is int else "an integer"
+    if isinstance(live, float):
+        return None if type(saved) in (int, float) else "a number"
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, list) or len(saved) != len(live):
+            return f"a list of {len(live)} items"
+        return next(filter(None, map(same_shape, saved, live)), None)
+    if isinstance(live, dict):
+        if not isinstance(saved, dict) or saved.keys() != live.keys():
+            return f"an object with the keys {sorted(live)}"
+        return next(filter(None, (same_shape(saved[key], value) for key, value in live.items())), None)
+    return None
 
 
 def values_path(step_dir: Path) -> Path:

@@ -1,0 +1,68 @@
+"""The genuine inputs every case starts from, made once per run of the fuzzer by torchpre itself."""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.launch import REPO, TINY, ForkServer
+
+KEY = "0123456789abcdef0123456789abcdef"
+# The tiny model on synthetic data, with the MFU peak given (its CPU benchmark would cost each case a second).
+BASE = [*TINY, "--training.dataset", "synthetic", "--metrics.peak_flops", "1e11"]
+CHECKPOINTED = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+OLD_CHECKPOINT = REPO / "tests" / "fixtures" / "checkpoint_0a62600" / "step-2"
+# The run that wrote OLD_CHECKPOINT (tests/integration/test_bitwise_losses.py).
+OLD_RUN = [
+    "--model.flavor", "tiny", "--model.vocab_size", "256", "--training.dataset", "synthetic",
+    "--training.seq_len", "32", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
+    "--lr_scheduler.min_lr_factor", "0.1", "--metrics.log_freq", "1", "--metrics.peak_flops", "1e11",
+]  # fmt: skip
+TEXT = "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times.\n"
+TASK = [
+    {"context": "The capital of France is", "choices": [" Paris", " Rome", " Berlin"], "answer": 0},
+    {"context": "Two plus two is", "choices": [" four", " five"], "answer": 0},
+    {"context": "Water is", "choices": [" wet", " dry", " loud", " square"], "answer": 0},
+]
+
+
+@dataclass(frozen=True)
+class Genuine:
+    """Where the genuine inputs are: each a folder to copy into a case (`folder`), and the key of the signed run."""
+
+    root: Path
+
+    @property
+    def key(self) -> Path:
+        return self.root / "key"
+
+    def folder(self, name: str) -> Path:
+        return self.root / name
+
+
+def build(root: Path, server: ForkServer) -> Genuine:
+    """Makes every genuine input under `root` with torchpre's own commands; a command that fails stops the fuzzer."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "key").write_text(KEY)
+
+    def run(entry: str, argv: list[str]) -> None:
+        reply = server.request({"entry": entry, "argv": argv, "env": {}, "timeout_s": 300})
+        assert reply["returncode"] == 0, f"{entry} {argv}: {reply['stderr'][-3000:]}"
+
+    for name, extra in (("run", []), ("other", ["--training.seed", "7"]),
+                        ("signed", ["--checkpoint.signing_key_file", str(root / "key")])):  # fmt: skip
+        run("train.py", [*BASE, *CHECKPOINTED, "--training.steps", "2", "--job.dump_folder", str(root / name), *extra])
+    for name, source, shard in (("hf", "run", "300KB"), ("hf1", "run", "5GB"), ("hf_other", "other", "300KB")):
+        step = root / source / "checkpoint" / "step-2"
+        run("torchpre.convert", ["dcp-to-hf", str(step), str(root / name), "--model.flavor", "tiny",
+                                 "--max_shard_size", shard])  # fmt: skip
+    legacy = root / "legacy" / "checkpoint" / "step-2"
+    shutil.copytree(OLD_CHECKPOINT, legacy)
+    data = root / "data"
+    data.mkdir()
+    (data / "input.txt").write_text(TEXT * 40)
+    shutil.copy(REPO / "assets" / "tokenizer" / "tokenizer.model", data / "tokenizer.model")
+    run("torchpre.data.prepare", [str(data / "input.txt"), "--output", str(data / "shards"),
+                                  "--tokenizer", str(data / "tokenizer.model"), "--workers", "1"])  # fmt: skip
+    (data / "task.jsonl").write_text("".join(json.dumps(question) + "\n" for question in TASK))
+    return Genuine(root)
