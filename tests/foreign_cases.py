@@ -40,6 +40,7 @@ SHARDS = ["--training.dataset", "shards", "--training.dataset_path"]
 TEXT = ["--training.dataset", "text", "--training.dataset_path"]
 LINK = "is, or leads through, a symbolic link"
 INDEX = "model.safetensors.index.json"
+REPO = Path(__file__).resolve().parents[1]
 SPLIT = "hf_split"  # a Llama folder of several safetensors files and an index: the links' genuine folder
 SPLIT_ARGS, SPLIT_BYTES = dataclasses.replace(LLAMA3_FLAVORS["tiny"], n_layers=3), 300_000
 SPLIT_FILES = [shard_file_name(n, len(weight_files(SPLIT_ARGS, SPLIT_BYTES)))
@@ -181,18 +182,42 @@ def _fifo_cases() -> None:
         _case(f"fifo-{name}", argv, [f"{{d}}/{folder}/{file}", "not a regular file"], entry)
 
 
+# A file a key or argument names, replaced by a link to a genuine file elsewhere: (its name, the genuine file under
+# d or the repository, the command).
+NAMED = {
+    "tokenizer": ("tokenizer.model", DEFAULT_TOKENIZER_PATH,
+                  ["--model.tokenizer_path", "{d}/named_links/tokenizer.model"], TRAIN),
+    "prepare-tokenizer": ("tokenizer.model", DEFAULT_TOKENIZER_PATH,
+                          ["{d}/text.txt", "--output", "{d}/prepared_named", "--tokenizer",
+                           "{d}/named_links/tokenizer.model"], PREPARE),
+    "eval-task": ("task.jsonl", "task.jsonl", ["--eval.tasks", "{d}/named_links/task.jsonl"], TRAIN),
+    "hf-config": ("config.json", REPO / "assets/hf_configs/llama_tiny.json",
+                  ["--model.name", "hf", "--model.hf_config", "{d}/named_links/config.json"], TRAIN),
+    "text": ("text.txt", "text.txt", [*TEXT, "{d}/named_links/text.txt"], TRAIN),
+    "prepare-input": ("text.txt", "text.txt", ["{d}/named_links/text.txt", "--output", "{d}/prepared_named"],
+                      PREPARE),
+}  # fmt: skip
+
+
 def _input_links(d: Path) -> None:
-    """A folder of text (training.dataset_path, a prepare INPUT) holding a link to a file outside it."""
+    """A folder of text (training.dataset_path, a prepare INPUT) holding a link to a file outside it, and a link in
+    place of each file a key or argument names."""
     for name in ("text_folder_link", "prepare_folder_link"):
         (d / name).mkdir()
         (d / name / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 300)
         (d / name / "b.txt").symlink_to(d / "text.txt")
+    (d / "named_links").mkdir()
+    for name, genuine, _, _ in NAMED.values():
+        if not (d / "named_links" / name).is_symlink():
+            (d / "named_links" / name).symlink_to(d / genuine)
 
 
 def _input_link_cases() -> None:
     _case("text-folder-link", [*TEXT, "{d}/text_folder_link"], ["{d}/text_folder_link/b.txt", LINK])
     _case("prepare-input-folder-link", ["{d}/prepare_folder_link", "--output", "{d}/prepared_from_link"],
           ["{d}/prepare_folder_link/b.txt", LINK], PREPARE)  # fmt: skip
+    for what, (name, _, argv, entry) in NAMED.items():
+        _case(f"named-link-{what}", argv, [f"{{d}}/named_links/{name}", LINK], entry)
 
 
 # config.json fields of the wrong type or range -----------------------------------------------------------------
@@ -271,7 +296,7 @@ def _base_configs() -> dict[str, dict]:
     return {
         "llama3": llama_hf.hf_config(SPLIT_ARGS, **tokens),
         "deepseek_v3": deepseek_hf.hf_config(get_flavor("deepseek_v3", "debugmodel"), **tokens),
-        "hf": json.loads((Path(__file__).resolve().parents[1] / "assets/hf_configs/llama_tiny.json").read_text()),
+        "hf": json.loads((REPO / "assets/hf_configs/llama_tiny.json").read_text()),
     }
 
 
@@ -491,7 +516,7 @@ def _tokenizer_files(d: Path) -> None:
     for name, line in TOKENIZER_LINES.items():
         (d / f"tokenizer_{name}.model").write_bytes(b"\n".join([*lines[:5], line, *lines[5:]]) + b"\n")
     with open(d / "tokenizer_large.model", "wb") as file:
-        file.truncate(LIMITS["tokenizer"] + 1)
+        file.truncate(LIMITS["tiktoken"] + 1)
 
 
 def _tokenizer_cases() -> None:
@@ -499,7 +524,7 @@ def _tokenizer_cases() -> None:
         _case(f"tokenizer-line-{name}", ["--model.tokenizer_path", f"{{d}}/tokenizer_{name}.model"],
               [f"Malformed line {{d}}/tokenizer_{name}.model:6"])  # fmt: skip
     _case("tokenizer-past-its-bound", ["--model.tokenizer_path", "{d}/tokenizer_large.model"],
-          ["{d}/tokenizer_large.model", f"at most {LIMITS['tokenizer']:,}"])  # fmt: skip
+          ["{d}/tokenizer_large.model", f"at most {LIMITS['tiktoken']:,}"])  # fmt: skip
 
 
 def build(d: Path) -> None:

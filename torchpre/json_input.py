@@ -31,6 +31,7 @@ LIMITS = {
     "index": 256 * MiB,
     "shard_manifest": 1024 * MiB,
     "tokenizer": 256 * MiB,
+    "tiktoken": 64 * MiB,  # a tiktoken BPE file, read whole into a dict: o200k_base's is 3.6 MB
     "line": 16 * MiB,
 }
 

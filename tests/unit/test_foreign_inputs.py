@@ -69,6 +69,33 @@ def test_shard_tokens_are_mapped_from_the_checked_descriptor_not_the_name(tmp_pa
     assert shards.ShardReader(folder, TOKENIZER.vocab_size).document(0, 0).tolist() == [1, 2, 3, 4]
 
 
+def fp8_folder(folder: Path, block: list[int], weight: torch.Tensor, scales: torch.Tensor) -> HFFolder:
+    folder.mkdir()
+    config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": block}}
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {"w.weight": weight.to(torch.float8_e4m3fn), "w.weight_scale_inv": scales}
+    save_file(tensors, folder / "model.safetensors")
+    return HFFolder(folder)
+
+
+def test_an_fp8_box_is_its_values_times_its_blocks_scales(tmp_path):
+    """A box cutting blocks at both ends: each value times the scale of the 16 x 16 block it lies in."""
+    weight = torch.randn(40, 40, generator=torch.Generator().manual_seed(0))
+    scales = torch.arange(1.0, 10.0).reshape(3, 3)
+    folder = fp8_folder(tmp_path / "fp8", [16, 16], weight, scales)
+    whole = weight.to(torch.float8_e4m3fn).float() * scales.repeat_interleave(16, 0).repeat_interleave(16, 1)[:40, :40]
+    with folder.reading():
+        assert torch.equal(folder.read("w.weight", (slice(5, 37), slice(3, 30))), whole[5:37, 3:30].bfloat16())
+
+
+def test_an_fp8_box_costs_the_box_whatever_block_size_the_config_claims(tmp_path):
+    """Blocks of 2^40 x 2^40: one scale for the whole weight, never repeated over a block (2^80 values)."""
+    weight = torch.ones(8, 8)
+    folder = fp8_folder(tmp_path / "fp8", [2**40, 2**40], weight, torch.full((1, 1), 3.0))
+    with folder.reading():
+        assert folder.read("w.weight", (slice(2, 6),)).tolist() == [[3.0] * 8] * 4
+
+
 FIELD_ROWS = [
     pytest.param(family, *row, id=f"{family}-{row[0]}-{json.dumps(row[1])}")
     for family in foreign_cases.HF_FIELDS

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from tests.launch import REPO
 from torchpre.config.job_config import JobConfig
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, UntrustedInput
 from torchpre.models.hf import HFArgs, HFCausalLM, decoder_stages, hf_args
 from torchpre.models.hf.init import init_plan
 from torchpre.models.hf.layouts import validate_tensor_parallel
@@ -214,7 +214,7 @@ def test_hf_config_errors_name_the_key_and_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"model.hf_config = .*missing.json does not exist"):
         hf_args(job(tmp_path / "missing.json"), VOCAB, 32)
     (tmp_path / "broken.json").write_text("{\n  \"model_type\": \"llama\",\n  oops\n}")
-    with pytest.raises(ConfigError, match=r"broken.json is not valid JSON \(Expecting .* line 3"):
+    with pytest.raises(UntrustedInput, match=r"broken.json is not valid JSON \(Expecting .* line 3"):
         hf_args(job(tmp_path / "broken.json"), VOCAB, 32)
     with pytest.raises(ConfigError, match=r"model_type = 'bert' is not a model torchpre trains: .* encoder family"):
         hf_args(job(write(tmp_path, model_type="bert")), VOCAB, 32)

@@ -33,9 +33,9 @@ def load_documents(dataset: str, dataset_path: str, text_field: str = "text") ->
 
 
 def _text_files(dataset_path: str) -> list[tuple[Path, str]]:
-    """(folder, name) of the file `dataset_path` names (a symbolic link there is followed: the key is the user's
-    choice), or of each text file of the folder it names, sorted. A folder of data may come from others: a link in
-    it, which could lead anywhere on the machine, is refused by name instead of read into training."""
+    """(folder, name) of the file `dataset_path` names, or of each text file of the folder it names, sorted. Data
+    may come from others: a symbolic link in place of a file, or in the folder, which could lead anywhere on the
+    machine, is refused by name instead of read into training (the named folder, or the file's, is followed)."""
     path = Path(dataset_path)
     if not path.exists():
         raise TorchpreError(
@@ -43,7 +43,7 @@ def _text_files(dataset_path: str) -> list[tuple[Path, str]]:
             "Give a .txt or .jsonl file, or a folder holding such files."
         )
     if path.is_file():
-        files = [(path.resolve().parent, path.resolve().name)]
+        files = [(path.parent, path.name)]
     else:
         names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
         files = [(path, name) for name in names if _kind_within(path, name) == "file"]
@@ -62,7 +62,7 @@ def _kind_within(folder: Path, name: str) -> str:
     if kind == "link":
         raise UntrustedInput(
             f"training.dataset_path '{folder}': {folder / name} is, or leads through, a symbolic link, which could "
-            "lead out of the folder. Copy the real file in its place, or name it as training.dataset_path itself."
+            "lead out of the folder. Copy the real file in its place."
         )
     return kind
 

@@ -40,12 +40,12 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from tqdm import tqdm
 
-from torchpre.confined import file_kind
+from torchpre.confined import file_kind, open_file
 from torchpre.data.shards import MANIFEST, Manifest, shard_file_problem, token_dtype, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
 from torchpre.errors import TorchpreError, UntrustedInput
@@ -192,12 +192,18 @@ def _files_under(folder: Path) -> list[Path]:
     return usable
 
 
+def _open_input(path: Path) -> BinaryIO:
+    """An input file opened as a regular file that is not a symbolic link (its folder is followed:
+    `confined.open_file`): a link could lead anywhere on the machine, into the shards someone publishes."""
+    return open_file(path.parent, path.name)
+
+
 def _kind_under(folder: Path, name: str) -> str:
     kind = file_kind(folder, name)
     if kind == "link":
         raise UntrustedInput(
             f"Input {folder}: {folder / name} is, or leads through, a symbolic link, which could lead out of the "
-            "folder. Copy the real file in its place, or give it as an INPUT of its own."
+            "folder. Copy the real file in its place."
         )
     return kind
 
@@ -215,7 +221,8 @@ def _txt_source(path: Path, text_field: str) -> Source:
 
 
 def _txt_texts(path: Path) -> Iterator[str]:
-    yield path.read_text(encoding="utf-8", errors="replace")
+    with _open_input(path) as file:
+        yield file.read().decode("utf-8", errors="replace")
 
 
 def _jsonl_source(path: Path, text_field: str) -> Source:
@@ -225,7 +232,7 @@ def _jsonl_source(path: Path, text_field: str) -> Source:
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str | None]:
     """The `text_field` of each line, every line bounded and parsed by `json_input.json_lines`."""
-    with path.open("rb") as lines:
+    with _open_input(path) as lines:
         for line_number, record in json_lines(lines, path):
             yield _jsonl_text(record, text_field, f"{path}:{line_number}")
 
@@ -250,19 +257,22 @@ def _parquet_source(path: Path, text_field: str) -> Source:
         import pyarrow.parquet as pq
     except ImportError:
         raise TorchpreError(f"Reading {path} needs pyarrow: pip install pyarrow (or torchpre[hf]).") from None
-    try:
-        file = pq.ParquetFile(path)
-    except (OSError, pa.ArrowException) as error:
-        raise TorchpreError(f"{path} is not a readable Parquet file ({error}).") from None
-    _check_column(str(path), text_field, {field.name: str(field.type) for field in file.schema_arrow})
-    return Source(str(path), (path,), file.metadata.num_rows, functools.partial(_parquet_texts, path, text_field))
+    with _open_input(path) as opened:
+        try:
+            file = pq.ParquetFile(opened)
+        except (OSError, pa.ArrowException) as error:
+            raise TorchpreError(f"{path} is not a readable Parquet file ({error}).") from None
+        _check_column(str(path), text_field, {field.name: str(field.type) for field in file.schema_arrow})
+        records = file.metadata.num_rows
+    return Source(str(path), (path,), records, functools.partial(_parquet_texts, path, text_field))
 
 
 def _parquet_texts(path: Path, text_field: str) -> Iterator[str | None]:
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[text_field]):
-        yield from batch.column(0).to_pylist()
+    with _open_input(path) as file:
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=1024, columns=[text_field]):
+            yield from batch.column(0).to_pylist()
 
 
 def _check_column(name: str, column: str, types: dict[str, str]) -> None:
@@ -394,7 +404,7 @@ def _fingerprint(source: Source) -> dict:
     digest = hashlib.sha256()
     size = 0
     for path in source.files:
-        with path.open("rb") as file:
+        with _open_input(path) as file:
             while chunk := file.read(1 << 20):
                 digest.update(chunk)
                 size += len(chunk)

@@ -78,13 +78,13 @@ def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
 
 
 def _read(path: Path) -> bytes:
-    """The bytes of the tokenizer file `path` (a symbolic link there is followed: the path is the user's choice), a
-    regular file of at most `LIMITS["tokenizer"]` bytes: tokenizer files are downloaded, and read whole."""
+    """The bytes of the tokenizer file `path`: tokenizer files are downloaded, and read whole, so it must be a
+    regular file of at most `LIMITS["tiktoken"]` bytes, and not a symbolic link (its folder is the user's choice and
+    followed; `confined.read_file`)."""
     if path.is_dir():
         raise TorchpreError(f"Tokenizer file {path} is a folder, not a file. {_FORMAT_HINT}")
-    resolved = path.resolve()
     try:
-        return read_file(resolved.parent, resolved.name, LIMITS["tokenizer"])
+        return read_file(path.parent, path.name, LIMITS["tiktoken"])
     except FileNotFoundError:
         raise TorchpreError(f"Tokenizer file {path} does not exist. {_FORMAT_HINT}") from None
     except UntrustedInput as error:

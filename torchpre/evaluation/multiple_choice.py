@@ -77,10 +77,9 @@ def task_name(path: str | Path) -> str:
 def read_questions(path: Path) -> list[Question]:
     """The questions of a task file; a ConfigError naming `file:line` and what is wrong for a malformed line. Task
     files are often downloaded: each line is bounded before it is parsed (`json_input.json_lines`), and the file
-    must be a regular file (a link named by eval.tasks is followed: the key is the user's choice)."""
-    resolved = path.resolve()
+    must be a regular file, not a symbolic link (its folder is followed: `confined.open_file`)."""
     try:
-        file = open_file(resolved.parent, resolved.name)
+        file = open_file(path.parent, path.name)
     except FileNotFoundError:
         raise ConfigError(
             f"eval.tasks: {path} does not exist. Give JSONL files of multiple-choice questions."

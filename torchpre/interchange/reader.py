@@ -142,9 +142,11 @@ class HFFolder:
         first_row, first_column = rows.start // height, columns.start // width
         scale_box = (slice(first_row, -(-rows.stop // height)), slice(first_column, -(-columns.stop // width)))
         blocks = self._slice(scale, name + SCALE_SUFFIX, scale_box).float()
-        blocks = blocks.repeat_interleave(height, 0).repeat_interleave(width, 1)
-        top, left = rows.start - first_row * height, columns.start - first_column * width
-        blocks = blocks[top : top + value.shape[0], left : left + value.shape[1]]
+        # Each row and column of the box picks its block's scale: memory of the box's size, whatever the block
+        # size the config claims (repeating each scale over a whole block could allocate without bound).
+        row_blocks = torch.arange(rows.start, rows.stop) // height - first_row
+        column_blocks = torch.arange(columns.start, columns.stop) // width - first_column
+        blocks = blocks[row_blocks][:, column_blocks]
         return (value.float() * blocks).to(torch.bfloat16)
 
     def _slice(self, stored: StoredTensor, name: str, box: Box) -> Tensor:

@@ -187,16 +187,16 @@ _STOCHASTIC = Kind(lambda value: value is None or type(value) is bool or NON_NEG
 
 
 def _read_config(value: str) -> tuple[Path, dict[str, Any]]:
-    """The path model.hf_config names (a config.json, or a folder holding one) and the object it holds. A file named
-    by the key is the user's choice (a symbolic link there is followed); the config.json of a named folder is the
-    folder's, read as every file of a Hugging Face folder is (`torchpre.confined`: no link). Both are bounded."""
+    """The path model.hf_config names (a config.json, or a folder holding one) and the object it holds, read as
+    every file of a Hugging Face folder is: bounded, a regular file and not a symbolic link (the folder, named or the
+    file's, is followed: `json_input.read_json`)."""
     if not value:
         raise ConfigError(
             f"model.name = 'hf' needs {KEY}: the path of a transformers config.json (or of a folder holding one), "
             "e.g. --model.hf_config assets/hf_configs/llama_tiny.json."
         )
     named = Path(value)
-    folder, name = (named, "config.json") if named.is_dir() else (named.resolve().parent, named.resolve().name)
+    folder, name = (named, "config.json") if named.is_dir() else (named.parent, named.name)
     path = named / name if named.is_dir() else named
     try:
         values = read_json(folder, name, "config")
