@@ -638,7 +638,7 @@ BREAKS = [
           "    if signing_key is not None:\n        _require_signed(", "    if False:\n        _require_signed(",
           (TRUST_TEST,), "under a signing key, an unsigned or wrongly signed checkpoint loads"),
     Break("clean-up-without-the-marker", "torchpre/checkpoint/folders.py",
-          "    elif not (path / MARKER).is_file():", "    elif False:",
+          "    elif not is_regular_file(path / MARKER):", "    elif False:",
           (TRUST_TEST,), "the clean-up of unfinished saves deletes a `.tmp-` folder torchpre did not make"),
     Break("publish-deletes-the-existing-step", "torchpre/checkpoint/folders.py",
           "    replaced = move_aside(final, REPLACED) if final.exists() or final.is_symlink() else None",
