@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from torchpre.confined import is_regular_file, touch_marker
-from torchpre.errors import TorchpreError
+from torchpre.errors import TorchpreError, UntrustedInput
 
 logger = logging.getLogger("torchpre")
 
@@ -48,6 +48,12 @@ def find_step_dir(folder: Path, load_step: int) -> Path | None:
         raise TorchpreError(
             f"checkpoint.load_step = {load_step} names no step: give a step number that {folder} holds, or -1 for "
             "the latest."
+        )
+    if load_step not in steps and (folder / f"step-{load_step}").is_symlink():
+        raise UntrustedInput(
+            f"checkpoint.load_step = {load_step}, but {folder / f'step-{load_step}'} is a symbolic link: torchpre "
+            "loads checkpoints it published, never through a link that may lead out of the folder. Give the real "
+            "folder as checkpoint.folder, or load another step."
         )
     if load_step not in steps:
         available = ", ".join(map(str, steps)) or "none"
