@@ -33,6 +33,7 @@ RANK_CHUNK_TEST = "tests/unit/test_chunk_layout.py::test_rank_chunk_is_torch_chu
 CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
 TRUST_TEST = "tests/unit/test_checkpoint_trust.py"
 BINDING_TEST = "tests/unit/test_checkpoint_binding.py"
+RUN_FOLDER_WRITES = "tests/unit/test_run_folder_writes.py"
 BAD_INPUT = "tests/integration/test_bad_input.py"
 MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file"
 PUBLICATION_TEST = (
@@ -639,7 +640,7 @@ BREAKS = [
           "    if signing_key is not None:\n        _require_signed(", "    if False:\n        _require_signed(",
           (TRUST_TEST,), "under a signing key, an unsigned or wrongly signed checkpoint loads"),
     Break("state-values-unranged", "torchpre/checkpoint/values.py",
-          "        if rule is not None and not rule[0](value):", "        if False:",
+          "        if rule is not None and not rule.holds(value):", "        if False:",
           (BINDING_TEST,), "state.json's values used without their type and range checks (a step of -54)"),
     Break("state-list-length-unchecked", "torchpre/checkpoint/values.py",
           "        if not isinstance(saved, list) or len(saved) != len(live):",
@@ -655,8 +656,29 @@ BREAKS = [
           '            self._raise_if(f"{self.step_dir / name} is not in its {MANIFEST}")', "            return None",
           (BINDING_TEST,), "a data file the manifest does not list is read because the metadata names it"),
     Break("clean-up-without-the-marker", "torchpre/checkpoint/folders.py",
-          "    elif not (path / MARKER).is_file():", "    elif False:",
+          "    elif not is_regular_file(path / MARKER):", "    elif False:",
           (TRUST_TEST,), "the clean-up of unfinished saves deletes a `.tmp-` folder torchpre did not make"),
+    Break("metrics-jsonl-appended-through-a-link", "torchpre/metrics/sinks.py",
+          'self._file = io.TextIOWrapper(open_for_append(folder / "metrics.jsonl"), encoding="utf-8")',
+          'self._file = (folder / "metrics.jsonl").open("a", encoding="utf-8")',
+          (f"{RUN_FOLDER_WRITES}::test_metrics_jsonl_is_never_appended_or_read_through_a_link",),
+          "metrics.jsonl appended through a symbolic link: a run writes wherever the folder's author points it"),
+    Break("marker-touched-through-a-link", "torchpre/checkpoint/folders.py",
+          "    touch_marker(folder / MARKER)", "    (folder / MARKER).touch()",
+          (f"{RUN_FOLDER_WRITES}::test_a_marker_is_never_touched_through_a_link_and_retention_keeps_that_step",),
+          "a checkpoint's marker touched through a symbolic link: retention creates or touches a file outside"),
+    Break("export-clean-up-without-the-marker", "torchpre/interchange/export.py",
+          "            remove_unfinished(self.folder)",
+          "            [shutil.rmtree(stale, ignore_errors=True) for stale in self.folder.glob(f\"{TMP_PREFIX}*\")]",
+          ("tests/unit/test_hf_export.py::test_the_clean_up_removes_only_marked_unfinished_exports_and_follows_no_link",),
+          "the export clean-up removes every `.tmp-` folder in hf_export.folder, torchpre's marker or not"),
+    Break("resume-parses-the-checkpoints-config-toml", "torchpre/training/stages.py",
+          "    if record is None:\n        return None\n",
+          "    from torchpre.config.parser import parse_args\n\n"
+          "    config_toml = str(step_dir / \"config.toml\")\n"
+          "    return StageTable.from_config(parse_args(JobConfig, [\"--job.config_file\", config_toml]))\n",
+          ("tests/integration/test_stages_on_resume.py",),
+          "a resume parses the checkpoint's config.toml for the stages it compares, which torchpre never reads back"),
     Break("publish-deletes-the-existing-step", "torchpre/checkpoint/folders.py",
           "    replaced = move_aside(final, REPLACED) if final.exists() or final.is_symlink() else None",
           "    replaced = remove_step(final) if final.exists() else None",

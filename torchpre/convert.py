@@ -23,14 +23,15 @@ and the manifest.json (each file's size and CRC-32) that loading checks; start t
 refuses one without a manifest unless --checkpoint.allow_unverified is given.
 
 --dtype casts the weights (default: keep the dtype they are stored in). Output folders are
-written under a temporary name next to their final one and renamed when complete; an existing
-non-empty output folder is an error.
+written under a new temporary name next to their final one and renamed when complete; an existing
+non-empty output folder, or a symbolic link in its place, is an error.
 """
 
 import dataclasses
 import logging
 import os
 import re
+import secrets
 import shutil
 import sys
 import warnings
@@ -56,7 +57,7 @@ from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchpre.errors import TorchpreError
+from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.interchange.folder import (
     SAFETENSORS,
     give_default_modes,
@@ -249,7 +250,13 @@ def _save_safetensors(state_dict: dict[str, Tensor], folder: Path, max_shard_siz
 
 
 def _check_output_free(target: Path) -> None:
-    """Before any work: the output folder must not exist or be empty (stale files would mix in)."""
+    """Before any work: the output folder must not exist or be empty (stale files would mix in), and must not be a
+    symbolic link (the output would land wherever it leads)."""
+    if target.is_symlink():
+        raise UntrustedInput(
+            f"Output {target} is a symbolic link; convert writes a folder of its own there and never writes through a "
+            "link. Give the real path, or another one."
+        )
     if target.exists() and not (target.is_dir() and not any(target.iterdir())):
         raise TorchpreError(f"Output {target} already exists and is not an empty folder; remove it or choose another.")
 
@@ -258,7 +265,7 @@ def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     """Runs `write` on a sibling temporary folder, then renames it to `target`, so `target` only
     ever appears complete."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    temporary = target.parent / f".tmp-{target.name}-{secrets.token_hex(6)}"
     temporary.mkdir()
     try:
         write(temporary)

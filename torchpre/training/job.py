@@ -217,6 +217,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         batch,
         {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
          "accumulation_steps": batch.sizes.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
+        pre.plan.stages.record(),
     )  # fmt: skip
     after_step = partial(pre.model_spec.after_optimizer_step, model.parts, pre.model_args, device)
     guard = StepGuard(
