@@ -63,6 +63,7 @@ from torchpre.interchange.folder import (
     give_default_modes,
     save_safetensors,
     shard_file_name,
+    sign_folder,
     write_index,
     write_metadata,
 )
@@ -121,6 +122,7 @@ def dcp_to_hf(
 ) -> None:
     dcp_state_dict = _load_dcp_model(step_dir, loader)  # its errors name the folder already
     check_saved_rope(step_dir, model.args, loader.check.trust)
+    signing_key = loader.check.trust.signing_key  # a job holding the key signs what it exports
     try:
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:
@@ -138,6 +140,8 @@ def dcp_to_hf(
         write_metadata(folder, model.hf, model.args, model.tokenizer, max_length, torch_dtype)
         _save_safetensors(state_dict, folder, max_shard_size)
         give_default_modes(folder)
+        if signing_key is not None:
+            sign_folder(folder, signing_key)
 
     _write_atomically(out_dir, write)
     logger.info(f"Wrote the Hugging Face model {out_dir} ({torch_dtype}) from {step_dir}")

@@ -359,6 +359,16 @@ def file_problem(folder: Path, name: str, record: FileRecord) -> str | None:
     return _digest_problem(file, record, crc, None if sha is None else sha.hexdigest())
 
 
+def file_record(path: Path) -> dict[str, int | str]:
+    """The manifest record of the regular file `path` as a signed save writes it: size, CRC-32, SHA-256."""
+    crc, sha, size = 0, hashlib.sha256(), 0
+    with open_file(path.parent, path.name) as stream:
+        while chunk := stream.read(1 << 24):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+            sha.update(chunk)
+    return {"size": size, "crc32": crc, "sha256": sha.hexdigest()}
+
+
 def _digest_problem(file: Path, record: FileRecord, crc: int, sha256: str | None) -> str | None:
     if record.sha256 is not None and sha256 != record.sha256:
         return f"{file} fails its SHA-256 check (its bytes changed after the save)"

@@ -471,7 +471,14 @@ class Checkpoint:
     signing_key_file: str = _option(
         "",
         "a file holding a secret key: every save signs its manifest (HMAC-SHA256 over each file's SHA-256) and every "
-        "load refuses a checkpoint not signed with this key; empty: no signing (the CRC-32 integrity check stays)",
+        "load refuses a checkpoint not signed with this key (Hugging Face exports are signed and checked too); "
+        "empty: no signing (the CRC-32 integrity check stays)",
+    )
+    allow_unsigned_hf: bool = _option(
+        False,
+        "with signing_key_file set, accept an unsigned Hugging Face folder as the weights of "
+        "checkpoint.initial_load_path or `convert hf-to-dcp` (a model as released, which no key of yours signed), "
+        "with a warning naming it; off: refused",
     )
 
 

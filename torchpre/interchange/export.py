@@ -53,6 +53,7 @@ from torchpre.interchange.folder import (
     give_default_modes,
     save_safetensors,
     shard_file_name,
+    sign_folder,
     write_index,
     write_metadata,
 )
@@ -71,7 +72,8 @@ class TensorInfo:
 
 class HFExporter:
     """Writes one job's Hugging Face exports into `folder` as `settings` ([hf_export]) says; `export` is collective.
-    `max_length` is the context written to the config (`model_context`)."""
+    `max_length` is the context written to the config (`model_context`); with `signing_key` (the job's
+    checkpoint.signing_key_file) each export is signed."""
 
     def __init__(
         self,
@@ -82,8 +84,10 @@ class HFExporter:
         args: Any,
         tokenizer: Tokenizer,
         max_length: int,
+        signing_key: bytes | None = None,
     ):
         self.folder, self.settings, self.model = folder, settings, model
+        self.signing_key = signing_key
         self.adapter, self.args, self.tokenizer, self.max_length = spec.hf, args, tokenizer, max_length
         self.rank = dist.get_rank()
         tied = spec.tied_weights(args)
@@ -231,6 +235,8 @@ class HFExporter:
                     weight_map = {name: file for file, sizes, _ in parts for name in sizes}
                     write_index(tmp, weight_map, sum(sum(sizes.values()) for _, sizes, _ in parts))
                 give_default_modes(tmp)
+                if self.signing_key is not None:
+                    sign_folder(tmp, self.signing_key, skipped=frozenset({MARKER}))
                 publish(tmp, final)
                 (final / MARKER).unlink()  # a Hugging Face folder holds its own files only; retention marks it again
             except OSError as failure:
