@@ -62,29 +62,33 @@ class RNGState:
             torch.cuda.set_rng_state(state_dict[f"cuda_rank{self.rank}"])
 
 
-def checkpoint_metadata(check: FileCheck) -> dict[str, Any]:
+def checkpoint_metadata(check: FileCheck, allow_pickle: bool = False) -> dict[str, Any]:
     """The checked folder's flattened keys ("model.layers.0...") and their metadata, `state.json`'s values as
-    BytesStorageMetadata; a clear error if the folder is not a readable checkpoint."""
-    metadata = read_metadata(check.step_dir, check).state_dict_metadata
+    BytesStorageMetadata; a clear error if the folder is not a readable checkpoint (`allow_pickle`: see
+    `reader.read_metadata`)."""
+    metadata = read_metadata(check.step_dir, check, allow_pickle).state_dict_metadata
     values = read_values(check) or {}
     return metadata | dict.fromkeys(values, BytesStorageMetadata())
 
 
-def read_train_values(step_dir: Path, keys: Sequence[str], trust: Trust) -> dict[str, float]:
+def read_train_values(
+    step_dir: Path, keys: Sequence[str], trust: Trust, allow_pickle: bool = False
+) -> dict[str, float]:
     """The checkpoint's "train" entries named in `keys` that it holds (a scalar each: global batch, seq_len, RoPE),
-    read without a process group, before anything is built, from files the manifest vouches for; {} if it holds
-    none or cannot be read (a damaged checkpoint is named, and skipped, by the checked load that follows). A folder
-    that holds code or names files outside itself is refused at once (UntrustedInput)."""
+    read without a process group, before anything is built, from files the manifest vouches for (with
+    checkpoint.`allow_pickle` as the load will); {} if it holds none or cannot be read (a damaged checkpoint is named,
+    and skipped, by the checked load that follows). A folder that holds code or names files outside itself is refused
+    at once (UntrustedInput)."""
     check = FileCheck(step_dir, trust)
     try:
         values = read_values(check)
         if values is not None:
             return {key: float(values[f"train.{key}"]) for key in keys if f"train.{key}" in values}
-        recorded = read_metadata(step_dir, check).state_dict_metadata
+        recorded = read_metadata(step_dir, check, allow_pickle).state_dict_metadata
         request = {"train": {key: 0.0 for key in keys if f"train.{key}" in recorded}}
         if not request["train"]:
             return {}
-        Loader(check).load(request, no_dist=True)
+        Loader(check, allow_pickle).load(request, no_dist=True)
     except UntrustedInput:
         raise
     except Exception:  # DCP raises several types for damaged files
