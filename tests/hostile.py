@@ -1,11 +1,14 @@
 """Hostile files built from genuine ones, for the tests of the trust boundary (docs/security.md): each payload only
 appends a line to a marker file, so a test passes when the marker stays absent."""
 
+import io
 import json
 import pickle
+import struct
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.launch import manifest_record
@@ -49,6 +52,19 @@ def replace_metadata_json(step_dir: Path, edit) -> None:
     record = json.loads(path.read_text())
     edit(record)
     path.write_text(json.dumps(record))
+
+
+def legacy_format(tensor: torch.Tensor, numel: int | None = None) -> bytes:
+    """`tensor` as torch.save's legacy (pre-1.6) format writes it; with `numel`, its storage claims that many
+    elements, which torch.load would allocate before reading a byte. `tensor` holds one element or more."""
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer, _use_new_zipfile_serialization=False)
+    data = buffer.getvalue()
+    if numel is not None:  # the storage's key is (..., "cpu", numel, None): BININT1/BININT2/BININT, NONE, TUPLE
+        size = pickle.dumps(tensor.numel(), protocol=2)[2:-1] + b"Nt"
+        assert data.count(size) == 1, "the storage's size is not where torch 2.x writes it"
+        data = data.replace(size, b"J" + struct.pack("<i", numel) + b"Nt")
+    return data
 
 
 def replace_entry_bytes(step_dir: Path, fqn: str, data: bytes) -> None:

@@ -19,7 +19,6 @@ import os
 import pickle
 import re
 import shutil
-import struct
 import zipfile
 from pathlib import Path, PurePath
 
@@ -34,6 +33,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from tests.hostile import (
     Payload,
     legacy_checkpoint,
+    legacy_format,
     remove_file,
     replace_entry_bytes,
     replace_metadata,
@@ -315,17 +315,6 @@ def test_a_storage_file_that_links_out_of_the_folder_is_never_read(saved, tmp_pa
         checkpoints.load(saved)
 
 
-def _legacy_format(tensor: torch.Tensor, numel: int | None = None) -> bytes:
-    """`tensor` as torch.save's legacy (pre-1.6) format writes it; with `numel`, its storage claims that many
-    elements, which torch.load would allocate before reading a byte."""
-    buffer = io.BytesIO()
-    torch.save(tensor, buffer, _use_new_zipfile_serialization=False)
-    data = buffer.getvalue()
-    if numel is not None:  # the storage's key is (..., "cpu", numel, None): BININT1 1, NONE, TUPLE
-        data = data.replace(b"K\x01Nt", b"J" + struct.pack("<i", numel) + b"Nt", 1)
-    return data
-
-
 def _compressed(tensor: torch.Tensor) -> bytes:
     """`tensor`'s torch.save archive with its records deflated, which torch.load reads (and inflates) too."""
     buffer, out = io.BytesIO(), io.BytesIO()
@@ -347,7 +336,7 @@ def test_tensor_bytes_in_a_form_dcp_never_writes_are_refused(saved, form, why):
     buffer = io.BytesIO()
     torch.save(weight if form != "not-a-tensor" else {"w": weight}, buffer)
     data = {
-        "legacy": _legacy_format(weight),
+        "legacy": legacy_format(weight),
         "compressed": _compressed(weight),
         "truncated": buffer.getvalue()[: len(buffer.getvalue()) // 2] + bytes(64),
         "garbled-pickle": _with_record(buffer.getvalue(), "data.pkl", b"\x80\x02garbage."),
@@ -375,7 +364,7 @@ def test_the_fixtures_non_tensor_entries_decode_as_torch_load_reads_them_without
 
 def test_a_legacy_format_entry_is_refused_before_anything_is_allocated(monkeypatch):
     """torch.load of these few hundred bytes would allocate 2.8 GB for the storage they claim."""
-    claim = _legacy_format(torch.zeros(1), numel=700_000_000)
+    claim = legacy_format(torch.zeros(1), numel=700_000_000)
     monkeypatch.setattr(torch, "load", None)
     with pytest.raises(NotAnArchive, match="it is not in torch.save's zip format"):
         read_plain_value(claim)
@@ -411,7 +400,7 @@ def _with_record(archive: bytes, name: str, content: bytes) -> bytes:
 def test_a_legacy_entry_in_legacy_format_is_refused_by_the_load(saved):
     legacy_checkpoint(saved, "train.step", 2)
     assert _loaded_step(_manager(saved.parent), saved) == 2
-    replace_entry_bytes(saved, "train.step", _legacy_format(torch.zeros(1), numel=700_000_000))
+    replace_entry_bytes(saved, "train.step", legacy_format(torch.zeros(1), numel=700_000_000))
     with pytest.raises(UntrustedInput, match="entry 'train.step': it is no plain value .*not in torch.save's zip"):
         _manager(saved.parent).load(saved)
 

@@ -30,7 +30,17 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torchpre.checkpoint.metadata_checks import DTYPES, MAX_RANK, refused
-from torchpre.checkpoint.pickled import OBJECT_OPCODES, PLAIN_OPCODES, Global, Grammar, Record, Refused, interpret
+from torchpre.checkpoint.pickled import (
+    OBJECT_OPCODES,
+    PLAIN_OPCODES,
+    Global,
+    Grammar,
+    NotAPickle,
+    Record,
+    Refused,
+    interpret,
+)
+from torchpre.errors import TorchpreError
 
 _MODULE = "torch.distributed.checkpoint.metadata"
 _NONE = type(None)
@@ -162,9 +172,14 @@ METADATA = Grammar(
 
 def read_pickled_metadata(data: bytes, source: Path) -> Any:
     """What the pickled metadata `data` (the file `source`) holds, built by the interpreter under `METADATA`; an
-    UntrustedInput naming `source`, the opcode and what it refused otherwise. Whether it is DCP's Metadata, and
-    means what DCP writes, is for `metadata_checks.check_metadata`."""
+    UntrustedInput naming `source`, the opcode and what it refused otherwise (a TorchpreError for bytes that are no
+    pickle: damage). Whether it is DCP's Metadata, and means what DCP writes, is for `check_metadata`."""
     try:
         return interpret(data, METADATA)
+    except NotAPickle as error:
+        raise TorchpreError(
+            f"Cannot read the checkpoint at {source.parent} ({source.name}: {error}): it is damaged or no "
+            "torch.distributed.checkpoint folder. Give a complete step-N folder."
+        ) from None
     except Refused as error:
         raise refused(source, str(error)) from None

@@ -36,6 +36,10 @@ class Refused(Exception):
     """What the interpreter refused and where (the opcode, its byte position); the caller adds the file."""
 
 
+class NotAPickle(Refused):
+    """Bytes that are no pickle at all (an unknown opcode, a truncated argument, no STOP): damage, not code."""
+
+
 @dataclass(frozen=True)
 class Record:
     """A class a pickle may instantiate with NEWOBJ (no arguments) and give fields with one BUILD: `build` turns
@@ -121,7 +125,7 @@ class _Machine:
                     raise Refused(f"its {self.where} leaves {len(self.stack)} objects, not one")
                 return self.stack[0]
             _HANDLERS[name](self, arg)
-        raise Refused("it ends without STOP")
+        raise NotAPickle("it ends without STOP")
 
     def refuse(self, why: str) -> Refused:
         return Refused(f"{why} ({self.where})")
@@ -263,7 +267,7 @@ def _opcodes(data: bytes) -> Iterator[tuple[str, Any, int]]:
         for opcode, arg, position in pickletools.genops(data):
             yield opcode.name, arg, position
     except ValueError as error:  # an unknown opcode, a truncated argument
-        raise Refused(f"it is no pickle ({error})") from None
+        raise NotAPickle(f"it is no pickle ({error})") from None
 
 
 def _describe(value: Any) -> str:
