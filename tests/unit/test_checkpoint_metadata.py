@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
 from torch.distributed.tensor import Shard, distribute_tensor
 
+import torchpre.checkpoint.manager as manager
 from tests.hostile import (
     Payload,
     legacy_checkpoint,
@@ -47,7 +48,7 @@ from torchpre.checkpoint.metadata_checks import MAX_BYTES_ENTRY, check_metadata
 from torchpre.checkpoint.metadata_json import METADATA_JSON, decode
 from torchpre.checkpoint.metadata_pickle import read_pickled_metadata
 from torchpre.checkpoint.pickled import Refused
-from torchpre.checkpoint.reader import read_metadata
+from torchpre.checkpoint.reader import SafeReader, read_metadata
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.checkpoint.torch_save import MAX_PLAIN_VALUE, NotAnArchive, read_plain_value
 from torchpre.errors import TorchpreError, UntrustedInput
@@ -313,6 +314,32 @@ def test_a_storage_file_that_links_out_of_the_folder_is_never_read(saved, tmp_pa
         expected = f"is corrupt: {saved / MANIFEST}: files\\['__0_0.distcp'\\] names '__0_0.distcp', which is, or leads"
     with pytest.raises(TorchpreError, match=expected):
         checkpoints.load(saved)
+
+
+@pytest.mark.parametrize("swapped", ["before DCP reads the metadata", "after"])
+def test_a_data_file_swapped_for_a_link_after_the_checks_is_never_read(saved, tmp_path, monkeypatch, swapped):
+    """The folder was checked whole and its metadata read; then the data file becomes a link out of it. DCP's own
+    read of the metadata refuses the folder (and DCP's report of it, an AssertionError quoting the refusal, is
+    raised as the refusal), and the read of the data opens the file inside the folder without following a link."""
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(saved / "__0_0.distcp", outside)
+    owner, name = (manager, "checkpoint_metadata") if swapped.startswith("before") else (SafeReader, "read_metadata")
+    read = getattr(owner, name)
+
+    def read_then_swap(*args, **kwargs):
+        metadata = read(*args, **kwargs)
+        (saved / "__0_0.distcp").unlink()
+        os.symlink(outside, saved / "__0_0.distcp")
+        return metadata
+
+    monkeypatch.setattr(owner, name, read_then_swap)
+    expected = (
+        rf"{saved / MANIFEST}: files\['__0_0.distcp'\] names '__0_0.distcp', which is, or leads through, a symbolic"
+        if swapped.startswith("before")
+        else rf"{saved / '__0_0.distcp'} \(named by .*\) is, or leads through, a"
+    )
+    with pytest.raises(UntrustedInput, match=expected):
+        _manager(saved.parent).load(saved)
 
 
 def _compressed(tensor: torch.Tensor) -> bytes:

@@ -131,9 +131,14 @@ class SafeReader(FileSystemReader):
         super().__init__(str(step_dir))
         self.step_dir, self.check, self.allow_pickle = step_dir, check, allow_pickle
         self.source = step_dir / METADATA  # the metadata file that names the data files, once read
+        self.refusal: TorchpreError | None = None  # why `read_metadata` refused, which DCP reports only as text
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata, self.source = _read_metadata(self.step_dir, self.check, self.allow_pickle)
+        try:
+            metadata, self.source = _read_metadata(self.step_dir, self.check, self.allow_pickle)
+        except TorchpreError as error:
+            self.refusal = error
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -208,16 +213,20 @@ def _read_tensor(window: Window, where: str) -> torch.Tensor:
 
 
 @contextmanager
-def _refusals_unwrapped() -> Iterator[None]:
-    """DCP reports what a rank raised while reading as a CheckpointException on every rank; a refusal (a
-    TorchpreError: a file the manifest does not vouch for, an entry that is no plain value) is raised as itself,
-    so that every rank prints its one paragraph."""
+def _refusals_unwrapped(reader: SafeReader) -> Iterator[None]:
+    """DCP reports what a rank raised while reading as a CheckpointException on every rank, and a failed read of the
+    metadata as an AssertionError quoting it; a refusal (a TorchpreError: a file the manifest does not vouch for, an
+    entry that is no plain value) is raised as itself, so that every rank prints its one paragraph."""
     try:
         yield
     except CheckpointException as error:
         refusals = [failure for failure, _ in error.failures.values() if isinstance(failure, TorchpreError)]
-        if refusals:
-            raise refusals[0] from None
+        if reader.refusal is not None or refusals:
+            raise reader.refusal or refusals[0] from None
+        raise
+    except AssertionError:
+        if reader.refusal is not None:
+            raise reader.refusal from None
         raise
 
 
@@ -290,12 +299,10 @@ class Loader:
         with warnings.catch_warnings():
             if no_dist:  # DCP warns that it loads in one process, which is what no_dist asks for
                 warnings.simplefilter("ignore", UserWarning)
-            with _refusals_unwrapped():
+            reader = SafeReader(step_dir, self.check, self.allow_pickle)
+            with _refusals_unwrapped(reader):
                 dcp.load(
-                    state,
-                    storage_reader=SafeReader(step_dir, self.check, self.allow_pickle),
-                    planner=SafeLoadPlanner(step_dir, self.allow_pickle),
-                    no_dist=no_dist,
+                    state, storage_reader=reader, planner=SafeLoadPlanner(step_dir, self.allow_pickle), no_dist=no_dist
                 )
 
     def load_whole(self) -> dict[str, Any]:
@@ -304,6 +311,6 @@ class Loader:
         reader, planner = SafeReader(self.check.step_dir, self.check), WholeLoadPlanner(self.check.step_dir, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            with _refusals_unwrapped():
+            with _refusals_unwrapped(reader):
                 _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
         return state
