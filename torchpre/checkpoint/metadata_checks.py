@@ -44,7 +44,7 @@ DTYPES: dict[str, torch.dtype] = {
     for name in (
         "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16", "int8",
         "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-        "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
     )
     if isinstance(getattr(torch, name, None), torch.dtype)  # torch 2.11 has them all; a newer one may rename
 }  # fmt: skip
