@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import torchpre.checkpoint.manager as manager
@@ -295,6 +301,25 @@ def test_a_metadata_json_field_of_the_wrong_type_is_refused_by_name(saved, edit,
     rewrite_manifest(saved)
     with pytest.raises(UntrustedInput, match=why):
         read_metadata(saved, FileCheck(saved))
+
+
+def test_an_entry_saved_as_a_tensor_where_the_load_asks_for_a_plain_value_is_named(saved):
+    """DCP would fail deep inside its planner (a plain value has no chunks); the other way round the entry's bytes
+    would replace a tensor of the model with whatever they decode to."""
+    legacy_checkpoint(saved, "train.step", 2)
+
+    def step_as_a_tensor(metadata):
+        index = next(index for index in metadata.storage_data if index.fqn == "train.step")
+        properties = TensorProperties(dtype=torch.float32)
+        metadata.state_dict_metadata["train.step"] = TensorStorageMetadata(
+            properties, torch.Size([]), [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+        )
+        metadata.storage_data[MetadataIndex("train.step", torch.Size([]))] = metadata.storage_data.pop(index)
+
+    replace_metadata(saved, step_as_a_tensor)
+    rewrite_manifest(saved)
+    with pytest.raises(TorchpreError, match=r"train.step: checkpoint a tensor of shape \(\) vs model a plain value"):
+        _manager(saved.parent).load(saved)
 
 
 # Reading data ---------------------------------------------------------------------------------------------------------

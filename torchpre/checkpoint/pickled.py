@@ -216,7 +216,7 @@ class _Machine:
             except TypeError:  # an unhashable key
                 raise self.refuse(f"it uses a {_describe(key)} as a key") from None
             if present:
-                raise self.refuse(f"it gives the key {key!r} twice")
+                raise self.refuse(f"it gives the key {_shown(key)} twice")
             target[key] = value
 
     # Globals and objects -------------------------------------------------------------------------------------

@@ -120,23 +120,33 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
-    """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, and
+    """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, every entry saved
+    as a tensor where `request` holds a plain value or the other way round (DCP would fail deep inside the load), and
     the model weights the checkpoint lacks."""
     mismatched, missing = [], []
     for key, value in flatten(request).items():
         meta = saved.get(key)
         if key.startswith("model.") and meta is None:
             missing.append(key)
-        elif isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
-            if tuple(meta.size) != tuple(value.shape):
-                mismatched.append(f"{key}: checkpoint {tuple(meta.size)} vs model {tuple(value.shape)}")
+        elif meta is not None and isinstance(meta, TensorStorageMetadata) != isinstance(value, torch.Tensor):
+            mismatched.append(f"{key}: checkpoint {_kind(meta)} vs model {_kind(value)}")
+        elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
+            mismatched.append(f"{key}: checkpoint {tuple(meta.size)} vs model {tuple(value.shape)}")
     if mismatched or missing:
         details = "; ".join(mismatched[:8] + [f"{k}: not in the checkpoint" for k in missing[:8]])
         raise TorchpreError(
-            f"The checkpoint at {step_dir} does not fit this model ({len(mismatched)} tensors with other shapes, "
-            f"{len(missing)} missing): {details}. Check model.flavor and model.tokenizer_path against the "
+            f"The checkpoint at {step_dir} does not fit this model ({len(mismatched)} entries of another shape or "
+            f"kind, {len(missing)} missing): {details}. Check model.flavor and model.tokenizer_path against the "
             "checkpoint's config.toml."
         )
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, TensorStorageMetadata):
+        return f"a tensor of shape {tuple(value.size)}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return "a plain value"
 
 
 def require_present(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
