@@ -34,6 +34,8 @@ CHECKPOINT = "tests/unit/test_checkpoint_integrity.py"
 TRUST_TEST = "tests/unit/test_checkpoint_trust.py"
 BINDING_TEST = "tests/unit/test_checkpoint_binding.py"
 RUN_FOLDER_WRITES = "tests/unit/test_run_folder_writes.py"
+PICKLED_TEST = "tests/unit/test_pickled.py"
+METADATA_TEST = "tests/unit/test_checkpoint_metadata.py"
 BAD_INPUT = "tests/integration/test_bad_input.py"
 MANIFEST_TEST = f"{CHECKPOINT}::test_the_manifest_records_every_file"
 PUBLICATION_TEST = (
@@ -611,14 +613,43 @@ BREAKS = [
           "elif [[ -z $STOPPED_AFTER ]]; then",
           "elif false; then",
           (SLURM_SCRIPT_TEST,), "a training that ran to its last step as the warning came is requeued"),
-    Break("metadata-unpickler-allows-any-class", "torchpre/checkpoint/reader.py",
-          '        raise _Refused(f"it names {module}.{name}, which a checkpoint\'s metadata never holds")',
-          "        return super().find_class(module, name)",
-          (TRUST_TEST,), "a checkpoint's .metadata runs the code it names"),
-    Break("non-tensor-entries-with-full-pickle", "torchpre/checkpoint/reader.py",
-          "            loaded = torch.load(value, weights_only=not self.allow_pickle)",
-          "            loaded = torch.load(value, weights_only=False)",
-          (TRUST_TEST,), "a non-tensor checkpoint entry runs the code it names"),
+    Break("interpreter-builds-on-a-global", "torchpre/checkpoint/pickled.py",
+          "            raise self.refuse(\n                f\"it sets the fields of {_describe(target)}: only an "
+          "object this pickle made is given fields, once\"\n            )",
+          "            vars(target).update(state)\n            return self.push(target)",
+          (PICKLED_TEST,), "a pickled .metadata gives fields to (modifies) a global it names, as BUILD on a class"),
+    Break("interpreter-shares-containers", "torchpre/checkpoint/pickled.py",
+          "        if not (type(value) in _SCALARS or type(value) in self.grammar.immutable or isinstance(value, "
+          "Global)):",
+          "        if False:",
+          (PICKLED_TEST,), "a pickle uses one list or dict twice: cycles, and work multiplied for whatever walks it"),
+    Break("chunks-not-checked-to-tile-the-shape", "torchpre/checkpoint/metadata_checks.py",
+          "    return _tiling_problem(size, chunks)", "    return None",
+          (f"{METADATA_TEST}::test_metadata_that_means_what_dcp_never_writes_is_refused_by_name",),
+          "chunks with a gap load, the gap left as uninitialised memory in the weights"),
+    Break("storage-record-past-its-file", "torchpre/checkpoint/metadata_checks.py",
+          "        if info.offset + info.length > sizes[name]:", "        if False:",
+          (f"{METADATA_TEST}::test_metadata_that_means_what_dcp_never_writes_is_refused_by_name",),
+          "a storage record past the end of its file is used"),
+    Break("metadata-json-not-preferred", "torchpre/checkpoint/reader.py",
+          "    name = METADATA_JSON if listed else METADATA", "    name = METADATA",
+          (f"{METADATA_TEST}::test_a_save_lists_metadata_json_in_its_manifest_and_loads_read_it_never_the_pickle",),
+          "a torchpre checkpoint's pickled .metadata is read though its metadata.json is there"),
+    Break("data-file-opened-through-a-link", "torchpre/checkpoint/reader.py",
+          '            with open_file(self.step_dir, name, self.source, "storage_data relative_path") as file:',
+          '            with open(self.step_dir / name, "rb") as file:',
+          (f"{METADATA_TEST}::test_a_data_file_swapped_for_a_link_after_the_checks_is_never_read",),
+          "a checkpoint's data file is read through a symbolic link out of its folder"),
+    Break("tensor-bytes-not-checked-as-an-archive", "torchpre/checkpoint/reader.py",
+          "        open_archive(window, window.length)", "        window.seek(0)",
+          (f"{METADATA_TEST}::test_tensor_bytes_in_a_form_dcp_never_writes_are_refused",),
+          "a tensor's bytes in torch's legacy format (or compressed) reach torch.load, which allocates what they say"),
+    Break("legacy-entry-decoded-with-torch-load", "torchpre/checkpoint/reader.py",
+          "        loaded = torch.load(value, weights_only=False) if self.allow_pickle else self._plain(fqn, "
+          "value.getvalue())",
+          "        loaded = torch.load(value, weights_only=not self.allow_pickle)",
+          (f"{METADATA_TEST}::test_a_legacy_entry_in_legacy_format_is_refused_by_the_load",),
+          "a non-tensor entry is decoded by torch.load, which allocates what a legacy-format entry claims"),
     Break("confined-path-allows-dotdot", "torchpre/confined.py",
           '    if ".." in PurePosixPath(name).parts:', "    if False:",
           (TRUST_TEST,), "a file name read from a file climbs out of its folder with '..'"),

@@ -121,7 +121,7 @@ def dcp_to_hf(
     step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int, loader: Loader
 ) -> None:
     dcp_state_dict = _load_dcp_model(step_dir, loader)  # its errors name the folder already
-    check_saved_rope(step_dir, model.args, loader.check.trust)
+    check_saved_rope(step_dir, model.args, loader.check.trust, loader.allow_pickle)
     signing_key = loader.check.trust.signing_key  # a job holding the key signs what it exports
     try:
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
@@ -218,7 +218,7 @@ def _load_dcp_model(step_dir: Path, loader: Loader) -> dict[str, Tensor]:
     if not (step_dir / ".metadata").is_file():
         raise TorchpreError(f"{step_dir} is not a torch.distributed.checkpoint folder: it has no .metadata file.")
     require_intact(step_dir, loader.check.key, loader.check.trust)
-    metadata = read_metadata(step_dir, loader.check.whole_folder_checked())
+    metadata = read_metadata(step_dir, loader.check.whole_folder_checked(), loader.allow_pickle)
     state_dict = {
         key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()

@@ -424,17 +424,22 @@ class FileCheck:
         self._checked.add(name)
         return data
 
-    def _record(self, name: str) -> FileRecord | None:
-        """`name`'s manifest record; None when the folder has no manifest (and may be read unchecked)."""
+    def records(self) -> dict[str, FileRecord] | None:
+        """The manifest's records, read once; None for a folder without a manifest (which `trust` accepts)."""
         if not self._read:
             self._records, self._read = read_manifest(self.step_dir, self.trust.signing_key, self.trust.run), True
             if self._records is None and not self._whole:  # the whole folder's check accepted it, with its warning
                 accept_unverified(self.step_dir, self.key, self.trust)
-        if self._records is None:
+        return self._records
+
+    def _record(self, name: str) -> FileRecord | None:
+        """`name`'s manifest record; None when the folder has no manifest (and may be read unchecked)."""
+        records = self.records()
+        if records is None:
             return None
-        if name not in self._records:
+        if name not in records:
             self._raise_if(f"{self.step_dir / name} is not in its {MANIFEST}")
-        return self._records[name]
+        return records[name]
 
     def _raise_if(self, problem: str | None) -> None:
         if problem:

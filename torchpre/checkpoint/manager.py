@@ -434,7 +434,7 @@ class CheckpointManager:
         """
         key = "checkpoint.initial_load_path" if weights_only else "checkpoint.load_step"
         check = self._require_intact(step_dir, key, weights_only)
-        metadata = checkpoint_metadata(check)
+        metadata = checkpoint_metadata(check, self.settings.allow_pickle)
         values = read_values(check) or {}
         saved = set(metadata)
         weights_only = weights_only or all(key.startswith(f"{WEIGHTS}.") for key in saved)
