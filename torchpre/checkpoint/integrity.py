@@ -353,7 +353,8 @@ def file_problem(folder: Path, name: str, record: FileRecord) -> str | None:
     except FileNotFoundError:
         return f"{file} is missing"
     except UntrustedInput:
-        return f"{file} is a symbolic link or no regular file, not a saved file"
+        kind = "a symbolic link" if file_kind(folder, name) == "link" else "no regular file"
+        return f"{file} is {kind}, not a saved file"
     except OSError as error:
         return f"{file} cannot be read ({error})"
     return _digest_problem(file, record, crc, None if sha is None else sha.hexdigest())
