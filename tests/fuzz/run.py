@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -130,7 +131,10 @@ class Fuzzer:
             if path.name == "resume-latest" and entry.name == "step-2" and what in ("remove", "folder"):
                 may_change = True  # no checkpoint to resume: -1 starts afresh, as documented
         else:
-            what, may_change = mutator(target.format, case, self.genuine)(entry, rng)
+            try:
+                what, may_change = mutator(target.format, case, self.genuine)(entry, rng)
+            except (ValueError, IndexError, KeyError, TypeError, struct.error):  # an earlier mutation broke its form
+                what, may_change = formats.binary(may_change=False)(entry, rng)
         return formats.Mutation(target.path, what, may_change)
 
     def _run(self, case: Path, path: LoadPath, outcome: Outcome) -> dict:

@@ -465,8 +465,9 @@ class Checkpoint:
     )
     allow_pickle: bool = _option(
         False,
-        "load non-tensor checkpoint entries with full pickle, which runs any code they name: only for a foreign "
-        "checkpoint from someone you trust (torchpre's own hold none; docs/security.md); off: plain values only",
+        "read a foreign checkpoint's pickled .metadata that the restricted interpreter refuses, and its non-tensor "
+        "entries, with full pickle, which runs any code they name: only for a checkpoint from someone you trust "
+        "(torchpre's own hold nothing pickled; docs/security.md); off: DCP's records and plain values only",
     )
     signing_key_file: str = _option(
         "",
