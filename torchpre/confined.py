@@ -8,9 +8,11 @@ of the name (`openat2` with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS where the kern
 component otherwise), and must be a regular file on the open descriptor, so that what is checked is what is read. The
 folder itself is the caller's choice (a key of the config, an argument): a link there is followed.
 
-Writing (`write_file`, `open_new`, `open_for_append`, `touch_marker`): a file is created with O_EXCL | O_NOFOLLOW
-under a fresh temporary name and renamed into place, which replaces a symbolic link at the name instead of writing
-through it; an existing file is appended to only when it is a regular file, opened without following a link.
+Writing (`write_file`, `open_replacing`, `replacing_path`, `open_new`, `open_for_append`, `touch_marker`,
+`make_folder`): a file is created with O_EXCL | O_NOFOLLOW under a fresh temporary name and renamed into place, which
+replaces a symbolic link at the name instead of writing through it; an existing file is appended to only when it is a
+regular file, opened without following a link; a folder torchpre writes into is created, or must already be a folder,
+never a link to one.
 """
 
 from __future__ import annotations
@@ -232,13 +234,30 @@ def write_file(path: Path, data: bytes | str, durable: bool = False) -> None:
     """Replaces `path` with `data` (a str as UTF-8) all at once: a reader sees the old content or the new one. The
     bytes go to a new file of a fresh name beside it (O_EXCL | O_NOFOLLOW), renamed over `path`: a symbolic link
     at `path` is replaced, never written through. `durable` flushes the file to the disk before the rename."""
-    content = data.encode("utf-8") if isinstance(data, str) else data
+    with open_replacing(path, durable) as file:
+        file.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextmanager
+def open_replacing(path: Path, durable: bool = False) -> Iterator[BinaryIO]:
+    """A new file, written in pieces by the body, that replaces `path` when the body ends without error, as
+    `write_file` replaces it (for content too large to hold twice, such as a token shard)."""
     with _temporary_beside(path) as (file, temporary):
-        file.write(content)
+        yield file
         file.flush()
         if durable:
             os.fsync(file.fileno())
         file.close()
+        os.replace(temporary, path)
+
+
+@contextmanager
+def replacing_path(path: Path) -> Iterator[Path]:
+    """The name of a new empty file beside `path`, for a library that writes a file by its name (safetensors, the
+    profiler); renamed over `path` when the body ends without error, as `write_file` replaces it."""
+    with _temporary_beside(path) as (file, temporary):
+        file.close()
+        yield temporary
         os.replace(temporary, path)
 
 
@@ -288,6 +307,28 @@ def touch_marker(path: Path) -> None:
             raise UntrustedInput(_not_a_file(path, "not a regular file (a symbolic link, a folder)")) from None
 
 
+def make_folder(folder: Path, name: str | PurePosixPath = "") -> Path:
+    """`folder/name`, a folder torchpre writes into, created if missing. `folder` (the run's folder, a key of the
+    config, an argument) is the caller's choice, and a link there is followed, as is an absolute `name`; each
+    component of a relative `name` must be a folder itself: a symbolic link, even to a folder, or a file there is an
+    UntrustedInput error naming it, never written through."""
+    path = folder / name
+    if PurePosixPath(name).is_absolute():
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    current = folder
+    for part in PurePosixPath(name).parts:
+        current = current / part
+        try:
+            os.mkdir(current)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(current).st_mode):
+                what = "a symbolic link" if current.is_symlink() else "not a folder"
+                raise UntrustedInput(_not_a_folder(current, what)) from None
+    return path
+
+
 def is_regular_file(path: Path) -> bool:
     """Whether `path` itself is a regular file (a symbolic link, even to a file, is not)."""
     try:
@@ -300,4 +341,12 @@ def _not_a_file(path: Path, what: str) -> str:
     return (
         f"{path} is {what}, where torchpre writes a file of its own. It never writes through a link, which could lead "
         "out of the folder: remove it, or give the job another folder (docs/security.md)."
+    )
+
+
+def _not_a_folder(path: Path, what: str) -> str:
+    return (
+        f"{path} is {what}, where torchpre keeps a folder of its own. It never writes through a link, which could "
+        "lead out of the run's folder: remove it, or give the job another folder; to keep checkpoints or exports on "
+        "another disk, set checkpoint.folder or hf_export.folder to that path (docs/security.md)."
     )

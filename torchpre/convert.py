@@ -23,14 +23,15 @@ and the manifest.json (each file's size and CRC-32) that loading checks; start t
 refuses one without a manifest unless --checkpoint.allow_unverified is given.
 
 --dtype casts the weights (default: keep the dtype they are stored in). Output folders are
-written under a temporary name next to their final one and renamed when complete; an existing
-non-empty output folder is an error.
+written under a new temporary name next to their final one and renamed when complete; an existing
+non-empty output folder, or a symbolic link in its place, is an error.
 """
 
 import dataclasses
 import logging
 import os
 import re
+import secrets
 import shutil
 import sys
 import warnings
@@ -56,12 +57,13 @@ from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchpre.errors import TorchpreError
+from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.interchange.folder import (
     SAFETENSORS,
     give_default_modes,
     save_safetensors,
     shard_file_name,
+    sign_folder,
     write_index,
     write_metadata,
 )
@@ -119,7 +121,8 @@ def dcp_to_hf(
     step_dir: Path, out_dir: Path, model: _Model, dtype: torch.dtype | None, max_shard_size: int, loader: Loader
 ) -> None:
     dcp_state_dict = _load_dcp_model(step_dir, loader)  # its errors name the folder already
-    check_saved_rope(step_dir, model.args, loader.check.trust)
+    check_saved_rope(step_dir, model.args, loader.check.trust, loader.allow_pickle)
+    signing_key = loader.check.trust.signing_key  # a job holding the key signs what it exports
     try:
         state_dict = model.hf.to_hf_state_dict(dcp_state_dict, model.args)
     except TorchpreError as error:
@@ -137,6 +140,8 @@ def dcp_to_hf(
         write_metadata(folder, model.hf, model.args, model.tokenizer, max_length, torch_dtype)
         _save_safetensors(state_dict, folder, max_shard_size)
         give_default_modes(folder)
+        if signing_key is not None:
+            sign_folder(folder, signing_key)
 
     _write_atomically(out_dir, write)
     logger.info(f"Wrote the Hugging Face model {out_dir} ({torch_dtype}) from {step_dir}")
@@ -213,7 +218,7 @@ def _load_dcp_model(step_dir: Path, loader: Loader) -> dict[str, Tensor]:
     if not (step_dir / ".metadata").is_file():
         raise TorchpreError(f"{step_dir} is not a torch.distributed.checkpoint folder: it has no .metadata file.")
     require_intact(step_dir, loader.check.key, loader.check.trust)
-    metadata = read_metadata(step_dir, loader.check.whole_folder_checked())
+    metadata = read_metadata(step_dir, loader.check.whole_folder_checked(), loader.allow_pickle)
     state_dict = {
         key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -249,7 +254,13 @@ def _save_safetensors(state_dict: dict[str, Tensor], folder: Path, max_shard_siz
 
 
 def _check_output_free(target: Path) -> None:
-    """Before any work: the output folder must not exist or be empty (stale files would mix in)."""
+    """Before any work: the output folder must not exist or be empty (stale files would mix in), and must not be a
+    symbolic link (the output would land wherever it leads)."""
+    if target.is_symlink():
+        raise UntrustedInput(
+            f"Output {target} is a symbolic link; convert writes a folder of its own there and never writes through a "
+            "link. Give the real path, or another one."
+        )
     if target.exists() and not (target.is_dir() and not any(target.iterdir())):
         raise TorchpreError(f"Output {target} already exists and is not an empty folder; remove it or choose another.")
 
@@ -258,7 +269,7 @@ def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
     """Runs `write` on a sibling temporary folder, then renames it to `target`, so `target` only
     ever appears complete."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.parent / f".tmp-{target.name}-{os.getpid()}"
+    temporary = target.parent / f".tmp-{target.name}-{secrets.token_hex(6)}"
     temporary.mkdir()
     try:
         write(temporary)

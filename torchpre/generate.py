@@ -112,9 +112,9 @@ def find_generation_step(folder: Path, load_step: int) -> Path:
     return step_dir
 
 
-def check_checkpoint_fits(model: nn.Module, check: FileCheck) -> None:
+def check_checkpoint_fits(model: nn.Module, check: FileCheck, allow_pickle: bool = False) -> None:
     """Names the model weights the checked checkpoint lacks or holds with another shape (global shapes)."""
-    check_shapes({"model": model.state_dict()}, checkpoint_metadata(check), check.step_dir)
+    check_shapes({"model": model.state_dict()}, checkpoint_metadata(check, allow_pickle), check.step_dir)
 
 
 # Decoding --------------------------------------------------------------------------------------
@@ -235,8 +235,9 @@ def main(argv: list[str]) -> None:
     trust = Trust.from_settings(config.checkpoint)
     if step_dir.parent == folder:  # chosen among a run's checkpoints: it must be that run's
         trust = resume_trust(folder, trust)
-    check_checkpoint_fits(model, FileCheck(step_dir, trust, "checkpoint.folder"))
-    check_saved_rope(step_dir, args, trust)
+    allow_pickle = config.checkpoint.allow_pickle
+    check_checkpoint_fits(model, FileCheck(step_dir, trust, "checkpoint.folder"), allow_pickle)
+    check_saved_rope(step_dir, args, trust, allow_pickle)
 
     device = select_device()
     init_distributed(device)
@@ -246,7 +247,7 @@ def main(argv: list[str]) -> None:
     if step_dir.parent == folder and load_step == -1:  # the latest: past corrupt ones, as training resumes
         step_dir = find_intact_step(folder, load_step, trust)
         check = FileCheck(step_dir, trust, key).whole_folder_checked()
-        check_checkpoint_fits(model, check)
+        check_checkpoint_fits(model, check, allow_pickle)
     else:
         require_intact(step_dir, key, trust)
         check = FileCheck(step_dir, trust, key).whole_folder_checked()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchpre.confined import replacing_path
 from torchpre.errors import TorchpreError
 from torchpre.optional import import_optional
 from torchpre.runtime.cli import run_entry_point
@@ -69,7 +70,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     figure = plot_runs([(folder.resolve().name, read_metrics(folder)) for folder in args.folders])
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(args.output, dpi=120)
+    with replacing_path(args.output) as temporary:  # a link at the name is replaced, never written through
+        figure.savefig(temporary, dpi=120, format=args.output.suffix.removeprefix(".") or "png")
     logger.info("wrote %s", args.output)
 
 

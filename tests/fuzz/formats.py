@@ -2,6 +2,7 @@
 a seeded `random.Random` and returns a `Mutation` saying what it did and whether the input is still valid with
 another value (`may_change`: the result may then differ), or invalid (the load must refuse it, or not read it)."""
 
+import hashlib
 import json
 import os
 import pickle
@@ -287,9 +288,10 @@ def _metadata_edit(metadata: Any, rng: random.Random) -> tuple[str, bool]:
     return f"{op} of {key}", False
 
 
-def dcp_metadata(outside: Path) -> Mutator:
+def dcp_metadata(outside: Path, genuine: set[str]) -> Mutator:
     """DCP's pickled `.metadata`: a gadget program in front of the genuine one, a semantic edit of its records,
-    or its bytes broken."""
+    or its bytes broken. Only a file whose digest is in `genuine` (a genuine input's, unaltered) is unpickled here:
+    an altered one could hold a gadget, which would run in the fuzzer."""
 
     def mutate(path: Path, rng: random.Random) -> tuple[str, bool]:
         data = path.read_bytes()
@@ -298,8 +300,8 @@ def dcp_metadata(outside: Path) -> Mutator:
             program, what = gadget(rng, outside)
             path.write_bytes(b"\x80\x04" + program + b"0" + _genuine_body(data))
             return f"gadget {what}", False
-        if roll < 0.85:
-            metadata = pickle.loads(data)  # the fuzzer's own genuine file
+        if roll < 0.85 and hashlib.sha256(data).hexdigest() in genuine:
+            metadata = pickle.loads(data)  # a genuine file, unaltered
             what, may_change = _metadata_edit(metadata, rng)
             path.write_bytes(pickle.dumps(metadata))
             return what, may_change

@@ -1,5 +1,7 @@
 """The genuine inputs every case starts from, made once per run of the fuzzer by torchpre itself."""
 
+import functools
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ TASK = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Genuine:
     """Where the genuine inputs are: each a folder to copy into a case (`folder`), and the key of the signed run."""
 
@@ -38,6 +40,11 @@ class Genuine:
 
     def folder(self, name: str) -> Path:
         return self.root / name
+
+    @functools.cached_property
+    def metadata_digests(self) -> set[str]:
+        """The SHA-256 of every genuine `.metadata`: the files the fuzzer may unpickle itself."""
+        return {hashlib.sha256(path.read_bytes()).hexdigest() for path in self.root.glob("*/checkpoint/*/.metadata")}
 
 
 def build(root: Path, server: ForkServer) -> Genuine:

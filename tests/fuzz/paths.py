@@ -30,9 +30,9 @@ class Target:
 
 @dataclass(frozen=True)
 class Scope:
-    """A folder of the case's inputs whose every file (not its subfolders) a mutation may target (`folder`, under `in/`), with the same
-    folder of another genuine input under `outside/` (`decoy`); `entry`: the folder itself may be replaced too (a
-    folder torchpre finds by scanning, such as step-N, rather than one the command names)."""
+    """A folder of the case's inputs whose every file (not its subfolders) a mutation may target (`folder`, under
+    `in/`), with the same folder of another genuine input under `outside/` (`decoy`); `entry`: the folder itself may
+    be replaced too (a folder torchpre finds by scanning, such as step-N, rather than one the command names)."""
 
     folder: str
     decoy: str | None = None
@@ -49,6 +49,7 @@ class LoadPath:
     result: Callable[[Path, Path, dict], Any]  # (in/, out/, reply) -> what must equal the genuine input's
     written: tuple[str, ...] = ()  # files (under in/) the command writes, whether or not they exist yet
     weight: float = 1.0
+    nproc: int = 1  # ranks of one job: each must refuse bad input with its own message
     timeout_s: float = 30  # a case takes a second at most on an idle machine: longer is a hang
 
     def targets(self, case_in: Path) -> list[Target]:
@@ -84,13 +85,13 @@ def format_of(name: str) -> str:
     return next((kind for suffix, kind in suffixes.items() if name.endswith(suffix)), "entry")
 
 
-def mutator(format: str, case: Path) -> formats.Mutator:
-    """The mutator of a format; `case` for the gadgets' payload marker."""
+def mutator(format: str, case: Path, genuine: Genuine) -> formats.Mutator:
+    """The mutator of a format; `case` for the gadgets' payload marker, `genuine` for what may be unpickled."""
     outside = case / "outside"
     return {
         "json": formats.json_file(),
         "hf-config": formats.json_file(defaults_on_delete=True),
-        "metadata": formats.dcp_metadata(outside),
+        "metadata": formats.dcp_metadata(outside, genuine.metadata_digests),
         "safetensors": formats.safetensors_file,
         "distcp": formats.binary(may_change=True),
         "binary": formats.binary(may_change=False),
@@ -150,10 +151,10 @@ def _digest(data: bytes) -> str:
 # The load paths -------------------------------------------------------------------------------------------------------
 
 
-def _resume(load_step: str, dump: str = "run") -> Callable:
+def _resume(load_step: str, dump: str = "run", extra: tuple[str, ...] = ()) -> Callable:
     def command(case_in: Path, out: Path, genuine: Genuine) -> tuple[str, list[str]]:
         argv = [*BASE, *CHECKPOINTED, "--training.steps", "3", "--checkpoint.load_step", load_step,
-                "--job.dump_folder", str(case_in / dump)]  # fmt: skip
+                "--job.dump_folder", str(case_in / dump), *extra]  # fmt: skip
         if dump == "signed":
             argv += ["--checkpoint.signing_key_file", str(genuine.key)]
         return "train.py", argv
@@ -189,6 +190,8 @@ LOAD_PATHS = [
              last_record("run"), written=RUN_WRITES, weight=3),
     LoadPath("resume-latest", {"run": "run"}, {"other": "other"}, _resume("-1"), [_step("run"), Scope("run")],
              last_record("run"), written=RUN_WRITES, weight=2),
+    LoadPath("resume-dp2", {"run": "run"}, {"other": "other"}, _resume("2", extra=("--training.local_batch_size", "2")),
+             [_step("run")], last_record("run"), nproc=2),
     LoadPath("resume-signed", {"signed": "signed"}, {"other": "other"}, _resume("2", "signed"),
              [_step("signed"), Scope("signed/checkpoint")], last_record("signed"), weight=2),
     LoadPath("resume-0a62600", {"legacy": "legacy"}, {"other": "other"},

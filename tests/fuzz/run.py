@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -130,13 +131,17 @@ class Fuzzer:
             if path.name == "resume-latest" and entry.name == "step-2" and what in ("remove", "folder"):
                 may_change = True  # no checkpoint to resume: -1 starts afresh, as documented
         else:
-            what, may_change = mutator(target.format, case)(entry, rng)
+            try:
+                what, may_change = mutator(target.format, case, self.genuine)(entry, rng)
+            except (ValueError, IndexError, KeyError, TypeError, struct.error):  # an earlier mutation broke its form
+                what, may_change = formats.binary(may_change=False)(entry, rng)
         return formats.Mutation(target.path, what, may_change)
 
     def _run(self, case: Path, path: LoadPath, outcome: Outcome) -> dict:
         entry, argv = path.command(case / "in", case / "out", self.genuine)
         guard = {"rlimit_as": self.rlimit, "forbidden": str(case / "outside"), "audit_log": str(case / "audit.log")}
-        request = {"entry": entry, "argv": argv, "env": {}, "timeout_s": path.timeout_s, "guard": guard}
+        request = {"entry": entry, "argv": argv, "env": {}, "timeout_s": path.timeout_s, "guard": guard,
+                   "nproc": path.nproc}  # fmt: skip
         reply = self.server.request(request)
         outcome.returncode, outcome.seconds = reply["returncode"], reply["seconds"]
         return reply
@@ -158,6 +163,9 @@ class Fuzzer:
         if reply["returncode"] == 2:
             if str(case / "in") not in stderr and str(case / "out") not in stderr:
                 return "exit 2 without naming a file of the case: " + stderr.strip()[-400:]
+            silent = [rank for rank in range(path.nproc) if f"error (rank {rank})" not in stderr]
+            if silent:
+                return f"exit 2, but rank(s) {silent} gave no message: " + stderr.strip()[-400:]
             outcome.kind = "refused"
             return None
         if reply["returncode"] != 0:

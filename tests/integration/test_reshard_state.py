@@ -15,6 +15,7 @@ import pytest
 from tests.launch import manifest_record, run_train, train_and_read_metrics
 from tests.reshard_worker import REPORT
 from torchpre.checkpoint.integrity import MANIFEST
+from torchpre.checkpoint.metadata_json import METADATA_JSON
 
 pytestmark = pytest.mark.slow
 
@@ -108,16 +109,19 @@ def test_zero3_checkpoints_reshard_to_other_stages(save, load, tmp_path, monkeyp
 
 
 def _drop_keys(step_dir: Path, prefix: str) -> list[str]:
-    """Removes the entries starting with `prefix` from the checkpoint's metadata, as a save under other names
-    would have left them, and re-records the metadata file in the manifest; returns the removed keys."""
-    path = step_dir / ".metadata"
-    metadata = pickle.loads(path.read_bytes())
+    """Removes the entries starting with `prefix` from the checkpoint's metadata (metadata.json, which loads read,
+    and the pickled .metadata alike), as a save under other names would have left them, and re-records both files in
+    the manifest; returns the removed keys."""
+    path, json_path = step_dir / ".metadata", step_dir / METADATA_JSON
+    metadata, record = pickle.loads(path.read_bytes()), json.loads(json_path.read_text())
     dropped = sorted(key for key in metadata.state_dict_metadata if key.startswith(prefix))
     for key in dropped:
         del metadata.state_dict_metadata[key]
+        del record["state_dict_metadata"][key]
     path.write_bytes(pickle.dumps(metadata))
+    json_path.write_text(json.dumps(record))
     manifest = json.loads((step_dir / MANIFEST).read_text())
-    manifest["files"][".metadata"] = manifest_record(path)
+    manifest["files"][".metadata"], manifest["files"][METADATA_JSON] = manifest_record(path), manifest_record(json_path)
     (step_dir / MANIFEST).write_text(json.dumps(manifest))
     return dropped
 

@@ -12,9 +12,20 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.hostile import Payload, legacy_checkpoint, replace_metadata, rewrite_manifest
+from tests.hostile import (
+    Payload,
+    legacy_checkpoint,
+    legacy_format,
+    replace_entry_bytes,
+    replace_metadata,
+    replace_metadata_json,
+    rewrite_manifest,
+)
 from tests.launch import TINY, manifest_record, run_entry, run_train
+from torchpre.checkpoint.integrity import MANIFEST
+from torchpre.checkpoint.metadata_json import METADATA_JSON
 
 pytestmark = pytest.mark.slow
 
@@ -92,15 +103,68 @@ def _storage_paths_escape(step: Path, marker: Path, victim: Path) -> str:
     return "relative_path"
 
 
+def _metadata_entry_without_chunks(step: Path, marker: Path, victim: Path) -> str:
+    """The reviewer's: a tensor whose chunks were dropped from a pickled .metadata loaded as uninitialised memory."""
+    replace_metadata(step, lambda metadata: metadata.state_dict_metadata["model.output.weight"].chunks.clear())
+    rewrite_manifest(step)
+    return "'model.output.weight' has the shape"
+
+
+def _metadata_json_chunk_gap(step: Path, marker: Path, victim: Path) -> str:
+    """A chunk of metadata.json shrunk by a row: the weights' last row would never be read."""
+
+    def shrink(record):
+        record["state_dict_metadata"]["model.norm.weight"]["chunks"][0]["sizes"][0] -= 1
+
+    replace_metadata_json(step, shrink)
+    rewrite_manifest(step)
+    return "'model.norm.weight' has chunks of"
+
+
+def _storage_file_links_out(step: Path, marker: Path, victim: Path) -> str:
+    """The data file is a link to another run's (the victim's), in a folder without a manifest, which only
+    checkpoint.allow_unverified loads (EXTRA_ARGS): no manifest check stands between the link and the read."""
+    victim.mkdir(parents=True)
+    shutil.move(step / "__0_0.distcp", victim / "__0_0.distcp")
+    os.symlink(victim / "__0_0.distcp", step / "__0_0.distcp")
+    (step / MANIFEST).unlink()
+    return f"{step / '__0_0.distcp'} (named by {step / METADATA_JSON}"
+
+
+def _legacy_format_entry(step: Path, marker: Path, victim: Path) -> str:
+    """The reviewer's: a non-tensor entry in torch's legacy format, whose few hundred bytes claim a 2.8 GB storage
+    that torch.load allocates before reading."""
+    legacy_checkpoint(step, "train.rope_theta", 500000.0)
+    replace_entry_bytes(step, "train.rope_theta", legacy_format(torch.zeros(1), numel=700_000_000))
+    return "refused to unpickle the checkpoint entry 'train.rope_theta': it is no plain value (it is not in"
+
+
+def _tensor_in_legacy_format(step: Path, marker: Path, victim: Path) -> str:
+    size = json.loads((step / METADATA_JSON).read_text())["state_dict_metadata"]["model.norm.weight"]["size"]
+    replace_entry_bytes(step, "model.norm.weight", legacy_format(torch.ones(size), numel=700_000_000))
+    return "the entry 'model.norm.weight' (bytes"
+
+
 PAYLOADS = {
     "pickle-in-metadata": _pickle_in_metadata,
     "pickle-in-metadata-stale-manifest": _pickle_in_metadata_stale_manifest,
     "pickle-in-a-non-tensor-entry": _pickle_in_an_entry,
     "storage-paths-escape": _storage_paths_escape,
+    "metadata-entry-without-chunks": _metadata_entry_without_chunks,
+    "metadata-json-chunk-gap": _metadata_json_chunk_gap,
+    "storage-file-links-out": _storage_file_links_out,
+    "legacy-format-entry": _legacy_format_entry,
+    "tensor-in-legacy-format": _tensor_in_legacy_format,
 }
-# CI runs each payload through one load path and each load path once; -m security runs all 16 pairs.
+EXTRA_ARGS = {"storage-file-links-out": ["--checkpoint.allow_unverified"]}
+# Payloads that hide in a non-tensor entry, which a run's initial weights (the "model" entry alone) never read.
+NON_TENSOR = {"pickle-in-a-non-tensor-entry", "legacy-format-entry"}
+# CI runs each payload through one load path and each load path once; -m security runs all 36 pairs.
 SAMPLE = [("pickle-in-metadata", "resume"), ("pickle-in-metadata-stale-manifest", "generate"),
-          ("pickle-in-a-non-tensor-entry", "dcp-to-hf"), ("storage-paths-escape", "initial_load_path")]  # fmt: skip
+          ("pickle-in-a-non-tensor-entry", "dcp-to-hf"), ("storage-paths-escape", "initial_load_path"),
+          ("metadata-entry-without-chunks", "dcp-to-hf"), ("metadata-json-chunk-gap", "initial_load_path"),
+          ("storage-file-links-out", "generate"), ("legacy-format-entry", "resume"),
+          ("tensor-in-legacy-format", "resume")]  # fmt: skip
 
 
 def _pairs():
@@ -117,9 +181,9 @@ def test_a_hostile_checkpoint_is_refused_by_every_load_path(genuine, tmp_path, p
     expected = PAYLOADS[payload](step, marker, victim)
     victim_files = {p.name: p.read_bytes() for p in victim.iterdir()} if victim.exists() else {}
     entry, argv = LOAD_PATHS[load_path](step, tmp_path / "out")
-    result = run_entry(entry, argv)
+    result = run_entry(entry, [*argv, *EXTRA_ARGS.get(payload, [])])
     assert not marker.exists(), "the payload ran"
-    if (payload, load_path) == ("pickle-in-a-non-tensor-entry", "initial_load_path"):
+    if payload in NON_TENSOR and load_path == "initial_load_path":
         assert result.returncode == 0, result.stderr[-3000:]  # it loads the weights alone: the entry is never read
         return
     assert result.returncode == EXIT_BAD_INPUT, result.stderr[-3000:]

@@ -109,6 +109,7 @@ BAD_VALUES = {
     "lr_scheduler.base_lrs": [[float("nan")], [-0.1], 0.1, [[0.1]]],
     "lr_scheduler._is_initial": [0, "false"],
     "lr_scheduler.lr_lambdas": [["exec"], [0]],
+    "train.data_stages": ["x", [1], {"a": 1}],
 }
 
 

@@ -7,7 +7,6 @@ The payloads only append a line to a marker file in the test's folder: a test pa
 The end-to-end versions, through every entry point, are in tests/integration/test_security.py."""
 
 import dataclasses
-import io
 import json
 import logging
 import os
@@ -18,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.hostile import Payload, legacy_checkpoint, replace_metadata, rewrite_manifest
+from tests.hostile import Payload, legacy_checkpoint, remove_file, replace_metadata, rewrite_manifest
 from tests.unit.test_checkpoint_integrity import _components, _loaded_step, _manager, _save, _Value
 from torchpre.checkpoint.folders import MARKER, complete_steps, publish, remove_unfinished
 from torchpre.checkpoint.integrity import MANIFEST, FileCheck, read_manifest, read_signing_key
-from torchpre.checkpoint.reader import MetadataUnpickler, read_metadata
+from torchpre.checkpoint.metadata_json import METADATA_JSON
+from torchpre.checkpoint.metadata_pickle import read_pickled_metadata
+from torchpre.checkpoint.reader import read_metadata
 from torchpre.checkpoint.values import VALUES
 from torchpre.confined import confined_path
 from torchpre.errors import TorchpreError
@@ -36,7 +37,9 @@ def saved(world, tmp_path) -> Path:
 
 
 def test_a_torchpre_checkpoint_holds_nothing_pickled_but_dcp_metadata(saved):
-    """Every non-tensor value is in state.json, readable; DCP's files hold tensors only."""
+    """Every non-tensor value is in state.json, readable; DCP's files hold tensors only, and its metadata is in
+    metadata.json too (tests/unit/test_checkpoint_metadata.py), which the manifest lists."""
+    assert METADATA_JSON in json.loads((saved / MANIFEST).read_text())["files"]
     metadata = read_metadata(saved, FileCheck(saved))
     assert {type(entry).__name__ for entry in metadata.state_dict_metadata.values()} == {"TensorStorageMetadata"}
     values = json.loads((saved / VALUES).read_text())
@@ -44,9 +47,9 @@ def test_a_torchpre_checkpoint_holds_nothing_pickled_but_dcp_metadata(saved):
     assert values["lr_scheduler.base_lrs"] == [0.1]
 
 
-def test_the_metadata_unpickler_reads_genuine_metadata_as_plain_pickle_does(saved):
+def test_the_metadata_interpreter_reads_genuine_metadata_as_plain_pickle_does(saved):
     data = (saved / ".metadata").read_bytes()
-    assert MetadataUnpickler(io.BytesIO(data)).load() == pickle.loads(data)
+    assert read_pickled_metadata(data, saved / ".metadata") == pickle.loads(data)
 
 
 @pytest.mark.parametrize("manifest", ["recomputed", "stale"])
@@ -63,6 +66,7 @@ def test_code_in_the_metadata_never_runs(saved, tmp_path, manifest):
 
 
 def test_metadata_of_another_type_is_refused(saved):
+    remove_file(saved, METADATA_JSON)
     (saved / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
     rewrite_manifest(saved)
     with pytest.raises(TorchpreError, match="it holds a dict, not DCP's Metadata"):

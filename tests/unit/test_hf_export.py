@@ -1,10 +1,13 @@
 """The Hugging Face exporter in one process, without a training job: what it writes equals the family's mapping of
 the model's state dict bitwise, a `step-N` folder never exists while its files are being written, retention keeps
-the newest, a failed write publishes nothing, and the tensors' owners split the bytes among the ranks holding them
-(the multi-rank layouts, against transformers, are in tests/integration/test_hf_export_eval.py)."""
+the newest, the clean-up removes only torchpre's unfinished exports, a failed write publishes nothing, and the
+tensors' owners split the bytes among the ranks holding them (the multi-rank layouts, against transformers, are in
+tests/integration/test_hf_export_eval.py)."""
 
 import dataclasses
 import json
+import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,9 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 import torchpre.interchange.export as hf_export
+from torchpre.checkpoint.folders import MARKER
 from torchpre.config.job_config import HFExport
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
-from torchpre.errors import StorageError
+from torchpre.errors import StorageError, UntrustedInput
 from torchpre.interchange.export import HFExporter, TensorInfo, _balanced_owners
 from torchpre.models.registry import get_model_spec
 
@@ -84,12 +88,58 @@ def test_no_step_folder_exists_while_its_files_are_written(world, tmp_path, monk
 
 def test_retention_keeps_the_newest_and_a_restart_removes_unfinished_exports(world, tmp_path):
     (tmp_path / ".tmp-step-1").mkdir(parents=True)
+    (tmp_path / ".tmp-step-1" / MARKER).touch()
     exporter, _ = _exporter(tmp_path, keep_latest_k=2)
     exporter.remove_unfinished()
     for step in (2, 4, 6):
         exporter.export(step)
     exporter.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+
+
+def test_the_clean_up_removes_only_marked_unfinished_exports_and_follows_no_link(world, tmp_path, caplog):
+    """A `.tmp-step-3` without torchpre's marker (a crashed export of an older torchpre, or anyone's folder), a
+    `.tmp-x` folder and a `.tmp-step-5` link to a marked folder elsewhere all stay, each named in a warning; what the
+    link leads to is untouched. A marked `.tmp-step-1` is removed."""
+    ours, unmarked, other = tmp_path / ".tmp-step-1", tmp_path / ".tmp-step-3", tmp_path / ".tmp-x"
+    for folder in (ours, unmarked, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"weights")
+    (ours / MARKER).touch()
+    (other / MARKER).touch()
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.mkdir()
+    (victim / MARKER).touch()
+    os.symlink(victim, tmp_path / ".tmp-step-5")
+    exporter, _ = _exporter(tmp_path)
+    with caplog.at_level(logging.INFO, logger="torchpre"):
+        exporter.remove_unfinished()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step-3", ".tmp-step-5", ".tmp-x"]
+    assert (unmarked / "model.safetensors").read_bytes() == b"weights" and (victim / MARKER).is_file()
+    left = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert left == [
+        f"left {unmarked} in place: it lacks torchpre's marker {MARKER}, so torchpre did not make it (remove it "
+        "yourself if unwanted)",
+        f"left {tmp_path / '.tmp-step-5'} in place: it is a symbolic link, so torchpre did not make it (remove it "
+        "yourself if unwanted)",
+        f"left {other} in place: its name is not one torchpre gives its unfinished checkpoints, so torchpre did not "
+        "make it (remove it yourself if unwanted)",
+    ]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("removed")] == [
+        f"removed {ours}, left by a save or deletion that did not finish"
+    ]
+
+
+def test_an_unfinished_export_torchpre_did_not_make_stops_the_export_of_its_step(world, tmp_path):
+    """A `.tmp-step-2` link to a folder elsewhere is in the way of step 2's export: the export refuses it, naming it,
+    and writes nothing through it."""
+    victim = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    victim.mkdir()
+    os.symlink(victim, tmp_path / ".tmp-step-2")
+    exporter, _ = _exporter(tmp_path)
+    with pytest.raises(UntrustedInput, match=f"{tmp_path / '.tmp-step-2'} is in the way of step 2's export"):
+        exporter.export(2)
+    assert list(victim.iterdir()) == [] and (tmp_path / ".tmp-step-2").is_symlink()
 
 
 def test_a_failed_write_publishes_nothing_and_raises_at_the_next_export(world, tmp_path, monkeypatch):

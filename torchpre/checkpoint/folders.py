@@ -3,10 +3,12 @@ renames it once done; a deletion renames first), so the names alone say which st
 
 torchpre deletes only what it made: a save marks its `.tmp-step-N` folder (`MARKER`) before writing anything, a
 deletion marks the step folder before renaming it to `.tmp-removing-step-N`, and the clean-up of unfinished ones
-removes a `.tmp-` folder only if its name is one of those two and it holds the marker; it never follows a symbolic
-link. Nor does it delete a checkpoint it did not choose to: a `step-N` that a new save of step N finds (from an earlier
-run) is moved aside to `replaced-step-N`, and one that a resume found damaged and skipped to `damaged-step-N`; retention
-(checkpoint.keep_latest_k) counts and removes `step-N` folders only.
+removes a `.tmp-` folder only if its name is one of those two and it holds the marker (a regular file); it never
+follows a symbolic link, and touches a marker only where it is a regular file (`torchpre.confined.touch_marker`).
+Hugging Face exports (torchpre.interchange.export) live by the same rules. Nor does it delete a checkpoint it did not
+choose to: a `step-N` that a new save of step N finds (from an earlier run) is moved aside to `replaced-step-N`, and
+one that a resume found damaged and skipped to `damaged-step-N`; retention (checkpoint.keep_latest_k) counts and
+removes `step-N` folders only.
 """
 
 import logging
@@ -15,6 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
+from torchpre.confined import is_regular_file, touch_marker
 from torchpre.errors import TorchpreError, UntrustedInput
 
 logger = logging.getLogger("torchpre")
@@ -62,8 +65,9 @@ def find_step_dir(folder: Path, load_step: int) -> Path | None:
 
 
 def mark_as_ours(folder: Path) -> None:
-    """Marks `folder` as made by torchpre, so that the clean-up of unfinished saves may remove it."""
-    (folder / MARKER).touch()
+    """Marks `folder` as made by torchpre, so that the clean-up of unfinished saves may remove it. A marker that is
+    not a regular file (a symbolic link) is an UntrustedInput error, never touched through."""
+    touch_marker(folder / MARKER)
 
 
 def remove_step(step_dir: Path) -> None:
@@ -97,7 +101,7 @@ def remove_if_ours(path: Path) -> bool:
         why = "it is a symbolic link"
     elif not path.is_dir() or not UNFINISHED.match(path.name):
         why = "its name is not one torchpre gives its unfinished checkpoints"
-    elif not (path / MARKER).is_file():
+    elif not is_regular_file(path / MARKER):
         why = f"it lacks torchpre's marker {MARKER}"
     else:
         shutil.rmtree(path)

@@ -1,11 +1,16 @@
 """What a dump folder already holds from earlier runs: checkpoints and metrics records after a chosen resume step,
-and the metrics of an unrelated run. Each is moved aside (never deleted, never mixed with this run's)."""
+and the metrics of an unrelated run. Each is moved aside (never deleted, never mixed with this run's).
+
+A symbolic link in the dump folder is never followed: it is not an earlier run's metrics (it stays, for the writer
+of that name to refuse), a fresh name is one that holds nothing, not even a link, and metrics.jsonl is read only as a
+regular file and rewritten as a new file renamed into place (`torchpre.confined`)."""
 
 import json
 import re
 from pathlib import Path
 
 from torchpre.checkpoint.folders import complete_steps
+from torchpre.confined import file_kind, open_file, write_file
 
 SUPERSEDED = re.compile(r"^metrics\.superseded-from-step-\d+(-\d+)?\.jsonl$")
 
@@ -29,9 +34,9 @@ def set_aside_earlier_metrics(folder: Path) -> list[Path]:
     number): a new run writes files of its own, TensorBoard never shows two runs as one, and a resume of
     the new run never continues the old W&B run. Returns the new names (none if nothing to move)."""
     paths = (folder / "metrics.jsonl", folder / "tensorboard", folder / "wandb" / "run_id", *superseded_records(folder))
-    earlier = [path for path in paths if _has_content(path)]
+    earlier = [path for path in paths if _has_content(folder, path)]
     number = 1
-    while any(_numbered(path, number).exists() for path in paths):
+    while any(_taken(_numbered(path, number)) for path in paths):
         number += 1
     moved = [_numbered(path, number) for path in earlier]
     for path, target in zip(earlier, moved):
@@ -39,8 +44,16 @@ def set_aside_earlier_metrics(folder: Path) -> list[Path]:
     return moved
 
 
-def _has_content(path: Path) -> bool:
-    return path.stat().st_size > 0 if path.is_file() else path.is_dir() and any(path.iterdir())
+def _has_content(folder: Path, path: Path) -> bool:
+    """Whether `path` in `folder` is a non-empty file or folder, reached without a symbolic link."""
+    kind = file_kind(folder, str(path.relative_to(folder)))
+    if kind == "file":
+        return path.stat().st_size > 0
+    return kind == "other" and path.is_dir() and any(path.iterdir())
+
+
+def _taken(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
 
 
 def _numbered(path: Path, number: int) -> Path:
@@ -50,7 +63,7 @@ def _numbered(path: Path, number: int) -> Path:
 def _fresh(path: Path) -> Path:
     number = 1
     candidate = path
-    while candidate.exists():
+    while _taken(candidate):
         number += 1
         candidate = path.with_name(f"{path.name}-{number}")
     return candidate
@@ -60,23 +73,25 @@ def set_aside_later_records(metrics: Path, step: int) -> Path | None:
     """Moves the records of `metrics` (a metrics.jsonl) of the steps after `step` to
     `metrics.superseded-from-step-{step}.jsonl` beside it (a fresh `-2`, `-3` ... name if that exists), keeping the
     others in place; returns that file, or None when there were none (or no such file). Lines that are not a JSON
-    record with a step stay."""
-    if not metrics.is_file():
+    record with a step stay. metrics.jsonl is read only as a regular file (a symbolic link there is an UntrustedInput
+    error) and both files are written new and renamed into place, never through a link."""
+    try:
+        with open_file(metrics.parent, metrics.name) as file:
+            text = file.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
         return None
     kept, later = [], []
-    for line in metrics.read_text(encoding="utf-8").splitlines(keepends=True):
+    for line in text.splitlines(keepends=True):
         (later if _record_step(line) > step else kept).append(line)
     if not later:
         return None
     target = metrics.with_name(f"metrics.superseded-from-step-{step}.jsonl")
     number = 1
-    while target.exists():
+    while _taken(target):
         number += 1
         target = metrics.with_name(f"metrics.superseded-from-step-{step}-{number}.jsonl")
-    target.write_text("".join(later), encoding="utf-8")
-    replacement = metrics.with_name(f".{metrics.name}.tmp")
-    replacement.write_text("".join(kept), encoding="utf-8")
-    replacement.replace(metrics)
+    write_file(target, "".join(later))
+    write_file(metrics, "".join(kept))
     return target
 
 

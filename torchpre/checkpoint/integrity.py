@@ -353,10 +353,21 @@ def file_problem(folder: Path, name: str, record: FileRecord) -> str | None:
     except FileNotFoundError:
         return f"{file} is missing"
     except UntrustedInput:
-        return f"{file} is a symbolic link or no regular file, not a saved file"
+        kind = "a symbolic link" if file_kind(folder, name) == "link" else "no regular file"
+        return f"{file} is {kind}, not a saved file"
     except OSError as error:
         return f"{file} cannot be read ({error})"
     return _digest_problem(file, record, crc, None if sha is None else sha.hexdigest())
+
+
+def file_record(path: Path) -> dict[str, int | str]:
+    """The manifest record of the regular file `path` as a signed save writes it: size, CRC-32, SHA-256."""
+    crc, sha, size = 0, hashlib.sha256(), 0
+    with open_file(path.parent, path.name) as stream:
+        while chunk := stream.read(1 << 24):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+            sha.update(chunk)
+    return {"size": size, "crc32": crc, "sha256": sha.hexdigest()}
 
 
 def _digest_problem(file: Path, record: FileRecord, crc: int, sha256: str | None) -> str | None:
@@ -414,17 +425,22 @@ class FileCheck:
         self._checked.add(name)
         return data
 
-    def _record(self, name: str) -> FileRecord | None:
-        """`name`'s manifest record; None when the folder has no manifest (and may be read unchecked)."""
+    def records(self) -> dict[str, FileRecord] | None:
+        """The manifest's records, read once; None for a folder without a manifest (which `trust` accepts)."""
         if not self._read:
             self._records, self._read = read_manifest(self.step_dir, self.trust.signing_key, self.trust.run), True
             if self._records is None and not self._whole:  # the whole folder's check accepted it, with its warning
                 accept_unverified(self.step_dir, self.key, self.trust)
-        if self._records is None:
+        return self._records
+
+    def _record(self, name: str) -> FileRecord | None:
+        """`name`'s manifest record; None when the folder has no manifest (and may be read unchecked)."""
+        records = self.records()
+        if records is None:
             return None
-        if name not in self._records:
+        if name not in records:
             self._raise_if(f"{self.step_dir / name} is not in its {MANIFEST}")
-        return self._records[name]
+        return records[name]
 
     def _raise_if(self, problem: str | None) -> None:
         if problem:

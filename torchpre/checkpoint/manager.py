@@ -77,8 +77,9 @@ from torchpre.checkpoint.state import (
 from torchpre.checkpoint.storage import RecordingWriter, make_stager, published_records, stager_keeps_buffers
 from torchpre.checkpoint.values import VALUES, encode_values, put_values, read_values, split_values, without_values
 from torchpre.config.job_config import Checkpoint
+from torchpre.confined import is_regular_file
 from torchpre.distributed.utils import comm_timeout
-from torchpre.errors import StorageError
+from torchpre.errors import StorageError, UntrustedInput
 
 logger = logging.getLogger("torchpre")
 
@@ -262,7 +263,7 @@ class CheckpointManager:
                         with writer.fs.create_stream(tmp / name, "wb") as file:
                             file.write(content)
             except OSError as error:
-                if tmp.is_dir() and not tmp.is_symlink() and (tmp / MARKER).is_file():
+                if tmp.is_dir() and not tmp.is_symlink() and is_regular_file(tmp / MARKER):
                     shutil.rmtree(tmp, ignore_errors=True)
                 failure = summary(error)
                 go = unwritten_message(step, self.folder, {0: failure}, needed, free_bytes(self.folder), self._latest())
@@ -384,7 +385,7 @@ class CheckpointManager:
             for step in complete_steps(self.folder)[: -self.keep_latest_k]:
                 try:
                     remove_step(self.folder / f"step-{step}")
-                except OSError as error:  # the new checkpoint is published: an old one left over is no failure
+                except (OSError, UntrustedInput) as error:  # published already: an old one left over is no failure
                     logger.warning("could not remove the old checkpoint step-%d (%s); it stays", step, error)
 
     def _new_stager(self):
@@ -433,7 +434,7 @@ class CheckpointManager:
         """
         key = "checkpoint.initial_load_path" if weights_only else "checkpoint.load_step"
         check = self._require_intact(step_dir, key, weights_only)
-        metadata = checkpoint_metadata(check)
+        metadata = checkpoint_metadata(check, self.settings.allow_pickle)
         values = read_values(check) or {}
         saved = set(metadata)
         weights_only = weights_only or all(key.startswith(f"{WEIGHTS}.") for key in saved)

@@ -1,198 +1,231 @@
 """Reading a checkpoint folder that someone else may have written, without running its code.
 
-torch.distributed.checkpoint (DCP) unpickles a folder's `.metadata` with plain `pickle.load`, and its default load
-planner loads every non-tensor entry with `torch.load(weights_only=False)`: either runs whatever code the file names.
-Every torchpre load goes through `load` and `read_metadata` here instead:
+torch.distributed.checkpoint (DCP) unpickles a folder's `.metadata` with plain `pickle.load`, trusts what it says, opens
+the data files it names by path, and loads every tensor and non-tensor entry with `torch.load`, the non-tensor ones
+with `weights_only=False`: a folder someone sends you could run code, read files outside itself, or allocate memory
+without bound. Every torchpre load goes through `read_metadata`, `SafeReader` and the planners here instead:
 
-- `.metadata` is unpickled by `MetadataUnpickler`, which resolves only DCP's metadata classes and the few torch values
-  they hold (sizes, dtypes, layouts); the result must be DCP metadata of the expected shape whose every storage file is
-  a bare name inside the folder (`confined_path`);
-- non-tensor entries (checkpoints written before torchpre kept them in `state.json`) load with torch's
-  `weights_only=True` unpickler, which builds only plain values and tensors; `checkpoint.allow_pickle` lifts that, with
-  a warning naming the folder, for a foreign checkpoint that needs full pickle;
-- no file is opened before the manifest vouches for it (`integrity.FileCheck`): `.metadata` and `state.json` are
-  checked on their own before they are parsed, and data files are checked before they are read unless the whole
-  folder was just checked.
+- the metadata comes from `metadata.json` (plain data, metadata_json.py) when the manifest lists it, as for every
+  torchpre save; otherwise `.metadata` is read by an interpreter of its opcodes that builds DCP's records and nothing
+  else (metadata_pickle.py), or, with `checkpoint.allow_pickle` and a warning, by full pickle if it refuses. Either
+  way its meaning is checked before use (metadata_checks.py): chunks tile each tensor, records lie inside their files;
+- data files are opened inside the folder, never through a symbolic link (`confined.open_file`), and each tensor's
+  bytes must be a zip archive of stored records as DCP writes them (torch_save.py) before torch.load reads them with
+  `weights_only=True`;
+- non-tensor entries (checkpoints before `state.json`) are decoded as plain values without torch.load
+  (`torch_save.read_plain_value`), or with full pickle under `checkpoint.allow_pickle`, with a warning;
+- no file is opened before the manifest vouches for it (`integrity.FileCheck`): the metadata and `state.json` are
+  checked on their own before they are parsed, and data files before they are read unless the whole folder was
+  just checked.
 
 What this does and does not protect against is in docs/security.md.
 """
 
 import io
 import logging
+import os
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.futures import Future
 
-from torchpre.checkpoint.integrity import FileCheck
-from torchpre.confined import confined_path
+from torchpre.checkpoint.integrity import MANIFEST, FileCheck, FileRecord
+from torchpre.checkpoint.metadata_checks import check_metadata, refused
+from torchpre.checkpoint.metadata_json import METADATA_JSON, decode
+from torchpre.checkpoint.metadata_pickle import read_pickled_metadata
+from torchpre.checkpoint.pickled import Refused
+from torchpre.checkpoint.torch_save import NotAnArchive, Window, open_archive, read_plain_value
+from torchpre.confined import file_kind, open_file
 from torchpre.errors import TorchpreError, UntrustedInput
+from torchpre.json_input import LIMITS
 
 logger = logging.getLogger("torchpre")
 
 METADATA = ".metadata"
 ALLOW_PICKLE = "checkpoint.allow_pickle"
 
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-# Every global a `.metadata` written by torch 2.11-2.14 names, and what it resolves to. Paths (the saving folder, kept
-# as StorageMeta.checkpoint_id) become pure paths, which never touch the file system.
-_ALLOWED: dict[tuple[str, str], Any] = {
-    (_METADATA_MODULE, cls.__name__): cls
-    for cls in (
-        Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata, TensorProperties, MetadataIndex,
-        StorageMeta, _MEM_FORMAT_ENCODING,
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): PurePosixPath,
-    ("pathlib", "PurePosixPath"): PurePosixPath,
-    ("pathlib", "WindowsPath"): PureWindowsPath,
-    ("pathlib", "PureWindowsPath"): PureWindowsPath,
-    ("collections", "OrderedDict"): dict,
-}  # fmt: skip
+
+def read_metadata(step_dir: Path, check: FileCheck, allow_pickle: bool = False) -> Metadata:
+    """`step_dir`'s DCP metadata, once `check` vouches for its file, read without unpickling (full pickle only when
+    the interpreter refuses it and `allow_pickle`) and checked; a TorchpreError naming the file and what was
+    refused otherwise."""
+    return _read_metadata(step_dir, check, allow_pickle)[0]
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """Resolves `_ALLOWED` globals and torch's dtypes and layouts (pickled as `torch.float32`, ...), nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return _ALLOWED[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)):
-            return getattr(torch, name)
-        raise _Refused(f"it names {module}.{name}, which a checkpoint's metadata never holds")
-
-
-class _Refused(pickle.UnpicklingError):
-    """A global `MetadataUnpickler` does not resolve: the file names code."""
-
-
-def read_metadata(step_dir: Path, check: FileCheck) -> Metadata:
-    """`step_dir`'s DCP metadata, once `check` vouches for the file, unpickled by `MetadataUnpickler` and checked;
-    a TorchpreError naming the folder, the file and what was refused otherwise."""
-    path = step_dir / METADATA
-    check.require(METADATA)
+def _read_metadata(step_dir: Path, check: FileCheck, allow_pickle: bool) -> tuple[Metadata, Path]:
+    """The metadata and the file it was read from."""
+    records = check.records()
+    listed = METADATA_JSON in records if records is not None else file_kind(step_dir, METADATA_JSON) != "missing"
+    name = METADATA_JSON if listed else METADATA
+    source = step_dir / name
     try:
-        with open(path, "rb") as file:
-            metadata = MetadataUnpickler(file).load()
+        data = check.read(name, LIMITS["metadata"])  # one open: the bytes parsed are the bytes checked
     except FileNotFoundError:
         raise TorchpreError(f"{step_dir} is not a checkpoint: it has no {METADATA}.") from None
-    except _Refused as error:
-        raise _refused(path, str(error)) from None
+    metadata = decode(data, source) if name == METADATA_JSON else _unpickled(data, source, allow_pickle)
+    return check_metadata(metadata, source, _file_sizes(step_dir, records, source)), source
+
+
+def _unpickled(data: bytes, source: Path, allow_pickle: bool) -> Any:
+    """A pickled `.metadata` through the interpreter; when it refuses, full pickle if `allow_pickle`."""
+    try:
+        return read_pickled_metadata(data, source)
+    except UntrustedInput as error:
+        if not allow_pickle:
+            raise UntrustedInput(
+                f"{error} If you trust whoever wrote it, {ALLOW_PICKLE} = true reads it with full pickle, which runs "
+                "any code it names."
+            ) from None
+    logger.warning("%s = true: unpickling %s with full pickle, which runs any code it names", ALLOW_PICKLE, source)
+    try:
+        return pickle.loads(data)
     except Exception as error:  # bytes that are no pickle at all: damage, or no checkpoint
         raise TorchpreError(
-            f"Cannot read the checkpoint at {step_dir} ({METADATA}: {type(error).__name__}: {error}): it is damaged "
-            "or no torch.distributed.checkpoint folder. Give a complete step-N folder."
+            f"Cannot read the checkpoint's metadata {source} ({type(error).__name__}: {error}): it is damaged or no "
+            "torch.distributed.checkpoint folder. Give a complete step-N folder."
         ) from None
-    _check_metadata(step_dir, path, metadata)
-    return metadata
 
 
-def _check_metadata(step_dir: Path, path: Path, metadata: Any) -> None:
-    """Raises unless `metadata` has the types DCP writes, and every storage file is a bare name inside `step_dir`."""
-    if not isinstance(metadata, Metadata):
-        raise _refused(path, f"it holds a {type(metadata).__name__}, not DCP's Metadata")
-    entries = metadata.state_dict_metadata
-    if not isinstance(entries, dict) or not all(
-        isinstance(key, str) and isinstance(value, (TensorStorageMetadata, BytesStorageMetadata))
-        for key, value in entries.items()
-    ):
-        raise _refused(path, "its entries are not names with tensor or bytes metadata")
-    for key, value in entries.items():
-        if isinstance(value, TensorStorageMetadata) and not _tensor_metadata_ok(value):
-            raise _refused(path, f"the entry {key!r} has no valid dtype, size and chunks")
-    storage = metadata.storage_data
-    if not isinstance(storage, dict):
-        raise _refused(path, "its storage_data is not a mapping")
-    for index, info in storage.items():
-        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise _refused(path, f"its storage_data holds {type(index).__name__} -> {type(info).__name__}")
-        if not (_natural(info.offset) and _natural(info.length)):
-            raise _refused(path, f"the entry {index.fqn!r} has offset {info.offset!r}, length {info.length!r}")
-        name, entry = info.relative_path, f"storage_data[{index.fqn!r}].relative_path"
-        if isinstance(name, str) and "/" in name:
-            raise _refused(path, f"{entry} is {name!r}, not a bare file name")
-        confined_path(step_dir, name, path, entry)
+def _file_sizes(step_dir: Path, records: dict[str, FileRecord] | None, source: Path) -> Callable[[str, str], int]:
+    """The size of a file of `step_dir` named by `source` (at an entry): its manifest record's, or, in a folder
+    without a manifest, that of the file itself opened confined."""
 
+    def size(name: str, entry: str) -> int:
+        if records is not None:
+            if name not in records:
+                raise refused(source, f"{entry} names {name!r}, which the folder's {MANIFEST} does not list")
+            return records[name].size
+        try:
+            with open_file(step_dir, name, source, entry) as file:
+                return os.fstat(file.fileno()).st_size
+        except FileNotFoundError:
+            raise TorchpreError(
+                f"{source}: {entry} names {name!r}, which is missing: the checkpoint {step_dir} is incomplete. "
+                "Restore the file or load another checkpoint."
+            ) from None
 
-def _tensor_metadata_ok(value: TensorStorageMetadata) -> bool:
-    properties, size, chunks = value.properties, value.size, value.chunks
-    return (
-        isinstance(properties, TensorProperties)
-        and isinstance(properties.dtype, torch.dtype)
-        and isinstance(size, torch.Size)
-        and isinstance(chunks, list)
-        and all(isinstance(chunk, ChunkStorageMetadata) for chunk in chunks)
-    )
-
-
-def _natural(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _refused(path: Path, why: str) -> UntrustedInput:
-    return UntrustedInput(
-        f"{path}: refused to load this checkpoint's metadata ({why}). torchpre reads a checkpoint without running "
-        "code from it, and this file is not metadata that torch.distributed.checkpoint writes: it was altered or "
-        "comes from an untrusted source. Load another checkpoint (docs/security.md)."
-    )
+    return size
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file-system reader with `read_metadata` above, and data files checked by `check` before they are read."""
+    """DCP's file-system reader with `read_metadata` above, whose data files are checked by `check` before they are
+    read, opened inside the folder without following a link, and read as `read_data` says."""
 
-    def __init__(self, step_dir: Path, check: FileCheck) -> None:
+    def __init__(self, step_dir: Path, check: FileCheck, allow_pickle: bool = False) -> None:
         super().__init__(str(step_dir))
-        self.step_dir, self.check = step_dir, check
+        self.step_dir, self.check, self.allow_pickle = step_dir, check, allow_pickle
+        self.source = step_dir / METADATA  # the metadata file that names the data files, once read
+        self.refusal: TorchpreError | None = None  # why `read_metadata` refused, which DCP reports only as text
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(self.step_dir, self.check)
+        try:
+            metadata, self.source = _read_metadata(self.step_dir, self.check, self.allow_pickle)
+        except TorchpreError as error:
+            self.refusal = error
+            raise
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan: LoadPlan, planner: Any) -> Any:
-        self.check.require_all(self.storage_data[item.storage_index].relative_path for item in plan.items)
-        return super().read_data(plan, planner)
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, file by file in the order of their bytes, with every record checked to lie inside its file
+        (as its size is now, on the open descriptor) and every tensor's bytes to be an archive DCP writes."""
+        by_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        self.check.require_all(by_file)
+        for name, items in sorted(by_file.items()):
+            with open_file(self.step_dir, name, self.source, "storage_data relative_path") as file:
+                size = os.fstat(file.fileno()).st_size
+                for item in sorted(items, key=lambda item: self.storage_data[item.storage_index].offset):
+                    self._read_item(item, file, size, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_item(self, item: ReadItem, file: BinaryIO, size: int, planner: LoadPlanner) -> None:
+        info = self.storage_data[item.storage_index]
+        end = info.offset + info.length
+        where = f"{self.step_dir / info.relative_path}: the entry {item.storage_index.fqn!r} (bytes {info.offset:,} " \
+                f"to {end:,})"  # fmt: skip
+        if end > size:
+            raise UntrustedInput(f"{where} lies past the end of the file ({size:,} bytes). {_ALTERED}")
+        window = Window(file, info.offset, info.length)
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(window.read()))
+            return
+        tensor = _read_tensor(window, where)
+        box = tuple(zip(item.storage_offsets, item.lengths))
+        if tensor.dim() != len(box) or any(start + length > whole for (start, length), whole in zip(box, tensor.shape)):
+            raise UntrustedInput(
+                f"{where} holds a tensor of shape {tuple(tensor.shape)}, without the part (offset, length per "
+                f"dimension) {box} its metadata promises. {_ALTERED}"
+            )
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise RuntimeError(f"{where}: the load plan asks for {tuple(target.size())}, not {tuple(tensor.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+_ALTERED = (
+    "torch.distributed.checkpoint never writes such a file: it was altered or comes from an untrusted source. Load "
+    "another checkpoint (docs/security.md)."
+)
+
+
+def _read_tensor(window: Window, where: str) -> torch.Tensor:
+    """The tensor DCP stored in `window` (torch.save's archive), read with torch's weights-only unpickler once the
+    archive is shown to be one DCP writes."""
+    try:
+        open_archive(window, window.length)
+    except NotAnArchive as error:
+        raise UntrustedInput(f"{where} is refused: {error}. {_ALTERED}") from None
+    window.seek(0)
+    try:
+        tensor = torch.load(window, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for bytes it cannot read
+        raise TorchpreError(
+            f"{where} cannot be read as a tensor ({type(error).__name__}: {_unpickler_error(error)}): the checkpoint "
+            "is damaged or was not written by torch.distributed.checkpoint. Load another checkpoint."
+        ) from None
+    if not isinstance(tensor, torch.Tensor):
+        raise UntrustedInput(f"{where} holds a {type(tensor).__name__}, not a tensor. {_ALTERED}")
+    return tensor
 
 
 @contextmanager
-def _refusals_unwrapped() -> Iterator[None]:
-    """DCP reports what a rank raised while reading as a CheckpointException on every rank; a refusal (a
-    TorchpreError: a file the manifest does not vouch for, an entry that is no plain value) is raised as itself,
-    so that every rank prints its one paragraph."""
+def _refusals_unwrapped(reader: SafeReader) -> Iterator[None]:
+    """DCP reports what a rank raised while reading as a CheckpointException on every rank, and a failed read of the
+    metadata as an AssertionError quoting it; a refusal (a TorchpreError: a file the manifest does not vouch for, an
+    entry that is no plain value) is raised as itself, so that every rank prints its one paragraph."""
     try:
         yield
     except CheckpointException as error:
         refusals = [failure for failure, _ in error.failures.values() if isinstance(failure, TorchpreError)]
-        if refusals:
-            raise refusals[0] from None
+        if reader.refusal is not None or refusals:
+            raise reader.refusal or refusals[0] from None
+        raise
+    except AssertionError:
+        if reader.refusal is not None:
+            raise reader.refusal from None
         raise
 
 
@@ -204,27 +237,31 @@ def _unpickler_error(error: Exception) -> str:
 
 
 class _PlainValues:
-    """A load planner's `load_bytes` that loads non-tensor entries with `weights_only=True` (plain values only),
-    or with full pickle when `allow_pickle`; an entry that needs more is refused by name."""
+    """A load planner's `load_bytes` that decodes non-tensor entries as plain values without torch.load
+    (`torch_save.read_plain_value`), or with full pickle when `allow_pickle`; an entry that is no plain value is
+    refused by name."""
 
     step_dir: Path
     allow_pickle: bool
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        try:
-            loaded = torch.load(value, weights_only=not self.allow_pickle)
-        except pickle.UnpicklingError as error:
-            raise UntrustedInput(
-                f"{self.step_dir}: refused to unpickle the checkpoint entry {read_item.dest_index.fqn!r}: it is "
-                f"no plain value ({_unpickler_error(error)}). torchpre's checkpoints hold none such, so this one "
-                f"comes from another tool or was altered. If you trust whoever wrote it, set {ALLOW_PICKLE} = true "
-                "to load it with full pickle, which runs any code it names (docs/security.md)."
-            ) from None
         fqn = read_item.dest_index.fqn
+        loaded = torch.load(value, weights_only=False) if self.allow_pickle else self._plain(fqn, value.getvalue())
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+    def _plain(self, fqn: str, data: bytes) -> Any:
+        try:
+            return read_plain_value(data)
+        except (NotAnArchive, Refused) as error:
+            raise UntrustedInput(
+                f"{self.step_dir}: refused to unpickle the checkpoint entry {fqn!r}: it is no plain value ({error}). "
+                "torchpre's checkpoints hold none such, so this one comes from another tool or was altered. If you "
+                f"trust whoever wrote it, set {ALLOW_PICKLE} = true to load it with full pickle, which runs any code "
+                "it names (docs/security.md)."
+            ) from None
 
 
 class SafeLoadPlanner(_PlainValues, DefaultLoadPlanner):
@@ -261,12 +298,10 @@ class Loader:
         with warnings.catch_warnings():
             if no_dist:  # DCP warns that it loads in one process, which is what no_dist asks for
                 warnings.simplefilter("ignore", UserWarning)
-            with _refusals_unwrapped():
+            reader = SafeReader(step_dir, self.check, self.allow_pickle)
+            with _refusals_unwrapped(reader):
                 dcp.load(
-                    state,
-                    storage_reader=SafeReader(step_dir, self.check),
-                    planner=SafeLoadPlanner(step_dir, self.allow_pickle),
-                    no_dist=no_dist,
+                    state, storage_reader=reader, planner=SafeLoadPlanner(step_dir, self.allow_pickle), no_dist=no_dist
                 )
 
     def load_whole(self) -> dict[str, Any]:
@@ -275,6 +310,6 @@ class Loader:
         reader, planner = SafeReader(self.check.step_dir, self.check), WholeLoadPlanner(self.check.step_dir, False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            with _refusals_unwrapped():
+            with _refusals_unwrapped(reader):
                 _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
         return state

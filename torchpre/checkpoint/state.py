@@ -62,29 +62,33 @@ class RNGState:
             torch.cuda.set_rng_state(state_dict[f"cuda_rank{self.rank}"])
 
 
-def checkpoint_metadata(check: FileCheck) -> dict[str, Any]:
+def checkpoint_metadata(check: FileCheck, allow_pickle: bool = False) -> dict[str, Any]:
     """The checked folder's flattened keys ("model.layers.0...") and their metadata, `state.json`'s values as
-    BytesStorageMetadata; a clear error if the folder is not a readable checkpoint."""
-    metadata = read_metadata(check.step_dir, check).state_dict_metadata
+    BytesStorageMetadata; a clear error if the folder is not a readable checkpoint (`allow_pickle`: see
+    `reader.read_metadata`)."""
+    metadata = read_metadata(check.step_dir, check, allow_pickle).state_dict_metadata
     values = read_values(check) or {}
     return metadata | dict.fromkeys(values, BytesStorageMetadata())
 
 
-def read_train_values(step_dir: Path, keys: Sequence[str], trust: Trust) -> dict[str, float]:
+def read_train_values(
+    step_dir: Path, keys: Sequence[str], trust: Trust, allow_pickle: bool = False
+) -> dict[str, float]:
     """The checkpoint's "train" entries named in `keys` that it holds (a scalar each: global batch, seq_len, RoPE),
-    read without a process group, before anything is built, from files the manifest vouches for; {} if it holds
-    none or cannot be read (a damaged checkpoint is named, and skipped, by the checked load that follows). A folder
-    that holds code or names files outside itself is refused at once (UntrustedInput)."""
+    read without a process group, before anything is built, from files the manifest vouches for (with
+    checkpoint.`allow_pickle` as the load will); {} if it holds none or cannot be read (a damaged checkpoint is named,
+    and skipped, by the checked load that follows). A folder that holds code or names files outside itself is refused
+    at once (UntrustedInput)."""
     check = FileCheck(step_dir, trust)
     try:
         values = read_values(check)
         if values is not None:
             return {key: float(values[f"train.{key}"]) for key in keys if f"train.{key}" in values}
-        recorded = read_metadata(step_dir, check).state_dict_metadata
+        recorded = read_metadata(step_dir, check, allow_pickle).state_dict_metadata
         request = {"train": {key: 0.0 for key in keys if f"train.{key}" in recorded}}
         if not request["train"]:
             return {}
-        Loader(check).load(request, no_dist=True)
+        Loader(check, allow_pickle).load(request, no_dist=True)
     except UntrustedInput:
         raise
     except Exception:  # DCP raises several types for damaged files
@@ -116,23 +120,33 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:
-    """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, and
+    """Raises, naming every tensor of `request` (a state dict to load) whose saved shape differs, every entry saved
+    as a tensor where `request` holds a plain value or the other way round (DCP would fail deep inside the load), and
     the model weights the checkpoint lacks."""
     mismatched, missing = [], []
     for key, value in flatten(request).items():
         meta = saved.get(key)
         if key.startswith("model.") and meta is None:
             missing.append(key)
-        elif isinstance(meta, TensorStorageMetadata) and isinstance(value, torch.Tensor):
-            if tuple(meta.size) != tuple(value.shape):
-                mismatched.append(f"{key}: checkpoint {tuple(meta.size)} vs model {tuple(value.shape)}")
+        elif meta is not None and isinstance(meta, TensorStorageMetadata) != isinstance(value, torch.Tensor):
+            mismatched.append(f"{key}: checkpoint {_kind(meta)} vs model {_kind(value)}")
+        elif isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(value.shape):
+            mismatched.append(f"{key}: checkpoint {tuple(meta.size)} vs model {tuple(value.shape)}")
     if mismatched or missing:
         details = "; ".join(mismatched[:8] + [f"{k}: not in the checkpoint" for k in missing[:8]])
         raise TorchpreError(
-            f"The checkpoint at {step_dir} does not fit this model ({len(mismatched)} tensors with other shapes, "
-            f"{len(missing)} missing): {details}. Check model.flavor and model.tokenizer_path against the "
+            f"The checkpoint at {step_dir} does not fit this model ({len(mismatched)} entries of another shape or "
+            f"kind, {len(missing)} missing): {details}. Check model.flavor and model.tokenizer_path against the "
             "checkpoint's config.toml."
         )
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, TensorStorageMetadata):
+        return f"a tensor of shape {tuple(value.size)}"
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return "a plain value"
 
 
 def require_present(request: dict[str, Any], saved: dict[str, Any], step_dir: Path) -> None:

@@ -1,11 +1,13 @@
 """How a checkpoint's bytes leave the process: a DCP file writer that takes each file's size, CRC-32 and (for a signed
-save) SHA-256 from the bytes as it writes them (so the manifest costs no second read of the checkpoint) and reports a
+save) SHA-256 from the bytes as it writes them (so the manifest costs no second read of the checkpoint), writes DCP's
+metadata as plain data too (`metadata.json`, which loads read instead of the pickled `.metadata`), and reports a
 failed write as the OSError it was, and the stager that copies the state to host memory for an async save (pinned,
 reused buffers on CUDA)."""
 
 import functools
 import hashlib
 import json
+import os
 import threading
 import zlib
 from collections.abc import Callable, Iterator
@@ -20,6 +22,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
+
+from torchpre.checkpoint.metadata_json import METADATA_JSON, encode
 
 RECORDS = "records.json"  # a rank's file records, for a writer in DCP's checkpoint process: `__{rank}_records.json`
 
@@ -122,7 +126,8 @@ class RecordingFileSystem(FileSystem):
 
 class RecordingWriter(FileSystemWriter):
     """`FileSystemWriter` whose `fs.records` lists the files this process wrote, with their sizes, CRCs and (with
-    `sha256`, for a signed save) SHA-256 digests.
+    `sha256`, for a signed save) SHA-256 digests. The coordinator writes `metadata.json` after DCP's `.metadata`,
+    through the same file system, so the manifest records it like every other file.
 
     With `publish`, for a writer that runs in DCP's checkpoint process (whose memory the trainer never sees), it
     also writes them to `__{rank}_records.json` once its files are written, and again with `.metadata` once it
@@ -143,7 +148,12 @@ class RecordingWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         with self._raising_the_os_error():
-            super().finish(metadata, results)
+            super().finish(metadata, results)  # completes `metadata` (storage records, version) and pickles it
+            with self.fs.create_stream(Path(self.path) / METADATA_JSON, "wb") as file:
+                file.write(encode(metadata))
+                if self.sync_files:  # as durable as DCP makes `.metadata`
+                    file.flush()
+                    os.fsync(file.fileno())
             self._publish()
 
     @contextmanager

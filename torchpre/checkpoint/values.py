@@ -8,13 +8,16 @@ Checkpoints written before it existed keep these values as DCP entries, which lo
 
 Read back, every value is checked before anything uses it: torchpre's own against `RULES` (a step or a count is never
 negative, a size never below 1, a learning rate finite; the step is the folder's), and every value a load puts into a
-component against the live value it replaces: the same JSON type, a list of the same length, item by item.
+component against the live value it replaces: the same JSON type, a list of the same length, item by item. The values
+that record what the saving run was (its layout, its data stages) are compared with this run's by their component,
+never restored: only their rule binds them.
 """
 
 import json
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +42,37 @@ def _list_of(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda value: isinstance(value, list) and all(map(rule, value))
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What a value of `state.json` may hold (`holds`, and in words: `expected`). `describes_run`: a record of the
+    saving run (its layout, its stages), which a resume compares with its own, so its shape may be another's."""
+
+    holds: Callable[[Any], bool]
+    expected: str
+    describes_run: bool = False
+
+
+def _stages(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(stage, dict) for stage in value)  # fields: StageTable.from_record
+
+
 _COUNTS = r"(train|dataloader)\.consumed_samples|train\.step|health\.\w+|lr_scheduler\.(last_epoch|_step_count)"
 _SIZES = ("global_batch_size", "accumulation_steps", "world_size", "dp", "tp", "pp", "ep", "cp", "seq_len")
-# What each value of `state.json` may hold, by its flattened name (a pattern), and in words for the message.
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    rf"train\.({'|'.join(_SIZES)})": (_integer(1), "a size (an integer of at least 1)"),
-    _COUNTS: (_integer(0), "a count (an integer of 0 or more)"),
-    r"train\.rope_\w+": (_finite, "a finite number of 0 or more"),
-    r"lr_scheduler\.(base_lrs|_last_lr)": (_list_of(_finite), "a list of finite learning rates of 0 or more"),
-    r"lr_scheduler\.(_is_initial|_get_lr_called_within_step)": (lambda value: type(value) is bool, "true or false"),
-    r"lr_scheduler\.lr_lambdas": (_list_of(lambda value: value is None), "a list of nulls"),
+# What each value of `state.json` may hold, by its flattened name (a pattern).
+RULES: dict[str, Rule] = {
+    rf"train\.({'|'.join(_SIZES)})": Rule(_integer(1), "a size (an integer of at least 1)", describes_run=True),
+    _COUNTS: Rule(_integer(0), "a count (an integer of 0 or more)"),
+    r"train\.rope_\w+": Rule(_finite, "a finite number of 0 or more", describes_run=True),
+    r"train\.data_stages": Rule(_stages, "a list of stage records", describes_run=True),
+    r"lr_scheduler\.(base_lrs|_last_lr)": Rule(_list_of(_finite), "a list of finite learning rates of 0 or more"),
+    r"lr_scheduler\.(_is_initial|_get_lr_called_within_step)": Rule(lambda value: type(value) is bool, "true or false"),
+    r"lr_scheduler\.lr_lambdas": Rule(_list_of(lambda value: value is None), "a list of nulls"),
 }  # fmt: skip
 _COMPILED = [(re.compile(pattern), rule) for pattern, rule in RULES.items()]
 
 
-def rule_of(name: str) -> tuple[Callable[[Any], bool], str] | None:
-    """The rule `state.json`'s value `name` must meet; None when no value of that name is ever saved."""
+def rule_of(name: str) -> Rule | None:
+    """The rule `state.json`'s value `name` must meet; None for a name torchpre's own components never save."""
     return next((rule for pattern, rule in _COMPILED if pattern.fullmatch(name)), None)
 
 
@@ -110,8 +128,8 @@ def read_values(check: FileCheck) -> dict[str, Any] | None:
         raise UntrustedInput(f"{path} holds a JSON {type(values).__name__}, not an object of named values.")
     for name, value in values.items():
         rule = rule_of(name)
-        if rule is not None and not rule[0](value):
-            raise _bad_value(path, name, value, rule[1])
+        if rule is not None and not rule.holds(value):
+            raise _bad_value(path, name, value, rule.expected)
     step, saved = folder_step(check.step_dir), values.get("train.step")
     if step is not None and saved is not None and saved != step:
         raise _bad_value(path, "train.step", saved, f"the step of its folder, {check.step_dir.name}")
@@ -143,13 +161,15 @@ def put_values(
     loaded: dict[str, Any], request: dict[str, Any], values: dict[str, Any], step_dir: Path, prefix: str = ""
 ) -> None:
     """Puts into `loaded` (what DCP loaded of `request`) the leaves of `request` that `values` (`step_dir`'s
-    state.json) holds, each once shown to have the shape of the live value it replaces (`same_shape`)."""
+    state.json) holds, each once shown to have the shape of the live value it replaces (`same_shape`), unless it
+    records the saving run (`Rule.describes_run`)."""
     for key, value in request.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             put_values(loaded.setdefault(key, {}), value, values, step_dir, f"{name}.")
         elif name in values:
-            expected = same_shape(values[name], value)
+            rule = rule_of(name)
+            expected = None if rule is not None and rule.describes_run else same_shape(values[name], value)
             if expected is not None:
                 raise _bad_value(step_dir / VALUES, name, values[name], expected)
             loaded[key] = values[name]

@@ -465,13 +465,21 @@ class Checkpoint:
     )
     allow_pickle: bool = _option(
         False,
-        "load non-tensor checkpoint entries with full pickle, which runs any code they name: only for a foreign "
-        "checkpoint from someone you trust (torchpre's own hold none; docs/security.md); off: plain values only",
+        "read a foreign checkpoint's pickled .metadata that the restricted interpreter refuses, and its non-tensor "
+        "entries, with full pickle, which runs any code they name: only for a checkpoint from someone you trust "
+        "(torchpre's own hold nothing pickled; docs/security.md); off: DCP's records and plain values only",
     )
     signing_key_file: str = _option(
         "",
         "a file holding a secret key: every save signs its manifest (HMAC-SHA256 over each file's SHA-256) and every "
-        "load refuses a checkpoint not signed with this key; empty: no signing (the CRC-32 integrity check stays)",
+        "load refuses a checkpoint not signed with this key (Hugging Face exports are signed and checked too); "
+        "empty: no signing (the CRC-32 integrity check stays)",
+    )
+    allow_unsigned_hf: bool = _option(
+        False,
+        "with signing_key_file set, accept an unsigned Hugging Face folder as the weights of "
+        "checkpoint.initial_load_path or `convert hf-to-dcp` (a model as released, which no key of yours signed), "
+        "with a warning naming it; off: refused",
     )
 
 

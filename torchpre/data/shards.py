@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torchpre.confined import check_name, open_file
+from torchpre.confined import check_name, open_file, open_replacing, write_file
 from torchpre.errors import FieldError, TorchpreError, field
 from torchpre.json_input import read_json
 
@@ -76,11 +76,10 @@ class Manifest:
         return sum(shard.num_documents for shard in self.shards)
 
     def write(self, folder: Path) -> None:
-        """Atomically (write then rename), so a crash leaves the previous manifest intact."""
+        """Atomically (a new file renamed over the old), so a crash leaves the previous manifest intact and a
+        symbolic link at its name is replaced, never written through."""
         record = dataclasses.asdict(self) | {"dtype": self.dtype.name, "num_tokens": self.num_tokens}
-        temporary = folder / (MANIFEST + ".tmp")
-        temporary.write_text(json.dumps(record, indent=1), encoding="utf-8")
-        os.replace(temporary, folder / MANIFEST)
+        write_file(folder / MANIFEST, json.dumps(record, indent=1))
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
@@ -162,7 +161,8 @@ def write_shard(folder: Path, name: str, documents: Sequence[Sequence[int]], voc
     """Writes NAME.bin and NAME.idx for already framed (BOS ... EOS) token documents (lists or arrays).
 
     Both files are on disk (fsync) when this returns, so a manifest written next never lists a shard
-    that a crash could still lose.
+    that a crash could still lose; each is a new file renamed into place, so a symbolic link left at its name (by
+    whoever made the folder) is replaced, never written through.
     """
     dtype = token_dtype(vocab_size)
     lengths = np.fromiter(map(len, documents), dtype=_OFFSET, count=len(documents))
@@ -174,10 +174,8 @@ def write_shard(folder: Path, name: str, documents: Sequence[Sequence[int]], voc
 
 
 def _write_durably(path: Path, array: np.ndarray) -> None:
-    with open(path, "wb") as file:
+    with open_replacing(path, durable=True) as file:
         array.tofile(file)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 class DamagedShard(TorchpreError):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tiktoken
 
-from torchpre.confined import read_file
+from torchpre.confined import read_file, write_file
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.json_input import LIMITS
 
@@ -92,9 +92,9 @@ def _read(path: Path) -> bytes:
 
 
 def save_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
-    """Write ranks in the format `load_ranks` reads, in rank order."""
+    """Write ranks in the format `load_ranks` reads, in rank order (a new file renamed into place)."""
     by_rank = sorted(ranks.items(), key=lambda item: item[1])
-    Path(path).write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in by_rank))
+    write_file(Path(path), b"".join(base64.b64encode(t) + b" %d\n" % r for t, r in by_rank))
 
 
 def _parse_line(line: bytes, where: str) -> tuple[bytes, int]:

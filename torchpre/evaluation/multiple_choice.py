@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchpre.confined import open_file
+from torchpre.confined import make_folder, open_file, write_file
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, FieldError, UntrustedInput, field
 from torchpre.evaluation.validation import eval_mode
@@ -181,7 +181,8 @@ def _argmax(values: list[float]) -> int:
 
 class MultipleChoiceEvaluator:
     """Scores one task every `freq` steps under the training layout; `evaluate` is collective. Rank 0 writes each
-    question's log-likelihoods to `{samples_folder}/{task}/step-N.jsonl` (lm-evaluation-harness's --log_samples)."""
+    question's log-likelihoods to `{samples_folder}/{task}/step-N.jsonl` (lm-evaluation-harness's --log_samples), a
+    new file renamed into place in a folder that is no symbolic link (`torchpre.confined`)."""
 
     def __init__(
         self,
@@ -255,14 +256,13 @@ class MultipleChoiceEvaluator:
     def _write_samples(self, step: int, lls: list[float]) -> None:
         if dist.get_rank() != 0:
             return
-        folder = self.samples_folder / self.task.name
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = make_folder(self.samples_folder, self.task.name)
         start, lines = 0, []
         for question in self.task.questions:
             scores = lls[start : start + len(question.choices)]
             start += len(question.choices)
             lines.append(json.dumps({"answer": question.answer, "log_likelihoods": scores}) + "\n")
-        (folder / f"step-{step}.jsonl").write_text("".join(lines), encoding="utf-8")
+        write_file(folder / f"step-{step}.jsonl", "".join(lines))
 
 
 def _continuation_log_likelihoods(

@@ -13,9 +13,12 @@ ranks write), the config and the tokenizer.
 The gather and the copy to the host happen between steps; with hf_export.async_mode = "async" the files are
 written and the folder published by a thread while training goes on, on a gloo group of the exporter's own. A
 folder is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank's file is written
-(`torchpre.checkpoint.folders`, as checkpoints are), so a `step-N` folder is always complete; a restarted job
-removes the `.tmp-*` folders a killed one left, and only the newest hf_export.keep_latest_k are kept. An export
-that fails raises on every rank at the next export or at the end of training.
+(`torchpre.checkpoint.folders`, as checkpoints are), so a `step-N` folder is always complete. Rank 0 creates the
+`.tmp-step-N` folder (a new one: never one already there, nor a symbolic link) and marks it as torchpre's before any
+rank writes into it (the published folder loses it: it holds Hugging Face's files only); a restarted job removes the
+`.tmp-*` folders a killed one left that hold that marker, and only those, and only the newest hf_export.keep_latest_k
+are kept. An export that fails raises on every rank at the next
+export or at the end of training.
 """
 
 import logging
@@ -30,17 +33,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchpre.checkpoint.folders import TMP_PREFIX, complete_steps, publish, remove_step
+from torchpre.checkpoint.folders import (
+    MARKER,
+    TMP_PREFIX,
+    complete_steps,
+    mark_as_ours,
+    publish,
+    remove_if_ours,
+    remove_step,
+    remove_unfinished,
+)
 from torchpre.checkpoint.integrity import all_gather
 from torchpre.config.job_config import HFExport
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.utils import comm_timeout
-from torchpre.errors import StorageError
+from torchpre.errors import StorageError, UntrustedInput
 from torchpre.interchange.folder import (
     SAFETENSORS,
     give_default_modes,
     save_safetensors,
     shard_file_name,
+    sign_folder,
     write_index,
     write_metadata,
 )
@@ -59,7 +72,8 @@ class TensorInfo:
 
 class HFExporter:
     """Writes one job's Hugging Face exports into `folder` as `settings` ([hf_export]) says; `export` is collective.
-    `max_length` is the context written to the config (`model_context`)."""
+    `max_length` is the context written to the config (`model_context`); with `signing_key` (the job's
+    checkpoint.signing_key_file) each export is signed."""
 
     def __init__(
         self,
@@ -70,8 +84,10 @@ class HFExporter:
         args: Any,
         tokenizer: Tokenizer,
         max_length: int,
+        signing_key: bytes | None = None,
     ):
         self.folder, self.settings, self.model = folder, settings, model
+        self.signing_key = signing_key
         self.adapter, self.args, self.tokenizer, self.max_length = spec.hf, args, tokenizer, max_length
         self.rank = dist.get_rank()
         tied = spec.tied_weights(args)
@@ -96,11 +112,10 @@ class HFExporter:
         return step % self.settings.interval == 0 or step == last_step
 
     def remove_unfinished(self) -> None:
-        """Rank 0 deletes the temporary folders of exports that did not finish (a crashed run's)."""
+        """Rank 0 deletes the temporary folders of exports that did not finish (a crashed run's), and only those:
+        `.tmp-` folders that hold torchpre's marker, as checkpoints' (`folders.remove_unfinished`)."""
         if self.rank == 0:
-            for stale in self.folder.glob(f"{TMP_PREFIX}*"):
-                shutil.rmtree(stale, ignore_errors=True)
-                logger.info("removed %s, left by an export that did not finish", stale)
+            remove_unfinished(self.folder)
 
     def export(self, step: int) -> None:
         """Gathers this rank's tensors to the host, then writes and publishes step-N (in the background under
@@ -109,10 +124,10 @@ class HFExporter:
         start = time.perf_counter()
         weights = self._hf_tensors(self._gather())
         tmp = self.folder / f"{TMP_PREFIX}step-{step}"
-        try:
-            tmp.mkdir(parents=True, exist_ok=True)
-        except OSError as error:  # checked writable at start-up: the file system changed since
-            raise StorageError(f"hf_export.folder: cannot create {tmp} for step {step}'s export: {error}") from None
+        box = [self._create(tmp, step) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, group_src=0)
+        if box[0] is not None:
+            raise box[0]
         if self._background is None:
             _raise_if_failed(self._write_and_publish(step, tmp, weights, start))
             return
@@ -120,6 +135,20 @@ class HFExporter:
             logger.info("Hugging Face export of step %d on the host in %.2f s; writing in the background", step,
                         time.perf_counter() - start)  # fmt: skip
         self._pending = self._background.submit(self._write_and_publish, step, tmp, weights, start)
+
+    def _create(self, tmp: Path, step: int) -> StorageError | UntrustedInput | None:
+        """Rank 0 makes `tmp` a new folder marked as torchpre's; the error every rank raises if it cannot."""
+        try:
+            if (tmp.exists() or tmp.is_symlink()) and not remove_if_ours(tmp):
+                return UntrustedInput(
+                    f"hf_export.folder: {tmp} is in the way of step {step}'s export, and torchpre did not make it "
+                    "(no marker, or a symbolic link). Remove it, or give hf_export.folder another folder."
+                )
+            tmp.mkdir(parents=True)
+            mark_as_ours(tmp)
+        except OSError as error:  # checked writable at start-up: the file system changed since
+            return StorageError(f"hf_export.folder: cannot create {tmp} for step {step}'s export: {error}")
+        return None
 
     def wait(self) -> None:
         """Until the background export, if one is running, is published; raises its failure."""
@@ -206,7 +235,10 @@ class HFExporter:
                     weight_map = {name: file for file, sizes, _ in parts for name in sizes}
                     write_index(tmp, weight_map, sum(sum(sizes.values()) for _, sizes, _ in parts))
                 give_default_modes(tmp)
+                if self.signing_key is not None:
+                    sign_folder(tmp, self.signing_key, skipped=frozenset({MARKER}))
                 publish(tmp, final)
+                (final / MARKER).unlink()  # a Hugging Face folder holds its own files only; retention marks it again
             except OSError as failure:
                 failures = {0: f"{type(failure).__name__}: {failure}"}
         if failures:
@@ -222,7 +254,7 @@ class HFExporter:
             for step in complete_steps(self.folder)[: -self.settings.keep_latest_k]:
                 try:
                     remove_step(self.folder / f"step-{step}")
-                except OSError as error:
+                except (OSError, UntrustedInput) as error:
                     logger.warning("could not remove the old export step-%d (%s); it stays", step, error)
 
 

@@ -1,17 +1,21 @@
 """The files of a Hugging Face model folder besides the weights, as `save_pretrained` lays them out: config.json,
 generation_config.json and the tokenizer (the tiktoken file as `tokenizer.model` with a `tokenizer_config.json` with
 which `transformers.AutoTokenizer` loads it); and safetensors weights, in one file or in several with an index.
-Shared by `python -m torchpre.convert dcp-to-hf` and the exports written during training."""
+Shared by `python -m torchpre.convert dcp-to-hf` and the exports written during training.
+
+Every file is written under a new name and renamed into place (`torchpre.confined`), so that a symbolic link at a
+name is replaced, never written through, even in a folder that was not new."""
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from torchpre.checkpoint.integrity import MANIFEST, file_record, write_manifest
+from torchpre.confined import is_regular_file, replacing_path, write_file
 from torchpre.data.tokenizer import BOS, EOS, Tokenizer
 from torchpre.models.registry import HFAdapter
 
@@ -25,7 +29,8 @@ def shard_file_name(number: int, count: int) -> str:
 
 
 def save_safetensors(state_dict: dict[str, torch.Tensor], path: Path) -> None:
-    save_file(state_dict, path, metadata={"format": "pt"})
+    with replacing_path(path) as temporary:
+        save_file(state_dict, temporary, metadata={"format": "pt"})
 
 
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
@@ -49,7 +54,7 @@ def write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None
     """The tiktoken file as `tokenizer.model` and a `tokenizer_config.json` with which
     `transformers.AutoTokenizer` loads it (transformers converts a tiktoken file itself): the same ids as
     torchpre's tokenizer, BOS prepended, special tokens by their ids."""
-    shutil.copyfile(tokenizer.path, folder / "tokenizer.model")
+    write_file(folder / "tokenizer.model", tokenizer.path.read_bytes())
     added = {
         str(token_id): {
             "content": name, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
@@ -76,8 +81,21 @@ def give_default_modes(folder: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
+        if is_regular_file(path):  # a link's mode is its target's: never changed through it
+            path.chmod(0o666 & ~umask)
+
+
+def sign_folder(folder: Path, signing_key: bytes, skipped: frozenset[str] = frozenset()) -> None:
+    """Signs the finished folder (checkpoint.signing_key_file): a manifest of every regular file's size, CRC-32 and
+    SHA-256 but `skipped`'s, signed as a checkpoint's is (`torchpre.checkpoint.integrity`), so that a job holding the
+    key loads it as its own and refuses it altered. The files are read once more here: the weights were written by
+    safetensors, which reports no digest."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if is_regular_file(path) and path.name not in skipped and path.name != MANIFEST:
+            files[path.name] = file_record(path)
+    write_manifest(folder, "write", files, signing_key)
 
 
 def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+    write_file(path, json.dumps(value, indent=2) + "\n")

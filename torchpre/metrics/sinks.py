@@ -8,14 +8,23 @@ A job that resumes a checkpoint of step N redoes the steps after N that an inter
 already logged. Each backend keeps one record per step: metrics.jsonl appends them (its readers keep
 a step's last record), TensorBoard hides the earlier attempt's events from step N + 1 on, and W&B
 keeps the records it already has (see `WandbSink`).
+
+The files and folders a sink keeps in the dump folder are its own: metrics.jsonl is appended to only when it is a
+regular file, `tensorboard/` and `wandb/` are folders (never a symbolic link to one), and `wandb/run_id` is
+replaced, never written through a link (`torchpre.confined`). The files TensorBoard and W&B write inside their
+folders are theirs; they are written under new names.
 """
 
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from torchpre.confined import make_folder, open_file, open_for_append, read_file, write_file
 from torchpre.optional import import_tensorboard, import_wandb
+
+RUN_ID_LIMIT = 1024  # a W&B run id is 8 characters; the file holds nothing else
 
 
 class Sink(Protocol):
@@ -30,12 +39,12 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 class JsonlSink:
-    """Appends JSON lines to `{dump_folder}/metrics.jsonl`, flushed per line so a crash loses nothing."""
+    """Appends JSON lines to `{dump_folder}/metrics.jsonl`, flushed per line so a crash loses nothing; a symbolic
+    link at that name is an UntrustedInput error, never appended through."""
 
     def __init__(self, dump_folder: str | Path):
-        path = Path(dump_folder) / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+        folder = make_folder(Path(dump_folder))
+        self._file = io.TextIOWrapper(open_for_append(folder / "metrics.jsonl"), encoding="utf-8")
 
     def log(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -47,10 +56,13 @@ class JsonlSink:
 
 def last_logged_step(path: Path) -> int:
     """The highest step among the complete records at the end of `path` (metrics.jsonl), 0 if none. Reads
-    only the last MiB, which holds hundreds of records, so a long run's large file costs nothing."""
-    if not path.is_file():
+    only the last MiB, which holds hundreds of records, so a long run's large file costs nothing; a symbolic link
+    there is an UntrustedInput error, never read through."""
+    try:
+        file = open_file(path.parent, path.name)
+    except FileNotFoundError:
         return 0
-    with path.open("rb") as file:
+    with file:
         file.seek(max(0, file.seek(0, os.SEEK_END) - 2**20))
         lines = file.read().split(b"\n")
     steps = [0]
@@ -91,8 +103,7 @@ class WandbSink:
         logged_through: int | None = None,
     ):
         wandb = import_wandb()
-        id_file = Path(dump_folder) / "wandb" / "run_id"
-        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file = make_folder(Path(dump_folder), "wandb") / "run_id"
         run_id = _stored_run_id(id_file) if logged_through is not None else None
         self._skip_through = logged_through if run_id else 0
         self._run = wandb.init(
@@ -104,7 +115,7 @@ class WandbSink:
             id=run_id,
             resume="allow" if run_id else None,
         )
-        _write_atomically(id_file, self._run.id)
+        write_file(id_file, self._run.id)
 
     def log(self, record: dict[str, Any]) -> None:
         if record["step"] > self._skip_through:
@@ -125,9 +136,9 @@ class TensorBoardSink:
 
     def __init__(self, dump_folder: str | Path, config_toml: str, resume_step: int = 0):
         tensorboard = import_tensorboard()
-        self._writer = tensorboard.SummaryWriter(
-            log_dir=str(Path(dump_folder) / "tensorboard"), purge_step=resume_step + 1 if resume_step else None
-        )
+        folder = make_folder(Path(dump_folder), "tensorboard")
+        purge_step = resume_step + 1 if resume_step else None
+        self._writer = tensorboard.SummaryWriter(log_dir=str(folder), purge_step=purge_step)
         self._writer.add_text("config", f"```toml\n{config_toml}```", global_step=resume_step)
 
     def log(self, record: dict[str, Any]) -> None:
@@ -143,12 +154,9 @@ class TensorBoardSink:
 
 
 def _stored_run_id(path: Path) -> str | None:
-    """The W&B run id an earlier attempt of this run stored, None if it ran without W&B."""
-    return (path.read_text(encoding="utf-8").strip() or None) if path.is_file() else None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """A reader (the next attempt) sees the old content or the new one, never a partial file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """The W&B run id an earlier attempt of this run stored, None if it ran without W&B; read only from a regular
+    file of at most RUN_ID_LIMIT bytes, never through a symbolic link."""
+    try:
+        return read_file(path.parent, path.name, RUN_ID_LIMIT).decode("utf-8", errors="replace").strip() or None
+    except FileNotFoundError:
+        return None

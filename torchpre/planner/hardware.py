@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchpre.confined import write_file
 from torchpre.errors import ConfigError
 
 
@@ -125,8 +126,9 @@ def get_hardware(name_or_path: str, key: str = "hardware") -> Hardware:
 
 
 def save_profile(hardware: Hardware, path: Path) -> None:
-    """Writes `hardware` as a JSON profile that `load_profile` reads back equal."""
-    path.write_text(json.dumps(dataclasses.asdict(hardware), indent=2) + "\n")
+    """Writes `hardware` as a JSON profile that `load_profile` reads back equal (a new file renamed into place: a
+    symbolic link at `path` is replaced, never written through)."""
+    write_file(path, json.dumps(dataclasses.asdict(hardware), indent=2) + "\n")
 
 
 def load_profile(path: Path, key: str = "hardware") -> Hardware:

@@ -13,6 +13,8 @@ import signal
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from torchpre.confined import write_file
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # A launcher that must tell a job stopped by a signal from one that ran its last step names a file here.
 STOP_FILE_VARIABLE = "TORCHPRE_STOP_FILE"
@@ -51,7 +53,8 @@ class PreemptionHandler:
 def leave_stop_note(step: int) -> None:
     """Writes `step`, the step the job stopped after on a stop signal, to the file named by TORCHPRE_STOP_FILE when
     the launcher set it (multinode.slurm, on its own node: it requeues the job only then). One process per node
-    writes it, the one with LOCAL_RANK 0; a job that ran its last step writes nothing."""
+    writes it, the one with LOCAL_RANK 0; a job that ran its last step writes nothing. The file is written new and
+    renamed into place: a symbolic link at its name is replaced, never written through."""
     path = os.environ.get(STOP_FILE_VARIABLE)
     if path and os.environ.get("LOCAL_RANK", "0") == "0":
-        Path(path).write_text(f"{step}\n")
+        write_file(Path(path), f"{step}\n")

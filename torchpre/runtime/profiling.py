@@ -1,4 +1,5 @@
-"""Periodic torch.profiler traces of the training loop, and CUDA memory snapshots next to them."""
+"""Periodic torch.profiler traces of the training loop, and CUDA memory snapshots next to them, each written under a
+new name and renamed into place, in a step folder that is no symbolic link (`torchpre.confined`)."""
 
 import logging
 import os
@@ -10,6 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from torchpre.config.job_config import Profiling
+from torchpre.confined import make_folder, replacing_path
 
 logger = logging.getLogger("torchpre")
 
@@ -71,9 +73,10 @@ class Profiler:
                 self._profile.step()
 
     def _save(self, prof: profile) -> None:
-        step_dir = self.folder / f"step-{self.step_number}"
-        step_dir.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(step_dir / f"rank{self.rank}_trace.json"))
+        step_dir = make_folder(self.folder, f"step-{self.step_number}")
+        with replacing_path(step_dir / f"rank{self.rank}_trace.json") as trace:
+            prof.export_chrome_trace(str(trace))
         if self.cuda:
-            torch.cuda.memory._dump_snapshot(str(step_dir / f"rank{self.rank}_memory_snapshot.pickle"))
+            with replacing_path(step_dir / f"rank{self.rank}_memory_snapshot.pickle") as snapshot:
+                torch.cuda.memory._dump_snapshot(str(snapshot))
         logger.info("profiler trace of step %d written to %s", self.step_number, step_dir)

@@ -35,7 +35,8 @@ def batch_sizes(config: JobConfig, dp: int, resume_dir: Path | None) -> BatchSiz
     (training.global_batch_unit, `kept_global_batch`). An explicit value wins and is logged as a change."""
     t = config.training
     trust = Trust.from_settings(config.checkpoint)
-    saved, saved_seq_len = saved_batch(resume_dir, trust) if resume_dir is not None else (0, 0)
+    allow_pickle = config.checkpoint.allow_pickle
+    saved, saved_seq_len = saved_batch(resume_dir, trust, allow_pickle) if resume_dir is not None else (0, 0)
     kept = kept_global_batch(saved, saved_seq_len or t.seq_len, t.seq_len, t.global_batch_unit)
     if saved and kept is None:
         raise ConfigError(
@@ -134,11 +135,11 @@ def _world_sizes_hint(config: JobConfig, global_batch_size: int) -> str:
     return world_sizes_hint(*degrees, rounds, cp=p.context_parallel_degree)
 
 
-def saved_batch(step_dir: Path, trust: Trust) -> tuple[int, int]:
+def saved_batch(step_dir: Path, trust: Trust, allow_pickle: bool = False) -> tuple[int, int]:
     """The global batch size `step_dir` was trained with and its sequence length, read without a process group so
     that a resumed job can size its data loader and accumulation before building them; 0 for what the checkpoint
     predates or if it cannot be read."""
-    saved = read_train_values(step_dir, ("global_batch_size", "seq_len"), trust)
+    saved = read_train_values(step_dir, ("global_batch_size", "seq_len"), trust, allow_pickle)
     if "global_batch_size" not in saved:
         return 0, 0
     return int(saved["global_batch_size"]), int(saved.get("seq_len", 0))

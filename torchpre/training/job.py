@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchpre.checkpoint.integrity import read_signing_key
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import JobConfig
@@ -218,6 +219,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         batch,
         {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "cp": d.cp,
          "accumulation_steps": batch.sizes.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
+        pre.plan.stages.record(),
     )  # fmt: skip
     after_step = partial(pre.model_spec.after_optimizer_step, model.parts, pre.model_args, device)
     guard = StepGuard(
@@ -243,6 +245,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         job.hf_export = HFExporter(
             Path(config.job.dump_folder) / config.hf_export.folder, config.hf_export, model, pre.model_spec,
             pre.model_args, pre.tokenizer, max(pre.model_args.max_seq_len, model_context(config, pre.tokenizer)),
+            read_signing_key(c.signing_key_file),
         )  # fmt: skip
     if not runtime.fake:
         job.begin_step()  # step 0's shape; a resume sets its step's after loading

@@ -95,10 +95,10 @@ def rope_record(args: Any) -> dict[str, float]:
     return dict(zip(ROPE_KEYS, (float(args.rope_theta), *map(float, scaling))))
 
 
-def check_saved_rope(step_dir: Path, args: Any, trust: Trust) -> None:
+def check_saved_rope(step_dir: Path, args: Any, trust: Trust, allow_pickle: bool = False) -> None:
     """Generation and export use the RoPE of the config (`args`); a checkpoint trained with another (a context-extension
     stage) would give wrong text or a wrong exported config silently, so it is refused, naming the keys to set."""
-    saved = read_train_values(step_dir, ROPE_KEYS, trust)
+    saved = read_train_values(step_dir, ROPE_KEYS, trust, allow_pickle)
     ours = rope_record(args)
     changed = [key for key in ROPE_KEYS if key in saved and key in ours and saved[key] != ours[key]]
     if changed:

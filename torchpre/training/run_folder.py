@@ -1,15 +1,22 @@
 """What a run leaves in `job.dump_folder` besides checkpoints, and how a new run or a resume treats what an earlier
 one left there: the resolved config, the metrics of an unrelated run (moved aside), and, on a resume from an earlier
-step than the last, the checkpoints and metrics records after it (moved aside, so the run goes on as one history)."""
+step than the last, the checkpoints and metrics records after it (moved aside, so the run goes on as one history).
+
+The dump folder is the user's choice (a link there is followed); what torchpre keeps inside it is its own, and is never
+written through a symbolic link: the folders it writes into must be folders (`check_run_folder`, before anything is
+read or written), and each file is created new and renamed into place, or appended to only as a regular file
+(`torchpre.confined`)."""
 
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch.distributed as dist
 
 from torchpre.checkpoint.history import set_aside_earlier_metrics, set_aside_later_records, set_aside_later_steps
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
+from torchpre.confined import file_kind, make_folder, write_file
+from torchpre.errors import UntrustedInput
 from torchpre.metrics.logger import MetricsLogger, build_metrics_logger
 
 logger = logging.getLogger("torchpre")
@@ -19,11 +26,30 @@ def save_resolved_config(config: JobConfig) -> None:
     """Rank 0 writes the whole resolved config to the dump folder; the log gets one line saying where."""
     if dist.get_rank() != 0:
         return
-    folder = Path(config.job.dump_folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(to_toml(config), encoding="utf-8")
+    folder = make_folder(Path(config.job.dump_folder))
+    write_file(folder / "config.toml", to_toml(config))
     source = config.job.config_file or "the defaults"
     logger.info("config: %s and the command line; resolved config in %s", source, folder / "config.toml")
+
+
+def check_run_folder(config: JobConfig) -> None:
+    """Every rank, before the run reads or writes anything in `job.dump_folder`: a symbolic link in place of a folder
+    the run writes into (checkpoint.folder and hf_export.folder when relative, tensorboard/, wandb/, eval/,
+    profiling.save_traces_folder, comm_traces/), or of metrics.jsonl, which it appends to, is an UntrustedInput error
+    naming it, on every rank at once. A link could lead the run's writes, and the reads of a resume, out of the
+    folder; a folder elsewhere is given by its own path (an absolute checkpoint.folder or hf_export.folder)."""
+    folder = Path(config.job.dump_folder)
+    names = (config.checkpoint.folder, config.hf_export.folder, "tensorboard", "wandb", "eval",
+             config.profiling.save_traces_folder, "comm_traces", "metrics.jsonl")  # fmt: skip
+    for name in names:
+        beneath = not PurePosixPath(name).is_absolute() and ".." not in PurePosixPath(name).parts
+        if beneath and folder.is_dir() and file_kind(folder, name) == "link":
+            raise UntrustedInput(
+                f"{folder / name} is, or leads through, a symbolic link, where the run keeps a file or folder of its "
+                "own. torchpre never writes or resumes through a link, which could lead out of job.dump_folder: "
+                f"remove it, or give another job.dump_folder; to keep checkpoints or exports on another disk, set "
+                "checkpoint.folder or hf_export.folder to that path (docs/security.md)."
+            )
 
 
 def set_aside_later_history(config: JobConfig, checkpoint_folder: Path, step: int) -> None:

@@ -8,13 +8,15 @@ training.seq_len does (`torchpre.training.batches`)."""
 import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torchpre.config.job_config import DataStage, JobConfig
-from torchpre.config.parser import parse_args
-from torchpre.errors import ConfigError, TorchpreError
+from torchpre.errors import ConfigError, FieldError, TorchpreError
+from torchpre.errors import field as json_field
 from torchpre.optim.lr_scheduler import decay_start_step
 
 KEY = "training.data_stages"
+SAVED_KEY = "train.data_stages"  # where a checkpoint's state.json keeps the stages of the run that saved it
 
 
 @dataclass(frozen=True)
@@ -75,19 +77,52 @@ class StageTable:
     def max_seq_len(self) -> int:
         return max(stage.seq_len for stage in self.stages)
 
+    def record(self) -> list[dict[str, Any]]:
+        """The stages as JSON values, for the checkpoint's "train" state (`from_record` reads them back)."""
+        return [
+            {"name": s.name, "start_step": s.start_step, "seq_len": s.seq_len, "mixture": dict(s.mixture)}
+            for s in self.stages
+        ]
+
+    @classmethod
+    def from_record(cls, record: object) -> "StageTable":
+        """The table `record` (from a checkpoint, so from anyone) holds, every field checked: a FieldError names
+        the first one that is missing, of the wrong type, or out of range (stages must start at step 0 and go
+        forward, with a positive seq_len and non-negative finite weights)."""
+        if not isinstance(record, list) or not record:
+            raise FieldError("it is not a non-empty array of stages")
+        stages = []
+        for index, entry in enumerate(record):
+            where = f"[{index}]"
+            start, seq_len = json_field(entry, "start_step", int, where), json_field(entry, "seq_len", int, where)
+            mixture = json_field(entry, "mixture", dict, where)
+            weights = {folder: json_field(mixture, folder, float, f"{where}.mixture") for folder in mixture}
+            if (not stages and start != 0) or (stages and start <= stages[-1].start_step):
+                raise FieldError(f"'{where}.start_step' is {start}: stages start at step 0 and go forward")
+            if seq_len <= 0 or not all(0 <= weight < float("inf") for weight in weights.values()):
+                raise FieldError(f"'{where}' holds a seq_len of {seq_len} or a weight that is no finite number >= 0")
+            stages.append(Stage(index, json_field(entry, "name", str, where), start, seq_len, weights))
+        return cls(stages)
+
     def data_between(self, first: int, end: int) -> list[tuple[int, int, dict[str, float]]]:
         """What steps [first, end) train on: (first step, seq_len, mixture) of each stretch, names left out."""
         starts = sorted({first, *(stage.start_step for stage in self.stages if first < stage.start_step < end)})
         return [(start, self.at(start).seq_len, self.at(start).mixture) for start in starts if start < end]
 
 
-def saved_stages(step_dir: Path) -> StageTable | None:
-    """The stages of the run that saved `step_dir` (from its config.toml); None when it cannot be read as this
-    version's config (a checkpoint written before a key existed or after one was removed)."""
-    try:
-        return StageTable.from_config(parse_args(JobConfig, ["--job.config_file", str(step_dir / "config.toml")]))
-    except TorchpreError:
+def saved_stages(record: object, step_dir: Path) -> StageTable | None:
+    """The stages of the run that saved `step_dir`, from the value `record` its state.json holds at SAVED_KEY (data,
+    never its config.toml, which torchpre does not read back); None when it holds none (a checkpoint written before
+    the stages were saved). A malformed value is an error naming the file and the key."""
+    if record is None:
         return None
+    try:
+        return StageTable.from_record(record)
+    except FieldError as error:
+        raise TorchpreError(
+            f"{step_dir / 'state.json'}: {SAVED_KEY} is no table of data stages ({error}). torchpre writes it as a "
+            "list of stages; this checkpoint was altered, or written by another tool. Resume from another checkpoint."
+        ) from None
 
 
 def stages_change(saved: StageTable, current: StageTable, step: int, steps: int) -> tuple[list[str], list[str]]:

@@ -11,7 +11,7 @@ from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.parallel.api import ParallelModel
 
 # Entries of the "train" state that checkpoints written before they were recorded lack.
-OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps", *STAGE_KEYS)
+OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps", "data_stages", *STAGE_KEYS)
 
 
 class ModelState:
@@ -38,15 +38,19 @@ class ModelState:
 
 class TrainProgress:
     """The "train" entry: the optimizer steps taken, the global batch size they were taken with (a resume with
-    training.global_batch_size = -1 keeps it), and this job's layout (`LAYOUT_KEYS`, with the world size), sequence
-    length and RoPE (`STAGE_KEYS`), so that a resume under another one can say what changed; the batch and sequence
-    length are the `batch`'s now. After a load, `saved` holds the checkpoint's values."""
+    training.global_batch_size = -1 keeps it), this job's layout (`LAYOUT_KEYS`, with the world size), sequence
+    length and RoPE (`STAGE_KEYS`), and its data stages (`StageTable.record`, a JSON value), so that a resume under
+    another one can say what changed without reading the checkpoint's config.toml; the batch and sequence length are
+    the `batch`'s now. After a load, `saved` holds the checkpoint's numbers and `saved_stages` its stages (None in a
+    checkpoint saved before they were)."""
 
-    def __init__(self, batch: CurrentBatch, layout: dict[str, float]):
+    def __init__(self, batch: CurrentBatch, layout: dict[str, float], stages: list[dict[str, Any]]):
         self.step = 0
         self.batch = batch
         self._layout = layout
+        self.stages = stages
         self.saved: dict[str, float] = {}
+        self.saved_stages: object = None
 
     @property
     def global_batch_size(self) -> int:
@@ -58,14 +62,17 @@ class TrainProgress:
         return self._layout | {"accumulation_steps": sizes.accumulation_steps, "seq_len": sizes.seq_len}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "global_batch_size": self.global_batch_size, **self.layout}
+        progress = {"step": self.step, "global_batch_size": self.global_batch_size}
+        return {**progress, **self.layout, "data_stages": self.stages}
 
     def load_targets(self, saved: set[str]) -> dict[str, Any]:
         state = self.state_dict()
         return {key: value for key, value in state.items() if key not in OPTIONAL_KEYS or f"train.{key}" in saved}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.saved = {key: value if isinstance(value, float) else int(value) for key, value in state_dict.items()}
+        numbers = {key: value for key, value in state_dict.items() if key != "data_stages"}
+        self.saved_stages = state_dict.get("data_stages")
+        self.saved = {key: value if isinstance(value, float) else int(value) for key, value in numbers.items()}
         self.step = int(self.saved["step"])
 
     @property

@@ -22,7 +22,12 @@ from torchpre.runtime.profiling import Profiler
 from torchpre.runtime.world import Runtime
 from torchpre.training.batches import kept_global_batch
 from torchpre.training.job import build_job
-from torchpre.training.run_folder import open_metrics, save_resolved_config, set_aside_later_history
+from torchpre.training.run_folder import (
+    check_run_folder,
+    open_metrics,
+    save_resolved_config,
+    set_aside_later_history,
+)
 from torchpre.training.stages import saved_stages, stages_change
 
 logger = logging.getLogger("torchpre")
@@ -35,6 +40,7 @@ class Trainer:
 
     def __init__(self, config: JobConfig, runtime: Runtime | None = None):
         self.config = config
+        check_run_folder(config)  # before anything in it is read (a resume's batch) or written
         self.job = job = build_job(config, runtime or Runtime.from_env())
         self.last_checkpoint_step: int | None = None  # the step of the newest complete checkpoint of this run
         self.hf_load_report: LoadReport | None = None  # this rank's load of a Hugging Face folder, if it loaded one
@@ -274,9 +280,15 @@ class Trainer:
         log_reports(weights.folder.folder, self.hf_load_report)
 
     def _compare_stages(self, step_dir: Path) -> None:
-        """Says what a resume changes of the data stages (`stages_change`): a warning for steps already taken."""
-        saved, job = saved_stages(step_dir), self.job
-        if saved is None or not job.is_logging_rank:
+        """Says what a resume changes of the data stages (`stages_change`): a warning for steps already taken. The
+        saved stages are data of the checkpoint's state (`TrainProgress`), never read from its config.toml."""
+        job = self.job
+        saved = saved_stages(job.progress.saved_stages, step_dir)
+        if not job.is_logging_rank:
+            return
+        if saved is None:
+            logger.info("%s records no data stages (it was saved before they were): this resume does not compare "
+                        "them with training.data_stages", step_dir)  # fmt: skip
             return
         warnings, notes = stages_change(saved, job.preflight.plan.stages, self.step, self.config.training.steps)
         for line in warnings:
