@@ -221,7 +221,7 @@ def _rewrite_manifests(folder: Path) -> None:
                     if "sha256" in files[name]:
                         files[name]["sha256"] = hashlib.sha256(data).hexdigest()
             manifest.write_text(json.dumps(record))
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except Exception:  # a manifest an earlier mutation broke (deep, not UTF-8, no records): left as it is
             continue
 
 
@@ -243,7 +243,11 @@ def fuzz(cases: int, seed: str, root: Path, workers: int = 1, keep: Path | None 
         def work(worker: int) -> None:
             nonlocal last
             for index in range(worker, cases, workers):
-                report.outcomes.append(fuzzers[worker].run_case(seed, index, keep))
+                try:
+                    report.outcomes.append(fuzzers[worker].run_case(seed, index, keep))
+                except Exception as error:  # the fuzzer's own bug: reported as a failure, the run goes on
+                    failure = f"the fuzzer failed: {type(error).__name__}: {error}"
+                    report.outcomes.append(Outcome(seed, index, "?", [], -1, failure=failure))
                 if progress and time.monotonic() - last > 30:
                     last = time.monotonic()
                     failed = len(report.failures)

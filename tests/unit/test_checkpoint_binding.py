@@ -96,6 +96,16 @@ def test_a_file_the_manifest_does_not_list_is_never_read(world, tmp_path):
         check.read("extra.distcp", 100)
 
 
+def test_a_small_file_is_parsed_only_as_the_bytes_its_digest_vouches_for(world, tmp_path):
+    """state.json altered to another valid step of the same length, the manifest left as saved: refused as read, from
+    the very bytes that would be parsed (one open, one read)."""
+    _save(tmp_path, 2)
+    step_dir = tmp_path / "step-2"
+    (step_dir / VALUES).write_text((step_dir / VALUES).read_text().replace('"train.step": 2', '"train.step": 3'))
+    with pytest.raises(TorchpreError, match=f"{step_dir / VALUES} fails its CRC-32 check"):
+        read_values(FileCheck(step_dir))
+
+
 # One bad value for each rule of state.json, with what the message says it should be.
 BAD_VALUES = {
     "train.step": [-54, 2.0, "2", None, 3],
