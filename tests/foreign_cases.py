@@ -182,42 +182,19 @@ def _fifo_cases() -> None:
         _case(f"fifo-{name}", argv, [f"{{d}}/{folder}/{file}", "not a regular file"], entry)
 
 
-# A file a key or argument names, replaced by a link to a genuine file elsewhere: (its name, the genuine file under
-# d or the repository, the command).
-NAMED = {
-    "tokenizer": ("tokenizer.model", DEFAULT_TOKENIZER_PATH,
-                  ["--model.tokenizer_path", "{d}/named_links/tokenizer.model"], TRAIN),
-    "prepare-tokenizer": ("tokenizer.model", DEFAULT_TOKENIZER_PATH,
-                          ["{d}/text.txt", "--output", "{d}/prepared_named", "--tokenizer",
-                           "{d}/named_links/tokenizer.model"], PREPARE),
-    "eval-task": ("task.jsonl", "task.jsonl", ["--eval.tasks", "{d}/named_links/task.jsonl"], TRAIN),
-    "hf-config": ("config.json", REPO / "assets/hf_configs/llama_tiny.json",
-                  ["--model.name", "hf", "--model.hf_config", "{d}/named_links/config.json"], TRAIN),
-    "text": ("text.txt", "text.txt", [*TEXT, "{d}/named_links/text.txt"], TRAIN),
-    "prepare-input": ("text.txt", "text.txt", ["{d}/named_links/text.txt", "--output", "{d}/prepared_named"],
-                      PREPARE),
-}  # fmt: skip
-
-
 def _input_links(d: Path) -> None:
-    """A folder of text (training.dataset_path, a prepare INPUT) holding a link to a file outside it, and a link in
-    place of each file a key or argument names."""
+    """A folder of text (training.dataset_path, a prepare INPUT) holding a link to a file outside it. (A file a key
+    or argument names may be a link, the user's choice: tests/unit/test_confined.py.)"""
     for name in ("text_folder_link", "prepare_folder_link"):
         (d / name).mkdir()
         (d / name / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 300)
         (d / name / "b.txt").symlink_to(d / "text.txt")
-    (d / "named_links").mkdir()
-    for name, genuine, _, _ in NAMED.values():
-        if not (d / "named_links" / name).is_symlink():
-            (d / "named_links" / name).symlink_to(d / genuine)
 
 
 def _input_link_cases() -> None:
     _case("text-folder-link", [*TEXT, "{d}/text_folder_link"], ["{d}/text_folder_link/b.txt", LINK])
     _case("prepare-input-folder-link", ["{d}/prepare_folder_link", "--output", "{d}/prepared_from_link"],
           ["{d}/prepare_folder_link/b.txt", LINK], PREPARE)  # fmt: skip
-    for what, (name, _, argv, entry) in NAMED.items():
-        _case(f"named-link-{what}", argv, [f"{{d}}/named_links/{name}", LINK], entry)
 
 
 # config.json fields of the wrong type or range -----------------------------------------------------------------

@@ -1,12 +1,15 @@
 """The one way torchpre opens a file in a folder someone else may have made, and the one way it writes into a run
 folder, so that neither ever reaches outside the folder (docs/security.md).
 
-Reading (`open_file`, `read_file`, `file_kind`): a name that comes from inside a file (a checkpoint's metadata or
-manifest, a Hugging Face index, a shard manifest) must be a relative name with no `..`, no root and no backslash
-(`check_name`); the file is then opened relative to the folder without following a symbolic link on any component
-of the name (`openat2` with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS where the kernel has it, O_NOFOLLOW component by
-component otherwise), and must be a regular file on the open descriptor, so that what is checked is what is read. The
-folder itself is the caller's choice (a key of the config, an argument): a link there is followed.
+Reading (`open_file`, `read_file`, `file_kind`; `open_named`, `read_named` for a file the user names, whose links are
+the user's choice and followed, but which must be a regular file too): a name that comes from inside a file (a
+checkpoint's metadata or manifest, a Hugging Face index, a shard manifest) must be a relative name with no `..`, no root
+and no backslash (`check_name`); the file is then opened relative to the folder without following a symbolic link on any
+component of the name (`openat2` with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS where the kernel has it, O_NOFOLLOW
+component by component otherwise), and must be a regular file on the open descriptor, so that what is checked is what is
+read. The folder itself is the caller's choice (a key of the config, an argument): a link there is followed. One link
+inside a folder is followed, by its form: a huggingface_hub cache snapshot's link into its repository's blobs
+(`located`).
 
 Writing (`write_file`, `open_replacing`, `replacing_path`, `open_new`, `open_for_append`, `touch_marker`,
 `make_folder`): a file is created with O_EXCL | O_NOFOLLOW under a fresh temporary name and renamed into place, which
@@ -20,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import secrets
 import stat
 import sys
@@ -136,6 +140,28 @@ def _a_component_is_a_link(folder: Path, name: str) -> bool:
     return False
 
 
+# huggingface_hub's cache keeps a released folder as `<repo>/snapshots/<revision>/`, each file of it a link into the
+# repository's content-addressed `<repo>/blobs/<hash>`: `../../blobs/<hash>`, one more `../` per subfolder of the name.
+_HUB_BLOB = re.compile(r"((?:\.\./)+)blobs/([0-9a-f]{40,64})")
+
+
+def located(folder: Path, name: str) -> tuple[Path, str]:
+    """Where `folder/name` is read from: itself, or for a file of a huggingface_hub cache snapshot, the blob its link
+    names, as (folder, name) for `open_file`. Only a link of exactly that form is located (from a
+    `snapshots/<revision>` folder into its own repository's `blobs` folder, which `open_file` then reads without
+    following a link); any other link is left for the open to refuse."""
+    if folder.parent.name != "snapshots":
+        return folder, name
+    try:
+        target = os.readlink(folder / name)
+    except OSError:  # not a link, or missing: the open says which
+        return folder, name
+    match = _HUB_BLOB.fullmatch(target)
+    if match is None or match.group(1).count("../") != len(PurePosixPath(name).parts) + 1:
+        return folder, name
+    return folder.parent.parent / "blobs", match.group(2)
+
+
 def open_beneath(folder: Path | str, name: str, flags: int, mode: int = 0o644) -> int:
     """A descriptor of `folder/name` opened with `flags`, no component of `name` followed if it is a symbolic link
     (OSError ELOOP, EXDEV or ENOTDIR then). `folder` itself is opened as given."""
@@ -181,6 +207,24 @@ def open_file(folder: Path, name: str, source: Path | None = None, entry: str = 
         if error.errno in (errno.ENOENT, errno.ENOTDIR):
             raise FileNotFoundError(errno.ENOENT, "No such file", str(path)) from None
         raise
+    return _regular(fd, path)
+
+
+def open_named(path: Path) -> BinaryIO:
+    """A file the user named (a key of the config, an argument) open for reading. Links on its path are the user's
+    choice and followed, but what it leads to must be a regular file (a FIFO would block the job, a device never
+    ends): an UntrustedInput error names it otherwise; FileNotFoundError when it is missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(errno.ENOENT, "No such file", str(path)) from None
+    except IsADirectoryError:
+        raise UntrustedInput(f"{path} is a folder; torchpre reads only regular files.") from None
+    return _regular(fd, path)
+
+
+def _regular(fd: int, path: Path) -> BinaryIO:
+    """The open descriptor `fd` of `path` as a blocking binary file, once shown to be a regular file (else closed)."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
@@ -194,12 +238,22 @@ def read_file(folder: Path, name: str, limit: int, source: Path | None = None, e
     """The bytes of `folder/name`, opened as `open_file` opens it, refused (UntrustedInput naming the path) when it
     holds more than `limit` bytes: files of records (JSON, metadata) are bounded before they are parsed."""
     with open_file(folder, name, source, entry) as file:
-        size = os.fstat(file.fileno()).st_size
-        if size > limit:
-            raise UntrustedInput(too_large(folder / name, size, limit))
-        data = file.read(limit + 1)
+        return _bounded(file, folder / name, limit)
+
+
+def read_named(path: Path, limit: int) -> bytes:
+    """The bytes of the file the user named `path`, opened as `open_named` opens it, bounded as `read_file`'s."""
+    with open_named(path) as file:
+        return _bounded(file, path, limit)
+
+
+def _bounded(file: BinaryIO, path: Path, limit: int) -> bytes:
+    size = os.fstat(file.fileno()).st_size
+    if size > limit:
+        raise UntrustedInput(too_large(path, size, limit))
+    data = file.read(limit + 1)
     if len(data) > limit:  # it grew while read
-        raise UntrustedInput(too_large(folder / name, len(data), limit))
+        raise UntrustedInput(too_large(path, len(data), limit))
     return data
 
 

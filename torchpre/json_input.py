@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from torchpre.confined import read_file
+from torchpre.confined import read_file, read_named
 from torchpre.errors import UntrustedInput
 
 MAX_DEPTH = 64  # the deepest any format torchpre reads nests is 6 (a tokenizer.json's model)
@@ -66,6 +66,12 @@ def _too_deep(source: Path, at: str, levels: str) -> UntrustedInput:
         f"{source}{at} nests {levels} levels deep; no file torchpre reads nests more than {MAX_DEPTH}. It was not "
         "written by torchpre or its peers, or was altered (docs/security.md)."
     )
+
+
+def read_named_json(path: Path, kind: str) -> Any:
+    """The JSON file the user named `path` (`confined.read_named`: a link followed, a regular file, bounded by
+    `LIMITS[kind]`), parsed by `loads`. FileNotFoundError when it is missing."""
+    return loads(read_named(path, LIMITS[kind]), path)
 
 
 def read_json(folder: Path, name: str, kind: str, source: Path | None = None, entry: str = "") -> Any:

@@ -62,6 +62,18 @@ def test_a_file_is_read_only_when_it_is_a_regular_file_reached_without_a_link(op
         assert str(folder / name) in str(error.value)
 
 
+def test_a_file_the_user_names_may_be_a_link_but_must_be_a_regular_file(folder):
+    """A key or an argument names the path: a link on it is the user's choice (a tokenizer in a model cache), but a
+    FIFO would block the job and a folder is no file."""
+    assert confined.read_named(folder / "link", 100) == b"secret"
+    assert confined.read_named(folder / "dirlink" / "f", 100) == b"inner"
+    for name, message in (("fifo", "not a regular file"), ("sub", "is a folder"), ("a", "holds 3 bytes")):
+        with pytest.raises(UntrustedInput, match=message):
+            confined.read_named(folder / name, 2)
+    with pytest.raises(FileNotFoundError):
+        confined.open_named(folder / "missing")
+
+
 def test_a_file_over_its_bound_is_refused_before_it_is_read(folder):
     with pytest.raises(UntrustedInput, match=r"a holds 3 bytes; a file of this kind holds at most 2"):
         confined.read_file(folder, "a", 2)

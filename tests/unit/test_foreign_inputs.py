@@ -150,3 +150,41 @@ def test_a_json_lines_record_is_bounded_before_it_is_kept(monkeypatch):
         for number, value in json_input.json_lines(io.BytesIO(lines), Path("x.jsonl")):
             assert (number, value) in ((1, [1, 23]), (3, "12345"))
     assert [*json_input.json_lines(io.BytesIO(b"[1,2,34]"), Path("x.jsonl"))] == [(1, [1, 2, 34])]  # 8: no newline
+
+
+def _hub_cache(tmp_path: Path, files: dict[str, bytes]) -> Path:
+    """A huggingface_hub cache of one repository: each file a blob named by its SHA-256, and the snapshot folder of
+    links `../../blobs/<hash>` (one `../` more per subfolder) that `hf download` without --local-dir leaves."""
+    import hashlib
+
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    for name, data in files.items():
+        blob = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / blob).write_bytes(data)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).symlink_to("../" * (name.count("/") + 2) + f"blobs/{blob}")
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_reads_its_blobs_and_no_other_link(tmp_path):
+    """A folder as huggingface_hub caches it is read through its links into its own blobs, and only those: a link of
+    another form, or a blob that is itself a link, is refused by name."""
+    save_file({"w": torch.full((2, 2), 3.0)}, tmp_path / "weights.safetensors")
+    files = {"config.json": b"{}", "model.safetensors": (tmp_path / "weights.safetensors").read_bytes()}
+    snapshot = _hub_cache(tmp_path, files)
+    weights = HFFolder(snapshot)
+    with weights.reading():
+        assert weights.read("w", ()).tolist() == [[3.0, 3.0], [3.0, 3.0]]
+    (tmp_path / "elsewhere.safetensors").write_bytes(files["model.safetensors"])
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(UntrustedInput, match="model.safetensors is, or leads through, a symbolic link"):
+        HFFolder(snapshot)
+    (snapshot / "model.safetensors").unlink()
+    blob = snapshot.parent.parent / "blobs" / ("f" * 64)
+    blob.symlink_to(tmp_path / "elsewhere.safetensors")
+    (snapshot / "model.safetensors").symlink_to(f"../../blobs/{'f' * 64}")
+    with pytest.raises(UntrustedInput, match=f"blobs/{'f' * 64} is, or leads through, a symbolic link"):
+        HFFolder(snapshot)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from torchpre.confined import file_kind, open_file
+from torchpre.confined import file_kind, open_file, open_named
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.json_input import json_lines
 
@@ -43,11 +43,11 @@ def _text_files(dataset_path: str) -> list[tuple[Path, str]]:
             "Give a .txt or .jsonl file, or a folder holding such files."
         )
     if path.is_file():
-        files = [(path.parent, path.name)]
+        files = [(path, "")]  # the file the key names: a link to it is the user's choice
     else:
         names = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES)
         files = [(path, name) for name in names if _kind_within(path, name) == "file"]
-    unsupported = [name for _, name in files if Path(name).suffix not in TEXT_SUFFIXES]
+    unsupported = [name or folder.name for folder, name in files if Path(name or folder).suffix not in TEXT_SUFFIXES]
     if unsupported or not files:
         raise TorchpreError(
             f"training.dataset_path '{dataset_path}' has no readable text files "
@@ -69,9 +69,10 @@ def _kind_within(folder: Path, name: str) -> str:
 
 def _read_file(folder: Path, name: str, text_field: str) -> list[str]:
     """A .txt file's text (one document), or the `text_field` of each line of a .jsonl file, each line bounded
-    (`json_input.json_lines`); opened by `confined.open_file`, so the file read is the one checked."""
-    path = folder / name
-    with open_file(folder, name) as file:
+    (`json_input.json_lines`): `folder/name` opened by `confined.open_file`, so the file read is the one checked, or
+    with no `name` the file `folder` the key names (`confined.open_named`)."""
+    path = folder / name if name else folder
+    with open_file(folder, name) if name else open_named(folder) as file:
         if path.suffix == ".txt":
             return [file.read().decode("utf-8", errors="replace")]
         return [_text(record, text_field, f"{path}:{number}") for number, record in json_lines(file, path)]

@@ -45,7 +45,7 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from torchpre.confined import file_kind, open_file
+from torchpre.confined import file_kind, open_named
 from torchpre.data.shards import MANIFEST, Manifest, shard_file_problem, token_dtype, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
 from torchpre.errors import TorchpreError, UntrustedInput
@@ -193,9 +193,10 @@ def _files_under(folder: Path) -> list[Path]:
 
 
 def _open_input(path: Path) -> BinaryIO:
-    """An input file opened as a regular file that is not a symbolic link (its folder is followed:
-    `confined.open_file`): a link could lead anywhere on the machine, into the shards someone publishes."""
-    return open_file(path.parent, path.name)
+    """An input file opened as a regular file (`confined.open_named`: a FIFO would block, a device never ends). A
+    file the command names may be a link, the user's choice; a file found in a named folder was shown to be none
+    (`_kind_under`)."""
+    return open_named(path)
 
 
 def _kind_under(folder: Path, name: str) -> str:

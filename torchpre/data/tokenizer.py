@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tiktoken
 
-from torchpre.confined import read_file, write_file
+from torchpre.confined import read_named, write_file
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.json_input import LIMITS
 
@@ -79,12 +79,12 @@ def load_ranks(path: str | os.PathLike) -> dict[bytes, int]:
 
 def _read(path: Path) -> bytes:
     """The bytes of the tokenizer file `path`: tokenizer files are downloaded, and read whole, so it must be a
-    regular file of at most `LIMITS["tiktoken"]` bytes, and not a symbolic link (its folder is the user's choice and
-    followed; `confined.read_file`)."""
+    regular file of at most `LIMITS["tiktoken"]` bytes (the path is the user's: a link on it is followed,
+    `confined.read_named`)."""
     if path.is_dir():
         raise TorchpreError(f"Tokenizer file {path} is a folder, not a file. {_FORMAT_HINT}")
     try:
-        return read_file(path.parent, path.name, LIMITS["tiktoken"])
+        return read_named(path, LIMITS["tiktoken"])
     except FileNotFoundError:
         raise TorchpreError(f"Tokenizer file {path} does not exist. {_FORMAT_HINT}") from None
     except UntrustedInput as error:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchpre.confined import make_folder, open_file, write_file
+from torchpre.confined import make_folder, open_named, write_file
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, FieldError, UntrustedInput, field
 from torchpre.evaluation.validation import eval_mode
@@ -77,9 +77,9 @@ def task_name(path: str | Path) -> str:
 def read_questions(path: Path) -> list[Question]:
     """The questions of a task file; a ConfigError naming `file:line` and what is wrong for a malformed line. Task
     files are often downloaded: each line is bounded before it is parsed (`json_input.json_lines`), and the file
-    must be a regular file, not a symbolic link (its folder is followed: `confined.open_file`)."""
+    must be a regular file (the path is the user's: a link on it is followed, `confined.open_named`)."""
     try:
-        file = open_file(path.parent, path.name)
+        file = open_named(path)
     except FileNotFoundError:
         raise ConfigError(
             f"eval.tasks: {path} does not exist. Give JSONL files of multiple-choice questions."

@@ -3,14 +3,14 @@
 The folder is `config.json` plus `model.safetensors`, or numbered files and `model.safetensors.index.json`, whose
 `weight_map` names each tensor's file. The folder is someone else's: every file of it is opened through
 `torchpre.confined.open_file` (no symbolic link on any component of its name, a regular file, a name from the index
-inside the folder), the JSON files are bounded in size and depth (`torchpre.json_input`), and only the files the
-index names are read. Only the safetensors files' headers are read up front (names, shapes, dtypes); `read(name,
-box)` then reads the bytes of that box through safetensors' `safe_open` slices, which map the file and copy nothing
-until the box is used. A block-FP8 folder (DeepSeek-V3 as released: `quantization_config` with quant_method 'fp8' and
-a `weight_block_size`) stores each linear weight in float8_e4m3fn with a float32 `weight_scale_inv` per block: `read`
-dequantizes the box it reads (its FP8 values times their blocks' scales, in bfloat16, the dtype the released models
-trained in), so no rank needs a whole weight to dequantize its shard. Nothing is unpickled; safetensors holds only
-tensors.
+inside the folder; in a huggingface_hub cache snapshot, the blob a file's link names: `confined.located`), the JSON
+files are bounded in size and depth (`torchpre.json_input`), and only the files the index names are read. Only the
+safetensors files' headers are read up front (names, shapes, dtypes); `read(name, box)` then reads the bytes of that
+box through safetensors' `safe_open` slices, which map the file and copy nothing until the box is used. A block-FP8
+folder (DeepSeek-V3 as released: `quantization_config` with quant_method 'fp8' and a `weight_block_size`) stores each
+linear weight in float8_e4m3fn with a float32 `weight_scale_inv` per block: `read` dequantizes the box it reads (its
+FP8 values times their blocks' scales, in bfloat16, the dtype the released models trained in), so no rank needs a
+whole weight to dequantize its shard. Nothing is unpickled; safetensors holds only tensors.
 
 A file stays mapped only while `reading()` is open: the pages a read touched leave the process when it closes.
 """
@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from torchpre.confined import check_name, file_kind, open_file
+from torchpre.confined import check_name, file_kind, located, open_file
 from torchpre.errors import FieldError, TorchpreError, field
 from torchpre.json_input import read_json
 from torchpre.models.hf_fields import IRRELEVANT_KINDS, check_kinds
@@ -77,7 +77,7 @@ def read_config(folder: Path) -> dict[str, Any]:
             f"Hugging Face folder {folder} does not exist. Give a folder holding config.json and model.safetensors."
         )
     try:
-        config = read_json(folder, CONFIG, "config")
+        config = read_json(*located(folder, CONFIG), "config")
     except FileNotFoundError:
         raise TorchpreError(f"{folder / CONFIG} does not exist.") from None
     if not isinstance(config, dict):
@@ -175,7 +175,7 @@ class _Safetensors:
         safetensors refuses (a damaged or hostile header, offsets past the end) is an error naming the file."""
         path = folder / name
         try:
-            file = open_file(folder, name, index, f"weight_map (file {name!r})" if index else "")
+            file = open_file(*located(folder, name), index, f"weight_map (file {name!r})" if index else "")
         except FileNotFoundError:
             raise TorchpreError(
                 f"{path} does not exist (only safetensors weights, single or sharded, are read)."
@@ -203,7 +203,7 @@ def _weight_files(folder: Path) -> dict[str, str] | None:
     an object of strings, each the name of a file inside the folder."""
     index = folder / INDEX
     try:
-        record = read_json(folder, INDEX, "index")
+        record = read_json(*located(folder, INDEX), "index")
     except FileNotFoundError:
         return None
     try:

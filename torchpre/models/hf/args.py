@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
-from torchpre.json_input import read_json
+from torchpre.json_input import read_json, read_named_json
 from torchpre.models.hf.architectures import not_decoder_only
 from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
 from torchpre.models.hf_fields import (
@@ -187,19 +187,18 @@ _STOCHASTIC = Kind(lambda value: value is None or type(value) is bool or NON_NEG
 
 
 def _read_config(value: str) -> tuple[Path, dict[str, Any]]:
-    """The path model.hf_config names (a config.json, or a folder holding one) and the object it holds, read as
-    every file of a Hugging Face folder is: bounded, a regular file and not a symbolic link (the folder, named or the
-    file's, is followed: `json_input.read_json`)."""
+    """The path model.hf_config names (a config.json, or a folder holding one) and the object it holds, bounded: a
+    named file may be a link (the user's choice), a folder's config.json is read as every file of a Hugging Face
+    folder is, never through a link (`json_input.read_json`)."""
     if not value:
         raise ConfigError(
             f"model.name = 'hf' needs {KEY}: the path of a transformers config.json (or of a folder holding one), "
             "e.g. --model.hf_config assets/hf_configs/llama_tiny.json."
         )
     named = Path(value)
-    folder, name = (named, "config.json") if named.is_dir() else (named.parent, named.name)
-    path = named / name if named.is_dir() else named
+    path = named / "config.json" if named.is_dir() else named
     try:
-        values = read_json(folder, name, "config")
+        values = read_json(named, "config.json", "config") if named.is_dir() else read_named_json(named, "config")
     except FileNotFoundError:
         raise ConfigError(
             f"{KEY} = {value}: {path} does not exist. Give a transformers config.json or its folder."
