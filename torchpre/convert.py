@@ -67,7 +67,7 @@ from torchpre.interchange.folder import (
     write_index,
     write_metadata,
 )
-from torchpre.interchange.load import FROM_HF, hf_weights, load_hf_weights
+from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights, load_hf_weights
 from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
@@ -104,6 +104,9 @@ def main(argv: list[str]) -> None:
     if command == "hf-to-dcp" and config.model.flavor == FROM_HF and not config.checkpoint.initial_load_path:
         config.checkpoint.initial_load_path = str(source)  # the model comes from HF_DIR; its config.toml says so
     import_custom_module(config.job.custom_import)
+    if command == "hf-to-dcp":  # before its config.json gives the model's shape
+        check_hf_folder(source, Trust.from_settings(config.checkpoint), config.checkpoint.allow_unsigned_hf,
+                        "hf-to-dcp HF_DIR")  # fmt: skip
     model = _job_model(config)
     dtype = _dtype(options.get("--dtype"))
     _check_output_free(target)

@@ -26,8 +26,10 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from torchpre.errors import ConfigError, TorchpreError
-from torchpre.interchange.reader import CONFIG, HFFolder, read_config
+from torchpre.checkpoint.integrity import MANIFEST, SIGNING_KEY, Trust, read_manifest, verify_share
+from torchpre.confined import file_kind
+from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
+from torchpre.interchange.reader import CONFIG, INDEX, HFFolder, read_config
 from torchpre.interchange.storage import HFStorageReader, first_name
 from torchpre.metrics.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from torchpre.models.hf_sources import Sources, check_folder
@@ -96,6 +98,35 @@ def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
     """The shape of every tensor in the model's state dict, from the model built on the meta device."""
     with torch.device("meta"):
         return {name: tensor.shape for name, tensor in spec.model_cls(args).state_dict().items()}
+
+
+def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) -> None:
+    """Before any file of the folder is read (`key` names the setting that gave it): a folder with a manifest (a
+    torchpre export) is checked against it as a checkpoint is, every file, and its signature under `trust`'s key;
+    the files a load reads (config.json, the index, the safetensors) must be listed. A folder without one is an
+    error under a key, unless `allow_unsigned` (checkpoint.allow_unsigned_hf: a model as released), which warns."""
+    if file_kind(path, MANIFEST) == "missing":
+        if trust.signing_key is None:
+            return
+        if not allow_unsigned:
+            raise UntrustedInput(
+                f"{key} = {path}: this Hugging Face folder has no {MANIFEST}, so it is not signed, and "
+                f"{SIGNING_KEY} asks for folders signed with its key (a torchpre export under the key is). Set "
+                "checkpoint.allow_unsigned_hf = true to load a model as released, unsigned (docs/security.md)."
+            )
+        logger.warning("%s = %s: loading an unsigned Hugging Face folder (checkpoint.allow_unsigned_hf = true)", key,
+                       path)  # fmt: skip
+        return
+    problems = verify_share(path, 0, 1, Trust(signing_key=trust.signing_key))
+    records = read_manifest(path) if not problems else {}
+    read = [name for name in (CONFIG, INDEX) if file_kind(path, name) != "missing"]
+    read += sorted(entry.name for entry in path.glob("*.safetensors"))
+    problems += [f"{path / name} is not in its {MANIFEST}" for name in read if not problems and name not in records]
+    if problems:
+        raise TorchpreError(
+            f"{key} = {path}: the Hugging Face folder does not match its {MANIFEST}: {'; '.join(problems)}. Restore "
+            "the files, or export the folder again."
+        )
 
 
 def hf_weights(path: Path, spec: ModelSpec, args: Any, key: str) -> HFWeights:

@@ -17,7 +17,7 @@ from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.evaluation.multiple_choice import Task, read_tasks
-from torchpre.interchange.load import FROM_HF, HFWeights, hf_weights
+from torchpre.interchange.load import FROM_HF, HFWeights, check_hf_folder, hf_weights
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.layouts.batch import BatchSizes
 from torchpre.models.registry import ModelSpec, get_model_spec
@@ -72,6 +72,8 @@ def preflight(
     # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
     resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
     trust = Trust.from_settings(c)
+    if c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):  # read below for its shape or its weights
+        check_hf_folder(Path(c.initial_load_path), trust, c.allow_unsigned_hf, "checkpoint.initial_load_path")
     if resume_dir is not None:
         key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
         check_verifiable(resume_dir, key, trust)
