@@ -121,13 +121,22 @@ def _guard(guard: dict | None) -> Callable[[], None]:
     forbidden = os.path.realpath(guard["forbidden"]) + os.sep
     log = os.open(guard["audit_log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
+    def reaches(path: str, follows: bool) -> str:
+        """Where an event on `path` lands: through a link at its last component only if the call `follows` it."""
+        if follows:
+            return os.path.realpath(path)
+        return os.path.join(os.path.realpath(os.path.dirname(path) or "."), os.path.basename(path))
+
     def hook(event: str, args: tuple) -> None:
         if not (event == "open" or event.startswith(("os.", "shutil."))):
             return
+        # open follows a link at the name unless O_NOFOLLOW; rename, remove, unlink, symlink, mkdir act on the name
+        flags = args[2] if event == "open" and len(args) > 2 and isinstance(args[2], int) else 0
+        follows = event == "open" and not flags & getattr(os, "O_NOFOLLOW", 0) or event in ("os.listdir", "os.scandir")
         for arg in args:
             if isinstance(arg, (str, bytes, os.PathLike)):
                 path = os.fsdecode(arg)
-                if path and os.path.realpath(path).startswith(forbidden):
+                if path and reaches(path, follows).startswith(forbidden):
                     os.write(log, f"{event} {path}\n".encode())
 
     def peak() -> None:

@@ -302,7 +302,7 @@ def open_replacing(path: Path, durable: bool = False) -> Iterator[BinaryIO]:
         if durable:
             os.fsync(file.fileno())
         file.close()
-        os.replace(temporary, path)
+        _replace(temporary, path)
 
 
 @contextmanager
@@ -312,7 +312,7 @@ def replacing_path(path: Path) -> Iterator[Path]:
     with _temporary_beside(path) as (file, temporary):
         file.close()
         yield temporary
-        os.replace(temporary, path)
+        _replace(temporary, path)
 
 
 @contextmanager
@@ -327,6 +327,14 @@ def _temporary_beside(path: Path) -> Iterator[tuple[BinaryIO, Path]]:
         file.close()
         if temporary.is_symlink() or temporary.exists():
             temporary.unlink()
+
+
+def _replace(temporary: Path, path: Path) -> None:
+    """`temporary` renamed over `path`; a folder at `path` is an UntrustedInput error naming it, not an OSError."""
+    try:
+        os.replace(temporary, path)
+    except (IsADirectoryError, NotADirectoryError):
+        raise UntrustedInput(_not_a_file(path, "a folder")) from None
 
 
 def open_new(path: Path) -> BinaryIO:

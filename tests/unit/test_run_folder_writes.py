@@ -14,7 +14,7 @@ import pytest
 from torchpre.checkpoint.folders import MARKER, complete_steps, mark_as_ours, remove_step
 from torchpre.checkpoint.history import set_aside_earlier_metrics, set_aside_later_records
 from torchpre.config.job_config import JobConfig
-from torchpre.confined import make_folder
+from torchpre.confined import make_folder, write_file
 from torchpre.data.shards import write_shard
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.metrics.sinks import JsonlSink, last_logged_step
@@ -189,3 +189,28 @@ def test_retention_keeps_a_step_whose_marker_is_a_link_and_says_so(tmp_path, out
         caplog.text
     )
     assert os.path.islink(folder / "step-2" / MARKER)
+
+
+def test_a_folder_at_a_name_torchpre_writes_is_refused_by_name(tmp_path):
+    """config.toml, metrics records, a shard: a folder in place of the file is bad input (exit 2), not a crash."""
+    (tmp_path / "config.toml").mkdir()
+    with pytest.raises(UntrustedInput, match=f"{tmp_path / 'config.toml'} is a folder, where torchpre writes a file"):
+        write_file(tmp_path / "config.toml", "x")
+    assert [path.name for path in tmp_path.iterdir()] == ["config.toml"], "a temporary file was left"
+
+
+@pytest.mark.parametrize("what", ["a folder without the marker", "a link"])
+def test_a_save_refuses_a_tmp_folder_torchpre_did_not_make_on_every_rank(world, tmp_path, outside, what):
+    """A `.tmp-step-N` in the way is never removed: the save stops every rank with exit 2 naming it (not a storage
+    failure: the disk is fine)."""
+    from tests.unit.test_checkpoint_integrity import _manager
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    if what == "a link":
+        (folder / ".tmp-step-2").symlink_to(outside)
+    else:
+        (folder / ".tmp-step-2").mkdir()
+    with pytest.raises(UntrustedInput, match=r"\.tmp-step-2 is in the way of the checkpoint of step 2"):
+        _manager(folder).save(2)
+    assert (folder / ".tmp-step-2").is_symlink() or (folder / ".tmp-step-2").is_dir()

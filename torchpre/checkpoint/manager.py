@@ -248,15 +248,19 @@ class CheckpointManager:
     def _prepare(self, step: int, writer: RecordingWriter, needed: int, estimate: str, values: bytes) -> bool:
         """Rank 0 checks that the save fits (`needed` bytes, from `estimate`) and creates its folder, marked as
         torchpre's, with the config and the non-tensor state (`values`, state.json's bytes); every rank learns
-        whether the save goes ahead, or raises the StorageError that stopped it."""
+        whether the save goes ahead, or raises the error that stopped it: a StorageError, or an UntrustedInput for a
+        `.tmp-step-N` in the way that torchpre did not make (a link, someone's folder), which it never removes."""
         tmp = Path(writer.path)
-        go: bool | str = True
+        go: bool | str | UntrustedInput = True
         if self.rank == 0:
             try:
                 go = self._fits(step, needed, estimate)
-                if go:
-                    if (tmp.exists() or tmp.is_symlink()) and not remove_if_ours(tmp):
-                        raise FileExistsError(f"{tmp} is in the way, and torchpre did not make it")
+                if go and (tmp.exists() or tmp.is_symlink()) and not remove_if_ours(tmp):
+                    go = UntrustedInput(
+                        f"{tmp} is in the way of the checkpoint of step {step}, and torchpre did not make it (it is a "
+                        "symbolic link, or lacks torchpre's marker). Remove it, or point checkpoint.folder elsewhere."
+                    )
+                if go is True:
                     tmp.mkdir(parents=True)
                     contents = {MARKER: b"", "config.toml": self.config_text.encode("utf-8"), VALUES: values}
                     for name, content in contents.items():  # the marker first: the clean-up knows the folder as ours
@@ -268,6 +272,8 @@ class CheckpointManager:
                 failure = summary(error)
                 go = unwritten_message(step, self.folder, {0: failure}, needed, free_bytes(self.folder), self._latest())
         go = _broadcast(go, group=None)
+        if isinstance(go, UntrustedInput):
+            raise go
         if isinstance(go, str):
             raise StorageError(go)
         return go
