@@ -437,10 +437,14 @@ def text_file(path: Path, rng: random.Random) -> tuple[str, bool]:
 # The file system ------------------------------------------------------------------------------------------------------
 
 
-def replace_entry(path: Path, rng: random.Random, decoy: Path | None, victim: Path) -> tuple[str, bool]:
+def replace_entry(
+    path: Path, rng: random.Random, decoy: Path | None, victim: Path, named: bool = False
+) -> tuple[str, bool]:
     """`path` (a file or folder, present or not) replaced by a symbolic link out of the case (to the same file of
-    another genuine input, `decoy`, or to the victim file, or dangling), a FIFO, a folder, or nothing."""
-    options = ["link-victim", "dangling", "fifo", "folder", "remove"] + (["link-decoy"] * 3 if decoy else [])
+    another genuine input, `decoy`, or to the victim file, or dangling), a FIFO, a folder, or nothing. A file the
+    command `named` gets no link out (the user's choice, followed)."""
+    options = ["dangling", "fifo", "folder", "remove"]
+    options += [] if named else ["link-victim"] + (["link-decoy"] * 3 if decoy else [])
     op = rng.choice(options)
     if path.is_symlink() or path.is_file() or path.is_fifo():
         path.unlink()

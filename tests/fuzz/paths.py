@@ -48,6 +48,7 @@ class LoadPath:
     scopes: list[Scope]
     result: Callable[[Path, Path, dict], Any]  # (in/, out/, reply) -> what must equal the genuine input's
     written: tuple[str, ...] = ()  # files (under in/) the command writes, whether or not they exist yet
+    named: tuple[str, ...] = ()  # files (under in/) the command names: a link there is the user's choice
     weight: float = 1.0
     nproc: int = 1  # ranks of one job: each must refuse bad input with its own message
     timeout_s: float = 30  # a case takes a second at most on an idle machine: longer is a hang
@@ -230,15 +231,16 @@ LOAD_PATHS = [
              lambda case_in, out, genuine: ("torchpre.data.prepare", [
                  str(case_in / "data" / "input.txt"), "--output", str(out / "shards"), "--tokenizer",
                  str(case_in / "data" / "tokenizer.model"), "--workers", "1"]),
-             [Scope("data", "other_data")], prepared),
+             [Scope("data", "other_data")], prepared, named=("data/input.txt", "data/tokenizer.model")),
     LoadPath("shards", {"data": "data"}, OTHER_DATA,
              _train_on(lambda case_in: ["--training.dataset", "shards", "--training.dataset_path",
                                         str(case_in / "data" / "shards"), "--model.tokenizer_path",
                                         str(case_in / "data" / "tokenizer.model")]),
-             [Scope("data/shards", "other_data/shards"), Scope("data", "other_data")], _out_record()),
+             [Scope("data/shards", "other_data/shards"), Scope("data", "other_data")], _out_record(),
+             named=("data/tokenizer.model",)),
     LoadPath("eval-tasks", {"data": "data"}, OTHER_DATA,
              _train_on(lambda case_in: ["--eval.tasks", str(case_in / "data" / "task.jsonl"), "--eval.freq", "1"]),
-             [Scope("data", "other_data")], _out_record(("step", "loss"))),
+             [Scope("data", "other_data")], _out_record(("step", "loss")), named=("data/task.jsonl",)),
 ]  # fmt: skip
 BY_NAME = {path.name: path for path in LOAD_PATHS}
 

@@ -127,7 +127,8 @@ class Fuzzer:
         file_system = rng.random() < (0.25 if target.format != "entry" else 1.0)
         if file_system or not entry.is_file() or entry.is_symlink():
             decoy = case / "outside" / target.decoy if target.decoy else None
-            what, may_change = formats.replace_entry(entry, rng, decoy, case / "outside" / "victim.txt")
+            victim = case / "outside" / "victim.txt"
+            what, may_change = formats.replace_entry(entry, rng, decoy, victim, target.path in path.named)
             if path.name == "resume-latest" and entry.name == "step-2" and what in ("remove", "folder"):
                 may_change = True  # no checkpoint to resume: -1 starts afresh, as documented
         else:

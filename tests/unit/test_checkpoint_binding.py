@@ -80,7 +80,24 @@ def test_a_step_folder_that_is_a_link_is_never_loaded(world, tmp_path, caplog):
     with pytest.raises(UntrustedInput, match="step-8 is a symbolic link, which may lead to another run's checkpoint"):
         _manager(tmp_path / "run").find(8)
     assert _manager(tmp_path / "run").find(-1) == tmp_path / "run" / "step-2"
-    assert f"ignored {tmp_path / 'run' / 'step-8'}: a symbolic link" in caplog.text
+    link = tmp_path / "run" / "step-8"
+    assert f"{link} is a symbolic link, which may lead to another run's checkpoint" in caplog.text
+    assert (tmp_path / "run" / "damaged-step-8").is_symlink(), "moved aside, as a damaged checkpoint is"
+
+
+def test_a_lone_step_folder_that_is_a_link_stops_a_resume_of_the_latest(world, tmp_path):
+    """No checkpoint but a link: the search for the latest refuses it rather than starting afresh."""
+    _save(tmp_path / "other", 8)
+    (tmp_path / "run").mkdir()
+    os.symlink(tmp_path / "other" / "step-8", tmp_path / "run" / "step-8")
+    with pytest.raises(TorchpreError, match="Every checkpoint in .* is corrupt: .*step-8 is a symbolic link"):
+        _manager(tmp_path / "run").find(-1)
+
+
+def test_a_job_without_the_key_loads_a_signed_checkpoint(world, tmp_path, key):
+    """The signature proves authorship to whoever holds the key; the CRC-32 check runs for everyone."""
+    _signed_run(tmp_path / "run", key, 2)
+    assert _loaded_step(_manager(tmp_path / "run"), tmp_path / "run" / "step-2") == 2
 
 
 def test_a_file_the_manifest_does_not_list_is_never_read(world, tmp_path):

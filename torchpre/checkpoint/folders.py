@@ -39,6 +39,14 @@ def complete_steps(folder: Path) -> list[int]:
     )
 
 
+def linked_steps(folder: Path) -> list[int]:
+    """Steps whose `step-N` in `folder` is a symbolic link (no checkpoint: `complete_steps` leaves them out), ascending.
+    A search for the latest names each as refused, so that one never goes unnoticed."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_symlink())
+
+
 def find_step_dir(folder: Path, load_step: int) -> Path | None:
     """The step folder to load: `load_step`, or the latest complete one (-1); None if there is none."""
     steps = complete_steps(folder)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchpre.checkpoint.folders import STEP_DIR, complete_steps, find_step_dir
+from torchpre.checkpoint.folders import STEP_DIR, complete_steps, find_step_dir, linked_steps
 from torchpre.config.job_config import Checkpoint
 from torchpre.confined import check_name, file_kind, open_file, read_file, write_file
 from torchpre.errors import FieldError, TorchpreError, UntrustedInput, field
@@ -226,10 +226,10 @@ def checkpoint_problems(step_dir: Path, trust: Trust = Trust()) -> list[str] | N
 def find_intact_step(folder: Path, load_step: int, trust: Trust) -> Path | None:
     """The intact step folder to load, the same on every rank; None if there is none.
 
-    With -1, a corrupt latest checkpoint (or, under a signing key, one not signed with it) is skipped with a
-    warning for the one before it (a job killed mid-save is the common case, but disks and copies corrupt files
-    too); a chosen step that is corrupt is an error, since loading another one silently would not be what was
-    asked. A folder without a manifest stops the search: it is refused, or loaded unchecked with
+    With -1, a corrupt latest checkpoint (or, under a signing key, one not signed with it, or a `step-N` that is a
+    symbolic link) is skipped with a warning for the one before it (a job killed mid-save is the common case, but
+    disks and copies corrupt files too); a chosen step that is corrupt is an error, since loading another one silently
+    would not be what was asked. A folder without a manifest stops the search: it is refused, or loaded unchecked with
     `trust.allow_unverified` (`accept_unverified`).
     """
     if load_step != -1:
@@ -237,12 +237,13 @@ def find_intact_step(folder: Path, load_step: int, trust: Trust) -> Path | None:
         require_intact(step_dir, f"checkpoint.load_step = {load_step}", trust)
         return step_dir
     corrupt = []
-    for link in sorted(path for path in folder.glob("step-*") if path.is_symlink()):
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            logger.warning("ignored %s: a symbolic link, which may lead to another run's checkpoint", link)
-    for step in reversed(complete_steps(folder)):
+    linked = linked_steps(folder)
+    for step in sorted({*complete_steps(folder), *linked}, reverse=True):
         step_dir = folder / f"step-{step}"
-        problems = checkpoint_problems(step_dir, trust)
+        if step in linked:
+            problems = [f"{step_dir} is a symbolic link, which may lead to another run's checkpoint"]
+        else:
+            problems = checkpoint_problems(step_dir, trust)
         if problems is None:
             accept_unverified(step_dir, LATEST, trust)
             return step_dir

@@ -49,6 +49,7 @@ from torchpre.checkpoint.folders import (
     MARKER,
     TMP_PREFIX,
     complete_steps,
+    linked_steps,
     move_aside,
     publish,
     remove_if_ours,
@@ -413,7 +414,7 @@ class CheckpointManager:
         found = find_intact_step(self.folder, load_step, resume_trust(self.folder, self.trust))
         if load_step == -1 and self.rank == 0:
             newest = int(found.name[5:]) if found is not None else -1
-            for step in (s for s in complete_steps(self.folder) if s > newest):
+            for step in (s for s in sorted({*complete_steps(self.folder), *linked_steps(self.folder)}) if s > newest):
                 target = move_aside(self.folder / f"step-{step}", DAMAGED)
                 logger.warning("moved the damaged checkpoint step-%d aside to %s; torchpre never deletes it", step,
                                target)  # fmt: skip
