@@ -134,7 +134,8 @@ class Fuzzer:
         else:
             try:
                 what, may_change = mutator(target.format, case, self.genuine)(entry, rng)
-            except (ValueError, IndexError, KeyError, TypeError, struct.error):  # an earlier mutation broke its form
+            except (ValueError, IndexError, KeyError, TypeError, RecursionError, struct.error):
+                # an earlier mutation broke the file's form: its bytes then
                 what, may_change = formats.binary(may_change=False)(entry, rng)
         return formats.Mutation(target.path, what, may_change)
 
