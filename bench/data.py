@@ -19,7 +19,7 @@ from bench.common import print_table, run_torchpre, steady
 from torchpre.data.corpus import stdlib_documents
 from torchpre.data.loader import build_dataloader
 from torchpre.data.prepare import main as prepare
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 
 TARGET_RATIO = 20.0
 
@@ -49,9 +49,9 @@ def time_prepare(corpus: Path, output: Path, workers: int) -> tuple[float, int]:
 def loader_tokens_per_sec(shards: Path, num_workers: int, batches: int, seq_len: int, batch_size: int) -> float:
     """Tokens/s of iterating the shard loader (one DP rank of one), after its workers have started."""
     loader = build_dataloader(
-        dataset="shards", dataset_path=str(shards), tokenizer=Tokenizer(DEFAULT_TOKENIZER_PATH), seq_len=seq_len,
+        dataset="shards", dataset_path=str(shards), tokenizer=load_tokenizer(DEFAULT_TOKENIZER_PATH), seq_len=seq_len,
         local_batch_size=batch_size, global_batch_size=batch_size, dp_rank=0, dp_size=1, seed=0,
-        num_workers=num_workers, vocab_size=Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size,
+        num_workers=num_workers, vocab_size=load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size,
     )
     iterator = iter(loader)
     next(iterator)

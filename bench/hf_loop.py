@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchpre.config.job_config import JobConfig
 from torchpre.data.loader import build_dataloader
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs
 from torchpre.models.llama3.hf import hf_config
 from torchpre.optim.lr_scheduler import build_lr_scheduler
@@ -76,7 +76,7 @@ def train(flavor: str, seq_len: int, batch_size: int, steps: int, warmup: int, c
         raise ValueError(f"no steps after the {warmup} warm-up steps; run more steps")
     job = JobConfig()
     t = job.training
-    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    tokenizer = load_tokenizer(DEFAULT_TOKENIZER_PATH)
     args = dataclasses.replace(LLAMA3_FLAVORS[flavor], vocab_size=tokenizer.vocab_size, max_seq_len=seq_len)
     torch.manual_seed(t.seed)
     model = LlamaForCausalLM(llama_config(args, tokenizer)).train()

@@ -19,7 +19,7 @@ from bench.common import print_table
 from bench.one_batch import fixed_batch
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.llama3.model import Transformer
 from torchpre.training.model import model_args
 from torchpre.training.parametrization import optimizer_scales
@@ -31,7 +31,7 @@ SEED = 0
 def _args(width: int, parametrization: str = "sp", seq_len: int = 64):
     flags = ["--model.flavor", "tiny", "--model.dim", str(width), "--model.parametrization", parametrization,
              "--training.seq_len", str(seq_len)]  # fmt: skip
-    return model_args(parse_args(JobConfig, flags), Tokenizer(DEFAULT_TOKENIZER_PATH))
+    return model_args(parse_args(JobConfig, flags), load_tokenizer(DEFAULT_TOKENIZER_PATH))
 
 
 def package_model(width: int, mup) -> Transformer:

@@ -8,7 +8,7 @@ import torch
 
 from torchpre.data.corpus import stdlib_documents
 from torchpre.data.dataset import PackedWindows, pack_documents
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 
 BATCH, SEQ_LEN = 8, 64  # one global batch, trained on at every step
 
@@ -19,7 +19,7 @@ def fixed_batch(
     """train.py's data flags for a dataset of exactly one global batch (`batch` windows of `seq_len` + 1 tokens: lines
     of the standard library's docstrings, each shorter than a window), so that every step trains on the same batch,
     as the `mup` package's coordinate check does; and that batch's inputs (the probe) and labels [batch, seq_len]."""
-    tokenizer, lines, total = Tokenizer(DEFAULT_TOKENIZER_PATH), [], 0
+    tokenizer, lines, total = load_tokenizer(DEFAULT_TOKENIZER_PATH), [], 0
     for line in (line.strip() for document in stdlib_documents() for line in document.splitlines()):
         size = len(tokenizer.encode(line, bos=True, eos=True))
         if line and size <= seq_len:

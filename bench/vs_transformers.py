@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import REPO, print_table, run_torchpre, steady
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, flops_per_token
 from torchpre.models.llama3.model import Transformer
 
@@ -83,7 +83,7 @@ class Report:
 
 def model_size(setup: Setup) -> tuple[int, int]:
     """(parameters, training FLOPs per token) of torchpre's model, built on the meta device."""
-    vocab_size = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+    vocab_size = load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
     args = dataclasses.replace(LLAMA3_FLAVORS[setup.flavor], vocab_size=vocab_size, max_seq_len=setup.seq_len)
     with torch.device("meta"):
         num_params = sum(p.numel() for p in Transformer(args).parameters())

@@ -1,7 +1,7 @@
 """Train the small byte-level BPE tokenizer shipped in assets/tokenizer/.
 
 It is trained on the stdlib corpus (`torchpre.data.corpus`) with Llama 3's pre-split regex and
-written in tiktoken's format, so `torchpre.data.tokenizer.Tokenizer` loads it like Llama 3's own.
+written in tiktoken's format, so `torchpre.data.tiktoken_bpe.TiktokenTokenizer` loads it like Llama 3's own.
 """
 
 import argparse
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from torchpre.data.bpe import train_bpe
 from torchpre.data.corpus import stdlib_documents
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, LLAMA3_PAT_STR, Tokenizer, save_ranks
+from torchpre.data.tiktoken_bpe import DEFAULT_TOKENIZER_PATH, LLAMA3_PAT_STR, TiktokenTokenizer, save_ranks
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,7 +34,7 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_ranks(ranks, args.output)
 
-    tokenizer = Tokenizer(args.output)
+    tokenizer = TiktokenTokenizer(args.output)
     num_tokens = sum(map(len, tokenizer.encode_batch(documents, bos=False, eos=False)))
     num_chars = sum(map(len, documents))
     print(

@@ -12,8 +12,9 @@ HF_DIR's config.json (checkpoint.initial_load_path defaults to HF_DIR).
 
 dcp-to-hf reads only the "model" entry of a checkpoint step folder and writes OUT_DIR with
 config.json, generation_config.json and model.safetensors (split into numbered files plus
-model.safetensors.index.json above --max_shard_size, like transformers does), plus the tokenizer:
-tokenizer.model (the tiktoken file) and tokenizer_config.json, which transformers.AutoTokenizer loads.
+model.safetensors.index.json above --max_shard_size, like transformers does), plus the tokenizer's files, which
+transformers.AutoTokenizer loads: a tiktoken file as tokenizer.model with a tokenizer_config.json, a Hugging Face
+tokenizer as its tokenizer.json and tokenizer_config.json.
 
 hf-to-dcp checks HF_DIR's config.json and tensors against the job's model, reads the weights through the
 reader a training job loads a folder with (--checkpoint.initial_load_path HF_DIR does that without this
@@ -56,7 +57,7 @@ from torchpre.checkpoint.reader import Loader, read_metadata
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import HelpRequested, parse_args, to_toml
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.interchange.folder import (
     SAFETENSORS,
@@ -71,7 +72,7 @@ from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights, load
 from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.model import model_args, model_context
+from torchpre.training.model import job_tokenizer, model_args, model_context
 from torchpre.training.rope import check_saved_rope
 
 logger = logging.getLogger("torchpre")
@@ -206,7 +207,7 @@ def _job_model(config: JobConfig) -> _Model:
         raise TorchpreError(
             f"model.name = '{config.model.name}' has no Hugging Face conversion: its ModelSpec has no `hf` adapter."
         )
-    tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    tokenizer = job_tokenizer(config)
     return _Model(model_args(config, tokenizer), spec.hf, model_context(config, tokenizer), tokenizer)
 
 

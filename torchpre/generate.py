@@ -39,7 +39,6 @@ from torchpre.checkpoint.state import check_shapes, checkpoint_metadata
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.confined import file_kind
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
@@ -48,7 +47,7 @@ from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.model import check_layout, meta_model, model_args, model_context, parallel_plan
+from torchpre.training.model import check_layout, job_tokenizer, meta_model, model_args, model_context, parallel_plan
 from torchpre.training.rope import check_saved_rope
 
 
@@ -216,7 +215,7 @@ def main(argv: list[str]) -> None:
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()
     )
     spec = get_model_spec(config.model.name)
-    tokenizer = Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    tokenizer = job_tokenizer(config)
     context = model_context(config, tokenizer)
     prompt_ids = tokenizer.encode(gen.prompt, bos=True, eos=False)
     total = len(prompt_ids) + gen.max_new_tokens

@@ -26,7 +26,7 @@ from tests.hostile import Payload, legacy_checkpoint, replace_metadata, rewrite_
 from tests.launch import REPO, TINY, ForkServer, add_manifest, manifest_record, run_train
 from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.data.shards import Manifest, write_shard
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.hf.tiny import default_tiny_config
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
@@ -49,9 +49,9 @@ def server(tmp_path_factory) -> Iterator[ForkServer]:
 
 def _write_shards(folder: Path, documents: list[list[int]], **manifest_fields) -> Path:
     folder.mkdir(parents=True)
-    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    tokenizer = load_tokenizer(DEFAULT_TOKENIZER_PATH)
     shard = write_shard(folder, "part-0", documents, tokenizer.vocab_size)
-    sha256 = tokenizer_hash(DEFAULT_TOKENIZER_PATH)
+    sha256 = tokenizer.sha256
     fields = {"tokenizer_sha256": sha256, "shards": [shard]} | manifest_fields
     Manifest(tokenizer_name=DEFAULT_TOKENIZER_PATH.name, vocab_size=tokenizer.vocab_size, **fields).write(folder)
     return folder
@@ -59,7 +59,8 @@ def _write_shards(folder: Path, documents: list[list[int]], **manifest_fields) -
 
 def _save_other_flavor_checkpoint(step_dir: Path) -> None:
     """The debug model's weights, which the tiny model the cases train cannot hold."""
-    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size)
+    vocab_size = load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=vocab_size)
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -165,7 +166,7 @@ def files(tmp_path_factory) -> Path:
     (d / "not_utf8_task.jsonl").write_bytes(question.encode() + b'{"context": "caf\xe9", "choices": ["a", "b"], '
                                             b'"answer": 0}\n')
 
-    ids = Tokenizer(DEFAULT_TOKENIZER_PATH).encode(sentence * 20, bos=True, eos=True)
+    ids = load_tokenizer(DEFAULT_TOKENIZER_PATH).encode(sentence * 20, bos=True, eos=True)
     good = _write_shards(d / "shards", [ids] * 10)
     truncated = shutil.copytree(good, d / "shards_truncated")
     with open(truncated / "part-0.bin", "r+b") as file:
@@ -800,7 +801,7 @@ CATALOGUE = [
     case("tokenizer-missing", ["--model.tokenizer_path", "no/such.model"], ["no/such.model", "model.tokenizer_path"]),
     case("tokenizer-corrupt", ["--model.tokenizer_path", "{d}/corrupt.model"], ["{d}/corrupt.model:1", "tiktoken"]),
     case("tokenizer-lacks-bytes", ["--model.tokenizer_path", "{d}/no_bytes.model"], ["{d}/no_bytes.model", "byte"]),
-    case("tokenizer-is-a-folder", ["--model.tokenizer_path", "{d}"], ["Tokenizer file {d} is a folder"]),
+    case("tokenizer-folder-without-one", ["--model.tokenizer_path", "{d}"], ["Tokenizer {d} holds no tokenizer.json"]),
     case("text-missing", [*TEXT[:3], "no/such.jsonl"], ["no/such.jsonl", "does not exist"]),
     case("text-empty", [*TEXT[:3], "{d}/empty.txt"], ["{d}/empty.txt", "no text"]),
     case("jsonl-non-string", [*TEXT[:3], "{d}/non_string.jsonl"], ["{d}/non_string.jsonl:2", "'text' is int"]),

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from tests.launch import add_manifest, run_entry
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.generate import generate_ids, main, sample, whole_model
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
@@ -43,7 +43,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer(DEFAULT_TOKENIZER_PATH)
+    return load_tokenizer(DEFAULT_TOKENIZER_PATH)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from torchpre.checkpoint.integrity import MANIFEST, read_manifest, verify_share
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.convert import main as convert_main
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, RopeScaling
 from torchpre.models.llama3.hf import (
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 32
 LOGITS_ATOL = 1e-5
-VOCAB_SIZE = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+VOCAB_SIZE = load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
 
 
 def write_job(tmp_path: Path, flavor: str) -> tuple[JobConfig, Path]:
@@ -121,7 +121,7 @@ def test_dcp_to_hf_matches_transformers_and_round_trips_bitwise(flavor, options,
         assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
     text = "def main():\n    return 'héllo' 12345"
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    assert hf_tokenizer(text)["input_ids"] == Tokenizer(DEFAULT_TOKENIZER_PATH).encode(text, bos=True, eos=False)
+    assert hf_tokenizer(text)["input_ids"] == load_tokenizer(DEFAULT_TOKENIZER_PATH).encode(text, bos=True, eos=False)
     assert hf_tokenizer.decode(hf_tokenizer(text)["input_ids"], skip_special_tokens=True) == text
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)

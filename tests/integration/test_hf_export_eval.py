@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from tests.launch import TINY, train_and_read_metrics
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.hf import to_hf_state_dict
 from torchpre.models.llama3.model import Transformer
@@ -100,7 +100,7 @@ def hf_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 def checkpoint_model(step_dir: Path) -> Transformer:
     """torchpre's model of the tiny flavor with a checkpoint's weights."""
-    vocab_size = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+    vocab_size = load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
     args = dataclasses.replace(LLAMA3_FLAVORS["tiny"], vocab_size=vocab_size, max_seq_len=32)
     with torch.device("meta"):
         model = Transformer(args)

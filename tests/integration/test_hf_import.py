@@ -26,7 +26,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.convert import main as convert_main
 from torchpre.data.loader import build_dataloader
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distrib
 
 SEQ_LEN, GLOBAL_BATCH, SEED = 32, 8, 42
 LOSS_ATOL = 1e-5
-VOCAB = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+VOCAB = load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
 
 # Llama 3.1 scaling on (over 16 positions, so that it changes most frequencies within 32), untied.
 LLAMA = dict(
@@ -105,7 +105,7 @@ def save_released(config: "transformers.PretrainedConfig", folder: Path) -> "tra
 def first_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """The first global batch of the job's data (the built-in corpus, the seed's order), as one process reads it."""
     loader = build_dataloader(
-        dataset="stdlib", dataset_path="", tokenizer=Tokenizer(DEFAULT_TOKENIZER_PATH), seq_len=SEQ_LEN,
+        dataset="stdlib", dataset_path="", tokenizer=load_tokenizer(DEFAULT_TOKENIZER_PATH), seq_len=SEQ_LEN,
         local_batch_size=GLOBAL_BATCH, global_batch_size=GLOBAL_BATCH, dp_rank=0, dp_size=1, seed=SEED,
         vocab_size=VOCAB,
     )  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.launch import DEBUG, train_and_read_metrics
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.registry import get_flavor
 
@@ -57,7 +57,7 @@ ROWS = [
 
 def debug_model_parameters() -> list[torch.Size]:
     """The shapes of the debug model's parameters with the shipped tokenizer, as train.py builds it."""
-    vocab_size = Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
+    vocab_size = load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(get_flavor("llama3", "debugmodel"), vocab_size=vocab_size))
     return [param.shape for param in model.parameters()]

@@ -13,7 +13,7 @@ from tests.integration.test_hf_convert import LOGITS_ATOL, SEQ_LEN, convert_ok, 
 from tests.launch import TINY, train_and_read_metrics, train_and_read_params
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.registry import get_model_spec
 from torchpre.training.model import model_args
 
@@ -89,7 +89,7 @@ def test_hf_export_of_a_mup_model_gives_transformers_torchpres_logits(case, tmp_
     config = parse_args(JobConfig, [*flags, *mup, "--training.seq_len", str(SEQ_LEN)])
     job = tmp_path / "job.toml"
     job.write_text(to_toml(config))
-    args = model_args(config, Tokenizer(DEFAULT_TOKENIZER_PATH))
+    args = model_args(config, load_tokenizer(DEFAULT_TOKENIZER_PATH))
     with torch.device("meta"):
         model = get_model_spec(config.model.name).model_cls(args)
     model.to_empty(device="cpu")

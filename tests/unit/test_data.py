@@ -9,7 +9,7 @@ from torchpre.data.dataset import PackedWindows, pack_documents
 from torchpre.data.documents import load_documents
 from torchpre.data.loader import TrainingData, build_dataloader
 from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import TorchpreError
 from torchpre.layouts.batch import BatchSizes, CurrentBatch
 
@@ -67,7 +67,7 @@ def test_packed_windows_are_shifted_next_token_pairs():
 
 
 def test_pack_documents_wraps_each_document_in_bos_and_eos():
-    tokenizer = Tokenizer(DEFAULT_TOKENIZER_PATH)
+    tokenizer = load_tokenizer(DEFAULT_TOKENIZER_PATH)
     tokens = pack_documents(["hello world", "second"], tokenizer)
     first = tokenizer.encode("hello world", bos=True, eos=True)
     second = tokenizer.encode("second", bos=True, eos=True)
@@ -83,14 +83,14 @@ def build(path, dp_rank=0, dp_size=1, local_batch_size=2, seq_len=8):
     return build_dataloader(
         dataset="text",
         dataset_path=str(path),
-        tokenizer=Tokenizer(DEFAULT_TOKENIZER_PATH),
+        tokenizer=load_tokenizer(DEFAULT_TOKENIZER_PATH),
         seq_len=seq_len,
         local_batch_size=local_batch_size,
         global_batch_size=local_batch_size * dp_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=0,
-        vocab_size=Tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size,
+        vocab_size=load_tokenizer(DEFAULT_TOKENIZER_PATH).vocab_size,
     )
 
 

@@ -19,7 +19,7 @@ from torchpre import json_input
 from torchpre.data import shards
 from torchpre.data.shard_dataset import ShardWindows
 from torchpre.data.shards import Manifest, write_shard
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.interchange import reader
 from torchpre.interchange.reader import HFFolder
@@ -27,8 +27,8 @@ from torchpre.models.deepseek_v3.hf import args_from_hf_config as deepseek_args
 from torchpre.models.hf.args import check_values
 from torchpre.models.llama3.hf import args_from_hf_config as llama_args
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
-SHA256 = tokenizer_hash(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
+SHA256 = TOKENIZER.sha256
 
 
 def swapping_after_the_check(module, monkeypatch, name: str, replacement: Path) -> None:

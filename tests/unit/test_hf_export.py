@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 import torchpre.interchange.export as hf_export
 from torchpre.checkpoint.folders import MARKER
 from torchpre.config.job_config import HFExport
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import StorageError, UntrustedInput
 from torchpre.interchange.export import HFExporter, TensorInfo, _balanced_owners
 from torchpre.models.registry import get_model_spec
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 
 
 def _exporter(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.evaluation.multiple_choice import (
     MultipleChoiceEvaluator,
@@ -27,7 +27,7 @@ from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel import ParallelPlan, parallelize
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 
 
 def test_acc_takes_the_highest_log_likelihood_and_acc_norm_divides_by_characters():

@@ -12,7 +12,7 @@ from torch import nn
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.model import apply_rope
 from torchpre.models.parametrization import fold_multipliers
@@ -22,7 +22,7 @@ from torchpre.parallel import ParallelPlan, parallelize
 from torchpre.training.model import model_args
 from torchpre.training.parametrization import optimizer_scales
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 SEED, LR, WEIGHT_DECAY, EPS = 3, 1e-3, 0.1, 1e-8
 # The tiny flavor's SwiGLU width at each dim: 32 x ceil(int(8 x dim / 3) / 32).
 FFN = {64: 192, 128: 352, 256: 704}

@@ -13,11 +13,12 @@ import pytest
 from torchpre.data import prepare
 from torchpre.data.prepare import main
 from torchpre.data.shards import MANIFEST, Manifest, ShardReader
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_ranks, save_ranks, tokenizer_hash
+from torchpre.data.tiktoken_bpe import load_ranks, save_ranks
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import TorchpreError
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
-SHA256 = tokenizer_hash(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
+SHA256 = TOKENIZER.sha256
 SHARD_TOKENS = 1000  # a few documents per shard, so that the inputs below make several shards
 
 
@@ -265,7 +266,7 @@ def test_shard_reader_names_a_truncated_file(tmp_path):
 
 def test_shard_reader_refuses_another_tokenizer_hash(tmp_path):
     run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out")
-    other = tokenizer_hash(other_tokenizer(tmp_path / "other.model"))
+    other = load_tokenizer(other_tokenizer(tmp_path / "other.model")).sha256
     with pytest.raises(TorchpreError, match="made with tokenizer 'tokenizer.model'.*model.tokenizer_path"):
         ShardReader(tmp_path / "out", TOKENIZER.vocab_size, expected_tokenizer_sha256=other)
 

@@ -19,11 +19,11 @@ from torchpre.data.mixture import BLOCK_SIZE, MixtureOrder, Source
 from torchpre.data.sampler import GlobalBatchSampler
 from torchpre.data.shard_dataset import ShardWindows
 from torchpre.data.shards import Manifest, write_shard
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError, TorchpreError
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
-SHA256 = tokenizer_hash(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
+SHA256 = TOKENIZER.sha256
 
 
 def random_documents(num: int, seed: int, max_len: int = 40) -> list[list[int]]:

@@ -10,11 +10,11 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.data.loader import build_dataloader, pins_memory
 from torchpre.data.synthetic import SyntheticTokens
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.training.model import model_args
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 LLAMA3_VOCAB = 128_256
 SEQ_LEN = 16
 

@@ -10,15 +10,15 @@ import regex
 import tiktoken
 
 from torchpre.data.bpe import train_bpe
-from torchpre.data.tokenizer import (
+from torchpre.data.tiktoken_bpe import (
     DEFAULT_TOKENIZER_PATH,
     LLAMA3_PAT_STR,
-    Tokenizer,
+    TiktokenTokenizer,
     llama3_special_tokens,
     load_ranks,
     save_ranks,
-    tokenizer_hash,
 )
+from torchpre.data.tokenizer import load_tokenizer
 from torchpre.errors import TorchpreError
 
 TEXTS = [
@@ -35,8 +35,8 @@ BYTE_RANKS = {bytes([b]): b for b in range(256)}
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(DEFAULT_TOKENIZER_PATH)
+def tokenizer() -> TiktokenTokenizer:
+    return TiktokenTokenizer(DEFAULT_TOKENIZER_PATH)
 
 
 def test_shipped_tokenizer_has_2048_ids(tokenizer):
@@ -77,7 +77,7 @@ def test_encode_batch_matches_encode(tokenizer):
 def test_special_tokens_follow_the_ranks(tmp_path):
     path = tmp_path / "tiny.model"
     save_ranks({**BYTE_RANKS, b"ab": 256, b"abc": 257}, path)
-    tokenizer = Tokenizer(path)
+    tokenizer = load_tokenizer(path)
     assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size) == (258, 259, 260)
     assert tokenizer.encode("abc", bos=True, eos=True) == [258, 257, 259]
 
@@ -103,10 +103,10 @@ def test_save_and_load_ranks_round_trip(tmp_path):
 def test_tokenizer_hash_tracks_file_content(tmp_path):
     path = tmp_path / "t.model"
     save_ranks(BYTE_RANKS, path)
-    assert tokenizer_hash(path) == hashlib.sha256(path.read_bytes()).hexdigest()
-    before = tokenizer_hash(path)
+    assert load_tokenizer(path).sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    before = load_tokenizer(path).sha256
     save_ranks({**BYTE_RANKS, b"ab": 256}, path)
-    assert tokenizer_hash(path) != before
+    assert load_tokenizer(path).sha256 != before
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_bad_tokenizer_file_names_the_path(tmp_path, content):
     if content is not None:
         path.write_bytes(content)
     with pytest.raises(TorchpreError, match=re.escape(str(path))) as error:
-        Tokenizer(path)
+        load_tokenizer(path)
     assert "model.tokenizer_path" in str(error.value)
 
 
@@ -135,7 +135,7 @@ def test_tokenizer_file_without_all_bytes_is_rejected(tmp_path):
     path = tmp_path / "tokenizer.model"
     save_ranks({bytes([b]): b for b in range(200)}, path)
     with pytest.raises(TorchpreError, match="lacks 56 single-byte tokens"):
-        Tokenizer(path)
+        load_tokenizer(path)
 
 
 # --- BPE training ---------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_bpe_merges_most_frequent_pairs_with_fixed_tie_break():
 def test_bpe_frequent_word_becomes_one_token(tmp_path):
     documents = ["the cat sat on the mat with the hat"] * 10
     save_ranks(train_bpe(documents, 256 + 20, LLAMA3_PAT_STR), tmp_path / "t.model")
-    tokenizer = Tokenizer(tmp_path / "t.model")
+    tokenizer = load_tokenizer(tmp_path / "t.model")
     assert len(tokenizer.encode(" the", bos=False, eos=False)) == 1
 
 

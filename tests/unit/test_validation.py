@@ -15,7 +15,7 @@ from torchpre.data.documents import load_documents
 from torchpre.data.loader import build_dataloader, held_out_samples
 from torchpre.data.sampler import EpochShuffle
 from torchpre.data.shards import Manifest, write_shard
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.evaluation.validation import Validator, held_out_fraction, validation_batches
 from torchpre.metrics.logger import format_step_line
@@ -24,7 +24,7 @@ from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.api import ParallelModel, ParallelPlan
 from torchpre.parallel.pipeline import PipelinePlan
 
-TOKENIZER = Tokenizer(DEFAULT_TOKENIZER_PATH)
+TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 SEQ_LEN = 8
 
 
@@ -107,9 +107,7 @@ def write_shard_folder(folder, num_documents: int, seed: int) -> str:
     ]
     folder.mkdir(parents=True)
     info = write_shard(folder, "shard_00000", documents, TOKENIZER.vocab_size)
-    Manifest(DEFAULT_TOKENIZER_PATH.name, tokenizer_hash(DEFAULT_TOKENIZER_PATH), TOKENIZER.vocab_size, [info]).write(
-        folder
-    )
+    Manifest(TOKENIZER.name, TOKENIZER.sha256, TOKENIZER.vocab_size, [info]).write(folder)
     return str(folder)
 
 

@@ -7,7 +7,8 @@ from torchpre.data.tokenizer import Tokenizer
 
 
 def pack_documents(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
-    """Tokenizes every document as BOS + text + EOS and concatenates them into one 1-D stream."""
+    """Tokenizes every document as BOS + text + EOS (text + EOS for a family without a BOS) and concatenates them
+    into one 1-D stream."""
     encoded = tokenizer.encode_batch(documents, bos=True, eos=True)
     return torch.tensor([token for ids in encoded for token in ids], dtype=torch.int64)
 

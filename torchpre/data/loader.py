@@ -15,7 +15,7 @@ from torchpre.data.mixture import MixtureOrder, Source
 from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler, SampleOrder
 from torchpre.data.shard_dataset import ShardWindows
 from torchpre.data.synthetic import SyntheticTokens, in_order
-from torchpre.data.tokenizer import Tokenizer, tokenizer_hash
+from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.layouts.batch import CurrentBatch
 
@@ -200,7 +200,7 @@ def _windows(
     """The seq_len+1-token windows of one source, and its token count (for messages); shard windows checked against
     the model's `vocab_size` rows."""
     if dataset == "shards":
-        samples = ShardWindows(dataset_path, seq_len, tokenizer_hash(tokenizer.path), vocab_size)
+        samples = ShardWindows(dataset_path, seq_len, tokenizer.sha256, vocab_size)
         return samples, samples.num_tokens
     tokens = pack_documents(load_documents(dataset, dataset_path), tokenizer)
     return PackedWindows(tokens, seq_len), tokens.numel()
@@ -248,8 +248,7 @@ def _mixture(
     `split_held_out`, and its training part (or, with `held_out`, its held-out part) is used."""
     folders = sorted(weights)
     names = _source_names(folders)
-    sha256 = tokenizer_hash(tokenizer.path)
-    windows = [ShardWindows(folder, seq_len, sha256, vocab_size) for folder in folders]
+    windows = [ShardWindows(folder, seq_len, tokenizer.sha256, vocab_size) for folder in folders]
     for folder, source in zip(folders, windows):
         if len(source) == 0:
             raise TorchpreError(

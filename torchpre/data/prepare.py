@@ -9,8 +9,9 @@ recursively, sorted by path), a folder written by `datasets`' `save_to_disk`, or
 dataset name (needs `pip install torchpre[hf]`, and the Hub or its local cache). Blank documents
 are skipped.
 
-Each document is framed BOS ... EOS and written, in input order, to shards of at most
-`--shard-tokens` tokens (a longer document gets a shard of its own), cut only between documents;
+Each document is framed as the tokenizer's family frames one (BOS ... EOS; ... EOS for a family without a BOS,
+such as Qwen's) and written, in input order, to shards of at most `--shard-tokens` tokens (a longer document gets
+a shard of its own), cut only between documents;
 see torchpre/data/shards.py for the format. The output does not depend on `--workers`.
 
 The manifest is rewritten after each shard and records what the shards were made from (a SHA-256
@@ -47,7 +48,7 @@ from tqdm import tqdm
 
 from torchpre.confined import file_kind, open_named
 from torchpre.data.shards import MANIFEST, Manifest, shard_file_problem, token_dtype, write_shard
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, tokenizer_hash
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.json_input import json_lines
 
@@ -100,7 +101,7 @@ class Stats:
 def main(argv: list[str]) -> None:
     args = _parse_args(argv)
     started = time.perf_counter()
-    tokenizer = Tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer)
     sources = [source for item in args.inputs for source in resolve_input(item, args.text_field, args.hf_split)]
     options = {"text_field": args.text_field, "shard_tokens": args.shard_tokens, "hf_split": args.hf_split}
     record = {"prepare_version": PREPARE_VERSION, "options": options, "inputs": [_fingerprint(s) for s in sources]}
@@ -126,7 +127,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, folders or a Hugging Face dataset")
     parser.add_argument("--output", required=True, metavar="DIR", help="the shard folder to write (or resume)")
     parser.add_argument(
-        "--tokenizer", default=str(DEFAULT_TOKENIZER_PATH), metavar="PATH", help="tiktoken BPE file (default: shipped)"
+        "--tokenizer",
+        default=str(DEFAULT_TOKENIZER_PATH),
+        metavar="PATH",
+        help="a tiktoken BPE file, or a Hugging Face tokenizer.json or the folder holding it (default: shipped)",
     )
     parser.add_argument("--text-field", default="text", metavar="NAME", help="JSON field or column (default: text)")
     parser.add_argument(
@@ -421,7 +425,7 @@ def open_output(folder: Path, tokenizer: Tokenizer, record: dict) -> Manifest:
     if folder.exists() and not folder.is_dir():
         raise TorchpreError(f"--output {folder} is a file, not a folder. Give a new or empty folder.")
     folder.mkdir(parents=True, exist_ok=True)
-    sha256 = tokenizer_hash(tokenizer.path)
+    sha256 = tokenizer.sha256
     if file_kind(folder, MANIFEST) != "missing":  # a link or a folder there: Manifest.read refuses it by name
         try:
             existing = Manifest.read(folder)
@@ -435,7 +439,7 @@ def open_output(folder: Path, tokenizer: Tokenizer, record: dict) -> Manifest:
             f"--output {folder} is not empty and holds no {MANIFEST}, so it is not a shard folder. "
             "Give a new or empty folder."
         )
-    manifest = Manifest(tokenizer.path.name, sha256, tokenizer.vocab_size, complete=False, source=record)
+    manifest = Manifest(tokenizer.name, sha256, tokenizer.vocab_size, complete=False, source=record)
     manifest.write(folder)
     return manifest
 

@@ -2,13 +2,13 @@
 reads memory-mapped.
 
 A shard folder holds
-- `manifest.json`: the format version, the tokenizer's file name, SHA-256 and vocab size, the token
+- `manifest.json`: the format version, the tokenizer's name, SHA-256 (`Tokenizer.sha256`) and vocab size, the token
   dtype, per shard its name (a file name inside the folder), token and document counts and largest
   token id, whether `prepare` finished (`complete`), and `source`: what `prepare` made the shards
   from (input fingerprints and options), so that a rerun into the same folder can resume, or refuse
   other inputs;
-- `NAME.bin`: whole documents (each BOS ... EOS) back to back, little-endian uint16 when the vocab
-  fits (< 65,536 ids), else uint32;
+- `NAME.bin`: whole documents (each BOS ... EOS, or ... EOS for a tokenizer without a BOS) back to back,
+  little-endian uint16 when the vocab fits (< 65,536 ids), else uint32;
 - `NAME.idx`: little-endian int64 offsets into NAME.bin of each document's start, then the end
   (documents + 1 entries).
 

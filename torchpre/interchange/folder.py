@@ -1,6 +1,8 @@
 """The files of a Hugging Face model folder besides the weights, as `save_pretrained` lays them out: config.json,
-generation_config.json and the tokenizer (the tiktoken file as `tokenizer.model` with a `tokenizer_config.json` with
-which `transformers.AutoTokenizer` loads it); and safetensors weights, in one file or in several with an index.
+generation_config.json and the tokenizer's files (`Tokenizer.hf_files`: a tiktoken file as `tokenizer.model` with a
+`tokenizer_config.json` with which `transformers.AutoTokenizer` loads it, a Hugging Face tokenizer as the
+tokenizer.json and tokenizer_config.json it was read from); and safetensors weights, in one file or in several with
+an index.
 Shared by `python -m torchpre.convert dcp-to-hf` and the exports written during training.
 
 Every file is written under a new name and renamed into place (`torchpre.confined`), so that a symbolic link at a
@@ -16,7 +18,7 @@ from safetensors.torch import save_file
 
 from torchpre.checkpoint.integrity import MANIFEST, file_record, write_manifest
 from torchpre.confined import is_regular_file, replacing_path, write_file
-from torchpre.data.tokenizer import BOS, EOS, Tokenizer
+from torchpre.data.tokenizer import Tokenizer
 from torchpre.models.registry import HFAdapter
 
 SAFETENSORS = "model.safetensors"
@@ -47,33 +49,8 @@ def write_metadata(
     config = adapter.hf_config(args, **tokens, torch_dtype=dtype, max_position_embeddings=max_length)
     write_json(folder / "config.json", config)
     write_json(folder / "generation_config.json", tokens)
-    write_tokenizer(folder, tokenizer, max_length)
-
-
-def write_tokenizer(folder: Path, tokenizer: Tokenizer, max_length: int) -> None:
-    """The tiktoken file as `tokenizer.model` and a `tokenizer_config.json` with which
-    `transformers.AutoTokenizer` loads it (transformers converts a tiktoken file itself): the same ids as
-    torchpre's tokenizer, BOS prepended, special tokens by their ids."""
-    write_file(folder / "tokenizer.model", tokenizer.path.read_bytes())
-    added = {
-        str(token_id): {
-            "content": name, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-            "single_word": False,
-        }
-        for name, token_id in tokenizer.special_tokens.items()
-    }
-    write_json(
-        folder / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "model_max_length": max_length,
-            "added_tokens_decoder": added,
-        },
-    )
+    for name, data in tokenizer.hf_files(max_length).items():
+        write_file(folder / name, data)
 
 
 def give_default_modes(folder: Path) -> None:

@@ -7,15 +7,16 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from torchpre.config.job_config import JobConfig
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import Tokenizer, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.model import model_args
+from torchpre.training.model import model_args, tokenizer_path
 from torchpre.training.preflight import preflight
 
 AC_MODES = ("none", "selective", "full")
@@ -111,7 +112,7 @@ def check(layout: Layout, base: JobConfig, world_size: int) -> CheckedLayout:
     """`layout` applied to `base`, through the checks a real start-up runs before joining the process group
     (`torchpre.training.job.preflight`): raises their ConfigError when the layout is impossible."""
     config = layout.apply(base)
-    checked = preflight(config, world_size, cached_tokenizer(config.model.tokenizer_path), cached_stage_modules)
+    checked = preflight(config, world_size, cached_tokenizer(tokenizer_path(config)), cached_stage_modules)
     return CheckedLayout(layout, config, checked.model_args, checked.batches.accumulation_steps, checked.pipeline)
 
 
@@ -155,7 +156,7 @@ def valid_layouts(
             "this family's args come from elsewhere (model.hf_config), not a flavor. `--job.dry_run` reports the "
             "per-rank memory of a given layout."
         )
-    model_args(base, cached_tokenizer(base.model.tokenizer_path))  # a misnamed flavor, or a vocabulary that cannot be
+    model_args(base, cached_tokenizer(tokenizer_path(base)))  # a misnamed flavor, or a vocabulary that cannot be
     valid, refusals = [], Counter()
     experts = spec.expert_parallel is not None
     for layout in candidates(base, gpus, gpus_per_node, experts, context_parallel):
@@ -188,9 +189,10 @@ def _divisors(n: int) -> list[int]:
 
 
 @cache
-def cached_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer at `path` (the default when empty), loaded once for every layout the planner checks."""
-    return Tokenizer(path or DEFAULT_TOKENIZER_PATH)
+def cached_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer at `path` (`torchpre.training.model.tokenizer_path`), loaded once for every layout the planner
+    checks."""
+    return load_tokenizer(path)
 
 
 _STAGES: dict[tuple, list[list[str]] | ConfigError] = {}

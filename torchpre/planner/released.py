@@ -20,7 +20,7 @@ from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import CONFIG
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.layouts import cached_tokenizer
-from torchpre.training.model import folder_vocab_size
+from torchpre.training.model import folder_vocab_size, tokenizer_path
 
 
 @contextlib.contextmanager
@@ -41,7 +41,7 @@ def planned_flavor(config: JobConfig) -> Iterator[JobConfig]:
             "reads."
         )
     args = folder_args(path, get_model_spec(config.model.name), config.model.name)
-    vocabulary = folder_vocab_size(config, cached_tokenizer(config.model.tokenizer_path), args)
+    vocabulary = folder_vocab_size(config, cached_tokenizer(tokenizer_path(config)), args)
     flavors = get_model_spec(config.model.name).flavors
     name = f"{FROM_HF}:{path.resolve().name}"
     planned = copy.deepcopy(config)

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from torchpre.config.job_config import JobConfig
-from torchpre.data.tokenizer import Tokenizer
+from torchpre.confined import file_kind, located
+from torchpre.data.hf_tokenizer import TOKENIZER_JSON
+from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.interchange.load import FROM_HF, folder_args
@@ -33,6 +35,24 @@ from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, ch
 from torchpre.parallel.quantized_experts import check_quantize_experts
 from torchpre.training.parametrization import refuse_shape_keys, with_model_shape, with_parametrization
 from torchpre.training.rope import refuse_rope_keys, with_rope
+
+
+def tokenizer_path(config: JobConfig) -> Path:
+    """model.tokenizer_path; when empty, the Hugging Face folder's own tokenizer (its tokenizer.json) when
+    checkpoint.initial_load_path is a folder that has one (the model it releases is trained on with the ids it was
+    made with), else the shipped tiktoken file."""
+    if config.model.tokenizer_path:
+        return Path(config.model.tokenizer_path)
+    folder = Path(config.checkpoint.initial_load_path)
+    if config.checkpoint.initial_load_path and is_hf_folder(folder):
+        if file_kind(*located(folder, TOKENIZER_JSON)) != "missing":  # a link: read_files refuses it by name
+            return folder
+    return DEFAULT_TOKENIZER_PATH
+
+
+def job_tokenizer(config: JobConfig) -> Tokenizer:
+    """The job's tokenizer (`tokenizer_path`)."""
+    return load_tokenizer(tokenizer_path(config))
 
 
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:

@@ -13,7 +13,7 @@ from torchpre.checkpoint.folders import find_step_dir
 from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
-from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer
+from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.evaluation.multiple_choice import Task, read_tasks
@@ -25,7 +25,7 @@ from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.training.batches import batch_sizes
-from torchpre.training.model import check_layout, model_args, model_context
+from torchpre.training.model import check_layout, job_tokenizer, model_args, model_context
 from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.step_plan import StepPlan
 
@@ -83,7 +83,7 @@ def preflight(
     batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
     plan = StepPlan.from_config(config, batches, dims.dp)
     spec = get_model_spec(config.model.name)
-    tokenizer = tokenizer or Tokenizer(config.model.tokenizer_path or DEFAULT_TOKENIZER_PATH)
+    tokenizer = tokenizer or job_tokenizer(config)
     window = _evaluation_window(config, tokenizer)
     args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
     seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
