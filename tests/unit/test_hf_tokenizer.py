@@ -58,8 +58,9 @@ def test_ids_equal_transformers_on_a_mixed_corpus(folders, kind):
 
 
 @pytest.mark.parametrize(
-    "kind, bos, eos", [("byte_level", None, "<|endoftext|>"), ("byte_level_bos", "<|begin_of_text|>", "<|end_of_text|>"),
-                       ("byte_fallback", "<s>", "</s>"), ("unigram", None, "</s>")],
+    "kind, bos, eos",
+    [("byte_level", None, "<|endoftext|>"), ("byte_level_bos", "<|begin_of_text|>", "<|end_of_text|>"),
+     ("byte_fallback", "<s>", "</s>"), ("unigram", None, "</s>")],
 )  # fmt: skip
 def test_a_document_is_framed_as_the_family_frames_one(folders, kind, bos, eos):
     """BOS where the family adds one (none for Qwen's), EOS after every document."""

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts.tiny_tokenizer import write
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.evaluation.multiple_choice import (
@@ -47,6 +48,21 @@ def test_a_pair_is_tokenized_as_lm_evaluation_harness_does():
     assert TOKENIZER.decode(context[1:]) == "The capital of France is"
     assert TOKENIZER.decode(continuation) == " Paris"
     assert encode_pair(TOKENIZER, "The capital of France is ", "Paris") == (context, continuation)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_a_pair_of_a_hugging_face_tokenizer_is_transformers_ids_split_as_lm_evaluation_harness_splits(tmp_path, kind):
+    """lm-evaluation-harness on transformers' tokenizer with add_bos_token: the context's ids are
+    `tokenizer(context)`'s (BOS where the family adds one, Mistral's; none for Qwen's), the continuation's those of
+    the whole text after them. An empty context gets its prefix token, EOS."""
+    transformers = pytest.importorskip("transformers")
+    folder = write(kind, tmp_path / kind)
+    reference, ours = transformers.AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+    for context, choice in [("The capital of France is", " Paris"), ("Déjà vu:", " 日本語"), ("x", "\n\ty")]:
+        expected = reference(context)["input_ids"]
+        whole = reference(context + choice)["input_ids"]
+        assert encode_pair(ours, context, choice) == (expected, whole[len(expected) :])
+    assert encode_pair(ours, "", "Paris")[0] == [ours.eos_id if ours.bos_id is None else ours.bos_id]
 
 
 def test_a_long_row_keeps_its_last_tokens(tmp_path):

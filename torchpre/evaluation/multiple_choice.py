@@ -4,9 +4,10 @@ A task is a JSONL file, one question a line: `{"context": str, "choices": [str, 
 is scored by the summed log-probability of its tokens after the context: the continuation is `" " + choice`
 (lm-evaluation-harness's default `target_delimiter`), tokenized as lm-evaluation-harness does (the tokens of
 `context + continuation` after those of `context`, a trailing space of the context moved to the continuation),
-after a BOS token, as every training document starts. `acc` counts the questions whose answer has the highest
-log-likelihood; `acc_norm` ranks the choices by log-likelihood divided by the choice's length in characters
-(lm-evaluation-harness's `acc_norm`: `np.argmax(lls / [len(choice) for choice in choices])`).
+after the BOS token every training document starts with (none for a family without one, such as Qwen's). `acc`
+counts the questions whose answer has the highest log-likelihood; `acc_norm` ranks the choices by log-likelihood
+divided by the choice's length in characters (lm-evaluation-harness's `acc_norm`:
+`np.argmax(lls / [len(choice) for choice in choices])`).
 
 Every (question, choice) pair is one row of at most `max_length` + 1 tokens (eval.max_length, 0 = training.seq_len):
 a longer one keeps its last ones and the model reads all but the last, lm-evaluation-harness's window
@@ -119,13 +120,15 @@ def _question(record: object, where: str) -> Question:
 
 def encode_pair(tokenizer: Tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-evaluation-harness's `_encode_pair`: trailing spaces of the context go to the continuation, whose tokens are
-    those of the whole text after the context's. The context starts with BOS."""
+    those of the whole text after the context's. The context starts as a training document does (its BOS, where the
+    tokenizer's family adds one: lm-evaluation-harness's `add_bos_token`); a context that leaves empty gets
+    lm-evaluation-harness's prefix token, EOS, so that the first choice token has one to follow."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer.encode(context + continuation, bos=True, eos=False)
     context_ids = tokenizer.encode(context, bos=True, eos=False)
-    return context_ids, whole[len(context_ids) :]
+    return context_ids or [tokenizer.eos_id], whole[len(context_ids) :]
 
 
 @cache

@@ -48,7 +48,7 @@ class ForwardInputs:
     document begun in an earlier row). For a model that reads `tokens_ahead` tokens after each position
     (`ModelSpec.tokens_ahead`: multi-token prediction), `future_tokens` [batch, seq, tokens_ahead]."""
 
-    def __init__(self, document_mask: bool, bos_id: int, tokens_ahead: int = 0):
+    def __init__(self, document_mask: bool, bos_id: int | None, tokens_ahead: int = 0):
         self.document_mask, self.bos_id, self.tokens_ahead = document_mask, bos_id, tokens_ahead
 
     def __call__(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -84,6 +84,12 @@ def preflight(
     plan = StepPlan.from_config(config, batches, dims.dp)
     spec = get_model_spec(config.model.name)
     tokenizer = tokenizer or job_tokenizer(config)
+    if t.document_mask and tokenizer.bos_id is None:
+        raise ConfigError(
+            f"training.document_mask finds each document by the BOS token it starts with, but the tokenizer "
+            f"{tokenizer.path} starts documents with none (its family only ends them, with EOS, as Qwen's does). "
+            "Turn training.document_mask off."
+        )
     window = _evaluation_window(config, tokenizer)
     args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
     seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
