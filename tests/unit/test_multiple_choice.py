@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.tiny_tokenizer import write
+from scripts import tiny_tokenizer
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.evaluation.multiple_choice import (
@@ -56,7 +56,7 @@ def test_a_pair_of_a_hugging_face_tokenizer_is_transformers_ids_split_as_lm_eval
     `tokenizer(context)`'s (BOS where the family adds one, Mistral's; none for Qwen's), the continuation's those of
     the whole text after them. An empty context gets its prefix token, EOS."""
     transformers = pytest.importorskip("transformers")
-    folder = write(kind, tmp_path / kind)
+    folder = tiny_tokenizer.write(kind, tmp_path / kind)
     reference, ours = transformers.AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
     for context, choice in [("The capital of France is", " Paris"), ("Déjà vu:", " 日本語"), ("x", "\n\ty")]:
         expected = reference(context)["input_ids"]

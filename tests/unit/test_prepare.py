@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts import tiny_tokenizer
 from torchpre.data import prepare
 from torchpre.data.prepare import main
 from torchpre.data.shards import MANIFEST, Manifest, ShardReader
@@ -269,6 +270,29 @@ def test_shard_reader_refuses_another_tokenizer_hash(tmp_path):
     other = load_tokenizer(other_tokenizer(tmp_path / "other.model")).sha256
     with pytest.raises(TorchpreError, match="made with tokenizer 'tokenizer.model'.*model.tokenizer_path"):
         ShardReader(tmp_path / "out", TOKENIZER.vocab_size, expected_tokenizer_sha256=other)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_a_hugging_face_tokenizer_prepares_transformers_ids_framed_as_its_family_and_ties_its_hash(kind, tmp_path):
+    """Each document as `tokenizer(text)` gives it (BOS for Mistral's kind, none for Qwen's), then EOS; the same
+    shards from 1 and 2 workers (the workers get the tokenizer pickled); the manifest names the folder and records
+    its hash, and a reader expecting another tokenizer's refuses the shards."""
+    transformers = pytest.importorskip("transformers")
+    folder = tiny_tokenizer.write(kind, tmp_path / kind)
+    reference, ours = transformers.AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    run([source], tmp_path / "one", "--tokenizer", str(folder))
+    run([source], tmp_path / "two", "--tokenizer", str(folder), "--workers", "2")
+    assert folder_bytes(tmp_path / "one") == folder_bytes(tmp_path / "two")
+    reader = ShardReader(tmp_path / "one", ours.vocab_size, expected_tokenizer_sha256=ours.sha256)
+    shards = [reader.document(i, doc).tolist() for i, shard in enumerate(reader.shards)
+              for doc in range(shard.num_documents)]  # fmt: skip
+    assert shards == [reference(text)["input_ids"] + [reference.eos_token_id] for text in DOCUMENTS]
+    manifest = Manifest.read(tmp_path / "one")
+    assert (manifest.tokenizer_name, manifest.tokenizer_sha256) == (kind, ours.sha256)
+    other = load_tokenizer(tiny_tokenizer.write("unigram", tmp_path / "other")).sha256
+    with pytest.raises(TorchpreError, match=f"made with tokenizer '{kind}'.*model.tokenizer_path"):
+        ShardReader(tmp_path / "one", ours.vocab_size, expected_tokenizer_sha256=other)
 
 
 def write_file(name: str, content: str):

@@ -54,7 +54,10 @@ class Model:
         "Face folder at checkpoint.initial_load_path (llama3, deepseek_v3)",
     )
     tokenizer_path: str = _option(
-        "", "tiktoken BPE ranks file (Llama 3 tokenizer.model format); empty = the shipped one"
+        "",
+        "a Hugging Face tokenizer.json or the folder holding it (with its tokenizer_config.json), or a tiktoken BPE "
+        "file (Llama 3's original/tokenizer.model); empty = the tokenizer.json of the Hugging Face folder at "
+        "checkpoint.initial_load_path if it has one, else the shipped tiktoken file",
     )
     hf_config: str = _option(
         "",

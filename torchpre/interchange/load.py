@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.checkpoint.integrity import MANIFEST, SIGNING_KEY, Trust, read_manifest, verify_share
 from torchpre.confined import file_kind
+from torchpre.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON
 from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
 from torchpre.interchange.reader import CONFIG, INDEX, HFFolder, read_config
 from torchpre.interchange.storage import HFStorageReader, first_name
@@ -103,8 +104,9 @@ def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
 def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) -> None:
     """Before any file of the folder is read (`key` names the setting that gave it): a folder with a manifest (a
     torchpre export) is checked against it as a checkpoint is, every file, and its signature under `trust`'s key;
-    the files a load reads (config.json, the index, the safetensors) must be listed. A folder without one is an
-    error under a key, unless `allow_unsigned` (checkpoint.allow_unsigned_hf: a model as released), which warns."""
+    the files a load reads (config.json, the index, the safetensors, the tokenizer's) must be listed. A folder without
+    one is an error under a key, unless `allow_unsigned` (checkpoint.allow_unsigned_hf: a model as released), which
+    warns."""
     if file_kind(path, MANIFEST) == "missing":
         if trust.signing_key is None:
             return
@@ -119,7 +121,7 @@ def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) ->
         return
     problems = verify_share(path, 0, 1, Trust(signing_key=trust.signing_key))
     records = read_manifest(path) if not problems else {}
-    read = [name for name in (CONFIG, INDEX) if file_kind(path, name) != "missing"]
+    read = [name for name in (CONFIG, INDEX, TOKENIZER_JSON, TOKENIZER_CONFIG) if file_kind(path, name) != "missing"]
     read += sorted(entry.name for entry in path.glob("*.safetensors"))
     problems += [f"{path / name} is not in its {MANIFEST}" for name in read if not problems and name not in records]
     if problems:
