@@ -54,6 +54,7 @@ DEEPSEEK_V3_VARIANTS = {
                                                     "truncate": False}},
     "rms-norm-eps-1e-5": {"rms_norm_eps": 1e-5},  # Moonlight's
     "rms-norm-eps-1e-2": {"rms_norm_eps": 1e-2},  # far from the latent norms' 1e-6
+    "tied": {"tie_word_embeddings": True},  # saved without lm_head.weight
 }
 
 LLAMA = dict(

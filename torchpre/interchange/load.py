@@ -181,7 +181,7 @@ def load_hf_weights(weights: HFWeights, targets: Mapping[str, Tensor], no_dist: 
     try:
         dcp.load(dict(targets), storage_reader=reader, no_dist=no_dist)
     except CheckpointException as error:  # a bad folder found while reading, on any rank: its message on every rank
-        raise _input_error(error) or error from None
+        raise _input_error(error, weights.folder.folder) or error from None
     held = sum(_local(tensor).numel() * _local(tensor).element_size() for tensor in targets.values())
     read = weights.folder.bytes_read - read_before
     return LoadReport(held, read, rss_before, peak_rss_bytes(), time.perf_counter() - start)
@@ -207,11 +207,13 @@ def log_reports(folder: Path, report: LoadReport) -> None:
         logger.warning("ranks %s went past the loading memory bound 1.5 x held + 1 GiB", over)
 
 
-def _input_error(error: CheckpointException) -> TorchpreError | None:
-    """The first rank's TorchpreError among the failures DCP gathered, as the error of every rank."""
+def _input_error(error: CheckpointException, folder: Path) -> TorchpreError | None:
+    """The first rank's TorchpreError among the failures DCP gathered, as the error of every rank, naming the folder
+    (its message names the tensors)."""
     for rank, (failure, _) in sorted(error.failures.items()):
         if isinstance(failure, TorchpreError):
-            return TorchpreError(f"{failure} (found by rank {rank})")
+            named = str(failure) if str(folder) in str(failure) else f"{folder}: {failure}"
+            return TorchpreError(f"{named} (found by rank {rank})")
     return None
 
 

@@ -42,7 +42,7 @@ from torchpre.models.hf_fields import (
 )  # fmt: skip
 from torchpre.models.hf_sources import Copy, Same, Source, Sources, StackedExperts, Zeros, whole_state_dict
 from torchpre.models.parametrization import fold_multipliers
-from torchpre.models.state_dict_checks import check_tensors
+from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
 
 _TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -77,6 +77,7 @@ _MTP = {
     "norm.weight": "shared_head.norm.weight",
 }
 _MTP_EMBEDDING = "mtp_embeddings.weight"  # the embedding's second name (its own Parameter on the last stage)
+_TIED = "output.weight"  # with tied embeddings, the embedding's second name (transformers saves no lm_head.weight)
 # The weights whose outputs a parametrization's multipliers scale, in the layers and the multi-token prediction blocks
 # (torchpre.models.parametrization.fold_multipliers): the queries' scale goes into their last projection.
 _MULTIPLIED = {
@@ -139,6 +140,9 @@ def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: DeepSeekV3Args) -> 
     misshapen tensors."""
     state_dict = {fqn: t for fqn, t in state_dict.items() if fqn != _MTP_EMBEDDING}  # the embedding's alias
     shapes = {fqn: shape for fqn, shape in _torchpre_shapes(args).items() if fqn != _MTP_EMBEDDING}
+    if args.tie_word_embeddings:
+        state_dict = without_tied_copy(state_dict, _TIED, "tok_embeddings.weight")
+        del shapes[_TIED]
     check_tensors(state_dict, shapes, "torchpre model state dict")
     state_dict = fold_multipliers(state_dict, args.parametrization, _MULTIPLIED, args.tie_word_embeddings)
     hf: dict[str, Tensor] = {}
@@ -172,6 +176,8 @@ def from_hf_state_dict(hf_state_dict: Mapping[str, Tensor], args: DeepSeekV3Args
     state_dict = whole_state_dict(hf_sources(args, hf_state_dict.keys()), _torchpre_shapes(args), hf_state_dict)
     if args.mtp_depth:
         state_dict[_MTP_EMBEDDING] = state_dict["tok_embeddings.weight"]
+    if args.tie_word_embeddings:
+        state_dict[_TIED] = state_dict["tok_embeddings.weight"]
     return state_dict
 
 
@@ -179,7 +185,9 @@ def hf_sources(args: DeepSeekV3Args, folder: Collection[str]) -> Sources:
     """Where each tensor of `DeepSeekV3Transformer(args)` comes from in a folder holding the tensors named `folder`:
     routed experts stacked, multi-token prediction's copies of the embedding and output layer checked against them,
     routing biases a model without bias balancing has no place for checked to be zeros, and the layers past the
-    job's multi-token prediction depths dropped."""
+    job's multi-token prediction depths dropped. With tied embeddings the output layer is the embedding, whose saved
+    copy (`lm_head.weight`), if the folder has one, must equal it: Llama 3's rule, so that every layout computes the
+    same model."""
     copies: dict[str, tuple[Copy, ...]] = {
         fqn: tuple(
             Copy(name, "torchpre's multi-token prediction shares the model's embedding and output layer")
@@ -188,10 +196,14 @@ def hf_sources(args: DeepSeekV3Args, folder: Collection[str]) -> Sources:
         )
         for fqn, copy in _MTP_COPIES.items()
     }
+    embedding = _TOP_LEVEL["tok_embeddings.weight"]
+    if args.tie_word_embeddings and _TOP_LEVEL[_TIED] in folder:
+        why = "the model ties them (tie_word_embeddings); these weights belong to a model with untied embeddings"
+        copies["tok_embeddings.weight"] += (Copy(_TOP_LEVEL[_TIED], why),)
     by_name: dict[str, Source] = {}
     for fqn in _torchpre_shapes(args):
-        if fqn == _MTP_EMBEDDING:
-            by_name[fqn] = Same(_TOP_LEVEL["tok_embeddings.weight"])
+        if fqn == _MTP_EMBEDDING or (fqn == _TIED and args.tie_word_embeddings):
+            by_name[fqn] = Same(embedding)
             continue
         names = _hf_names(fqn, args)
         if _is_experts(fqn):
