@@ -117,6 +117,8 @@ def _write_hf_folders(d: Path) -> None:
     _edit_json(missing.parent / "model.safetensors.index.json",
                lambda index: index["weight_map"].pop("model.layers.1.mlp.up_proj.weight"))  # fmt: skip
     (shutil.copytree(d / "hf_llama", d / "hf_damaged") / weights.name).write_bytes(b"\x10\x00\x00\x00garbage")
+    config = json.loads((d / "hf_llama" / "config.json").read_text())  # the same shapes, another model
+    (d / "hf_llama_other_math.json").write_text(json.dumps(config | {"rope_theta": 10000.0, "rms_norm_eps": 1e-2}))
     outside = {"model.norm.weight": f"../hf_llama/{weights.name}"}
     _edit_json(shutil.copytree(d / "hf_llama", d / "hf_escaping_index") / "model.safetensors.index.json",
                lambda index: index["weight_map"].update(outside))  # fmt: skip
@@ -486,6 +488,13 @@ CATALOGUE = [
         ranks=2,
     ),  # fmt: skip
     case("hf-vocab-too-small", [*HF, "{d}/hf_small_vocab.json"], ["vocab_size = 1000", "tokenizer's 2048 ids"]),
+    case(
+        "hf-config-of-another-model-than-the-folders",
+        [*HF, "{d}/hf_llama_other_math.json", "--checkpoint.initial_load_path", "{d}/hf_llama"],
+        ["{d}/hf_llama: its config.json does not describe the job's model",
+         "rms_norm_eps = 1e-05, but model.hf_config has 0.01",
+         "rope_parameters.rope_theta = 500000.0, but model.hf_config has 10000.0", "give the folder as model.hf_config"],
+    ),  # fmt: skip
     # checkpoint.initial_load_path = a Hugging Face folder, model.flavor = 'from_hf'.
     case("from-hf-without-a-folder", FROM_HF, ["model.flavor = 'from_hf'", "checkpoint.initial_load_path", "unset"]),
     case(

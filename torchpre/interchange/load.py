@@ -156,7 +156,8 @@ def hf_weights(path: Path, spec: ModelSpec, args: Any, key: str) -> HFWeights:
     if mismatches:
         raise ConfigError(
             f"{key} = {path}: its config.json does not describe the job's model: {'; '.join(mismatches)}. Use the "
-            "model the weights were made with (model.flavor = 'from_hf' reads it from the folder)."
+            "model the weights were made with (model.flavor = 'from_hf' reads it from the folder; with model.name = "
+            "'hf', give the folder as model.hf_config)."
         )
     folder = HFFolder(path)
     shapes = model_shapes(spec, args)

@@ -12,6 +12,7 @@ from torch import Tensor
 from torchpre.errors import TorchpreError
 from torchpre.models.hf.args import HFArgs, check_values
 from torchpre.models.hf.model import meta_model, tied_weights
+from torchpre.models.hf_fields import IRRELEVANT, shown
 from torchpre.models.hf_sources import Copy, Same, Source, Sources, whole_state_dict
 from torchpre.models.state_dict_checks import check_tensors, without_tied_copy
 
@@ -69,22 +70,32 @@ def hf_config(
 
 
 def hf_config_mismatches(config: Mapping[str, Any], args: HFArgs) -> list[str]:
-    """Where the model a folder's config.json describes differs from the job's (model.hf_config): its model_type,
-    or the parameters it names and their shapes."""
+    """Where the model a folder's config.json describes differs from the job's (model.hf_config), field by field as
+    transformers reads both (its defaults filled in, RoPE in its current form): its model_type, or any field that can
+    change what the model computes, which is every field but those `hf_fields.IRRELEVANT` lists (another rope_theta
+    or rms_norm_eps has the same tensor shapes and trains another model)."""
     if config.get("model_type") != args.config.model_type:
         return [f"model_type = {config.get('model_type')!r}, but model.hf_config has {args.config.model_type!r}"]
     check_values(config)
     try:
-        theirs = HFArgs(config=type(args.config).from_dict(dict(config)), path=args.path, max_seq_len=args.max_seq_len)
+        theirs = type(args.config).from_dict(dict(config)).to_dict()
     except (TypeError, ValueError, KeyError) as error:
         raise TorchpreError(f"transformers cannot build a '{args.config.model_type}' config from it: {error}") from None
-    ours, other = _shapes(args), _shapes(theirs)
-    return [
-        f"{name} is {tuple(other[name]) if name in other else 'absent'}, but model.hf_config makes it "
-        f"{tuple(ours[name]) if name in ours else 'absent'}"
-        for name in sorted(ours.keys() | other.keys())
-        if ours.get(name) != other.get(name)
-    ][:6]
+    relevant = {key: value for key, value in args.config.to_dict().items() if key not in IRRELEVANT}
+    return _differences({key: value for key, value in theirs.items() if key not in IRRELEVANT}, relevant)[:6]
+
+
+def _differences(theirs: Mapping[str, Any], ours: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """'key = theirs, but model.hf_config has ours' for each field that differs, nested objects by their dotted keys
+    (a field missing on one side shows as null)."""
+    found = []
+    for key in sorted(ours.keys() | theirs.keys()):
+        mine, other = ours.get(key), theirs.get(key)
+        if isinstance(mine, Mapping) and isinstance(other, Mapping):
+            found += _differences(other, mine, f"{prefix}{key}.")
+        elif mine != other:
+            found.append(f"{prefix}{key} = {shown(other)}, but model.hf_config has {shown(mine)}")
+    return found
 
 
 def _shapes(args: HFArgs) -> dict[str, torch.Size]:
