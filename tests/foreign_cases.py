@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from scripts import tiny_tokenizer
 from tests.hf_folders import weight_files, write_llama_folder
 from torchpre.data.prepare import main as prepare
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH
@@ -163,12 +164,16 @@ FIFOS = {
     "eval-task": ("fifo_task", "task.jsonl", ["--eval.tasks", "{d}/fifo_task/task.jsonl"], TRAIN),
     "tokenizer": ("fifo_tokenizer", "tokenizer.model", ["--model.tokenizer_path", "{d}/fifo_tokenizer/tokenizer.model"],
                   TRAIN),
+    "tokenizer.json": ("fifo_tokenizer_json", "tokenizer.json", ["--model.tokenizer_path", "{d}/fifo_tokenizer_json"],
+                       TRAIN),
+    "tokenizer_config.json": ("fifo_tokenizer_config", "tokenizer_config.json",
+                              ["--model.tokenizer_path", "{d}/fifo_tokenizer_config"], TRAIN),
 }  # fmt: skip
 
 
 def _fifos(d: Path) -> None:
     sources = {"fifo_hf_config": d / SPLIT, "fifo_hf_weights": d / SPLIT, "fifo_shards_manifest": d / "shards",
-               "fifo_shards_tokens": d / "shards"}  # fmt: skip
+               "fifo_shards_tokens": d / "shards", "fifo_tokenizer_config": d / TOKENIZER}  # fmt: skip
     for folder, name, _, _ in FIFOS.values():
         if (d / folder).exists():
             continue
@@ -441,6 +446,11 @@ JSON_FORMATS: dict[str, tuple[str, str, list[str], str]] = {
     "text-jsonl": ("bomb_text_{bomb}.jsonl", "line", [*TEXT, "{d}/bomb_text_{bomb}.jsonl"], TRAIN),
     "prepare-jsonl": ("bomb_input_{bomb}.jsonl", "line", ["{d}/bomb_input_{bomb}.jsonl", "--output", "{d}/bomb_out"],
                       PREPARE),
+    "tokenizer.json": ("bomb_tokenizer_{bomb}/tokenizer.json", "tokenizer",
+                       ["--model.tokenizer_path", "{d}/bomb_tokenizer_{bomb}"], TRAIN),
+    "tokenizer_config.json": ("bomb_tokenizer_config_{bomb}/tokenizer_config.json", "config",
+                              ["{d}/text.txt", "--output", "{d}/bomb_out", "--tokenizer",
+                               "{d}/bomb_tokenizer_config_{bomb}"], PREPARE),
 }  # fmt: skip
 BOMBS = {
     "deep": (lambda limit: DEEP, "nests more than a thousand levels deep"),
@@ -454,7 +464,8 @@ def _bomb_files(d: Path) -> None:
         for bomb, (content, _) in BOMBS.items():
             path = d / where.format(bomb=bomb)
             if path.parent != d:
-                source = {"index": d / "hf_llama", "shard-manifest": d / "shards"}.get(name)
+                source = {"index": d / "hf_llama", "shard-manifest": d / "shards",
+                          "tokenizer_config.json": d / TOKENIZER}.get(name)  # fmt: skip
                 shutil.copytree(source, path.parent) if source else path.parent.mkdir()
                 if name == "config.json":
                     (path.parent / "model.safetensors").write_bytes(b"")
@@ -488,12 +499,58 @@ TOKENIZER_LINES = {
 }
 
 
+def _changed(change: Callable[[Any], Any]) -> Callable[[Any], str]:
+    """The text of a JSON file once `change` has changed its parsed value in place."""
+
+    def text(record: Any) -> str:
+        change(record)
+        return json.dumps(record)
+
+    return text
+
+
+# A Hugging Face tokenizer folder (tokenizer.json and tokenizer_config.json, Mistral's kind: BOS added), changed one
+# way each: (the file, its new text from its parsed JSON, the message's fragment).
+TOKENIZER_EDITS: dict[str, tuple[str, Callable[[Any], str], str]] = {
+    "malformed-json": ("tokenizer.json", lambda spec: '{"model": {"type": "BPE",', "is not valid JSON"),
+    "unknown-model-type": ("tokenizer.json", _changed(lambda spec: _set(spec, "model.type", "SentencePiece")),
+                           "'model.type' is 'SentencePiece', not one of the tokenizers library's"),
+    "no-model": ("tokenizer.json", _changed(lambda spec: spec.pop("model")), "'model' is missing"),
+    "id-past-int32": ("tokenizer.json", _changed(lambda spec: _set(spec, "added_tokens.0.id", 2**40)),
+                      "'added_tokens[0].id' is 1099511627776, not a token id"),
+    "bpe-dropout": ("tokenizer.json", _changed(lambda spec: _set(spec, "model.dropout", 0.1)),
+                    "'model.dropout' is 0.1"),
+    "library-refuses": ("tokenizer.json", _changed(lambda spec: spec.update(normalizer={"type": "NoSuchNormalizer"})),
+                        "the tokenizers library cannot read it"),
+    "no-eos": ("tokenizer_config.json", _changed(lambda config: config.pop("eos_token")),
+               "tokenizer_config.json names no eos_token, and its post_processor adds none"),
+    "eos-not-a-token": ("tokenizer_config.json", _changed(lambda config: config.update(eos_token="<|not-a-token|>")),
+                        "eos_token = '<|not-a-token|>' is not a token of"),
+    "bos-object-not-a-token": ("tokenizer_config.json",
+                               _changed(lambda config: config.update(bos_token={"content": "<nope>", "special": True})),
+                               "bos_token = '<nope>' is not a token of"),
+    "add-bos-disagrees": ("tokenizer_config.json", _changed(lambda config: config.update(add_bos_token=False)),
+                          "add_bos_token = false, but the post_processor of"),
+    "add-eos-a-string": ("tokenizer_config.json", _changed(lambda config: config.update(add_eos_token="yes")),
+                         "'add_eos_token' is \"yes\", not true or false or null"),
+    "config-not-an-object": ("tokenizer_config.json", lambda config: json.dumps([config]), "not an object"),
+}  # fmt: skip
+TOKENIZER = "tokenizer_hf"  # the genuine folder
+
+
 def _tokenizer_files(d: Path) -> None:
     lines = DEFAULT_TOKENIZER_PATH.read_bytes().splitlines()
     for name, line in TOKENIZER_LINES.items():
         (d / f"tokenizer_{name}.model").write_bytes(b"\n".join([*lines[:5], line, *lines[5:]]) + b"\n")
     with open(d / "tokenizer_large.model", "wb") as file:
         file.truncate(LIMITS["tiktoken"] + 1)
+    for name, (file, edit, _) in TOKENIZER_EDITS.items():
+        path = shutil.copytree(d / TOKENIZER, d / f"tokenizer_{name}") / file
+        path.write_text(edit(json.loads(path.read_text())))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        _link_out(shutil.copytree(d / TOKENIZER, d / f"tokenizer_link_{name}"), name, d / "outside")
+    _edit_json(shutil.copytree(d / "hf_llama", d / "hf_vocab_500") / "config.json",
+               lambda config: config.update(vocab_size=500))  # fmt: skip
 
 
 def _tokenizer_cases() -> None:
@@ -502,6 +559,19 @@ def _tokenizer_cases() -> None:
               [f"Malformed line {{d}}/tokenizer_{name}.model:6"])  # fmt: skip
     _case("tokenizer-past-its-bound", ["--model.tokenizer_path", "{d}/tokenizer_large.model"],
           ["{d}/tokenizer_large.model", f"at most {LIMITS['tiktoken']:,}"])  # fmt: skip
+    for name, (file, _, fragment) in TOKENIZER_EDITS.items():
+        _case(f"tokenizer-json-{name}", ["--model.tokenizer_path", f"{{d}}/tokenizer_{name}"],
+              [f"{{d}}/tokenizer_{name}/{file}", _literal(fragment)])  # fmt: skip
+    _case("tokenizer-json-unknown-model-type-prepare",
+          ["{d}/text.txt", "--output", "{d}/prepared_bad_tokenizer", "--tokenizer", "{d}/tokenizer_unknown-model-type"],
+          ["{d}/tokenizer_unknown-model-type/tokenizer.json", "'model.type' is 'SentencePiece'"], PREPARE)  # fmt: skip
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        _case(f"tokenizer-link-{name}", ["--model.tokenizer_path", f"{{d}}/tokenizer_link_{name}"],
+              [f"{{d}}/tokenizer_link_{name}/{name}", LINK])  # fmt: skip
+    _case("tokenizer-json-larger-than-the-embedding",
+          [*FROM_HF, "{d}/hf_vocab_500", "--model.tokenizer_path", f"{{d}}/{TOKENIZER}"],
+          [f"The tokenizer {{d}}/{TOKENIZER} (model.tokenizer_path) has 800 ids, more than the 500 rows of the "
+           "embedding of {d}/hf_vocab_500"])  # fmt: skip
 
 
 def build(d: Path) -> None:
@@ -511,6 +581,7 @@ def build(d: Path) -> None:
     _hf_links(d)
     _shard_links(d)
     _input_links(d)
+    tiny_tokenizer.write("byte_fallback", d / TOKENIZER)
     _fifos(d)
     _field_files(d)
     _index_and_header_files(d)

@@ -32,7 +32,7 @@ class FieldError(TorchpreError):
 
 
 _JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "an array",
-               dict: "an object"}  # fmt: skip
+               dict: "an object", type(None): "null"}  # fmt: skip
 _REQUIRED = object()
 
 

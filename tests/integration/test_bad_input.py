@@ -528,7 +528,7 @@ CATALOGUE = [
     case(
         "hf-folder-vocab-below-the-tokenizer",
         [*FROM_HF, "--checkpoint.initial_load_path", "{d}/hf_small_vocab_folder"],
-        ["tokenizer (model.tokenizer_path) has 2048 ids, more than the 1000 rows"],
+        ["tokenizer.model (model.tokenizer_path) has 2048 ids, more than the 1000 rows"],
     ),
     case(
         "hf-folder-family-without-mapping",

@@ -112,9 +112,9 @@ def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: Any) -> int
         )
     if tokenizer.vocab_size > args.vocab_size:
         raise ConfigError(
-            f"The tokenizer (model.tokenizer_path) has {tokenizer.vocab_size} ids, more than the {args.vocab_size} "
-            f"rows of the embedding of {config.checkpoint.initial_load_path}. Use the tokenizer the model was "
-            "released with."
+            f"The tokenizer {tokenizer.path} (model.tokenizer_path) has {tokenizer.vocab_size} ids, more than the "
+            f"{args.vocab_size} rows of the embedding of {config.checkpoint.initial_load_path}. Use the tokenizer the "
+            "model was released with."
         )
     return args.vocab_size
 
@@ -143,7 +143,7 @@ def vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
     if size < tokenizer.vocab_size and texts:
         raise ConfigError(
             f"model.vocab_size = {size} is smaller than the tokenizer's {tokenizer.vocab_size} ids "
-            f"(model.tokenizer_path), which {texts[0]} holds. Set model.vocab_size = 0 (the tokenizer's) or at "
+            f"({tokenizer.path}, model.tokenizer_path), which {texts[0]} holds. Set model.vocab_size = 0 (the tokenizer's) or at "
             f"least {tokenizer.vocab_size}, or train on training.dataset = 'synthetic'."
         )
     return size
