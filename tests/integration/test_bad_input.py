@@ -493,7 +493,8 @@ CATALOGUE = [
         [*HF, "{d}/hf_llama_other_math.json", "--checkpoint.initial_load_path", "{d}/hf_llama"],
         ["{d}/hf_llama: its config.json does not describe the job's model",
          "rms_norm_eps = 1e-05, but model.hf_config has 0.01",
-         "rope_parameters.rope_theta = 500000.0, but model.hf_config has 10000.0", "give the folder as model.hf_config"],
+         "rope_parameters.rope_theta = 500000.0, but model.hf_config has 10000.0",
+         "give the folder as model.hf_config"],
     ),  # fmt: skip
     # checkpoint.initial_load_path = a Hugging Face folder, model.flavor = 'from_hf'.
     case("from-hf-without-a-folder", FROM_HF, ["model.flavor = 'from_hf'", "checkpoint.initial_load_path", "unset"]),

@@ -143,8 +143,8 @@ def vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:
     if size < tokenizer.vocab_size and texts:
         raise ConfigError(
             f"model.vocab_size = {size} is smaller than the tokenizer's {tokenizer.vocab_size} ids "
-            f"({tokenizer.path}, model.tokenizer_path), which {texts[0]} holds. Set model.vocab_size = 0 (the tokenizer's) or at "
-            f"least {tokenizer.vocab_size}, or train on training.dataset = 'synthetic'."
+            f"({tokenizer.path}, model.tokenizer_path), which {texts[0]} holds. Set model.vocab_size = 0 (the "
+            f"tokenizer's) or at least {tokenizer.vocab_size}, or train on training.dataset = 'synthetic'."
         )
     return size
 
