@@ -110,8 +110,10 @@ def dump_json(value: Any, raw: str) -> str:
     return text.replace(json.dumps(_RAW), raw) if raw else text
 
 
-def json_file(defaults_on_delete: bool = False) -> Mutator:
-    """A JSON file: a field mutated, or its text broken (truncated, another top level, not UTF-8)."""
+def json_file(defaults_on_delete: bool = False, values_may_change: bool = False) -> Mutator:
+    """A JSON file: a field mutated, or its text broken (truncated, another top level, not UTF-8). With
+    `values_may_change` (a file of settings whose every field another valid value may take, a tokenizer's) a
+    mutated field may change the result; broken text, nesting past the bound and huge integers never may."""
 
     def mutate(path: Path, rng: random.Random) -> tuple[str, bool]:
         text = path.read_text(encoding="utf-8")
@@ -128,7 +130,7 @@ def json_file(defaults_on_delete: bool = False) -> Mutator:
             return "not UTF-8", False
         value, what, may_change, raw = mutate_json_value(json.loads(text), rng, defaults_on_delete)
         path.write_text(dump_json(value, raw), encoding="utf-8")
-        return what, may_change
+        return what, may_change or (values_may_change and not raw)
 
     return mutate
 

@@ -1,4 +1,5 @@
-"""The genuine inputs every case starts from, made once per run of the fuzzer by torchpre itself."""
+"""The genuine inputs every case starts from, made once per run of the fuzzer by torchpre itself (and a Hugging Face
+tokenizer by the tokenizers library's trainer, scripts/tiny_tokenizer.py)."""
 
 import functools
 import hashlib
@@ -7,6 +8,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts import tiny_tokenizer
 from tests.launch import REPO, TINY, ForkServer
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -72,4 +74,12 @@ def build(root: Path, server: ForkServer) -> Genuine:
     run("torchpre.data.prepare", [str(data / "input.txt"), "--output", str(data / "shards"),
                                   "--tokenizer", str(data / "tokenizer.model"), "--workers", "1"])  # fmt: skip
     (data / "task.jsonl").write_text("".join(json.dumps(question) + "\n" for question in TASK))
+    # A Hugging Face tokenizer (Qwen's kind), text prepared with it, and a released folder that ships it.
+    data_hf = tiny_tokenizer.write("byte_level", root / "data_hf")
+    (data_hf / "input.txt").write_text(TEXT * 40)
+    run("torchpre.data.prepare", [str(data_hf / "input.txt"), "--output", str(data_hf / "shards"),
+                                  "--tokenizer", str(data_hf), "--workers", "1"])  # fmt: skip
+    shutil.copytree(root / "hf", root / "hf_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_hf / name, root / "hf_tokenizer" / name)
     return Genuine(root)

@@ -77,6 +77,8 @@ def format_of(name: str) -> str:
         return "metrics"
     if name == "tokenizer.model":
         return "tokenizer"
+    if name in ("tokenizer.json", "tokenizer_config.json"):
+        return "tokenizer-json"
     if name == "input.txt":
         return "text"
     if name.startswith("shard_") and name.endswith(".bin"):
@@ -98,6 +100,7 @@ def mutator(format: str, case: Path, genuine: Genuine) -> formats.Mutator:
         "binary": formats.binary(may_change=False),
         "tokens": formats.shard_tokens(DATA_VOCAB),
         "tokenizer": formats.tokenizer_file,
+        "tokenizer-json": formats.json_file(values_may_change=True),
         "task": formats.json_lines(may_change_values=False),
         "metrics": formats.json_lines(may_change_values=True),
         "text": formats.text_file,
@@ -185,6 +188,7 @@ def _step(folder: str, decoy: str = "other") -> Scope:
 RUN_WRITES = ("run/metrics.jsonl", "run/config.toml", "run/checkpoint/step-3", "run/checkpoint/.tmp-step-3",
               "run/metrics.superseded-from-step-2.jsonl", "run/checkpoint/run.json")  # fmt: skip
 OTHER_DATA = {"other_data": "data"}
+OTHER_DATA_HF = {"other_data_hf": "data_hf"}
 
 LOAD_PATHS = [
     LoadPath("resume", {"run": "run"}, {"other": "other"}, _resume("2"), [_step("run"), Scope("run")],
@@ -238,6 +242,16 @@ LOAD_PATHS = [
                                         str(case_in / "data" / "tokenizer.model")]),
              [Scope("data/shards", "other_data/shards"), Scope("data", "other_data")], _out_record(),
              named=("data/tokenizer.model",)),
+    LoadPath("prepare-hf-tokenizer", {"data_hf": "data_hf"}, OTHER_DATA_HF,
+             lambda case_in, out, genuine: ("torchpre.data.prepare", [
+                 str(case_in / "data_hf" / "input.txt"), "--output", str(out / "shards"), "--tokenizer",
+                 str(case_in / "data_hf"), "--workers", "1"]),
+             [Scope("data_hf", "other_data_hf")], prepared, named=("data_hf/input.txt",)),
+    LoadPath("initial-hf-tokenizer", {"hf_tokenizer": "hf_tokenizer", "data_hf": "data_hf"}, {"hf_other": "hf_other"},
+             _train_on(lambda case_in: ["--model.flavor", "from_hf", "--checkpoint.initial_load_path",
+                                        str(case_in / "hf_tokenizer"), "--training.dataset", "shards",
+                                        "--training.dataset_path", str(case_in / "data_hf" / "shards")]),
+             [Scope("hf_tokenizer", "hf_other"), Scope("data_hf/shards", "hf_other")], _out_record()),
     LoadPath("eval-tasks", {"data": "data"}, OTHER_DATA,
              _train_on(lambda case_in: ["--eval.tasks", str(case_in / "data" / "task.jsonl"), "--eval.freq", "1"]),
              [Scope("data", "other_data")], _out_record(("step", "loss")), named=("data/task.jsonl",)),

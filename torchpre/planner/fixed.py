@@ -11,6 +11,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.planner.hardware import Hardware
 from torchpre.planner.layouts import CheckedLayout, Layout, cached_stage_modules, cached_tokenizer
 from torchpre.planner.predict import Prediction, model_flops_per_token, predict
+from torchpre.training.model import tokenizer_path
 from torchpre.training.preflight import preflight
 
 
@@ -35,7 +36,7 @@ def layout_of(config: JobConfig) -> Layout:
 def check_fixed(config: JobConfig, gpus: int) -> CheckedLayout:
     """The job on `gpus` GPUs through start-up's checks, its keys untouched but data_parallel_degree = -1 resolved
     (the planner's probes re-shape the job around its degrees); their ConfigError if refused."""
-    checked = preflight(config, gpus, cached_tokenizer(config.model.tokenizer_path), cached_stage_modules)
+    checked = preflight(config, gpus, cached_tokenizer(tokenizer_path(config)), cached_stage_modules)
     config = copy.deepcopy(config)
     config.parallelism.data_parallel_degree = checked.dims.dp
     accumulation = checked.batches.accumulation_steps

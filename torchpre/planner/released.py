@@ -41,11 +41,12 @@ def planned_flavor(config: JobConfig) -> Iterator[JobConfig]:
             "reads."
         )
     args = folder_args(path, get_model_spec(config.model.name), config.model.name)
-    vocabulary = folder_vocab_size(config, cached_tokenizer(tokenizer_path(config)), args)
+    tokenizer = tokenizer_path(config)  # the folder's own, if it has one: pinned, as its path is planned without it
+    vocabulary = folder_vocab_size(config, cached_tokenizer(tokenizer), args)
     flavors = get_model_spec(config.model.name).flavors
     name = f"{FROM_HF}:{path.resolve().name}"
     planned = copy.deepcopy(config)
-    planned.model.flavor, planned.model.vocab_size = name, vocabulary
+    planned.model.flavor, planned.model.vocab_size, planned.model.tokenizer_path = name, vocabulary, str(tokenizer)
     planned.checkpoint.initial_load_path = ""
     flavors[name] = args
     try:
