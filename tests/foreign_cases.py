@@ -227,6 +227,7 @@ HF_FIELDS: dict[str, tuple[Field, ...]] = {
         Field("num_attention_heads", (3,), "hidden_size = 64 is not divisible by num_attention_heads = 3"),
         Field("intermediate_size", (0, [176])),
         Field("vocab_size", (0, -1, "2048")),
+        Field("vocab_size", (10**25,), "describes a model whose tensors no machine can hold"),
         Field("head_dim", (0, "16")),
         Field("rms_norm_eps", (0, -1e-5, "1e-5", float("nan"))),
         Field("rope_theta", (0, "500000", float("inf"))),

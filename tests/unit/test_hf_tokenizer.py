@@ -130,3 +130,19 @@ def test_a_malformed_tokenizer_json_is_refused_naming_the_file_and_field(folders
     with pytest.raises(TorchpreError, match=fragment.replace("(", r"\(").replace("[", r"\[")) as error:
         load_tokenizer(folder)
     assert str(folder / "tokenizer.json") in str(error.value)
+
+
+def test_a_lone_surrogate_in_a_text_is_encoded_as_the_replacement_character(folders):
+    """JSON text may hold "\\ud800", which no UTF-8 can: it becomes U+FFFD, as the tiktoken tokenizer makes it."""
+    ours = load_tokenizer(folders["byte_level"])
+    assert ours.encode("a\ud800b", bos=True, eos=True) == ours.encode("a\ufffdb", bos=True, eos=True)
+    replaced = ours.encode("a\ufffdb", bos=False, eos=False)
+    assert ours.encode_batch(["ok", "a\udfffb"], bos=False, eos=False)[1] == replaced
+
+
+def test_a_special_token_named_by_a_lone_surrogate_is_no_token(folders, tmp_path):
+    folder = shutil.copytree(folders["byte_fallback"], tmp_path / "copy")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": "\ud800"}))
+    with pytest.raises(UntrustedInput, match=r"bos_token = '\\ud800' is not a token of"):
+        load_tokenizer(folder)

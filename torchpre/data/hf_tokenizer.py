@@ -198,7 +198,10 @@ def _special_id(config: Any, key: str, library: Any, files: TokenizerFiles) -> i
     content = field(value, "content", str, key) if isinstance(value, dict) else value
     if content is None:
         return None
-    token_id = library.token_to_id(content)
+    try:
+        token_id = library.token_to_id(content)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON), which no token holds
+        token_id = None
     if token_id is None:
         raise UntrustedInput(
             f"{files.config_source}: {key} = {content!r} is not a token of {files.tokenizer_source}. Use the "
@@ -269,14 +272,22 @@ class HFTokenizer:
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
         """Token ids of `text`, started as the family starts a document (`bos`: its BOS, where it adds one) and
         ended with EOS (`eos`)."""
-        encoding = _guarded(lambda: self._library.encode(text, add_special_tokens=False), self._source, "encode")
-        return self._frame(encoding.ids, bos, eos)
+        return self.encode_batch([text], bos=bos, eos=eos)[0]
 
     def encode_batch(self, texts: list[str], *, bos: bool, eos: bool) -> list[list[int]]:
         """`encode` for many texts at once: the library's batch encoding, on one thread unless
         TOKENIZERS_PARALLELISM says otherwise."""
-        call = lambda: self._library.encode_batch_fast(texts, add_special_tokens=False)  # noqa: E731
-        return [self._frame(encoding.ids, bos, eos) for encoding in _guarded(call, self._source, "encode")]
+        return [self._frame(encoding.ids, bos, eos) for encoding in _guarded(
+            lambda: self._encodings(texts), self._source, "encode")]  # fmt: skip
+
+    def _encodings(self, texts: list[str]) -> list[Any]:
+        """The library's encodings of `texts`. A lone surrogate (text from JSON may hold one; no UTF-8 can) becomes
+        U+FFFD first, as tiktoken makes it."""
+        try:
+            return self._library.encode_batch_fast(texts, add_special_tokens=False)
+        except (UnicodeEncodeError, TypeError):  # the library's words for a str it cannot take as UTF-8
+            valid = [text.encode("utf-16", "surrogatepass").decode("utf-16", "replace") for text in texts]
+            return self._library.encode_batch_fast(valid, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens shown."""

@@ -159,8 +159,14 @@ def hf_weights(path: Path, spec: ModelSpec, args: Any, key: str) -> HFWeights:
             "model the weights were made with (model.flavor = 'from_hf' reads it from the folder; with model.name = "
             "'hf', give the folder as model.hf_config)."
         )
+    try:
+        shapes = model_shapes(spec, args)
+    except (TypeError, RuntimeError) as error:  # a size past int64 (TypeError), a tensor past 2**63 bytes
+        raise ConfigError(
+            f"{key} = {path}: {path / CONFIG} describes a model whose tensors no machine can hold "
+            f"({str(error).splitlines()[0][:200]}). Use the model the weights were made with."
+        ) from None
     folder = HFFolder(path)
-    shapes = model_shapes(spec, args)
     sources = adapter.hf_sources(args, folder.shapes.keys())
     try:
         check_folder(sources, shapes, folder.shapes)
