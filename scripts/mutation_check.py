@@ -92,6 +92,18 @@ MUP_INTEGRATION = "tests/integration/test_mup.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
 )
+HF_TOKENIZER = "torchpre/data/hf_tokenizer.py"
+HF_TOKENIZER_TEST = "tests/unit/test_hf_tokenizer.py"
+HF_TOKENIZER_IDS_TEST = f"{HF_TOKENIZER_TEST}::test_ids_equal_transformers_on_a_mixed_corpus"
+PREPARE_HF_TEST = (
+    "tests/unit/test_prepare.py::"
+    "test_a_hugging_face_tokenizer_prepares_transformers_ids_framed_as_its_family_and_ties_its_hash"
+)
+RELEASED_TOKENIZER = "tests/integration/test_released_tokenizer.py"
+HF_IMPORT_TIED = (
+    "tests/integration/test_hf_import.py::"
+    "test_a_tied_deepseek_v3_config_beside_an_lm_head_of_its_own_is_refused_on_every_layout"
+)
 
 
 @dataclass(frozen=True)
@@ -790,6 +802,63 @@ BREAKS = [
           "                normed = normed * self.logit_multiplier", "                pass",
           ("tests/unit/test_multi_token_prediction.py::test_gradients_equal_the_written_out_loss_and_depth_losses_are_logged[logit-multiplier]",),
           "the multi-token prediction depths' logits left without the parametrization's logit multiplier"),
+    # Hugging Face tokenizers (issue 62).
+    Break("tokenizer-bos-not-added", HF_TOKENIZER,
+          "    return Framing(prefix[0] if prefix else None, eos_id)", "    return Framing(None, eos_id)",
+          (f"{HF_TOKENIZER_IDS_TEST}[byte_fallback]", f"{PREPARE_HF_TEST}[byte_fallback]"),
+          "documents framed without the BOS that tokenizer_config.json and the post-processor say the family adds"),
+    Break("tokenizer-config-add-bos-ignored", HF_TOKENIZER,
+          '    _agree(files, "add_bos_token", add_bos, prefix, "before")', "",
+          (f"{HF_TOKENIZER_TEST}::test_a_config_that_disagrees_with_the_post_processor_is_refused_naming_both",),
+          "a tokenizer_config.json whose add_bos_token contradicts tokenizer.json's post-processor accepted"),
+    Break("tokenizer-special-token-text-special", HF_TOKENIZER,
+          "        self._library.encode_special_tokens = True\n", "",
+          (f"{HF_TOKENIZER_TEST}::test_special_token_text_in_a_document_is_ordinary_text",),
+          "special-token text inside a document (\"<|endoftext|>\") encoded as the special token, ending it"),
+    Break("tokenizer-truncation-kept", HF_TOKENIZER,
+          "        self._library.no_truncation()  # a document is tokenized whole\n", "",
+          (f"{HF_TOKENIZER_TEST}::test_truncation_and_padding_in_tokenizer_json_leave_a_document_whole",),
+          "a document cut at the truncation length a released tokenizer.json carries"),
+    Break("shards-tokenizer-hash-unchecked", "torchpre/data/shards.py",
+          "        if expected_tokenizer_sha256 and self.manifest.tokenizer_sha256 != expected_tokenizer_sha256:",
+          "        if False:",
+          ("tests/unit/test_prepare.py::test_shard_reader_refuses_another_tokenizer_hash",
+           f"{PREPARE_HF_TEST}[byte_level]"),
+          "shards made with another tokenizer trained on (the manifest's tokenizer hash not checked)"),
+    Break("tokenizer-folder-default-ignored", "torchpre/training/model.py",
+          "    if config.checkpoint.initial_load_path and is_hf_folder(folder):",
+          "    if False:",
+          (f"{RELEASED_TOKENIZER}::test_shards_hold_the_released_tokenizers_ids_and_train_under_its_default",),
+          "a released folder's own tokenizer.json not the default tokenizer of a job that starts from it"),
+    Break("tokenizer-files-not-exported", "torchpre/interchange/folder.py",
+          "    for name, data in tokenizer.hf_files(max_length).items():",
+          "    for name, data in {}.items():",
+          (f"{RELEASED_TOKENIZER}::test_the_export_holds_the_tokenizer_and_the_model_transformers_load_as_torchpre_has_them",),
+          "an export without the tokenizer files AutoTokenizer loads"),
+    Break("eval-empty-context-without-a-prefix-token", "torchpre/evaluation/multiple_choice.py",
+          "    return context_ids or [tokenizer.eos_id], whole[len(context_ids) :]",
+          "    return context_ids, whole[len(context_ids) :]",
+          ("tests/unit/test_multiple_choice.py::"
+           "test_a_pair_of_a_hugging_face_tokenizer_is_transformers_ids_split_as_lm_evaluation_harness_splits",),
+          "an empty context of a tokenizer without BOS left empty, not lm-evaluation-harness's prefix token EOS"),
+    Break("document-mask-without-bos-accepted", "torchpre/training/preflight.py",
+          "    if t.document_mask and tokenizer.bos_id is None:", "    if False:",
+          (f"{BAD_INPUT_CASE}[tokenizer-json-without-bos-under-the-document-mask]",),
+          "training.document_mask accepted with a tokenizer that starts documents with no BOS to find them by"),
+    Break("deepseek-v3-tied-output-from-lm-head", "torchpre/models/deepseek_v3/hf.py",
+          "        if fqn == _MTP_EMBEDDING or (fqn == _TIED and args.tie_word_embeddings):",
+          "        if fqn == _MTP_EMBEDDING:",
+          (f"{HF_PARITY}::test_a_deepseek_v3_folder_unlike_any_flavor_gives_transformers_logits[tied]",),
+          "a tied DeepSeek-V3 folder's output layer read from an lm_head.weight transformers never saves"),
+    Break("deepseek-v3-tied-lm-head-unchecked", "torchpre/models/deepseek_v3/hf.py",
+          "        copies[\"tok_embeddings.weight\"] += (Copy(_TOP_LEVEL[_TIED], why),)",
+          "        pass",
+          (HF_IMPORT_TIED,),
+          "a tied DeepSeek-V3 config beside an lm_head.weight that differs from the embedding loaded"),
+    Break("hf-config-fields-not-compared", "torchpre/models/hf/convert.py",
+          "IRRELEVANT}, relevant)[:6]", "IRRELEVANT}, relevant)[:0]",
+          (f"{BAD_INPUT_CASE}[hf-config-of-another-model-than-the-folders]",),
+          "model.hf_config with another rope_theta and rms_norm_eps than the folder's config.json accepted"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:

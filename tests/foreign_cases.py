@@ -569,6 +569,9 @@ def _tokenizer_cases() -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         _case(f"tokenizer-link-{name}", ["--model.tokenizer_path", f"{{d}}/tokenizer_link_{name}"],
               [f"{{d}}/tokenizer_link_{name}/{name}", LINK])  # fmt: skip
+    _case("tokenizer-json-without-bos-under-the-document-mask",
+          ["--model.tokenizer_path", "{d}/tokenizer_hf_no_bos", "--training.document_mask"],
+          ["training.document_mask", "the tokenizer {d}/tokenizer_hf_no_bos starts documents with none"])  # fmt: skip
     _case("tokenizer-json-larger-than-the-embedding",
           [*FROM_HF, "{d}/hf_vocab_500", "--model.tokenizer_path", f"{{d}}/{TOKENIZER}"],
           [f"The tokenizer {{d}}/{TOKENIZER} (model.tokenizer_path) has 800 ids, more than the 500 rows of the "
@@ -583,6 +586,7 @@ def build(d: Path) -> None:
     _shard_links(d)
     _input_links(d)
     tiny_tokenizer.write("byte_fallback", d / TOKENIZER)
+    tiny_tokenizer.write("byte_level", d / "tokenizer_hf_no_bos")  # Qwen's kind
     _fifos(d)
     _field_files(d)
     _index_and_header_files(d)

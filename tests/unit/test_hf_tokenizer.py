@@ -146,3 +146,17 @@ def test_a_special_token_named_by_a_lone_surrogate_is_no_token(folders, tmp_path
     (folder / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": "\ud800"}))
     with pytest.raises(UntrustedInput, match=r"bos_token = '\\ud800' is not a token of"):
         load_tokenizer(folder)
+
+
+def test_truncation_and_padding_in_tokenizer_json_leave_a_document_whole(folders, tmp_path):
+    """A released tokenizer.json may carry the truncation and padding of its fine-tuning: a document is tokenized
+    whole all the same, as transformers' `tokenizer(text)` does without truncation=True."""
+    folder = shutil.copytree(folders["byte_level"], tmp_path / "copy")
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<|endoftext|>"}  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    whole = load_tokenizer(folders["byte_level"]).encode(MIXED[1], bos=True, eos=True)
+    assert len(whole) > 16
+    assert load_tokenizer(folder).encode(MIXED[1], bos=True, eos=True) == whole
