@@ -8,10 +8,10 @@ process. Target: the loader at least 20x the consumption.
 
 prepare against its tokenizer's own library, per core on the same text: the tiktoken file (tiktoken's
 `encode_ordinary_batch` on one thread) and a Hugging Face tokenizer.json (byte-level BPE as Qwen ships it,
-scripts/tiny_tokenizer.py; the `tokenizers` library's `encode_batch` and `encode_batch_fast` on one thread, the faster
-of the two). Each is CPU time of this process, the best of `--repeats` interleaved runs (the machine is shared); prepare
-also reads, parses and checks the JSON lines, frames the documents and writes the shards. Target: prepare at least
-0.9x the library.   Usage: python -m bench.data
+scripts/tiny_tokenizer.py; the `tokenizers` library's `encode_batch` and `encode_batch_fast` on one thread, with the
+`.ids` of the encodings they return, the faster of the two). Each is CPU time of this process, the best of `--repeats`
+interleaved runs (the machine is shared); prepare also reads, parses and checks the JSON lines, frames the documents
+and writes the shards. Target: prepare at least 0.9x the library.   Usage: python -m bench.data
 """
 
 import argparse
@@ -63,15 +63,18 @@ def time_prepare(
 
 
 def library_encoders(tokenizer: Path) -> dict[str, Callable[[list[str]], object]]:
-    """The tokenizer library's own batch encoding of a tokenizer file or folder, on one thread."""
+    """The tokenizer library's own batch encoding of a tokenizer file or folder into lists of ids, on one thread (the
+    `tokenizers` library returns Encoding objects: their `.ids` are the lists tiktoken returns)."""
     if tokenizer.is_dir():
         import tokenizers
 
         library = tokenizers.Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
         return {
-            "encode_batch": lambda texts: library.encode_batch(texts, add_special_tokens=False),
-            "encode_batch_fast": lambda texts: library.encode_batch_fast(texts, add_special_tokens=False),
-        }
+            "encode_batch, .ids": lambda texts: [e.ids for e in library.encode_batch(texts, add_special_tokens=False)],
+            "encode_batch_fast, .ids": lambda texts: [
+                e.ids for e in library.encode_batch_fast(texts, add_special_tokens=False)
+            ],
+        }  # fmt: skip
     encoding = tiktoken.Encoding(tokenizer.name, pat_str=LLAMA3_PAT_STR, mergeable_ranks=load_ranks(tokenizer),
                                  special_tokens={})  # fmt: skip
     return {"encode_ordinary_batch": lambda texts: encoding.encode_ordinary_batch(texts, num_threads=1)}

@@ -559,9 +559,8 @@ def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray
     boundaries far faster than lists of ints."""
     ids = [tokenizer.encode(text, bos=True, eos=True) for text in texts]
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    tokens = np.fromiter(
-        itertools.chain.from_iterable(ids), dtype=token_dtype(tokenizer.vocab_size), count=int(lengths.sum())
-    )
+    dtype = token_dtype(tokenizer.vocab_size)
+    tokens = np.concatenate([np.array(document, dtype) for document in ids]) if ids else np.empty(0, dtype)
     return tokens, lengths
 
 
