@@ -22,6 +22,8 @@ def test_a_seeded_sample_holds_the_invariant_on_every_load_path(tmp_path):
     print(report.summary())
     assert not report.failures, report.summary()
     assert {outcome.load_path for outcome in report.outcomes} == {path.name for path in LOAD_PATHS}
+    targets = {mutation.target.rsplit("/", 1)[-1] for outcome in report.outcomes for mutation in outcome.mutations}
+    assert {"tokenizer.json", "tokenizer_config.json"} <= targets, "the sample mutates no Hugging Face tokenizer"
     kinds = {outcome.kind for outcome in report.outcomes}
     assert {"refused", "same"} <= kinds, "a sample that is never refused, or never loads, tests nothing"
 
