@@ -510,6 +510,15 @@ def _changed(change: Callable[[Any], Any]) -> Callable[[Any], str]:
     return text
 
 
+# A post-processor that adds two tokens before a text (as BERT's adds [CLS] and [SEP] around one).
+_SPECIAL = {"id": "<s>", "type_id": 0}
+TWO_BEFORE = {
+    "type": "TemplateProcessing",
+    "single": [{"SpecialToken": _SPECIAL}, {"SpecialToken": _SPECIAL}, {"Sequence": {"id": "A", "type_id": 0}}],
+    "pair": [{"SpecialToken": _SPECIAL}, {"Sequence": {"id": "A", "type_id": 0}},
+             {"Sequence": {"id": "B", "type_id": 0}}],
+    "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}},
+}
 # A Hugging Face tokenizer folder (tokenizer.json and tokenizer_config.json, Mistral's kind: BOS added), changed one
 # way each: (the file, its new text from its parsed JSON, the message's fragment).
 TOKENIZER_EDITS: dict[str, tuple[str, Callable[[Any], str], str]] = {
@@ -523,6 +532,8 @@ TOKENIZER_EDITS: dict[str, tuple[str, Callable[[Any], str], str]] = {
                     "'model.dropout' is 0.1"),
     "library-refuses": ("tokenizer.json", _changed(lambda spec: spec.update(normalizer={"type": "NoSuchNormalizer"})),
                         "the tokenizers library cannot read it"),
+    "two-tokens-before-a-text": ("tokenizer.json", _changed(lambda spec: spec.update(post_processor=TWO_BEFORE)),
+                                 "torchpre frames a text with at most one token before it (BOS)"),
     "no-eos": ("tokenizer_config.json", _changed(lambda config: config.pop("eos_token")),
                "tokenizer_config.json names no eos_token, and its post_processor adds none"),
     "eos-not-a-token": ("tokenizer_config.json", _changed(lambda config: config.update(eos_token="<|not-a-token|>")),

@@ -117,7 +117,7 @@ def _model_ids(model: dict, kind: str) -> list[int]:
         for index, piece in enumerate(pieces):
             if not (isinstance(piece, list) and len(piece) == 2 and isinstance(piece[0], str)
                     and type(piece[1]) in (int, float)):  # fmt: skip
-                raise FieldError(f"'model.vocab[{index}]' is {_shown(piece)}, not a [piece, score] pair")
+                raise FieldError(f"'model.vocab[{index}]' is not a [piece, score] pair")
         return list(range(len(pieces)))
     if kind == "BPE" and field(model, "dropout", (float, type(None)), "model", default=None):
         raise FieldError(
@@ -135,11 +135,6 @@ def _token_id(record: dict, key: str, where: str) -> int:
     return value
 
 
-def _shown(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 40 else f"{text[:37]}..."
-
-
 @dataclass(frozen=True)
 class Framing:
     """How the family frames a document: the token it starts one with (None: none), and the EOS that ends one."""
@@ -153,17 +148,7 @@ def framing(files: TokenizerFiles, library: Any, config: Any) -> Framing:
     ({} without one): what its post-processor adds around a text, checked against the config's BOS, EOS and
     add_bos_token / add_eos_token."""
     source, config_source = files.tokenizer_source, files.config_source
-    framed = _guarded(lambda: library.encode(_PROBE, add_special_tokens=True), source, "encode a text")
-    plain = _guarded(lambda: library.encode(_PROBE, add_special_tokens=False), source, "encode a text").ids
-    leading = next((i for i, special in enumerate(framed.special_tokens_mask) if not special), len(framed.ids))
-    prefix, rest = framed.ids[:leading], framed.ids[leading:]
-    suffix = rest[len(plain):]
-    if not plain or rest[: len(plain)] != plain or len(prefix) > 1 or len(suffix) > 1:
-        raise UntrustedInput(
-            f"{source}: its post_processor turns the tokens {plain} of {_PROBE!r} into {framed.ids}; torchpre frames "
-            "a text with at most one token before it (BOS) and one after it (EOS), as decoder-only families do. "
-            f"{_HINT}"
-        )
+    prefix, suffix = _added_around(library, source)
     try:
         bos_named = _special_id(config, "bos_token", library, files)
         eos_named = _special_id(config, "eos_token", library, files)
@@ -189,6 +174,23 @@ def framing(files: TokenizerFiles, library: Any, config: Any) -> Framing:
             "models do."
         )
     return Framing(prefix[0] if prefix else None, eos_id)
+
+
+def _added_around(library: Any, source: Path) -> tuple[list[int], list[int]]:
+    """The ids the post-processor of tokenizer.json (`source`) adds before and after a text (at most one each), seen
+    on a probe text."""
+    framed = _guarded(lambda: library.encode(_PROBE, add_special_tokens=True), source, "encode a text")
+    plain = _guarded(lambda: library.encode(_PROBE, add_special_tokens=False), source, "encode a text").ids
+    leading = next((i for i, special in enumerate(framed.special_tokens_mask) if not special), len(framed.ids))
+    prefix, rest = framed.ids[:leading], framed.ids[leading:]
+    suffix = rest[len(plain) :]
+    if not plain or rest[: len(plain)] != plain or len(prefix) > 1 or len(suffix) > 1:
+        raise UntrustedInput(
+            f"{source}: its post_processor turns the tokens {plain} of {_PROBE!r} into {framed.ids}; torchpre frames "
+            "a text with at most one token before it (BOS) and one after it (EOS), as decoder-only families do. "
+            f"{_HINT}"
+        )
+    return prefix, suffix
 
 
 def _special_id(config: Any, key: str, library: Any, files: TokenizerFiles) -> int | None:
