@@ -45,12 +45,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from torchpre.checkpoint.disk import Failure, free_bytes, low_space_message, summary, unwritten_message
 from torchpre.checkpoint.folders import (
-    DAMAGED,
     MARKER,
     TMP_PREFIX,
     complete_steps,
-    linked_steps,
-    move_aside,
+    move_aside_damaged,
     publish,
     remove_if_ours,
     remove_step,
@@ -413,11 +411,7 @@ class CheckpointManager:
         that retention never counts them and a later save of their step does not replace them."""
         found = find_intact_step(self.folder, load_step, resume_trust(self.folder, self.trust))
         if load_step == -1 and self.rank == 0:
-            newest = int(found.name[5:]) if found is not None else -1
-            for step in (s for s in sorted({*complete_steps(self.folder), *linked_steps(self.folder)}) if s > newest):
-                target = move_aside(self.folder / f"step-{step}", DAMAGED)
-                logger.warning("moved the damaged checkpoint step-%d aside to %s; torchpre never deletes it", step,
-                               target)  # fmt: skip
+            move_aside_damaged(self.folder, int(found.name[5:]) if found is not None else -1)
         self._verified = found
         return found
 
