@@ -507,6 +507,11 @@ BREAKS = [
           "    return collective_seconds(collective.op, size, collective.bytes, bw, hardware)",
           ("tests/unit/test_plan.py::test_the_cp_communication_is_the_key_and_value_gathers_of_every_attention_layer",),
           "a stage's n blocks run each of a block's collectives once, not n times"),
+    Break("plan-shape-keys-regrow-the-probes", "torchpre/planner/pieces.py",
+          "        setattr(short.model, key, 0)", "        pass",
+          ("tests/unit/test_plan_fixed.py::test_the_shape_keys_shape_the_predicted_model",),
+          "model.n_layers re-expands the probes' shortened flavor: Llama 3 8B with its own n_layers predicted at "
+          "half the tokens/s and 1.6x the memory"),
     Break("dryrun-mxfp8-kernels-on-meta", "torchpre/parallel/quantize.py",
           '        return emulate == "true" or linear == "mxfp8"',
           '        return emulate == "true"',

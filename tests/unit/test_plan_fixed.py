@@ -9,6 +9,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.errors import ConfigError
 from torchpre.plan import main as plan_main
+from torchpre.planner.dryrun import build_rank
 from torchpre.planner.fixed import check_fixed, predict_fixed
 from torchpre.planner.hardware import get_hardware
 from torchpre.planner.layouts import Layout, check
@@ -84,3 +85,19 @@ def test_a_fixed_pipeline_is_the_schedule_the_keys_name():
     assert checked.layout == Layout(dp=1, tp=1, pp=2, zero_stage=0, activation_checkpoint="none", microbatch_size=2,
                                     schedule="Interleaved1F1B", virtual_stages=2)  # fmt: skip
     assert checked.microbatches == 4
+
+
+def test_the_shape_keys_shape_the_predicted_model():
+    """model.n_layers set to the flavor's own depth predicts the flavor's numbers (the probes' shortened copies once
+    took the key and grew back to the full depth), and a deeper model is predicted as the dry run counts it."""
+    keys = [*TINY, "--parallelism.data_parallel_degree", "2", "--training.local_batch_size", "2",
+            "--training.dataset", "synthetic"]  # fmt: skip
+    hardware = get_hardware("h100-80gb")
+    flavor = predict_fixed(parse_args(JobConfig, keys), hardware, 2)
+    same = predict_fixed(parse_args(JobConfig, [*keys, "--model.n_layers", "2", "--model.dim", "64"]), hardware, 2)
+    assert (same.peak.total_bytes, same.tokens_per_sec) == (flavor.peak.total_bytes, flavor.tokens_per_sec)
+    deeper = parse_args(JobConfig, [*keys, "--model.n_layers", "4"])
+    counted = build_rank(deeper, 2, 0, checkpoint=False)
+    predicted = predict_fixed(deeper, hardware, 2)
+    assert (predicted.peak.param_bytes, predicted.peak.total_bytes) == (counted.param_bytes, counted.total_bytes)
+    assert predicted.tokens_per_sec < 0.6 * flavor.tokens_per_sec  # twice the blocks: about half the tokens/s

@@ -142,7 +142,7 @@ def predict(
         return Prediction(checked, ranks, None, 0, flops_per_token, gpus, hardware)  # not worth probing
     work_pieces = measured.microbatch(checked)
     costs_of = {shape: [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in shape] for shape in shapes}
-    work_of = {shape: _rank_work(config, costs_of[shape], state_of[shape]) for shape in shapes}
+    work_of = {shape: _rank_work(checked, costs_of[shape], state_of[shape]) for shape in shapes}
     ranks = []
     for pp_rank, (shape, state) in enumerate(zip(chunks, rank_states)):
         activations = _activation_bytes(checked, pp_rank, costs_of[shape], states, list(shape), work_pieces.block)
@@ -219,7 +219,7 @@ def _block_input_bytes(checked: CheckedLayout) -> int:
     """One microbatch's hidden states entering a block on one rank (its share under cp and sequence parallelism)."""
     config = checked.config
     itemsize = getattr(torch, config.training.mixed_precision_param).itemsize
-    return checked.layout.microbatch_size * _local_seq(config) * _dim(config) * itemsize
+    return checked.layout.microbatch_size * _local_seq(config) * checked.model_args.dim * itemsize
 
 
 def _local_seq(config: JobConfig) -> int:
@@ -237,12 +237,13 @@ def _reshards_after_forward(config: JobConfig) -> bool:
     return choice == "always"
 
 
-def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost) -> RankWork:
+def _rank_work(checked: CheckedLayout, costs: list[MicrobatchCost], state: StateCost) -> RankWork:
+    config = checked.config
     t, p = config.training, config.parallelism
     microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else t.local_batch_size
     seq = _local_seq(config)
     compute = getattr(torch, t.mixed_precision_param).itemsize
-    args_dim = _dim(config)
+    args_dim = checked.model_args.dim  # the job's width: model.dim may set it on top of the flavor
     reduce = getattr(torch, config.optimizer.reduce_dtype).itemsize
     dense = state.tp_numel - state.expert_numel  # experts are reduced and gathered over edp, the rest over dp
     forward = sum((c.forward for c in costs), Work(0.0))
@@ -258,10 +259,6 @@ def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost)
         optimizer_state_bytes=state.optimizer_state_bytes,
         optimizer_ops=OPTIMIZER_OPS_PER_TENSOR * state.param_tensors,
     )
-
-
-def _dim(config: JobConfig) -> int:
-    return get_model_spec(config.model.name).flavors[config.model.flavor].dim
 
 
 def _time_layout(checked: CheckedLayout) -> TimeLayout:
