@@ -512,6 +512,11 @@ BREAKS = [
           ("tests/unit/test_plan_fixed.py::test_the_shape_keys_shape_the_predicted_model",),
           "model.n_layers re-expands the probes' shortened flavor: Llama 3 8B with its own n_layers predicted at "
           "half the tokens/s and 1.6x the memory"),
+    Break("plan-ffn-width-unchecked-for-tp", "torchpre/models/llama3/parallelize.py",
+          "    if width % tp:", "    if False:",
+          ("tests/unit/test_plan_fixed.py::test_a_feed_forward_width_tensor_parallelism_cannot_split_is_refused_at_start_up",),
+          "a feed-forward width tensor parallelism cannot split evenly passes start-up's checks and ends in a DTensor "
+          "traceback"),
     Break("dryrun-mxfp8-kernels-on-meta", "torchpre/parallel/quantize.py",
           '        return emulate == "true" or linear == "mxfp8"',
           '        return emulate == "true"',

@@ -1,5 +1,6 @@
 """`python -m torchpre.plan --fixed`: exactly the layout the job's keys set, predicted as a search predicts it."""
 
+import dataclasses
 import json
 import logging
 
@@ -8,6 +9,8 @@ import pytest
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.errors import ConfigError
+from torchpre.models.llama3 import hf as llama_hf
+from torchpre.models.registry import get_flavor
 from torchpre.plan import main as plan_main
 from torchpre.planner.dryrun import build_rank
 from torchpre.planner.fixed import check_fixed, predict_fixed
@@ -101,3 +104,18 @@ def test_the_shape_keys_shape_the_predicted_model():
     predicted = predict_fixed(deeper, hardware, 2)
     assert (predicted.peak.param_bytes, predicted.peak.total_bytes) == (counted.param_bytes, counted.total_bytes)
     assert predicted.tokens_per_sec < 0.6 * flavor.tokens_per_sec  # twice the blocks: about half the tokens/s
+
+
+def test_a_feed_forward_width_tensor_parallelism_cannot_split_is_refused_at_start_up(tmp_path):
+    """A config.json whose intermediate_size (171) two tensor-parallel ranks cannot split evenly: start-up's checks
+    refuse it by name, where the layout once passed them and ended in a DTensor traceback in the probe."""
+    args = dataclasses.replace(get_flavor("llama3", "tiny"), vocab_size=2048)
+    config = llama_hf.hf_config(args, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16") | {
+        "intermediate_size": 171}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    keys = [*TINY, "--model.flavor", "from_hf", "--checkpoint.initial_load_path", str(tmp_path),
+            "--parallelism.tensor_parallel_degree", "2", "--gpus", "2", "--fixed"]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"ffn_hidden_dim = 171 .* not divisible by "
+                                          r"parallelism.tensor_parallel_degree = 2.* divisor of 171 \(1, 3, 9, 19"):
+        plan_main(keys)
+    plan_main([*keys[:-5], "--gpus", "1", "--fixed"])  # one rank holds the whole width
