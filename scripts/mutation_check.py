@@ -276,8 +276,8 @@ BREAKS = [
           "                != self.params[i].local.untyped_storage().data_ptr())",
           ("tests/unit/test_dryrun.py",), "bf16 masters on meta (pointer 0) are not counted as optimizer state"),
     Break("dry-run-in-flight-one", "torchpre/planner/dryrun.py",
-          "    return pipeline.schedule.in_flight_microbatches(",
-          "    return 1 or pipeline.schedule.in_flight_microbatches(",
+          "    return round(held_peak(pipeline.schedule.name, pipeline.pp, n_microbatches, pp_rank, chunks))",
+          "    return max(chunks)",
           ("tests/unit/test_plan.py",), "the dry run holds one microbatch's activations whatever the schedule"),
     Break("hf-head-norms-unsummed", "torchpre/models/hf/parallelize.py",
           "            plan.styles[f\"{path}.{name}\"] = SequenceParallel(sequence_dim=0, use_local_output=True)",
@@ -450,7 +450,7 @@ BREAKS = [
           "    if checked.pipeline is None or not zero_stage(checked.layout.zero_stage).shards_parameters:",
           "    if True:",
           ("tests/bench/test_plan_vs_measured.py::test_zero3_under_pipelining_is_predicted_with_its_unsharded_gradients",
-           "tests/unit/test_published_calibration.py::test_the_rows_nothing_was_fitted_to_are_within_the_bands_but_one"),
+           "tests/unit/test_published_calibration.py::test_the_rows_nothing_was_fitted_to_are_within_the_bands"),
           "the planner counts ZeRO-3's sharded gradients under pipelining, where FSDP2 holds them unsharded in fp32 "
           "for the step: 21% under the measured dp2 x pp2 run, 19-35% under torchtitan's 405B rows"),
     Break("dry-run-zero3-pipeline-sharded-grads", "torchpre/planner/dryrun.py",
@@ -517,6 +517,13 @@ BREAKS = [
           ("tests/unit/test_plan_fixed.py::test_a_feed_forward_width_tensor_parallelism_cannot_split_is_refused_at_start_up",),
           "a feed-forward width tensor parallelism cannot split evenly passes start-up's checks and ends in a DTensor "
           "traceback"),
+    Break("plan-interleaved-last-stage-held-per-microbatch", "torchpre/planner/predict.py",
+          "        saved = held_peak(pipeline.schedule.name, pipeline.pp, pipeline.n_microbatches, pp_rank, chunk_bytes)",
+          "        saved = max(chunk_bytes) * pipeline.schedule.in_flight_microbatches(\n"
+          "            pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank)",
+          ("tests/unit/test_published_calibration.py::test_the_held_out_errors_are_the_documented_ones",),
+          "the planner holds the largest chunk (on an interleaved last rank, the output layer's) for every microbatch "
+          "in flight: torchtitan's interleaved 405B row 14% over what it reserved"),
     Break("dryrun-mxfp8-kernels-on-meta", "torchpre/parallel/quantize.py",
           '        return emulate == "true" or linear == "mxfp8"',
           '        return emulate == "true"',

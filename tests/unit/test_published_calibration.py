@@ -52,10 +52,9 @@ def test_the_tensor_peak_is_below_the_reserved_one(compared):
 # 8B rows' are. Before the unsharded gradients of ZeRO-3 under pipelining were counted, every 405B row's memory was
 # 19-35% low (docs/planning.md#rows-the-model-was-not-fitted-on).
 HELD_OUT_TPS_ERROR = (-0.132, -0.077, 0.084, -0.110, 0.039, 0.015, 0.149)
-HELD_OUT_MEMORY_ERROR = (-0.043, -0.040, 0.140, 0.086, 0.080, 0.063, -0.033)
-# Over the band: the planner holds the largest chunk's saved bytes for each microbatch in flight on a rank, and on an
-# interleaved schedule's last rank that chunk is the output layer's (the dry run counts it the same way).
-MEMORY_OVER_THE_BAND = {"t5 405B fsdp8 tp8 pp8 Interleaved1F1B seq8k ac:full+compile+float8"}
+# The interleaved row was 14.0% over while the planner held the largest chunk's bytes (on the last rank, the output
+# layer's) for every microbatch in flight; the walk of the schedule's actions holds the last stage once.
+HELD_OUT_MEMORY_ERROR = (-0.043, -0.040, 0.024, 0.086, 0.080, 0.063, -0.033)
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +62,11 @@ def held_out():
     return compare_all("h100-96gb-hbm2e-500w", rows=HELD_OUT)
 
 
-def test_the_rows_nothing_was_fitted_to_are_within_the_bands_but_one(held_out):
+def test_the_rows_nothing_was_fitted_to_are_within_the_bands(held_out):
     """70B at FSDP 32 x TP 8, 405B at FSDP x TP 8 x PP 8 under 1F1B and Interleaved 1F1B, with cp 1-8: TPS/GPU
-    within ±20% on every row, memory within ±10% on every row but the one named (+14%)."""
+    within ±20% and memory within ±10% on every row."""
     assert all(abs(c.tps_error) <= ERROR_BARS["tokens_per_s_per_gpu"] for c in held_out), held_out
-    over = {c.row.name for c in held_out if abs(c.memory_error) > ERROR_BARS["memory_gib"]}
-    assert over == MEMORY_OVER_THE_BAND
+    assert all(abs(c.memory_error) <= ERROR_BARS["memory_gib"] for c in held_out), held_out
 
 
 def test_the_held_out_errors_are_the_documented_ones(held_out):

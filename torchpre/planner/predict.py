@@ -1,8 +1,9 @@
 """A layout's predicted per-rank memory and step time, from the dry run's counts (`pieces`) and a `Hardware`.
 
 Memory per pipeline rank = its stage chunks' parameters, gradients and optimizer state (`state_pieces`) + the
-activations its schedule holds at once (`in_flight_microbatches` x the largest chunk's saved bytes, + the largest
-transient, + under ZeRO-3 the parameters FSDP gathers). Step time = `time_model.step_time` over the same chunks'
+activations its schedule holds at once (each chunk's saved bytes for each of its microbatches in flight, walked over
+the schedule's action order: `schedule_walk.held_peak`), + the largest transient, + under ZeRO-3 the parameters FSDP
+gathers. Step time = `time_model.step_time` over the same chunks'
 forward and backward work. `fits` compares the largest rank with the GPU's memory less its reserve.
 """
 
@@ -21,6 +22,7 @@ from torchpre.planner.hardware import Hardware
 from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.measured import Measured
 from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
+from torchpre.planner.schedule_walk import held_peak
 from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
 from torchpre.training.model import meta_model
@@ -176,14 +178,13 @@ def _activation_bytes(
 ) -> int:
     """What `torchpre.planner.dryrun.probe_rank` adds up for a built rank, from the pieces."""
     layout, pipeline = checked.layout, checked.pipeline
-    in_flight = 1
-    if pipeline is not None:
-        in_flight = pipeline.schedule.in_flight_microbatches(
-            pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
-        )
     held = pipeline is not None
     cut = [_compiled_cut(checked, block, blocks) for blocks, _, _ in chunks]
-    saved = max(c.saved_bytes - k + (c.pipeline_held_bytes if held else 0) for c, k in zip(costs, cut))
+    chunk_bytes = [c.saved_bytes - k + (c.pipeline_held_bytes if held else 0) for c, k in zip(costs, cut)]
+    if pipeline is None:
+        saved = chunk_bytes[0]
+    else:
+        saved = held_peak(pipeline.schedule.name, pipeline.pp, pipeline.n_microbatches, pp_rank, chunk_bytes)
     transient = max(c.transient_bytes for c in costs)
     gathered = 0
     if zero_stage(layout.zero_stage).shards_parameters:
@@ -192,7 +193,7 @@ def _activation_bytes(
             gathered = 2 * states.block.tp_numel * itemsize
         else:
             gathered = sum(states.stage(*chunk, zero=StateCost()).tp_numel for chunk in chunks) * itemsize
-    return int(in_flight * saved + transient + gathered)
+    return int(saved + transient + gathered)
 
 
 def _step_grad_bytes(checked: CheckedLayout, states: Pieces, chunks: list, state: StateCost) -> int:
