@@ -518,12 +518,16 @@ BREAKS = [
           "a feed-forward width tensor parallelism cannot split evenly passes start-up's checks and ends in a DTensor "
           "traceback"),
     Break("plan-interleaved-last-stage-held-per-microbatch", "torchpre/planner/predict.py",
-          "        saved = held_peak(pipeline.schedule.name, pipeline.pp, pipeline.n_microbatches, pp_rank, chunk_bytes)",
-          "        saved = max(chunk_bytes) * pipeline.schedule.in_flight_microbatches(\n"
-          "            pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank)",
+          "pipeline.n_microbatches, pp_rank, chunk_bytes)",
+          "pipeline.n_microbatches, pp_rank, [max(chunk_bytes)] * len(chunk_bytes))",
           ("tests/unit/test_published_calibration.py::test_the_held_out_errors_are_the_documented_ones",),
           "the planner holds the largest chunk (on an interleaved last rank, the output layer's) for every microbatch "
           "in flight: torchtitan's interleaved 405B row 14% over what it reserved"),
+    Break("plan-zero3-pipeline-comm-per-microbatch", "torchpre/planner/time_model.py",
+          "    if zero.shards_parameters and layout.pp > 1:", "    if False:",
+          ("tests/unit/test_time_model.py::test_zero3_under_pipelining_gathers_and_reduces_once_per_step",),
+          "ZeRO-3 under pipelining charged two all-gathers and a reduce-scatter per microbatch (17.45 s of DP "
+          "communication per step on Llama 3 405B's layout, against 0.41 s for ZeRO-1)"),
     Break("dryrun-mxfp8-kernels-on-meta", "torchpre/parallel/quantize.py",
           '        return emulate == "true" or linear == "mxfp8"',
           '        return emulate == "true"',

@@ -5,6 +5,8 @@ A toy machine keeps the arithmetic readable: 1 TFLOP/s at 50% matmul efficiency 
 rounding only; the model is closed-form.
 """
 
+import dataclasses
+
 import pytest
 
 from torchpre.planner.hardware import HARDWARE, Hardware
@@ -110,6 +112,25 @@ def test_dp_overlap_and_zero_stages():
     gloo = Hardware(**{**TOY.__dict__, "reduce_scatter_as_all_reduce": True})
     assert step_time(Layout(dp=4, zero_stage=1), [work], gloo).dp_comm_s == approx(1.506 + 0.378)
     assert collective_seconds("reduce_scatter", 4, bucket, 1e9, TOY) == approx(0.003 + 0.75 * bucket / 1e9)
+
+
+def test_zero3_under_pipelining_gathers_and_reduces_once_per_step():
+    """FSDP2 under a pipeline schedule: sync and resharding after backward are off until the last microbatch, so
+    dp4 x pp2 with 4 microbatches gathers the parameters once (3 ms + 0.375 s) and reduce-scatters once (0.753 s),
+    where it once charged two gathers and a reduce-scatter per microbatch (4 x 1.509 s). The reduce-scatter follows
+    the last backward, exposed; the gather hides behind the first forward (0.2 s) but for its first bucket."""
+    work = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e9, param_bytes=5e8)
+    layout = Layout(dp=4, pp=2, microbatches=4, zero_stage=3, reshard_after_forward=False)
+    time = rank_step_times(layout, [work, work], TOY)[0]
+    assert time.dp_comm_s == approx(0.378 + 0.753)
+    assert time.dp_comm_exposed_s == approx(0.753 + 0.378 - 0.2)
+    # resharded after forward (parallelism.fsdp_reshard_after_forward = 'always'): a gather in every backward too
+    resharded = rank_step_times(dataclasses.replace(layout, reshard_after_forward=True), [work, work], TOY)[0]
+    assert resharded.dp_comm_s == approx(5 * 0.378 + 0.753)
+    assert resharded.dp_comm_exposed_s == approx(0.753 + 5 * 0.378 - 4 * 0.2)
+    # ZeRO-1 on the same layout: one reduce-scatter behind a backward and the all-gather after the step
+    zero1 = rank_step_times(dataclasses.replace(layout, zero_stage=1), [work, work], TOY)[0]
+    assert zero1.dp_comm_s == approx(0.753 + 0.378)
 
 
 def test_pipeline_bubble_paces_every_rank_by_the_slowest():

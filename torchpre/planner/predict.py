@@ -276,4 +276,5 @@ def _time_layout(checked: CheckedLayout) -> TimeLayout:
         zero_stage=layout.zero_stage,
         bucket_bytes=checked.config.optimizer.bucket_size_mb * 2**20,
         compiled=checked.config.compile.enable,
+        reshard_after_forward=_reshards_after_forward(checked.config),
     )

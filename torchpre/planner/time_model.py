@@ -27,10 +27,15 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
 - The pipeline runs for (m x t_mb + pp_comm) / (1 - bubble) with the slowest rank's t_mb (the schedule table's
   bubble fraction, equal stage times assumed); a faster rank idles the difference, counted as its bubble.
 - DP (`dp_seconds`): ZeRO 0 all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the
-  parameters after the step; 2 reduce-scatters every microbatch and all-gathers after the step; 3 all-gathers the
-  parameters in forward and in backward and reduce-scatters the gradients, every microbatch. Gradient reductions
-  overlap backward (ZeRO 3: the whole microbatch) up to `overlap`; the last bucket never does (it is launched when
-  backward ends): exposed = max(last bucket, comm - overlap x window). Post-step all-gathers are exposed.
+  parameters after the step; 2 reduce-scatters every microbatch and all-gathers after the step; 3 (FSDP2)
+  all-gathers the parameters in forward and again in backward (once, without resharding after forward) and
+  reduce-scatters the gradients, every microbatch. Gradient reductions overlap backward (ZeRO 3: the whole
+  microbatch) up to `overlap`; the last bucket never does (it is launched when backward ends): exposed =
+  max(last bucket, comm - overlap x window). Post-step all-gathers are exposed. Under pipelining ZeRO 3 is different:
+  the schedule turns FSDP2's gradient sync and resharding after backward off until the last microbatch, so it
+  gathers the parameters once per step (once per microbatch more when it reshards after forward, in backward) and
+  reduce-scatters once, after the last backward, exposed (the first stage's last backward ends the pipeline); its
+  gathers hide behind the first microbatch's forward up to `overlap`.
 - Optimizer: AdamW reads the fp32 master, gradient, exp_avg and exp_avg_sq (16 B/param) and writes master,
   exp_avg, exp_avg_sq (12 B/param): 28 B per 8 B of state, so OPTIMIZER_TRAFFIC = 3.5 x state bytes / mem_bw,
   plus its ops x op_overhead_s.
@@ -41,7 +46,7 @@ ep x tp, pp stride dp x cp x tp.
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -143,6 +148,7 @@ class Layout:
     zero_stage: int = 0
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
     compiled: bool = False  # compile.enable: blocks' elementwise ops fused (`COMPILE_ELEMENTWISE`)
+    reshard_after_forward: bool = True  # ZeRO 3: FSDP2 frees the gathered parameters after forward, gathers again
 
     @property
     def world_size(self) -> int:
@@ -275,33 +281,52 @@ def comm_seconds(work: Work, dim: Dim, layout: Layout, hardware: Hardware) -> fl
 
 def dp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> tuple[float, float]:
     """(all DP communication, the exposed part) of one step; see the module docstring."""
+    forward = _microbatch_seconds(rank.forward, layout, hardware)
     backward = _microbatch_seconds(rank.backward, layout, hardware)
-    microbatch = backward + _microbatch_seconds(rank.forward, layout, hardware)
-    dense = _dp_dim_seconds("dp", rank.grad_bytes, rank.param_bytes, backward, microbatch, layout, hardware)
-    expert = _dp_dim_seconds("edp", rank.expert_grad_bytes, rank.expert_param_bytes, backward, microbatch, layout,
-                             hardware)
+    windows = (forward, backward)
+    dense = _dp_dim_seconds("dp", rank.grad_bytes, rank.param_bytes, windows, layout, hardware)
+    expert = _dp_dim_seconds("edp", rank.expert_grad_bytes, rank.expert_param_bytes, windows, layout, hardware)
     return dense[0] + expert[0], dense[1] + expert[1]
 
 
 def _dp_dim_seconds(
-    dim: Dim, grads: float, params: float, backward: float, microbatch: float, layout: Layout, hardware: Hardware
+    dim: Dim, grads: float, params: float, windows: tuple[float, float], layout: Layout, hardware: Hardware
 ) -> tuple[float, float]:
-    """(total, exposed) DP seconds over one mesh dimension's groups, for the layout's ZeRO stage."""
+    """(total, exposed) DP seconds over one mesh dimension's groups, for the layout's ZeRO stage; `windows` are a
+    microbatch's forward and backward seconds, which the communication may hide behind."""
 
     def run(op: Op, nbytes: float) -> float:
         return collective_on(Collective(op, dim, nbytes), layout, hardware)
 
     zero, m = zero_stage(layout.zero_stage), layout.microbatches
+    forward, backward = windows
+    if zero.shards_parameters and layout.pp > 1:
+        return _fsdp_under_pipelining(run, grads, params, forward, layout, hardware)
     reduce_op: Op = "reduce_scatter" if zero.shards_optimizer_state else "all_reduce"
     reduce, last = run(reduce_op, grads), run(reduce_op, min(layout.bucket_bytes, grads))
     rounds = m if zero.shards_gradients else 1  # sharded gradients are reduced every microbatch
-    window = microbatch if zero.shards_parameters else backward
-    during = reduce + (2 * run("all_gather", params) if zero.shards_parameters else 0.0)
+    window = forward + backward if zero.shards_parameters else backward
+    gathers = 2 if layout.reshard_after_forward else 1
+    during = reduce + (gathers * run("all_gather", params) if zero.shards_parameters else 0.0)
     # Sharded state gathers the stepped parameters once per step; sharded parameters gather per use instead.
     after = run("all_gather", params) if zero.shards_optimizer_state and not zero.shards_parameters else 0.0
     total = rounds * during + after
     exposed = rounds * max(last, during - hardware.overlap * window) + after
     return total, exposed
+
+
+def _fsdp_under_pipelining(
+    run: Callable[[Op, float], float], grads: float, params: float, forward: float, layout: Layout, hardware: Hardware
+) -> tuple[float, float]:
+    """(total, exposed) seconds of FSDP2 under a pipeline schedule (see the module docstring): one gather of the
+    parameters per step, or one per microbatch more when they are resharded after forward, and one reduce-scatter
+    of the gradients after the last backward."""
+    gather = run("all_gather", params)
+    gathers = (1 + layout.microbatches) * gather if layout.reshard_after_forward else gather
+    reduce = run("reduce_scatter", grads)
+    first = run("all_gather", min(layout.bucket_bytes, params))  # the first block's gather precedes any compute
+    hidden = hardware.overlap * forward * (layout.microbatches if layout.reshard_after_forward else 1)
+    return gathers + reduce, reduce + max(first, gathers - hidden)
 
 
 def _microbatch_seconds(work: Work, layout: Layout, hardware: Hardware) -> float:
