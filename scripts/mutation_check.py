@@ -528,6 +528,11 @@ BREAKS = [
           ("tests/unit/test_time_model.py::test_zero3_under_pipelining_gathers_and_reduces_once_per_step",),
           "ZeRO-3 under pipelining charged two all-gathers and a reduce-scatter per microbatch (17.45 s of DP "
           "communication per step on Llama 3 405B's layout, against 0.41 s for ZeRO-1)"),
+    Break("plan-network-one-nic-per-group", "torchpre/planner/time_model.py",
+          "    bw = min(hardware.intra_node_bw, per_node * nic)", "    bw = nic",
+          ("tests/unit/test_time_model.py::test_a_group_spanning_nodes_uses_the_nics_of_its_ranks_on_each_node",),
+          "a data-parallel group spanning nodes is priced at one NIC's bandwidth: MosaicML's 13B on 64 H100s "
+          "predicted 2.07 s of DP communication per step against a measured whole step of 0.853 s"),
     Break("dryrun-mxfp8-kernels-on-meta", "torchpre/parallel/quantize.py",
           '        return emulate == "true" or linear == "mxfp8"',
           '        return emulate == "true"',

@@ -22,6 +22,9 @@ def test_rows_hold_the_datasheet_numbers():
         312e12, 80e9, 300e9, 25e9, 2.0e12)
     for row in (h100, h200, a100):
         assert (row.matmul_efficiency, row.overlap, row.gpus_per_node) == (0.6, 1.0, 8)
+    # 8 NICs per node, rail-optimised: 8 x 400 Gb/s (H100, H200), 8 x 200 Gb/s (A100)
+    assert [(row.nics_per_node, row.nic_bw_per_device) for row in (h100, h200, a100)] == [(8, 50e9), (8, 50e9),
+                                                                                          (8, 25e9)]
     for row in HARDWARE.values():
         assert not row.reduce_scatter_as_all_reduce
 
@@ -41,6 +44,11 @@ def test_a_profile_round_trips_and_is_selected_by_its_path(tmp_path):
     save_profile(custom, path)
     assert load_profile(path) == custom
     assert get_hardware(str(path)) == custom
+    # a profile written before nics_per_node: one NIC per device, inter_node_bw each, as it was read then
+    fields = dataclasses.asdict(custom)
+    del fields["nics_per_node"]
+    path.write_text(json.dumps(fields))
+    assert load_profile(path).nic_bw_per_device == custom.inter_node_bw
 
 
 def test_an_unknown_name_names_the_choices_and_the_closest():

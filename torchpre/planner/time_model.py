@@ -19,9 +19,17 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   counts) and their gradients both ways in backward, as the probe counts them for a balanced router. The experts'
   gradients are reduced, and their parameters gathered, over edp (the dp x cp / ep ranks that hold the same
   experts: `RankWork.expert_grad_bytes`), the other parameters' over dp.
-- TP, EP and CP collectives run inside the microbatch and are exposed (no async TP): ring model
-  t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
-  dimension lies within one node, else inter_node_bw.
+- The network as NCCL uses it (`group_seconds`): a group within one node runs a ring over NVLink,
+  t = steps x latency_s + f x bytes / intra_node_bw (`collective_seconds`). A group that spans nodes with k of its
+  ranks on each node moves the same f x bytes through every node, split over the NICs of those k ranks (NCCL runs a
+  channel per NIC; on a rail-optimised fabric a device's NIC is on its own rail), so bw = min(intra_node_bw, k x
+  the NIC bandwidth per device): a data-parallel group of all 8 ranks of each node gets the node's 8 NICs, one of
+  tensor-parallel stride 8 gets one NIC per node. Latency is hierarchical: (k - 1) steps within the node and
+  (nodes - 1) between them for a ring's all-gather and reduce-scatter, twice (k - 1) + log2(nodes) for the
+  all-reduce, which NCCL runs as a tree across nodes. An all-to-all sends (n - k) / n of its buffer off the node
+  over each rank's own NIC share; a pipeline send between nodes one device's NIC share.
+- TP, EP and CP collectives run inside the microbatch and are exposed (no async TP), each over its group as the
+  mesh's order places it (within a node, or across nodes with k ranks per node).
 - PP: every stage chunk sends its boundary activation forward and receives its gradient back per microbatch:
   2 v m sends of `boundary_bytes`.
 - The pipeline runs for (m x t_mb + pp_comm) / (1 - bubble) with the slowest rank's t_mb (the schedule table's
@@ -46,6 +54,8 @@ ep x tp, pp stride dp x cp x tp.
 """
 
 import functools
+import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
@@ -240,17 +250,47 @@ def collective_seconds(op: Op, n: int, nbytes: float, bw: float, hardware: Hardw
     return (n - 1) * hardware.latency_s + (n - 1) / n * nbytes / bw
 
 
+@functools.cache
+def ranks_per_node(size: int, stride: int, world_size: int, gpus_per_node: int) -> int:
+    """The fewest ranks of a group of `size` ranks `stride` apart (row-major world) that share a node, over every
+    group and node: the NICs its inter-node bytes leave the busiest node by. `size` when the groups lie within
+    nodes."""
+    fewest = size
+    for start in range(world_size):
+        if (start // stride) % size == 0:
+            nodes = Counter((start + i * stride) // gpus_per_node for i in range(size))
+            fewest = min(fewest, *nodes.values())
+    return fewest
+
+
+def group_seconds(op: Op, n: int, per_node: int, nbytes: float, hardware: Hardware) -> float:
+    """One collective over a group of `n` ranks with `per_node` of them on each node it spans (`n` within one
+    node), as NCCL runs it (see the module docstring)."""
+    if per_node >= n:
+        return collective_seconds(op, n, nbytes, hardware.intra_node_bw, hardware)
+    nodes, nic, latency = math.ceil(n / per_node), hardware.nic_bw_per_device, hardware.latency_s
+    if op == "send":
+        return latency + nbytes / nic
+    if op == "all_to_all":
+        off_node = (n - per_node) / n * nbytes / nic
+        return (n - 1) * latency + max(off_node, (per_node - 1) / n * nbytes / hardware.intra_node_bw)
+    bw = min(hardware.intra_node_bw, per_node * nic)
+    if op == "all_reduce" or (op == "reduce_scatter" and hardware.reduce_scatter_as_all_reduce):
+        return 2 * (per_node - 1 + math.ceil(math.log2(nodes))) * latency + 2 * (n - 1) / n * nbytes / bw
+    return (per_node - 1 + nodes - 1) * latency + (n - 1) / n * nbytes / bw
+
+
 def collective_on(collective: Collective, layout: Layout, hardware: Hardware) -> float:
-    """`collective_seconds` over the groups of its mesh dimension, on the link they use, `count` times; nothing to
-    move is free."""
-    size, _ = layout.group(collective.dim)
-    if collective.op == "send":
-        size = 2
+    """`group_seconds` over the groups of its mesh dimension, as the mesh's order places them on nodes, `count`
+    times; nothing to move is free. A pipeline send goes between two neighbouring stages: across nodes when the
+    pp groups span them."""
+    size, stride = layout.group(collective.dim)
     if size == 1 or collective.bytes == 0:
         return 0.0
-    within_node = intra_node(layout, collective.dim, hardware.gpus_per_node)
-    bw = hardware.intra_node_bw if within_node else hardware.inter_node_bw
-    return collective.count * collective_seconds(collective.op, size, collective.bytes, bw, hardware)
+    per_node = ranks_per_node(size, stride, layout.world_size, hardware.gpus_per_node)
+    if collective.op == "send":
+        size, per_node = 2, 2 if per_node >= size else 1
+    return collective.count * group_seconds(collective.op, size, per_node, collective.bytes, hardware)
 
 
 def compute_seconds(work: Work, hardware: Hardware, compiled: bool = False) -> float:
