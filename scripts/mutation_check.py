@@ -533,6 +533,16 @@ BREAKS = [
           ("tests/unit/test_time_model.py::test_a_group_spanning_nodes_uses_the_nics_of_its_ranks_on_each_node",),
           "a data-parallel group spanning nodes is priced at one NIC's bandwidth: MosaicML's 13B on 64 H100s "
           "predicted 2.07 s of DP communication per step against a measured whole step of 0.853 s"),
+    Break("plan-fits-on-tensors", "torchpre/planner/predict.py",
+          "        return self.reserved_bytes <= self.hardware.allocator_bytes",
+          "        return self.peak.total_bytes <= self.hardware.allocator_bytes",
+          ("tests/unit/test_plan_fixed.py::test_a_layout_fits_when_its_allocator_peak_does",),
+          "a layout fits when its tensors do, though a GPU run reserves 1.17 x them: 30 of 140 layouts a search "
+          "called fitting predicted more than the card holds"),
+    Break("dry-run-fits-on-tensors", "torchpre/planner/dryrun.py",
+          "    if reserved <= hardware.allocator_bytes:", "    if worst.total_bytes <= hardware.allocator_bytes:",
+          ("tests/unit/test_dryrun.py::test_a_rank_that_does_not_fit_is_named_with_its_largest_part",),
+          "the dry run passes a rank whose tensors fit and whose allocator peak does not"),
     Break("dryrun-mxfp8-kernels-on-meta", "torchpre/parallel/quantize.py",
           '        return emulate == "true" or linear == "mxfp8"',
           '        return emulate == "true"',

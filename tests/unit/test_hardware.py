@@ -14,12 +14,15 @@ from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware, load_pro
 
 def test_rows_hold_the_datasheet_numbers():
     h100, h200, a100 = (get_hardware(name) for name in ("h100-80gb", "h200-141gb", "a100-80gb"))
+    MiB, GiB = 2**20, 2**30  # memory as the driver reports it: nvidia-smi's total, cudaMemGetInfo's on the A100
     assert (h100.peak_flops, h100.memory_bytes, h100.intra_node_bw, h100.inter_node_bw, h100.mem_bw) == (
-        989e12, 80e9, 450e9, 50e9, 3.35e12)
+        989e12, 81_559 * MiB, 450e9, 50e9, 3.35e12)
     assert (h200.peak_flops, h200.memory_bytes, h200.intra_node_bw, h200.inter_node_bw, h200.mem_bw) == (
-        989e12, 141e9, 450e9, 50e9, 4.8e12)
+        989e12, 143_771 * MiB, 450e9, 50e9, 4.8e12)
     assert (a100.peak_flops, a100.memory_bytes, a100.intra_node_bw, a100.inter_node_bw, a100.mem_bw) == (
-        312e12, 80e9, 300e9, 25e9, 2.0e12)
+        312e12, 79.15 * GiB, 300e9, 25e9, 2.0e12)
+    # a layout fits when its allocator peak is within the memory less the CUDA context and NCCL's buffers (1 GiB)
+    assert h100.allocator_bytes == (81_559 - 1024) * MiB
     for row in (h100, h200, a100):
         assert (row.matmul_efficiency, row.overlap, row.gpus_per_node) == (0.6, 1.0, 8)
     # 8 NICs per node, rail-optimised: 8 x 400 Gb/s (H100, H200), 8 x 200 Gb/s (A100)

@@ -14,7 +14,7 @@ from torchpre.models.registry import get_flavor
 from torchpre.plan import main as plan_main
 from torchpre.planner.dryrun import build_rank
 from torchpre.planner.fixed import check_fixed, predict_fixed
-from torchpre.planner.hardware import get_hardware
+from torchpre.planner.hardware import get_hardware, save_profile
 from torchpre.planner.layouts import Layout, check
 from torchpre.planner.predict import ERROR_BARS, model_flops_per_token, predict
 
@@ -119,3 +119,23 @@ def test_a_feed_forward_width_tensor_parallelism_cannot_split_is_refused_at_star
                                           r"parallelism.tensor_parallel_degree = 2.* divisor of 171 \(1, 3, 9, 19"):
         plan_main(keys)
     plan_main([*keys[:-5], "--gpus", "1", "--fixed"])  # one rank holds the whole width
+
+
+def test_a_layout_fits_when_its_allocator_peak_does(capsys, tmp_path):
+    """On a GPU that leaves the allocator more than the layout's tensors but less than its allocator peak (1.17 x),
+    --fixed says it does not fit: what a GPU run reports is the allocator's peak (30 of 140 layouts a search once
+    called fitting predicted more than the card holds)."""
+    keys = [*TINY, "--parallelism.data_parallel_degree", "2", "--training.local_batch_size", "2"]
+    hardware = get_hardware("h100-80gb")
+    prediction = predict_fixed(parse_args(JobConfig, keys), hardware, 2)
+    between = (prediction.peak.total_bytes + prediction.reserved_bytes) / 2
+    small = dataclasses.replace(hardware, name="small", memory_bytes=between + hardware.reserved_bytes)
+    assert prediction.peak.total_bytes < small.allocator_bytes < prediction.reserved_bytes
+    assert not predict_fixed(parse_args(JobConfig, keys), small, 2).fits
+    save_profile(small, tmp_path / "small.json")
+    plan_main([*keys, "--gpus", "2", "--gpu", "custom", "--gpu_profile", str(tmp_path / "small.json"), "--fixed",
+               "--json"])  # fmt: skip
+    (layout,) = json.loads(capsys.readouterr().out)["layouts"]
+    assert not layout["fits"] and layout["memory_gib"] * 2**30 > small.allocator_bytes
+    wider = dataclasses.replace(small, memory_bytes=prediction.reserved_bytes + hardware.reserved_bytes)
+    assert predict_fixed(parse_args(JobConfig, keys), wider, 2).fits

@@ -383,25 +383,26 @@ def memory_table(results: list[RankMemory], hardware: Hardware) -> str:
         parts = (r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.activation_bytes, r.optimizer_step_bytes,
                  r.total_bytes)  # fmt: skip
         rows.append(f"{r.rank:>6} {r.pp:>4} {r.dp:>4} {r.tp:>4} " + " ".join(f"{b / GiB:>9.2f}" for b in parts))
-    usable = hardware.memory_bytes - hardware.reserved_bytes
     busiest = max(results, key=lambda r: r.total_bytes)
     reserved = reserved_bytes(busiest.total_bytes) / GiB
     rows.append(
-        f"GiB per rank; total = params + grads + optim + the larger of activ (backward's peak) and opt step (the "
-        f"optimizer step's buffers); {hardware.name}: {usable / GiB:.2f} GiB usable"
+        "GiB per rank; total = params + grads + optim + the larger of activ (backward's peak) and opt step (the "
+        "optimizer step's buffers)"
     )
     rows.append(
         f"a GPU run's peak (the CUDA caching allocator's reserved segments) is more than its tensors: about "
-        f"{reserved:.2f} GiB on rank {busiest.rank} (total x {1 + FRAGMENTATION:.2f}: torchpre/planner/allocator.py)"
+        f"{reserved:.2f} GiB on rank {busiest.rank} (total x {1 + FRAGMENTATION:.2f}: torchpre/planner/allocator.py), "
+        f"against the {hardware.allocator_bytes / GiB:.2f} GiB {hardware.name} leaves the allocator"
     )
     return "\n".join(rows)
 
 
 def check_fits(results: list[RankMemory], hardware: Hardware) -> None:
-    """Raises DoesNotFit for the rank that needs the most memory, if it needs more than the GPU has."""
-    usable = hardware.memory_bytes - hardware.reserved_bytes
+    """Raises DoesNotFit for the rank that needs the most memory, if its allocator peak (what a GPU run reports) is
+    more than the GPU leaves the allocator."""
     worst = max(results, key=lambda r: r.total_bytes)
-    if worst.total_bytes <= usable:
+    reserved = reserved_bytes(worst.total_bytes)
+    if reserved <= hardware.allocator_bytes:
         return
     parts = {
         "parameters": worst.param_bytes,
@@ -412,8 +413,9 @@ def check_fits(results: list[RankMemory], hardware: Hardware) -> None:
     largest = max(parts, key=parts.get)
     listed = ", ".join(f"{name} {size / GiB:.2f}" for name, size in parts.items())
     raise DoesNotFit(
-        f"rank {worst.rank} (pp {worst.pp}, dp {worst.dp}, tp {worst.tp}) needs {worst.total_bytes / GiB:.2f} GiB "
-        f"({listed}), more than the {usable / GiB:.2f} GiB of job.dry_run_gpu = {hardware.name}; the largest part "
+        f"rank {worst.rank} (pp {worst.pp}, dp {worst.dp}, tp {worst.tp}) needs {reserved / GiB:.2f} GiB of the CUDA "
+        f"allocator ({worst.total_bytes / GiB:.2f} GiB of tensors: {listed}), more than the "
+        f"{hardware.allocator_bytes / GiB:.2f} GiB job.dry_run_gpu = {hardware.name} leaves it; the largest part "
         f"is its {largest}. Shard more: a higher optimizer.zero_stage or data-parallel degree, more tensor or "
         "pipeline parallelism, activation_checkpoint.mode = full, or a smaller training.local_batch_size."
     )

@@ -29,8 +29,9 @@ class Hardware:
 
     name: the row's name, or the profile's.
     peak_flops: dense matmul FLOP/s of one device in the training dtype (bf16 on GPUs, fp32 on CPU).
-    memory_bytes: memory of one device, bytes.
-    reserved_bytes: bytes of it a job cannot use for tensors (CUDA context, NCCL buffers, allocator slack).
+    memory_bytes: memory of one device as the driver reports it (nvidia-smi's total), bytes.
+    reserved_bytes: bytes of it outside the CUDA caching allocator (the CUDA context, NCCL's own buffers). A layout
+        fits when its allocator peak (`torchpre.planner.allocator`) is at most `allocator_bytes`.
     intra_node_bw: bytes/s one device sends (per direction) to devices of its own node (NVLink).
     inter_node_bw: bytes/s one NIC sends (per direction) to other nodes.
     latency_s: seconds per step of a ring collective, and per point-to-point message.
@@ -74,6 +75,11 @@ class Hardware:
     nics_per_node: int = 0
 
     @property
+    def allocator_bytes(self) -> float:
+        """What the CUDA caching allocator may reserve: the device's memory less what lies outside it."""
+        return self.memory_bytes - self.reserved_bytes
+
+    @property
     def nic_bw_per_device(self) -> float:
         """Bytes/s of the node's NICs per device (per direction): each device's share when all send at once."""
         return (self.nics_per_node or self.gpus_per_node) * self.inter_node_bw / self.gpus_per_node
@@ -82,11 +88,14 @@ class Hardware:
 # Datasheet numbers (dense bf16 and FP8, SXM parts: NVIDIA prints FP8 with sparsity, 3,958 TFLOPS on H100/H200,
 # half of it dense; A100 has no FP8). Links: NVLink per direction per GPU; between nodes 8 NICs per node,
 # rail-optimised: 8 x 400 Gb/s on H100/H200 (DGX H100/H200: 8 ConnectX-7, 50 GB/s each) and 8 x 200 Gb/s on A100
-# (DGX A100: 8 ConnectX-6 HDR for compute, 25 GB/s each). Assumptions: a matmul reaches 60% of peak,
-# DP communication hides fully behind backward, ~5 us per eager op (CUDA launch + dispatch), 10 us per collective
-# step (one figure for NVLink and InfiniBand: the inter-node value, the conservative one), 2 GB reserved.
+# (DGX A100: 8 ConnectX-6 HDR for compute, 25 GB/s each). Memory as the driver reports it: 81,559 MiB on an H100
+# SXM 80GB and 143,771 MiB on an H200 (nvidia-smi's total), 79.15 GiB on an A100 SXM4 80GB (cudaMemGetInfo's
+# total). Assumptions: a matmul reaches 60% of peak, DP communication hides fully behind backward, ~5 us per eager op
+# (CUDA launch + dispatch), 10 us per collective step (one figure for NVLink and InfiniBand: the inter-node value,
+# the conservative one), 1 GiB outside the caching allocator (the CUDA context and NCCL's buffers; the allocator's
+# own slack and workspaces are in its peak, `torchpre.planner.allocator`).
 _GPU_ASSUMPTIONS = dict(
-    reserved_bytes=2e9, latency_s=10e-6, gpus_per_node=8, nics_per_node=8, matmul_efficiency=0.6, op_overhead_s=5e-6,
+    reserved_bytes=2**30, latency_s=10e-6, gpus_per_node=8, nics_per_node=8, matmul_efficiency=0.6, op_overhead_s=5e-6,
     overlap=1.0,
 )
 # Meta's Grand Teton H100s, the platform of torchtitan's published benchmark (pytorch/torchtitan,
@@ -110,11 +119,11 @@ H100_96GB_HBM2E_500W = Hardware(
 HARDWARE: dict[str, Hardware] = {
     row.name: row
     for row in (
-        Hardware("h100-80gb", peak_flops=989e12, memory_bytes=80e9, intra_node_bw=450e9, inter_node_bw=50e9,
+        Hardware("h100-80gb", peak_flops=989e12, memory_bytes=81_559 * 2**20, intra_node_bw=450e9, inter_node_bw=50e9,
                  mem_bw=3.35e12, fp8_peak_flops=1979e12, **_GPU_ASSUMPTIONS),
-        Hardware("h200-141gb", peak_flops=989e12, memory_bytes=141e9, intra_node_bw=450e9, inter_node_bw=50e9,
+        Hardware("h200-141gb", peak_flops=989e12, memory_bytes=143_771 * 2**20, intra_node_bw=450e9, inter_node_bw=50e9,
                  mem_bw=4.8e12, fp8_peak_flops=1979e12, **_GPU_ASSUMPTIONS),
-        Hardware("a100-80gb", peak_flops=312e12, memory_bytes=80e9, intra_node_bw=300e9, inter_node_bw=25e9,
+        Hardware("a100-80gb", peak_flops=312e12, memory_bytes=79.15 * 2**30, intra_node_bw=300e9, inter_node_bw=25e9,
                  mem_bw=2.0e12, **_GPU_ASSUMPTIONS),
         H100_96GB_HBM2E_500W,
     )
