@@ -104,6 +104,12 @@ def test_the_shape_keys_shape_the_predicted_model():
     predicted = predict_fixed(deeper, hardware, 2)
     assert (predicted.peak.param_bytes, predicted.peak.total_bytes) == (counted.param_bytes, counted.total_bytes)
     assert predicted.tokens_per_sec < 0.6 * flavor.tokens_per_sec  # twice the blocks: about half the tokens/s
+    # another shape in the same process is measured anew, not read from the probes' caches of the one before
+    wider = parse_args(JobConfig, [*keys, "--model.dim", "128", "--model.n_layers", "4"])
+    counted = build_rank(wider, 2, 0, checkpoint=False)
+    predicted = predict_fixed(wider, hardware, 2)
+    assert predicted.peak.param_bytes == counted.param_bytes
+    assert predicted.peak.total_bytes == pytest.approx(counted.total_bytes, rel=0.01)
 
 
 def test_a_feed_forward_width_tensor_parallelism_cannot_split_is_refused_at_start_up(tmp_path):

@@ -208,7 +208,9 @@ def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator
     spec = get_model_spec(config.model.name)
     args = with_model_shape(config.model, spec.flavors[config.model.flavor])
     n_layers = sum(stage_blocks)
-    name = f"{config.model.flavor}[{n_layers} layers]"
+    # The name carries the shape keys it folds in: the probes' caches know a config by its TOML, flavor name and all.
+    shape = "".join(f"{key} {getattr(config.model, key)}, " for key in SHAPE_KEYS if getattr(config.model, key))
+    name = f"{config.model.flavor}[{shape}{n_layers} layers]"
     spec.flavors[name] = dataclasses.replace(args, n_layers=n_layers)
     short = copy.deepcopy(config)
     short.model.flavor = name
