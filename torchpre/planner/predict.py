@@ -210,13 +210,15 @@ def _step_grad_bytes(checked: CheckedLayout, states: Pieces, chunks: list, state
 
 
 def _compiled_cut(checked: CheckedLayout, block: MicrobatchCost, blocks: int) -> float:
-    """The saved bytes compile spares a stage chunk of `blocks` blocks: (1 - COMPILED_SAVED_KEPT) of what its eager
-    blocks save beyond their inputs (`torchpre.planner.allocator`); none without compile or under full AC."""
+    """The saved bytes compile spares a stage chunk of `blocks` blocks: (1 - COMPILED_SAVED_KEPT[AC mode]) of what
+    its eager blocks save beyond their inputs (`torchpre.planner.allocator`); none without compile or under full
+    AC."""
     config = checked.config
-    if not config.compile.enable or config.activation_checkpoint.mode == "full":
+    mode = config.activation_checkpoint.mode
+    if not config.compile.enable or mode == "full":
         return 0.0
     beyond_input = max(block.saved_bytes - _block_input_bytes(checked), 0)
-    return (1 - COMPILED_SAVED_KEPT) * blocks * beyond_input
+    return (1 - COMPILED_SAVED_KEPT[mode]) * blocks * beyond_input
 
 
 def _block_input_bytes(checked: CheckedLayout) -> int:
