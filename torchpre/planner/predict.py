@@ -65,6 +65,14 @@ class Prediction:
     flops_per_token: int
     gpus: int
     hardware: Hardware
+    works: tuple[RankWork, ...] = ()  # each pipeline rank's work, as timed (`on` times it on other hardware)
+    time_layout: TimeLayout | None = None
+
+    def on(self, hardware: Hardware) -> "Prediction":
+        """The same layout on another hardware profile: its pieces and memory stay, its step is timed anew (a fit
+        of a profile's efficiencies times every row again without probing it)."""
+        step = step_time(self.time_layout, self.works, hardware) if self.works else None
+        return dataclasses.replace(self, step=step, hardware=hardware)
 
     @property
     def peak(self) -> RankPrediction:
@@ -154,9 +162,10 @@ def predict(
         grads = _step_grad_bytes(checked, states, list(shape), state)
         ranks.append(RankPrediction(pp_rank, state.param_bytes, grads, state.optimizer_state_bytes, activations,
                                     state.optimizer_step_bytes))  # fmt: skip
-    timing = step_time(_time_layout(checked), [work_of[shape] for shape in chunks], hardware)
+    works, time_layout = tuple(work_of[shape] for shape in chunks), _time_layout(checked)
+    timing = step_time(time_layout, works, hardware)
     tokens = config.training.global_batch_size * config.training.seq_len
-    return Prediction(checked, ranks, timing, tokens, flops_per_token, gpus, hardware)
+    return Prediction(checked, ranks, timing, tokens, flops_per_token, gpus, hardware, works, time_layout)
 
 
 def _rank_state(states: Pieces, step: StepTransient, shape: tuple) -> StateCost:
