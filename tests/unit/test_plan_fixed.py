@@ -145,3 +145,14 @@ def test_a_layout_fits_when_its_allocator_peak_does(capsys, tmp_path):
     assert not layout["fits"] and layout["memory_gib"] * 2**30 > small.allocator_bytes
     wider = dataclasses.replace(small, memory_bytes=prediction.reserved_bytes + hardware.reserved_bytes)
     assert predict_fixed(parse_args(JobConfig, keys), wider, 2).fits
+
+
+def test_a_prediction_timed_on_other_hardware_is_that_hardwares_prediction():
+    """`Prediction.on` (what a fit of a profile's efficiencies times every row with) gives the numbers predicting on
+    that hardware gives, without probing again."""
+    keys = [*TINY, "--parallelism.data_parallel_degree", "2", "--training.local_batch_size", "2"]
+    h100, a100 = get_hardware("h100-80gb"), get_hardware("a100-80gb")
+    retimed = predict_fixed(parse_args(JobConfig, keys), h100, 2).on(a100)
+    direct = predict_fixed(parse_args(JobConfig, keys), a100, 2)
+    assert retimed.step == direct.step and retimed.tokens_per_sec == direct.tokens_per_sec
+    assert retimed.tokens_per_sec != predict_fixed(parse_args(JobConfig, keys), h100, 2).tokens_per_sec

@@ -6,13 +6,14 @@ CI predicts torchtitan's rows and a seeded sample of the corpus (a row of each s
 `-m published_corpus` every row of bench/published_runs.py, each pinned, and the summary docs/planning.md prints.
 """
 
+import dataclasses
 import itertools
 import random
 import statistics
 
 import pytest
 
-from bench.plan_vs_published import HELD_OUT, ROWS, compare, compare_all
+from bench.plan_vs_published import HELD_OUT, ROWS, compare, compare_all, fit
 from bench.published_runs import (
     BRIDGE,
     CALIBRATION,
@@ -29,6 +30,7 @@ from bench.published_runs import (
     megatron_tokens,
 )
 from tests.unit.published_pins import CORPUS_PINNED, NOT_FITTING, SUMMARY
+from torchpre.planner.hardware import get_hardware
 from torchpre.planner.predict import ERROR_BARS
 
 pytest.importorskip("torchao")  # the Float8 rows' linears
@@ -60,6 +62,14 @@ def test_published_throughput_is_converted_as_each_source_counts_it():
     assert MEGATRON_T1[-1].tokens_per_s_per_gpu == pytest.approx(19.96, abs=0.01)
     assert LLAMA3_ROWS[0].tokens_per_s_per_gpu == pytest.approx(163.8, abs=0.1)
     assert MEGATRON_T1[0].tokens_per_s_per_gpu == pytest.approx(9288, abs=1)  # 1.7B at 137 TFLOP/s
+
+
+def test_a_fit_moves_an_efficiency_to_the_grid_value_its_rows_fit_best():
+    """`fit` on torchtitan's first three 8B rows (table 1), from a matmul rate of 0.30, lands on 0.63, the grid value
+    that minimises their absolute log errors (all ten rows, whose attention-heavy long-context rows pull it down, fit
+    0.59: the row's value): the coordinate search moves to the best of the grid, not to where it started."""
+    hardware = dataclasses.replace(get_hardware(TORCHTITAN.hardware), matmul_efficiency=0.30)
+    assert fit(ROWS[:3], hardware, ("matmul_efficiency",)) == {"matmul_efficiency": 0.63}
 
 
 @pytest.fixture(scope="module")
