@@ -577,7 +577,7 @@ def test_deepseek_v3_671B_on_2048_h100s_at_its_pretraining_shape(monkeypatch):
     print(result.table(8))
     assert result.fitting and all(p.checked.layout.ep > 1 for p in result.fitting), result.table(8)
     deepseek = next(p for p in result.predictions if (p.checked.layout.pp, p.checked.layout.ep) == (16, 64))
-    assert deepseek.fits and deepseek.peak.total_bytes == pytest.approx(51.43 * 2**30, rel=1e-3)
+    assert deepseek.fits and deepseek.peak.total_bytes == pytest.approx(51.49 * 2**30, rel=1e-3)
 
 
 def test_a_first_stage_without_the_dense_blocks_is_refused_by_name():
