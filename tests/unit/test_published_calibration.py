@@ -30,8 +30,13 @@ from bench.published_runs import (
     megatron_tokens,
 )
 from tests.unit.published_pins import CORPUS_PINNED, NOT_FITTING, SUMMARY
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args
+from torchpre.planner import layouts
+from torchpre.planner import search as search_module
 from torchpre.planner.hardware import get_hardware
 from torchpre.planner.predict import ERROR_BARS
+from torchpre.planner.search import search
 
 pytest.importorskip("torchao")  # the Float8 rows' linears
 
@@ -170,3 +175,24 @@ def test_the_corpus_summary_is_the_documented_one(corpus):
         assert statistics.median(abs(e) for e in errors) == pytest.approx(median, abs=0.005)
         assert max(errors, key=abs) == pytest.approx(worst, abs=0.01)
         assert sum(c.fits for c in corpus if c.run.source.calibration == calibration) == fit
+
+
+def test_a_search_for_a_published_job_offers_its_layout_or_a_faster_one_that_fits(monkeypatch):
+    """MosaicML's 13B at 2,048 tokens on 8 H100s, 16 sequences per step (FSDP over 8, no checkpointing, 2 sequences
+    per microbatch): a search of the same job (its model, batch, precision and kernels; tp 1-2, no pipelining, ZeRO 1
+    and 3, no or full checkpointing, 1 or 2 sequences per microbatch, to keep its probes few) lists, among its ten
+    fastest fitting layouts, the published one or one predicted faster that fits."""
+    (row,) = [r for r in CORPUS if r.source is MOSAIC_H100 and r.model.label == "mpt-13b" and r.seq_len == 2048
+              and r.gpus == 8]  # fmt: skip
+    for name, value in (("ZERO_STAGES", (1, 3)), ("AC_MODES", ("none", "full")), ("MICROBATCH_SIZES", (1, 2))):
+        monkeypatch.setattr(layouts, name, value)
+    every = layouts.candidates
+    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        layout for layout in every(*args, **kwargs) if layout.tp <= 2 and layout.pp == 1))  # fmt: skip
+    monkeypatch.setattr(search_module, "needs_context_parallel", lambda predictions: False)
+    result = search(parse_args(JobConfig, row.argv()), get_hardware(row.source.hardware), row.gpus)
+    published = compare(row).prediction
+    top = result.fitting[:10]
+    layout = published.checked.layout
+    assert top and (layout in [p.checked.layout for p in top] or top[0].tokens_per_sec > published.tokens_per_sec)
+    assert published.fits and layout in [p.checked.layout for p in top]
