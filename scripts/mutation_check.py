@@ -509,8 +509,8 @@ BREAKS = [
           "a probe's trace gets an entry per view of a counted storage: cp2's and cp4's traces differ in length, "
           "and every cp degree is probed instead of interpolated"),
     Break("plan-collective-count-ignored", "torchpre/planner/time_model.py",
-          "    return collective.count * collective_seconds(collective.op, size, collective.bytes, bw, hardware)",
-          "    return collective_seconds(collective.op, size, collective.bytes, bw, hardware)",
+          "    return collective.count * group_seconds(collective.op, size, per_node, collective.bytes, hardware)",
+          "    return group_seconds(collective.op, size, per_node, collective.bytes, hardware)",
           ("tests/unit/test_plan.py::test_the_cp_communication_is_the_key_and_value_gathers_of_every_attention_layer",),
           "a stage's n blocks run each of a block's collectives once, not n times"),
     Break("plan-shape-keys-regrow-the-probes", "torchpre/planner/pieces.py",
