@@ -1,130 +1,53 @@
-"""The planner's predictions against torchtitan's published H100 runs (issue 53), row by row.
+"""The planner's predictions against published training runs (issues 53 and 61), row by row.
 
-torchtitan's `benchmarks/llama3_h100_202412_torchtitan.md` (torchtitan 9dec370, 2024-12-26) reports, for Llama 3.1
-8B, 70B and 405B on Grand Teton hosts (8 x H100 SXM 96 GB HBM2e at 500 W per host, NVLink, 400 Gb/s RDMA per GPU),
-the tokens per second per GPU at iteration 90 and the peak memory the CUDA caching allocator reserved (max over
-GPUs). Each row here is that run's keys (torchtitan's llama3_*.toml of that commit: seq_len 8192, selective AC
-'op'; bf16 parameters, fp32 reductions, AdamW, vocabulary 128,256, FSDP2 = ZeRO-3; with TP, sequence and loss
-parallel as torchtitan applies them; a pipeline split into as many microbatches as stages, torchtitan's default, two
-stages per rank for Interleaved 1F1B), counted by a dry run of the whole job (rank 0's tensor peak) and predicted by
-`predict_fixed` on the `h100-96gb-hbm2e-500w` profile: the planner's tensor and reserved peaks, TPS/GPU and MFU
-(against the H100 SXM bf16 peak, as torchtitan quotes it).
+The corpus is `bench/published_runs.py`: every row a published run on the planner's keys, with its source, layout,
+precision and published throughput (and memory where published), predicted by `predict_fixed` on its source's
+hardware row. The model's efficiencies are fitted on the calibration rows (Megatron-LM 2021's Tables 1 and 2,
+MosaicML's H100 BF16 table, torchtitan's 8B rows: `--fit` prints the fit); every other row only evaluates it.
 
-The model's two fitted efficiencies were fitted on the 8B rows (`ROWS`) only. The 70B and 405B rows (`HELD_OUT`)
-check it: nothing was fitted to them, and they use what the 8B rows do not (tensor parallelism, pipelines).
+    python -m bench.plan_vs_published              torchtitan's 8B rows, each with a dry run of the whole job
+    python -m bench.plan_vs_published --held-out   torchtitan's 70B and 405B rows
+    python -m bench.plan_vs_published --all        the whole corpus: the table, the errors, which rows fit
+    python -m bench.plan_vs_published --fit        the efficiencies that fit the calibration rows best
 
-Usage: python -m bench.plan_vs_published [--gpu NAME] [--plot published.png] [--no-dry-run] [--held-out]
+`--plot P.png` draws predicted against published; `--no-dry-run` leaves the dry runs out.
 """
 
 import argparse
+import dataclasses
 import logging
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.published_runs import CALIBRATION, CORPUS, TORCHTITAN_HELD_OUT_ROWS, TORCHTITAN_ROWS, Run
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.planner.dryrun import build_rank
 from torchpre.planner.fixed import predict_fixed
-from torchpre.planner.hardware import get_hardware
+from torchpre.planner.hardware import Hardware, get_hardware
 from torchpre.planner.predict import Prediction
 
 GiB = 2**30
-H100_SXM_BF16_PEAK = 989e12  # what torchtitan's MFU divides by (their footnote 2)
-MODEL = ["--model.vocab_size", "128256", "--training.dataset", "synthetic",
-         "--training.mixed_precision_param", "bfloat16", "--optimizer.reduce_dtype", "float32",
-         "--optimizer.zero_stage", "3"]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Published:
-    """One row of torchtitan's table: its run's shape and what it measured."""
-
-    table: int
-    gpus: int
-    cp: int
-    seq_len: int
-    local_batch: int
-    ac: str
-    compile: bool
-    float8: bool
-    tps_per_gpu: float
-    memory_gib: float
-    flavor: str = "8B"
-    tp: int = 1
-    pp: int = 1
-    schedule: str = ""  # with pp > 1: 1F1B or Interleaved1F1B
-
-    @property
-    def dp(self) -> int:
-        return self.gpus // (self.cp * self.tp * self.pp)
-
-    @property
-    def stages_per_rank(self) -> int:
-        return 2 if self.schedule == "Interleaved1F1B" else 1
-
-    @property
-    def name(self) -> str:
-        extras = "+compile" * self.compile + "+float8" * self.float8
-        degrees = "".join(f" {axis}{n}" for axis, n in (("cp", self.cp), ("tp", self.tp), ("pp", self.pp)) if n > 1)
-        schedule = f" {self.schedule}" if self.pp > 1 else ""
-        return f"t{self.table} {self.flavor} fsdp{self.dp}{degrees}{schedule} seq{self.seq_len // 1024}k " \
-            f"ac:{self.ac}{extras}"
-
-    def argv(self) -> list[str]:
-        """The job's keys, as `python -m torchpre.plan --fixed` takes them."""
-        keys = [*MODEL, "--model.flavor", self.flavor, "--training.seq_len", str(self.seq_len),
-                "--training.local_batch_size", str(self.local_batch),
-                "--training.global_batch_size", str(self.local_batch * self.dp),
-                "--parallelism.data_parallel_degree", str(self.dp),
-                "--parallelism.context_parallel_degree", str(self.cp), "--activation_checkpoint.mode", self.ac]
-        if self.tp > 1:
-            keys += ["--parallelism.tensor_parallel_degree", str(self.tp), "--parallelism.enable_sequence_parallel",
-                     "--parallelism.enable_loss_parallel"]
-        if self.pp > 1:
-            microbatches = self.pp * self.stages_per_rank  # torchtitan's default: one per stage
-            keys += ["--parallelism.pipeline_parallel_degree", str(self.pp),
-                     "--parallelism.pipeline_parallel_schedule", self.schedule,
-                     "--parallelism.pipeline_parallel_virtual_stages", str(self.stages_per_rank),
-                     "--parallelism.pipeline_parallel_microbatch_size", str(self.local_batch // microbatches)]
-        keys += ["--compile.enable"] * self.compile
-        keys += ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise"] * self.float8
-        return keys
-
-
-ROWS = (
-    Published(1, 8, 1, 8192, 2, "selective", False, False, 5762, 82.4),
-    Published(1, 8, 1, 8192, 2, "selective", True, False, 6667, 77.0),
-    Published(1, 8, 1, 8192, 2, "selective", True, True, 8532, 76.8),
-    Published(2, 8, 1, 32768, 1, "full", True, True, 3890, 83.9),
-    Published(2, 8, 2, 65536, 1, "full", True, True, 2540, 84.2),
-    Published(2, 8, 4, 131072, 1, "full", True, True, 1071, 84.0),
-    Published(2, 8, 8, 262144, 1, "full", True, True, 548, 84.5),
-    Published(3, 128, 1, 8192, 2, "selective", False, False, 5605, 67.0),
-    Published(3, 128, 1, 8192, 2, "selective", True, False, 6514, 62.0),
-    Published(3, 128, 1, 8192, 2, "selective", True, True, 8380, 61.8),
-)  # fmt: skip
-# Tables 4-6: 70B on 256 GPUs and 405B on 512, compiled with Float8. Table 4's "2D + AsyncTP" row and tables 5 and
-# 6, which run AsyncTP, are compared all the same: the model does not overlap TP's collectives with the matmuls, so
-# it predicts those rows slower by the TP communication AsyncTP hides.
-HELD_OUT = (
-    Published(4, 256, 1, 8192, 16, "full", True, True, 829, 71.9, flavor="70B", tp=8),
-    Published(5, 512, 1, 8192, 32, "full", True, True, 100, 82.5, flavor="405B", tp=8, pp=8, schedule="1F1B"),
-    Published(5, 512, 1, 8192, 32, "full", True, True, 128, 72.7, flavor="405B", tp=8, pp=8,
-              schedule="Interleaved1F1B"),
-    Published(6, 512, 1, 32768, 8, "full", True, True, 76, 75.3, flavor="405B", tp=8, pp=8, schedule="1F1B"),
-    Published(6, 512, 2, 65536, 8, "full", True, True, 47, 75.9, flavor="405B", tp=8, pp=8, schedule="1F1B"),
-    Published(6, 512, 4, 131072, 8, "full", True, True, 31, 77.1, flavor="405B", tp=8, pp=8, schedule="1F1B"),
-    Published(6, 512, 8, 262144, 8, "full", True, True, 16, 84.9, flavor="405B", tp=8, pp=8, schedule="1F1B"),
-)  # fmt: skip
+ROWS, HELD_OUT = TORCHTITAN_ROWS, TORCHTITAN_HELD_OUT_ROWS
+# The efficiencies `--fit` fits on each hardware row's calibration rows (the other fields are the rows' assumptions).
+# The A100's calibration rows (Megatron-LM 2021) ran the fused softmax over whole s x s scores, not flash attention,
+# which torchpre runs: they fit its matmul rate only.
+FITTED = ("matmul_efficiency", "attention_efficiency")
+FITTED_ON = {"a100-80gb": ("matmul_efficiency",)}
 
 
 @dataclass(frozen=True)
 class Compared:
-    row: Published
+    run: Run
     prediction: Prediction
     dry_run_bytes: int | None = None  # rank 0's tensor peak, from a dry run of the whole job (`--dry-run`)
+
+    @property
+    def row(self) -> Run:
+        return self.run
 
     @property
     def tensor_gib(self) -> float:
@@ -136,46 +59,53 @@ class Compared:
 
     @property
     def tps_per_gpu(self) -> float:
-        return self.prediction.tokens_per_sec / self.prediction.gpus
+        return self.prediction.tokens_per_s_per_gpu
 
     @property
     def mfu(self) -> float:
-        """Against the H100 SXM bf16 peak, as torchtitan quotes MFU for this platform."""
-        return self.prediction.flops_per_token * self.tps_per_gpu / H100_SXM_BF16_PEAK
+        """Against the GPU's bf16 peak, as the sources quote MFU (torchtitan: the H100 SXM's)."""
+        return self.prediction.flops_per_token * self.tps_per_gpu / self.prediction.hardware.peak_flops
 
     @property
-    def memory_error(self) -> float:
-        return self.reserved_gib / self.row.memory_gib - 1
+    def memory_error(self) -> float | None:
+        return None if self.run.memory_gib is None else self.reserved_gib / self.run.memory_gib - 1
 
     @property
     def tps_error(self) -> float:
-        return self.tps_per_gpu / self.row.tps_per_gpu - 1
+        return self.tps_per_gpu / self.run.tokens_per_s_per_gpu - 1
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction.fits
 
 
-def compare(row: Published, gpu: str, dry_run: bool = False) -> Compared:
-    """The planner's prediction of the row's run and, with `dry_run`, the dry run's count of its rank 0."""
-    config = parse_args(JobConfig, row.argv())
-    counted = build_rank(config, row.gpus, 0, checkpoint=False).total_bytes if dry_run else None
-    return Compared(row, predict_fixed(config, get_hardware(gpu), row.gpus), counted)
+def compare(run: Run, dry_run: bool = False, hardware: Hardware | None = None) -> Compared:
+    """The planner's prediction of the run (on its source's hardware row, or `hardware`) and, with `dry_run`, the
+    dry run's count of its rank 0."""
+    config = parse_args(JobConfig, run.argv())
+    counted = build_rank(config, run.gpus, 0, checkpoint=False).total_bytes if dry_run else None
+    prediction = predict_fixed(config, hardware or get_hardware(run.source.hardware), run.gpus)
+    return Compared(run, prediction, counted)
 
 
-def compare_all(gpu: str, dry_run: bool = False, rows: Sequence[Published] = ROWS) -> list[Compared]:
+def compare_all(rows: Sequence[Run] = ROWS, dry_run: bool = False) -> list[Compared]:
     logging.getLogger("torchpre").setLevel(logging.WARNING)
-    return [compare(row, gpu, dry_run) for row in rows]
+    return [compare(row, dry_run) for row in rows]
 
 
 def table(compared: Sequence[Compared]) -> str:
-    """A Markdown table of every row and a summary line of the worst and median errors."""
+    """torchtitan's rows as a Markdown table (tensor, reserved and published memory) and the worst and median
+    errors."""
     lines = [
         "| run | dry run GiB | tensor GiB | reserved GiB | published GiB | error | TPS/GPU | published | error | MFU |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in compared:
         counted = "" if c.dry_run_bytes is None else f"{c.dry_run_bytes / GiB:.1f}"
-        memory = f"{counted} | {c.tensor_gib:.1f} | {c.reserved_gib:.1f} | {c.row.memory_gib:.1f}"
+        memory = f"{counted} | {c.tensor_gib:.1f} | {c.reserved_gib:.1f} | {c.run.memory_gib:.1f}"
         memory += f" | {c.memory_error:+.1%}"
-        tps = f"{c.tps_per_gpu:,.0f} | {c.row.tps_per_gpu:,.0f} | {c.tps_error:+.1%}"
-        lines.append(f"| {c.row.name} | {memory} | {tps} | {c.mfu:.1%} |")
+        tps = f"{c.tps_per_gpu:,.0f} | {c.run.tokens_per_s_per_gpu:,.0f} | {c.tps_error:+.1%}"
+        lines.append(f"| {c.run.name} | {memory} | {tps} | {c.mfu:.1%} |")
     memory = [abs(c.memory_error) for c in compared]
     tps = [abs(c.tps_error) for c in compared]
     lines.append(f"\nmemory error: worst {max(memory):.1%}, median {statistics.median(memory):.1%}; "
@@ -183,40 +113,141 @@ def table(compared: Sequence[Compared]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Errors:
+    """A set of rows' tokens/s errors: how many, the median of their sizes, the worst (signed), how many fit."""
+
+    rows: int
+    median: float
+    worst: float
+    fit: int
+
+    @classmethod
+    def of(cls, compared: Sequence[Compared]) -> "Errors":
+        errors = [c.tps_error for c in compared]
+        return cls(len(compared), statistics.median(abs(e) for e in errors), max(errors, key=abs),
+                   sum(c.fits for c in compared))  # fmt: skip
+
+    def line(self, label: str) -> str:
+        return (f"{label}: {self.rows} rows, TPS/GPU error median {self.median:.1%}, worst {self.worst:+.1%}; "
+                f"{self.fit} of {self.rows} predicted to fit")
+
+
+def corpus_table(compared: Sequence[Compared]) -> str:
+    """Every row: its source, whether it calibrates, the predicted allocator peak against what the card leaves it,
+    tokens/s per GPU against the published; then the errors of the calibration and evaluation rows."""
+    lines = [
+        "| run | set | allocator GiB | of GiB | published GiB | TPS/GPU | published | error | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in compared:
+        published = "" if c.run.memory_gib is None else f"{c.run.memory_gib:.1f}"
+        card = c.prediction.hardware.allocator_bytes / GiB
+        kind = "calibration" if c.run.source.calibration else "evaluation"
+        lines.append(f"| {c.run.name} | {kind} | {c.reserved_gib:.1f}{'' if c.fits else ' (does not fit)'} | "
+                     f"{card:.1f} | {published} | {c.tps_per_gpu:,.0f} | {c.run.tokens_per_s_per_gpu:,.0f} | "
+                     f"{c.tps_error:+.1%} | {c.mfu:.1%} |")  # fmt: skip
+    return "\n".join([*lines, "", *summary_lines(compared)])
+
+
+def summary_lines(compared: Sequence[Compared]) -> list[str]:
+    calibration = [c for c in compared if c.run.source.calibration]
+    evaluation = [c for c in compared if not c.run.source.calibration]
+    lines = [Errors.of(rows).line(label) for label, rows in (("calibration", calibration),
+                                                            ("evaluation only", evaluation)) if rows]  # fmt: skip
+    by_source: dict[str, list[Compared]] = {}
+    for c in compared:
+        by_source.setdefault(c.run.source.short, []).append(c)
+    lines += [Errors.of(rows).line(f"  {source}") for source, rows in by_source.items()]
+    return lines
+
+
+def fit(rows: Sequence[Run], hardware: Hardware, fields: Sequence[str] = FITTED) -> dict[str, float]:
+    """The values of `fields` (fractions of a peak) that minimise the sum of the rows' |log(predicted / published)|
+    tokens/s on `hardware`: absolute, not squared, so that the few rows the model does not describe (DeepSpeed's
+    ZeRO-3 over 768 and more A100s, 3x slower than its compute) move it no more than any other row. Each row is
+    probed once and timed again for every candidate (`Prediction.on`); a coordinate search over a grid of 0.01."""
+    logging.getLogger("torchpre").setLevel(logging.WARNING)
+    predictions = [compare(row, hardware=hardware).prediction for row in rows]
+    published = [row.tokens_per_s_per_gpu for row in rows]
+
+    def loss(values: dict[str, float]) -> float:
+        candidate = dataclasses.replace(hardware, **values)
+        return sum(abs(math.log(max(p.on(candidate).tokens_per_s_per_gpu, 1e-9) / t))
+                   for p, t in zip(predictions, published))  # fmt: skip
+
+    values = {name: getattr(hardware, name) or hardware.matmul_efficiency for name in fields}
+    return _coordinate_search(values, loss)
+
+
+def _coordinate_search(values: dict[str, float], loss: Callable[[dict[str, float]], float]) -> dict[str, float]:
+    """Each field in turn moved to the best of 0.05..1.0 (step 0.01) with the others held, until none moves."""
+    grid = [round(0.05 + 0.01 * i, 2) for i in range(96)]
+    best = loss(values)
+    while True:
+        moved = False
+        for name in values:
+            scores = {value: loss({**values, name: value}) for value in grid}
+            value = min(scores, key=scores.get)
+            if scores[value] < best - 1e-12:
+                values, best, moved = {**values, name: value}, scores[value], True
+        if not moved:
+            return values
+
+
 def plot(compared: Sequence[Compared], path: Path) -> None:
-    """Predicted against published, memory and TPS/GPU, with the y = x line and the error bands."""
+    """Predicted against published tokens/s per GPU (log scales), calibration and evaluation rows apart, with the
+    y = x line and the ±20% band; memory where published."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, title, band, pairs in (
-        (axes[0], "peak reserved memory, GiB", 0.10, [(c.row.memory_gib, c.reserved_gib) for c in compared]),
-        (axes[1], "tokens/s per GPU", 0.20, [(c.row.tps_per_gpu, c.tps_per_gpu) for c in compared]),
-    ):
-        published, predicted = zip(*pairs)
-        top = max(*published, *predicted) * 1.1
-        ax.plot([0, top], [0, top], color="black", linewidth=0.8)
-        ax.fill_between([0, top], [0, top * (1 - band)], [0, top * (1 + band)], alpha=0.15, label=f"±{band:.0%}")
-        ax.scatter(published, predicted)
-        ax.set(title=title, xlabel="published (torchtitan, H100 96 GB 500 W)", ylabel="predicted", xlim=(0, top),
-               ylim=(0, top))
-        ax.legend()
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.8))
+    for calibration, marker in ((True, "o"), (False, "^")):
+        rows = [c for c in compared if c.run.source.calibration == calibration]
+        label = "calibration" if calibration else "evaluation only"
+        axes[0].scatter([c.run.tokens_per_s_per_gpu for c in rows], [c.tps_per_gpu for c in rows], marker=marker,
+                        label=label, s=18)  # fmt: skip
+        with_memory = [c for c in rows if c.run.memory_gib is not None]
+        axes[1].scatter([c.run.memory_gib for c in with_memory], [c.reserved_gib for c in with_memory],
+                        marker=marker, label=label, s=18)  # fmt: skip
+    low, high = 5, 3e5
+    axes[0].plot([low, high], [low, high], color="black", linewidth=0.8)
+    axes[0].fill_between([low, high], [low * 0.8, high * 0.8], [low * 1.2, high * 1.2], alpha=0.15, label="±20%")
+    axes[0].set(xscale="log", yscale="log", xlabel="published tokens/s per GPU", ylabel="predicted",
+                title="throughput")  # fmt: skip
+    axes[1].plot([0, 100], [0, 100], color="black", linewidth=0.8)
+    axes[1].fill_between([0, 100], [0, 90], [0, 110], alpha=0.15, label="±10%")
+    axes[1].set(xlabel="published GiB (allocator peak)", ylabel="predicted", title="memory", xlim=(0, 100),
+                ylim=(0, 100))  # fmt: skip
+    for ax in axes:
+        ax.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.plan_vs_published", description=__doc__.split("\n")[0])
-    parser.add_argument("--gpu", default="h100-96gb-hbm2e-500w", help="the hardware row or profile JSON")
     parser.add_argument("--plot", default="", help="draw predicted against published into this PNG")
     parser.add_argument("--no-dry-run", action="store_true", help="leave out the dry runs of whole jobs (faster)")
-    parser.add_argument("--held-out", action="store_true",
-                        help="the 70B and 405B rows the model was not fitted on, instead of the 8B rows")
+    rows = parser.add_mutually_exclusive_group()
+    rows.add_argument("--held-out", action="store_true", help="torchtitan's 70B and 405B rows, not its 8B rows")
+    rows.add_argument("--all", action="store_true", help="every row of the corpus (bench/published_runs.py)")
+    rows.add_argument("--fit", action="store_true", help="fit the efficiencies on each GPU's calibration rows")
     args = parser.parse_args(argv)
-    compared = compare_all(args.gpu, dry_run=not args.no_dry_run, rows=HELD_OUT if args.held_out else ROWS)
-    print(table(compared))
+    if args.fit:
+        for name in dict.fromkeys(row.source.hardware for row in CALIBRATION):
+            hardware = get_hardware(name)
+            calibration = [row for row in CALIBRATION if row.source.hardware == name]
+            print(f"{name} ({len(calibration)} rows): {fit(calibration, hardware, FITTED_ON.get(name, FITTED))}")
+        return
+    if args.all:
+        compared = compare_all(CORPUS)
+        print(corpus_table(compared))
+    else:
+        compared = compare_all(HELD_OUT if args.held_out else ROWS, dry_run=not args.no_dry_run and not args.held_out)
+        print(table(compared))
     if args.plot:
         plot(compared, Path(args.plot))
 

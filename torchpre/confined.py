@@ -351,6 +351,8 @@ def open_for_append(path: Path) -> BinaryIO:
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.EMLINK):
             raise UntrustedInput(_not_a_file(path, "a symbolic link")) from None
+        if error.errno in (errno.EISDIR, errno.ENXIO):  # a folder; a FIFO no one reads
+            raise UntrustedInput(_not_a_file(path, "not a regular file")) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -231,9 +231,7 @@ def main(argv: list[str]) -> None:
     folder, load_step = checkpoint_folder(config.job.dump_folder, config.checkpoint.folder), config.checkpoint.load_step
     step_dir = find_generation_step(folder, load_step)
     model = meta_model(config, spec, args)
-    trust = Trust.from_settings(config.checkpoint)
-    if step_dir.parent == folder:  # chosen among a run's checkpoints: it must be that run's
-        trust = resume_trust(folder, trust)
+    trust = _trust(config, folder, step_dir)
     allow_pickle = config.checkpoint.allow_pickle
     check_checkpoint_fits(model, FileCheck(step_dir, trust, "checkpoint.folder"), allow_pickle)
     check_saved_rope(step_dir, args, trust, allow_pickle)
@@ -255,7 +253,7 @@ def main(argv: list[str]) -> None:
         model, mesh, parallel_plan(config, spec, args, pipeline), device=device, init_weights=spec.init_buffers
     )
     state = {name: value for part in parallel.parts for name, value in part.state_dict().items()}
-    Loader(check, config.checkpoint.allow_pickle).load({"model": state})
+    Loader(check, allow_pickle).load({"model": state})
     for part in parallel.parts:
         part.eval()
     is_rank0 = dist.get_rank() == 0
@@ -285,6 +283,13 @@ def main(argv: list[str]) -> None:
         print(json.dumps(record), flush=True)
     else:
         print(completion, flush=True)
+
+
+def _trust(config: GenerateConfig, folder: Path, step_dir: Path) -> Trust:
+    """What the load accepts: the job's [checkpoint] settings; a step chosen among a run's checkpoints (`folder`'s)
+    must, under a signing key, be that run's."""
+    trust = Trust.from_settings(config.checkpoint)
+    return resume_trust(folder, trust) if step_dir.parent == folder else trust
 
 
 def decoding_config(config: GenerateConfig) -> GenerateConfig:

@@ -123,6 +123,25 @@ def test_a_small_file_is_parsed_only_as_the_bytes_its_digest_vouches_for(world, 
         read_values(FileCheck(step_dir))
 
 
+class _Refusing:
+    """A component that refuses values which are each fine but do not fit together (as the data sampler refuses a
+    position off the batch grid)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        raise ValueError(f"position {state['position']} is off the grid")
+
+
+def test_values_a_component_refuses_together_are_bad_input_naming_the_checkpoint(world, tmp_path):
+    """Found by the fuzzer: consumed_samples 8 -> 9 passed its range check, then the sampler's ValueError ended the
+    resume in a traceback."""
+    _manager(tmp_path, components=_components(step=2) | {"refusing": _Refusing()}).save(2)
+    with pytest.raises(UntrustedInput, match=r"step-2: the entry 'refusing' cannot be loaded \(position 0 is off"):
+        _manager(tmp_path, components=_components() | {"refusing": _Refusing()}).load(tmp_path / "step-2")
+
+
 # One bad value for each rule of state.json, with what the message says it should be.
 BAD_VALUES = {
     "train.step": [-54, 2.0, "2", None, 3],

@@ -118,6 +118,14 @@ def test_an_append_or_a_marker_through_a_link_is_refused(tmp_path, target):
     assert (victim.read_text() == "keep") if target == "file" else not victim.exists()
 
 
+@pytest.mark.parametrize("what", ["folder", "fifo"])
+def test_an_append_to_a_folder_or_a_fifo_is_refused_by_name(tmp_path, what):
+    """Found by the fuzzer: metrics.jsonl as a folder, or a FIFO no one reads (ENXIO), ended in a traceback."""
+    (tmp_path / "m.jsonl").mkdir() if what == "folder" else os.mkfifo(tmp_path / "m.jsonl")
+    with pytest.raises(UntrustedInput, match="m.jsonl is not a regular file, where torchpre writes a file"):
+        confined.open_for_append(tmp_path / "m.jsonl")
+
+
 def test_an_append_goes_to_the_end_of_a_regular_file_and_a_marker_is_kept(tmp_path):
     (tmp_path / "m.jsonl").write_bytes(b"1\n")
     with confined.open_for_append(tmp_path / "m.jsonl") as file:

@@ -55,7 +55,7 @@ def test_the_step_line_names_the_peak():
 def test_fp8_matmuls_run_at_the_fp8_peak():
     """1e12 FLOPs, 6e11 of them FP8, at 60%: 4e11 / 6e14 + 6e11 / 1.2e15 = 0.667 + 0.5 ms; without FP8 tensor cores
     all at the bf16 rate (1.667 ms)."""
-    h100 = get_hardware("h100-80gb")
+    h100 = dataclasses.replace(get_hardware("h100-80gb"), matmul_efficiency=0.6)
     work = Work(1e12, fp8_flops=6e11)
     assert compute_seconds(work, h100) == pytest.approx(4e11 / (989e12 * 0.6) + 6e11 / (1979e12 * 0.6))
     assert compute_seconds(work, dataclasses.replace(h100, fp8_peak_flops=0.0)) == pytest.approx(1e12 / (989e12 * 0.6))

@@ -258,10 +258,10 @@ def test_cp_is_searched_when_only_full_activation_checkpointing_fits(predictions
 @pytest.mark.plan_matrix
 def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
     """Llama 3 8B at 131,072 tokens on 64 H100s (16 sequences per step): without cp only full activation
-    checkpointing fits (tp8 with per-op checkpointing needs 74.6 of 72.6 usable GiB), so the planner searches cp and
-    offers cp layouts with per-op checkpointing among the fastest it prints (NeMo's recipe for this job: tp4 x pp2 x
-    cp8 on 64 GPUs). Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4 and tp8 (237 s here); `-s`
-    prints the table docs/context-parallel.md shows."""
+    checkpointing fits (tp8 with per-op checkpointing needs 74.6 GiB of tensors, 87.3 of the allocator's 78.6), so the
+    planner searches cp and offers cp layouts with per-op checkpointing among the fastest it prints (NeMo's recipe
+    for this job: tp4 x pp2 x cp8 on 64 GPUs). Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4
+    and tp8 (237 s here); `-s` prints the table docs/context-parallel.md shows."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective", "full")), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", ())):  # fmt: skip
         monkeypatch.setattr(layouts, name, values)
@@ -506,8 +506,9 @@ def _narrow(monkeypatch, tp: tuple[int, ...] = (1,), pp: tuple[int, ...] = (1,),
 def test_deepseek_v3_lite_on_8_h100s_fits_only_with_its_experts_split(monkeypatch):
     """deepseek_v3 lite (16.0B parameters, 14.4B of them in 26 layers of 64 routed experts) on 8 H100s at ZeRO-1, dp8,
     full activation checkpointing, one sequence of 4,096 tokens per microbatch. Replicated experts need their bf16
-    parameters and fp32 gradients whole on every rank: ep1's model state alone needs 107.2 GiB of the 72.6 usable,
-    ep2 70.3 GiB in all, ep8 40.1; each rank's parameter bytes fall as ep splits the experts, and its optimizer
+    parameters and fp32 gradients whole on every rank: ep1's model state alone needs 107.2 GiB of tensors, 125.5 GiB
+    of the allocator's 78.6, ep2 82.2 GiB in all (70.3 of tensors: the allocator's peak is what fits), ep8 47.0;
+    each rank's parameter bytes fall as ep splits the experts, and its optimizer
     state does not move (ZeRO-1 shards the experts' over the edp = dp / ep ranks that hold them: 1 / dp of them
     whatever ep). The search is cut to these four layouts (its probes take most of the time)."""
     _narrow(monkeypatch, ZERO_STAGES=(1,), AC_MODES=("full",), MICROBATCH_SIZES=(1,))
@@ -518,7 +519,7 @@ def test_deepseek_v3_lite_on_8_h100s_fits_only_with_its_experts_split(monkeypatc
     by_ep = {p.checked.layout.ep: p for p in result.predictions}
     assert sorted(by_ep) == [1, 2, 4, 8]
     assert by_ep[1].step is None and not by_ep[1].fits  # the model state alone does not fit
-    assert result.fitting[0].checked.layout.ep > 1 and len(result.fitting) == 3, result.table(4)
+    assert [p.checked.layout.ep for p in result.fitting] == [4, 8], result.table(4)
     params = [by_ep[ep].peak.param_bytes for ep in sorted(by_ep)]
     assert params == sorted(params, reverse=True) and len(set(params)) == 4
     assert len({by_ep[ep].peak.optimizer_state_bytes for ep in by_ep}) == 1
@@ -576,7 +577,7 @@ def test_deepseek_v3_671B_on_2048_h100s_at_its_pretraining_shape(monkeypatch):
     print(result.table(8))
     assert result.fitting and all(p.checked.layout.ep > 1 for p in result.fitting), result.table(8)
     deepseek = next(p for p in result.predictions if (p.checked.layout.pp, p.checked.layout.ep) == (16, 64))
-    assert deepseek.fits and deepseek.peak.total_bytes == pytest.approx(51.43 * 2**30, rel=1e-3)
+    assert deepseek.fits and deepseek.peak.total_bytes == pytest.approx(51.49 * 2**30, rel=1e-3)
 
 
 def test_a_first_stage_without_the_dense_blocks_is_refused_by_name():

@@ -17,6 +17,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from bench.pipeline_bubble import theory as bench_theory
 from torchpre.errors import ConfigError
 from torchpre.layouts.schedules import SCHEDULES, get_schedule
+from torchpre.planner.schedule_walk import held_peak
 
 FREES = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_INPUT)
 
@@ -114,3 +115,27 @@ def test_wrong_stage_counts_and_ranks_are_refused():
         get_schedule("ZBVZeroBubble").in_flight_microbatches(2, 4, 0, 1)
     with pytest.raises(ValueError, match="pipeline rank 2"):
         get_schedule("GPipe").in_flight_microbatches(2, 4, 2)
+
+
+@pytest.mark.parametrize("name, pp, microbatches, virtual", CASES)
+def test_the_walk_of_chunks_of_one_size_holds_the_closed_form_count(name, pp, microbatches, virtual):
+    """`held_peak` (what the planner and the dry run hold, chunk by chunk) with every chunk one unit: the table's
+    count on every rank."""
+    per_rank = _stages_per_rank(name, virtual)
+    try:
+        get_schedule(name).check_microbatches(microbatches, pp, pp * per_rank)
+    except ConfigError:
+        pytest.skip("torchpre does not run this schedule with these microbatches")
+    walked = [held_peak(name, pp, microbatches, rank, [1.0] * per_rank) for rank in range(pp)]
+    closed = [get_schedule(name).in_flight_microbatches(pp, microbatches, rank, per_rank) for rank in range(pp)]
+    assert walked == closed
+
+
+def test_an_interleaved_last_stage_is_held_for_one_microbatch_at_the_peak():
+    """Interleaved 1F1B at pp8 with 16 microbatches (torchtitan's 405B row): the last rank holds 9 chunk-forwards at
+    its peak, 8 of its first chunk and 1 of the last stage, whose backward follows its forward at once. With the last
+    stage's chunk 10 times the other's (its logits), the peak is 8 + 10, not 9 x 10."""
+    assert get_schedule("Interleaved1F1B").in_flight_microbatches(8, 16, 7, 2) == 9
+    assert held_peak("Interleaved1F1B", 8, 16, 7, [1.0, 10.0]) == 18
+    assert held_peak("Interleaved1F1B", 8, 16, 0, [1.0, 1.0]) == 23  # the first rank holds no last stage
+    assert held_peak("1F1B", 8, 16, 7, [10.0]) == 10

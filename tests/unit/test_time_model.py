@@ -1,9 +1,13 @@
 """The step-time model against hand-computed numbers (each expected value is worked out in the comment above it).
 
 A toy machine keeps the arithmetic readable: 1 TFLOP/s at 50% matmul efficiency (0.5e12 effective), 10 GB/s memory,
-1 ms per collective step, 4 GB/s within a node of 2 ranks, 1 GB/s between nodes. Tolerance: 1e-12 relative, float
+1 ms per collective step, 4 GB/s within a node of 2 ranks, one NIC of 1 GB/s per node (a group of both ranks of
+each node that spans nodes gets 1 GB/s: hierarchical latency, (k - 1) + (nodes - 1) ring steps, or 2 x ((k - 1) +
+log2(nodes)) for an all-reduce's tree). Tolerance: 1e-12 relative, float
 rounding only; the model is closed-form.
 """
+
+import dataclasses
 
 import pytest
 
@@ -14,16 +18,19 @@ from torchpre.planner.time_model import (
     RankWork,
     Work,
     assumptions,
+    collective_on,
     collective_seconds,
     compute_seconds,
     intra_node,
     rank_step_times,
+    ranks_per_node,
     step_time,
 )
 
 TOY = Hardware(
     name="toy", peak_flops=1e12, memory_bytes=1e10, reserved_bytes=0, intra_node_bw=4e9, inter_node_bw=1e9,
     latency_s=1e-3, gpus_per_node=2, matmul_efficiency=0.5, mem_bw=1e10, op_overhead_s=1e-6, overlap=1.0,
+    nics_per_node=1,
 )
 MiB = 2**20
 # forward 1e11 FLOPs = 0.2 s, backward 2e11 = 0.4 s at 0.5e12 FLOP/s
@@ -35,7 +42,7 @@ def approx(value):
 
 
 def test_one_rank_is_compute_and_optimizer():
-    """h100-80gb: 989e12 x 0.6 = 593.4e12 FLOP/s, 3.35e12 B/s, 5 us per op."""
+    """h100-80gb: 989e12 x 0.62 = 613.18e12 FLOP/s, 3.35e12 B/s, 5 us per op."""
     work = RankWork(
         forward=Work(flops=2e12, other_bytes=1.34e9, ops=400),
         backward=Work(flops=4e12, other_bytes=2.01e9, ops=600),
@@ -43,8 +50,8 @@ def test_one_rank_is_compute_and_optimizer():
         optimizer_ops=1000,
     )
     time = step_time(Layout(microbatches=4), [work], HARDWARE["h100-80gb"])
-    # per microbatch: 6e12 / 593.4e12 + 2.5 x 3.35e9 / 3.35e12 + 1000 x 5e-6 = 0.0101112234 + 0.0025 + 0.005
-    assert time.compute_s == approx(4 * (6e12 / 593.4e12 + 0.0025 + 0.005))
+    # per microbatch: 6e12 / 613.18e12 + 2.5 x 3.35e9 / 3.35e12 + 1000 x 5e-6 = 0.0097850 + 0.0025 + 0.005
+    assert time.compute_s == approx(4 * (6e12 / 613.18e12 + 0.0025 + 0.005))
     # AdamW: 3.5 x 8e9 / 3.35e12 + 1000 x 5e-6
     assert time.optimizer_s == approx(3.5 * 8e9 / 3.35e12 + 0.005)
     assert (time.tp_comm_s, time.pp_comm_s, time.dp_comm_s, time.bubble_s) == (0, 0, 0, 0)
@@ -66,12 +73,46 @@ def test_405b_layout_uses_nvlink_for_tp_only():
     time = rank_step_times(layout, [work] * 16, h100)[0]
     # ring all-reduce over 8 on NVLink: 2 x 7 x 10 us + 2 x 7/8 x 64 MiB / 450e9, 16 microbatches
     assert time.tp_comm_s == approx(16 * (14 * 10e-6 + 1.75 * 64 * MiB / 450e9))
-    # ZeRO 0, all-reduce of 1 GB over 8 on InfiniBand: 14 x 10 us + 1.75 x 1e9 / 50e9 (nothing to hide it behind
-    # but the last bucket's own time, and the backward here is free)
-    assert time.dp_comm_s == approx(14 * 10e-6 + 1.75e9 / 50e9)
+    # ZeRO 0, all-reduce of 1 GB over 8 ranks one per node (dp stride 8): NCCL's tree over 8 nodes, 2 x log2(8)
+    # steps of 10 us + 1.75 x 1e9 / 50e9 over each rank's own NIC (nothing to hide it behind but the last bucket's
+    # own time, and the backward here is free)
+    assert time.dp_comm_s == approx(6 * 10e-6 + 1.75e9 / 50e9)
     assert time.dp_comm_exposed_s == approx(time.dp_comm_s)
     # 2 x 16 sends of 1 MB on InfiniBand: 10 us + 1e6 / 50e9 each
     assert time.pp_comm_s == approx(32 * (10e-6 + 1e6 / 50e9))
+
+
+def test_a_group_spanning_nodes_uses_the_nics_of_its_ranks_on_each_node():
+    """h100-80gb: 8 NICs of 50 GB/s per node of 8, NVLink 450 GB/s, 10 us per step. MosaicML's 13B on 64 H100s
+    shards over all 64 ranks, 8 on each node: an all-gather leaves each node over its 8 NICs (400 GB/s, below
+    NVLink), where a data-parallel group of stride 8 (beside tp8) has one rank, one NIC, per node."""
+    h100, nbytes = HARDWARE["h100-80gb"], 1e9
+    fsdp64 = Layout(dp=64)
+    assert ranks_per_node(*fsdp64.group("dp"), 64, 8) == 8
+    # (8 - 1) steps within a node + (8 - 1) between nodes; 63/64 of the buffer at min(450, 8 x 50) GB/s
+    assert collective_on(Collective("all_gather", "dp", nbytes), fsdp64, h100) == approx(
+        14 * 10e-6 + 63 / 64 * nbytes / 400e9)
+    beside_tp8 = Layout(dp=64, tp=8)
+    assert ranks_per_node(*beside_tp8.group("dp"), 512, 8) == 1
+    assert collective_on(Collective("all_gather", "dp", nbytes), beside_tp8, h100) == approx(
+        63 * 10e-6 + 63 / 64 * nbytes / 50e9)
+    # an all-reduce across nodes is NCCL's tree: 2 x ((8 - 1) + log2(8)) steps
+    assert collective_on(Collective("all_reduce", "dp", nbytes), fsdp64, h100) == approx(
+        20 * 10e-6 + 2 * 63 / 64 * nbytes / 400e9)
+    # tp16 spans two nodes with 8 ranks on each: their 8 NICs; an ep16 all-to-all sends half its buffer off the
+    # node over each rank's own NIC, 7/16 of it over NVLink
+    tp16 = Layout(tp=16)
+    assert collective_on(Collective("all_gather", "tp", nbytes), tp16, h100) == approx(
+        8 * 10e-6 + 15 / 16 * nbytes / 400e9)
+    ep16 = Layout(dp=16, ep=16)
+    assert collective_on(Collective("all_to_all", "ep", nbytes), ep16, h100) == approx(
+        15 * 10e-6 + 8 / 16 * nbytes / 50e9)
+    # a pipeline send between nodes: one device's NIC; within a node: NVLink
+    assert collective_on(Collective("send", "pp", nbytes), Layout(pp=2, tp=8), h100) == approx(10e-6 + nbytes / 50e9)
+    assert collective_on(Collective("send", "pp", nbytes), Layout(pp=2, tp=4), h100) == approx(
+        10e-6 + nbytes / 450e9)
+    # a group placed unevenly (stride 3 on nodes of 8) is priced by its fewest ranks on a node
+    assert ranks_per_node(4, 3, 12, 8) == 1
 
 
 def test_dp_overlap_and_zero_stages():
@@ -80,49 +121,69 @@ def test_dp_overlap_and_zero_stages():
     bucket = 25 * MiB
 
     zero0 = step_time(Layout(dp=4, microbatches=2, zero_stage=0), [work], TOY)
-    # all-reduce: 2 x 3 x 1 ms + 2 x 3/4 x 1e9 / 1e9 = 1.506 s, once; hidden behind one backward (0.4 s)
-    assert zero0.dp_comm_s == approx(1.506)
-    assert zero0.dp_comm_exposed_s == approx(1.506 - 0.4)
-    assert zero0.total_s == approx(2 * 0.6 + 1.106)
+    # all-reduce: 2 x (1 + 1) x 1 ms + 2 x 3/4 x 1e9 / 1e9 = 1.504 s, once; hidden behind one backward (0.4 s)
+    assert zero0.dp_comm_s == approx(1.504)
+    assert zero0.dp_comm_exposed_s == approx(1.504 - 0.4)
+    assert zero0.total_s == approx(2 * 0.6 + 1.104)
 
     zero1 = step_time(Layout(dp=4, microbatches=2, zero_stage=1), [work], TOY)
-    # reduce-scatter 3 ms + 0.75 s = 0.753 s (exposed 0.353 s), then the parameters' all-gather 3 ms + 0.375 s
-    assert zero1.dp_comm_s == approx(0.753 + 0.378)
-    assert zero1.dp_comm_exposed_s == approx(0.353 + 0.378)
+    # reduce-scatter 2 ms + 0.75 s = 0.752 s (exposed 0.352 s), then the parameters' all-gather 2 ms + 0.375 s
+    assert zero1.dp_comm_s == approx(0.752 + 0.377)
+    assert zero1.dp_comm_exposed_s == approx(0.352 + 0.377)
 
     zero2 = step_time(Layout(dp=4, microbatches=2, zero_stage=2), [work], TOY)
     # one reduce-scatter per microbatch, each behind its backward, then the all-gather
-    assert zero2.dp_comm_exposed_s == approx(2 * 0.353 + 0.378)
+    assert zero2.dp_comm_exposed_s == approx(2 * 0.352 + 0.377)
 
     zero3 = step_time(Layout(dp=4, microbatches=2, zero_stage=3), [work], TOY)
-    # per microbatch: reduce-scatter 0.753 + 2 all-gathers 0.756 = 1.509 s behind the whole microbatch (0.6 s)
-    assert zero3.dp_comm_s == approx(2 * 1.509)
-    assert zero3.dp_comm_exposed_s == approx(2 * (1.509 - 0.6))
+    # per microbatch: reduce-scatter 0.752 + 2 all-gathers 0.754 = 1.506 s behind the whole microbatch (0.6 s)
+    assert zero3.dp_comm_s == approx(2 * 1.506)
+    assert zero3.dp_comm_exposed_s == approx(2 * (1.506 - 0.6))
 
-    # a small gradient hides entirely, except its last (here: only) bucket: 3 ms + 0.75 x 1e6 / 1e9
+    # a small gradient hides entirely, except its last (here: only) bucket: 2 ms + 0.75 x 1e6 / 1e9
     small = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e6)
-    assert step_time(Layout(dp=4, zero_stage=1), [small], TOY).dp_comm_exposed_s == approx(0.003 + 0.00075)
+    assert step_time(Layout(dp=4, zero_stage=1), [small], TOY).dp_comm_exposed_s == approx(0.002 + 0.00075)
     # a large one: the last bucket is 25 MiB
     big = step_time(Layout(dp=4, zero_stage=1), [RankWork(Work(0), Work(0), grad_bytes=1e9)], TOY)
-    assert big.dp_comm_exposed_s == approx(0.753)  # nothing to hide behind
+    assert big.dp_comm_exposed_s == approx(0.752)  # nothing to hide behind
     no_overlap = Hardware(**{**TOY.__dict__, "overlap": 0.0})
-    assert step_time(Layout(dp=4, microbatches=2), [work], no_overlap).dp_comm_exposed_s == approx(1.506)
+    assert step_time(Layout(dp=4, microbatches=2), [work], no_overlap).dp_comm_exposed_s == approx(1.504)
     gloo = Hardware(**{**TOY.__dict__, "reduce_scatter_as_all_reduce": True})
-    assert step_time(Layout(dp=4, zero_stage=1), [work], gloo).dp_comm_s == approx(1.506 + 0.378)
+    assert step_time(Layout(dp=4, zero_stage=1), [work], gloo).dp_comm_s == approx(1.504 + 0.377)
     assert collective_seconds("reduce_scatter", 4, bucket, 1e9, TOY) == approx(0.003 + 0.75 * bucket / 1e9)
 
 
+def test_zero3_under_pipelining_gathers_and_reduces_once_per_step():
+    """FSDP2 under a pipeline schedule: sync and resharding after backward are off until the last microbatch, so
+    dp4 x pp2 with 4 microbatches gathers the parameters once (2 ms + 0.375 s) and reduce-scatters once (0.752 s),
+    where it once charged two gathers and a reduce-scatter per microbatch (4 x 1.506 s). The reduce-scatter follows
+    the last backward, exposed; the gather hides behind the first forward (0.2 s) but for its first bucket."""
+    work = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e9, param_bytes=5e8)
+    layout = Layout(dp=4, pp=2, microbatches=4, zero_stage=3, reshard_after_forward=False)
+    time = rank_step_times(layout, [work, work], TOY)[0]
+    assert time.dp_comm_s == approx(0.377 + 0.752)
+    assert time.dp_comm_exposed_s == approx(0.752 + 0.377 - 0.2)
+    # resharded after forward (parallelism.fsdp_reshard_after_forward = 'always'): a gather in every backward too
+    resharded = rank_step_times(dataclasses.replace(layout, reshard_after_forward=True), [work, work], TOY)[0]
+    assert resharded.dp_comm_s == approx(5 * 0.377 + 0.752)
+    assert resharded.dp_comm_exposed_s == approx(0.752 + 5 * 0.377 - 4 * 0.2)
+    # ZeRO-1 on the same layout: one reduce-scatter behind a backward and the all-gather after the step
+    zero1 = rank_step_times(dataclasses.replace(layout, zero_stage=1), [work, work], TOY)[0]
+    assert zero1.dp_comm_s == approx(0.752 + 0.377)
+
+
 def test_pipeline_bubble_paces_every_rank_by_the_slowest():
-    """pp4 on nodes of 2 (inter-node sends), 1F1B, m = 8: bubble 3/11. Rank 3 also computes a 0.3 s forward."""
+    """pp4 on nodes of 2 (inter-node sends over a device's share of the NIC, 0.5 GB/s), 1F1B, m = 8: bubble 3/11.
+    Rank 3 also computes a 0.3 s forward."""
     slow = RankWork(forward=Work(flops=1.5e11), backward=PLAIN.backward, boundary_bytes=1e6)
     fast = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, boundary_bytes=1e6, optimizer_state_bytes=1e9)
     layout = Layout(pp=4, microbatches=8, schedule="1F1B")
     times = rank_step_times(layout, [fast, fast, fast, slow], TOY)
-    # sends: 2 x 8 of (1 ms + 1e6 / 1e9) = 0.032 s; busy: 8 x 0.6 + 0.032 (fast), 8 x 0.7 + 0.032 (slow)
-    pipeline = (8 * 0.7 + 0.032) / (1 - 3 / 11)
-    assert times[3].bubble_s == approx(pipeline - 5.632)
-    assert times[0].bubble_s == approx(pipeline - 4.832)
-    assert times[0].pp_comm_s == approx(0.032)
+    # sends: 2 x 8 of (1 ms + 1e6 / 0.5e9) = 0.048 s; busy: 8 x 0.6 + 0.048 (fast), 8 x 0.7 + 0.048 (slow)
+    pipeline = (8 * 0.7 + 0.048) / (1 - 3 / 11)
+    assert times[3].bubble_s == approx(pipeline - 5.648)
+    assert times[0].bubble_s == approx(pipeline - 4.848)
+    assert times[0].pp_comm_s == approx(0.048)
     # every rank spans the same pipeline; rank 0 adds its optimizer step (3.5 x 1e9 / 1e10 = 0.35 s)
     assert times[3].total_s == approx(pipeline)
     assert times[0].total_s == approx(pipeline + 0.35)
@@ -130,11 +191,12 @@ def test_pipeline_bubble_paces_every_rank_by_the_slowest():
     # interleaved, 2 stages per rank: bubble 3/19 and twice the sends
     interleaved = rank_step_times(Layout(pp=4, microbatches=8, schedule="Interleaved1F1B", stages_per_rank=2),
                                   [fast, fast, fast, slow], TOY)
-    assert interleaved[3].total_s == approx((8 * 0.7 + 0.064) / (1 - 3 / 19))
+    assert interleaved[3].total_s == approx((8 * 0.7 + 0.096) / (1 - 3 / 19))
 
 
 def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
-    """tp2 x dp2 with ep2 on nodes of 2: tp within a node (4 GB/s), ep (stride tp = 2) across nodes (1 GB/s)."""
+    """tp2 x dp2 with ep2 on nodes of 2: tp within a node (4 GB/s), ep (stride tp = 2) across nodes, one rank per
+    node, each sending over its share of the node's NIC (0.5 GB/s)."""
     layout = Layout(dp=2, tp=2, ep=2, microbatches=2)
     forward = Work(flops=1e11, collectives=(Collective("all_reduce", "tp", 1e8),) * 2
                    + (Collective("all_to_all", "ep", 1e8),))
@@ -142,9 +204,9 @@ def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
     time = step_time(layout, [RankWork(forward, backward)], TOY)
     # all-reduce over 2 within the node: 2 x 1 ms + 1 x 1e8 / 4e9 = 0.027 s, 4 per microbatch
     assert time.tp_comm_s == approx(2 * 4 * 0.027)
-    # all-to-all over 2 across nodes: 1 ms + 1/2 x 1e8 / 1e9 = 0.051 s, 1 per microbatch
-    assert time.ep_comm_s == approx(2 * 0.051)
-    assert time.total_s == approx(2 * (0.6 + 4 * 0.027 + 0.051))
+    # all-to-all over 2 across nodes: 1 ms + 1/2 x 1e8 / 0.5e9 = 0.101 s, 1 per microbatch
+    assert time.ep_comm_s == approx(2 * 0.101)
+    assert time.total_s == approx(2 * (0.6 + 4 * 0.027 + 0.101))
 
 
 def test_a_collective_counted_n_times_costs_n_of_them():
@@ -172,7 +234,7 @@ def test_work_for_the_wrong_number_of_ranks_is_refused():
 def test_the_assumptions_name_the_efficiencies_a_reader_must_accept():
     stated = assumptions(HARDWARE["a100-80gb"])
     assert stated["hardware"] == "a100-80gb"
-    assert (stated["matmul_efficiency"], stated["overlap"]) == (0.6, 1.0)
+    assert (stated["matmul_efficiency"], stated["attention_efficiency"], stated["overlap"]) == (0.63, 0.63, 1.0)
     assert (stated["memory_traffic_per_written_byte"], stated["optimizer_traffic_per_state_byte"]) == (2.5, 3.5)
 
 

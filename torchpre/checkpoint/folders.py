@@ -129,6 +129,16 @@ def move_aside(step_dir: Path, prefix: str) -> Path:
     return target
 
 
+def move_aside_damaged(folder: Path, newest: int) -> None:
+    """Moves every `step-N` of `folder` after step `newest` (the latest intact one, -1 for none: the damaged ones a
+    search for the latest skipped, links included) aside to `damaged-step-N`, each logged, so that retention never
+    counts them and a later save of their step does not replace them."""
+    for step in sorted({*complete_steps(folder), *linked_steps(folder)}):
+        if step > newest:
+            target = move_aside(folder / f"step-{step}", DAMAGED)
+            logger.warning("moved the damaged checkpoint step-%d aside to %s; torchpre never deletes it", step, target)
+
+
 def publish(tmp: Path, final: Path) -> Path | None:
     """Gives a finished `.tmp-` folder its final name and flushes the rename to the disk, so that a power loss after
     it does not undo it. A folder already of that name (a damaged checkpoint a resume skipped, or an earlier run's) is

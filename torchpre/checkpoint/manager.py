@@ -45,12 +45,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from torchpre.checkpoint.disk import Failure, free_bytes, low_space_message, summary, unwritten_message
 from torchpre.checkpoint.folders import (
-    DAMAGED,
     MARKER,
     TMP_PREFIX,
     complete_steps,
-    linked_steps,
-    move_aside,
+    move_aside_damaged,
     publish,
     remove_if_ours,
     remove_step,
@@ -413,11 +411,7 @@ class CheckpointManager:
         that retention never counts them and a later save of their step does not replace them."""
         found = find_intact_step(self.folder, load_step, resume_trust(self.folder, self.trust))
         if load_step == -1 and self.rank == 0:
-            newest = int(found.name[5:]) if found is not None else -1
-            for step in (s for s in sorted({*complete_steps(self.folder), *linked_steps(self.folder)}) if s > newest):
-                target = move_aside(self.folder / f"step-{step}", DAMAGED)
-                logger.warning("moved the damaged checkpoint step-%d aside to %s; torchpre never deletes it", step,
-                               target)  # fmt: skip
+            move_aside_damaged(self.folder, int(found.name[5:]) if found is not None else -1)
         self._verified = found
         return found
 
@@ -457,9 +451,21 @@ class CheckpointManager:
         put_values(loaded, request, values, step_dir)
         _to_current_locations(loaded, moved)
         for key, state in loaded.items():
-            self.components[key].load_state_dict(state)
+            _load_component(self.components[key], key, state, step_dir)
         logger.info("loaded %s: %s", step_dir, ", ".join(sorted(loaded)))
         return list(loaded)
+
+
+def _load_component(component: Checkpointable, key: str, state: dict[str, Any], step_dir: Path) -> None:
+    """`component.load_state_dict(state)`; a value it refuses (a ValueError: values of the right types and ranges
+    that do not fit together, such as a data position off the batch grid) is bad input naming the checkpoint."""
+    try:
+        component.load_state_dict(state)
+    except ValueError as error:
+        raise UntrustedInput(
+            f"{step_dir}: the entry {key!r} cannot be loaded ({error}). torchpre never saves such values together: "
+            "the checkpoint was altered or written by another tool. Load another checkpoint (docs/security.md)."
+        ) from None
 
 
 def _from_legacy_locations(request: dict[str, Any], saved: set[str]) -> list[tuple[tuple, tuple]]:

@@ -27,6 +27,7 @@ from torchpre.parallel.tensor_parallel import loss_parallel_context
 from torchpre.planner.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
 from torchpre.planner.allocator import FRAGMENTATION, reserved_bytes
 from torchpre.planner.hardware import Hardware, get_hardware
+from torchpre.planner.schedule_walk import held_peak
 from torchpre.planner.tensor_memory import TensorMemory
 from torchpre.runtime.world import Runtime
 from torchpre.training.job import TrainingJob, build_job
@@ -136,7 +137,7 @@ def probe_rank(
     job = build_job(config, Runtime(world_size, fake_rank=rank, data=data))
     try:
         memory = rank_memory(job, checkpoint)
-        in_flight, gathered = _in_flight(job), _fsdp_gathered(job)
+        gathered, pp_rank = _fsdp_gathered(job), job.mesh["pp"].get_local_rank()
         if job.pipeline is not None and job.preflight.data_parallel.shards_parameters:
             memory = dataclasses.replace(memory, grad_bytes=_fsdp_unsharded_numel(job) * accumulated_grad_itemsize(
                 job.config))  # fmt: skip
@@ -144,10 +145,8 @@ def probe_rank(
         parts = probe_parts(job)
     finally:
         leave_fake_world()
-    held = job.pipeline is not None
-    saved = max(p.total.saved_bytes + (p.pipeline_held_bytes if held else 0) for p in parts)
     transient = max(p.total.transient_bytes for p in parts)
-    activations = in_flight * saved + transient + gathered
+    activations = _held_activations(job, parts, pp_rank) + transient + gathered
     return dataclasses.replace(memory, activation_bytes=activations, optimizer_step_bytes=step), parts
 
 
@@ -288,18 +287,20 @@ def _probe_without_fsdp(job: TrainingJob) -> list[PartProbe]:
     return probe_parts(build_job(config, Runtime(world, fake_rank=rank, data=False)))
 
 
-def _in_flight(job: TrainingJob) -> int:
-    """Microbatch-stage chunks whose saved activations this rank holds at once at the peak of a step: the
-    schedule's count (`in_flight_microbatches`, read off torch's action order), or 1 without pipelining
-    (microbatches run one after another)."""
+def _held_activations(job: TrainingJob, parts: list["PartProbe"], pp_rank: int) -> int:
+    """The saved activations this rank holds at once at the peak of a step: one microbatch's without pipelining
+    (microbatches run one after another); under it, each stage chunk's (with what the PipelineStage keeps per
+    microbatch) for every microbatch in flight, walked over the schedule's action order (`held_peak`: a last
+    stage's chunk, logits and all, is held for one microbatch where a multi-stage schedule runs its backward at
+    once)."""
     pipeline = job.pipeline
     if pipeline is None:
-        return 1
-    pp_rank = job.mesh["pp"].get_local_rank()
+        return parts[0].total.saved_bytes
     # A global-batch ramp's largest step runs the most microbatches.
     sequences = job.preflight.plan.peak(job.config.training.steps)[0]
     n_microbatches = sequences // job.config.parallelism.pipeline_parallel_microbatch_size
-    return pipeline.schedule.in_flight_microbatches(pipeline.pp, n_microbatches, pp_rank, pipeline.stages_per_rank)
+    chunks = [p.total.saved_bytes + p.pipeline_held_bytes for p in parts]
+    return round(held_peak(pipeline.schedule.name, pipeline.pp, n_microbatches, pp_rank, chunks))
 
 
 def _fsdp_gathered(job: TrainingJob) -> int:
@@ -382,25 +383,26 @@ def memory_table(results: list[RankMemory], hardware: Hardware) -> str:
         parts = (r.param_bytes, r.grad_bytes, r.optimizer_state_bytes, r.activation_bytes, r.optimizer_step_bytes,
                  r.total_bytes)  # fmt: skip
         rows.append(f"{r.rank:>6} {r.pp:>4} {r.dp:>4} {r.tp:>4} " + " ".join(f"{b / GiB:>9.2f}" for b in parts))
-    usable = hardware.memory_bytes - hardware.reserved_bytes
     busiest = max(results, key=lambda r: r.total_bytes)
     reserved = reserved_bytes(busiest.total_bytes) / GiB
     rows.append(
-        f"GiB per rank; total = params + grads + optim + the larger of activ (backward's peak) and opt step (the "
-        f"optimizer step's buffers); {hardware.name}: {usable / GiB:.2f} GiB usable"
+        "GiB per rank; total = params + grads + optim + the larger of activ (backward's peak) and opt step (the "
+        "optimizer step's buffers)"
     )
     rows.append(
         f"a GPU run's peak (the CUDA caching allocator's reserved segments) is more than its tensors: about "
-        f"{reserved:.2f} GiB on rank {busiest.rank} (total x {1 + FRAGMENTATION:.2f}: torchpre/planner/allocator.py)"
+        f"{reserved:.2f} GiB on rank {busiest.rank} (total x {1 + FRAGMENTATION:.2f}: torchpre/planner/allocator.py), "
+        f"against the {hardware.allocator_bytes / GiB:.2f} GiB {hardware.name} leaves the allocator"
     )
     return "\n".join(rows)
 
 
 def check_fits(results: list[RankMemory], hardware: Hardware) -> None:
-    """Raises DoesNotFit for the rank that needs the most memory, if it needs more than the GPU has."""
-    usable = hardware.memory_bytes - hardware.reserved_bytes
+    """Raises DoesNotFit for the rank that needs the most memory, if its allocator peak (what a GPU run reports) is
+    more than the GPU leaves the allocator."""
     worst = max(results, key=lambda r: r.total_bytes)
-    if worst.total_bytes <= usable:
+    reserved = reserved_bytes(worst.total_bytes)
+    if reserved <= hardware.allocator_bytes:
         return
     parts = {
         "parameters": worst.param_bytes,
@@ -411,8 +413,9 @@ def check_fits(results: list[RankMemory], hardware: Hardware) -> None:
     largest = max(parts, key=parts.get)
     listed = ", ".join(f"{name} {size / GiB:.2f}" for name, size in parts.items())
     raise DoesNotFit(
-        f"rank {worst.rank} (pp {worst.pp}, dp {worst.dp}, tp {worst.tp}) needs {worst.total_bytes / GiB:.2f} GiB "
-        f"({listed}), more than the {usable / GiB:.2f} GiB of job.dry_run_gpu = {hardware.name}; the largest part "
+        f"rank {worst.rank} (pp {worst.pp}, dp {worst.dp}, tp {worst.tp}) needs {reserved / GiB:.2f} GiB of the CUDA "
+        f"allocator ({worst.total_bytes / GiB:.2f} GiB of tensors: {listed}), more than the "
+        f"{hardware.allocator_bytes / GiB:.2f} GiB job.dry_run_gpu = {hardware.name} leaves it; the largest part "
         f"is its {largest}. Shard more: a higher optimizer.zero_stage or data-parallel degree, more tensor or "
         "pipeline parallelism, activation_checkpoint.mode = full, or a smaller training.local_batch_size."
     )

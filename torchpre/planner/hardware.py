@@ -7,7 +7,7 @@ measures them on the machine it runs on and writes a profile.
 A profile is a JSON object with exactly the fields of `Hardware` (numbers in the units its docstring states), e.g.
 
     {"name": "my-gpu", "peak_flops": 5e14, "memory_bytes": 4.8e10, "reserved_bytes": 2e9,
-     "intra_node_bw": 2e11, "inter_node_bw": 2.5e10, "latency_s": 1e-5, "gpus_per_node": 8,
+     "intra_node_bw": 2e11, "inter_node_bw": 2.5e10, "latency_s": 1e-5, "gpus_per_node": 8, "nics_per_node": 8,
      "matmul_efficiency": 0.6, "mem_bw": 1.5e12, "op_overhead_s": 5e-6, "overlap": 1.0,
      "reduce_scatter_as_all_reduce": false, "subclass_op_overhead_s": 0.0, "fp8_peak_flops": 1e15}
 
@@ -30,12 +30,16 @@ class Hardware:
 
     name: the row's name, or the profile's.
     peak_flops: dense matmul FLOP/s of one device in the training dtype (bf16 on GPUs, fp32 on CPU).
-    memory_bytes: memory of one device, bytes.
-    reserved_bytes: bytes of it a job cannot use for tensors (CUDA context, NCCL buffers, allocator slack).
+    memory_bytes: memory of one device as the driver reports it (nvidia-smi's total), bytes.
+    reserved_bytes: bytes of it outside the CUDA caching allocator (the CUDA context, NCCL's own buffers). A layout
+        fits when its allocator peak (`torchpre.planner.allocator`) is at most `allocator_bytes`.
     intra_node_bw: bytes/s one device sends (per direction) to devices of its own node (NVLink).
-    inter_node_bw: bytes/s one device sends (per direction) to devices of other nodes (its share of the NICs).
+    inter_node_bw: bytes/s one NIC sends (per direction) to other nodes.
     latency_s: seconds per step of a ring collective, and per point-to-point message.
     gpus_per_node: devices (ranks) per node: a group whose ranks span at most this many is intra-node.
+    nics_per_node: the node's NICs, rail-optimised (NIC i on the rail of every node's device i); 0 = one per device.
+        A collective over a group that spans nodes moves its inter-node bytes over the NICs of the group's ranks on
+        each node, as NCCL's channels do (`torchpre.planner.time_model.group_seconds`).
     matmul_efficiency: the fraction of `peak_flops` a training-sized matmul reaches (an assumption unless measured).
     mem_bw: memory bandwidth of one device, bytes/s: what memory-bound (non-matmul) ops run at.
     op_overhead_s: seconds each eager op costs on top of its work (launch and dispatch).
@@ -69,20 +73,36 @@ class Hardware:
     fp8_peak_flops: float = 0.0
     fp8_matmul_efficiency: float = 0.0
     attention_efficiency: float = 0.0
+    nics_per_node: int = 0
+
+    @property
+    def allocator_bytes(self) -> float:
+        """What the CUDA caching allocator may reserve: the device's memory less what lies outside it."""
+        return self.memory_bytes - self.reserved_bytes
+
+    @property
+    def nic_bw_per_device(self) -> float:
+        """Bytes/s of the node's NICs per device (per direction): each device's share when all send at once."""
+        return (self.nics_per_node or self.gpus_per_node) * self.inter_node_bw / self.gpus_per_node
 
 
 # Datasheet numbers (dense bf16 and FP8, SXM parts: NVIDIA prints FP8 with sparsity, 3,958 TFLOPS on H100/H200,
-# half of it dense; A100 has no FP8). Links: NVLink per direction per GPU; inter-node one 400 Gb/s NIC per GPU
-# on H100/H200 (50 GB/s) and one 200 Gb/s per GPU on A100 (25 GB/s). Assumptions: a matmul reaches 60% of peak,
-# DP communication hides fully behind backward, ~5 us per eager op (CUDA launch + dispatch), 10 us per collective
-# step (one figure for NVLink and InfiniBand: the inter-node value, the conservative one), 2 GB reserved.
+# half of it dense; A100 has no FP8). Links: NVLink per direction per GPU; between nodes 8 NICs per node,
+# rail-optimised: 8 x 400 Gb/s on H100/H200 (DGX H100/H200: 8 ConnectX-7, 50 GB/s each) and 8 x 200 Gb/s on A100
+# (DGX A100: 8 ConnectX-6 HDR for compute, 25 GB/s each). Memory as the driver reports it: 81,559 MiB on an H100
+# SXM 80GB and 143,771 MiB on an H200 (nvidia-smi's total), 79.15 GiB on an A100 SXM4 80GB (cudaMemGetInfo's
+# total). Assumptions: a matmul reaches 60% of peak, DP communication hides fully behind backward, ~5 us per eager op
+# (CUDA launch + dispatch), 10 us per collective step (one figure for NVLink and InfiniBand: the inter-node value,
+# the conservative one), 1 GiB outside the caching allocator (the CUDA context and NCCL's buffers; the allocator's
+# own slack and workspaces are in its peak, `torchpre.planner.allocator`).
 _GPU_ASSUMPTIONS = dict(
-    reserved_bytes=2e9, latency_s=10e-6, gpus_per_node=8, matmul_efficiency=0.6, op_overhead_s=5e-6, overlap=1.0
+    reserved_bytes=2**30, latency_s=10e-6, gpus_per_node=8, nics_per_node=8, matmul_efficiency=0.6, op_overhead_s=5e-6,
+    overlap=1.0,
 )
 # Meta's Grand Teton H100s, the platform of torchtitan's published benchmark (pytorch/torchtitan,
 # benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"): H100 SXM with 96 GB of HBM2e at 2.4 TB/s (memory_bytes,
 # mem_bw), a 500 W power limit (the SXM's TDP is 700 W), 8 per host on NVLink 4 (intra_node_bw: 450 GB/s per
-# direction, the H100 SXM datasheet), 400 Gb/s of RDMA per GPU (inter_node_bw: 50 GB/s). peak_flops and
+# direction, the H100 SXM datasheet), 400 Gb/s of RDMA per GPU (8 NICs per host of 50 GB/s). peak_flops and
 # fp8_peak_flops: the H100 SXM datasheet's dense bf16 and FP8, which torchtitan's MFU divides by (its footnote 2:
 # the 500 W part's own peak lies between SXM and NVL and is not known), so the power limit shows in the
 # efficiencies. matmul_efficiency (0.59) and attention_efficiency (0.21): calibrated against that table's ten
@@ -97,15 +117,23 @@ H100_96GB_HBM2E_500W = Hardware(
     mem_bw=2.4e12, fp8_peak_flops=1979e12, **{**_GPU_ASSUMPTIONS, "matmul_efficiency": 0.59},
     attention_efficiency=0.21,
 )
+# matmul_efficiency and attention_efficiency of h100-80gb (0.62, 0.18) and matmul_efficiency of a100-80gb (0.63):
+# fitted, by least absolute log errors of tokens/s, on the calibration rows of bench/published_runs.py alone
+# (`python -m bench.plan_vs_published --fit`): MosaicML's H100 BF16 table (52 rows) and Megatron-LM 2021's Tables 1
+# and 2 (22 rows, whose attention is a fused softmax over whole s x s scores, not the flash attention torchpre runs:
+# they fit the matmul rate only, and the A100's attention takes it too). h200-141gb, the same GH100 chip, takes the
+# H100's. FP8 matmuls take matmul_efficiency. Every other row of the corpus evaluates these
+# (docs/planning.md#checked-against-published-runs).
+_H100_FITTED = {"matmul_efficiency": 0.62, "attention_efficiency": 0.18}
 HARDWARE: dict[str, Hardware] = {
     row.name: row
     for row in (
-        Hardware("h100-80gb", peak_flops=989e12, memory_bytes=80e9, intra_node_bw=450e9, inter_node_bw=50e9,
-                 mem_bw=3.35e12, fp8_peak_flops=1979e12, **_GPU_ASSUMPTIONS),
-        Hardware("h200-141gb", peak_flops=989e12, memory_bytes=141e9, intra_node_bw=450e9, inter_node_bw=50e9,
-                 mem_bw=4.8e12, fp8_peak_flops=1979e12, **_GPU_ASSUMPTIONS),
-        Hardware("a100-80gb", peak_flops=312e12, memory_bytes=80e9, intra_node_bw=300e9, inter_node_bw=25e9,
-                 mem_bw=2.0e12, **_GPU_ASSUMPTIONS),
+        Hardware("h100-80gb", peak_flops=989e12, memory_bytes=81_559 * 2**20, intra_node_bw=450e9, inter_node_bw=50e9,
+                 mem_bw=3.35e12, fp8_peak_flops=1979e12, **{**_GPU_ASSUMPTIONS, **_H100_FITTED}),
+        Hardware("h200-141gb", peak_flops=989e12, memory_bytes=143_771 * 2**20, intra_node_bw=450e9, inter_node_bw=50e9,
+                 mem_bw=4.8e12, fp8_peak_flops=1979e12, **{**_GPU_ASSUMPTIONS, **_H100_FITTED}),
+        Hardware("a100-80gb", peak_flops=312e12, memory_bytes=79.15 * 2**30, intra_node_bw=300e9, inter_node_bw=25e9,
+                 mem_bw=2.0e12, **{**_GPU_ASSUMPTIONS, "matmul_efficiency": 0.63}),
         H100_96GB_HBM2E_500W,
     )
 }
@@ -163,8 +191,8 @@ def _check_values(fields: dict, path: Path, key: str) -> None:
             ok = isinstance(value, str)
         elif field.name == "reduce_scatter_as_all_reduce":
             ok = isinstance(value, bool)
-        elif field.name == "gpus_per_node":
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        elif field.name in ("gpus_per_node", "nics_per_node"):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= (field.name == "gpus_per_node")
         elif field.name in ("matmul_efficiency", "overlap", "fp8_matmul_efficiency", "attention_efficiency"):
             ok = _number(value) and 0 <= value <= 1 and (field.name != "matmul_efficiency" or value > 0)
         elif field.name in ("reserved_bytes", "latency_s", "op_overhead_s", "subclass_op_overhead_s", "fp8_peak_flops"):

@@ -26,6 +26,7 @@ from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.config.parser import to_toml
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
+from torchpre.models.shapes import SHAPE_KEYS
 from torchpre.planner.activation_probe import ActivationProbe
 from torchpre.planner.activation_probe import Collective as ProbedCollective
 from torchpre.planner.dryrun import (
@@ -40,6 +41,7 @@ from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
 from torchpre.runtime.world import Runtime
 from torchpre.training.job import build_job
+from torchpre.training.parametrization import with_model_shape
 
 T = TypeVar("T")
 
@@ -201,14 +203,19 @@ class Pieces(Generic[T]):
 @contextlib.contextmanager
 def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator[JobConfig]:
     """`config` with its model flavor cut to sum(`stage_blocks`) blocks (registered under a temporary flavor name),
-    pipeline stage i holding stage_blocks[i] of them."""
+    pipeline stage i holding stage_blocks[i] of them. The job's shape keys (model.dim, n_layers, ...) are applied
+    to the flavor first and cleared, so the cut model has the job's width and the probes' depth."""
     spec = get_model_spec(config.model.name)
-    args = spec.flavors[config.model.flavor]
+    args = with_model_shape(config.model, spec.flavors[config.model.flavor])
     n_layers = sum(stage_blocks)
-    name = f"{config.model.flavor}[{n_layers} layers]"
+    # The name carries the shape keys it folds in: the probes' caches know a config by its TOML, flavor name and all.
+    shape = "".join(f"{key} {getattr(config.model, key)}, " for key in SHAPE_KEYS if getattr(config.model, key))
+    name = f"{config.model.flavor}[{shape}{n_layers} layers]"
     spec.flavors[name] = dataclasses.replace(args, n_layers=n_layers)
     short = copy.deepcopy(config)
     short.model.flavor = name
+    for key in SHAPE_KEYS:  # folded into the flavor: model.n_layers would otherwise restore the full depth
+        setattr(short.model, key, 0)
     starts = itertools.accumulate(stage_blocks[:-1])
     short.parallelism.pipeline_parallel_split_points = [f"{spec.blocks}.{start}" for start in starts]
     try:

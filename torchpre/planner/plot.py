@@ -32,8 +32,10 @@ def plot_layouts(result: SearchResult, top: int, path: Path) -> None:
         values = [getattr(p.peak, part) / GiB for p in shown]
         memory.barh(positions, values, left=left, label=label)
         left = [a + b for a, b in zip(left, values)]
-    usable = (result.hardware.memory_bytes - result.hardware.reserved_bytes) / GiB
-    memory.axvline(usable, color="black", linestyle="--", label=f"{result.hardware.name} usable")
+    memory.scatter([p.reserved_bytes / GiB for p in shown], positions, marker="|", s=300, color="black",
+                   label="allocator peak", zorder=3)
+    usable = result.hardware.allocator_bytes / GiB
+    memory.axvline(usable, color="black", linestyle="--", label=f"{result.hardware.name} for the allocator")
     memory.set_yticks(positions, names, fontsize=8)
     memory.set_xlabel("GiB on the busiest rank")
     memory.legend(fontsize=8, loc="lower right")

@@ -1,9 +1,11 @@
 """A layout's predicted per-rank memory and step time, from the dry run's counts (`pieces`) and a `Hardware`.
 
 Memory per pipeline rank = its stage chunks' parameters, gradients and optimizer state (`state_pieces`) + the
-activations its schedule holds at once (`in_flight_microbatches` x the largest chunk's saved bytes, + the largest
-transient, + under ZeRO-3 the parameters FSDP gathers). Step time = `time_model.step_time` over the same chunks'
-forward and backward work. `fits` compares the largest rank with the GPU's memory less its reserve.
+activations its schedule holds at once (each chunk's saved bytes for each of its microbatches in flight, walked over
+the schedule's action order: `schedule_walk.held_peak`), + the largest transient, + under ZeRO-3 the parameters FSDP
+gathers. Step time = `time_model.step_time` over the same chunks'
+forward and backward work. `fits` compares the largest rank's allocator peak (what a GPU run reports, the tensors
+x 1.17: `torchpre.planner.allocator`) with what the allocator may reserve (`Hardware.allocator_bytes`).
 """
 
 import dataclasses
@@ -21,6 +23,7 @@ from torchpre.planner.hardware import Hardware
 from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.measured import Measured
 from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
+from torchpre.planner.schedule_walk import held_peak
 from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
 from torchpre.training.model import meta_model
@@ -62,6 +65,14 @@ class Prediction:
     flops_per_token: int
     gpus: int
     hardware: Hardware
+    works: tuple[RankWork, ...] = ()  # each pipeline rank's work, as timed (`on` times it on other hardware)
+    time_layout: TimeLayout | None = None
+
+    def on(self, hardware: Hardware) -> "Prediction":
+        """The same layout on another hardware profile: its pieces and memory stay, its step is timed anew (a fit
+        of a profile's efficiencies times every row again without probing it)."""
+        step = step_time(self.time_layout, self.works, hardware) if self.works else None
+        return dataclasses.replace(self, step=step, hardware=hardware)
 
     @property
     def peak(self) -> RankPrediction:
@@ -78,7 +89,9 @@ class Prediction:
 
     @property
     def fits(self) -> bool:
-        return self.peak.total_bytes <= self.hardware.memory_bytes - self.hardware.reserved_bytes
+        """The busiest rank's allocator peak within what the allocator may reserve: the tensors alone fitting is not
+        enough (30 of 140 layouts a search once called fitting predicted more than the card holds)."""
+        return self.reserved_bytes <= self.hardware.allocator_bytes
 
     @property
     def tokens_per_sec(self) -> float:
@@ -135,23 +148,24 @@ def predict(
     shapes = dict.fromkeys(chunks)
     state_of = {shape: _rank_state(states, step, shape) for shape in shapes}
     rank_states = [state_of[shape] for shape in chunks]
-    usable = hardware.memory_bytes - hardware.reserved_bytes
-    if max(s.param_bytes + s.grad_bytes + s.optimizer_state_bytes for s in rank_states) > usable:
+    state = max(s.param_bytes + s.grad_bytes + s.optimizer_state_bytes for s in rank_states)
+    if reserved_bytes(state) > hardware.allocator_bytes:
         ranks = [RankPrediction(r, s.param_bytes, s.grad_bytes, s.optimizer_state_bytes, 0, s.optimizer_step_bytes)
                  for r, s in enumerate(rank_states)]  # fmt: skip
         return Prediction(checked, ranks, None, 0, flops_per_token, gpus, hardware)  # not worth probing
     work_pieces = measured.microbatch(checked)
     costs_of = {shape: [work_pieces.stage(*chunk, zero=MicrobatchCost()) for chunk in shape] for shape in shapes}
-    work_of = {shape: _rank_work(config, costs_of[shape], state_of[shape]) for shape in shapes}
+    work_of = {shape: _rank_work(checked, costs_of[shape], state_of[shape]) for shape in shapes}
     ranks = []
     for pp_rank, (shape, state) in enumerate(zip(chunks, rank_states)):
         activations = _activation_bytes(checked, pp_rank, costs_of[shape], states, list(shape), work_pieces.block)
         grads = _step_grad_bytes(checked, states, list(shape), state)
         ranks.append(RankPrediction(pp_rank, state.param_bytes, grads, state.optimizer_state_bytes, activations,
                                     state.optimizer_step_bytes))  # fmt: skip
-    timing = step_time(_time_layout(checked), [work_of[shape] for shape in chunks], hardware)
+    works, time_layout = tuple(work_of[shape] for shape in chunks), _time_layout(checked)
+    timing = step_time(time_layout, works, hardware)
     tokens = config.training.global_batch_size * config.training.seq_len
-    return Prediction(checked, ranks, timing, tokens, flops_per_token, gpus, hardware)
+    return Prediction(checked, ranks, timing, tokens, flops_per_token, gpus, hardware, works, time_layout)
 
 
 def _rank_state(states: Pieces, step: StepTransient, shape: tuple) -> StateCost:
@@ -176,14 +190,13 @@ def _activation_bytes(
 ) -> int:
     """What `torchpre.planner.dryrun.probe_rank` adds up for a built rank, from the pieces."""
     layout, pipeline = checked.layout, checked.pipeline
-    in_flight = 1
-    if pipeline is not None:
-        in_flight = pipeline.schedule.in_flight_microbatches(
-            pipeline.pp, pipeline.n_microbatches, pp_rank, pipeline.stages_per_rank
-        )
     held = pipeline is not None
     cut = [_compiled_cut(checked, block, blocks) for blocks, _, _ in chunks]
-    saved = max(c.saved_bytes - k + (c.pipeline_held_bytes if held else 0) for c, k in zip(costs, cut))
+    chunk_bytes = [c.saved_bytes - k + (c.pipeline_held_bytes if held else 0) for c, k in zip(costs, cut)]
+    if pipeline is None:
+        saved = chunk_bytes[0]
+    else:
+        saved = held_peak(pipeline.schedule.name, pipeline.pp, pipeline.n_microbatches, pp_rank, chunk_bytes)
     transient = max(c.transient_bytes for c in costs)
     gathered = 0
     if zero_stage(layout.zero_stage).shards_parameters:
@@ -192,7 +205,7 @@ def _activation_bytes(
             gathered = 2 * states.block.tp_numel * itemsize
         else:
             gathered = sum(states.stage(*chunk, zero=StateCost()).tp_numel for chunk in chunks) * itemsize
-    return int(in_flight * saved + transient + gathered)
+    return int(saved + transient + gathered)
 
 
 def _step_grad_bytes(checked: CheckedLayout, states: Pieces, chunks: list, state: StateCost) -> int:
@@ -206,20 +219,22 @@ def _step_grad_bytes(checked: CheckedLayout, states: Pieces, chunks: list, state
 
 
 def _compiled_cut(checked: CheckedLayout, block: MicrobatchCost, blocks: int) -> float:
-    """The saved bytes compile spares a stage chunk of `blocks` blocks: (1 - COMPILED_SAVED_KEPT) of what its eager
-    blocks save beyond their inputs (`torchpre.planner.allocator`); none without compile or under full AC."""
+    """The saved bytes compile spares a stage chunk of `blocks` blocks: (1 - COMPILED_SAVED_KEPT[AC mode]) of what
+    its eager blocks save beyond their inputs (`torchpre.planner.allocator`); none without compile or under full
+    AC."""
     config = checked.config
-    if not config.compile.enable or config.activation_checkpoint.mode == "full":
+    mode = config.activation_checkpoint.mode
+    if not config.compile.enable or mode == "full":
         return 0.0
     beyond_input = max(block.saved_bytes - _block_input_bytes(checked), 0)
-    return (1 - COMPILED_SAVED_KEPT) * blocks * beyond_input
+    return (1 - COMPILED_SAVED_KEPT[mode]) * blocks * beyond_input
 
 
 def _block_input_bytes(checked: CheckedLayout) -> int:
     """One microbatch's hidden states entering a block on one rank (its share under cp and sequence parallelism)."""
     config = checked.config
     itemsize = getattr(torch, config.training.mixed_precision_param).itemsize
-    return checked.layout.microbatch_size * _local_seq(config) * _dim(config) * itemsize
+    return checked.layout.microbatch_size * _local_seq(config) * checked.model_args.dim * itemsize
 
 
 def _local_seq(config: JobConfig) -> int:
@@ -237,12 +252,13 @@ def _reshards_after_forward(config: JobConfig) -> bool:
     return choice == "always"
 
 
-def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost) -> RankWork:
+def _rank_work(checked: CheckedLayout, costs: list[MicrobatchCost], state: StateCost) -> RankWork:
+    config = checked.config
     t, p = config.training, config.parallelism
     microbatch = p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else t.local_batch_size
     seq = _local_seq(config)
     compute = getattr(torch, t.mixed_precision_param).itemsize
-    args_dim = _dim(config)
+    args_dim = checked.model_args.dim  # the job's width: model.dim may set it on top of the flavor
     reduce = getattr(torch, config.optimizer.reduce_dtype).itemsize
     dense = state.tp_numel - state.expert_numel  # experts are reduced and gathered over edp, the rest over dp
     forward = sum((c.forward for c in costs), Work(0.0))
@@ -260,10 +276,6 @@ def _rank_work(config: JobConfig, costs: list[MicrobatchCost], state: StateCost)
     )
 
 
-def _dim(config: JobConfig) -> int:
-    return get_model_spec(config.model.name).flavors[config.model.flavor].dim
-
-
 def _time_layout(checked: CheckedLayout) -> TimeLayout:
     layout, pipeline = checked.layout, checked.pipeline
     return TimeLayout(
@@ -278,4 +290,5 @@ def _time_layout(checked: CheckedLayout) -> TimeLayout:
         zero_stage=layout.zero_stage,
         bucket_bytes=checked.config.optimizer.bucket_size_mb * 2**20,
         compiled=checked.config.compile.enable,
+        reshard_after_forward=_reshards_after_forward(checked.config),
     )

@@ -18,7 +18,7 @@ GiB = 2**30
 
 @dataclass
 class SearchResult:
-    predictions: list[Prediction]  # best first: the fitting ones by tokens/s, then the rest by memory needed
+    predictions: list[Prediction]  # best first: the fitting ones by tokens/s, then the rest by allocator peak
     rejected: int  # candidates start-up's checks refused
     hardware: Hardware
     gpus: int
@@ -43,10 +43,10 @@ class SearchResult:
         }
 
     def table(self, top: int) -> str:
-        usable = (self.hardware.memory_bytes - self.hardware.reserved_bytes) / GiB
+        usable = self.hardware.allocator_bytes / GiB
         lines = [
             f"{self.config.model.name} {self.config.model.flavor} on {self.gpus} x {self.hardware.name} "
-            f"({usable:.1f} GiB usable), global batch {self.config.training.global_batch_size} x "
+            f"({usable:.1f} GiB for the CUDA allocator), global batch {self.config.training.global_batch_size} x "
             f"{self.config.training.seq_len} tokens: {len(self.predictions)} valid layouts "
             f"({self.rejected} refused by start-up's checks), {len(self.fitting)} fit",
             "",
@@ -56,14 +56,14 @@ class SearchResult:
         lines += [_row(p) for p in self.fitting[:top]]
         others = [p for p in self.predictions if not p.fits][:top]
         if others:
-            lines += ["", "closest to fitting among those that do not (per-rank GiB needed):"]
+            lines += ["", "closest to fitting among those that do not (the allocator's GiB needed per rank):"]
             lines += [_row(p) for p in others]
         return "\n".join(lines)
 
 
 def _row(p: Prediction) -> str:
     peak, step = p.peak, p.step
-    gib = [b / GiB for b in (peak.total_bytes, peak.param_bytes, peak.grad_bytes, peak.optimizer_state_bytes,
+    gib = [b / GiB for b in (p.reserved_bytes, peak.param_bytes, peak.grad_bytes, peak.optimizer_state_bytes,
                              peak.activation_bytes)]  # fmt: skip
     memory = f"{gib[0]:>8.1f} {gib[1]:>7.1f} {gib[2]:>7.1f} {gib[3]:>7.1f} {gib[4]:>7.1f}"
     if step is None:
@@ -99,7 +99,7 @@ def search(
             f"start-up's checks. The most common refusals: {reasons}"
         )
     fits = sorted((p for p in predictions if p.fits), key=lambda p: -p.tokens_per_sec)
-    rest = sorted((p for p in predictions if not p.fits), key=lambda p: p.peak.total_bytes)
+    rest = sorted((p for p in predictions if not p.fits), key=lambda p: p.reserved_bytes)
     return SearchResult(fits + rest, rejected, hardware, gpus, config)
 
 

@@ -19,18 +19,31 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   counts) and their gradients both ways in backward, as the probe counts them for a balanced router. The experts'
   gradients are reduced, and their parameters gathered, over edp (the dp x cp / ep ranks that hold the same
   experts: `RankWork.expert_grad_bytes`), the other parameters' over dp.
-- TP, EP and CP collectives run inside the microbatch and are exposed (no async TP): ring model
-  t = steps x latency_s + f x bytes / bw (`collective_seconds`), bw = intra_node_bw if every group of that mesh
-  dimension lies within one node, else inter_node_bw.
+- The network as NCCL uses it (`group_seconds`): a group within one node runs a ring over NVLink,
+  t = steps x latency_s + f x bytes / intra_node_bw (`collective_seconds`). A group that spans nodes with k of its
+  ranks on each node moves the same f x bytes through every node, split over the NICs of those k ranks (NCCL runs a
+  channel per NIC; on a rail-optimised fabric a device's NIC is on its own rail), so bw = min(intra_node_bw, k x
+  the NIC bandwidth per device): a data-parallel group of all 8 ranks of each node gets the node's 8 NICs, one of
+  tensor-parallel stride 8 gets one NIC per node. Latency is hierarchical: (k - 1) steps within the node and
+  (nodes - 1) between them for a ring's all-gather and reduce-scatter, twice (k - 1) + log2(nodes) for the
+  all-reduce, which NCCL runs as a tree across nodes. An all-to-all sends (n - k) / n of its buffer off the node
+  over each rank's own NIC share; a pipeline send between nodes one device's NIC share.
+- TP, EP and CP collectives run inside the microbatch and are exposed (no async TP), each over its group as the
+  mesh's order places it (within a node, or across nodes with k ranks per node).
 - PP: every stage chunk sends its boundary activation forward and receives its gradient back per microbatch:
   2 v m sends of `boundary_bytes`.
 - The pipeline runs for (m x t_mb + pp_comm) / (1 - bubble) with the slowest rank's t_mb (the schedule table's
   bubble fraction, equal stage times assumed); a faster rank idles the difference, counted as its bubble.
 - DP (`dp_seconds`): ZeRO 0 all-reduces the gradients once; 1 reduce-scatters them once and all-gathers the
-  parameters after the step; 2 reduce-scatters every microbatch and all-gathers after the step; 3 all-gathers the
-  parameters in forward and in backward and reduce-scatters the gradients, every microbatch. Gradient reductions
-  overlap backward (ZeRO 3: the whole microbatch) up to `overlap`; the last bucket never does (it is launched when
-  backward ends): exposed = max(last bucket, comm - overlap x window). Post-step all-gathers are exposed.
+  parameters after the step; 2 reduce-scatters every microbatch and all-gathers after the step; 3 (FSDP2)
+  all-gathers the parameters in forward and again in backward (once, without resharding after forward) and
+  reduce-scatters the gradients, every microbatch. Gradient reductions overlap backward (ZeRO 3: the whole
+  microbatch) up to `overlap`; the last bucket never does (it is launched when backward ends): exposed =
+  max(last bucket, comm - overlap x window). Post-step all-gathers are exposed. Under pipelining ZeRO 3 is different:
+  the schedule turns FSDP2's gradient sync and resharding after backward off until the last microbatch, so it
+  gathers the parameters once per step (once per microbatch more when it reshards after forward, in backward) and
+  reduce-scatters once, after the last backward, exposed (the first stage's last backward ends the pipeline); its
+  gathers hide behind the first microbatch's forward up to `overlap`.
 - Optimizer: AdamW reads the fp32 master, gradient, exp_avg and exp_avg_sq (16 B/param) and writes master,
   exp_avg, exp_avg_sq (12 B/param): 28 B per 8 B of state, so OPTIMIZER_TRAFFIC = 3.5 x state bytes / mem_bw,
   plus its ops x op_overhead_s.
@@ -41,7 +54,9 @@ ep x tp, pp stride dp x cp x tp.
 """
 
 import functools
-from collections.abc import Sequence
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -143,6 +158,7 @@ class Layout:
     zero_stage: int = 0
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
     compiled: bool = False  # compile.enable: blocks' elementwise ops fused (`COMPILE_ELEMENTWISE`)
+    reshard_after_forward: bool = True  # ZeRO 3: FSDP2 frees the gathered parameters after forward, gathers again
 
     @property
     def world_size(self) -> int:
@@ -234,17 +250,47 @@ def collective_seconds(op: Op, n: int, nbytes: float, bw: float, hardware: Hardw
     return (n - 1) * hardware.latency_s + (n - 1) / n * nbytes / bw
 
 
+@functools.cache
+def ranks_per_node(size: int, stride: int, world_size: int, gpus_per_node: int) -> int:
+    """The fewest ranks of a group of `size` ranks `stride` apart (row-major world) that share a node, over every
+    group and node: the NICs its inter-node bytes leave the busiest node by. `size` when the groups lie within
+    nodes."""
+    fewest = size
+    for start in range(world_size):
+        if (start // stride) % size == 0:
+            nodes = Counter((start + i * stride) // gpus_per_node for i in range(size))
+            fewest = min(fewest, *nodes.values())
+    return fewest
+
+
+def group_seconds(op: Op, n: int, per_node: int, nbytes: float, hardware: Hardware) -> float:
+    """One collective over a group of `n` ranks with `per_node` of them on each node it spans (`n` within one
+    node), as NCCL runs it (see the module docstring)."""
+    if per_node >= n:
+        return collective_seconds(op, n, nbytes, hardware.intra_node_bw, hardware)
+    nodes, nic, latency = math.ceil(n / per_node), hardware.nic_bw_per_device, hardware.latency_s
+    if op == "send":
+        return latency + nbytes / nic
+    if op == "all_to_all":
+        off_node = (n - per_node) / n * nbytes / nic
+        return (n - 1) * latency + max(off_node, (per_node - 1) / n * nbytes / hardware.intra_node_bw)
+    bw = min(hardware.intra_node_bw, per_node * nic)
+    if op == "all_reduce" or (op == "reduce_scatter" and hardware.reduce_scatter_as_all_reduce):
+        return 2 * (per_node - 1 + math.ceil(math.log2(nodes))) * latency + 2 * (n - 1) / n * nbytes / bw
+    return (per_node - 1 + nodes - 1) * latency + (n - 1) / n * nbytes / bw
+
+
 def collective_on(collective: Collective, layout: Layout, hardware: Hardware) -> float:
-    """`collective_seconds` over the groups of its mesh dimension, on the link they use, `count` times; nothing to
-    move is free."""
-    size, _ = layout.group(collective.dim)
-    if collective.op == "send":
-        size = 2
+    """`group_seconds` over the groups of its mesh dimension, as the mesh's order places them on nodes, `count`
+    times; nothing to move is free. A pipeline send goes between two neighbouring stages: across nodes when the
+    pp groups span them."""
+    size, stride = layout.group(collective.dim)
     if size == 1 or collective.bytes == 0:
         return 0.0
-    within_node = intra_node(layout, collective.dim, hardware.gpus_per_node)
-    bw = hardware.intra_node_bw if within_node else hardware.inter_node_bw
-    return collective.count * collective_seconds(collective.op, size, collective.bytes, bw, hardware)
+    per_node = ranks_per_node(size, stride, layout.world_size, hardware.gpus_per_node)
+    if collective.op == "send":
+        size, per_node = 2, 2 if per_node >= size else 1
+    return collective.count * group_seconds(collective.op, size, per_node, collective.bytes, hardware)
 
 
 def compute_seconds(work: Work, hardware: Hardware, compiled: bool = False) -> float:
@@ -275,33 +321,52 @@ def comm_seconds(work: Work, dim: Dim, layout: Layout, hardware: Hardware) -> fl
 
 def dp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> tuple[float, float]:
     """(all DP communication, the exposed part) of one step; see the module docstring."""
+    forward = _microbatch_seconds(rank.forward, layout, hardware)
     backward = _microbatch_seconds(rank.backward, layout, hardware)
-    microbatch = backward + _microbatch_seconds(rank.forward, layout, hardware)
-    dense = _dp_dim_seconds("dp", rank.grad_bytes, rank.param_bytes, backward, microbatch, layout, hardware)
-    expert = _dp_dim_seconds("edp", rank.expert_grad_bytes, rank.expert_param_bytes, backward, microbatch, layout,
-                             hardware)
+    windows = (forward, backward)
+    dense = _dp_dim_seconds("dp", rank.grad_bytes, rank.param_bytes, windows, layout, hardware)
+    expert = _dp_dim_seconds("edp", rank.expert_grad_bytes, rank.expert_param_bytes, windows, layout, hardware)
     return dense[0] + expert[0], dense[1] + expert[1]
 
 
 def _dp_dim_seconds(
-    dim: Dim, grads: float, params: float, backward: float, microbatch: float, layout: Layout, hardware: Hardware
+    dim: Dim, grads: float, params: float, windows: tuple[float, float], layout: Layout, hardware: Hardware
 ) -> tuple[float, float]:
-    """(total, exposed) DP seconds over one mesh dimension's groups, for the layout's ZeRO stage."""
+    """(total, exposed) DP seconds over one mesh dimension's groups, for the layout's ZeRO stage; `windows` are a
+    microbatch's forward and backward seconds, which the communication may hide behind."""
 
     def run(op: Op, nbytes: float) -> float:
         return collective_on(Collective(op, dim, nbytes), layout, hardware)
 
     zero, m = zero_stage(layout.zero_stage), layout.microbatches
+    forward, backward = windows
+    if zero.shards_parameters and layout.pp > 1:
+        return _fsdp_under_pipelining(run, grads, params, forward, layout, hardware)
     reduce_op: Op = "reduce_scatter" if zero.shards_optimizer_state else "all_reduce"
     reduce, last = run(reduce_op, grads), run(reduce_op, min(layout.bucket_bytes, grads))
     rounds = m if zero.shards_gradients else 1  # sharded gradients are reduced every microbatch
-    window = microbatch if zero.shards_parameters else backward
-    during = reduce + (2 * run("all_gather", params) if zero.shards_parameters else 0.0)
+    window = forward + backward if zero.shards_parameters else backward
+    gathers = 2 if layout.reshard_after_forward else 1
+    during = reduce + (gathers * run("all_gather", params) if zero.shards_parameters else 0.0)
     # Sharded state gathers the stepped parameters once per step; sharded parameters gather per use instead.
     after = run("all_gather", params) if zero.shards_optimizer_state and not zero.shards_parameters else 0.0
     total = rounds * during + after
     exposed = rounds * max(last, during - hardware.overlap * window) + after
     return total, exposed
+
+
+def _fsdp_under_pipelining(
+    run: Callable[[Op, float], float], grads: float, params: float, forward: float, layout: Layout, hardware: Hardware
+) -> tuple[float, float]:
+    """(total, exposed) seconds of FSDP2 under a pipeline schedule (see the module docstring): one gather of the
+    parameters per step, or one per microbatch more when they are resharded after forward, and one reduce-scatter
+    of the gradients after the last backward."""
+    gather = run("all_gather", params)
+    gathers = (1 + layout.microbatches) * gather if layout.reshard_after_forward else gather
+    reduce = run("reduce_scatter", grads)
+    first = run("all_gather", min(layout.bucket_bytes, params))  # the first block's gather precedes any compute
+    hidden = hardware.overlap * forward * (layout.microbatches if layout.reshard_after_forward else 1)
+    return gathers + reduce, reduce + max(first, gathers - hidden)
 
 
 def _microbatch_seconds(work: Work, layout: Layout, hardware: Hardware) -> float:

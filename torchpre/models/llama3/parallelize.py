@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.chunked_output import ChunkedOutput, VocabParallelOutput
@@ -52,7 +53,22 @@ from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole
 
 
 def validate_llama3_tensor_parallel(args: TransformerArgs, tp: int) -> None:
-    """Fail fast, before any process-group work, if `tp` ranks cannot hold whole heads."""
+    """Fail fast, before any process-group work, if `tp` ranks cannot hold whole heads and equal slices of the
+    SwiGLU width (DTensor would shard it unevenly, and the row-parallel w2 would not match w1's shard)."""
+    check_llama3_heads(args, tp)
+    width = args.ffn_hidden_dim
+    if width % tp:
+        degrees = ", ".join(str(d) for d in range(1, min(width, 64) + 1) if width % d == 0)
+        raise ConfigError(
+            f"The model's feed-forward width ffn_hidden_dim = {width} (a config.json's intermediate_size) is not "
+            f"divisible by parallelism.tensor_parallel_degree = {tp}: each tensor-parallel rank holds an equal slice "
+            f"of w1, w2 and w3. Set parallelism.tensor_parallel_degree to a divisor of {width} ({degrees}), or use a "
+            "model whose width it divides."
+        )
+
+
+def check_llama3_heads(args: TransformerArgs, tp: int) -> None:
+    """Rejects a `tp` that splits Llama 3's query or key/value heads."""
     check_whole_heads(
         ("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads), tp, "The model's",
         ", or choose a model.flavor with more heads",

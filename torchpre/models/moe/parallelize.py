@@ -34,8 +34,8 @@ from torchpre.models.llama3.parallelize import (
     apply_llama3_context_parallel,
     apply_transformer_plan,
     attention_plan,
+    check_llama3_heads,
     feed_forward_plan,
-    validate_llama3_tensor_parallel,
 )
 from torchpre.models.moe.args import MoEArgs
 from torchpre.models.moe.model import MoE, MoEBlock, MoETransformer
@@ -120,7 +120,7 @@ def _tp_output(module: nn.Module, partial: Tensor, mesh: DeviceMesh) -> Tensor:
 
 def validate_moe_tensor_parallel(args: MoEArgs, tp: int) -> None:
     """Llama 3's head checks, and whole hidden slices for the experts, the shared expert and the dense blocks."""
-    validate_llama3_tensor_parallel(args, tp)
+    check_llama3_heads(args, tp)
     dense = ("ffn_hidden_dim",) if args.first_k_dense else ()
     for key in ("moe_hidden_dim", "shared_expert_hidden_dim", *dense):
         if getattr(args, key) % tp:
