@@ -227,7 +227,6 @@ HF_FIELDS: dict[str, tuple[Field, ...]] = {
         Field("num_attention_heads", (3,), "hidden_size = 64 is not divisible by num_attention_heads = 3"),
         Field("intermediate_size", (0, [176])),
         Field("vocab_size", (0, -1, "2048")),
-        Field("vocab_size", (10**25,), "describes a model whose tensors no machine can hold"),
         Field("head_dim", (0, "16")),
         Field("rms_norm_eps", (0, -1e-5, "1e-5", float("nan"))),
         Field("rope_theta", (0, "500000", float("inf"))),
@@ -300,6 +299,11 @@ def _field_files(d: Path) -> None:
             folder.mkdir()
             (folder / "config.json").write_text(json.dumps(config))
             (folder / "model.safetensors").write_bytes(b"")  # never read: the config is refused first
+    # A size of its kind, but past what a tensor can hold: refused when the model is sized, before any file is read.
+    huge = d / "field_llama3_huge_vocab"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps(bad_config("llama3", "vocab_size", 10**25)))
+    (huge / "model.safetensors").write_bytes(b"")
 
 
 def field_rows(family: str) -> list[tuple[str, Any, str]]:
@@ -318,6 +322,8 @@ def _field_cases() -> None:
             else:
                 argv = FROM_HF if family == "llama3" else DEEPSEEK_FROM_HF
                 _case(case_id, [*argv, folder], [f"{folder}/config.json", message])
+    _case("hf-field-llama3-vocab_size-past-int64", [*FROM_HF, "{d}/field_llama3_huge_vocab"],
+          ["{d}/field_llama3_huge_vocab/config.json", "describes a model whose tensors no machine can hold"])
     _case("hf-field-plan", [*FROM_HF, "{d}/field_llama3_0", "--gpus", "1"],
           ["{d}/field_llama3_0/config.json", "num_attention_heads is 0, not a positive integer"], PLAN)  # fmt: skip
 
