@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
 
+from torchpre.checkpoint.metadata_pickle import GLOBALS as METADATA_GLOBALS
+
 
 @dataclass(frozen=True)
 class Mutation:
@@ -170,19 +172,15 @@ def json_lines(may_change_values: bool) -> Mutator:
 
 # Pickle: DCP's .metadata ----------------------------------------------------------------------------------------------
 
-# Globals a gadget names: everything a metadata reader could hand out, and what a payload reaches for.
-GADGET_GLOBALS = [
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-] + [
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch", "float32"),
-    ("torch", "strided"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("collections", "OrderedDict"), ("builtins", "exec"),
-    ("builtins", "eval"), ("builtins", "getattr"), ("builtins", "setattr"), ("os", "system"), ("posix", "system"),
-    ("torchpre.confined", "open_beneath"), ("torchpre.checkpoint.reader", "read_metadata"), ("builtins", "dict"),
-    ("copyreg", "_reconstructor"), ("torch._utils", "_rebuild_tensor_v2"), ("functools", "partial"),
+# Globals a gadget names: every global the metadata interpreter allows (its own table, so a new one is fuzzed too),
+# and what a payload reaches for.
+PAYLOAD_GLOBALS = [
+    ("builtins", "exec"), ("builtins", "eval"), ("builtins", "getattr"), ("builtins", "setattr"), ("os", "system"),
+    ("posix", "system"), ("torchpre.confined", "open_beneath"), ("torchpre.checkpoint.reader", "read_metadata"),
+    ("builtins", "dict"), ("copyreg", "_reconstructor"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("functools", "partial"), ("collections", "OrderedDict"),
 ]  # fmt: skip
+GADGET_GLOBALS = sorted(METADATA_GLOBALS) + PAYLOAD_GLOBALS
 _ATTRIBUTES = ["__eq__", "__init__", "__new__", "__setstate__", "__reduce_ex__", "__getattr__", "_fields", "value",
                "is_relative_to", "resolve", "__class__", "__dict__", "planner_data", "chunks"]  # fmt: skip
 

@@ -38,10 +38,9 @@ def test_the_full_run_with_a_fresh_seed(tmp_path):
     assert not report.failures, report.summary()
 
 
-def test_every_global_a_gadget_names_is_one_the_metadata_reader_could_be_asked_for():
-    """The gadgets target every global of DCP's metadata vocabulary, so a new one there is fuzzed too."""
-    from torch.distributed.checkpoint import metadata
+def test_the_gadgets_name_every_global_the_metadata_interpreter_allows():
+    """A global added to the interpreter's table is a gadget's target at once, beside the payloads' globals."""
+    from torchpre.checkpoint.metadata_pickle import GLOBALS
 
-    vocabulary = {name for name, value in vars(metadata).items() if isinstance(value, type)}
-    named = {name for module, name in formats.GADGET_GLOBALS if module == metadata.__name__}
-    assert {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "TensorProperties"} <= named <= vocabulary
+    assert set(GLOBALS) <= set(formats.GADGET_GLOBALS) and ("builtins", "exec") in formats.GADGET_GLOBALS
+    assert {name for module, name in GLOBALS if module.endswith("checkpoint.metadata")} >= {"Metadata", "StorageMeta"}
