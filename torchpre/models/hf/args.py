@@ -176,7 +176,8 @@ _PER_LAYER_SIZE = Kind(
 # every causal LM's own default config passes (tests/unit/test_foreign_inputs.py).
 _KINDS = {
     "model_type": STRING, "vocab_size": POSITIVE_INT, "hidden_size": POSITIVE_INT,
-    "intermediate_size": _PER_LAYER_SIZE.or_null(), "num_hidden_layers": POSITIVE_INT, "num_attention_heads": POSITIVE_INT,
+    "intermediate_size": _PER_LAYER_SIZE.or_null(), "num_hidden_layers": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT,
     "num_key_value_heads": POSITIVE_INT.or_null(), "head_dim": COUNT.or_null(),
     "max_position_embeddings": POSITIVE_INT.or_null(), "sliding_window": COUNT.or_null(),
     "rms_norm_eps": POSITIVE.or_null(), "layer_norm_eps": POSITIVE.or_null(), "layer_norm_epsilon": POSITIVE.or_null(),
