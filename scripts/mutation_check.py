@@ -46,6 +46,8 @@ PUBLICATION_TEST = (
 )
 DATA_POSITION_TEST = "tests/unit/test_data.py::test_a_resumed_data_position_gives_the_batches_training_would_have_read"
 RNG_TEST = "tests/unit/test_checkpoint_rng.py"
+SNAPSHOTS_TEST = "tests/distributed/test_snapshots.py"
+SNAPSHOT_FILE_TEST = "tests/unit/test_snapshot_file.py"
 LOSS_TEST = "tests/unit/test_trainer_loss.py"
 HF_MODELS = "tests/integration/test_hf_models.py"
 FSDP = "tests/distributed/test_fsdp.py"
@@ -766,7 +768,7 @@ BREAKS = [
            "[unsigned-initial_load_path]",),
           "with a signing key set, an unsigned Hugging Face folder loads as a run's weights"),
     Break("component-refusal-left-as-a-traceback", "torchpre/checkpoint/manager.py",
-          "            _load_component(self.components[key], key, state, step_dir)",
+          "            load_component(self.components[key], key, state, step_dir)",
           "            self.components[key].load_state_dict(state)",
           (f"{BINDING_TEST}::test_values_a_component_refuses_together_are_bad_input_naming_the_checkpoint",),
           "values a component refuses together (a data position off the batch grid) end a resume in a traceback"),
@@ -924,6 +926,17 @@ BREAKS = [
           "IRRELEVANT}, relevant)[:6]", "IRRELEVANT}, relevant)[:0]",
           (f"{BAD_INPUT_CASE}[hf-config-of-another-model-than-the-folders]",),
           "model.hf_config with another rope_theta and rms_norm_eps than the folder's config.json accepted"),
+    Break("snapshot-published-before-complete", "torchpre/checkpoint/snapshots.py",
+          '        temporary, final = self.folder / f".tmp-{name}", self.folder / name',
+          "        temporary = final = self.folder / name",
+          (f"{SNAPSHOTS_TEST}::test_a_full_folder_turns_snapshots_off_everywhere_without_publishing_that_step",),
+          "an in-memory snapshot written under its final name, visible before its bytes are"),
+    Break("snapshot-ranks-resume-different-steps", "torchpre/checkpoint/snapshot_restore.py",
+          "if all((rank, step) in holders for rank in range(len(listings)))",
+          "if any((rank, step) in holders for rank in range(len(listings)))",
+          (f"{SNAPSHOT_FILE_TEST}::test_the_step_chosen_is_the_newest_complete_for_every_rank",
+           f"{SNAPSHOTS_TEST}::test_restarts_agree_on_one_step_use_replicas_and_never_a_torn_file"),
+          "a restart resumes a snapshot step that is not complete on every rank (ranks on different steps)"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:

@@ -69,6 +69,7 @@ from torchpre.checkpoint.state import (
     Checkpointable,
     check_shapes,
     checkpoint_metadata,
+    load_component,
     load_targets,
     require_present,
     state_bytes,
@@ -451,21 +452,9 @@ class CheckpointManager:
         put_values(loaded, request, values, step_dir)
         _to_current_locations(loaded, moved)
         for key, state in loaded.items():
-            _load_component(self.components[key], key, state, step_dir)
+            load_component(self.components[key], key, state, step_dir)
         logger.info("loaded %s: %s", step_dir, ", ".join(sorted(loaded)))
         return list(loaded)
-
-
-def _load_component(component: Checkpointable, key: str, state: dict[str, Any], step_dir: Path) -> None:
-    """`component.load_state_dict(state)`; a value it refuses (a ValueError: values of the right types and ranges
-    that do not fit together, such as a data position off the batch grid) is bad input naming the checkpoint."""
-    try:
-        component.load_state_dict(state)
-    except ValueError as error:
-        raise UntrustedInput(
-            f"{step_dir}: the entry {key!r} cannot be loaded ({error}). torchpre never saves such values together: "
-            "the checkpoint was altered or written by another tool. Load another checkpoint (docs/security.md)."
-        ) from None
 
 
 def _from_legacy_locations(request: dict[str, Any], saved: set[str]) -> list[tuple[tuple, tuple]]:

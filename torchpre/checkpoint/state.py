@@ -39,6 +39,18 @@ def load_targets(component: Checkpointable, saved: set[str]) -> dict[str, Any]:
     return targets(saved) if targets is not None else component.state_dict()
 
 
+def load_component(component: Checkpointable, key: str, state: dict[str, Any], step_dir: Path) -> None:
+    """`component.load_state_dict(state)`; a value it refuses (a ValueError: values of the right types and ranges
+    that do not fit together, such as a data position off the batch grid) is bad input naming the checkpoint."""
+    try:
+        component.load_state_dict(state)
+    except ValueError as error:
+        raise UntrustedInput(
+            f"{step_dir}: the entry {key!r} cannot be loaded ({error}). torchpre never saves such values together: "
+            "the checkpoint was altered or written by another tool. Load another checkpoint (docs/security.md)."
+        ) from None
+
+
 class RNGState:
     """This rank's generator states: the CPU one and, in a process that uses CUDA, its current device's, under
     `rank{r}` and `cuda_rank{r}`. A rank the saving job did not have finds none, and keeps its own."""

@@ -124,16 +124,21 @@ def read_values(check: FileCheck) -> dict[str, Any] | None:
         values = loads(check.read(VALUES, LIMITS["state"]), path)
     except FileNotFoundError:
         return None
+    check_values(values, path)
+    step, saved = folder_step(check.step_dir), values.get("train.step")
+    if step is not None and saved is not None and saved != step:
+        raise _bad_value(path, "train.step", saved, f"the step of its folder, {check.step_dir.name}")
+    return values
+
+
+def check_values(values: Any, path: Path) -> None:
+    """Raises, naming `path`, unless `values` (read from it) is an object of named values each meeting its rule."""
     if not isinstance(values, dict):
         raise UntrustedInput(f"{path} holds a JSON {type(values).__name__}, not an object of named values.")
     for name, value in values.items():
         rule = rule_of(name)
         if rule is not None and not rule.holds(value):
             raise _bad_value(path, name, value, rule.expected)
-    step, saved = folder_step(check.step_dir), values.get("train.step")
-    if step is not None and saved is not None and saved != step:
-        raise _bad_value(path, "train.step", saved, f"the step of its folder, {check.step_dir.name}")
-    return values
 
 
 def _bad_value(path: Path, name: str, value: Any, expected: str) -> UntrustedInput:

@@ -484,6 +484,22 @@ class Checkpoint:
         "checkpoint.initial_load_path or `convert hf-to-dcp` (a model as released, which no key of yours signed), "
         "with a warning naming it; off: refused",
     )
+    memory_interval: int = _option(
+        0,
+        "every this many steps each rank also snapshots its whole state into checkpoint.memory_folder (host memory "
+        "that outlives the process), written in the background; a restart with the same layout resumes from the "
+        "newest snapshot step complete on every rank when it is newer than the disk checkpoint; 0 = off",
+    )
+    memory_replicas: int = _option(
+        1,
+        "1: each snapshot is also kept by a peer rank on another node, from which a rank whose node was replaced "
+        "restores (on one node: another rank); 0: no replica",
+    )
+    memory_folder: str = _option(
+        "/dev/shm/torchpre",
+        "where each node keeps its ranks' snapshots, in a folder per run id; removed when the run ends normally, and "
+        "a full folder turns snapshots off with one warning",
+    )
 
 
 @dataclass

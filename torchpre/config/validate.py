@@ -4,7 +4,7 @@ import math
 import tempfile
 from pathlib import Path
 
-from torchpre.config.job_config import JobConfig, Optimizer
+from torchpre.config.job_config import Checkpoint, JobConfig, Optimizer
 from torchpre.errors import ConfigError
 from torchpre.layouts.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.layouts.zero_stages import zero_stage
@@ -59,6 +59,7 @@ def validate_config(config: JobConfig) -> None:
             "checkpoint.save_on_preemption saves a checkpoint on SIGTERM or SIGUSR1, but checkpoint.enable is off. "
             "Set checkpoint.enable = true, or turn checkpoint.save_on_preemption off."
         )
+    _check_memory_snapshots(c)
     for key in ("init_timeout_seconds", "timeout_seconds"):
         seconds = getattr(config.comm, key)
         if not (math.isfinite(seconds) and seconds > 0):
@@ -327,3 +328,28 @@ def _check_optimizer(o: Optimizer) -> None:
     zero_stage(o.zero_stage)  # an unknown ZeRO stage, named with the valid ones
     if o.momentum < 0:
         raise ConfigError(f"optimizer.momentum = {o.momentum}: it must be >= 0.")
+
+
+def _check_memory_snapshots(c: Checkpoint) -> None:
+    """checkpoint.memory_*: snapshots belong to a run of checkpoints (its run id, its disk fallback)."""
+    _at_least("checkpoint.memory_interval", c.memory_interval, 0)
+    if c.memory_replicas not in (0, 1):
+        raise ConfigError(
+            f"checkpoint.memory_replicas = {c.memory_replicas}: it must be 0 (no replica) or 1 (one replica on a "
+            "peer rank of another node)."
+        )
+    if c.memory_interval and not c.enable:
+        raise ConfigError(
+            f"checkpoint.memory_interval = {c.memory_interval} takes in-memory snapshots, but checkpoint.enable is "
+            "off: a snapshot belongs to a run of checkpoints (its run id, and the disk checkpoint it falls back to). "
+            "Set checkpoint.enable = true, or checkpoint.memory_interval = 0."
+        )
+    if c.memory_interval and c.model_only:
+        raise ConfigError(
+            "checkpoint.memory_interval resumes the whole training state, but checkpoint.model_only saves the "
+            "weights alone. Turn one of them off."
+        )
+    if c.memory_interval and not c.memory_folder:
+        raise ConfigError(
+            "checkpoint.memory_folder is empty. Give a folder in host memory, e.g. /dev/shm/torchpre (the default)."
+        )

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.checkpoint.integrity import read_signing_key
 from torchpre.checkpoint.manager import CheckpointManager
+from torchpre.checkpoint.snapshots import SnapshotManager
 from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
@@ -91,6 +92,7 @@ class TrainingJob:
     progress: TrainProgress
     guard: StepGuard
     checkpoint: CheckpointManager | None = None  # built once the job exists: it saves the job's components
+    snapshots: SnapshotManager | None = None  # checkpoint.memory_interval's, built with `checkpoint`
     metrics: TrainingMetrics
     context_parallel: ContextParallel | None = None
     hf_export: HFExporter | None = None
@@ -241,6 +243,12 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
         job.checkpoint = CheckpointManager(
             Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, to_toml(config)
         )
+    if c.enable and c.memory_interval and not runtime.fake:
+        layout = {key: job.progress.layout[key] for key in ("world_size", "dp", "tp", "pp", "ep", "cp")}
+        job.snapshots = SnapshotManager(
+            Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, layout,
+            read_signing_key(c.signing_key_file),
+        )  # fmt: skip
     if config.hf_export.enable and not runtime.fake:
         job.hf_export = HFExporter(
             Path(config.job.dump_folder) / config.hf_export.folder, config.hf_export, model, pre.model_spec,

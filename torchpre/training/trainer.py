@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchpre.checkpoint.folders import complete_steps
 from torchpre.checkpoint.layout import layout_change, stage_change
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.utils import set_comm_timeout
@@ -134,6 +135,9 @@ class Trainer:
         if self.config.checkpoint.enable and (job.checkpoint.should_save(step, t.steps) or stop):
             with job.metrics.paused():
                 job.metrics.checkpoint_wait(self._save_checkpoint())
+        if job.snapshots is not None and job.snapshots.due(step, t.steps) and not stop:
+            with job.metrics.paused():  # the time it blocks is its own record, snapshot/blocked_s
+                job.snapshots.save(step)
         if job.hf_export is not None and job.hf_export.due(step, t.steps):
             with job.metrics.paused():
                 job.hf_export.export(step)
@@ -167,6 +171,7 @@ class Trainer:
             or step == last
             or job.evaluations.due(step, last)
             or (self.config.checkpoint.enable and job.checkpoint.should_save(step, last))
+            or (job.snapshots is not None and job.snapshots.due(step, last))  # never a state the guard may undo
             or (job.hf_export is not None and job.hf_export.due(step, last))
             or job.guard.stopping
             or job.guard.has_findings
@@ -221,6 +226,7 @@ class Trainer:
                 | job.data.shares()
                 | ({"data_stage": job.shape.stage.index + 1} if len(job.preflight.plan.stages.stages) > 1 else {})
                 | (job.checkpoint.metrics() if job.checkpoint is not None else {})
+                | (job.snapshots.metrics() if job.snapshots is not None else {})
             ),
             evaluate=(lambda: job.evaluations.run(self.step, self.config.training.steps)) if evaluate else None,
         )
@@ -238,6 +244,8 @@ class Trainer:
         """Resumes from this job's latest (or chosen) checkpoint, else starts from `checkpoint.initial_load_path`'s
         weights, else from the seed."""
         job, c = self.job, self.config.checkpoint
+        if self._resume_from_snapshots():
+            return
         step_dir = job.checkpoint.find(c.load_step) if job.checkpoint and c.enable else None
         if step_dir is None:
             if job.preflight.initial_hf is not None:
@@ -270,6 +278,22 @@ class Trainer:
         if c.load_step != -1:
             set_aside_later_history(self.config, job.checkpoint.folder, progress.step)
 
+    def _resume_from_snapshots(self) -> bool:
+        """Resumes from the in-memory snapshots (checkpoint.memory_interval) when every rank has one of a step newer
+        than the disk checkpoint; False (on every rank) when the disk checkpoint is the one to resume from, or when
+        checkpoint.load_step chose one."""
+        job, c = self.job, self.config.checkpoint
+        if job.snapshots is None or c.load_step != -1:
+            return False
+        on_disk = complete_steps(job.checkpoint.folder)
+        restored = job.snapshots.restore(on_disk[-1] if on_disk else 0, c.exclude_from_loading)
+        if restored is None:
+            return False
+        self.last_checkpoint_step = on_disk[-1] if on_disk else None
+        job.begin_step(resumed=True)
+        self._compare_stages(job.snapshots.folder)
+        return True
+
     def _load_hf(self, weights: HFWeights) -> None:
         """The model's weights from a Hugging Face folder, each rank reading the shards it holds, into the fp32
         masters (as a checkpoint's load does), then the parameters; the memory it took is logged."""
@@ -299,6 +323,8 @@ class Trainer:
     def _close(self) -> None:
         if self.job.checkpoint is not None:
             self.job.checkpoint.close()
+        if self.job.snapshots is not None:  # a run that ended normally removes its snapshots
+            self.job.snapshots.close(finished=self.step >= self.config.training.steps)
         if self.job.hf_export is not None:
             self.job.hf_export.close()
         self.job.metrics.close()
