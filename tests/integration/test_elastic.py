@@ -66,12 +66,15 @@ class Node:
     theirs), and `last_call_timeout=2` lets a round complete 2 s after its first node instead of torchrun's 30.
     """
 
-    def __init__(self, name: str, port: int, nproc: int, args: list[str], folder: Path, host: bool, restarts: int):
+    def __init__(
+        self, name: str, port: int, nproc: int, args: list[str], folder: Path, host: bool, restarts: int,
+        nnodes: str = "1:2",
+    ):  # fmt: skip
         self.log = folder / f"{name}.log"
         self.run_id = f"elastic-{port}"
         command = [
             sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
+            "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", str(restarts),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", self.run_id,
             "--rdzv-conf", f"is_host={int(host)},last_call_timeout=2", "--local-addr", "127.0.0.1",
             "train.py", *args,
@@ -127,8 +130,8 @@ def nodes(tmp_path):
     started: list[Node] = []
     port = free_port()
 
-    def start(name: str, nproc: int, args: list[str], host: bool, restarts: int = 3) -> Node:
-        started.append(Node(name, port, nproc, args, tmp_path, host, restarts))
+    def start(name: str, nproc: int, args: list[str], host: bool, restarts: int = 3, nnodes: str = "1:2") -> Node:
+        started.append(Node(name, port, nproc, args, tmp_path, host, restarts, nnodes))
         return started[-1]
 
     yield start

@@ -56,8 +56,11 @@ def measure_matmul_flops(
     The best of `windows` short windows, not their mean: other load on the machine only ever slows a
     window down, so the fastest one is the closest to what the hardware can do (an upper bound for MFU).
     """
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # A generator of its own: the measurement runs at a process's first record, which must not move the training
+    # RNG (a resumed run's state would differ from the uninterrupted run's).
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
     torch.mm(a, b)
     _synchronize(device)
     return max(_matmul_rate(a, b, device, seconds / windows) for _ in range(windows))
