@@ -9,6 +9,7 @@ import pickle
 import pickletools
 import random
 import struct
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,6 +353,28 @@ def safetensors_file(path: Path, rng: random.Random) -> tuple[str, bool]:
     flipped[min(position, len(flipped) - 1)] ^= 0x01
     path.write_bytes(bytes(flipped))
     return "one data bit flipped", True
+
+
+def snapshot_file(path: Path, rng: random.Random) -> tuple[str, bool]:
+    """An in-memory snapshot (torchpre/checkpoint/snapshot_file.py): its header's JSON mutated (the run, step, rank,
+    layout, the tensors' offsets and sizes, the values) with the CRC-32 recomputed, as whoever can write /dev/shm
+    could; or its length field, or its bytes (the CRC no longer matches). A snapshot refused falls back to the disk
+    checkpoint, which gives the same result; a value changed within its range and signed anew may change it."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[8:16])
+    header, body = json.loads(data[16 : 16 + length]), data[16 + length : -4]
+    roll = rng.random()
+    if roll < 0.6:
+        value, what, may_change, raw = mutate_json_value(header, rng)
+        text = dump_json(value, raw).encode()
+        signed = data[:8] + struct.pack("<Q", len(text)) + text + body
+        path.write_bytes(signed + struct.pack("<I", zlib.crc32(signed)))
+        return f"header {what}, CRC-32 recomputed", may_change or what.startswith("values")
+    if roll < 0.75:
+        new = rng.choice([0, 1, len(data), 2**63, length - 1, length + 8])
+        path.write_bytes(data[:8] + struct.pack("<Q", new) + data[16:])
+        return f"header length {length} -> {new}", False
+    return binary(may_change=False)(path, rng)
 
 
 # Other files ----------------------------------------------------------------------------------------------------------

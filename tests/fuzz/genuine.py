@@ -4,7 +4,10 @@ tokenizer by the tokenizers library's trainer, scripts/tiny_tokenizer.py)."""
 import functools
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,12 @@ KEY = "0123456789abcdef0123456789abcdef"
 # The tiny model on synthetic data, with the MFU peak given (its CPU benchmark would cost each case a second).
 BASE = [*TINY, "--training.dataset", "synthetic", "--metrics.peak_flops", "1e11"]
 CHECKPOINTED = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+# A run of 4 steps with in-memory snapshots in its own folder: its disk checkpoints are step-2 and step-4, its
+# snapshots those of steps 2 and 3, and its run id "fuzz" (the name of its snapshots' folder).
+SNAPSHOTS = lambda folder: [  # noqa: E731
+    *CHECKPOINTED, "--training.steps", "4", "--checkpoint.memory_interval", "1",
+    "--checkpoint.memory_folder", str(folder / "shm"),
+]  # fmt: skip
 OLD_CHECKPOINT = REPO / "tests" / "fixtures" / "checkpoint_0a62600" / "step-2"
 # The run that wrote OLD_CHECKPOINT (tests/integration/test_bitwise_losses.py).
 OLD_RUN = [
@@ -65,6 +74,7 @@ def build(root: Path, server: ForkServer) -> Genuine:
         step = root / source / "checkpoint" / "step-2"
         run("torchpre.convert", ["dcp-to-hf", str(step), str(root / name), "--model.flavor", "tiny",
                                  "--max_shard_size", shard])  # fmt: skip
+    _snapshot_run(root / "snap")
     legacy = root / "legacy" / "checkpoint" / "step-2"
     shutil.copytree(OLD_CHECKPOINT, legacy)
     data = root / "data"
@@ -83,3 +93,19 @@ def build(root: Path, server: ForkServer) -> Genuine:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data_hf / name, root / "hf_tokenizer" / name)
     return Genuine(root)
+
+
+
+def _snapshot_run(folder: Path) -> None:
+    """The snapshot run, killed (as a lost node is) after its last step, before its normal end removed its snapshots
+    and, as if its last save never finished, without step-4: a resume takes its snapshots of step 3."""
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "checkpoint" / "run.json").write_text(json.dumps({"run": "fuzz"}) + "\n")
+    keep = "from torchpre.checkpoint.snapshots import SnapshotManager as M; M.close = lambda s, finished: s.wait()"
+    script = f"{keep}; import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')"
+    argv = ["train.py", *BASE, *SNAPSHOTS(folder), "--job.dump_folder", str(folder)]
+    result = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    shutil.rmtree(folder / "checkpoint" / "step-4")
+    assert sorted(path.name for path in (folder / "shm" / "fuzz").iterdir()) == ["rank0-step2.own", "rank0-step3.own"]

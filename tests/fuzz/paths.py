@@ -12,7 +12,8 @@ from typing import Any
 from safetensors.torch import load_file
 
 from tests.fuzz import formats
-from tests.fuzz.genuine import BASE, CHECKPOINTED, OLD_RUN, Genuine
+from tests.fuzz.genuine import BASE, CHECKPOINTED, OLD_RUN, SNAPSHOTS, Genuine
+from torchpre.checkpoint.snapshot_file import parse_name
 
 STEP = "checkpoint/step-2"
 DATA_VOCAB = 2048 + 2  # the shipped tokenizer's ranks and its BOS and EOS
@@ -71,6 +72,8 @@ def format_of(name: str) -> str:
     """Which mutator a file gets, by its name."""
     if name == ".metadata":
         return "metadata"
+    if parse_name(name) is not None:
+        return "snapshot"
     if name == "config.json":
         return "hf-config"
     if name == "metrics.jsonl":
@@ -96,6 +99,7 @@ def mutator(format: str, case: Path, genuine: Genuine) -> formats.Mutator:
         "hf-config": formats.json_file(defaults_on_delete=True),
         "metadata": formats.dcp_metadata(outside, genuine.metadata_digests),
         "safetensors": formats.safetensors_file,
+        "snapshot": formats.snapshot_file,
         "distcp": formats.binary(may_change=True),
         "binary": formats.binary(may_change=False),
         "tokens": formats.shard_tokens(DATA_VOCAB),
@@ -166,6 +170,11 @@ def _resume(load_step: str, dump: str = "run", extra: tuple[str, ...] = ()) -> C
     return command
 
 
+def _resume_snapshots(case_in: Path, out: Path, genuine: Genuine) -> tuple[str, list[str]]:
+    """The run of `genuine.build` that lost its last step: its snapshots of step 3 are newer than its step-2."""
+    return "train.py", [*BASE, *SNAPSHOTS(case_in / "snap"), "--job.dump_folder", str(case_in / "snap")]
+
+
 def _train_on(extra: Callable[[Path], list[str]], dump: str = "run") -> Callable:
     def command(case_in: Path, out: Path, genuine: Genuine) -> tuple[str, list[str]]:
         return "train.py", [*BASE, "--training.steps", "1", "--job.dump_folder", str(out / dump), *extra(case_in)]
@@ -187,6 +196,10 @@ def _step(folder: str, decoy: str = "other") -> Scope:
 # What a resumed run writes into its folder, each a name a link may take first.
 RUN_WRITES = ("run/metrics.jsonl", "run/config.toml", "run/checkpoint/step-3", "run/checkpoint/.tmp-step-3",
               "run/metrics.superseded-from-step-2.jsonl", "run/checkpoint/run.json")  # fmt: skip
+# ... and a run resumed from its snapshots, which may fall back to step-2 and snapshot step 3 again.
+SNAP_WRITES = ("snap/metrics.jsonl", "snap/config.toml", "snap/checkpoint/step-4", "snap/checkpoint/.tmp-step-4",
+               "snap/metrics.superseded-from-step-2.jsonl", "snap/metrics.superseded-from-step-3.jsonl",
+               "snap/shm/fuzz/rank0-step3.own", "snap/shm/fuzz/.tmp-rank0-step3.own")  # fmt: skip
 OTHER_DATA = {"other_data": "data"}
 OTHER_DATA_HF = {"other_data_hf": "data_hf"}
 
@@ -197,6 +210,8 @@ LOAD_PATHS = [
              last_record("run"), written=RUN_WRITES, weight=2),
     LoadPath("resume-dp2", {"run": "run"}, {"other": "other"}, _resume("2", extra=("--training.local_batch_size", "2")),
              [_step("run")], last_record("run"), nproc=2),
+    LoadPath("resume-snapshot", {"snap": "snap"}, {"other": "other"}, _resume_snapshots,
+             [Scope("snap/shm/fuzz", entry=True), _step("snap")], last_record("snap"), written=SNAP_WRITES, weight=2),
     LoadPath("resume-signed", {"signed": "signed"}, {"other": "other"}, _resume("2", "signed"),
              [_step("signed"), Scope("signed/checkpoint")], last_record("signed"), weight=2),
     LoadPath("resume-0a62600", {"legacy": "legacy"}, {"other": "other"},

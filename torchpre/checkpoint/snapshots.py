@@ -174,7 +174,11 @@ class SnapshotManager:
             self._turn_off(failures)
             return
         for temporary, final in written:
-            os.replace(temporary, final)
+            try:
+                os.replace(temporary, final)
+            except OSError as error:  # something in the way (a folder): this step is not this rank's to restore
+                logger.warning("the snapshot %s is not published (%s)", final, error.strerror or error)
+                temporary.unlink(missing_ok=True)
         self._published.append(step)
         self._unreported = step
         for old in self._published[:-KEPT]:
