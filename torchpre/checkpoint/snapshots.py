@@ -77,6 +77,7 @@ class SnapshotManager:
         self._received: torch.Tensor | None = None  # the peer's payload, kept across snapshots
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._failures: dict[int, str] = {}  # the ranks whose write failed, for `wait` to turn snapshots off
         self._published: list[int] = []
         self._blocked_s: float | None = None
         self._unreported: int | None = None
@@ -116,6 +117,9 @@ class SnapshotManager:
             return
         self._thread.join()
         self._thread = None
+        if self._failures:  # here, not in the thread: every rank's `due` changes between the same two steps
+            self._turn_off(self._failures)
+            self._failures = {}
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -171,7 +175,7 @@ class SnapshotManager:
         if failures:
             for temporary, _ in written:
                 temporary.unlink(missing_ok=True)
-            self._turn_off(failures)
+            self._failures = failures
             return
         for temporary, final in written:
             try:

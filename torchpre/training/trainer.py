@@ -56,7 +56,10 @@ class Trainer:
         if job.is_logging_rank:
             for warning in job.preflight.plan.warnings(config.training.steps):
                 logger.warning(warning)
+        start = time.perf_counter()
         self._resume()
+        if job.is_logging_rank and self.step > 0:
+            logger.info("restored the state of step %d in %.2f s", self.step, time.perf_counter() - start)
         if job.is_logging_rank:
             job.metrics.sink = open_metrics(config, resume_step=job.progress.step)
 
