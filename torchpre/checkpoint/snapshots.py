@@ -16,6 +16,7 @@ warning, and training goes on; the snapshots are removed when the run ends norma
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Mapping
@@ -263,14 +264,23 @@ class SnapshotManager:
         self.wait()
         if finished:
             dist.barrier(group=self.group)  # no rank still reads a replica from this node
-            shutil.rmtree(self.folder, ignore_errors=True)
-            logger.info("removed this run's in-memory snapshots in %s", self.folder)
+            if self._ours():  # never through a link, nor into a FIFO (rmtree would open it and wait)
+                shutil.rmtree(self.folder, ignore_errors=True)
+                logger.info("removed this run's in-memory snapshots in %s", self.folder)
+
+    def _ours(self) -> bool:
+        """Whether this run's folder is a folder (not a link or anything else) of this user."""
+        try:
+            found = os.lstat(self.folder)
+        except OSError:
+            return False
+        return stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid()
 
     def _make_folder(self) -> str | None:
         """This run's folder (created, private, this user's); why it cannot be, if it cannot."""
         try:
             make_folder(self.folder.parent, self.folder.name)
-            if os.lstat(self.folder).st_uid != os.getuid():
+            if not self._ours():
                 return f"{self.folder} belongs to another user"
             os.chmod(self.folder, 0o700)
         except (OSError, UntrustedInput) as error:
