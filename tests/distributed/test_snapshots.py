@@ -56,12 +56,12 @@ def _value(step: int, rank: int, shape, dtype) -> torch.Tensor:
     return (torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) / 7 + 100 * step + rank).to(dtype)
 
 
-def _build(root: Path) -> tuple[SnapshotManager, Progress, Weights]:
+def _build(root: Path, layout: dict[str, int] = LAYOUT) -> tuple[SnapshotManager, Progress, Weights]:
     rank = dist.get_rank()
     settings = Checkpoint(enable=True, memory_interval=1, memory_folder=str(root / f"node{rank}"))
     progress, weights = Progress(), Weights()
     components = {"model": weights, "train": progress, "rng": RNGState()}
-    return SnapshotManager(root / "checkpoint", components, settings, LAYOUT, None), progress, weights
+    return SnapshotManager(root / "checkpoint", components, settings, layout, None), progress, weights
 
 
 def _train(manager: SnapshotManager, progress: Progress, weights: Weights, steps: range) -> None:
@@ -72,9 +72,9 @@ def _train(manager: SnapshotManager, progress: Progress, weights: Weights, steps
     manager.wait()
 
 
-def _restart(root: Path, disk_step: int = 0):
+def _restart(root: Path, disk_step: int = 0, layout: dict[str, int] = LAYOUT):
     """A new job's manager (the state zeroed) restoring; every rank's outcome."""
-    manager, progress, weights = _build(root)
+    manager, progress, weights = _build(root, layout)
     restored = manager.restore(disk_step, [])
     return manager, progress, weights, all_gather(restored.step if restored else None)
 
@@ -114,6 +114,12 @@ def _check_restarts(root: Path, mesh: DeviceMesh) -> None:
     dist.barrier()
     manager, progress, weights, steps = _restart(root)
     assert steps == [6, 6] and torch.equal(weights.w, _value(6, rank, (4, 6), torch.float32))
+
+    # Another layout (the same tensors here, as tp2 could not hold them): never used; the disk and DCP reshard.
+    manager, progress, weights, steps = _restart(root, layout={**LAYOUT, "dp": 1, "tp": 2})
+    assert steps == [None, None] and progress.step == 0
+    _train(manager, progress, weights, range(5, 7))  # steps 5-6 under that layout, for the next check to remove
+    dist.barrier()
 
     # Nothing newer than the disk checkpoint: every rank falls back, and the stale files are gone.
     manager, progress, weights, steps = _restart(root, disk_step=6)
