@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.shard_folders import open_descriptors, write_many_shards
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.config.validate import validate_config
+from torchpre.confined import OpenFolder
+from torchpre.data import shards
 from torchpre.data.dataset import PackedWindows
 from torchpre.data.loader import build_dataloader, data_shares
 from torchpre.data.mixture import BLOCK_SIZE, MixtureOrder, Source
@@ -111,10 +114,40 @@ def test_wrong_tokenizer_and_truncated_shard_fail_with_the_fix(tmp_path):
     folder = write_shard_folder(tmp_path / "cut", documents)
     bin_file = folder / "shard_00001.bin"
     bin_file.write_bytes(bin_file.read_bytes()[:-2])
+    windows = build(folder).dataset  # a shard is checked when first read, not before training starts
     with pytest.raises(TorchpreError, match=r"shard_00001\.bin.*truncated.*Re-run prepare"):
-        build(folder)
+        [windows[i] for i in range(len(windows))]
     with pytest.raises(TorchpreError, match="no manifest.json"):
         build(tmp_path)
+
+
+def test_thousands_of_shards_are_read_through_one_folder_descriptor_and_a_bounded_few_of_their_own(
+    tmp_path, monkeypatch
+):
+    """Every window of 3,000 shards, in a seeded random order, equals the concatenated files' tokens, while the reader
+    holds at most MAX_OPEN_SHARDS shard descriptors (16 here), opens the folder once and never opens an `.idx`."""
+    folder = write_many_shards(tmp_path / "many", 3000, 21, vocab_size=TOKENIZER.vocab_size,
+                               tokenizer_name=DEFAULT_TOKENIZER_PATH.name, sha256=SHA256)  # fmt: skip
+    monkeypatch.setattr(shards, "MAX_OPEN_SHARDS", 16)
+    opened, folders = [], []
+    open_file = shards.open_file
+
+    def recording(where, name, *args):
+        opened.append((where, name))
+        return open_file(where, name, *args)
+
+    monkeypatch.setattr(shards, "open_file", recording)
+    monkeypatch.setattr(shards, "OpenFolder", lambda path: folders.append(path) or OpenFolder(path))
+    before = open_descriptors()
+    windows = ShardWindows(str(folder), 8, SHA256, TOKENIZER.vocab_size)
+    stream = np.concatenate([np.fromfile(folder / f"shard_{i:06d}.bin", "<u2") for i in range(3000)]).astype(np.int64)
+    for index in np.random.default_rng(0).permutation(len(windows)).tolist():
+        inputs, labels = windows[index]
+        expected = torch.from_numpy(stream[index * 9 : (index + 1) * 9])
+        assert torch.equal(inputs, expected[:-1]) and torch.equal(labels, expected[1:])
+        assert open_descriptors() - before <= 16 + 1
+    assert folders == [folder] and all(isinstance(where, OpenFolder) for where, _ in opened)
+    assert {name[-4:] for _, name in opened} == {".bin"}
 
 
 def test_a_folder_too_small_for_a_global_batch_names_it(tmp_path):

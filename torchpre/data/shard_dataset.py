@@ -1,4 +1,4 @@
-"""Training samples read straight from a pre-tokenized shard folder, memory-mapped."""
+"""Training samples read straight from a pre-tokenized shard folder, a window at a time."""
 
 from __future__ import annotations
 
@@ -62,14 +62,14 @@ class ShardWindows(Dataset):
         shard = int(np.searchsorted(self.shard_starts, start, side="right")) - 1
         while count > 0:
             offset = start - int(self.shard_starts[shard])
-            part = self.reader.tokens[shard][offset : offset + count]
+            part = self.reader.read(shard, offset, count)
             parts.append(part)
             start, count, shard = start + len(part), count - len(part), shard + 1
         return np.concatenate(parts).astype(np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
-        """DataLoader workers started by spawn/forkserver get the folder, not the data: pickling an
-        np.memmap would copy every token into the message."""
+        """DataLoader workers started by spawn/forkserver get the folder, not the reader: its open descriptors
+        are this process's."""
         names = ("folder", "seq_len", "tokenizer_sha256")
         return {name: getattr(self, name) for name in names} | {"vocab_size": self.reader.vocab_size}
 
