@@ -44,6 +44,10 @@ PUBLICATION_TEST = (
     "tests/unit/test_checkpoint_publication.py::"
     "test_an_async_save_is_published_when_its_write_is_done_not_before_and_not_at_the_next_save"
 )
+MANY_SHARDS_TEST = (
+    "tests/unit/test_shard_data.py::"
+    "test_thousands_of_shards_are_read_through_one_folder_descriptor_and_a_bounded_few_of_their_own"
+)
 DATA_POSITION_TEST = "tests/unit/test_data.py::test_a_resumed_data_position_gives_the_batches_training_would_have_read"
 RNG_TEST = "tests/unit/test_checkpoint_rng.py"
 LOSS_TEST = "tests/unit/test_trainer_loss.py"
@@ -822,6 +826,17 @@ BREAKS = [
           "        file = open_file(folder, name, folder / MANIFEST, entry)", '        file = open(path, "rb")',
           (f"{BAD_INPUT_CASE}[shards-link-part-0.bin]", f"{BAD_INPUT_CASE}[shards-link-subfolder]"),
           "a shard file is opened by its path, through a symbolic link out of the folder"),
+    Break("shard-descriptors-unbounded", "torchpre/data/shards.py",
+          "        if len(self._open) > MAX_OPEN_SHARDS:", "        if False:",
+          (MANY_SHARDS_TEST,), "every shard read keeps its descriptor open: a folder of 100,000 shards runs out"),
+    Break("shard-folder-resolved-per-file", "torchpre/data/shards.py",
+          "        self._root = OpenFolder(self.folder)", "        self._root = self.folder",
+          (MANY_SHARDS_TEST,), "the folder is looked up again for every shard file opened"),
+    Break("shard-offsets-opened-for-training", "torchpre/data/shards.py",
+          "            file = open_tokens(self._root, self.manifest, shard)",
+          "            check_shard_files(self._root, self.manifest, shard)\n"
+          "            file = open_tokens(self._root, self.manifest, shard)",
+          (MANY_SHARDS_TEST,), "training opens each shard's .idx too, which windows never need"),
     Break("hf-safetensors-opened-by-path", "torchpre/interchange/reader.py",
           'return cls(file, safe_open(_descriptor_name(file), framework="pt"))',
           'return cls(file, safe_open(path, framework="pt"))',
