@@ -148,8 +148,8 @@ def _shard_links(d: Path) -> None:
 
 
 def _shard_link_cases() -> None:
-    for name, path in (("manifest.json", "manifest.json"), ("part-0.bin", "part-0.bin"), ("subfolder", "sub/part-0.bin"),
-                       ("file_in_subfolder", "sub/part-0.bin")):  # fmt: skip
+    for name, path in (("manifest.json", "manifest.json"), ("part-0.bin", "part-0.bin"),
+                       ("subfolder", "sub/part-0.bin"), ("file_in_subfolder", "sub/part-0.bin")):  # fmt: skip
         _case(f"shards-link-{name}", [*SHARDS, f"{{d}}/shards_link_{name}"], [f"{{d}}/shards_link_{name}/{path}", LINK])
     for name in ("manifest.json", "shard_00000.bin"):
         _case(f"prepare-resume-link-{name}", ["{d}/text.txt", "--output", f"{{d}}/prepared_link_{name}"],

@@ -13,7 +13,7 @@ import pytest
 from scripts import tiny_tokenizer
 from torchpre.data import prepare
 from torchpre.data.prepare import main
-from torchpre.data.shards import MANIFEST, Manifest, ShardReader
+from torchpre.data.shards import JOURNAL, MANIFEST, Manifest, ShardReader, journal_line
 from torchpre.data.tiktoken_bpe import load_ranks, save_ranks
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import TorchpreError
@@ -174,6 +174,8 @@ def test_resume_after_an_interruption_writes_only_the_missing_shards(tmp_path, m
     interrupted = Manifest.read(tmp_path / "out")
     assert [s.name for s in interrupted.shards] == ["shard_00000", "shard_00001"]
     assert not interrupted.complete
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["shards"] == []  # listed by the journal alone
+    assert len((tmp_path / "out" / JOURNAL).read_bytes().splitlines()) == 2
     with pytest.raises(TorchpreError, match="incomplete.*Re-run the same prepare command"):
         ShardReader(tmp_path / "out", TOKENIZER.vocab_size)
 
@@ -207,6 +209,35 @@ def test_resume_rewrites_an_unlisted_or_damaged_shard_even_from_moved_inputs(tmp
     written_shards.clear()
     run([moved], tmp_path / "out")
     assert written_shards == names[1:]
+    assert folder_bytes(tmp_path / "out") == reference
+
+
+def test_the_manifest_is_written_twice_whatever_the_shard_count(tmp_path, monkeypatch):
+    """Once at the start and once at the end, never per shard (which made prepare quadratic in the shard count);
+    the journal that lists the shards meanwhile is gone when prepare is done."""
+    writes = []
+    write = Manifest.write
+    monkeypatch.setattr(Manifest, "write", lambda manifest, folder: writes.append(len(manifest.shards)) or
+                        write(manifest, folder))  # fmt: skip
+    run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out", "--shard-tokens", "100")
+    shards = len(Manifest.read(tmp_path / "out").shards)
+    assert shards == len(DOCUMENTS) and writes == [0, shards]
+    assert not (tmp_path / "out" / JOURNAL).exists()
+
+
+def test_a_journal_line_cut_short_by_a_crash_lists_no_shard_and_the_resume_writes_it_again(tmp_path, written_shards):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    run([source], tmp_path / "out")
+    reference, manifest = folder_bytes(tmp_path / "out"), Manifest.read(tmp_path / "out")
+    lines = [journal_line(i, shard) for i, shard in enumerate(manifest.shards)]
+    names = [shard.name for shard in manifest.shards]
+    manifest.shards, manifest.complete = [], False
+    manifest.write(tmp_path / "out")
+    (tmp_path / "out" / JOURNAL).write_bytes(b"".join(lines[:3]) + lines[3][:-9])
+    assert [s.name for s in Manifest.read(tmp_path / "out").shards] == names[:3]
+    written_shards.clear()
+    run([source], tmp_path / "out")
+    assert written_shards == names[3:]
     assert folder_bytes(tmp_path / "out") == reference
 
 

@@ -14,10 +14,11 @@ such as Qwen's) and written, in input order, to shards of at most `--shard-token
 a shard of its own), cut only between documents;
 see torchpre/data/shards.py for the format. The output does not depend on `--workers`.
 
-The manifest is rewritten after each shard and records what the shards were made from (a SHA-256
-of every input, the options, the tokenizer). Re-running the same command after an interruption
-skips the documents of the shards already listed and writes the rest; a run with other inputs,
-options or tokenizer into the same folder is refused.
+The manifest records what the shards were made from (a SHA-256 of every input, the options, the tokenizer); it is
+written at the start and the end, and each shard in between is appended to its journal (`manifest.journal`, see
+torchpre/data/shards.py), so the work per shard does not grow with their number. Re-running the same command after an
+interruption skips the documents of the shards already listed and writes the rest; a run with other inputs, options or
+tokenizer into the same folder is refused.
 """
 
 from __future__ import annotations
@@ -46,8 +47,16 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from torchpre.confined import file_kind, open_named
-from torchpre.data.shards import MANIFEST, Manifest, shard_file_problem, token_dtype, write_shard
+from torchpre.confined import file_kind, open_for_append, open_named
+from torchpre.data.shards import (
+    JOURNAL,
+    MANIFEST,
+    Manifest,
+    journal_line,
+    shard_file_problem,
+    token_dtype,
+    write_shard,
+)
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.json_input import json_lines
@@ -433,15 +442,25 @@ def open_output(folder: Path, tokenizer: Tokenizer, record: dict) -> Manifest:
             raise TorchpreError(f"{error} Or delete {folder}, or choose another --output folder.") from None
         if existing.shards:  # without shards there is nothing to reuse, so nothing to protect
             _check_same_dataset(folder, existing, sha256, tokenizer.path, record)
-            return _keep_intact_shards(folder, existing)
+            manifest = _keep_intact_shards(folder, existing)
+            if not manifest.complete:
+                _restart_journal(folder, manifest)
+            return manifest
     elif any(folder.iterdir()):
         raise TorchpreError(
             f"--output {folder} is not empty and holds no {MANIFEST}, so it is not a shard folder. "
             "Give a new or empty folder."
         )
     manifest = Manifest(tokenizer.name, sha256, tokenizer.vocab_size, complete=False, source=record)
-    manifest.write(folder)
+    _restart_journal(folder, manifest)
     return manifest
+
+
+def _restart_journal(folder: Path, manifest: Manifest) -> None:
+    """`manifest` written with every shard it lists, and an empty journal to list the next ones in. The journal goes
+    first: a crash in between leaves its shards unlisted (written again), never listed twice."""
+    (folder / JOURNAL).unlink(missing_ok=True)
+    manifest.write(folder)
 
 
 def _check_same_dataset(folder: Path, manifest: Manifest, sha256: str, tokenizer: Path, record: dict) -> None:
@@ -488,7 +507,6 @@ def _keep_intact_shards(folder: Path, manifest: Manifest) -> Manifest:
             print(f"note: {problem}; writing it and the shards after it again.", file=sys.stderr)
             manifest.shards = manifest.shards[:index]
             manifest.complete = False
-            manifest.write(folder)
             break
     return manifest
 
@@ -500,13 +518,16 @@ def write_shards(
     sources: list[Source], manifest: Manifest, folder: Path, tokenizer: Tokenizer, workers: int, shard_tokens: int
 ) -> Stats:
     """Tokenizes the documents after those of the shards already in `manifest` and writes the remaining
-    shards, listing each in the manifest as it is written; marks the manifest complete at the end."""
+    shards, listing each in the journal as it is written; writes the manifest, complete, at the end."""
     records = itertools.chain.from_iterable(source.texts() for source in sources)
-    writer = _ShardWriter(folder, manifest, shard_tokens)
     stats = Stats()
     started = time.perf_counter()
     total = sum(source.records for source in sources)
-    with tqdm(total=total, unit="doc", desc="tokenizing", mininterval=0.5, smoothing=0.1) as bar:
+    with (
+        open_for_append(folder / JOURNAL) as journal,
+        tqdm(total=total, unit="doc", desc="tokenizing", mininterval=0.5, smoothing=0.1) as bar,
+    ):
+        writer = _ShardWriter(folder, manifest, shard_tokens, journal)
         documents = _skip_documents(records, manifest.num_documents, bar)
         for batch, tokens, lengths in _tokenize(_batches(documents), tokenizer, workers):
             writer.add(tokens, lengths)
@@ -522,6 +543,7 @@ def write_shards(
         raise TorchpreError(f"The inputs ({names}) hold no text: every document is empty. {_INPUT_HINT}")
     manifest.complete = True
     manifest.write(folder)
+    (folder / JOURNAL).unlink()
     return stats
 
 
@@ -602,13 +624,14 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 class _ShardWriter:
     """Cuts the stream of documents into shards of at most `shard_tokens` tokens (a longer document
-    gets its own shard), only between documents, and lists each shard in the manifest once written.
+    gets its own shard), only between documents, and lists each shard in `journal` once written.
     The cut depends only on the documents, so shard N is the same in every run."""
 
-    def __init__(self, folder: Path, manifest: Manifest, shard_tokens: int) -> None:
+    def __init__(self, folder: Path, manifest: Manifest, shard_tokens: int, journal: BinaryIO) -> None:
         self.folder = folder
         self.manifest = manifest
         self.shard_tokens = shard_tokens
+        self.journal = journal
         self.documents: list[np.ndarray] = []
         self.tokens = 0
         self.written = 0
@@ -624,9 +647,11 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.documents:
             return
-        name = f"shard_{len(self.manifest.shards):05d}"
-        self.manifest.shards.append(write_shard(self.folder, name, self.documents, self.manifest.vocab_size))
-        self.manifest.write(self.folder)
+        index = len(self.manifest.shards)
+        shard = write_shard(self.folder, f"shard_{index:05d}", self.documents, self.manifest.vocab_size)
+        self.journal.write(journal_line(index, shard))
+        self.journal.flush()
+        self.manifest.shards.append(shard)
         self.documents, self.tokens = [], 0
         self.written += 1
 

@@ -12,9 +12,11 @@ A shard folder holds
 - `NAME.idx`: little-endian int64 offsets into NAME.bin of each document's start, then the end
   (documents + 1 entries).
 
-A shard is listed in the manifest only once both files are complete and flushed to disk, so an
-interrupted `prepare` never leaves a shard that reads as valid, and a reader refuses a folder whose
-`prepare` has not finished.
+A shard is listed only once both files are complete and flushed to disk, so an interrupted `prepare` never leaves
+a shard that reads as valid, and a reader refuses a folder whose `prepare` has not finished. While `prepare` runs, the
+shards it writes are listed in `manifest.journal`, one JSON line each (`journal_line`), after those the manifest
+lists; the manifest is written whole at the start and the end only, so that `prepare` stays linear in the number of
+shards, and `Manifest.read` of an unfinished folder adds the journal's shards (a resume continues after them).
 
 A shard folder may come from someone else: its manifest is read bounded (`torchpre.json_input`), each file
 it names is opened inside the folder without following a symbolic link (`torchpre.confined`) and mapped
@@ -39,12 +41,13 @@ from typing import BinaryIO
 
 import numpy as np
 
-from torchpre.confined import OpenFolder, check_name, open_file, open_replacing, write_file
+from torchpre.confined import OpenFolder, check_name, open_file, open_replacing, read_file, write_file
 from torchpre.errors import FieldError, TorchpreError, field
-from torchpre.json_input import read_json
+from torchpre.json_input import LIMITS, loads, read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+JOURNAL = "manifest.journal"
 _OFFSET = np.dtype("<i8")
 # Shards whose tokens file stays open at once, one descriptor each; the least recently read is closed first. Far below
 # the smallest usual descriptor limit (1,024).
@@ -109,6 +112,8 @@ class Manifest:
             manifest = cls._from_record(record)
         except FieldError as error:
             raise TorchpreError(f"{path} is not a valid shard manifest ({error}). Re-run prepare.") from None
+        if not manifest.complete:
+            manifest.shards += _journal(folder, len(manifest.shards))
         for i, shard in enumerate(manifest.shards):
             check_name(shard.name, path, f"shards[{i}].name")
         if manifest.version != FORMAT_VERSION:
@@ -122,15 +127,7 @@ class Manifest:
     def _from_record(cls, record: object) -> Manifest:
         """The manifest a parsed `manifest.json` holds; a FieldError names the first field that is missing, of the
         wrong type, or (dtype, num_tokens: derived fields) at odds with the others."""
-        shards = [
-            ShardInfo(
-                field(shard, "name", str, f"shards[{i}]"),
-                _count(shard, "num_tokens", f"shards[{i}]"),
-                _count(shard, "num_documents", f"shards[{i}]"),
-                _largest_id(shard, f"shards[{i}]"),
-            )
-            for i, shard in enumerate(field(record, "shards", list))
-        ]
+        shards = [_shard(shard, f"shards[{i}]") for i, shard in enumerate(field(record, "shards", list))]
         manifest = cls(
             field(record, "tokenizer_name", str),
             field(record, "tokenizer_sha256", str),
@@ -149,6 +146,45 @@ class Manifest:
         if _count(record, "num_tokens") != manifest.num_tokens:
             raise FieldError(f"'num_tokens' is {record['num_tokens']}, but the shards hold {manifest.num_tokens}")
         return manifest
+
+
+def _shard(record: object, where: str) -> ShardInfo:
+    return ShardInfo(
+        field(record, "name", str, where),
+        _count(record, "num_tokens", where),
+        _count(record, "num_documents", where),
+        _largest_id(record, where),
+    )
+
+
+def journal_line(index: int, shard: ShardInfo) -> bytes:
+    """The line of `JOURNAL` that lists `shard`, the `index`-th of its folder."""
+    return (json.dumps({"index": index} | dataclasses.asdict(shard)) + "\n").encode("utf-8")
+
+
+def _journal(folder: Path, listed: int) -> list[ShardInfo]:
+    """The shards an unfinished `prepare` listed in `JOURNAL` after the `listed` ones of its manifest, each line read
+    bounded and checked as a manifest's shard is; a last line a crash cut short (no newline) lists none."""
+    path = folder / JOURNAL
+    try:
+        data = read_file(folder, JOURNAL, LIMITS["shard_manifest"])
+    except FileNotFoundError:
+        return []
+    shards: list[ShardInfo] = []
+    for number, line in enumerate(data.split(b"\n")[:-1], start=1):
+        record, where = loads(line, path, f"line {number}"), f"line {number}"
+        try:
+            index, shard = _count(record, "index", where), _shard(record, where)
+        except FieldError as error:
+            raise TorchpreError(f"{path} is not a valid prepare journal ({error}). Re-run prepare.") from None
+        if index != listed + len(shards):
+            raise TorchpreError(
+                f"{path}: line {number} lists shard {index}, but the shards listed before it end at "
+                f"{listed + len(shards) - 1}. The journal was altered; delete the folder and re-run prepare."
+            )
+        check_name(shard.name, path, f"{where}.name")
+        shards.append(shard)
+    return shards
 
 
 def _count(record: object, key: str, where: str = "") -> int:
