@@ -48,6 +48,12 @@ MANY_SHARDS_TEST = (
     "tests/unit/test_shard_data.py::"
     "test_thousands_of_shards_are_read_through_one_folder_descriptor_and_a_bounded_few_of_their_own"
 )
+FEISTEL_TEST = (
+    "tests/unit/test_data.py::test_the_feistel_order_visits_each_sample_once_per_epoch_in_an_order_drawn_anew"
+)
+OLD_ORDER_TEST = (
+    "tests/unit/test_data.py::test_a_checkpoint_without_an_order_version_resumes_in_the_first_order_and_saves_it_on"
+)
 DATA_POSITION_TEST = "tests/unit/test_data.py::test_a_resumed_data_position_gives_the_batches_training_would_have_read"
 RNG_TEST = "tests/unit/test_checkpoint_rng.py"
 LOSS_TEST = "tests/unit/test_trainer_loss.py"
@@ -195,8 +201,8 @@ BREAKS = [
           "return self.cross_entropy_sum(logits_of(output), labels) / labels.numel()",
           (LOSS_TEST,), "the loss is divided by the microbatch's tokens instead of the global batch's"),
     Break("checkpoint-data-position-off-by-one", "torchpre/data/loader.py",
-          '        return {"consumed_samples": self.consumed_samples}',
-          '        return {"consumed_samples": self.consumed_samples + 1}',
+          '        return {"consumed_samples": self.consumed_samples, "order_version": self.order_version}',
+          '        return {"consumed_samples": self.consumed_samples + 1, "order_version": self.order_version}',
           (DATA_POSITION_TEST,), "the saved data position is one sample late"),
     Break("checkpoint-rng-not-restored", "torchpre/checkpoint/state.py",
           '            torch.set_rng_state(state_dict[f"rank{self.rank}"])', "            pass",
@@ -847,6 +853,27 @@ BREAKS = [
           "        if False:\n            manifest.shards += _journal(folder, len(manifest.shards))",
           ("tests/unit/test_prepare.py::test_resume_after_an_interruption_writes_only_the_missing_shards",),
           "a resumed prepare forgets the shards its journal lists and writes them all again"),
+    Break("feistel-cycle-walk-dropped", "torchpre/data/sampler.py",
+          "        while index >= self.num_samples:", "        while False:",
+          (FEISTEL_TEST,), "the Feistel order hands out indices past the last sample (no cycle walking)"),
+    Break("feistel-keys-the-same-every-epoch", "torchpre/data/sampler.py",
+          "            entropy = [self.seed % 2**64, _ORDER_STREAM, epoch]",
+          "            entropy = [self.seed % 2**64, _ORDER_STREAM, 0]",
+          (FEISTEL_TEST,), "every epoch repeats the first one's order"),
+    Break("order-version-of-an-old-checkpoint-taken-as-new", "torchpre/data/loader.py",
+          '        version = int(state_dict.get("order_version", 1))',
+          '        version = int(state_dict.get("order_version", ORDER_VERSION))',
+          (OLD_ORDER_TEST,),
+          "a checkpoint saved before order versions resumes in the new order, not the one it trained in"),
+    Break("order-version-not-restored", "torchpre/data/loader.py",
+          "            self.order_version, self.loader = version, self.loader_for(self.stage, version)",
+          "            pass",
+          (OLD_ORDER_TEST,), "a resume keeps the new order whatever order its checkpoint was trained in"),
+    Break("mixture-block-rebuilt-per-position", "torchpre/data/mixture.py",
+          "        if self._block.start <= position < self._block.end:", "        if False:",
+          ("tests/unit/test_shard_data.py::"
+           "test_positions_read_in_order_build_each_mixture_block_once_whatever_the_number_of_sources",),
+          "every mixture position rebuilds its block: a pass over all the sources per sample"),
     Break("hf-safetensors-opened-by-path", "torchpre/interchange/reader.py",
           'return cls(file, safe_open(_descriptor_name(file), framework="pt"))',
           'return cls(file, safe_open(path, framework="pt"))',

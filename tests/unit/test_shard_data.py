@@ -197,6 +197,32 @@ def test_mixture_order_is_a_function_of_the_seed_and_position_only():
     assert [MixtureOrder(sources, seed=10)(p) for p in range(2500)] != reference
 
 
+def test_a_mixture_of_order_version_1_is_the_one_checkpoints_saved_before_versions_were_trained_in():
+    """Positions and counts computed by the mixture of main before issue 66 (recorded from it): a checkpoint that
+    records no order version resumes in exactly this order."""
+    sources = [Source("a", 37, 0.3), Source("b", 100, 0.6), Source("c", 11, 0.1)]
+    order = MixtureOrder(sources, seed=9, version=1)
+    positions = [0, 1, 2, 3, 500, 1023, 1024, 5000, 77777, 10**9]
+    assert [order(p) for p in positions] == [134, 95, 60, 23, 75, 17, 3, 5, 66, 29]
+    assert order.source_counts(77777) == [23327, 46673, 7777]
+
+
+def test_positions_read_in_order_build_each_mixture_block_once_whatever_the_number_of_sources(monkeypatch):
+    """The work per position does not grow with the sources: a position inside the block last used is O(1), and a
+    block (about 1,024 positions) is built once, with vectorised passes over the 1,000 sources."""
+    sources = [Source(f"s{i}", 50 + i, 1.0 + i % 7) for i in range(1000)]
+    order = MixtureOrder(sources, seed=2)
+    built = []
+    make_block = order._make_block
+    monkeypatch.setattr(order, "_make_block", lambda index: built.append(index) or make_block(index))
+    picked = [order(p) for p in range(5 * BLOCK_SIZE)]
+    assert built == list(range(1, len(built) + 1)) and len(built) <= 5  # each once; block 0 was built with the order
+    assert np.bincount(sources_of(order, range(5 * BLOCK_SIZE)), minlength=1000).tolist() == order.source_counts(
+        5 * BLOCK_SIZE
+    )
+    assert all(0 <= index < order.offsets[-1] for index in picked)
+
+
 def mixture_sampler(local_batch_size: int, dp_rank: int, dp_size: int) -> GlobalBatchSampler:
     sources = [Source("a", 41, 0.6), Source("b", 300, 0.3), Source("c", 7, 0.1)]
     return GlobalBatchSampler(MixtureOrder(sources, seed=3), local_batch_size, dp_rank, dp_size)
