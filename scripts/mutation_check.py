@@ -51,6 +51,9 @@ MANY_SHARDS_TEST = (
 FEISTEL_TEST = (
     "tests/unit/test_data.py::test_the_feistel_order_visits_each_sample_once_per_epoch_in_an_order_drawn_anew"
 )
+SPLIT_PREPARE_TEST = (
+    "tests/unit/test_prepare.py::test_prepare_split_over_tasks_then_merged_is_byte_identical_to_one_task"
+)
 OLD_ORDER_TEST = (
     "tests/unit/test_data.py::test_a_checkpoint_without_an_order_version_resumes_in_the_first_order_and_saves_it_on"
 )
@@ -874,6 +877,14 @@ BREAKS = [
           ("tests/unit/test_shard_data.py::"
            "test_positions_read_in_order_build_each_mixture_block_once_whatever_the_number_of_sources",),
           "every mixture position rebuilds its block: a pass over all the sources per sample"),
+    Break("prepare-task-reads-every-file", "torchpre/data/prepare.py",
+          "        if index <= (before + size / 2) * count / total < index + 1 or",
+          "        if True or",
+          (SPLIT_PREPARE_TEST,), "every task of a split prepare tokenizes every input: the merge holds each N times"),
+    Break("prepare-merge-out-of-task-order", "torchpre/data/prepare.py",
+          "    parts = [_finished_part(folder, index, count, tokenizer) for index in range(count)]",
+          "    parts = [_finished_part(folder, index, count, tokenizer) for index in reversed(range(count))]",
+          (SPLIT_PREPARE_TEST,), "the merge concatenates the tasks' parts in another order than the inputs'"),
     Break("hf-safetensors-opened-by-path", "torchpre/interchange/reader.py",
           'return cls(file, safe_open(_descriptor_name(file), framework="pt"))',
           'return cls(file, safe_open(path, framework="pt"))',

@@ -12,7 +12,7 @@ import pytest
 
 from scripts import tiny_tokenizer
 from torchpre.data import prepare
-from torchpre.data.prepare import main
+from torchpre.data.prepare import main, task_folder
 from torchpre.data.shards import JOURNAL, MANIFEST, Manifest, ShardReader, journal_line
 from torchpre.data.tiktoken_bpe import load_ranks, save_ranks
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
@@ -239,6 +239,51 @@ def test_a_journal_line_cut_short_by_a_crash_lists_no_shard_and_the_resume_write
     run([source], tmp_path / "out")
     assert written_shards == names[3:]
     assert folder_bytes(tmp_path / "out") == reference
+
+
+@pytest.mark.parametrize("tasks", [4, 50])  # 50 tasks for 41 files: some parts are empty
+def test_prepare_split_over_tasks_then_merged_is_byte_identical_to_one_task(tasks, tmp_path):
+    inputs = write_txt_folder(tmp_path / "texts", DOCUMENTS)
+    run([inputs], tmp_path / "one")
+    for index in reversed(range(tasks)):  # any order, any machine
+        run([inputs], tmp_path / "split", "--num-tasks", str(tasks), "--task-index", str(index))
+    parts = [Manifest.read(task_folder(tmp_path / "split", i, tasks)) for i in range(tasks)]
+    assert sum(len(part.source["inputs"]) for part in parts) == len(DOCUMENTS)  # each file read by one task
+    main(["--merge", "--num-tasks", str(tasks), "--output", str(tmp_path / "split")])
+    assert folder_bytes(tmp_path / "split") == folder_bytes(tmp_path / "one")
+
+
+def test_a_merge_resumes_after_an_interruption_and_refuses_missing_or_unfinished_parts(
+    tmp_path, monkeypatch, written_shards
+):
+    inputs = write_txt_folder(tmp_path / "texts", DOCUMENTS)
+    run([inputs], tmp_path / "one")
+    for index in range(3):
+        run([inputs], tmp_path / "split", "--num-tasks", "4", "--task-index", str(index))
+    merging = ["--merge", "--num-tasks", "4", "--output", str(tmp_path / "split")]
+    with pytest.raises(TorchpreError, match=r"Task 3 of 4 has written no part: .*split\.task-00003-of-00004"):
+        main(merging)
+    run([inputs], tmp_path / "split", "--num-tasks", "4", "--task-index", "3")
+    spy = prepare.write_shard
+
+    def crash_on_fourth_shard(folder, name, documents, vocab_size):
+        if name == "shard_00003":
+            raise RuntimeError("simulated crash")
+        return spy(folder, name, documents, vocab_size)
+
+    monkeypatch.setattr(prepare, "write_shard", crash_on_fourth_shard)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(merging)
+    monkeypatch.setattr(prepare, "write_shard", spy)
+    written_shards.clear()
+    main(merging)
+    assert written_shards[0] == "shard_00003"
+    assert folder_bytes(tmp_path / "split") == folder_bytes(tmp_path / "one")
+    part = Manifest.read(task_folder(tmp_path / "split", 1, 4))
+    part.complete = False
+    part.write(task_folder(tmp_path / "split", 1, 4))
+    with pytest.raises(TorchpreError, match=r"Task 1 of 4 has not finished its part .*--task-index 1"):
+        main(merging)
 
 
 def test_rerun_of_a_complete_folder_does_nothing(tmp_path, written_shards, capsys):
