@@ -2,6 +2,7 @@
 workers and exact resume, and the errors for bad shard folders and mixture keys."""
 
 import bisect
+import os
 import pickle
 import textwrap
 from pathlib import Path
@@ -148,6 +149,26 @@ def test_thousands_of_shards_are_read_through_one_folder_descriptor_and_a_bounde
         assert open_descriptors() - before <= 16 + 1
     assert folders == [folder] and all(isinstance(where, OpenFolder) for where, _ in opened)
     assert {name[-4:] for _, name in opened} == {".bin"}
+
+
+def test_the_loader_asks_the_kernel_for_a_whole_batch_of_windows_before_reading_them(tmp_path, monkeypatch):
+    """Each window of a batch, shard ends included, is advised (WILLNEED) before any is read; the batch is the
+    windows read one by one."""
+    folder = write_shard_folder(tmp_path / "s", random_documents(300, seed=4), shards=7)
+    events = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: events.append(("advise", length)))
+    windows = ShardWindows(str(folder), 8, SHA256, TOKENIZER.vocab_size)
+    read = windows.reader.read
+    monkeypatch.setattr(windows.reader, "read", lambda *args: events.append(("read",)) or read(*args))
+    indices = np.random.default_rng(1).permutation(len(windows))[:16].tolist()
+    batch = windows.__getitems__(indices)
+    assert_same_batches(batch, [windows[i] for i in indices])
+    first_read = events.index(("read",))
+    assert sum(length for _, length in events[:first_read]) == 16 * 9 * 2  # every token of the batch, uint16
+    loader = build(folder, local_batch_size=4)
+    loader.dataset.reader, events[:] = windows.reader, []
+    take(loader, 1)
+    assert events[0][0] == "advise" and sum(event[0] == "advise" for event in events) >= 4
 
 
 def test_a_folder_too_small_for_a_global_batch_names_it(tmp_path):
