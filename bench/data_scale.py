@@ -15,7 +15,8 @@ count and the number of sources. Each section prints a Markdown table; `--only N
   cache (posix_fadvise DONTNEED), read one by one, and a batch of 32 at a time as the loader reads them
   (`ShardWindows.__getitems__`: the kernel is asked for the whole batch first), and the same windows warm.
 - prepare: `python -m torchpre.data.prepare` of the same short documents, one shard each (`--shard-tokens 1`), at
-  1,000 and 10,000 shards: wall seconds and their ratio (target: at most 10x for 10x the shards).
+  1,000 and 10,000 shards: wall seconds (the best of 2 interleaved runs) and their ratio (target: at most 10x for
+  10x the shards).
 
 Usage: python -m bench.data_scale [--only shards|trillion|order|mixture|cold|prepare]
 """
@@ -41,21 +42,26 @@ from torchpre.data.shard_dataset import ShardWindows
 
 SHARD_COUNTS = (1_000, 10_000)
 PREPARE_TARGET = 10.0
+PREPARE_RUNS = 2
 
 
-def prepare_seconds(folder: Path, shards: int) -> float:
+def prepare_seconds(folder: Path, shards: int, run: int) -> float:
     """Wall seconds of `prepare` writing `shards` one-document shards (one worker)."""
     corpus = folder / f"corpus-{shards}.jsonl"
     texts = (f"document {i}: the quick brown fox jumps over the lazy dog {i % 97}" for i in range(shards))
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        prepare([str(corpus), "--output", str(folder / f"shards-{shards}"), "--shard-tokens", "1", "--workers", "1"])
+        prepare([str(corpus), "--output", str(folder / f"shards-{shards}-{run}"), "--shard-tokens", "1", "--workers",
+                 "1"])  # fmt: skip
     return time.perf_counter() - start
 
 
 def prepare_section(folder: Path) -> None:
-    seconds = {count: prepare_seconds(folder, count) for count in SHARD_COUNTS}
+    seconds: dict[int, float] = {}
+    for run in range(PREPARE_RUNS):  # interleaved, the best of each: the machine and its disk are shared
+        for count in SHARD_COUNTS:
+            seconds[count] = min(seconds.get(count, float("inf")), prepare_seconds(folder, count, run))
     small, large = SHARD_COUNTS
     ratio = seconds[large] / seconds[small]
     rows = [[f"{count:,}", f"{seconds[count]:.1f}", f"{seconds[count] / count * 1e3:.2f}"] for count in SHARD_COUNTS]
@@ -139,7 +145,7 @@ def mixture_section(folder: Path) -> None:
                 [[f"{count:,}", f"{costs[count]:.1f}"] for count in MIXTURE_SOURCES])  # fmt: skip
 
 
-COLD_WINDOWS, COLD_BATCH = 4000, 32
+COLD_WINDOWS, COLD_BATCH, COLD_RUNS = 4000, 32, 5
 
 
 def cold_section(folder: Path) -> None:
@@ -152,7 +158,7 @@ def cold_section(folder: Path) -> None:
         f"batches of {COLD_BATCH} (__getitems__), cold": lambda: [windows.__getitems__(b) for b in batches],
     }
     rates: dict[str, list[float]] = {}
-    for _ in range(3):  # interleaved: the machine is shared
+    for _ in range(COLD_RUNS):  # interleaved: the machine is shared
         for name, read in ways.items():
             _drop_cached(shards)
             start = time.perf_counter()
