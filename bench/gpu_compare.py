@@ -1,12 +1,14 @@
-"""torchpre and torchtitan one after the other on the same Llama 3.2 shapes, tokens and global batch.
+"""torchpre and torchtitan 0.3.0 one after the other on the same Llama 3.2 shapes, tokens and global batch.
 
-Each row of `ROWS` runs torchpre's train.py, then torchtitan (bench/titan_llama.py), for the same number of
-steps with random tokens over Llama 3's 128,256-id vocabulary, bf16, no activation checkpointing and SDPA
-(PyTorch picks its flash kernel for bf16 causal attention). The FP8 rows put the blocks' linears in float8 through
-torchao in both (tensorwise or rowwise scales; the output layer stays bf16 in both). The DeepSeek-V3 row (issue 38:
-the `2B` flavor, MLA, 64 fine-grained experts as grouped bf16 matmuls, bias balancing, one multi-token prediction
-depth, DeepSeek-V3's 129,280-id vocabulary) runs torchpre alone: torchtitan 0.2.2's deepseek_v3 has no multi-token
-prediction and another flavor table, so its cells say "not run". Rows run in priority order and
+Each row of `ROWS` runs torchpre's train.py, then torchtitan's own entry point with bench/titan_llama.py's config,
+for the same number of steps with random tokens over Llama 3's 128,256-id vocabulary, bf16, no activation
+checkpointing and SDPA in both (PyTorch picks its flash kernel for bf16 causal attention; torchtitan's language
+models default to FlexAttention since pytorch/torchtitan#3571, and its causal SDPA module is what the config takes
+instead). The FP8 rows put the blocks' linears in float8 through torchao in both (rowwise scales; the output layer
+stays bf16 in both); the tensorwise rows run torchpre alone, torchtitan 0.3.0 having dropped that recipe. The
+DeepSeek-V3 row (issue 38: the `2B` flavor, MLA, 64 fine-grained experts as grouped bf16 matmuls, bias balancing,
+one multi-token prediction depth, DeepSeek-V3's 129,280-id vocabulary) runs torchpre alone: torchtitan's deepseek_v3
+has another flavor table, not ported here, so its cells say "not run". Rows run in priority order and
 stop at the time budget, so the table fits one device call (`--only fp8` keeps the rows whose label says fp8).
 Writes `gpu_table.md`, `gpu_raw.jsonl` (every step of every run) and `gpu_log.txt` (the tail of any failed run)
 into --out.
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO, steady
+from bench.titan_config import config_name
 from torchpre.metrics.flops import peak_flops
 from torchpre.models.registry import get_model_spec  # importing torchpre.models registers every family
 
@@ -104,16 +107,11 @@ def context_parallel(row: Row) -> list[str]:
     return ["--parallelism.context_parallel_degree", str(row.cp)] if row.cp > 1 else []
 
 
-def float8(row: Row) -> tuple[list[str], list[str]]:
-    """(torchpre's, torchtitan's) flags for the row's float8 linears; none for bf16. Both convert the blocks'
-    linears and keep the output layer (tied to the embedding in 1B and 3B) in bf16; torchtitan's tensorwise recipe
-    is its default (no recipe name)."""
-    if not row.fp8:
-        return [], []
-    ours = ["--quantize.linear", "float8", "--quantize.recipe", row.fp8]
-    theirs = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.filter_fqns", "output"]
-    theirs += ["--quantize.linear.float8.recipe_name", row.fp8] if row.fp8 != "tensorwise" else []
-    return ours, theirs
+def float8(row: Row) -> list[str]:
+    """torchpre's flags for the row's float8 linears; none for bf16. torchtitan's are in its config
+    (bench.titan_llama.config_name); both convert the blocks' linears and keep the output layer (tied to the
+    embedding in 1B and 3B) in bf16."""
+    return ["--quantize.linear", "float8", "--quantize.recipe", row.fp8] if row.fp8 else []
 
 
 def family(row: Row) -> list[str]:
@@ -130,27 +128,33 @@ def torchpre_command(row: Row, steps: int, folder: Path) -> list[str]:
         "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
         "--training.steps", str(steps), "--training.mixed_precision_param", "bfloat16",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(folder),
-        *(["--compile.enable"] if row.compile else []), *context_parallel(row), *float8(row)[0],
+        *(["--compile.enable"] if row.compile else []), *context_parallel(row), *float8(row),
     ]  # fmt: skip
 
 
 def titan_command(row: Row, steps: int, folder: Path) -> list[str] | None:
-    """torchtitan's flags for the same run; None for the rows it does not run (not Llama 3). On several GPUs
+    """torchtitan's own entry point and flags for the same run (its config from bench.titan_llama); None for the rows
+    it does not run: not Llama 3, or float8 tensorwise, a recipe torchtitan 0.3.0 no longer has. On several GPUs
     torchtitan shards with FSDP, which cannot keep the tied embedding in one piece, so that row runs torchtitan untied
-    (262M more parameters for the 1B). Its cp row may fail: torchtitan's context parallelism supports FlexAttention
-    only (issue 36), and the log says so."""
-    if row.model != "llama3":
+    (262M more parameters for the 1B)."""
+    if row.model != "llama3" or row.fp8 == "tensorwise":
         return None
     return [
-        *launcher(row.nproc, torchrun=True), "-m", "bench.titan_llama", *(["--untied"] if row.nproc > 1 else []),
-        "--model.name", "torchpre_llama3", "--model.flavor", row.flavor,
+        *launcher(row.nproc, torchrun=True), "-m", "torchtitan.train", "--module", "bench.titan_llama",
+        "--config", config_name(row.flavor, untied=row.nproc > 1, float8=row.fp8),
         "--training.seq_len", str(row.seq_len), "--training.local_batch_size", str(row.local_batch),
         "--training.global_batch_size", str(row.global_batch), "--training.steps", str(steps),
-        "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "none",
+        "--training.mixed_precision_param", "bfloat16",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
-        "--job.dump_folder", str(folder), *(["--compile.enable"] if row.compile else []), *context_parallel(row),
-        *float8(row)[1],
+        "--dump_folder", str(folder), *(["--compile.enable"] if row.compile else []), *context_parallel(row),
+        "activation-checkpoint:none",
     ]  # fmt: skip
+
+
+def titan_check_command(command: list[str]) -> list[str]:
+    """bench.titan_llama's `--check` of a torchtitan command line: the same launcher and flags."""
+    at = command.index("torchtitan.train")  # followed by --module bench.titan_llama, which the check names itself
+    return [*command[:at], "bench.titan_llama", "--check", *command[at + 3 :]]
 
 
 def run(command: list[str], timeout_s: float, log: Path) -> bool:
@@ -251,8 +255,9 @@ def benchmark(args: argparse.Namespace) -> None:
         f"{WARMUP} (per GPU); MFU by torchpre's FLOP count against {peak_of(Row('1B', 1, 1, False)) / 1e12:.0f} "
         f"TFLOP/s for both ({peak_of(Row('1B', 1, 1, False, fp8='rowwise')) / 1e12:.0f}, the dense FP8 peak, in "
         "the fp8 rows). torchpre: bf16 parameters, fp32 master weights, peak = max allocated; torchtitan "
-        "0.2.2: fp32 parameters under bf16 autocast (its single-GPU mixed precision), peak = max active. "
-        "torchtitan does not run the deepseek_v3 row (its deepseek_v3 has no multi-token prediction).",
+        "0.3.0: FSDP2's mixed precision (bf16 compute, fp32 parameters) on every GPU count, peak = max active. "
+        "torchtitan runs neither the deepseek_v3 row (its own flavor table) nor the float8 tensorwise rows "
+        "(a recipe 0.3.0 no longer has).",
         *([f"Skipped for the time budget: {', '.join(skipped)}."] if skipped else []),
     ]
     write_table(table, args.out, notes)
@@ -276,7 +281,7 @@ def smoke(args: argparse.Namespace) -> None:
             "torchpre dry run": [*torchpre_command(replace(row, compile=False), args.steps, folder / "torchpre"),
                                  "--job.dry_run", "--job.dry_run_gpu", "h200-141gb",
                                  "--job.dry_run_world_size", str(row.nproc)],
-            **({"torchtitan check": [*titan, "--check"]} if titan is not None else {}),
+            **({"torchtitan check": titan_check_command(titan)} if titan is not None else {}),
         }  # fmt: skip
         for name, command in checks.items():
             ok = run(command, 600, log)

@@ -1,6 +1,7 @@
 """Per-step host overhead on a tiny model, where the training loop's own machinery dominates: torchpre against a
-bare PyTorch loop over the same model (bench/bare_loop.py) and, where torchtitan is importable, torchtitan 0.2.2's
-real Trainer on the same shapes and tokens (bench/titan_llama.py, run on CPU by tests/bench/titan_on_cpu.py).
+bare PyTorch loop over the same model (bench/bare_loop.py) and, where torchtitan is importable, torchtitan 0.3.0's
+real Trainer on the same shapes and tokens (bench/titan_llama.py's config, run on CPU by tests/bench/titan_on_cpu.py;
+its attention is torchtitan's causal SDPA module, as FlexAttention, its default, has no backward on CPU).
 
 Same model (Llama 3 `tiny`: dim 64, 2 layers, vocab 2048), sequences of 64, 8 per step, synthetic tokens, AdamW
 (foreach) with clipping, logging every step, one process with one thread each. Each framework runs as a fresh
@@ -17,7 +18,7 @@ Usage: python -m bench.step_overhead [--short 40] [--long 240] [--repeats 3] [--
 """
 
 import argparse
-import importlib.util
+import importlib.metadata
 import json
 import os
 import resource
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO, print_table
+from bench.titan_config import config_name
 
 SEQ_LEN, BATCH, VOCAB = 64, 8, 2048
 TARGET = 1.0  # torchpre's step may cost no more than torchtitan's
@@ -49,23 +51,31 @@ def bare_command(steps: int, folder: str) -> list[str]:
 
 
 def titan_on_cpu_command(steps: int, folder: str) -> list[str]:
-    """bench.titan_llama's spec (torchpre's flavors, synthetic tokens) on CPU, in fp32 like the others."""
+    """torchtitan's own entry point with bench.titan_llama's config (torchpre's flavor, synthetic tokens) on CPU, in
+    fp32 like the others, without activation checkpointing (torchtitan's debug config checkpoints selectively)."""
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-        "tests/bench/titan_on_cpu.py", "--model.name", "torchpre_llama3", "--model.flavor", "tiny",
+        "tests/bench/titan_on_cpu.py", "--module", "bench.titan_llama", "--config", config_name("tiny"),
         "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", str(BATCH),
         "--training.global_batch_size", str(BATCH), "--training.steps", str(steps),
-        "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none",
-        "--optimizer.implementation", "foreach", "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1",
-        "--metrics.disable_color_printing", "--job.dump_folder", folder,
+        "--training.mixed_precision_param", "float32", "--optimizer.implementation", "foreach",
+        "--lr_scheduler.warmup_steps", "10", "--metrics.log_freq", "1", "--metrics.disable_color_printing",
+        "--dump_folder", folder, "activation-checkpoint:none",
     ]  # fmt: skip
 
 
 FRAMEWORKS = {"torchpre": torchpre_command, "bare PyTorch loop": bare_command, "torchtitan": titan_on_cpu_command}
 
 
-def titan_available() -> bool:
-    return importlib.util.find_spec("torchtitan") is not None
+TITAN_VERSION = "0.3.0"  # bench/titan_llama.py speaks its config API (0.2.2's TOML and train specs are gone)
+
+
+def titan_installed() -> str | None:
+    """The installed torchtitan's version, None without one."""
+    try:
+        return importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -134,13 +144,15 @@ def main(argv: list[str] | None = None) -> dict[str, list[Round]]:
     options = parser.parse_args(argv)
     if options.quick:
         options.short, options.long, options.repeats = 10, 30, 1
-    names = ["torchpre", "bare PyTorch loop"] + (["torchtitan"] if titan_available() else [])
+    titan = titan_installed()
+    names = ["torchpre", "bare PyTorch loop"] + (["torchtitan"] if titan == TITAN_VERSION else [])
     rounds = measure(names, options.short, options.long, options.repeats)
     title = (f"CPU time per step, tiny model (seq {SEQ_LEN}, batch {BATCH}), one thread, "
              f"{options.long - options.short} steps beyond start-up, median of {options.repeats}")  # fmt: skip
     print_table(title, ["loop", "ms/step", "torchpre / it", "final loss"], report(rounds))
     if "torchtitan" not in names:
-        print("\ntorchtitan is not importable here: its row is left out (pip install torchtitan==0.2.2).")
+        found = f"torchtitan {titan} is installed" if titan else "torchtitan is not installed"
+        print(f"\n{found}: its row is left out (pip install torchtitan=={TITAN_VERSION}).")
     return rounds
 
 

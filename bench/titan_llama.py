@@ -1,16 +1,22 @@
-"""torchtitan on the same Llama 3.2 shapes, tokens and batch as torchpre, without network or tokenizer.
+"""torchtitan 0.3.0 on the same Llama 3 shapes, tokens and batch as torchpre, without network or tokenizer.
 
-torchtitan 0.2.2's llama3 has no 1B/3B flavor, no tied embeddings and only Hugging Face text datasets (C4,
-or `tests/assets/c4_test`, which the wheel does not ship). This module registers a train spec,
-`torchpre_llama3`, that differs from torchtitan's own llama3 spec in three places only: torchpre's flavors
-(same dims; tied embeddings as in Llama 3.2 on one rank), uniformly random tokens in [0, vocab_size) instead
-of a tokenizer and a dataset, and a metrics.jsonl (tokens/s, peak memory per step) in `job.dump_folder`.
-Everything else, parallelism, compile, AMP, the optimizer and the training loop, is torchtitan's.
+torchtitan 0.3.0 configures a run with Python config functions (`--module M --config F`, then `--section.key value`
+overrides parsed by tyro; pytorch/torchtitan#2386). This module is such an `M`: one config function per torchpre
+flavor, `torchpre_<flavor>` (and `torchpre_<flavor>_untied`), each torchtitan's own llama3 training config (its
+`Llama3Model`, parallelisation, compile, mixed precision, AdamW and training loop) with four changes that make it the
+run torchpre makes:
+- torchpre's flavor dimensions (torchtitan has no `tiny`; the output projection tied to the embedding where the
+  flavor ties it, as Llama 3.2 1B/3B do);
+- the attention kernel: torchtitan's own `ScaledDotProductAttention` module (causal), which its trainer still takes
+  for a model without document masks, instead of FlexAttention, the default for language models since
+  pytorch/torchtitan#3571 (2026-06-09). torchpre runs SDPA too, and FlexAttention has no backward on CPU;
+- uniformly random tokens in [0, vocab_size) instead of a tokenizer and a Hugging Face dataset, and no tokenizer;
+- a metrics.jsonl (tokens/s, peak memory and loss per logged step) in the dump folder.
 
-    python -m bench.titan_llama --model.flavor 1B --training.seq_len 4096 ...   (torchtitan's own flags;
-                                               under torchrun, which torchtitan needs; --untied for FSDP)
-    python -m bench.titan_llama --check ...   (CPU: parse the flags, build the model on meta, compare its
-                                               parameter count with torchpre's, one tiny step on CPU)
+    python -m torchtitan.train --module bench.titan_llama --config torchpre_1B --training.seq_len 4096 ...
+                                               (torchtitan's own entry point and flags; under torchrun)
+    python -m bench.titan_llama --check --config torchpre_1B ...   (CPU: parse the flags, build the flavor on meta,
+                                               compare its parameter count with torchpre's, one tiny step on CPU)
 """
 
 from __future__ import annotations
@@ -20,20 +26,17 @@ import importlib.util
 import json
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import IterableDataset
 
-from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs
-
-SPEC_NAME = "torchpre_llama3"
-
 
 def _stub_hf_datasets() -> None:
-    """torchtitan's llama3 module imports Hugging Face `datasets` for its text loaders, which this spec
-    replaces; the GPU machine has no `datasets` (and its pinned pyarrow/fsspec), so an empty stand-in
-    satisfies the import when the real package is absent."""
+    """torchtitan's llama3 configs import Hugging Face `datasets` for their text loaders, which this module replaces;
+    the GPU machine has no `datasets` (and its pinned pyarrow/fsspec), so an empty stand-in satisfies the import where
+    the real package is absent."""
     if importlib.util.find_spec("datasets") is not None:
         return
     stub, distributed = types.ModuleType("datasets"), types.ModuleType("datasets.distributed")
@@ -43,49 +46,66 @@ def _stub_hf_datasets() -> None:
     sys.modules.update({"datasets": stub, "datasets.distributed": distributed})
 
 
-def _pop_flag(flag: str) -> bool:
-    """Takes one of this module's own flags out of sys.argv, before torchtitan is imported: its config
-    parser binds sys.argv[1:] as a default argument at import time and rejects flags it does not know."""
-    present = flag in sys.argv
-    if present:
-        sys.argv.remove(flag)
-    return present
-
-
 _stub_hf_datasets()
-CHECK, UNTIED = (_pop_flag("--check"), _pop_flag("--untied")) if __name__ == "__main__" else (False, False)
 
 from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
 from torchtitan.components.metrics import BaseLogger, LoggerContainer  # noqa: E402
-from torchtitan.config import ConfigManager, JobConfig  # noqa: E402
+from torchtitan.components.quantization import Float8LinearConverter  # noqa: E402
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
+from torchtitan.config import ConfigManager  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
-from torchtitan.protocols.train_spec import register_train_spec  # noqa: E402
-from torchtitan.train import Trainer, main  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, compute_ffn_hidden_dim  # noqa: E402
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.llama3 import config_registry  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from bench.titan_config import FLOAT8_RECIPES, config_name  # noqa: E402
+from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs  # noqa: E402
+from torchpre.models.llama3.model import Transformer as TorchpreTransformer  # noqa: E402
+
+MODULE = "bench.titan_llama"  # what --module names, also when this file runs as __main__
 
 
-def titan_args(args: TransformerArgs) -> llama3.TransformerModelArgs:
-    """torchtitan's model args for one of torchpre's Llama 3 flavors: same FFN rounding, heads and RoPE theta
-    (torchtitan's fixed RoPE scaling only changes a precomputed buffer, not the work)."""
-    return llama3.TransformerModelArgs(
-        dim=args.dim,
+def model_config(args: TransformerArgs, tied: bool) -> llama3.Llama3Model.Config:
+    """torchtitan's Llama 3 config (its debugmodel's, with its initialisation) at one of torchpre's flavors: same
+    dims, heads, FFN rounding, RoPE theta and scaling; causal SDPA as the attention kernel."""
+    head_dim = args.dim // args.n_heads
+    scaling = args.rope_scaling
+    rope = ComplexRoPE.Config(
+        dim=head_dim,
+        max_seq_len=args.max_seq_len,
+        theta=args.rope_theta,
+        **({"scaling": "llama", "scaling_factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+           if scaling is not None else {"scaling": "none"}),
+    )  # fmt: skip
+    base = llama3.llama3_configs["debugmodel"](attn_backend="flex")
+    layers = llama3._build_llama3_layers(
         n_layers=args.n_layers,
+        dim=args.dim,
         n_heads=args.n_heads,
         n_kv_heads=args.n_kv_heads,
-        vocab_size=args.vocab_size,
-        multiple_of=args.multiple_of,
-        ffn_dim_multiplier=args.ffn_dim_multiplier,
-        norm_eps=args.norm_eps,
-        rope_theta=args.rope_theta,
+        hidden_dim=compute_ffn_hidden_dim(
+            args.dim, multiple_of=args.multiple_of, ffn_dim_multiplier=args.ffn_dim_multiplier
+        ),
+        rope=rope,
+        attn_backend="flex",
     )
-
-
-class TiedTransformer(llama3.Transformer):
-    """torchtitan's Llama 3 with the output projection sharing the embedding table (Llama 3.2 1B/3B).
-    Only for one rank: FSDP would shard the two modules' shared weight in different groups."""
-
-    def __init__(self, model_args: llama3.TransformerModelArgs) -> None:
-        super().__init__(model_args)
-        self.output.weight = self.tok_embeddings.weight
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return dataclasses.replace(
+        base,
+        dim=args.dim,
+        vocab_size=args.vocab_size,
+        enable_weight_tying=tied,
+        # A tied table is initialised as the output projection, as torchtitan's own tied 1B and 3B do.
+        tok_embeddings=dataclasses.replace(base.tok_embeddings, num_embeddings=args.vocab_size, embedding_dim=args.dim,
+                                           **({"param_init": llama3._EMBEDDING_SKIP_INIT} if tied else {})),
+        norm=dataclasses.replace(base.norm, normalized_shape=args.dim, eps=args.norm_eps),
+        lm_head=dataclasses.replace(base.lm_head, in_features=args.dim, out_features=args.vocab_size),
+        layers=layers,
+    )
 
 
 class SyntheticTokens(IterableDataset):
@@ -101,20 +121,41 @@ class SyntheticTokens(IterableDataset):
             yield {"input": tokens[:-1]}, tokens[1:]
 
 
-def build_synthetic_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config: JobConfig, **_):
-    vocab_size = LLAMA3_FLAVORS[job_config.model.flavor].vocab_size
-    dataset = SyntheticTokens(vocab_size, job_config.training.seq_len, seed=dp_rank)
-    return ParallelAwareDataloader(
-        dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=job_config.training.local_batch_size
-    )
+class SyntheticLoader(ParallelAwareDataloader):
+    """torchtitan's data-parallel-aware loader over `SyntheticTokens`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ParallelAwareDataloader.Config):
+        vocab_size: int = 2048
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int, local_batch_size: int,
+                 **_: object) -> None:  # fmt: skip
+        dataset = SyntheticTokens(config.vocab_size, seq_len, seed=dp_rank)
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=local_batch_size)
 
 
-def _flavors() -> dict[str, llama3.TransformerModelArgs]:
-    return {name: titan_args(args) for name, args in LLAMA3_FLAVORS.items()}
+class NoTokenizer(BaseTokenizer):
+    """The tokenizer a run on synthetic tokens needs: none (torchtitan builds one from its asset folder otherwise)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config, **_: object) -> None:
+        super().__init__()
+
+    def encode(self, *args: object, **kwargs: object) -> list[int]:
+        raise NotImplementedError("synthetic tokens are never encoded")
+
+    def decode(self, *args: object, **kwargs: object) -> str:
+        raise NotImplementedError("synthetic tokens are never decoded")
+
+    def get_vocab_size(self) -> int:
+        raise NotImplementedError("the vocabulary size is the flavor's")
 
 
 class JsonlLogger(BaseLogger):
-    """Each logged step's tokens/s and peak memory, as torchpre's metrics.jsonl names them."""
+    """Each logged step's tokens/s, peak memory and loss, as torchpre's metrics.jsonl names them."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,64 +179,100 @@ class JsonlLogger(BaseLogger):
 class BenchTrainer(Trainer):
     """torchtitan's Trainer, also writing metrics.jsonl on rank 0."""
 
-    def __init__(self, job_config: JobConfig) -> None:
-        super().__init__(job_config)
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            # torchtitan's logger is a bare BaseLogger when neither TensorBoard nor W&B is on: keep it beside ours.
             loggers = LoggerContainer()
             loggers.add_logger(self.metrics_processor.logger)
-            loggers.add_logger(JsonlLogger(Path(job_config.job.dump_folder) / "metrics.jsonl"))
+            loggers.add_logger(JsonlLogger(Path(config.dump_folder) / "metrics.jsonl"))
             self.metrics_processor.logger = loggers
 
 
-def register(tied: bool) -> None:
-    """The `torchpre_llama3` train spec: torchtitan's llama3 spec with torchpre's flavors and synthetic data."""
-    spec = dataclasses.replace(
-        llama3.get_train_spec(),
-        model_cls=TiedTransformer if tied else llama3.Transformer,
-        model_args=_flavors(),
-        build_dataloader_fn=build_synthetic_dataloader,
-        build_tokenizer_fn=None,
-        build_validator_fn=None,
-    )
-    register_train_spec(SPEC_NAME, spec)
+def training_config(flavor: str, tied: bool, float8: str = "") -> BenchTrainer.Config:
+    """torchtitan's llama3 debug-model training config with the flavor's model, synthetic tokens and no tokenizer,
+    validation or checkpoint; every field stays overridable from the command line. With `float8`, the blocks' linears
+    in that recipe and the output projection left in high precision, as torchpre leaves it (compiled runs only: the
+    converter is told the model is compiled)."""
+    args = LLAMA3_FLAVORS[flavor]
+    base = config_registry.llama3_debugmodel()
+    model = model_config(args, tied)
+    if float8:
+        # Emulated in eager mode where there is no GPU (the CPU check builds the config; no CPU trains the flavor).
+        gpu = torch.cuda.is_available()
+        converter = Float8LinearConverter.Config(recipe_name=float8, filter_fqns=["lm_head"], model_compile_enabled=gpu,
+                                                 emulate=not gpu)  # fmt: skip
+        model = converter.build().convert(model)
+    spec = dataclasses.replace(llama3.model_registry("debugmodel"), flavor=flavor, model=model)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Trainer.Config) if f.init}
+    config = BenchTrainer.Config(**fields)
+    config.model_spec = spec
+    config.loss.loss_fn.global_vocab_size = args.vocab_size
+    config.dataloader = SyntheticLoader.Config(vocab_size=args.vocab_size)
+    config.tokenizer = NoTokenizer.Config()
+    config.validator.enable = False
+    config.checkpoint.enable = False
+    return config
+
+
+def _config_function(flavor: str, tied: bool, float8: str):
+    def function() -> BenchTrainer.Config:
+        return training_config(flavor, tied, float8)
+
+    function.__name__ = config_name(flavor, not tied and LLAMA3_FLAVORS[flavor].tie_word_embeddings, float8)
+    return function
+
+
+# The config functions, as torchtitan's --config looks them up (config_name): torchpre_<flavor> ties the output
+# projection where the flavor does, its _untied twin does not (FSDP cannot shard a tied weight whole).
+for _flavor, _args in LLAMA3_FLAVORS.items():
+    for _tied in {_args.tie_word_embeddings, False}:
+        for _float8 in ("", *FLOAT8_RECIPES):
+            _function = _config_function(_flavor, _tied, _float8)
+            globals()[_function.__name__] = _function
 
 
 def check(argv: list[str]) -> None:
-    """What can be proven without a GPU: torchtitan accepts the flags, builds the flavor on meta with
-    torchpre's parameter count, the data loader yields the batch shape, and a tiny model of the same code
-    trains one step on CPU."""
-    from torchpre.models.llama3.model import Transformer as TorchpreTransformer
-
-    config = ConfigManager().parse_args(argv)
-    assert config.model.name == SPEC_NAME, f"--model.name must be {SPEC_NAME}"
-    args = LLAMA3_FLAVORS[config.model.flavor]
+    """What can be proven without a GPU: torchtitan accepts the flags, builds the flavor on meta with torchpre's
+    parameter count, the loader yields the batch shape, and a tiny model of the same code trains one step on CPU."""
+    config = ConfigManager().parse_args(["--module", MODULE, *argv])
+    flavor = config.model_spec.flavor
+    args = LLAMA3_FLAVORS[flavor]
     with torch.device("meta"):
-        titan = TiedTransformer(titan_args(args)) if args.tie_word_embeddings else llama3.Transformer(titan_args(args))
+        titan = config.model_spec.model.build()
         ours = TorchpreTransformer(args)
     titan_count = sum(p.numel() for p in titan.parameters())
     ours_count = sum(p.numel() for p in ours.parameters())
-    assert titan_count == ours_count, f"torchtitan {titan_count:,} != torchpre {ours_count:,} parameters"
-    print(f"check: flavor {config.model.flavor}: {titan_count:,} parameters in both, flags accepted")
-    inputs, labels = next(iter(build_synthetic_dataloader(1, 0, None, config)))
+    untied = args.tie_word_embeddings and not config.model_spec.model.enable_weight_tying
+    expected = ours_count + (args.vocab_size * args.dim if untied else 0)  # an untied copy has its own output matrix
+    assert titan_count == expected, f"torchtitan {titan_count:,} != torchpre {ours_count:,} parameters"
+    print(f"check: flavor {flavor}{' untied' if untied else ''}: {titan_count:,} parameters "
+          f"(torchpre {ours_count:,}), flags accepted")  # fmt: skip
+    loader = config.dataloader.build(dp_world_size=1, dp_rank=0, seq_len=config.training.seq_len,
+                                     local_batch_size=config.training.local_batch_size)  # fmt: skip
+    inputs, labels = next(iter(loader))
     batch = (config.training.local_batch_size, config.training.seq_len)
     assert inputs["input"].shape == labels.shape == batch, f"batch {tuple(labels.shape)}, expected {batch}"
     assert int(labels.max()) < args.vocab_size and torch.equal(inputs["input"][:, 1:], labels[:, :-1])
-    _tiny_step(config)
+    _tiny_step()
 
 
-def _tiny_step(config: JobConfig) -> None:
-    tiny = dataclasses.replace(titan_args(LLAMA3_FLAVORS["tiny"]), max_seq_len=32)
-    model = TiedTransformer(tiny)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    inputs, labels = next(iter(SyntheticTokens(tiny.vocab_size, 32, seed=0)))
-    loss = llama3.build_cross_entropy_loss(config)(model(inputs["input"][None]), labels[None])
+def _tiny_step() -> None:
+    model = model_config(LLAMA3_FLAVORS["tiny"], tied=True).build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    inputs, labels = next(iter(SyntheticTokens(LLAMA3_FLAVORS["tiny"].vocab_size, 32, seed=0)))
+    logits = model(inputs["input"][None])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels)
     loss.backward()
-    assert model.output.weight.grad is model.tok_embeddings.weight.grad, "tied weight lost its tie"
+    assert model.lm_head.weight.grad is model.tok_embeddings.weight.grad, "tied weight lost its tie"
     print(f"check: tiny step on CPU, loss {loss.item():.3f}")
 
 
 if __name__ == "__main__":
-    register(tied=not UNTIED)
-    check(sys.argv[1:]) if CHECK else main(BenchTrainer)
+    if "--check" not in sys.argv:
+        sys.exit("usage: python -m bench.titan_llama --check --config torchpre_FLAVOR [flags] (to train: "
+                 "python -m torchtitan.train --module bench.titan_llama --config torchpre_FLAVOR [flags])")
+    check([a for a in sys.argv[1:] if a != "--check"])

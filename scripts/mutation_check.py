@@ -615,7 +615,7 @@ BREAKS = [
           ("tests/bench/test_gpu_bench.py::test_the_smoke_trains_once_per_family_and_precision_of_the_rows",),
           "bench/gpu.sh's smoke mode never trains the DeepSeek-V3 row's flags (MTP, its vocabulary) before a GPU call"),
     Break("gpu-bench-fp8-flags-dropped", "bench/gpu_compare.py",
-          "*context_parallel(row), *float8(row)[0],",
+          "*context_parallel(row), *float8(row),",
           "*context_parallel(row),",
           ("tests/bench/test_gpu_bench.py::test_both_frameworks_get_the_same_run",),
           "the FP8 rows run torchpre in bf16 while torchtitan runs float8"),

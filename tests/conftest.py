@@ -2,8 +2,8 @@
 
 - Opt-in markers: the long runs (the full reshard matrix, every README block, the mutation check, every ZeRO
   parity case, the CPU benchmarks' quick modes, every cell of the Hugging Face support table, the jobs under a real
-  Slurm, the 8B-shaped Hugging Face import) run only when `-m` names their marker; any other run, including one with
-  its own `-m "not slow"`, leaves them out.
+  Slurm, the 8B-shaped Hugging Face import, lm-evaluation-harness itself) run only when `-m` names their marker; any
+  other run, including one with its own `-m "not slow"`, leaves them out.
 - With TORCHPRE_REQUIRE_EXTRAS=1 (set by .ci/run, which installs every extra) a test that would skip because an
   optional package cannot be imported fails instead: a green CI must not hide an undeclared dependency.
 - A test that leaves torch's default process group initialized (it timed out, or failed before its own teardown)
@@ -25,7 +25,7 @@ import pytest
 SLOWDOWN = 4
 OPT_IN_MARKERS = (
     "matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix", "security",
-    "slurm", "big_import", "fuzz", "published_corpus", "data_scale",
+    "slurm", "big_import", "fuzz", "published_corpus", "lm_eval", "data_scale",
 )  # fmt: skip
 
 

@@ -76,7 +76,7 @@ def prose_lines(text: str) -> list[str]:
 
 def anchors(page: Path) -> set[str]:
     """The anchors GitHub gives the headings of a page: lower case, punctuation dropped, spaces as dashes, repeats
-    numbered (-1, -2, ...)."""
+    numbered (-1, -2, ...); and the explicit ones, `<a id="name"></a>` (docs/comparison.md's sources)."""
     seen: dict[str, int] = {}
     result = set()
     fence = False
@@ -84,6 +84,8 @@ def anchors(page: Path) -> set[str]:
         if line.startswith("```"):
             fence = not fence
             continue
+        if not fence:
+            result.update(re.findall(r'<a id="([\w-]+)"></a>', line))
         if fence or not (match := re.match(r"^#{1,6} (.+)$", line)):
             continue
         slug = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower()).replace(" ", "-")

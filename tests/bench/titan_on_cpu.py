@@ -1,8 +1,8 @@
-"""bench.titan_llama's torchtitan run on CPU, for tests: torchtitan 0.2.2 picks CUDA whenever no other
-accelerator is found, so its device type is set to CPU and its device module replaced by the few calls
-its Trainer makes (memory statistics read as zero). Everything else is the real Trainer and training loop.
+"""torchtitan's own training entry point on CPU, for tests and the CPU benchmarks: torchtitan 0.3.0 picks CUDA
+whenever no other accelerator is found, so its device type is set to CPU and its device module replaced by the few
+calls its Trainer makes (memory statistics read as zero). Everything else is the real Trainer and training loop.
 
-    torchrun --nproc_per_node=1 tests/bench/titan_on_cpu.py [bench.titan_llama's flags]
+    torchrun --nproc_per_node=1 tests/bench/titan_on_cpu.py --module bench.titan_llama --config torchpre_tiny ...
 """
 
 import runpy
@@ -28,5 +28,5 @@ CPU = types.SimpleNamespace(
 if __name__ == "__main__":
     torch._utils._get_available_device_type = lambda: "cpu"
     torch._utils._get_device_module = lambda device_type: CPU
-    sys.argv = ["bench.titan_llama", *sys.argv[1:]]
-    runpy.run_module("bench.titan_llama", run_name="__main__")
+    sys.argv = ["torchtitan.train", *sys.argv[1:]]
+    runpy.run_module("torchtitan.train", run_name="__main__")

@@ -177,7 +177,8 @@ def test_no_write_of_a_run_goes_through_a_link_in_its_folder(genuine, tmp_path):
     assert outcomes["config.toml"] == "replaced"
     for refused in ("metrics.jsonl", "checkpoint", "hf", "tensorboard", "eval", "profile_traces"):
         assert outcomes[refused] == "refused", refused
-    assert outcomes["checkpoint/step-6"] == outcomes["hf/step-6"] == "replaced"  # moved aside, never followed
+    assert outcomes["checkpoint/step-6"] == "refused"  # a linked step is never loaded: the run names it and stops
+    assert outcomes["hf/step-6"] == "replaced"  # moved aside, never followed
 
 
 def test_no_write_of_a_resume_from_an_earlier_step_goes_through_a_link(genuine, tmp_path):

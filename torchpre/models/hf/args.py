@@ -13,6 +13,7 @@ from torchpre.models.hf.architectures import not_decoder_only
 from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
 from torchpre.models.hf_fields import (
     BOOLEAN,
+    COUNT,
     NON_NEGATIVE,
     OBJECT,
     POSITIVE,
@@ -164,13 +165,23 @@ def read_attributes(config: Any) -> dict[str, Any]:
     return {name: getattr(config, name) for name in _READ if hasattr(config, name)}
 
 
+# A size of every layer, or one per layer (Gemma 3n's intermediate_size).
+_PER_LAYER_SIZE = Kind(
+    lambda value: POSITIVE_INT.accepts(value) or (type(value) is list and all(map(POSITIVE_INT.accepts, value))),
+    "a positive integer or a list of them",
+)
 # The fields of a transformers config torchpre reads, or that size the model transformers builds, and their kinds.
+# Null is transformers' "unset" (GPT-Neo's intermediate_size is 4 x hidden_size; Cohere 2 MoE's unused rms_norm_eps),
+# and a window or head size of 0 one it writes itself (Qwen 2 MoE's sliding_window with use_sliding_window off):
+# every causal LM's own default config passes (tests/unit/test_foreign_inputs.py).
 _KINDS = {
-    "model_type": STRING, "vocab_size": POSITIVE_INT, "hidden_size": POSITIVE_INT, "intermediate_size": POSITIVE_INT,
-    "num_hidden_layers": POSITIVE_INT, "num_attention_heads": POSITIVE_INT,
-    "num_key_value_heads": POSITIVE_INT.or_null(), "head_dim": POSITIVE_INT.or_null(),
-    "max_position_embeddings": POSITIVE_INT.or_null(), "sliding_window": POSITIVE_INT.or_null(),
-    "rms_norm_eps": POSITIVE, "layer_norm_eps": POSITIVE, "layer_norm_epsilon": POSITIVE, "rope_theta": POSITIVE,
+    "model_type": STRING, "vocab_size": POSITIVE_INT, "hidden_size": POSITIVE_INT,
+    "intermediate_size": _PER_LAYER_SIZE.or_null(), "num_hidden_layers": POSITIVE_INT,
+    "num_attention_heads": POSITIVE_INT,
+    "num_key_value_heads": POSITIVE_INT.or_null(), "head_dim": COUNT.or_null(),
+    "max_position_embeddings": POSITIVE_INT.or_null(), "sliding_window": COUNT.or_null(),
+    "rms_norm_eps": POSITIVE.or_null(), "layer_norm_eps": POSITIVE.or_null(), "layer_norm_epsilon": POSITIVE.or_null(),
+    "rope_theta": POSITIVE,
     "rope_scaling": OBJECT.or_null(), "rope_parameters": OBJECT.or_null(), "quantization_config": OBJECT.or_null(),
     "tie_word_embeddings": BOOLEAN, "is_encoder_decoder": BOOLEAN, "use_cache": BOOLEAN,
 }  # fmt: skip
