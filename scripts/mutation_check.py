@@ -44,6 +44,19 @@ PUBLICATION_TEST = (
     "tests/unit/test_checkpoint_publication.py::"
     "test_an_async_save_is_published_when_its_write_is_done_not_before_and_not_at_the_next_save"
 )
+MANY_SHARDS_TEST = (
+    "tests/unit/test_shard_data.py::"
+    "test_thousands_of_shards_are_read_through_one_folder_descriptor_and_a_bounded_few_of_their_own"
+)
+FEISTEL_TEST = (
+    "tests/unit/test_data.py::test_the_feistel_order_visits_each_sample_once_per_epoch_in_an_order_drawn_anew"
+)
+SPLIT_PREPARE_TEST = (
+    "tests/unit/test_prepare.py::test_prepare_split_over_tasks_then_merged_is_byte_identical_to_one_task"
+)
+OLD_ORDER_TEST = (
+    "tests/unit/test_data.py::test_a_checkpoint_without_an_order_version_resumes_in_the_first_order_and_saves_it_on"
+)
 DATA_POSITION_TEST = "tests/unit/test_data.py::test_a_resumed_data_position_gives_the_batches_training_would_have_read"
 RNG_TEST = "tests/unit/test_checkpoint_rng.py"
 SNAPSHOTS_TEST = "tests/distributed/test_snapshots.py"
@@ -193,8 +206,8 @@ BREAKS = [
           "return self.cross_entropy_sum(logits_of(output), labels) / labels.numel()",
           (LOSS_TEST,), "the loss is divided by the microbatch's tokens instead of the global batch's"),
     Break("checkpoint-data-position-off-by-one", "torchpre/data/loader.py",
-          '        return {"consumed_samples": self.consumed_samples}',
-          '        return {"consumed_samples": self.consumed_samples + 1}',
+          '        return {"consumed_samples": self.consumed_samples, "order_version": self.order_version}',
+          '        return {"consumed_samples": self.consumed_samples + 1, "order_version": self.order_version}',
           (DATA_POSITION_TEST,), "the saved data position is one sample late"),
     Break("checkpoint-rng-not-restored", "torchpre/checkpoint/state.py",
           '            torch.set_rng_state(state_dict[f"rank{self.rank}"])', "            pass",
@@ -824,6 +837,60 @@ BREAKS = [
           "        file = open_file(folder, name, folder / MANIFEST, entry)", '        file = open(path, "rb")',
           (f"{BAD_INPUT_CASE}[shards-link-part-0.bin]", f"{BAD_INPUT_CASE}[shards-link-subfolder]"),
           "a shard file is opened by its path, through a symbolic link out of the folder"),
+    Break("shard-descriptors-unbounded", "torchpre/data/shards.py",
+          "        if len(self._open) > MAX_OPEN_SHARDS:", "        if False:",
+          (MANY_SHARDS_TEST,), "every shard read keeps its descriptor open: a folder of 100,000 shards runs out"),
+    Break("shard-folder-resolved-per-file", "torchpre/data/shards.py",
+          "        self._root = OpenFolder(self.folder)", "        self._root = self.folder",
+          (MANY_SHARDS_TEST,), "the folder is looked up again for every shard file opened"),
+    Break("shard-offsets-opened-for-training", "torchpre/data/shards.py",
+          "            file = open_tokens(self._root, self.manifest, shard)",
+          "            check_shard_files(self._root, self.manifest, shard)\n"
+          "            file = open_tokens(self._root, self.manifest, shard)",
+          (MANY_SHARDS_TEST,), "training opens each shard's .idx too, which windows never need"),
+    Break("prepare-manifest-rewritten-per-shard", "torchpre/data/prepare.py",
+          "        self.manifest.shards.append(shard)",
+          "        self.manifest.shards.append(shard)\n        self.manifest.write(self.folder)",
+          ("tests/unit/test_prepare.py::test_the_manifest_is_written_twice_whatever_the_shard_count",),
+          "prepare rewrites the whole manifest after every shard: quadratic in the shard count"),
+    Break("prepare-journal-not-read", "torchpre/data/shards.py",
+          "        if not manifest.complete:\n            manifest.shards += _journal(folder, len(manifest.shards))",
+          "        if False:\n            manifest.shards += _journal(folder, len(manifest.shards))",
+          ("tests/unit/test_prepare.py::test_resume_after_an_interruption_writes_only_the_missing_shards",),
+          "a resumed prepare forgets the shards its journal lists and writes them all again"),
+    Break("feistel-cycle-walk-dropped", "torchpre/data/sampler.py",
+          "        while index >= self.num_samples:", "        while False:",
+          (FEISTEL_TEST,), "the Feistel order hands out indices past the last sample (no cycle walking)"),
+    Break("feistel-keys-the-same-every-epoch", "torchpre/data/sampler.py",
+          "            entropy = [self.seed % 2**64, _ORDER_STREAM, epoch]",
+          "            entropy = [self.seed % 2**64, _ORDER_STREAM, 0]",
+          (FEISTEL_TEST,), "every epoch repeats the first one's order"),
+    Break("order-version-of-an-old-checkpoint-taken-as-new", "torchpre/data/loader.py",
+          '        version = int(state_dict.get("order_version", 1))',
+          '        version = int(state_dict.get("order_version", ORDER_VERSION))',
+          (OLD_ORDER_TEST,),
+          "a checkpoint saved before order versions resumes in the new order, not the one it trained in"),
+    Break("order-version-not-restored", "torchpre/data/loader.py",
+          "            self.order_version, self.loader = version, self.loader_for(self.stage, version)",
+          "            pass",
+          (OLD_ORDER_TEST,), "a resume keeps the new order whatever order its checkpoint was trained in"),
+    Break("mixture-block-rebuilt-per-position", "torchpre/data/mixture.py",
+          "        if self._block.start <= position < self._block.end:", "        if False:",
+          ("tests/unit/test_shard_data.py::"
+           "test_positions_read_in_order_build_each_mixture_block_once_whatever_the_number_of_sources",),
+          "every mixture position rebuilds its block: a pass over all the sources per sample"),
+    Break("prepare-task-reads-every-file", "torchpre/data/prepare.py",
+          "        if index <= (before + size / 2) * count / total < index + 1 or",
+          "        if True or",
+          (SPLIT_PREPARE_TEST,), "every task of a split prepare tokenizes every input: the merge holds each N times"),
+    Break("prepare-merge-out-of-task-order", "torchpre/data/prepare.py",
+          "    parts = [_finished_part(folder, index, count, tokenizer) for index in range(count)]",
+          "    parts = [_finished_part(folder, index, count, tokenizer) for index in reversed(range(count))]",
+          (SPLIT_PREPARE_TEST,), "the merge concatenates the tasks' parts in another order than the inputs'"),
+    Break("shard-batch-not-read-ahead", "torchpre/data/shard_dataset.py",
+          "                self._will_need(index * (self.seq_len + 1), self.seq_len + 1)", "                pass",
+          ("tests/unit/test_shard_data.py::test_the_loader_asks_the_kernel_for_a_whole_batch_of_windows_before_reading_them",),
+          "a batch's windows are read one by one, each waiting for the disk in turn"),
     Break("hf-safetensors-opened-by-path", "torchpre/interchange/reader.py",
           'return cls(file, safe_open(_descriptor_name(file), framework="pt"))',
           'return cls(file, safe_open(path, framework="pt"))',

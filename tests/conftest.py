@@ -25,7 +25,7 @@ import pytest
 SLOWDOWN = 4
 OPT_IN_MARKERS = (
     "matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix", "security",
-    "slurm", "big_import", "fuzz", "published_corpus", "lm_eval",
+    "slurm", "big_import", "fuzz", "published_corpus", "lm_eval", "data_scale",
 )  # fmt: skip
 
 

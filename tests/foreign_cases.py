@@ -129,9 +129,11 @@ def _hf_link_cases() -> None:
 
 
 def _shard_links(d: Path) -> None:
-    """A link in place of the manifest, the .bin, the .idx, and of the subfolder holding them."""
+    """A link in place of the manifest, the .bin, and of the subfolder holding them (training never opens a .idx:
+    tests/unit/test_shard_data.py::test_thousands_of_shards_are_read_through_one_folder_descriptor_and_a_bounded_few_of_their_own;
+    `ShardReader.document` refuses a link there, tests/unit/test_foreign_inputs.py)."""
     outside = d / "outside"
-    for name in ("manifest.json", "part-0.bin", "part-0.idx"):
+    for name in ("manifest.json", "part-0.bin"):
         _link_out(shutil.copytree(d / "shards", d / f"shards_link_{name}"), name, outside)
     for kind, name in (("subfolder", "sub"), ("file_in_subfolder", "sub/part-0.bin")):
         folder = shutil.copytree(d / "shards", d / f"shards_link_{kind}")
@@ -146,7 +148,7 @@ def _shard_links(d: Path) -> None:
 
 
 def _shard_link_cases() -> None:
-    for name, path in (("manifest.json", "manifest.json"), ("part-0.bin", "part-0.bin"), ("part-0.idx", "part-0.idx"),
+    for name, path in (("manifest.json", "manifest.json"), ("part-0.bin", "part-0.bin"),
                        ("subfolder", "sub/part-0.bin"), ("file_in_subfolder", "sub/part-0.bin")):  # fmt: skip
         _case(f"shards-link-{name}", [*SHARDS, f"{{d}}/shards_link_{name}"], [f"{{d}}/shards_link_{name}/{path}", LINK])
     for name in ("manifest.json", "shard_00000.bin"):

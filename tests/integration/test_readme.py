@@ -141,6 +141,7 @@ def test_block_names_and_markers_are_well_formed():
         "docs/fault-tolerance.md: Elastic training #2", "docs/multinode.md: Two nodes by hand #1",
         "docs/multinode.md: Slurm #1", "docs/testing.md: Testing #1", "docs/multinode.md: The rendezvous address #1",
         "docs/multinode.md: Tested under a real Slurm #1", "docs/checkpoints.md: Start from a released model #2",
+        "docs/evaluation.md: Against lm-evaluation-harness itself #1",  # needs the lm-eval extra (-m lm_eval)
     }, "a block is skipped that should run (or a new skip marker: add it here with its reason)"
     for block in all_blocks():
         if block.language == "python":

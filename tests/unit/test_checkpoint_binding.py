@@ -149,6 +149,7 @@ BAD_VALUES = {
     "train.dp": [0, -1],
     "train.seq_len": [0],
     "dataloader.consumed_samples": [-16, float("nan"), 2**63],
+    "dataloader.order_version": [0, -1, 1.5, "2"],
     "health.skipped_steps": [-1, "x"],
     "train.rope_theta": [float("nan"), float("inf"), -1.0, "500000"],
     "lr_scheduler.last_epoch": [-1, 1.0],

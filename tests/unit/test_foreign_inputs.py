@@ -59,7 +59,7 @@ def test_safetensors_are_read_from_the_checked_descriptor_not_the_name(tmp_path,
         assert weights.read("w", ()).tolist() == [[1.0] * 4] * 4
 
 
-def test_shard_tokens_are_mapped_from_the_checked_descriptor_not_the_name(tmp_path, monkeypatch):
+def test_shard_tokens_are_read_from_the_checked_descriptor_not_the_name(tmp_path, monkeypatch):
     folder = tmp_path / "shards"
     folder.mkdir()
     info = write_shard(folder, "part-0", [[1, 2, 3, 4]], TOKENIZER.vocab_size)
@@ -67,6 +67,25 @@ def test_shard_tokens_are_mapped_from_the_checked_descriptor_not_the_name(tmp_pa
     np.array([9, 9, 9, 9], dtype="<u2").tofile(tmp_path / "other.bin")
     swapping_after_the_check(shards, monkeypatch, "part-0.bin", tmp_path / "other.bin")
     assert shards.ShardReader(folder, TOKENIZER.vocab_size).document(0, 0).tolist() == [1, 2, 3, 4]
+
+
+def test_a_documents_offsets_are_read_without_a_link_and_checked_against_the_manifest(tmp_path):
+    """Training never opens a .idx; `ShardReader.document` does, refusing a link in its place and offsets that leave
+    the shard's tokens, by name."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    info = write_shard(folder, "part-0", [[1, 2, 3, 4], [5, 6]], TOKENIZER.vocab_size)
+    Manifest(DEFAULT_TOKENIZER_PATH.name, SHA256, TOKENIZER.vocab_size, [info]).write(folder)
+    reader = shards.ShardReader(folder, TOKENIZER.vocab_size)
+    assert [reader.document(0, i).tolist() for i in range(2)] == [[1, 2, 3, 4], [5, 6]]
+    np.array([0, 4, 9], dtype="<i8").tofile(folder / "part-0.idx")
+    with pytest.raises(TorchpreError, match=r"part-0\.idx: document 1 runs from token 4 to 9, outside the 6 tokens"):
+        reader.document(0, 1)
+    (tmp_path / "outside.idx").write_bytes((folder / "part-0.idx").read_bytes())
+    (folder / "part-0.idx").unlink()
+    (folder / "part-0.idx").symlink_to(tmp_path / "outside.idx")
+    with pytest.raises(UntrustedInput, match=r"part-0\.idx .*symbolic link"):
+        reader.document(0, 0)
 
 
 def fp8_folder(folder: Path, block: list[int], weight: torch.Tensor, scales: torch.Tensor) -> HFFolder:

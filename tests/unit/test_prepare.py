@@ -12,8 +12,8 @@ import pytest
 
 from scripts import tiny_tokenizer
 from torchpre.data import prepare
-from torchpre.data.prepare import main
-from torchpre.data.shards import MANIFEST, Manifest, ShardReader
+from torchpre.data.prepare import main, task_folder
+from torchpre.data.shards import JOURNAL, MANIFEST, Manifest, ShardReader, journal_line
 from torchpre.data.tiktoken_bpe import load_ranks, save_ranks
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import TorchpreError
@@ -174,6 +174,8 @@ def test_resume_after_an_interruption_writes_only_the_missing_shards(tmp_path, m
     interrupted = Manifest.read(tmp_path / "out")
     assert [s.name for s in interrupted.shards] == ["shard_00000", "shard_00001"]
     assert not interrupted.complete
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text())["shards"] == []  # listed by the journal alone
+    assert len((tmp_path / "out" / JOURNAL).read_bytes().splitlines()) == 2
     with pytest.raises(TorchpreError, match="incomplete.*Re-run the same prepare command"):
         ShardReader(tmp_path / "out", TOKENIZER.vocab_size)
 
@@ -208,6 +210,80 @@ def test_resume_rewrites_an_unlisted_or_damaged_shard_even_from_moved_inputs(tmp
     run([moved], tmp_path / "out")
     assert written_shards == names[1:]
     assert folder_bytes(tmp_path / "out") == reference
+
+
+def test_the_manifest_is_written_twice_whatever_the_shard_count(tmp_path, monkeypatch):
+    """Once at the start and once at the end, never per shard (which made prepare quadratic in the shard count);
+    the journal that lists the shards meanwhile is gone when prepare is done."""
+    writes = []
+    write = Manifest.write
+    monkeypatch.setattr(Manifest, "write", lambda manifest, folder: writes.append(len(manifest.shards)) or
+                        write(manifest, folder))  # fmt: skip
+    run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out", "--shard-tokens", "100")
+    shards = len(Manifest.read(tmp_path / "out").shards)
+    assert shards == len(DOCUMENTS) and writes == [0, shards]
+    assert not (tmp_path / "out" / JOURNAL).exists()
+
+
+def test_a_journal_line_cut_short_by_a_crash_lists_no_shard_and_the_resume_writes_it_again(tmp_path, written_shards):
+    source = write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)
+    run([source], tmp_path / "out")
+    reference, manifest = folder_bytes(tmp_path / "out"), Manifest.read(tmp_path / "out")
+    lines = [journal_line(i, shard) for i, shard in enumerate(manifest.shards)]
+    names = [shard.name for shard in manifest.shards]
+    manifest.shards, manifest.complete = [], False
+    manifest.write(tmp_path / "out")
+    (tmp_path / "out" / JOURNAL).write_bytes(b"".join(lines[:3]) + lines[3][:-9])
+    assert [s.name for s in Manifest.read(tmp_path / "out").shards] == names[:3]
+    written_shards.clear()
+    run([source], tmp_path / "out")
+    assert written_shards == names[3:]
+    assert folder_bytes(tmp_path / "out") == reference
+
+
+@pytest.mark.parametrize("tasks", [4, 50])  # 50 tasks for 41 files: some parts are empty
+def test_prepare_split_over_tasks_then_merged_is_byte_identical_to_one_task(tasks, tmp_path):
+    inputs = write_txt_folder(tmp_path / "texts", DOCUMENTS)
+    run([inputs], tmp_path / "one")
+    for index in reversed(range(tasks)):  # any order, any machine
+        run([inputs], tmp_path / "split", "--num-tasks", str(tasks), "--task-index", str(index))
+    parts = [Manifest.read(task_folder(tmp_path / "split", i, tasks)) for i in range(tasks)]
+    assert sum(len(part.source["inputs"]) for part in parts) == len(DOCUMENTS)  # each file read by one task
+    main(["--merge", "--num-tasks", str(tasks), "--output", str(tmp_path / "split")])
+    assert folder_bytes(tmp_path / "split") == folder_bytes(tmp_path / "one")
+
+
+def test_a_merge_resumes_after_an_interruption_and_refuses_missing_or_unfinished_parts(
+    tmp_path, monkeypatch, written_shards
+):
+    inputs = write_txt_folder(tmp_path / "texts", DOCUMENTS)
+    run([inputs], tmp_path / "one")
+    for index in range(3):
+        run([inputs], tmp_path / "split", "--num-tasks", "4", "--task-index", str(index))
+    merging = ["--merge", "--num-tasks", "4", "--output", str(tmp_path / "split")]
+    with pytest.raises(TorchpreError, match=r"Task 3 of 4 has written no part: .*split\.task-00003-of-00004"):
+        main(merging)
+    run([inputs], tmp_path / "split", "--num-tasks", "4", "--task-index", "3")
+    spy = prepare.write_shard
+
+    def crash_on_fourth_shard(folder, name, documents, vocab_size):
+        if name == "shard_00003":
+            raise RuntimeError("simulated crash")
+        return spy(folder, name, documents, vocab_size)
+
+    monkeypatch.setattr(prepare, "write_shard", crash_on_fourth_shard)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(merging)
+    monkeypatch.setattr(prepare, "write_shard", spy)
+    written_shards.clear()
+    main(merging)
+    assert written_shards[0] == "shard_00003"
+    assert folder_bytes(tmp_path / "split") == folder_bytes(tmp_path / "one")
+    part = Manifest.read(task_folder(tmp_path / "split", 1, 4))
+    part.complete = False
+    part.write(task_folder(tmp_path / "split", 1, 4))
+    with pytest.raises(TorchpreError, match=r"Task 1 of 4 has not finished its part .*--task-index 1"):
+        main(merging)
 
 
 def test_rerun_of_a_complete_folder_does_nothing(tmp_path, written_shards, capsys):
@@ -261,8 +337,9 @@ def test_shard_reader_names_a_truncated_file(tmp_path):
     run([write_jsonl(tmp_path / "data.jsonl", DOCUMENTS)], tmp_path / "out")
     index = tmp_path / "out" / "shard_00002.idx"
     index.write_bytes(index.read_bytes()[:-8])
+    reader = ShardReader(tmp_path / "out", TOKENIZER.vocab_size)  # the .idx is read by `document` only
     with pytest.raises(TorchpreError, match=rf"Shard file {index} has .* bytes, but {MANIFEST} says"):
-        ShardReader(tmp_path / "out", TOKENIZER.vocab_size)
+        reader.document(2, 0)
 
 
 def test_shard_reader_refuses_another_tokenizer_hash(tmp_path):

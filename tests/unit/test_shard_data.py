@@ -2,6 +2,7 @@
 workers and exact resume, and the errors for bad shard folders and mixture keys."""
 
 import bisect
+import os
 import pickle
 import textwrap
 from pathlib import Path
@@ -10,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from tests.shard_folders import open_descriptors, write_many_shards
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.config.validate import validate_config
+from torchpre.confined import OpenFolder
+from torchpre.data import shards
 from torchpre.data.dataset import PackedWindows
 from torchpre.data.loader import build_dataloader, data_shares
 from torchpre.data.mixture import BLOCK_SIZE, MixtureOrder, Source
@@ -111,10 +115,60 @@ def test_wrong_tokenizer_and_truncated_shard_fail_with_the_fix(tmp_path):
     folder = write_shard_folder(tmp_path / "cut", documents)
     bin_file = folder / "shard_00001.bin"
     bin_file.write_bytes(bin_file.read_bytes()[:-2])
+    windows = build(folder).dataset  # a shard is checked when first read, not before training starts
     with pytest.raises(TorchpreError, match=r"shard_00001\.bin.*truncated.*Re-run prepare"):
-        build(folder)
+        [windows[i] for i in range(len(windows))]
     with pytest.raises(TorchpreError, match="no manifest.json"):
         build(tmp_path)
+
+
+def test_thousands_of_shards_are_read_through_one_folder_descriptor_and_a_bounded_few_of_their_own(
+    tmp_path, monkeypatch
+):
+    """Every window of 3,000 shards, in a seeded random order, equals the concatenated files' tokens, while the reader
+    holds at most MAX_OPEN_SHARDS shard descriptors (16 here), opens the folder once and never opens an `.idx`."""
+    folder = write_many_shards(tmp_path / "many", 3000, 21, vocab_size=TOKENIZER.vocab_size,
+                               tokenizer_name=DEFAULT_TOKENIZER_PATH.name, sha256=SHA256)  # fmt: skip
+    monkeypatch.setattr(shards, "MAX_OPEN_SHARDS", 16)
+    opened, folders = [], []
+    open_file = shards.open_file
+
+    def recording(where, name, *args):
+        opened.append((where, name))
+        return open_file(where, name, *args)
+
+    monkeypatch.setattr(shards, "open_file", recording)
+    monkeypatch.setattr(shards, "OpenFolder", lambda path: folders.append(path) or OpenFolder(path))
+    before = open_descriptors()
+    windows = ShardWindows(str(folder), 8, SHA256, TOKENIZER.vocab_size)
+    stream = np.concatenate([np.fromfile(folder / f"shard_{i:06d}.bin", "<u2") for i in range(3000)]).astype(np.int64)
+    for index in np.random.default_rng(0).permutation(len(windows)).tolist():
+        inputs, labels = windows[index]
+        expected = torch.from_numpy(stream[index * 9 : (index + 1) * 9])
+        assert torch.equal(inputs, expected[:-1]) and torch.equal(labels, expected[1:])
+        assert open_descriptors() - before <= 16 + 1
+    assert folders == [folder] and all(isinstance(where, OpenFolder) for where, _ in opened)
+    assert {name[-4:] for _, name in opened} == {".bin"}
+
+
+def test_the_loader_asks_the_kernel_for_a_whole_batch_of_windows_before_reading_them(tmp_path, monkeypatch):
+    """Each window of a batch, shard ends included, is advised (WILLNEED) before any is read; the batch is the
+    windows read one by one."""
+    folder = write_shard_folder(tmp_path / "s", random_documents(300, seed=4), shards=7)
+    events = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: events.append(("advise", length)))
+    windows = ShardWindows(str(folder), 8, SHA256, TOKENIZER.vocab_size)
+    read = windows.reader.read
+    monkeypatch.setattr(windows.reader, "read", lambda *args: events.append(("read",)) or read(*args))
+    indices = np.random.default_rng(1).permutation(len(windows))[:16].tolist()
+    batch = windows.__getitems__(indices)
+    assert_same_batches(batch, [windows[i] for i in indices])
+    first_read = events.index(("read",))
+    assert sum(length for _, length in events[:first_read]) == 16 * 9 * 2  # every token of the batch, uint16
+    loader = build(folder, local_batch_size=4)
+    loader.dataset.reader, events[:] = windows.reader, []
+    take(loader, 1)
+    assert events[0][0] == "advise" and sum(event[0] == "advise" for event in events) >= 4
 
 
 def test_a_folder_too_small_for_a_global_batch_names_it(tmp_path):
@@ -162,6 +216,32 @@ def test_mixture_order_is_a_function_of_the_seed_and_position_only():
     for p in [0, 1, 1023, 1024, 1025, 2047, 2499]:
         assert MixtureOrder(sources, seed=9)(p) == reference[p]
     assert [MixtureOrder(sources, seed=10)(p) for p in range(2500)] != reference
+
+
+def test_a_mixture_of_order_version_1_is_the_one_checkpoints_saved_before_versions_were_trained_in():
+    """Positions and counts computed by the mixture of main before issue 66 (recorded from it): a checkpoint that
+    records no order version resumes in exactly this order."""
+    sources = [Source("a", 37, 0.3), Source("b", 100, 0.6), Source("c", 11, 0.1)]
+    order = MixtureOrder(sources, seed=9, version=1)
+    positions = [0, 1, 2, 3, 500, 1023, 1024, 5000, 77777, 10**9]
+    assert [order(p) for p in positions] == [134, 95, 60, 23, 75, 17, 3, 5, 66, 29]
+    assert order.source_counts(77777) == [23327, 46673, 7777]
+
+
+def test_positions_read_in_order_build_each_mixture_block_once_whatever_the_number_of_sources(monkeypatch):
+    """The work per position does not grow with the sources: a position inside the block last used is O(1), and a
+    block (about 1,024 positions) is built once, with vectorised passes over the 1,000 sources."""
+    sources = [Source(f"s{i}", 50 + i, 1.0 + i % 7) for i in range(1000)]
+    order = MixtureOrder(sources, seed=2)
+    built = []
+    make_block = order._make_block
+    monkeypatch.setattr(order, "_make_block", lambda index: built.append(index) or make_block(index))
+    picked = [order(p) for p in range(5 * BLOCK_SIZE)]
+    assert built == list(range(1, len(built) + 1)) and len(built) <= 5  # each once; block 0 was built with the order
+    assert np.bincount(sources_of(order, range(5 * BLOCK_SIZE)), minlength=1000).tolist() == order.source_counts(
+        5 * BLOCK_SIZE
+    )
+    assert all(0 <= index < order.offsets[-1] for index in picked)
 
 
 def mixture_sampler(local_batch_size: int, dp_rank: int, dp_size: int) -> GlobalBatchSampler:

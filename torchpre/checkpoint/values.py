@@ -62,6 +62,7 @@ _SIZES = ("global_batch_size", "accumulation_steps", "world_size", "dp", "tp", "
 RULES: dict[str, Rule] = {
     rf"train\.({'|'.join(_SIZES)})": Rule(_integer(1), "a size (an integer of at least 1)", describes_run=True),
     _COUNTS: Rule(_integer(0), "a count (an integer of 0 or more)"),
+    r"dataloader\.order_version": Rule(_integer(1), "a version (an integer of at least 1)"),
     r"train\.rope_\w+": Rule(_finite, "a finite number of 0 or more", describes_run=True),
     r"train\.data_stages": Rule(_stages, "a list of stage records", describes_run=True),
     r"lr_scheduler\.(base_lrs|_last_lr)": Rule(_list_of(_finite), "a list of finite learning rates of 0 or more"),

@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchpre.data.dataset import PackedWindows, pack_documents
 from torchpre.data.documents import load_documents
 from torchpre.data.mixture import MixtureOrder, Source
-from torchpre.data.sampler import EpochShuffle, GlobalBatchSampler, SampleOrder
+from torchpre.data.sampler import ORDER_VERSION, ORDERS, GlobalBatchSampler, SampleOrder, shuffle
 from torchpre.data.shard_dataset import ShardWindows
 from torchpre.data.synthetic import SyntheticTokens, in_order
 from torchpre.data.tokenizer import Tokenizer
@@ -39,6 +39,7 @@ def build_dataloader(
     held_out_fraction: float = 0.0,
     vocab_size: int,
     pin_memory: bool = False,
+    order_version: int = ORDER_VERSION,
 ) -> StatefulDataLoader:
     """Returns a loader of (inputs, labels) microbatches of `training.dataset`.
 
@@ -55,18 +56,21 @@ def build_dataloader(
     `vocab_size` is the number of rows of the model's embedding: `dataset = "synthetic"` draws tokens in [0,
     `vocab_size`) (see `SyntheticTokens`; the tokenizer is not used), and every shard window is checked against it.
     `pin_memory` (see `pins_memory`) puts each batch in page-locked memory, so that its copy to the GPU can run
-    asynchronously (`non_blocking=True`).
+    asynchronously (`non_blocking=True`). `order_version` picks the sample order (`sampler.ORDERS`): a resume
+    passes the one its checkpoint records.
     """
     if dataset == "synthetic":
         samples, order = SyntheticTokens(seq_len, vocab_size, seed), in_order
     elif dataset == "shards" and dataset_mixture:
         samples, order = _mixture(
-            dataset_mixture, seq_len, tokenizer, vocab_size, seed, held_out_fraction, held_out=False
-        )
+            dataset_mixture, seq_len, tokenizer, vocab_size, seed, held_out_fraction, held_out=False,
+            version=order_version,
+        )  # fmt: skip
     else:
-        samples, order = _single_source(
-            dataset, dataset_path, seq_len, tokenizer, vocab_size, global_batch_size, seed, held_out_fraction
+        samples = _single_source(
+            dataset, dataset_path, seq_len, tokenizer, vocab_size, global_batch_size, held_out_fraction
         )
+        order = shuffle(len(samples), seed, order_version)
     sampler = GlobalBatchSampler(order, local_batch_size, dp_rank, dp_size)
     return StatefulDataLoader(samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
 
@@ -81,19 +85,22 @@ class TrainingData:
     Not the sampler's own counter, which runs ahead of training by the batches that loader workers prefetch: the
     loop says when a step is done (`step_done`), and a resume puts the sampler where training stopped.
 
-    `loader` reads data stage `stage` (any hashable key); with data stages, `loader_for(stage)` builds another
-    stage's and `enter(stage)` switches to it at the current position. Each step's microbatches and samples are the
-    `batch`'s now (a global-batch ramp changes them)."""
+    `loader` reads data stage `stage` (any hashable key) in the sample order `order_version` (`sampler.ORDERS`);
+    `loader_for(stage, order_version)` builds another stage's, or another order's: `enter(stage)` switches to a stage
+    at the current position, and a checkpoint saved with another order resumes in it. Each step's microbatches and
+    samples are the `batch`'s now (a global-batch ramp changes them)."""
 
     def __init__(
         self,
         loader: StatefulDataLoader,
         batch: CurrentBatch,
         stage: Hashable = None,
-        loader_for: Callable[[Hashable], StatefulDataLoader] | None = None,
+        loader_for: Callable[[Hashable, int], StatefulDataLoader] | None = None,
+        order_version: int = ORDER_VERSION,
     ):
         self.loader, self.stage, self.loader_for = loader, stage, loader_for
         self.batch = batch
+        self.order_version = order_version
         self.consumed_samples = 0
         self.stage_first_sample = 0  # where the stage's data began: `shares` counts from there
         self._batches = None
@@ -104,7 +111,7 @@ class TrainingData:
         self.stage_first_sample = first_sample
         if stage == self.stage:
             return
-        self.stage, self.loader, self._batches = stage, self.loader_for(stage), None
+        self.stage, self.loader, self._batches = stage, self.loader_for(stage, self.order_version), None
         self.loader.batch_sampler.load_state_dict({"consumed_samples": self.consumed_samples})
 
     def next_step(self) -> list[Batch]:
@@ -121,10 +128,24 @@ class TrainingData:
         return data_shares(self.loader, self.consumed_samples, self.stage_first_sample)
 
     def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
+        return {"consumed_samples": self.consumed_samples, "order_version": self.order_version}
+
+    def load_targets(self, saved: set[str]) -> dict[str, int]:
+        """What a checkpoint with the flattened keys `saved` gives this state: the order's version only where it
+        records one (a checkpoint saved before versions were recorded was trained in version 1's order)."""
+        state = self.state_dict()
+        if "dataloader.order_version" not in saved:
+            del state["order_version"]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resumes the data order at the saved global sample (before the loader is first iterated)."""
+        """Resumes the data order at the saved global sample, in the order the checkpoint was trained in (before the
+        loader is first iterated)."""
+        version = int(state_dict.get("order_version", 1))
+        if version not in ORDERS:
+            raise ValueError(f"order_version is {version}; this torchpre knows the sample orders {sorted(ORDERS)}")
+        if version != self.order_version:
+            self.order_version, self.loader = version, self.loader_for(self.stage, version)
         self.consumed_samples = int(state_dict["consumed_samples"])
         self.loader.batch_sampler.load_state_dict({"consumed_samples": self.consumed_samples})
         self._batches = None
@@ -169,7 +190,7 @@ def held_out_samples(
     if dataset == "shards" and dataset_mixture:
         return _mixture(dataset_mixture, seq_len, tokenizer, vocab_size, seed, fraction, held_out=True)
     samples = split_held_out(_windows(dataset, dataset_path, seq_len, tokenizer, vocab_size)[0], fraction)[1]
-    return samples, EpochShuffle(len(samples), seed)
+    return samples, shuffle(len(samples), seed)
 
 
 def source_samples(
@@ -177,7 +198,7 @@ def source_samples(
 ) -> tuple[Dataset, SampleOrder]:
     """Every window of one source, in a seeded order: a validation set of its own."""
     samples = _windows(dataset, dataset_path, seq_len, tokenizer, vocab_size)[0]
-    return samples, EpochShuffle(len(samples), seed)
+    return samples, shuffle(len(samples), seed)
 
 
 def split_held_out(windows: Dataset, fraction: float) -> tuple[Dataset, Dataset]:
@@ -213,9 +234,9 @@ def _single_source(
     tokenizer: Tokenizer,
     vocab_size: int,
     global_batch_size: int,
-    seed: int,
     held_out_fraction: float,
-) -> tuple[Dataset, SampleOrder]:
+) -> Dataset:
+    """The training windows of one source: all but its held-out tail, at least a global batch of them."""
     windows, num_tokens = _windows(dataset, dataset_path, seq_len, tokenizer, vocab_size)
     samples = split_held_out(windows, held_out_fraction)[0]
     if len(samples) < global_batch_size <= len(windows):
@@ -231,7 +252,7 @@ def _single_source(
             f"of training.seq_len + 1 = {seq_len + 1} tokens, but one global batch needs {global_batch_size}. "
             "Use more text, or lower training.seq_len or training.global_batch_size."
         )
-    return samples, EpochShuffle(len(samples), seed)
+    return samples
 
 
 def _mixture(
@@ -242,6 +263,7 @@ def _mixture(
     seed: int,
     held_out_fraction: float,
     held_out: bool,
+    version: int = ORDER_VERSION,
 ) -> tuple[Dataset, MixtureOrder]:
     """The sources in path order (so reordering the table changes nothing), concatenated; the
     mixture order picks from them. With `held_out_fraction` > 0 each source is first cut by
@@ -264,7 +286,7 @@ def _mixture(
                 "data, or give validation data of its own (validation.dataset)."
             )
     sources = [Source(name, len(part), weights[folder]) for name, part, folder in zip(names, parts, folders)]
-    return ConcatDataset(parts), MixtureOrder(sources, seed)
+    return ConcatDataset(parts), MixtureOrder(sources, seed, version)
 
 
 def _source_names(folders: list[str]) -> list[str]:

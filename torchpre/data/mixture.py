@@ -4,11 +4,10 @@ each global position, computable for any position without replaying the ones bef
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
-from torchpre.data.sampler import EpochShuffle
+from torchpre.data.sampler import ORDER_VERSION, shuffle
 
 # Positions are dealt out to sources in blocks of about this many: every source's count is within one
 # sample of its weight's share at each block end, and the order inside a block is a seeded shuffle.
@@ -24,6 +23,20 @@ class Source:
     weight: float
 
 
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Block `index` of a mixture order: its positions [start, end), the positions each source has in the blocks
+    before it (`before`), and per position its source (`slots`) and how many earlier positions of the block that
+    source has (`ranks`)."""
+
+    index: int
+    start: int
+    end: int
+    before: np.ndarray
+    slots: np.ndarray
+    ranks: np.ndarray
+
+
 class MixtureOrder:
     """Maps global position p to an index into the concatenation of the sources' samples.
 
@@ -31,61 +44,70 @@ class MixtureOrder:
     floor(b * BLOCK_SIZE * w_s) and w normalised: so source s gets exactly floor(b * BLOCK_SIZE * w_s)
     of the positions before block b, the long-run share is exactly w_s, and a tiny weight still gets
     its samples (one every few blocks). A block's positions are the sources' counts shuffled by
-    (seed, b). Source s's k-th position takes sample EpochShuffle(k) of its own seeded order, so each
-    source runs through its own epochs independently of the others.
+    (seed, b). Source s's k-th position takes sample k of its own seeded order (`sampler.shuffle` of order
+    `version`), so each source runs through its own epochs independently of the others.
 
     Everything is a function of (seed, sources, p): the order is the same for any layout and a resume
     needs only the number of positions consumed.
+
+    Cost: the block last used is kept with each position's source and rank (`_Block`, O(BLOCK_SIZE + sources)
+    memory), so a position in it costs O(1) whatever the number of sources; entering a block costs a few vectorised
+    passes over the sources and a sort of its ~1,024 positions, once per ~1,024 positions read in order.
     """
 
-    def __init__(self, sources: list[Source], seed: int):
+    def __init__(self, sources: list[Source], seed: int, version: int = ORDER_VERSION):
         total = sum(source.weight for source in sources)
         self.sources = sources
-        self.rates = [BLOCK_SIZE * source.weight / total for source in sources]
+        self.rates = np.array([BLOCK_SIZE * source.weight / total for source in sources])
         self.offsets = [0, *np.cumsum([source.num_samples for source in sources]).tolist()]
         # numpy seeds must be non-negative: a negative training.seed maps to a distinct non-negative one.
         self._entropy = seed % 2**64
-        self.shuffles = [EpochShuffle(source.num_samples, self._source_seed(i)) for i, source in enumerate(sources)]
-        self._block = -1
-        self._slots = np.empty(0, dtype=np.int64)
+        self.shuffles = [shuffle(source.num_samples, self._source_seed(i), version) for i, source in enumerate(sources)]
+        self._block = self._make_block(0)
 
     def __call__(self, position: int) -> int:
-        block, offset = self._locate(position)
-        slots = self._block_slots(block)
-        source = int(slots[offset])
-        k = self._before(source, block) + int(np.count_nonzero(slots[:offset] == source))
+        block = self._block_at(position)
+        offset = position - block.start
+        source = int(block.slots[offset])
+        k = int(block.before[source]) + int(block.ranks[offset])
         return self.offsets[source] + self.shuffles[source](k)
 
     def source_counts(self, end: int) -> list[int]:
         """How many of the positions [0, end) each source fills."""
-        block, offset = self._locate(end)
-        slots = self._block_slots(block)[:offset]
-        return [self._before(s, block) + int(np.count_nonzero(slots == s)) for s in range(len(self.sources))]
+        block = self._block_at(end)
+        inside = np.bincount(block.slots[: end - block.start], minlength=len(self.sources))
+        return (block.before + inside).tolist()
 
     def _source_seed(self, source: int) -> int:
         return int(np.random.SeedSequence([self._entropy, _SOURCE_STREAM, source]).generate_state(1)[0])
 
-    def _before(self, source: int, block: int) -> int:
-        """Positions of `source` in the blocks before `block`."""
-        return math.floor(block * self.rates[source])
+    def _before(self, block: int) -> np.ndarray:
+        """Positions of each source in the blocks before `block`: floor(block * rate), as exact int64."""
+        return np.floor(block * self.rates).astype(np.int64)
 
     def _start(self, block: int) -> int:
-        return sum(self._before(s, block) for s in range(len(self.sources)))
+        return int(self._before(block).sum())
 
-    def _locate(self, position: int) -> tuple[int, int]:
-        """(block, offset in the block) of a position; blocks hold BLOCK_SIZE +- (sources - 1) positions."""
-        block = position // BLOCK_SIZE
-        while self._start(block) > position:
-            block -= 1
-        while self._start(block + 1) <= position:
-            block += 1
-        return block, position - self._start(block)
+    def _block_at(self, position: int) -> _Block:
+        """The block holding `position`: the one last used, or the one found from position // BLOCK_SIZE (blocks
+        hold BLOCK_SIZE +- (sources - 1) positions)."""
+        if self._block.start <= position < self._block.end:
+            return self._block
+        index = position // BLOCK_SIZE
+        while self._start(index) > position:
+            index -= 1
+        while self._start(index + 1) <= position:
+            index += 1
+        self._block = self._make_block(index)
+        return self._block
 
-    def _block_slots(self, block: int) -> np.ndarray:
-        """The source of each position in the block, shuffled by (seed, block); the last block is cached."""
-        if block != self._block:
-            counts = [self._before(s, block + 1) - self._before(s, block) for s in range(len(self.sources))]
-            slots = np.repeat(np.arange(len(self.sources)), counts)
-            self._slots = np.random.default_rng([self._entropy, _BLOCK_STREAM, block]).permutation(slots)
-            self._block = block
-        return self._slots
+    def _make_block(self, index: int) -> _Block:
+        """Block `index`: its sources' positions shuffled by (seed, index), and each position's rank in its source."""
+        before, after = self._before(index), self._before(index + 1)
+        slots = np.repeat(np.arange(len(self.sources)), after - before)
+        slots = np.random.default_rng([self._entropy, _BLOCK_STREAM, index]).permutation(slots)
+        by_source = np.argsort(slots, kind="stable")
+        grouped = slots[by_source]
+        ranks = np.empty_like(slots)
+        ranks[by_source] = np.arange(len(slots)) - np.searchsorted(grouped, grouped, side="left")
+        return _Block(index, int(before.sum()), int(after.sum()), before, slots, ranks)

@@ -1,7 +1,8 @@
 """Tokenize text into pre-tokenized shards for training with `training.dataset = "shards"`.
 
   python -m torchpre.data.prepare INPUT... --output DIR [--tokenizer PATH] [--text-field text]
-      [--workers N] [--shard-tokens N] [--hf-split train]
+      [--workers N] [--shard-tokens N] [--hf-split train] [--num-tasks N --task-index I]
+  python -m torchpre.data.prepare --merge --num-tasks N --output DIR [--tokenizer PATH]
 
 An INPUT is a `.txt` file (one document), a `.jsonl` file (one document per line, in the
 `--text-field` field), a `.parquet` file (its `--text-field` column), a folder of such files (read
@@ -14,10 +15,18 @@ such as Qwen's) and written, in input order, to shards of at most `--shard-token
 a shard of its own), cut only between documents;
 see torchpre/data/shards.py for the format. The output does not depend on `--workers`.
 
-The manifest is rewritten after each shard and records what the shards were made from (a SHA-256
-of every input, the options, the tokenizer). Re-running the same command after an interruption
-skips the documents of the shards already listed and writes the rest; a run with other inputs,
-options or tokenizer into the same folder is refused.
+The manifest records what the shards were made from (a SHA-256 of every input, the options, the tokenizer); it is
+written at the start and the end, and each shard in between is appended to its journal (`manifest.journal`, see
+torchpre/data/shards.py), so the work per shard does not grow with their number. Re-running the same command after an
+interruption skips the documents of the shards already listed and writes the rest; a run with other inputs, options or
+tokenizer into the same folder is refused.
+
+Across machines: `--num-tasks N --task-index I` (one command per task, e.g. a Slurm array with I =
+$SLURM_ARRAY_TASK_ID) tokenizes the I-th of N contiguous runs of the input files, of about equal bytes (a file is
+never split: give at least as many files as tasks), into the shard folder `DIR.task-I-of-N` (I and N as 5 digits),
+resumable as any prepare. Then `--merge --num-tasks N --output DIR` cuts the parts' documents, in task order, into
+DIR's shards by the same rule, without tokenizing again: DIR is byte for byte the folder one task would have written.
+The parts may be deleted afterwards.
 """
 
 from __future__ import annotations
@@ -46,8 +55,20 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from torchpre.confined import file_kind, open_named
-from torchpre.data.shards import MANIFEST, Manifest, shard_file_problem, token_dtype, write_shard
+from torchpre.confined import file_kind, open_for_append, open_named
+from torchpre.data.shards import (
+    JOURNAL,
+    MANIFEST,
+    DamagedShard,
+    Manifest,
+    journal_line,
+    open_offsets,
+    open_tokens,
+    read_array,
+    shard_file_problem,
+    token_dtype,
+    write_shard,
+)
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.json_input import json_lines
@@ -60,6 +81,7 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per shard at uint16: little work lo
 _BATCH_BYTES = 1 << 20  # text per task sent to a worker: large enough to amortise the pickling
 _IN_FLIGHT_PER_WORKER = 4  # batches queued per worker: keeps workers busy while bounding memory
 _HUB_PROBE_TIMEOUT_S = 3.0
+_OFFSETS = np.dtype("<i8")  # a shard's .idx
 _INPUT_HINT = (
     "Give .txt, .jsonl or .parquet files, folders of them, a folder saved with datasets' save_to_disk, "
     "or a Hugging Face Hub dataset name."
@@ -102,17 +124,23 @@ def main(argv: list[str]) -> None:
     args = _parse_args(argv)
     started = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer)
-    sources = [source for item in args.inputs for source in resolve_input(item, args.text_field, args.hf_split)]
+    if args.merge:
+        merge(Path(args.output), args.num_tasks, tokenizer)
+        return
     options = {"text_field": args.text_field, "shard_tokens": args.shard_tokens, "hf_split": args.hf_split}
+    folder, task = Path(args.output), None
+    if args.task_index is not None:
+        folder, task = task_folder(folder, args.task_index, args.num_tasks), (args.task_index, args.num_tasks)
+        options |= {"num_tasks": args.num_tasks, "task_index": args.task_index}
+    sources = resolve_inputs(args.inputs, args.text_field, args.hf_split, task)
     record = {"prepare_version": PREPARE_VERSION, "options": options, "inputs": [_fingerprint(s) for s in sources]}
-    folder = Path(args.output)
     manifest = open_output(folder, tokenizer, record)
     if manifest.complete:
         print(f"{folder} already holds all {len(manifest.shards)} shards of these inputs: nothing to do.")
         return
     resumed_shards = len(manifest.shards)
     try:
-        stats = write_shards(sources, manifest, folder, tokenizer, args.workers, args.shard_tokens)
+        stats = write_shards(sources, manifest, folder, tokenizer, args.workers, args.shard_tokens, task is not None)
     except KeyboardInterrupt:
         raise TorchpreError(
             f"Interrupted with {len(manifest.shards)} shards written to {folder}. Re-run the same command to resume."
@@ -124,7 +152,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, usage=argparse.SUPPRESS
     )
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, folders or a Hugging Face dataset")
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="files, folders or a Hugging Face dataset")
     parser.add_argument("--output", required=True, metavar="DIR", help="the shard folder to write (or resume)")
     parser.add_argument(
         "--tokenizer",
@@ -144,7 +172,17 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"most tokens per shard (default: {DEFAULT_SHARD_TOKENS:,})",
     )
     parser.add_argument("--hf-split", default="train", metavar="NAME", help="dataset split (default: train)")
-    return parser.parse_args(argv)
+    parser.add_argument("--num-tasks", type=_positive_int, default=1, metavar="N", help="tasks prepare is split into")
+    parser.add_argument("--task-index", type=int, metavar="I", help="this task, 0 to N-1: writes DIR.task-I-of-N")
+    parser.add_argument("--merge", action="store_true", help="make DIR of the N tasks' parts (no INPUT)")
+    args = parser.parse_args(argv)
+    if args.merge and (args.inputs or args.task_index is not None):
+        parser.error("--merge takes no INPUT and no --task-index: it reads the parts the tasks wrote")
+    if not args.merge and not args.inputs:
+        parser.error("give at least one INPUT (or --merge)")
+    if args.task_index is not None and not 0 <= args.task_index < args.num_tasks:
+        parser.error(f"--task-index must be 0 to {args.num_tasks - 1}, not {args.task_index}")
+    return args
 
 
 def _positive_int(value: str) -> int:
@@ -155,6 +193,35 @@ def _positive_int(value: str) -> int:
 
 
 # ----- inputs -------------------------------------------------------------------------------------
+
+
+def resolve_inputs(items: list[str], text_field: str, hf_split: str, task: tuple[int, int] | None) -> list[Source]:
+    """The sources the INPUT arguments name, in order; with `task` = (I, N), only the I-th of N contiguous runs of
+    them of about equal bytes (each source counted at its midpoint), the rest never opened."""
+    if task is None:
+        return [source for item in items for source in resolve_input(item, text_field, hf_split)]
+    units = [unit for item in items for unit in _input_units(item)]
+    sizes = [unit.stat().st_size if isinstance(unit, Path) else 0 for unit in units]
+    total, index, count = max(1, sum(sizes)), *task
+    mine, before = [], 0
+    for unit, size in zip(units, sizes):
+        if index <= (before + size / 2) * count / total < index + 1 or (index == count - 1 and before >= total):
+            mine.append(unit)
+        before += size
+    sources = []
+    for unit in mine:
+        is_file = isinstance(unit, Path)
+        sources += [_file_source(unit, text_field)] if is_file else resolve_input(unit, text_field, hf_split)
+    return sources
+
+
+def _input_units(item: str) -> list[Path | str]:
+    """What a task split distributes of one INPUT: each of its files, or the INPUT itself when it is a dataset (not
+    read here)."""
+    path = Path(item)
+    if path.is_dir() and not _is_saved_dataset(path):
+        return _files_under(path)
+    return [path] if path.is_file() else [item]
 
 
 def resolve_input(item: str, text_field: str, hf_split: str) -> list[Source]:
@@ -433,15 +500,25 @@ def open_output(folder: Path, tokenizer: Tokenizer, record: dict) -> Manifest:
             raise TorchpreError(f"{error} Or delete {folder}, or choose another --output folder.") from None
         if existing.shards:  # without shards there is nothing to reuse, so nothing to protect
             _check_same_dataset(folder, existing, sha256, tokenizer.path, record)
-            return _keep_intact_shards(folder, existing)
+            manifest = _keep_intact_shards(folder, existing)
+            if not manifest.complete:
+                _restart_journal(folder, manifest)
+            return manifest
     elif any(folder.iterdir()):
         raise TorchpreError(
             f"--output {folder} is not empty and holds no {MANIFEST}, so it is not a shard folder. "
             "Give a new or empty folder."
         )
     manifest = Manifest(tokenizer.name, sha256, tokenizer.vocab_size, complete=False, source=record)
-    manifest.write(folder)
+    _restart_journal(folder, manifest)
     return manifest
+
+
+def _restart_journal(folder: Path, manifest: Manifest) -> None:
+    """`manifest` written with every shard it lists, and an empty journal to list the next ones in. The journal goes
+    first: a crash in between leaves its shards unlisted (written again), never listed twice."""
+    (folder / JOURNAL).unlink(missing_ok=True)
+    manifest.write(folder)
 
 
 def _check_same_dataset(folder: Path, manifest: Manifest, sha256: str, tokenizer: Path, record: dict) -> None:
@@ -488,7 +565,6 @@ def _keep_intact_shards(folder: Path, manifest: Manifest) -> Manifest:
             print(f"note: {problem}; writing it and the shards after it again.", file=sys.stderr)
             manifest.shards = manifest.shards[:index]
             manifest.complete = False
-            manifest.write(folder)
             break
     return manifest
 
@@ -497,16 +573,26 @@ def _keep_intact_shards(folder: Path, manifest: Manifest) -> Manifest:
 
 
 def write_shards(
-    sources: list[Source], manifest: Manifest, folder: Path, tokenizer: Tokenizer, workers: int, shard_tokens: int
+    sources: list[Source],
+    manifest: Manifest,
+    folder: Path,
+    tokenizer: Tokenizer,
+    workers: int,
+    shard_tokens: int,
+    may_be_empty: bool = False,
 ) -> Stats:
     """Tokenizes the documents after those of the shards already in `manifest` and writes the remaining
-    shards, listing each in the manifest as it is written; marks the manifest complete at the end."""
+    shards, listing each in the journal as it is written; writes the manifest, complete, at the end. Inputs without
+    text are an error, unless they are a task's part (`may_be_empty`)."""
     records = itertools.chain.from_iterable(source.texts() for source in sources)
-    writer = _ShardWriter(folder, manifest, shard_tokens)
     stats = Stats()
     started = time.perf_counter()
     total = sum(source.records for source in sources)
-    with tqdm(total=total, unit="doc", desc="tokenizing", mininterval=0.5, smoothing=0.1) as bar:
+    with (
+        open_for_append(folder / JOURNAL) as journal,
+        tqdm(total=total, unit="doc", desc="tokenizing", mininterval=0.5, smoothing=0.1) as bar,
+    ):
+        writer = _ShardWriter(folder, manifest, shard_tokens, journal)
         documents = _skip_documents(records, manifest.num_documents, bar)
         for batch, tokens, lengths in _tokenize(_batches(documents), tokenizer, workers):
             writer.add(tokens, lengths)
@@ -517,12 +603,104 @@ def write_shards(
             bar.set_postfix_str(f"{stats.tokens / (time.perf_counter() - started):,.0f} tokens/s", refresh=False)
         writer.flush()
     stats.shards = writer.written
-    if manifest.num_documents == 0:
+    if manifest.num_documents == 0 and not may_be_empty:
         names = ", ".join(source.name for source in sources)
         raise TorchpreError(f"The inputs ({names}) hold no text: every document is empty. {_INPUT_HINT}")
+    _finish(folder, manifest)
+    return stats
+
+
+def _finish(folder: Path, manifest: Manifest) -> None:
+    """`manifest` written complete, listing every shard, and the journal that listed them meanwhile removed."""
     manifest.complete = True
     manifest.write(folder)
-    return stats
+    (folder / JOURNAL).unlink()
+
+
+# ----- prepare across machines --------------------------------------------------------------------
+
+
+def task_folder(output: Path, index: int, count: int) -> Path:
+    """Where task `index` of `count` writes its part: a shard folder beside `output`."""
+    return output.with_name(f"{output.name}.task-{index:05d}-of-{count:05d}")
+
+
+def merge(folder: Path, count: int, tokenizer: Tokenizer) -> None:
+    """Writes `folder` from the `count` tasks' parts: their documents in task order cut into shards by the rule one
+    task applies (`_ShardWriter`), and a manifest recording the inputs of all of them, so that `folder` is byte for
+    byte the folder one `prepare` of the same inputs writes. Resumable as prepare is."""
+    parts = [_finished_part(folder, index, count, tokenizer) for index in range(count)]
+    first = parts[0][1].source
+    options = {key: value for key, value in first["options"].items() if key not in ("num_tasks", "task_index")}
+    inputs = [fingerprint for _, part in parts for fingerprint in part.source["inputs"]]
+    manifest = open_output(folder, tokenizer, {"prepare_version": first["prepare_version"], "options": options,
+                                               "inputs": inputs})  # fmt: skip
+    if manifest.complete:
+        print(f"{folder} already holds the merge of the {count} tasks' parts: nothing to do.")
+        return
+    skip = manifest.num_documents
+    with open_for_append(folder / JOURNAL) as journal:
+        writer = _ShardWriter(folder, manifest, options["shard_tokens"], journal)
+        for part_folder, part in parts:
+            for index, shard in enumerate(part.shards):
+                if skip >= shard.num_documents:
+                    skip -= shard.num_documents
+                    continue
+                tokens, lengths = _part_documents(part_folder, part, index)
+                writer.add(tokens[int(lengths[:skip].sum()) :], lengths[skip:])
+                skip = 0
+        writer.flush()
+    if manifest.num_documents == 0:
+        raise TorchpreError(f"The {count} tasks' parts of {folder} hold no documents. {_INPUT_HINT}")
+    _finish(folder, manifest)
+    print(f"Merged the parts of {count} tasks into {folder}: {len(manifest.shards)} shards, "
+          f"{manifest.num_documents:,} documents, {manifest.num_tokens:,} tokens.")  # fmt: skip
+
+
+def _finished_part(folder: Path, index: int, count: int, tokenizer: Tokenizer) -> tuple[Path, Manifest]:
+    """Task `index`'s part folder and manifest, shown to be complete, made with `tokenizer`, by task `index` of
+    `count`, with the options of the others."""
+    part_folder = task_folder(folder, index, count)
+    rerun = f"Run `{PROG} INPUT... --output {folder} --num-tasks {count} --task-index {index}` (again) first."
+    if not part_folder.is_dir():
+        raise TorchpreError(f"Task {index} of {count} has written no part: {part_folder} does not exist. {rerun}")
+    part = Manifest.read(part_folder)
+    options = part.source.get("options", {}) if isinstance(part.source.get("options"), dict) else {}
+    if not part.complete:
+        raise TorchpreError(f"Task {index} of {count} has not finished its part {part_folder}. {rerun}")
+    if (options.get("task_index"), options.get("num_tasks")) != (index, count):
+        raise TorchpreError(
+            f"{part_folder / MANIFEST} records task {options.get('task_index')} of {options.get('num_tasks')}, not "
+            f"task {index} of {count}. {rerun}"
+        )
+    if part.tokenizer_sha256 != tokenizer.sha256:
+        raise TorchpreError(
+            f"{part_folder} was made with the tokenizer '{part.tokenizer_name}' (sha256 {part.tokenizer_sha256[:12]}"
+            f"...), not with --tokenizer {tokenizer.path}. Merge with the tokenizer the tasks used."
+        )
+    if not isinstance(part.source.get("inputs"), list) or "shard_tokens" not in options:
+        raise TorchpreError(f"{part_folder / MANIFEST} does not say what its part was made from. {rerun}")
+    return part_folder, part
+
+
+def _part_documents(folder: Path, part: Manifest, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of shard `index` of a task's part and its documents' lengths, read whole from the checked files;
+    offsets that do not cut the tokens into non-empty documents are an error naming the file."""
+    shard = part.shards[index]
+    try:
+        with open_tokens(folder, part, index) as file:
+            tokens = read_array(file, folder / f"{shard.name}.bin", part.dtype, 0, shard.num_tokens)
+        with open_offsets(folder, part, index) as file:
+            offsets = read_array(file, folder / f"{shard.name}.idx", _OFFSETS, 0, shard.num_documents + 1)
+    except DamagedShard as problem:
+        raise TorchpreError(f"{problem}. Run that task again, then merge.") from None
+    lengths = np.diff(offsets)
+    if offsets[0] != 0 or offsets[-1] != shard.num_tokens or (lengths <= 0).any():
+        raise TorchpreError(
+            f"{folder / f'{shard.name}.idx'} does not cut the {shard.num_tokens:,} tokens of its shard into documents "
+            "(offsets from 0 to the end, each after the last). Run that task again, then merge."
+        )
+    return tokens, lengths
 
 
 def _skip_documents(records: Iterator[str | None], count: int, bar: tqdm) -> Iterator[str | None]:
@@ -602,13 +780,14 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 
 class _ShardWriter:
     """Cuts the stream of documents into shards of at most `shard_tokens` tokens (a longer document
-    gets its own shard), only between documents, and lists each shard in the manifest once written.
+    gets its own shard), only between documents, and lists each shard in `journal` once written.
     The cut depends only on the documents, so shard N is the same in every run."""
 
-    def __init__(self, folder: Path, manifest: Manifest, shard_tokens: int) -> None:
+    def __init__(self, folder: Path, manifest: Manifest, shard_tokens: int, journal: BinaryIO) -> None:
         self.folder = folder
         self.manifest = manifest
         self.shard_tokens = shard_tokens
+        self.journal = journal
         self.documents: list[np.ndarray] = []
         self.tokens = 0
         self.written = 0
@@ -624,9 +803,11 @@ class _ShardWriter:
     def flush(self) -> None:
         if not self.documents:
             return
-        name = f"shard_{len(self.manifest.shards):05d}"
-        self.manifest.shards.append(write_shard(self.folder, name, self.documents, self.manifest.vocab_size))
-        self.manifest.write(self.folder)
+        index = len(self.manifest.shards)
+        shard = write_shard(self.folder, f"shard_{index:05d}", self.documents, self.manifest.vocab_size)
+        self.journal.write(journal_line(index, shard))
+        self.journal.flush()
+        self.manifest.shards.append(shard)
         self.documents, self.tokens = [], 0
         self.written += 1
 

@@ -26,6 +26,7 @@ from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
+from torchpre.data.sampler import ORDER_VERSION
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
 from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
@@ -281,7 +282,7 @@ def _training_data(
     dp_rank, dp_size = meshes.data_rank()
     stages = pre.plan.stages.stages
 
-    def loader_for(index: int):
+    def loader_for(index: int, order_version: int):
         stage = stages[index]
         return build_dataloader(
             dataset=t.dataset,
@@ -298,9 +299,10 @@ def _training_data(
             held_out_fraction=held_out_fraction(config.validation),
             vocab_size=pre.model_args.vocab_size,
             pin_memory=pins_memory(device),
+            order_version=order_version,
         )
 
-    return TrainingData(loader_for(0), batch, 0, loader_for)
+    return TrainingData(loader_for(0, ORDER_VERSION), batch, 0, loader_for, ORDER_VERSION)
 
 
 def _build_model(
