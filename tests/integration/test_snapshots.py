@@ -24,7 +24,6 @@ STEPS = 24
 KILL_AFTER = 20  # the kill comes during a step after this one, which is that many steps after the run's start
 ARGS = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--training.deterministic",
         "--checkpoint.enable", "--checkpoint.interval", "1000"]  # fmt: skip
-RNG_DRAWN_BY_THE_LOADER = "rng."
 LAYOUTS = {
     "dp2_zero3": (1, ["--optimizer.zero_stage", "3"]),
     "tp2_pp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
@@ -92,15 +91,11 @@ def _tear_the_next_step(folder: Path, step: int) -> None:
 
 
 def _assert_same_state(run: Path, reference: Path) -> None:
-    """The final checkpoints hold the same entries, every tensor bitwise equal and every value equal, except the
-    RNG states: every resume (from disk too) draws once more from the global generator, when torchdata's
-    StatefulDataLoader, built without a generator of its own (torchpre/data/loader.py), makes its first iterator
-    (the training itself draws nothing from it). Passing it `generator=torch.Generator()` makes them equal too."""
+    """The final checkpoints hold the same entries, every tensor bitwise equal and every value equal, the RNG states
+    included (the loader draws its iterators' seeds from a generator of its own, torchpre/data/loader.py)."""
     ours, theirs = (flatten(read_checkpoint(folder / "checkpoint" / f"step-{STEPS}")) for folder in (run, reference))
     assert ours.keys() == theirs.keys()
     for key, value in ours.items():
-        if key.startswith(RNG_DRAWN_BY_THE_LOADER):
-            continue
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, theirs[key]), key
         else:

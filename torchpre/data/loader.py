@@ -72,7 +72,11 @@ def build_dataloader(
         )
         order = shuffle(len(samples), seed, order_version)
     sampler = GlobalBatchSampler(order, local_batch_size, dp_rank, dp_size)
-    return StatefulDataLoader(samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
+    # A generator of its own: each iterator draws its workers' base seed from it, never from the global generator,
+    # whose state a checkpoint saves (a resume's first iterator would otherwise move it).
+    return StatefulDataLoader(
+        samples, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator()
+    )
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
