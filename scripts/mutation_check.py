@@ -1004,6 +1004,12 @@ BREAKS = [
           (f"{SNAPSHOT_FILE_TEST}::test_the_step_chosen_is_the_newest_complete_for_every_rank",
            f"{SNAPSHOTS_TEST}::test_restarts_agree_on_one_step_use_replicas_and_never_a_torn_file"),
           "a restart resumes a snapshot step that is not complete on every rank (ranks on different steps)"),
+    Break("loader-draws-from-the-global-generator", "torchpre/data/loader.py",
+          "pin_memory=pin_memory, generator=torch.Generator()",
+          "pin_memory=pin_memory",
+          ("tests/integration/test_snapshots.py::test_a_killed_node_resumes_from_the_snapshots_of_the_step_before_bitwise",),
+          "a resume's first iterator moves the global generator a checkpoint saved: the RNG states end unlike the "
+          "uninterrupted run's"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:
