@@ -26,6 +26,7 @@ SLOWDOWN = 4
 OPT_IN_MARKERS = (
     "matrix", "zero_matrix", "mutation", "readme", "plan_matrix", "bench", "hf_table", "parity_matrix", "security",
     "slurm", "big_import", "fuzz", "published_corpus", "lm_eval", "data_scale",
+    "snapshot_matrix",
 )  # fmt: skip
 
 

@@ -167,6 +167,14 @@ def train_and_read_metrics(
     return [json.loads(line) for line in lines]
 
 
+
+def assert_trained(records: list[dict]) -> None:
+    """The weights moved: every logged step had a non-zero gradient and some step a positive learning rate (AdamW then
+    moves every parameter with a gradient). A later step's lower loss is no evidence over a few steps: each step trains
+    on other samples, which the sample order chooses."""
+    assert all(record["grad_norm"] > 0 for record in records), [record["grad_norm"] for record in records]
+    assert max(record["lr"] for record in records) > 0, [record["lr"] for record in records]
+
 def train_and_read_params(args: list[str], nproc: int, dump_folder: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """Trains with tests/train_and_dump.py; returns the metrics and the final parameters by name
     (pipeline stages merged; a weight held by two stages must agree)."""

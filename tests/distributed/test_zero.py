@@ -3,7 +3,7 @@
 import pytest
 
 from tests.launch import DEBUG as DEBUG_MODEL
-from tests.launch import train_and_read_metrics, train_and_read_params
+from tests.launch import assert_trained, train_and_read_metrics, train_and_read_params
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_zero1_matches_replicated_state(layout, tmp_path):
     for name in params0:
         assert (params1[name] - params0[name]).abs().max() <= PARAM_ATOL, name
     # the runs trained, so the comparison is not between two copies of the initial weights
-    assert records0[-1]["loss"] < records0[0]["loss"] - 0.01  # 8.12 -> 8.09 over these 6 steps
+    assert_trained(records0)
 
 
 def test_zero1_halves_optimizer_state_at_dp2(tmp_path):
@@ -74,4 +74,4 @@ def test_bf16_layouts_track_one_process(nproc, args, tmp_path):
     reference = train_and_read_metrics([*DEBUG, *BF16, "--training.local_batch_size", "8"], 1, tmp_path / "one")
     records = train_and_read_metrics([*DEBUG, *BF16, *args], nproc, tmp_path / "layout")
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], abs=BF16_LOSS_ATOL)
-    assert records[-1]["loss"] < records[0]["loss"]
+    assert_trained(records)

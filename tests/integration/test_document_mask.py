@@ -71,10 +71,12 @@ def masked(packed_args, tmp_path_factory) -> list[float]:
 
 @pytest.mark.slow
 def test_document_mask_changes_the_loss(packed_args, masked, tmp_path):
-    """A freshly initialized model barely uses its context, so the effect is small (~3e-4 to 1e-3 here),
-    but it is deterministic and above the tolerance the layout comparisons below allow."""
+    """A freshly initialized model barely uses its context, so the effect is small and depends on the boundaries
+    each step's batch holds (6e-5 to 1.4e-3 a step here), but it is deterministic and, over the run, above the
+    tolerance the layout comparisons below allow."""
     unmasked = losses(train_and_read_metrics(packed_args, 1, tmp_path))
-    assert all(abs(a - b) > LOSS_ATOL for a, b in zip(masked, unmasked)), (masked, unmasked)
+    effects = [abs(a - b) for a, b in zip(masked, unmasked)]
+    assert sum(effects) / len(effects) > LOSS_ATOL and max(effects) > 5 * LOSS_ATOL, (masked, unmasked)
 
 
 @pytest.mark.slow

@@ -104,9 +104,9 @@ def _assert_same_state(run: Path, reference: Path) -> None:
 
 CASES = [
     pytest.param("dp2_zero3", True, id="dp2_zero3-emptied"),
-    pytest.param("dp2_zero3", False, id="dp2_zero3", marks=pytest.mark.slow),
-    pytest.param("tp2_pp2", False, id="tp2_pp2", marks=pytest.mark.slow),
-    pytest.param("tp2_pp2", True, id="tp2_pp2-emptied", marks=pytest.mark.slow),
+    pytest.param("dp2_zero3", False, id="dp2_zero3", marks=pytest.mark.snapshot_matrix),
+    pytest.param("tp2_pp2", False, id="tp2_pp2", marks=pytest.mark.snapshot_matrix),
+    pytest.param("tp2_pp2", True, id="tp2_pp2-emptied", marks=pytest.mark.snapshot_matrix),
 ]
 
 
