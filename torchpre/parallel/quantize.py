@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchpre.errors import ConfigError
+from torchpre.layouts.zero_stages import zero_stage as zero_stage_row
 from torchpre.optional import import_optional
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def check_float8_all_gather(linear: str, recipe: str, zero_stage: int, tensor_pa
             "weight with one scale for the whole tensor, which only quantize.linear = 'float8' with quantize.recipe "
             f"= 'tensorwise' has. Use those, or turn {key} off."
         )
-    if zero_stage != 3:
+    if not zero_stage_row(zero_stage).shards_parameters:
         raise ConfigError(
             f"{key} with optimizer.zero_stage = {zero_stage}: only ZeRO-3 (FSDP2) all-gathers the weights before "
             f"each forward; set optimizer.zero_stage = 3, or turn {key} off."

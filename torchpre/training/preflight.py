@@ -58,12 +58,12 @@ def preflight(
     `ModelSpec.pipeline_stages`, which builds the model on the meta device)."""
     validate_config(config)
     p, t, c = config.parallelism, config.training, config.checkpoint
-    check_optimizer_config(config.optimizer, {
-        "optimizer.zero_stage": config.optimizer.zero_stage,
-        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
-        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
-    })  # fmt: skip
     data_parallel = DataParallel.from_config(config)
+    check_optimizer_config(config.optimizer, {
+        f"optimizer.zero_stage = {data_parallel.zero_stage}": data_parallel.shards_optimizer_state,
+        f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}": p.tensor_parallel_degree > 1,
+        f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}": p.expert_parallel_degree > 1,
+    })  # fmt: skip
     dims = ParallelDims.from_degrees(
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
         ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
