@@ -161,7 +161,8 @@ class TrainingJob:
         return dist.get_rank() == 0
 
     def checkpoint_components(self) -> dict[str, Any]:
-        """The entries of this job's checkpoints (see `torchpre.checkpoint.manager`)."""
+        """The entries of this job's checkpoints (see `torchpre.checkpoint.manager`): `CHECKPOINT_ENTRIES`, the names
+        checkpoint.exclude_from_loading takes, which a test keeps equal to these."""
         components = {
             "model": ModelState(self.model, self.optimizer),
             "optimizer": self.optimizer,
