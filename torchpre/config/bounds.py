@@ -19,10 +19,10 @@ class Bound:
     high: float = math.inf
     low_open: bool = False
     high_open: bool = False
-    also: tuple[float, ...] = ()
+    also: tuple[float | None, ...] = ()
     message: str = ""
 
-    def admits(self, value: float) -> bool:
+    def admits(self, value: float | None) -> bool:
         if value in self.also:
             return True
         if not math.isfinite(value):
@@ -42,7 +42,7 @@ class Bound:
             raise ConfigError(f"{key} = {value}: {self.message or f'it must be {self.describe()}.'}")
 
 
-def at_least(minimum: int, message: str = "", also: tuple[float, ...] = ()) -> Bound:
+def at_least(minimum: int, message: str = "", also: tuple[float | None, ...] = ()) -> Bound:
     return Bound(low=minimum, also=also, message=message)
 
 
@@ -55,8 +55,9 @@ def between(low: float, high: float, *, high_open: bool = False, low_open: bool 
 
 
 def check_bounds(section: Any, prefix: str) -> None:
-    """Checks every field of the dataclass `section` that declares a bound (`metadata["bound"]`), as `prefix.key`."""
+    """Checks every field of the dataclass `section` that declares a bound (`metadata["bound"]`), named as
+    `prefix` + its name ("training." for a section's keys, "--" for generation's flags)."""
     for field in dataclasses.fields(section):
         bound = field.metadata.get("bound")
         if bound is not None:
-            bound.check(f"{prefix}.{field.name}", getattr(section, field.name))
+            bound.check(f"{prefix}{field.name}", getattr(section, field.name))

@@ -20,7 +20,7 @@ def validate_config(config: JobConfig) -> None:
     for field in dataclasses.fields(config):
         section = getattr(config, field.name)
         if dataclasses.is_dataclass(section):
-            check_bounds(section, field.name)
+            check_bounds(section, f"{field.name}.")
     for check in SECTION_CHECKS:
         check(config)
 
