@@ -8,6 +8,7 @@ from pathlib import Path
 
 from torchpre.config.bounds import check_bounds
 from torchpre.config.job_config import CHECKPOINT_ENTRIES, Checkpoint, JobConfig
+from torchpre.config.training_schedule import check_data_stage, ramp_values
 from torchpre.errors import ConfigError
 from torchpre.layouts.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.layouts.zero_stages import zero_stage
@@ -65,6 +66,14 @@ def _check_checkpoint(config: JobConfig) -> None:
             f"checkpoint.initial_load_path '{c.initial_load_path}' is not a folder. Give a checkpoint step-N "
             "folder or the output of `python -m torchpre.convert hf-to-dcp`."
         )
+
+
+def _check_training_schedule(config: JobConfig) -> None:
+    """training.batch_rampup's numbers and each data stage's own values (`torchpre.config.training_schedule`)."""
+    t = config.training
+    ramp_values(t.batch_rampup, t.global_batch_size)
+    for index, entry in enumerate(t.data_stages):
+        check_data_stage(config, index, entry)
 
 
 def _check_training_data(config: JobConfig) -> None:
@@ -296,6 +305,7 @@ SECTION_CHECKS = (
     _check_activation_checkpoint,
     _check_optimizer,
     _check_checkpoint,
+    _check_training_schedule,
     _check_training_data,
     _check_validation,
     _check_eval,
