@@ -44,6 +44,43 @@ def _check_optimizer(config: JobConfig) -> None:
     zero_stage(config.optimizer.zero_stage)  # an unknown ZeRO stage, named with the valid ones
 
 
+def _check_quantize(config: JobConfig) -> None:
+    """[quantize]: a recipe the format has, and FP8 all-gather only where one scale can serve every shard: the
+    amax of the whole weight, all-reduced over the data-parallel shards before the gather. Only tensorwise FP8 has
+    such a scale, only ZeRO-3 gathers, and under tensor parallelism torchao reduces that amax over the data-parallel
+    shards alone (measured: tp2 x dp2 losses 1e-5 off the high-precision gather, which equals it bitwise without
+    tp). The format's package and the sequences a rank sees are `torchpre.parallel.quantize.check_quantize`'s."""
+    q, key = config.quantize, "quantize.fsdp_float8_all_gather"
+    if q.linear == "mxfp8" and q.recipe == "tensorwise":
+        raise ConfigError(
+            "quantize.recipe = 'tensorwise' with quantize.linear = 'mxfp8': MXFP8 scales every block of 32 values, "
+            "never a whole tensor. Use quantize.recipe = 'rowwise' (or 'rowwise_with_gw_hp': weight gradients in "
+            "high precision), or quantize.linear = 'float8'."
+        )
+    if not q.fsdp_float8_all_gather:
+        return
+    if q.linear != "float8" or q.recipe != "tensorwise":
+        raise ConfigError(
+            f"{key} with quantize.linear = '{q.linear}' and quantize.recipe = '{q.recipe}': FP8 all-gather sends each "
+            "weight with one scale for the whole tensor, which only quantize.linear = 'float8' with quantize.recipe "
+            f"= 'tensorwise' has. Use those, or turn {key} off."
+        )
+    stage = config.optimizer.zero_stage
+    if not zero_stage(stage).shards_parameters:
+        raise ConfigError(
+            f"{key} with optimizer.zero_stage = {stage}: only ZeRO-3 (FSDP2) all-gathers the weights before "
+            f"each forward; set optimizer.zero_stage = 3, or turn {key} off."
+        )
+    tp = config.parallelism.tensor_parallel_degree
+    if tp > 1:
+        raise ConfigError(
+            f"{key} with parallelism.tensor_parallel_degree = {tp}: torchao takes the weight's "
+            "FP8 scale from the amax of the data-parallel shards only, so each tensor-parallel shard would get its "
+            f"own scale and the run would depend on the layout. Turn {key} off (the weights are then gathered in "
+            "high precision and cast with the amax of the whole weight), or use tensor_parallel_degree = 1."
+        )
+
+
 def _check_checkpoint(config: JobConfig) -> None:
     """[checkpoint]: a folder the job can write, the entries it may skip on load, the initial weights' folder, and
     what preemption saves and in-memory snapshots need of the rest."""
@@ -304,6 +341,7 @@ SECTION_CHECKS = (
     _check_metrics,
     _check_activation_checkpoint,
     _check_optimizer,
+    _check_quantize,
     _check_checkpoint,
     _check_training_schedule,
     _check_training_data,
