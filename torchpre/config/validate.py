@@ -39,9 +39,32 @@ def _check_metrics(config: JobConfig) -> None:
 
 
 def _check_optimizer(config: JobConfig) -> None:
-    """The optimizer's values; its name and the keys it reads are the optimizer registry's to check
-    (`torchpre.optim.registry.check_config`), which needs torch."""
-    zero_stage(config.optimizer.zero_stage)  # an unknown ZeRO stage, named with the valid ones
+    """The ZeRO stage and what it needs of the data-parallel keys; the optimizer's name and the keys it reads are
+    the optimizer registry's to check (`torchpre.optim.registry.check_config`), which needs torch."""
+    t, p = config.training, config.parallelism
+    stage = zero_stage(config.optimizer.zero_stage)  # an unknown ZeRO stage, named with the valid ones
+    if p.data_parallel_replicate_degree > 1 and not stage.shards_parameters:
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, "
+            "which replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
+        )
+    if not stage.shards_parameters:
+        return
+    # What ZeRO-3 (FSDP2) cannot run, or runs differently.
+    if t.mixed_precision_grad != "float32":
+        raise ConfigError(
+            f"training.mixed_precision_grad = {t.mixed_precision_grad} with optimizer.zero_stage = 3: FSDP keeps the "
+            "sharded gradients in fp32 and reduces them in optimizer.reduce_dtype. Set "
+            "training.mixed_precision_grad = float32, and optimizer.reduce_dtype = bfloat16 for a bf16 reduction."
+        )
+    if p.data_parallel_shard_degree != -1 and p.data_parallel_degree != -1:
+        product = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+        if product != p.data_parallel_degree:
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = "
+                f"{p.data_parallel_replicate_degree} x {p.data_parallel_shard_degree} = {product} must equal "
+                f"parallelism.data_parallel_degree = {p.data_parallel_degree}. Set data_parallel_shard_degree = -1."
+            )
 
 
 def _check_quantize(config: JobConfig) -> None:
