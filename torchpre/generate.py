@@ -39,6 +39,7 @@ from torchpre.checkpoint.state import check_shapes, checkpoint_metadata
 from torchpre.config.bounds import Bound, at_least, check_bounds
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.config.validate import check_section_bounds
 from torchpre.confined import file_kind
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -80,12 +81,14 @@ class GenerateConfig(JobConfig):
 
 
 def validate_generation_args(gen: GenerateConfig) -> None:
-    """The generation flags: a prompt, and each number flag's bound (declared with it)."""
+    """The generation flags: a prompt, and each number flag's bound (declared with it); then the job's keys' own
+    bounds, as training checks them."""
     if gen.prompt is None:
         raise ConfigError('--prompt is required: the text to continue, e.g. --prompt "def main():"')
     if not gen.prompt:
         raise ConfigError("--prompt is empty: give some text to continue.")
     check_bounds(gen, "--")
+    check_section_bounds(gen)
 
 
 # Checkpoint ------------------------------------------------------------------------------------

@@ -18,12 +18,18 @@ from torchpre.optional import import_tensorboard, import_wandb
 def validate_config(config: JobConfig) -> None:
     """Raises ConfigError naming the first impossible value and what would be valid: first every key's own bound,
     declared with its field (`torchpre.config.bounds`), then each section's checks of its keys together."""
+    check_section_bounds(config)
+    for check in SECTION_CHECKS:
+        check(config)
+
+
+def check_section_bounds(config: JobConfig) -> None:
+    """Every section's keys against the bounds declared with them; generation, which reads a training job's
+    config but none of its data or folders, checks these alone."""
     for field in dataclasses.fields(config):
         section = getattr(config, field.name)
         if dataclasses.is_dataclass(section):
             check_bounds(section, f"{field.name}.")
-    for check in SECTION_CHECKS:
-        check(config)
 
 
 def _check_job(config: JobConfig) -> None:
