@@ -65,9 +65,7 @@ class GenerateConfig(JobConfig):
     """A job config plus the generation flags (top-level: --prompt, not --generation.prompt)."""
 
     prompt: str | None = _flag(None, "text to continue (required)")
-    max_new_tokens: int = _flag(
-        32, "most tokens to generate; stops earlier at the end-of-text token", at_least(1)
-    )
+    max_new_tokens: int = _flag(32, "most tokens to generate; stops earlier at the end-of-text token", at_least(1))
     temperature: float = _flag(
         0.8, "softmax temperature; 0 = greedy", at_least(0, "use 0 for greedy decoding or a positive value.")
     )
