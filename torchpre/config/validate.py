@@ -33,6 +33,7 @@ def check_section_bounds(config: JobConfig) -> None:
 
 
 def _check_job(config: JobConfig) -> None:
+    """The dump folder: every output of the job goes there, so one it cannot write fails now, not at a save."""
     _check_writable_folder("job.dump_folder", Path(config.job.dump_folder))
 
 
