@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.common import print_table, run_torchpre
+from torchpre.layouts.zero_stages import zero_stage as zero_stage_row
 
 DP = 2
 ADAM_BYTES_PER_PARAM = 8
@@ -60,8 +61,12 @@ class Result:
     num_params: int
 
     @property
+    def shards_optimizer_state(self) -> bool:
+        return zero_stage_row(self.zero_stage).shards_optimizer_state
+
+    @property
     def optimizer_state_theory(self) -> float:
-        return ADAM_BYTES_PER_PARAM * self.num_params / (DP if self.zero_stage >= 1 else 1)
+        return ADAM_BYTES_PER_PARAM * self.num_params / (DP if self.shards_optimizer_state else 1)
 
 
 def measure(model: Sequence[str], ac_mode: str, zero_stage: int, steps: int) -> Result:

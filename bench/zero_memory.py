@@ -19,7 +19,7 @@ from fractions import Fraction
 import torch
 
 from bench.common import print_table, run_torchpre
-from torchpre.config.validate import ZERO_STAGES
+from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 
@@ -35,11 +35,12 @@ def formula(zero_stage: int, dtype: str, dp: int) -> tuple[Fraction, Fraction, F
     """(parameter, gradient, optimizer state) bytes per parameter on one rank, for AdamW: fp32 gradients
     and moments, and an fp32 master copy of a bf16 parameter. ZeRO-1 shards the state over dp, ZeRO-2 the
     gradients too, ZeRO-3 (FSDP2) the parameters too, which are then the fp32 masters themselves."""
-    if zero_stage == 3:
+    stage = ZERO_STAGES[zero_stage]
+    if stage.shards_parameters:
         return Fraction(4, dp), Fraction(4, dp), Fraction(8, dp)
     param, state = Fraction(DTYPES[dtype]), Fraction(8 if dtype == "float32" else 12)
-    grad = Fraction(4, dp) if zero_stage == 2 else Fraction(4)
-    return param, grad, state / dp if zero_stage >= 1 else state
+    grad = Fraction(4, dp) if stage.shards_gradients else Fraction(4)
+    return param, grad, state / dp if stage.shards_optimizer_state else state
 
 
 def measure(zero_stage: int, dtype: str, dp: int) -> dict[str, int]:

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
         expert_dp_mesh=meshes.expert_fsdp_mesh,
     )  # fmt: skip
     targets = {name: tensor for part in model.parts for name, tensor in part.state_dict().items()}
-    report = load_hf_weights(pre.initial_hf, targets)
+    report = load_hf_weights(pre.weights.weights, targets)
     folder = Path(config.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
     summary = dataclasses.asdict(report) | {"bound": report.bound}

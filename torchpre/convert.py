@@ -49,7 +49,6 @@ from torchpre.checkpoint.integrity import (
     FileCheck,
     Trust,
     folder_step,
-    read_signing_key,
     require_intact,
     write_manifest,
 )
@@ -105,9 +104,9 @@ def main(argv: list[str]) -> None:
     if command == "hf-to-dcp" and config.model.flavor == FROM_HF and not config.checkpoint.initial_load_path:
         config.checkpoint.initial_load_path = str(source)  # the model comes from HF_DIR; its config.toml says so
     import_custom_module(config.job.custom_import)
+    trust = Trust.from_settings(config.checkpoint)  # the signing key, read once: it checks what is read, signs output
     if command == "hf-to-dcp":  # before its config.json gives the model's shape
-        check_hf_folder(source, Trust.from_settings(config.checkpoint), config.checkpoint.allow_unsigned_hf,
-                        "hf-to-dcp HF_DIR")  # fmt: skip
+        check_hf_folder(source, trust, config.checkpoint.allow_unsigned_hf, "hf-to-dcp HF_DIR")
     model = _job_model(config)
     dtype = _dtype(options.get("--dtype"))
     _check_output_free(target)
@@ -115,10 +114,10 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     if command == "dcp-to-hf":
         max_shard_size = _size(options.get("--max_shard_size", "5GB"))
-        check = FileCheck(source, Trust.from_settings(config.checkpoint), "dcp-to-hf CKPT_STEP_DIR")
+        check = FileCheck(source, trust, "dcp-to-hf CKPT_STEP_DIR")
         dcp_to_hf(source, target, model, dtype, max_shard_size, Loader(check, config.checkpoint.allow_pickle))
     else:
-        hf_to_dcp(source, target, model, dtype, config)
+        hf_to_dcp(source, target, model, dtype, config, trust.signing_key)
 
 
 def dcp_to_hf(
@@ -151,16 +150,17 @@ def dcp_to_hf(
     logger.info(f"Wrote the Hugging Face model {out_dir} ({torch_dtype}) from {step_dir}")
 
 
-def hf_to_dcp(hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | None, config: JobConfig) -> None:
+def hf_to_dcp(
+    hf_dir: Path, step_dir: Path, model: _Model, dtype: torch.dtype | None, config: JobConfig, signing_key: bytes | None
+) -> None:
     """The folder's weights into whole tensors (in `dtype`, default their own) through the reader a training job loads
-    a folder with (`torchpre.interchange.load`), saved as a model-only checkpoint."""
+    a folder with (`torchpre.interchange.load`), saved as a model-only checkpoint, signed with `signing_key`."""
     weights = hf_weights(hf_dir, get_model_spec(config.model.name), model.args, "hf-to-dcp HF_DIR")
     state_dict = {name: torch.empty(size, dtype=dtype or weights.dtype(name)) for name, size in weights.shapes.items()}
     report = load_hf_weights(weights, state_dict, no_dist=True)
 
     def write(folder: Path) -> None:
         """The checkpoint and its manifest, as a training save writes them (CRCs taken while writing)."""
-        signing_key = read_signing_key(config.checkpoint.signing_key_file)
         writer = RecordingWriter(folder, crc=True, sha256=signing_key is not None)
         dcp.save({"model": state_dict}, storage_writer=writer, no_dist=True)
         with writer.fs.create_stream(folder / "config.toml", "wb") as file:

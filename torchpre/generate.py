@@ -36,9 +36,12 @@ from torchpre.checkpoint.integrity import FileCheck, Trust, find_intact_step, re
 from torchpre.checkpoint.reader import Loader
 from torchpre.checkpoint.run import resume_trust
 from torchpre.checkpoint.state import check_shapes, checkpoint_metadata
+from torchpre.config.bounds import Bound, at_least, check_bounds
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.config.validate import check_section_bounds
 from torchpre.confined import file_kind
+from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
@@ -49,10 +52,12 @@ from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
 from torchpre.training.model import check_layout, job_tokenizer, meta_model, model_args, model_context, parallel_plan
 from torchpre.training.rope import check_saved_rope
+from torchpre.training.weights import Resume
 
 
-def _flag(default: object, doc: str):
-    return dataclasses.field(default=default, metadata={"help": doc})
+def _flag(default: object, doc: str, bound: Bound | None = None):
+    metadata = {"help": doc} if bound is None else {"help": doc, "bound": bound}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass
@@ -60,24 +65,28 @@ class GenerateConfig(JobConfig):
     """A job config plus the generation flags (top-level: --prompt, not --generation.prompt)."""
 
     prompt: str | None = _flag(None, "text to continue (required)")
-    max_new_tokens: int = _flag(32, "most tokens to generate; stops earlier at the end-of-text token")
-    temperature: float = _flag(0.8, "softmax temperature; 0 = greedy")
-    top_k: int | None = _flag(None, "sample among the k most likely tokens only; none = all")
+    max_new_tokens: int = _flag(32, "most tokens to generate; stops earlier at the end-of-text token", at_least(1))
+    temperature: float = _flag(
+        0.8, "softmax temperature; 0 = greedy", at_least(0, "use 0 for greedy decoding or a positive value.")
+    )
+    top_k: int | None = _flag(
+        None,
+        "sample among the k most likely tokens only; none = all",
+        at_least(1, "it must be at least 1 (or none for no top-k filtering).", also=(None,)),
+    )
     seed: int = _flag(0, "seed of the sampling generator, the same on every rank")
     json: bool = _flag(False, 'print one JSON line {"prompt", "prompt_token_ids", "completion", "token_ids"}')
 
 
 def validate_generation_args(gen: GenerateConfig) -> None:
+    """The generation flags: a prompt, and each number flag's bound (declared with it); then the job's keys' own
+    bounds, as training checks them."""
     if gen.prompt is None:
         raise ConfigError('--prompt is required: the text to continue, e.g. --prompt "def main():"')
     if not gen.prompt:
         raise ConfigError("--prompt is empty: give some text to continue.")
-    if gen.max_new_tokens < 1:
-        raise ConfigError(f"--max_new_tokens = {gen.max_new_tokens}: it must be at least 1.")
-    if gen.temperature < 0:
-        raise ConfigError(f"--temperature = {gen.temperature}: use 0 for greedy decoding or a positive value.")
-    if gen.top_k is not None and gen.top_k < 1:
-        raise ConfigError(f"--top_k = {gen.top_k}: it must be at least 1 (or none for no top-k filtering).")
+    check_bounds(gen, "--")
+    check_section_bounds(gen)
 
 
 # Checkpoint ------------------------------------------------------------------------------------
@@ -194,26 +203,36 @@ def generate_ids(
 # Entry point -----------------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> None:
-    # stdout carries the completion only; progress and warnings go to stderr.
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
-            handler.setStream(sys.stderr)
-    gen = parse_args(GenerateConfig, argv)
-    import_custom_module(gen.job.custom_import)
+@dataclasses.dataclass(frozen=True)
+class DecodingPreflight:
+    """What generation derives from its flags before it joins the process group, every check passed: the layout,
+    the model (on the meta device, checked against the checkpoint), the prompt, what loads accept (`trust`, the
+    signing key read once) and the checkpoint the weights come from (`weights`)."""
+
+    config: GenerateConfig  # the job's config with the training-only options off (`decoding_config`)
+    dims: ParallelDims
+    tokenizer: Tokenizer
+    model: nn.Module
+    plan: ParallelPlan
+    prompt_ids: list[int]
+    folder: Path  # --checkpoint.folder, resolved as training resolves it
+    trust: Trust
+    weights: Resume
+
+
+def decoding_preflight(gen: GenerateConfig, world_size: int) -> DecodingPreflight:
+    """Everything that can reject the input, identically on every rank. The job's layout must fit the world as
+    training's would, context parallelism included (its ranks decode as replicas)."""
     validate_generation_args(gen)
-    # Everything that can reject the input runs before the process group, identically on every rank. The job's
-    # layout must fit the world as training's would, context parallelism included (its ranks decode as replicas).
     p = gen.parallelism
     ParallelDims.from_degrees(
-        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env(),
+        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
         cp=p.context_parallel_degree,
     )  # fmt: skip
     config = decoding_config(gen)
     p = config.parallelism
-    dims = ParallelDims.from_degrees(
-        p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size_from_env()
-    )
+    dims = ParallelDims.from_degrees(p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree,
+                                     world_size)  # fmt: skip
     spec = get_model_spec(config.model.name)
     tokenizer = job_tokenizer(config)
     context = model_context(config, tokenizer)
@@ -228,61 +247,82 @@ def main(argv: list[str]) -> None:
     args = model_args(config, tokenizer, max_seq_len=total)
     check_layout(config, spec, args, dims)
     pipeline = decoding_pipeline(config, spec, args) if dims.pp > 1 else None
-    folder, load_step = checkpoint_folder(config.job.dump_folder, config.checkpoint.folder), config.checkpoint.load_step
-    step_dir = find_generation_step(folder, load_step)
+    folder = checkpoint_folder(config.job.dump_folder, config.checkpoint.folder)
+    step_dir = find_generation_step(folder, config.checkpoint.load_step)
     model = meta_model(config, spec, args)
     trust = _trust(config, folder, step_dir)
     allow_pickle = config.checkpoint.allow_pickle
     check_checkpoint_fits(model, FileCheck(step_dir, trust, "checkpoint.folder"), allow_pickle)
     check_saved_rope(step_dir, args, trust, allow_pickle)
+    plan = parallel_plan(config, spec, args, pipeline)
+    return DecodingPreflight(config, dims, tokenizer, model, plan, prompt_ids, folder, trust, Resume(step_dir))
 
-    device = select_device()
-    init_distributed(device)
-    mesh = dims.build_mesh(device.type)
-    # The manifest check reads every file: the ranks share it, so it waits for the process group.
+
+def load_for_decoding(pre: DecodingPreflight, device: torch.device) -> tuple[ParallelModel, Path]:
+    """The parallel model with the checkpoint's weights, in eval mode, and the step folder they came from. The
+    manifest check reads every file: the ranks share it, so it waits for the process group."""
+    load_step, folder, step_dir = pre.config.checkpoint.load_step, pre.folder, pre.weights.step_dir
     key = "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}"
+    allow_pickle = pre.config.checkpoint.allow_pickle
     if step_dir.parent == folder and load_step == -1:  # the latest: past corrupt ones, as training resumes
-        step_dir = find_intact_step(folder, load_step, trust)
-        check = FileCheck(step_dir, trust, key).whole_folder_checked()
-        check_checkpoint_fits(model, check, allow_pickle)
+        step_dir = find_intact_step(folder, load_step, pre.trust)
+        check = FileCheck(step_dir, pre.trust, key).whole_folder_checked()
+        check_checkpoint_fits(pre.model, check, allow_pickle)
     else:
-        require_intact(step_dir, key, trust)
-        check = FileCheck(step_dir, trust, key).whole_folder_checked()
+        require_intact(step_dir, key, pre.trust)
+        check = FileCheck(step_dir, pre.trust, key).whole_folder_checked()
     # The checkpoint replaces every parameter: only the buffers it does not hold (RoPE's) are computed.
-    parallel = parallelize(
-        model, mesh, parallel_plan(config, spec, args, pipeline), device=device, init_weights=spec.init_buffers
-    )
+    spec = get_model_spec(pre.config.model.name)
+    mesh = pre.dims.build_mesh(device.type)
+    parallel = parallelize(pre.model, mesh, pre.plan, device=device, init_weights=spec.init_buffers)
     state = {name: value for part in parallel.parts for name, value in part.state_dict().items()}
     Loader(check, allow_pickle).load({"model": state})
     for part in parallel.parts:
         part.eval()
+    return parallel, step_dir
+
+
+def main(argv: list[str]) -> None:
+    _progress_to_stderr()
+    gen = parse_args(GenerateConfig, argv)
+    import_custom_module(gen.job.custom_import)
+    pre = decoding_preflight(gen, world_size_from_env())
+    device = select_device()
+    init_distributed(device)
+    parallel, step_dir = load_for_decoding(pre, device)
     is_rank0 = dist.get_rank() == 0
     if is_rank0:
-        replicas = (
-            f"; the {dims.dp} data-parallel replicas each decode the same sequence (raise "
-            "parallelism.tensor_parallel_degree to split the model instead)"
-            if dims.dp > 1
-            else ""
-        )
-        print(f"loaded {step_dir}; layout tp {dims.tp} x pp {dims.pp}{replicas}", file=sys.stderr, flush=True)
-
+        print(f"loaded {step_dir}; layout tp {pre.dims.tp} x pp {pre.dims.pp}{_replicas(pre.dims)}", file=sys.stderr,
+              flush=True)  # fmt: skip
     ids = generate_ids(
-        parallel,
-        prompt_ids,
-        gen.max_new_tokens,
-        temperature=gen.temperature,
-        top_k=gen.top_k,
-        seed=gen.seed,
-        eos_id=tokenizer.eos_id,
+        parallel, pre.prompt_ids, gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k, seed=gen.seed,
+        eos_id=pre.tokenizer.eos_id,
+    )  # fmt: skip
+    if is_rank0:
+        print(_output(gen, pre.prompt_ids, ids, pre.tokenizer.decode(ids)), flush=True)
+
+
+def _progress_to_stderr() -> None:
+    """stdout carries the completion only; progress and warnings go to stderr."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+def _replicas(dims: ParallelDims) -> str:
+    if dims.dp == 1:
+        return ""
+    return (
+        f"; the {dims.dp} data-parallel replicas each decode the same sequence (raise "
+        "parallelism.tensor_parallel_degree to split the model instead)"
     )
-    if not is_rank0:
-        return
-    completion = tokenizer.decode(ids)
-    if gen.json:
-        record = {"prompt": gen.prompt, "prompt_token_ids": prompt_ids, "completion": completion, "token_ids": ids}
-        print(json.dumps(record), flush=True)
-    else:
-        print(completion, flush=True)
+
+
+def _output(gen: GenerateConfig, prompt_ids: list[int], ids: list[int], completion: str) -> str:
+    if not gen.json:
+        return completion
+    record = {"prompt": gen.prompt, "prompt_token_ids": prompt_ids, "completion": completion, "token_ids": ids}
+    return json.dumps(record)
 
 
 def _trust(config: GenerateConfig, folder: Path, step_dir: Path) -> Trust:

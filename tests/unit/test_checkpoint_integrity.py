@@ -3,7 +3,6 @@ complete, a damaged file is named, and `load_step = -1` falls back past a corrup
 alike; the manifest's checksums are taken while writing, and async saves stage through one reused stager."""
 
 import builtins
-import dataclasses
 import io
 import json
 import logging
@@ -18,7 +17,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import torchpre.checkpoint.manager as manager
 from tests.launch import manifest_record, spawn
-from torchpre.checkpoint.integrity import MANIFEST
+from torchpre.checkpoint.integrity import MANIFEST, Trust
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.storage import stager_keeps_buffers, staging_options
 from torchpre.config.job_config import Checkpoint
@@ -69,7 +68,7 @@ def _manager(
     folder: Path, async_mode: str = "disabled", checksums: str = "write", components: dict | None = None
 ) -> CheckpointManager:
     settings = Checkpoint(enable=True, interval=2, async_mode=async_mode, checksums=checksums)
-    return CheckpointManager(folder, components or _components(), settings, config_text="[job]\n")
+    return CheckpointManager(folder, components or _components(), settings, "[job]\n", Trust.from_settings(settings))
 
 
 def _save(folder: Path, *steps: int) -> CheckpointManager:
@@ -163,7 +162,7 @@ def test_a_folder_without_a_manifest_is_refused_unless_allowed_and_then_named_in
     assert f"the checkpoint {step_dir} has no {MANIFEST}" in str(error.value)
     assert "checkpoint.allow_unverified = true" in str(error.value)
     allowing = _manager(tmp_path)
-    allowing.settings = dataclasses.replace(allowing.settings, allow_unverified=True)
+    allowing.trust = Trust(allow_unverified=True)
     with caplog.at_level(logging.WARNING, logger="torchpre"):
         assert _loaded_step(allowing, allowing.find(load_step)) == 4
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -49,7 +49,7 @@ from tests.hostile import (
 )
 from tests.launch import spawn
 from tests.unit.test_checkpoint_integrity import _loaded_step, _manager, _save
-from torchpre.checkpoint.integrity import MANIFEST, FileCheck
+from torchpre.checkpoint.integrity import MANIFEST, FileCheck, Trust
 from torchpre.checkpoint.metadata_checks import MAX_BYTES_ENTRY, check_metadata
 from torchpre.checkpoint.metadata_json import METADATA_JSON, decode
 from torchpre.checkpoint.metadata_pickle import read_pickled_metadata
@@ -333,7 +333,7 @@ def test_a_storage_file_that_links_out_of_the_folder_is_never_read(saved, tmp_pa
     checkpoints = _manager(saved.parent)
     if manifest == "without":
         (saved / MANIFEST).unlink()
-        checkpoints.settings = dataclasses.replace(checkpoints.settings, allow_unverified=True)
+        checkpoints.trust = Trust(allow_unverified=True)
         expected = rf"{saved / '__0_0.distcp'} \(named by {saved / METADATA_JSON}, .*relative_path\) is, or leads"
     else:
         expected = f"is corrupt: {saved / '__0_0.distcp'} is a symbolic link, not a saved file"

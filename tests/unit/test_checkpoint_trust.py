@@ -20,7 +20,7 @@ import torch
 from tests.hostile import Payload, legacy_checkpoint, remove_file, replace_metadata, rewrite_manifest
 from tests.unit.test_checkpoint_integrity import _components, _loaded_step, _manager, _save, _Value
 from torchpre.checkpoint.folders import MARKER, complete_steps, publish, remove_unfinished
-from torchpre.checkpoint.integrity import MANIFEST, FileCheck, read_manifest, read_signing_key
+from torchpre.checkpoint.integrity import MANIFEST, FileCheck, Trust, read_manifest, read_signing_key
 from torchpre.checkpoint.metadata_json import METADATA_JSON
 from torchpre.checkpoint.metadata_pickle import read_pickled_metadata
 from torchpre.checkpoint.reader import read_metadata
@@ -163,8 +163,7 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused(saved):
 
 def _signing(folder: Path, key_file: Path):
     checkpoints = _manager(folder)
-    checkpoints.settings = dataclasses.replace(checkpoints.settings, signing_key_file=str(key_file))
-    checkpoints._signing_key = key_file.read_bytes().strip()
+    checkpoints.trust = Trust(signing_key=key_file.read_bytes().strip())
     return checkpoints
 
 

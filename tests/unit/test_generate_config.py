@@ -82,3 +82,18 @@ def test_generation_rejects_a_layout_with_the_trainers_message(monkeypatch):
     argv = [*PROMPT, "--model.name", "llama3-no-tp", "--parallelism.tensor_parallel_degree", "2"]
     with pytest.raises(ConfigError, match=r"has no tensor-parallel plan \(ModelSpec.tensor_parallel\)"):
         main(argv)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_new_tokens", "0"], "--max_new_tokens = 0: it must be at least 1."),
+        (["--top_k", "0"], "--top_k = 0: it must be at least 1 (or none for no top-k filtering)."),
+        (["--temperature", "-1"], "--temperature = -1.0: use 0 for greedy decoding or a positive value."),
+        (["--parallelism.data_parallel_shard_degree", "0"], "parallelism.data_parallel_shard_degree = 0: use -1"),
+    ],
+)
+def test_generation_checks_the_bounds_declared_with_its_flags_and_the_job_s_keys(argv, message):
+    with pytest.raises(ConfigError) as error:
+        main([*PROMPT, *argv])
+    assert str(error.value).startswith(message)

@@ -92,7 +92,11 @@ def test_muon_keys_are_refused_for_other_optimizers_and_read_by_muon(tmp_path):
     check_config(_config(tmp_path, name="Muon", muon_momentum=0.9, beta2=0.99).optimizer, {})
 
 
-SHARDS = {"optimizer.zero_stage": 0, "parallelism.tensor_parallel_degree": 1, "parallelism.expert_parallel_degree": 1}
+SHARDS = {"optimizer.zero_stage = 0": False, "parallelism.tensor_parallel_degree = 1": False,
+          "parallelism.expert_parallel_degree = 1": False}
+SHARDED = {"optimizer.zero_stage": "optimizer.zero_stage = 1", "parallelism.tensor_parallel_degree":
+           "parallelism.tensor_parallel_degree = 2", "parallelism.expert_parallel_degree":
+           "parallelism.expert_parallel_degree = 2"}
 
 
 @pytest.mark.parametrize(
@@ -109,8 +113,8 @@ def test_an_update_that_is_not_elementwise_is_refused_on_shards(tmp_path, sharde
     config = _config(tmp_path, name="TorchMuon").optimizer
     check_config(config, SHARDS)
     with pytest.raises(ConfigError, match=f"optimizer.name = 'TorchMuon': its update is not elementwise.*{sharded}"):
-        check_config(config, {**SHARDS, sharded: 2})
-    check_config(_config(tmp_path, name="Muon").optimizer, {**SHARDS, sharded: 2})
+        check_config(config, {**SHARDS, SHARDED[sharded]: True})
+    check_config(_config(tmp_path, name="Muon").optimizer, {**SHARDS, SHARDED[sharded]: True})
 
 
 def test_a_torch_class_known_not_elementwise_cannot_be_registered_as_elementwise():

@@ -25,9 +25,10 @@ from torchpre.errors import ConfigError
 from torchpre.models import registry
 from torchpre.models.registry import default_init_buffers, get_flavor, get_model_spec
 from torchpre.parallel.api import parallelize
-from torchpre.training import job as training_job
+from torchpre.training import preflight
 from torchpre.training.model import meta_model, parallel_plan
 from torchpre.training.trainer import Trainer
+from torchpre.training.weights import Resume
 
 SEED = 0
 
@@ -232,7 +233,8 @@ def test_a_resumed_job_skips_initialisation_and_starts_in_the_state_an_initialis
     assert CALLS == {"init_weights": 0, "init_buffers": 1}
     assert f"skipped weight initialisation: loading {tmp_path / 'checkpoint' / 'step-2'}" in caplog.text
 
-    monkeypatch.setattr(training_job, "_weights_source", lambda config, resume_dir: None)  # initialise, then load
+    # Initialise, then load: the job draws the weights, the trainer still resumes every entry.
+    monkeypatch.setattr(preflight, "weights_source", lambda settings, resume_dir, hf: Resume(resume_dir, False))
     initialised = state_after_start(job(family, tmp_path, 3, *checkpoint))
     assert CALLS == {"init_weights": 1, "init_buffers": 1}
     assert_bitwise_equal(skipped, initialised)

@@ -59,7 +59,6 @@ from torchpre.checkpoint.integrity import (
     Trust,
     all_gather,
     find_intact_step,
-    read_signing_key,
     require_intact,
     write_manifest,
 )
@@ -112,7 +111,8 @@ class CheckpointManager:
     `settings` (the job's [checkpoint] section) says: every `interval` steps, the newest `keep_latest_k`, written
     synchronously or in the background (`async_mode`), with or without checksums, everything or the "model" entry
     alone (`model_only`), and without loading the entries `exclude_from_loading` names. `config_text` (the
-    resolved config) is saved beside the state."""
+    resolved config) is saved beside the state; `trust` (the job's, its signing key read once by preflight) says
+    what loads accept and signs what saves write."""
 
     def __init__(
         self,
@@ -120,12 +120,12 @@ class CheckpointManager:
         components: Mapping[str, Checkpointable],
         settings: Checkpoint,
         config_text: str,
+        trust: Trust,
     ):
-        self.folder, self.components, self.settings = folder, dict(components), settings
+        self.folder, self.components, self.settings, self.trust = folder, dict(components), settings, trust
         self.config_text = config_text
         self.interval, self.keep_latest_k = settings.interval, settings.keep_latest_k
         self.checksums = settings.checksums
-        self._signing_key = read_signing_key(settings.signing_key_file)
         self.rank = dist.get_rank()
         async_mode = settings.async_mode
         # Background writes and their publication run their collectives on a group of their own, never interleaved
@@ -144,11 +144,6 @@ class CheckpointManager:
         self._unreported: Published | None = None  # the latest publication the metrics have not shown yet
         self._lock = threading.Lock()  # `_unreported` is set by the finisher's thread
         self._verified: Path | None = None  # the folder `find` last checked, so `load` does not read it twice
-
-    @property
-    def trust(self) -> Trust:
-        """What this manager's loads accept (checkpoint.allow_unverified, the signing key)."""
-        return Trust(self.settings.allow_unverified, self._signing_key)
 
     def state_dict(self) -> dict[str, Any]:
         """What a save writes: every component's state, or the weights alone under checkpoint.model_only."""

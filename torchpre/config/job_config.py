@@ -3,13 +3,24 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torchpre.config.bounds import Bound, at_least, between, positive
 from torchpre.layouts.schedules import SCHEDULE_NAMES, aliases_text, names_where
 
+# What a collective's timeout means, for the message that refuses one.
+TIMEOUT = "it must be a positive number (seconds a rank waits for a peer before failing)."
 
-def _option(default, doc: str):
+HELD_OUT = (
+    "the fraction of the training samples held out for validation must be in (0, 1), leaving both validation and "
+    "training data."
+)
+
+
+def _option(default, doc: str, bound: Bound | None = None):
+    """A key: its default, its one-line help, and the values it accepts (`torchpre.config.bounds`)."""
+    metadata = {"help": doc} if bound is None else {"help": doc, "bound": bound}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": doc})
-    return field(default=default, metadata={"help": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -68,6 +79,7 @@ class Model:
         0,
         "the model's vocabulary (embedding and output rows); 0 = the tokenizer's; with a text dataset it must hold "
         "every token id (e.g. 128256, Llama 3's, with training.dataset = 'synthetic')",
+        at_least(0),
     )
     mtp_depth: int = _option(
         0,
@@ -75,8 +87,9 @@ class Model:
         "predicts the token k + 1 ahead, its loss logged as loss/mtp_k; 0 = none (docs/deepseek-v3.md)",
     )
     mtp_loss_weight: float = _option(
-        0.3, "with model.mtp_depth: the MTP losses' weight in the training loss, over their mean (DeepSeek-V3: 0.3, "
-        "then 0.1)"
+        0.3,
+        "with model.mtp_depth: the MTP losses' weight in the training loss, over their mean (DeepSeek-V3: 0.3, "
+        "then 0.1)",
     )
     # The shape on top of the flavor, so that a width or depth sweep needs no Python (docs/mup.md).
     dim: int = _option(
@@ -161,12 +174,16 @@ class Training:
         "with training.dataset = 'shards': shard folders and their weights (normalised), e.g. TOML "
         '{ "/data/web" = 0.7, "/data/code" = 0.3 } or --training.dataset_mixture /data/web=0.7,/data/code=0.3',
     )
-    num_workers: int = _option(0, "data loader worker processes per rank; 0 = read samples in the training process")
-    local_batch_size: int = _option(8, "sequences per data-parallel rank per forward/backward")
-    global_batch_size: int = _option(
-        -1, "sequences per optimizer step; -1 = local_batch_size x DP, larger values accumulate gradients"
+    num_workers: int = _option(
+        0, "data loader worker processes per rank; 0 = read samples in the training process", at_least(0)
     )
-    seq_len: int = _option(256, "tokens per sequence")
+    local_batch_size: int = _option(8, "sequences per data-parallel rank per forward/backward", at_least(1))
+    global_batch_size: int = _option(
+        -1,
+        "sequences per optimizer step; -1 = local_batch_size x DP, larger values accumulate gradients",
+        at_least(1, "use -1 or a positive number.", also=(-1,)),
+    )
+    seq_len: int = _option(256, "tokens per sequence", at_least(1))
     batch_rampup: str = _option(
         "",
         "'start,increment,samples': Megatron's --rampup-batch-size; the global batch starts at `start` sequences and "
@@ -184,9 +201,9 @@ class Training:
         "global_batch_size = -1), and a data stage at another seq_len of the global batch: 'sequences' their number, "
         "'tokens' the tokens per step (the sequences scale by old seq_len / new seq_len)",
     )
-    steps: int = _option(100, "optimizer steps to train")
+    steps: int = _option(100, "optimizer steps to train", at_least(1))
     seed: int = _option(42, "seed of the initial weights and the data order")
-    max_norm: float = _option(1.0, "clip the global gradient norm to this value; 0 disables clipping")
+    max_norm: float = _option(1.0, "clip the global gradient norm to this value; 0 disables clipping", at_least(0))
     mixed_precision_param: Literal["float32", "bfloat16"] = _option(
         "float32", "dtype of parameters and activations; the optimizer keeps fp32 master weights"
     )
@@ -198,6 +215,7 @@ class Training:
         "tokens per chunk of the output layer and cross-entropy: the [tokens, vocabulary] logits are computed a chunk "
         "at a time and never held whole (forward and backward; every layout, multi-token prediction and evaluation "
         "too); 0 = the whole logits at once",
+        at_least(0),
     )
     document_mask: bool = _option(
         False,
@@ -214,15 +232,19 @@ class Training:
         "replay the first N non-finite steps with a check on every module to name where the NaN/inf started "
         "(module, forward or backward, rank, samples; logged and in metrics.jsonl as nonfinite/*); each replay "
         "costs one step's compute; 0 = off",
+        at_least(0),
     )
     spike_zscore: float = _option(
-        0.0, "warn about a loss this many standard deviations above the mean of the last spike_window; 0 = off"
+        0.0,
+        "warn about a loss this many standard deviations above the mean of the last spike_window; 0 = off",
+        at_least(0),
     )
-    spike_window: int = _option(100, "recent losses the spike detector compares each loss with")
+    spike_window: int = _option(100, "recent losses the spike detector compares each loss with", at_least(2))
     gc_freq: int = _option(
         50,
         "Python's automatic garbage collection is off during training and every rank collects (generation 1) "
         "every this many steps, all at the same step; 0 = leave the garbage collector alone",
+        at_least(0),
     )
     deterministic: bool = _option(
         False,
@@ -252,14 +274,14 @@ class Optimizer:
         "matrices, AdamW for the rest, whole matrices under every layout), or one a job.custom_import registers; a "
         "key below that it does not read must stay at its default",
     )
-    lr: float = _option(8e-4, "peak learning rate")
+    lr: float = _option(8e-4, "peak learning rate", positive("the learning rate must be positive."))
     eps: float = _option(1e-8, "term added to the denominator (AdamW, Adam, Adagrad, RMSprop)")
     weight_decay: float = _option(
         0.1, "weight decay of matrices (decoupled for AdamW, an L2 gradient term for the others); never of norm gains"
     )
-    beta1: float = _option(0.9, "first-moment decay (AdamW, Adam)")
-    beta2: float = _option(0.95, "second-moment decay (AdamW, Adam)")
-    momentum: float = _option(0.0, "momentum (SGD, RMSprop); 0 = none")
+    beta1: float = _option(0.9, "first-moment decay (AdamW, Adam)", between(0, 1, high_open=True))
+    beta2: float = _option(0.95, "second-moment decay (AdamW, Adam)", between(0, 1, high_open=True))
+    momentum: float = _option(0.0, "momentum (SGD, RMSprop); 0 = none", at_least(0, "it must be >= 0."))
     muon_momentum: float = _option(0.95, "Muon: momentum of the hidden matrices' gradients")
     muon_nesterov: bool = _option(True, "Muon: Nesterov momentum (the update looks ahead along the momentum)")
     muon_ns_steps: int = _option(5, "Muon: Newton-Schulz iterations of each orthogonalisation")
@@ -284,7 +306,7 @@ class Optimizer:
         "0 = optimizer state replicated over DP; 1 = ZeRO-1, state sharded over DP; 2 = ZeRO-2, gradients sharded "
         "too (reduce-scattered during backward); 3 = ZeRO-3, parameters sharded too, by FSDP2 (torch fully_shard)",
     )
-    bucket_size_mb: float = _option(25.0, "size of the flat buffers gradients are reduced in, in MiB")
+    bucket_size_mb: float = _option(25.0, "size of the flat buffers gradients are reduced in, in MiB", positive())
     reduce_dtype: Literal["float32", "bfloat16"] = _option(
         "float32", "dtype of the data-parallel gradient reduction; bfloat16 halves its traffic and rounds the sum"
     )
@@ -309,14 +331,15 @@ class Optimizer:
 class LRScheduler:
     """The warmup-stable-decay learning-rate schedule."""
 
-    warmup_steps: int = _option(10, "steps of linear warmup from lr/(warmup_steps+1) to lr")
+    warmup_steps: int = _option(10, "steps of linear warmup from lr/(warmup_steps+1) to lr", at_least(0))
     decay_ratio: float = _option(
         1.0,
         "fraction of the post-warmup steps spent decaying at the end (warmup-stable-decay); 1.0 = decay right after"
         " warmup",
+        between(0, 1),
     )
     decay_type: Literal["linear", "sqrt", "cosine"] = _option("linear", "shape of the decay")
-    min_lr_factor: float = _option(0.0, "the lr at the end of the decay, as a fraction of the peak lr")
+    min_lr_factor: float = _option(0.0, "the lr at the end of the decay, as a fraction of the peak lr", between(0, 1))
 
 
 @dataclass
@@ -329,9 +352,12 @@ class Parallelism:
         1,
         "HSDP (optimizer.zero_stage = 3): groups that each hold one sharded copy of the model; gradients are "
         "all-reduced across groups",
+        at_least(1),
     )
     data_parallel_shard_degree: int = _option(
-        -1, "ZeRO-3: ranks the parameters are sharded over; -1 = data-parallel degree / replicate degree"
+        -1,
+        "ZeRO-3: ranks the parameters are sharded over; -1 = data-parallel degree / replicate degree",
+        at_least(1, "use -1 (data-parallel degree / replicate degree) or >= 1.", also=(-1,)),
     )
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = _option(
         "default",
@@ -391,12 +417,14 @@ class Quantize:
     high precision."""
 
     linear: Literal["none", "float8", "mxfp8"] = _option(
-        "none", "matmuls of the chosen linears in 'float8' (FP8 e4m3, GPUs of compute capability 8.9+) or 'mxfp8' "
-        "(a scale per 32 values, 10.0+)"
+        "none",
+        "matmuls of the chosen linears in 'float8' (FP8 e4m3, GPUs of compute capability 8.9+) or 'mxfp8' "
+        "(a scale per 32 values, 10.0+)",
     )
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = _option(
-        "rowwise", "how FP8 values are scaled: one scale per tensor, per row, or per row with weight gradients in "
-        "high precision (mxfp8: rowwise or rowwise_with_gw_hp)"
+        "rowwise",
+        "how FP8 values are scaled: one scale per tensor, per row, or per row with weight gradients in "
+        "high precision (mxfp8: rowwise or rowwise_with_gw_hp)",
     )
     modules: list[str] = _option(
         [],
@@ -420,14 +448,19 @@ class Quantize:
     )
 
 
+# The entries a training job's checkpoint saves (`torchpre.training.job.TrainingJob.checkpoint_components` builds
+# exactly these, which tests/unit/test_checkpoint_entries.py checks): the names checkpoint.exclude_from_loading takes.
+CHECKPOINT_ENTRIES = ("model", "optimizer", "lr_scheduler", "dataloader", "train", "rng", "health")
+
+
 @dataclass
 class Checkpoint:
     """Saving, resuming, retention, integrity and storage behaviour of DCP checkpoints."""
 
     enable: bool = _option(False, "save checkpoints and resume from the latest one in the folder")
     folder: str = _option("checkpoint", "checkpoint folder, under job.dump_folder unless absolute")
-    interval: int = _option(500, "save every this many steps (and at the last step)")
-    keep_latest_k: int = _option(0, "keep only the newest k complete checkpoints; 0 keeps all")
+    interval: int = _option(500, "save every this many steps (and at the last step)", at_least(1))
+    keep_latest_k: int = _option(0, "keep only the newest k complete checkpoints; 0 keeps all", at_least(0))
     load_step: int = _option(-1, "step to resume from; -1 = the latest complete checkpoint")
     async_mode: Literal["disabled", "async", "async_process"] = _option(
         "disabled",
@@ -442,7 +475,7 @@ class Checkpoint:
         "'off': sizes only (a truncated file is still caught, altered bytes are not)",
     )
     exclude_from_loading: list[str] = _option(
-        [], "parts not to load: model, optimizer, lr_scheduler, dataloader, rng (e.g. optimizer,dataloader)"
+        [], f"parts not to load: {', '.join(CHECKPOINT_ENTRIES)} (e.g. optimizer,dataloader)"
     )
     model_only: bool = _option(False, "save only the model weights (for export); resuming then restarts the rest")
     initial_load_path: str = _option(
@@ -489,11 +522,13 @@ class Checkpoint:
         "every this many steps each rank also snapshots its whole state into checkpoint.memory_folder (host memory "
         "that outlives the process), written in the background; a restart with the same layout resumes from the "
         "newest snapshot step complete on every rank when it is newer than the disk checkpoint; 0 = off",
+        at_least(0),
     )
     memory_replicas: int = _option(
         1,
         "1: each snapshot is also kept by a peer rank on another node, from which a rank whose node was replaced "
         "restores (on one node: another rank); 0: no replica",
+        between(0, 1, message="it must be 0 (no replica) or 1 (one replica on a peer rank of another node)."),
     )
     memory_folder: str = _option(
         "/dev/shm/torchpre",
@@ -510,16 +545,19 @@ class Comm:
         900.0,
         "during start-up (rendezvous, model build, checkpoint load, the first step and its compilation), a rank "
         "waiting this long for a peer fails with an error instead of hanging",
+        positive(TIMEOUT),
     )
     timeout_seconds: float = _option(
         600.0,
         "after the first step, a rank waiting this long for a peer in a collective fails with an error instead of "
         "hanging; must exceed the longest gap between collectives (a checkpoint save, a validation pass)",
+        positive(TIMEOUT),
     )
     trace_buf_size: int = _option(
         20000,
         "NCCL flight recorder: the last this many collectives of each rank are recorded and, on a timeout, dumped "
         "to {job.dump_folder}/comm_traces/rank_N (read with torch.distributed.flight_recorder); 0 = off",
+        at_least(0),
     )
 
 
@@ -527,9 +565,11 @@ class Comm:
 class Metrics:
     """What each logged step records and where it goes (metrics.jsonl, W&B, TensorBoard)."""
 
-    log_freq: int = _option(10, "log metrics every this many steps (and at the last step)")
+    log_freq: int = _option(10, "log metrics every this many steps (and at the last step)", at_least(1))
     peak_flops: float = _option(
-        0.0, "peak FLOP/s of one device for MFU; 0 = known GPU table, or a matmul benchmark on CPU"
+        0.0,
+        "peak FLOP/s of one device for MFU; 0 = known GPU table, or a matmul benchmark on CPU",
+        at_least(0),
     )
     enable_wandb: bool = _option(
         False, "also log each metrics record to Weights & Biases (run under {job.dump_folder}/wandb; needs wandb)"
@@ -549,8 +589,14 @@ class Metrics:
         0.2,
         "warn when the ranks' busy time per step (step time less time in collectives) has (max - median) / median "
         "above this for straggler_window log intervals in a row",
+        positive(
+            "it must be positive (e.g. 0.2: warn when the slowest rank is busy 20% longer per step than the median "
+            "rank)."
+        ),
     )
-    straggler_window: int = _option(3, "log intervals the straggler spread must stay above the threshold to warn")
+    straggler_window: int = _option(
+        3, "log intervals the straggler spread must stay above the threshold to warn", at_least(1)
+    )
 
 
 @dataclass
@@ -564,7 +610,7 @@ class Profiling:
         "profile_traces", "traces go to {job.dump_folder}/{save_traces_folder}/step-N/rank{R}_trace.json"
     )
     profile_freq: int = _option(100, "steps between traces; each trace covers the last profile_active of them")
-    profile_active: int = _option(1, "steps recorded per trace")
+    profile_active: int = _option(1, "steps recorded per trace", at_least(1))
 
 
 @dataclass
@@ -583,11 +629,16 @@ class Validation:
         0.05,
         "with validation.dataset empty: the fraction of the training samples (the last windows of each source) "
         "reserved for validation and never trained on",
+        between(0, 1, low_open=True, high_open=True, message=HELD_OUT),
     )
-    freq: int = _option(100, "evaluate every this many steps (and at the last step)")
-    steps: int = _option(10, "validation batches per evaluation: the same batches, fixed by training.seed, each time")
+    freq: int = _option(100, "evaluate every this many steps (and at the last step)", at_least(1))
+    steps: int = _option(
+        10, "validation batches per evaluation: the same batches, fixed by training.seed, each time", at_least(1)
+    )
     local_batch_size: int = _option(
-        -1, "sequences per data-parallel rank per validation batch; -1 = training.local_batch_size"
+        -1,
+        "sequences per data-parallel rank per validation batch; -1 = training.local_batch_size",
+        at_least(1, "use -1 (training.local_batch_size) or a positive number.", also=(-1,)),
     )
 
 
@@ -601,8 +652,8 @@ class HFExport:
         "hf_export.interval steps and at the last step; transformers' from_pretrained loads it",
     )
     folder: str = _option("hf", "folder of the exports, under job.dump_folder unless absolute")
-    interval: int = _option(500, "export every this many steps (and at the last step)")
-    keep_latest_k: int = _option(0, "keep only the newest k complete exports; 0 keeps all")
+    interval: int = _option(500, "export every this many steps (and at the last step)", at_least(1))
+    keep_latest_k: int = _option(0, "keep only the newest k complete exports; 0 keeps all", at_least(0))
     dtype: Literal["", "float32", "bfloat16"] = _option(
         "", "the exported weights' dtype; empty = the dtype the model holds them in"
     )
@@ -620,17 +671,20 @@ class Eval:
 
     tasks: list[str] = _option(
         [],
-        "JSONL files, one multiple-choice question a line: {\"context\": str, \"choices\": [str, ...], \"answer\": "
+        'JSONL files, one multiple-choice question a line: {"context": str, "choices": [str, ...], "answer": '
         "int}; each file is a task named by its file name without .jsonl, logged as eval/<task>/acc and acc_norm",
     )
-    freq: int = _option(100, "evaluate every this many steps (and at the last step)")
+    freq: int = _option(100, "evaluate every this many steps (and at the last step)", at_least(1))
     local_batch_size: int = _option(
-        8, "(context, choice) sequences per data-parallel rank per forward pass, padded to the longest of them"
+        8,
+        "(context, choice) sequences per data-parallel rank per forward pass, padded to the longest of them",
+        at_least(1),
     )
     max_length: int = _option(
         0,
         "the most tokens a (context, choice) row feeds the model: a longer row keeps its last max_length + 1 tokens "
         "(lm-evaluation-harness's max_length, which defaults to the model's context); 0 = training.seq_len",
+        at_least(0),
     )
 
 

@@ -1,10 +1,14 @@
-"""Value checks that the type system cannot express, run before any expensive work."""
+"""Value checks that the type system cannot express, run before any expensive work: each key's own bound is
+declared with its field (job_config.py); the checks here read keys together, one function per section."""
 
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
 
-from torchpre.config.job_config import Checkpoint, JobConfig, Optimizer
+from torchpre.config.bounds import check_bounds
+from torchpre.config.job_config import CHECKPOINT_ENTRIES, Checkpoint, JobConfig
+from torchpre.config.training_schedule import check_data_stage, ramp_values
 from torchpre.errors import ConfigError
 from torchpre.layouts.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.layouts.zero_stages import zero_stage
@@ -12,85 +16,136 @@ from torchpre.optional import import_tensorboard, import_wandb
 
 
 def validate_config(config: JobConfig) -> None:
-    """Raises ConfigError naming the first impossible value and what would be valid."""
-    t, o, s, m = config.training, config.optimizer, config.lr_scheduler, config.metrics
-    _at_least("training.local_batch_size", t.local_batch_size, 1)
-    _at_least("training.seq_len", t.seq_len, 1)
-    _at_least("training.steps", t.steps, 1)
-    _at_least("training.loss_chunk_size", t.loss_chunk_size, 0)
-    _at_least("training.max_norm", t.max_norm, 0)
-    _at_least("lr_scheduler.warmup_steps", s.warmup_steps, 0)
-    _at_least("metrics.log_freq", m.log_freq, 1)
-    _at_least("metrics.peak_flops", m.peak_flops, 0)
-    if not m.straggler_threshold > 0:
-        raise ConfigError(
-            f"metrics.straggler_threshold = {m.straggler_threshold}: it must be positive (e.g. 0.2: warn when the "
-            "slowest rank is busy 20% longer per step than the median rank)."
-        )
-    _at_least("metrics.straggler_window", m.straggler_window, 1)
-    # Every rank checks the trackers' packages: rank 0 alone failing later would leave its peers waiting.
-    if m.enable_wandb:
-        import_wandb()
-    if m.enable_tensorboard:
-        import_tensorboard()
-    if t.global_batch_size != -1 and t.global_batch_size < 1:
-        raise ConfigError(f"training.global_batch_size = {t.global_batch_size}: use -1 or a positive number.")
-    _check_selective_ac_schedule(config)
-    _check_optimizer(o)
-    _check_data_parallel_degrees(config)
-    if o.bucket_size_mb <= 0:
-        raise ConfigError(f"optimizer.bucket_size_mb = {o.bucket_size_mb}: it must be positive.")
-    if o.lr <= 0:
-        raise ConfigError(f"optimizer.lr = {o.lr}: the learning rate must be positive.")
-    for key, value in (("optimizer.beta1", o.beta1), ("optimizer.beta2", o.beta2)):
-        if not 0 <= value < 1:
-            raise ConfigError(f"{key} = {value}: it must be in [0, 1).")
-    for key, value in (("lr_scheduler.decay_ratio", s.decay_ratio), ("lr_scheduler.min_lr_factor", s.min_lr_factor)):
-        if not 0 <= value <= 1:
-            raise ConfigError(f"{key} = {value}: it must be in [0, 1].")
-    c = config.checkpoint
+    """Raises ConfigError naming the first impossible value and what would be valid: first every key's own bound,
+    declared with its field (`torchpre.config.bounds`), then each section's checks of its keys together."""
+    check_section_bounds(config)
+    for check in SECTION_CHECKS:
+        check(config)
+
+
+def check_section_bounds(config: JobConfig) -> None:
+    """Every section's keys against the bounds declared with them; generation, which reads a training job's
+    config but none of its data or folders, checks these alone."""
+    for field in dataclasses.fields(config):
+        section = getattr(config, field.name)
+        if dataclasses.is_dataclass(section):
+            check_bounds(section, f"{field.name}.")
+
+
+def _check_job(config: JobConfig) -> None:
+    """The dump folder: every output of the job goes there, so one it cannot write fails now, not at a save."""
     _check_writable_folder("job.dump_folder", Path(config.job.dump_folder))
+
+
+def _check_metrics(config: JobConfig) -> None:
+    """Every rank checks the trackers' packages: rank 0 alone failing later would leave its peers waiting."""
+    if config.metrics.enable_wandb:
+        import_wandb()
+    if config.metrics.enable_tensorboard:
+        import_tensorboard()
+
+
+def _check_optimizer(config: JobConfig) -> None:
+    """The ZeRO stage and what it needs of the data-parallel keys; the optimizer's name and the keys it reads are
+    the optimizer registry's to check (`torchpre.optim.registry.check_config`), which needs torch."""
+    t, p = config.training, config.parallelism
+    stage = zero_stage(config.optimizer.zero_stage)  # an unknown ZeRO stage, named with the valid ones
+    if p.data_parallel_replicate_degree > 1 and not stage.shards_parameters:
+        raise ConfigError(
+            f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, "
+            "which replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
+        )
+    if not stage.shards_parameters:
+        return
+    # What ZeRO-3 (FSDP2) cannot run, or runs differently.
+    if t.mixed_precision_grad != "float32":
+        raise ConfigError(
+            f"training.mixed_precision_grad = {t.mixed_precision_grad} with optimizer.zero_stage = 3: FSDP keeps the "
+            "sharded gradients in fp32 and reduces them in optimizer.reduce_dtype. Set "
+            "training.mixed_precision_grad = float32, and optimizer.reduce_dtype = bfloat16 for a bf16 reduction."
+        )
+    if p.data_parallel_shard_degree != -1 and p.data_parallel_degree != -1:
+        product = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+        if product != p.data_parallel_degree:
+            raise ConfigError(
+                f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = "
+                f"{p.data_parallel_replicate_degree} x {p.data_parallel_shard_degree} = {product} must equal "
+                f"parallelism.data_parallel_degree = {p.data_parallel_degree}. Set data_parallel_shard_degree = -1."
+            )
+
+
+def _check_quantize(config: JobConfig) -> None:
+    """[quantize]: a recipe the format has, and FP8 all-gather only where one scale can serve every shard: the
+    amax of the whole weight, all-reduced over the data-parallel shards before the gather. Only tensorwise FP8 has
+    such a scale, only ZeRO-3 gathers, and under tensor parallelism torchao reduces that amax over the data-parallel
+    shards alone (measured: tp2 x dp2 losses 1e-5 off the high-precision gather, which equals it bitwise without
+    tp). The format's package and the sequences a rank sees are `torchpre.parallel.quantize.check_quantize`'s."""
+    q, key = config.quantize, "quantize.fsdp_float8_all_gather"
+    if q.linear == "mxfp8" and q.recipe == "tensorwise":
+        raise ConfigError(
+            "quantize.recipe = 'tensorwise' with quantize.linear = 'mxfp8': MXFP8 scales every block of 32 values, "
+            "never a whole tensor. Use quantize.recipe = 'rowwise' (or 'rowwise_with_gw_hp': weight gradients in "
+            "high precision), or quantize.linear = 'float8'."
+        )
+    if not q.fsdp_float8_all_gather:
+        return
+    if q.linear != "float8" or q.recipe != "tensorwise":
+        raise ConfigError(
+            f"{key} with quantize.linear = '{q.linear}' and quantize.recipe = '{q.recipe}': FP8 all-gather sends each "
+            "weight with one scale for the whole tensor, which only quantize.linear = 'float8' with quantize.recipe "
+            f"= 'tensorwise' has. Use those, or turn {key} off."
+        )
+    stage = config.optimizer.zero_stage
+    if not zero_stage(stage).shards_parameters:
+        raise ConfigError(
+            f"{key} with optimizer.zero_stage = {stage}: only ZeRO-3 (FSDP2) all-gathers the weights before "
+            f"each forward; set optimizer.zero_stage = 3, or turn {key} off."
+        )
+    tp = config.parallelism.tensor_parallel_degree
+    if tp > 1:
+        raise ConfigError(
+            f"{key} with parallelism.tensor_parallel_degree = {tp}: torchao takes the weight's "
+            "FP8 scale from the amax of the data-parallel shards only, so each tensor-parallel shard would get its "
+            f"own scale and the run would depend on the layout. Turn {key} off (the weights are then gathered in "
+            "high precision and cast with the amax of the whole weight), or use tensor_parallel_degree = 1."
+        )
+
+
+def _check_checkpoint(config: JobConfig) -> None:
+    """[checkpoint]: a folder the job can write, the entries it may skip on load, the initial weights' folder, and
+    what preemption saves and in-memory snapshots need of the rest."""
+    c = config.checkpoint
     if c.enable:
         _check_writable_folder("checkpoint.folder", Path(config.job.dump_folder) / c.folder)
-    _at_least("checkpoint.interval", c.interval, 1)
-    _at_least("checkpoint.keep_latest_k", c.keep_latest_k, 0)
     if c.save_on_preemption and not c.enable:
         raise ConfigError(
             "checkpoint.save_on_preemption saves a checkpoint on SIGTERM or SIGUSR1, but checkpoint.enable is off. "
             "Set checkpoint.enable = true, or turn checkpoint.save_on_preemption off."
         )
     _check_memory_snapshots(c)
-    for key in ("init_timeout_seconds", "timeout_seconds"):
-        seconds = getattr(config.comm, key)
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ConfigError(
-                f"comm.{key} = {seconds}: it must be a positive number (seconds a rank waits for a peer before "
-                "failing)."
-            )
-    _at_least("comm.trace_buf_size", config.comm.trace_buf_size, 0)
-    _at_least("training.gc_freq", t.gc_freq, 0)
-    parts = ("model", "optimizer", "lr_scheduler", "dataloader", "rng")
-    unknown = [part for part in c.exclude_from_loading if part not in parts]
+    unknown = [entry for entry in c.exclude_from_loading if entry not in CHECKPOINT_ENTRIES]
     if unknown:
         raise ConfigError(
-            f"checkpoint.exclude_from_loading names '{unknown[0]}'; the parts are: {', '.join(parts)}."
+            f"checkpoint.exclude_from_loading names '{unknown[0]}'; the parts are: {', '.join(CHECKPOINT_ENTRIES)}."
         )
     if c.initial_load_path and not Path(c.initial_load_path).is_dir():
         raise ConfigError(
             f"checkpoint.initial_load_path '{c.initial_load_path}' is not a folder. Give a checkpoint step-N "
             "folder or the output of `python -m torchpre.convert hf-to-dcp`."
         )
-    _validate_dataset(config)
-    _validate_validation(config)
-    _validate_eval_and_export(config)
-    _validate_health_and_profiling(config)
 
 
-def _validate_dataset(config: JobConfig) -> None:
+def _check_training_schedule(config: JobConfig) -> None:
+    """training.batch_rampup's numbers and each data stage's own values (`torchpre.config.training_schedule`)."""
+    t = config.training
+    ramp_values(t.batch_rampup, t.global_batch_size)
+    for index, entry in enumerate(t.data_stages):
+        check_data_stage(config, index, entry)
+
+
+def _check_training_data(config: JobConfig) -> None:
     """The data keys: a source that exists for the chosen `training.dataset`, sane mixture weights."""
     t = config.training
-    _at_least("training.num_workers", t.num_workers, 0)
-    _at_least("model.vocab_size", config.model.vocab_size, 0)
     _validate_text_source("training", t.dataset, t.dataset_path)
     if t.dataset == "synthetic" and t.dataset_path:
         raise ConfigError(
@@ -156,22 +211,10 @@ def _check_shard_folder(key: str, path: str) -> None:
         )
 
 
-def _validate_validation(config: JobConfig) -> None:
-    """The [validation] keys: sizes, the held-out fraction, and a data source that is not the training data
-    (evaluating on samples the model trains on would measure memorisation, not generalisation)."""
+def _check_validation(config: JobConfig) -> None:
+    """The [validation] data: a source that is not the training data (evaluating on samples the model trains on
+    would measure memorisation, not generalisation), and a schedule that can run forward-only."""
     v, t = config.validation, config.training
-    _at_least("validation.freq", v.freq, 1)
-    _at_least("validation.steps", v.steps, 1)
-    if v.local_batch_size != -1 and v.local_batch_size < 1:
-        raise ConfigError(
-            f"validation.local_batch_size = {v.local_batch_size}: use -1 (training.local_batch_size) or a positive "
-            "number."
-        )
-    if not 0 < v.split_fraction < 1:
-        raise ConfigError(
-            f"validation.split_fraction = {v.split_fraction}: the fraction of the training samples held out for "
-            "validation must be in (0, 1), leaving both validation and training data."
-        )
     if not v.enable:
         return
     schedule = config.parallelism.pipeline_parallel_schedule
@@ -212,12 +255,9 @@ def _validate_validation(config: JobConfig) -> None:
         )
 
 
-def _validate_eval_and_export(config: JobConfig) -> None:
-    """The [eval] and [hf_export] keys (the task files' contents are read, line by line, at start-up)."""
-    e, h = config.eval, config.hf_export
-    _at_least("eval.freq", e.freq, 1)
-    _at_least("eval.local_batch_size", e.local_batch_size, 1)
-    _at_least("eval.max_length", e.max_length, 0)
+def _check_eval(config: JobConfig) -> None:
+    """The [eval] keys (the task files' contents are read, line by line, at start-up)."""
+    e = config.eval
     tp, window = config.parallelism.tensor_parallel_degree, e.max_length or config.training.seq_len
     if e.tasks and tp > 1 and config.parallelism.enable_sequence_parallel and window % tp:
         raise ConfigError(
@@ -237,17 +277,21 @@ def _validate_eval_and_export(config: JobConfig) -> None:
             "scores whole sequences on one rank). Evaluate the Hugging Face exports instead (hf_export), or train "
             "without context parallelism."
         )
-    _at_least("hf_export.interval", h.interval, 1)
-    _at_least("hf_export.keep_latest_k", h.keep_latest_k, 0)
-    if h.enable:
-        _check_writable_folder("hf_export.folder", Path(config.job.dump_folder) / h.folder)
-        if config.checkpoint.enable and Path(config.job.dump_folder, h.folder) == Path(
-            config.job.dump_folder, config.checkpoint.folder
-        ):
-            raise ConfigError(
-                f"hf_export.folder = checkpoint.folder = '{h.folder}': exports and checkpoints are both step-N "
-                "folders, so one would replace the other. Give hf_export.folder another name (default 'hf')."
-            )
+
+
+def _check_hf_export(config: JobConfig) -> None:
+    """[hf_export]: a folder the job can write that is not the checkpoints'."""
+    h = config.hf_export
+    if not h.enable:
+        return
+    _check_writable_folder("hf_export.folder", Path(config.job.dump_folder) / h.folder)
+    if config.checkpoint.enable and Path(config.job.dump_folder, h.folder) == Path(
+        config.job.dump_folder, config.checkpoint.folder
+    ):
+        raise ConfigError(
+            f"hf_export.folder = checkpoint.folder = '{h.folder}': exports and checkpoints are both step-N "
+            "folders, so one would replace the other. Give hf_export.folder another name (default 'hf')."
+        )
 
 
 def _same_source(dataset: str, path: str, other_dataset: str, other_path: str) -> bool:
@@ -257,12 +301,8 @@ def _same_source(dataset: str, path: str, other_dataset: str, other_path: str) -
     return not path or Path(path).resolve() == Path(other_path).resolve()
 
 
-def _validate_health_and_profiling(config: JobConfig) -> None:
-    t, p = config.training, config.profiling
-    _at_least("training.spike_zscore", t.spike_zscore, 0)
-    _at_least("training.nonfinite_forensics", t.nonfinite_forensics, 0)
-    _at_least("training.spike_window", t.spike_window, 2)
-    _at_least("profiling.profile_active", p.profile_active, 1)
+def _check_profiling(config: JobConfig) -> None:
+    p = config.profiling
     if p.profile_freq < p.profile_active:
         raise ConfigError(
             f"profiling.profile_freq = {p.profile_freq} is smaller than profiling.profile_active = "
@@ -291,23 +331,7 @@ def _check_writable_folder(key: str, folder: Path) -> None:
         ) from None
 
 
-def _check_data_parallel_degrees(config: JobConfig) -> None:
-    """The HSDP degrees' values; what they mean for a ZeRO stage is `torchpre.parallel.data_parallel`'s to check."""
-    p = config.parallelism
-    _at_least("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree, 1)
-    if p.data_parallel_shard_degree != -1 and p.data_parallel_shard_degree < 1:
-        raise ConfigError(
-            f"parallelism.data_parallel_shard_degree = {p.data_parallel_shard_degree}: use -1 (data-parallel "
-            "degree / replicate degree) or >= 1."
-        )
-
-
-def _at_least(key: str, value: float, minimum: float) -> None:
-    if value < minimum:
-        raise ConfigError(f"{key} = {value}: it must be at least {minimum}.")
-
-
-def _check_selective_ac_schedule(config: JobConfig) -> None:
+def _check_activation_checkpoint(config: JobConfig) -> None:
     """Per-op selective checkpointing keeps each saved op output for one backward through the block; a zero-bubble
     schedule runs two (input gradients, then weight gradients), and torch fails in the second."""
     ac, p = config.activation_checkpoint, config.parallelism
@@ -322,22 +346,8 @@ def _check_selective_ac_schedule(config: JobConfig) -> None:
         )
 
 
-def _check_optimizer(o: Optimizer) -> None:
-    """The optimizer's values; its name and the keys it reads are the optimizer registry's to check
-    (`torchpre.optim.registry.check_config`), which needs torch."""
-    zero_stage(o.zero_stage)  # an unknown ZeRO stage, named with the valid ones
-    if o.momentum < 0:
-        raise ConfigError(f"optimizer.momentum = {o.momentum}: it must be >= 0.")
-
-
 def _check_memory_snapshots(c: Checkpoint) -> None:
     """checkpoint.memory_*: snapshots belong to a run of checkpoints (its run id, its disk fallback)."""
-    _at_least("checkpoint.memory_interval", c.memory_interval, 0)
-    if c.memory_replicas not in (0, 1):
-        raise ConfigError(
-            f"checkpoint.memory_replicas = {c.memory_replicas}: it must be 0 (no replica) or 1 (one replica on a "
-            "peer rank of another node)."
-        )
     if c.memory_interval and not c.enable:
         raise ConfigError(
             f"checkpoint.memory_interval = {c.memory_interval} takes in-memory snapshots, but checkpoint.enable is "
@@ -353,3 +363,20 @@ def _check_memory_snapshots(c: Checkpoint) -> None:
         raise ConfigError(
             "checkpoint.memory_folder is empty. Give a folder in host memory, e.g. /dev/shm/torchpre (the default)."
         )
+
+
+# Each section's checks of its keys together, in the order they run (a job's folder first: everything writes there).
+SECTION_CHECKS = (
+    _check_job,
+    _check_metrics,
+    _check_activation_checkpoint,
+    _check_optimizer,
+    _check_quantize,
+    _check_checkpoint,
+    _check_training_schedule,
+    _check_training_data,
+    _check_validation,
+    _check_eval,
+    _check_hf_export,
+    _check_profiling,
+)

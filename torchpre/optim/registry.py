@@ -176,17 +176,17 @@ def hyperparameters_from_config(values: dict[str, object]) -> dict[str, object]:
     }
 
 
-def check_config(section: Optimizer, shards: dict[str, int]) -> None:
+def check_config(section: Optimizer, shards: dict[str, bool]) -> None:
     """`optimizer.name` is registered, no `optimizer.*` key it does not read is set away from its default, the
-    values it reads are valid, and an update that is not elementwise is not computed on shards (`shards`: the
-    degrees of tensor_parallel, expert_parallel, the ZeRO stage)."""
+    values it reads are valid, and an update that is not elementwise is not computed on shards (`shards`: each
+    setting of the layout, e.g. "optimizer.zero_stage = 1", and whether it leaves ranks holding shards)."""
     keys, defaults = config_keys(), Optimizer()
     values = {k: getattr(section, k) for k in keys}
     check_hyperparameters(section.name, values, {k: getattr(defaults, k) for k in keys})
     spec = get_optimizer(section.name)
     if spec.check is not None:
         spec.check(hyperparameters_from_config(values))
-    sharded = [f"{key} = {value}" for key, value in shards.items() if value > (0 if key.endswith("zero_stage") else 1)]
+    sharded = [setting for setting, holds_shards in shards.items() if holds_shards]
     if not spec.elementwise and not spec.whole_matrices and sharded:
         raise ConfigError(
             f"optimizer.name = '{section.name}': its update is not elementwise (it reads whole matrices), and it has "

@@ -64,10 +64,10 @@ class DataParallel:
     @classmethod
     def from_config(cls, config: JobConfig) -> "DataParallel":
         """The strategy of `config.optimizer` (zero_stage, reduce_dtype, bucket_size_mb, overlap_grad_reduce,
-        zero2_accumulate_locally) and `training.mixed_precision_grad`; rejects combinations it cannot run, naming
-        the keys, before any work."""
-        o, p, t = config.optimizer, config.parallelism, config.training
-        strategy = cls(
+        zero2_accumulate_locally) and `training.mixed_precision_grad`, whose combinations `validate_config` checked
+        (`torchpre.config.validate`)."""
+        o, t = config.optimizer, config.training
+        return cls(
             zero_stage=o.zero_stage,
             reduce_dtype=getattr(torch, o.reduce_dtype),
             bucket_bytes=int(o.bucket_size_mb * 2**20),
@@ -75,14 +75,6 @@ class DataParallel:
             accumulate_locally=o.zero2_accumulate_locally,
             accumulate_in_fp32=t.mixed_precision_grad == "float32",
         )
-        if p.data_parallel_replicate_degree > 1 and not strategy.shards_parameters:
-            raise ConfigError(
-                f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, "
-                "which replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
-            )
-        if strategy.shards_parameters:
-            _check_fully_sharded(config)
-        return strategy
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -124,25 +116,6 @@ class DataParallel:
             _replicated_parameter(name, param, part, dp_group, edp_group, self.shards_optimizer_state)
             for (name, param), part in zip(named_params, parts)
         ]
-
-
-def _check_fully_sharded(config: JobConfig) -> None:
-    """What ZeRO-3 (FSDP2) cannot run, or runs differently, said before any process starts."""
-    t, p = config.training, config.parallelism
-    if t.mixed_precision_grad != "float32":
-        raise ConfigError(
-            f"training.mixed_precision_grad = {t.mixed_precision_grad} with optimizer.zero_stage = 3: FSDP keeps the "
-            "sharded gradients in fp32 and reduces them in optimizer.reduce_dtype. Set "
-            "training.mixed_precision_grad = float32, and optimizer.reduce_dtype = bfloat16 for a bf16 reduction."
-        )
-    if p.data_parallel_shard_degree != -1 and p.data_parallel_degree != -1:
-        product = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
-        if product != p.data_parallel_degree:
-            raise ConfigError(
-                f"parallelism.data_parallel_replicate_degree x data_parallel_shard_degree = "
-                f"{p.data_parallel_replicate_degree} x {p.data_parallel_shard_degree} = {product} must equal "
-                f"parallelism.data_parallel_degree = {p.data_parallel_degree}. Set data_parallel_shard_degree = -1."
-            )
 
 
 @dataclass(eq=False)

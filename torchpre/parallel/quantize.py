@@ -43,7 +43,8 @@ class QuantizePlan:
 
 
 def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: str) -> None:
-    """Refuses, naming the keys, what the chosen format cannot do; run on every rank before any process group.
+    """Refuses, naming the keys, what the chosen format cannot do with the sequences a rank sees (the [quantize]
+    keys' own combinations are `torchpre.config.validate`'s); run on every rank before any process group.
     `tokens_per_row` is how many positions of a sequence one rank's matmuls see (`tokens_key` says which keys
     set it): MXFP8's weight gradient scales blocks of 32 of them."""
     if linear == "none":
@@ -51,44 +52,12 @@ def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: st
     import_optional("torchao", f"quantize.linear = '{linear}'", extra="fp8")  # missing: names the extra
     if linear != "mxfp8":
         return
-    if recipe == "tensorwise":
-        raise ConfigError(
-            "quantize.recipe = 'tensorwise' with quantize.linear = 'mxfp8': MXFP8 scales every block of 32 values, "
-            "never a whole tensor. Use quantize.recipe = 'rowwise' (or 'rowwise_with_gw_hp': weight gradients in "
-            "high precision), or quantize.linear = 'float8'."
-        )
     if recipe == "rowwise" and tokens_per_row % DIVISOR["mxfp8"]:
         raise ConfigError(
             f"quantize.linear = 'mxfp8' with quantize.recipe = 'rowwise' and {tokens_key} = {tokens_per_row} "
             "positions per sequence on each rank: its weight gradient scales blocks of 32 tokens of a microbatch, "
             "which every microbatch has whole when the positions are a multiple of 32. Change training.seq_len, or "
             "use quantize.recipe = 'rowwise_with_gw_hp' (weight gradients in high precision)."
-        )
-
-
-def check_float8_all_gather(linear: str, recipe: str, zero_stage: int, tensor_parallel_degree: int) -> None:
-    """FP8 all-gather sends each weight shard in FP8 with one scale that all shards agree on (the amax of the whole
-    weight, all-reduced over the data-parallel shards before the gather): only tensorwise FP8 has such a scale,
-    only ZeRO-3 gathers, and under tensor parallelism torchao reduces that amax over the data-parallel shards alone
-    (measured: tp2 x dp2 losses 1e-5 off the high-precision gather, which equals it bitwise without tp)."""
-    key = "quantize.fsdp_float8_all_gather"
-    if linear != "float8" or recipe != "tensorwise":
-        raise ConfigError(
-            f"{key} with quantize.linear = '{linear}' and quantize.recipe = '{recipe}': FP8 all-gather sends each "
-            "weight with one scale for the whole tensor, which only quantize.linear = 'float8' with quantize.recipe "
-            f"= 'tensorwise' has. Use those, or turn {key} off."
-        )
-    if zero_stage != 3:
-        raise ConfigError(
-            f"{key} with optimizer.zero_stage = {zero_stage}: only ZeRO-3 (FSDP2) all-gathers the weights before "
-            f"each forward; set optimizer.zero_stage = 3, or turn {key} off."
-        )
-    if tensor_parallel_degree > 1:
-        raise ConfigError(
-            f"{key} with parallelism.tensor_parallel_degree = {tensor_parallel_degree}: torchao takes the weight's "
-            "FP8 scale from the amax of the data-parallel shards only, so each tensor-parallel shard would get its "
-            f"own scale and the run would depend on the layout. Turn {key} off (the weights are then gathered in "
-            "high precision and cast with the amax of the whole weight), or use tensor_parallel_degree = 1."
         )
 
 

@@ -28,13 +28,13 @@ def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp: int) 
     return global_batch_size, global_batch_size // per_round
 
 
-def batch_sizes(config: JobConfig, dp: int, resume_dir: Path | None) -> BatchSizes:
+def batch_sizes(config: JobConfig, dp: int, resume_dir: Path | None, trust: Trust) -> BatchSizes:
     """`resolve_batch_sizes` for this job, except that a resumed job keeps the global batch its checkpoint
-    (`resume_dir`) was trained with when training.global_batch_size is -1 (derived): under another layout -1 would
-    derive another batch and silently change the run. On other sequences it keeps their number or their tokens
-    (training.global_batch_unit, `kept_global_batch`). An explicit value wins and is logged as a change."""
+    (`resume_dir`, read as `trust` allows) was trained with when training.global_batch_size is -1 (derived): under
+    another layout -1 would derive another batch and silently change the run. On other sequences it keeps their
+    number or their tokens (training.global_batch_unit, `kept_global_batch`). An explicit value wins and is logged as
+    a change."""
     t = config.training
-    trust = Trust.from_settings(config.checkpoint)
     allow_pickle = config.checkpoint.allow_pickle
     saved, saved_seq_len = saved_batch(resume_dir, trust, allow_pickle) if resume_dir is not None else (0, 0)
     kept = kept_global_batch(saved, saved_seq_len or t.seq_len, t.seq_len, t.global_batch_unit)

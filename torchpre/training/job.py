@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchpre.checkpoint.integrity import read_signing_key
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.snapshots import SnapshotManager
 from torchpre.checkpoint.state import RNGState
@@ -161,7 +160,8 @@ class TrainingJob:
         return dist.get_rank() == 0
 
     def checkpoint_components(self) -> dict[str, Any]:
-        """The entries of this job's checkpoints (see `torchpre.checkpoint.manager`)."""
+        """The entries of this job's checkpoints (see `torchpre.checkpoint.manager`): `CHECKPOINT_ENTRIES`, the names
+        checkpoint.exclude_from_loading takes, which a test keeps equal to these."""
         components = {
             "model": ModelState(self.model, self.optimizer),
             "optimizer": self.optimizer,
@@ -242,19 +242,18 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     )  # fmt: skip
     if c.enable or c.initial_load_path:
         job.checkpoint = CheckpointManager(
-            Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, to_toml(config)
+            Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, to_toml(config), pre.trust
         )
     if c.enable and c.memory_interval and not runtime.fake:
         layout = {key: job.progress.layout[key] for key in ("world_size", "dp", "tp", "pp", "ep", "cp")}
         job.snapshots = SnapshotManager(
-            Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, layout,
-            read_signing_key(c.signing_key_file),
+            Path(config.job.dump_folder) / c.folder, job.checkpoint_components(), c, layout, pre.trust.signing_key,
         )  # fmt: skip
     if config.hf_export.enable and not runtime.fake:
         job.hf_export = HFExporter(
             Path(config.job.dump_folder) / config.hf_export.folder, config.hf_export, model, pre.model_spec,
             pre.model_args, pre.tokenizer, max(pre.model_args.max_seq_len, model_context(config, pre.tokenizer)),
-            read_signing_key(c.signing_key_file),
+            pre.trust.signing_key,
         )  # fmt: skip
     if not runtime.fake:
         job.begin_step()  # step 0's shape; a resume sets its step's after loading
@@ -329,10 +328,10 @@ def _build_model(
         quantize_experts(model, plan, spec.set_grouped_mm)
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = spec.flops_per_token(args, num_params, config.training.seq_len)
-    seed, source = config.training.seed, _weights_source(config, pre.resume_dir)
-    if source is not None:
-        logger.info("skipped weight initialisation: loading %s", source)
-    init_weights = spec.init_buffers if source is not None or fake else lambda part: spec.init_weights(part, seed)
+    seed, source = config.training.seed, pre.weights
+    if source.loads_weights:
+        logger.info("skipped weight initialisation: loading %s", source.folder)
+    init_weights = spec.init_buffers if source.loads_weights or fake else lambda part: spec.init_weights(part, seed)
     parallel = parallelize(
         model,
         meshes.mesh,
@@ -367,15 +366,6 @@ def scale_auxiliary_losses(spec: ModelSpec, model: ParallelModel, sizes: BatchSi
     for part in model.parts:
         spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
         spec.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
-
-
-def _weights_source(config: JobConfig, resume_dir: Path | None) -> Path | None:
-    """The checkpoint the weights will be loaded from, if any: the resumed one (unless checkpoint.exclude_from_loading
-    names the model), else checkpoint.initial_load_path."""
-    c = config.checkpoint
-    if resume_dir is not None:
-        return None if "model" in c.exclude_from_loading else resume_dir
-    return Path(c.initial_load_path) if c.initial_load_path else None
 
 
 def _forensics(model: ParallelModel, pre: Preflight, meshes: Meshes) -> Forensics:

@@ -31,7 +31,7 @@ from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.data_parallel import DataParallel, FSDPPlan
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.parallel.quantize import QuantizePlan, check_float8_all_gather, check_quantize, resolve_emulate
+from torchpre.parallel.quantize import QuantizePlan, check_quantize, resolve_emulate
 from torchpre.parallel.quantized_experts import check_quantize_experts
 from torchpre.training.parametrization import refuse_shape_keys, with_model_shape, with_parametrization
 from torchpre.training.rope import refuse_rope_keys, with_rope
@@ -200,8 +200,6 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDi
     tokens_key = "training.seq_len" + (f" / parallelism.context_parallel_degree {cp}" if cp > 1 else "")
     q = config.quantize
     check_quantize(q.linear, q.recipe, seq_len // cp, tokens_key)
-    if q.fsdp_float8_all_gather:
-        check_float8_all_gather(q.linear, q.recipe, config.optimizer.zero_stage, dims.tp)
     if q.experts:
         matmul_dims = None if spec.expert_matmul_dims is None else spec.expert_matmul_dims(args, dims)
         check_quantize_experts(q.linear, name, matmul_dims)

@@ -17,7 +17,7 @@ from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.evaluation.multiple_choice import Task, read_tasks
-from torchpre.interchange.load import FROM_HF, HFWeights, check_hf_folder, hf_weights
+from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.layouts.batch import BatchSizes
 from torchpre.models.registry import ModelSpec, get_model_spec
@@ -28,6 +28,7 @@ from torchpre.training.batches import batch_sizes
 from torchpre.training.model import check_layout, job_tokenizer, model_args, model_context
 from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.step_plan import StepPlan
+from torchpre.training.weights import WeightsSource, weights_source
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,10 @@ class Preflight:
     tokenizer: Tokenizer
     model_args: Any
     pipeline: PipelinePlan | None
-    resume_dir: Path | None  # the checkpoint a resume will load
+    trust: Trust  # what loads accept: the [checkpoint] settings with the signing key, read once
+    weights: WeightsSource  # where the weights come from: the resumed checkpoint, an initial folder, or the seed
     eval_tasks: list[Task]  # eval.tasks, read and tokenized
     plan: StepPlan  # each step's global batch and data stage (a ramp, data stages)
-    initial_hf: HFWeights | None = None  # checkpoint.initial_load_path as a Hugging Face folder, checked
 
 
 def preflight(
@@ -58,20 +59,20 @@ def preflight(
     `ModelSpec.pipeline_stages`, which builds the model on the meta device)."""
     validate_config(config)
     p, t, c = config.parallelism, config.training, config.checkpoint
-    check_optimizer_config(config.optimizer, {
-        "optimizer.zero_stage": config.optimizer.zero_stage,
-        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
-        "parallelism.expert_parallel_degree": p.expert_parallel_degree,
-    })  # fmt: skip
     data_parallel = DataParallel.from_config(config)
+    check_optimizer_config(config.optimizer, {
+        f"optimizer.zero_stage = {data_parallel.zero_stage}": data_parallel.shards_optimizer_state,
+        f"parallelism.tensor_parallel_degree = {p.tensor_parallel_degree}": p.tensor_parallel_degree > 1,
+        f"parallelism.expert_parallel_degree = {p.expert_parallel_degree}": p.expert_parallel_degree > 1,
+    })  # fmt: skip
     dims = ParallelDims.from_degrees(
         p.data_parallel_degree, p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size,
         ep=p.expert_parallel_degree, dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree,
     )  # fmt: skip
     # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
-    resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
     trust = Trust.from_settings(c)
+    resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
     if c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):  # read below for its shape or its weights
         check_hf_folder(Path(c.initial_load_path), trust, c.allow_unsigned_hf, "checkpoint.initial_load_path")
     if resume_dir is not None:
@@ -80,7 +81,7 @@ def preflight(
     elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
-    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir)
+    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir, trust)
     plan = StepPlan.from_config(config, batches, dims.dp)
     spec = get_model_spec(config.model.name)
     tokenizer = tokenizer or job_tokenizer(config)
@@ -96,9 +97,7 @@ def preflight(
     for seq_len in seq_lens:
         check_layout(at_seq_len(config, seq_len), spec, args, dims)
     check_keys_take_effect(config, spec, args, seq_lens[0])
-    initial_hf = None
-    if resume_dir is None and c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):
-        initial_hf = hf_weights(Path(c.initial_load_path), spec, args, "checkpoint.initial_load_path")
+    weights = weights_source(c, resume_dir, lambda path: hf_weights(path, spec, args, "checkpoint.initial_load_path"))
     if config.hf_export.enable and spec.hf is None:
         raise ConfigError(
             f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
@@ -115,9 +114,7 @@ def preflight(
             sequences_per_step=t.local_batch_size * first.accumulation_steps,
         )
     plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
-    return Preflight(
-        dims, data_parallel, batches, spec, tokenizer, args, pipeline, resume_dir, eval_tasks, plan, initial_hf
-    )
+    return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, trust, weights, eval_tasks, plan)
 
 
 def _evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:

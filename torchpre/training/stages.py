@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from torchpre.config.job_config import DataStage, JobConfig
+from torchpre.config.training_schedule import STAGES_KEY as KEY
+from torchpre.config.training_schedule import check_data_stage, stage_name
 from torchpre.errors import ConfigError, FieldError, TorchpreError
 from torchpre.errors import field as json_field
 from torchpre.optim.lr_scheduler import decay_start_step
 
-KEY = "training.data_stages"
 SAVED_KEY = "train.data_stages"  # where a checkpoint's state.json keeps the stages of the run that saved it
 
 
@@ -160,40 +161,22 @@ def _mixture(weights: dict[str, float]) -> str:
 
 
 def _resolve(config: JobConfig, index: int, entry: DataStage) -> Stage:
-    """One `[[training.data_stages]]` table as a `Stage`, its start step resolved and its values checked."""
+    """One `[[training.data_stages]]` table as a `Stage`, its values checked and its start step resolved."""
     t, s = config.training, config.lr_scheduler
-    name = entry.name or f"stage-{index + 1}"
-    where = f"{KEY} stage {index + 1} ('{name}')"
-    starts = [key for key, given in (("start_step", entry.start_step is not None),
-                                     ("start_fraction", entry.start_fraction is not None),
-                                     ("start_at_decay", entry.start_at_decay)) if given]  # fmt: skip
-    if len(starts) > 1:
-        raise ConfigError(f"{where} sets {' and '.join(starts)}: give one of them.")
-    if not starts and index > 0:
-        raise ConfigError(f"{where} has no start: give start_step, start_fraction or start_at_decay = true.")
+    check_data_stage(config, index, entry)
+    name = stage_name(index, entry)
     if entry.start_step is not None:
         start = entry.start_step
-        if start < 0:
-            raise ConfigError(f"{where}: start_step = {start} must be at least 0.")
     elif entry.start_fraction is not None:
-        if not 0 <= entry.start_fraction < 1:
-            raise ConfigError(f"{where}: start_fraction = {entry.start_fraction} must be in [0, 1).")
         start = round(entry.start_fraction * t.steps)
     elif entry.start_at_decay:
         start = decay_start_step(steps=t.steps, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio)
         if start >= t.steps:
             raise ConfigError(
-                f"{where} starts at the decay of the LR schedule, but lr_scheduler.decay_ratio = {s.decay_ratio} "
-                "never decays. Set a decay_ratio > 0 or give the stage a start_step."
+                f"{KEY} stage {index + 1} ('{name}') starts at the decay of the LR schedule, but "
+                f"lr_scheduler.decay_ratio = {s.decay_ratio} never decays. Set a decay_ratio > 0 or give the stage a "
+                "start_step."
             )
     else:
         start = 0
-    if entry.seq_len < 0:
-        raise ConfigError(f"{where}: seq_len = {entry.seq_len} must be positive (or 0 for training.seq_len).")
-    if entry.mixture and t.dataset != "shards":
-        raise ConfigError(
-            f"{where} has a mixture of shard folders, which needs training.dataset = 'shards' (it is "
-            f"'{t.dataset}'). Set training.dataset = 'shards', or leave the stage's mixture out to train on the job's "
-            "data."
-        )
     return Stage(index, name, start, entry.seq_len or t.seq_len, dict(entry.mixture))

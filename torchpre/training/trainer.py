@@ -30,6 +30,7 @@ from torchpre.training.run_folder import (
     set_aside_later_history,
 )
 from torchpre.training.stages import saved_stages, stages_change
+from torchpre.training.weights import DcpFolder, HfFolder, Resume
 
 logger = logging.getLogger("torchpre")
 
@@ -244,18 +245,19 @@ class Trainer:
         return time.perf_counter() - start
 
     def _resume(self) -> None:
-        """Resumes from this job's latest (or chosen) checkpoint, else starts from `checkpoint.initial_load_path`'s
-        weights, else from the seed."""
+        """Loads where preflight found the weights come from (`Preflight.weights`): the in-memory snapshots or this
+        job's latest (or chosen) checkpoint, else `checkpoint.initial_load_path`'s weights, else nothing (the seed)."""
         job, c = self.job, self.config.checkpoint
         if self._resume_from_snapshots():
             return
-        step_dir = job.checkpoint.find(c.load_step) if job.checkpoint and c.enable else None
-        if step_dir is None:
-            if job.preflight.initial_hf is not None:
-                self._load_hf(job.preflight.initial_hf)
-            elif c.initial_load_path:
-                job.checkpoint.load(Path(c.initial_load_path), weights_only=True)
+        source = job.preflight.weights
+        if isinstance(source, HfFolder):
+            self._load_hf(source.weights)
+        elif isinstance(source, DcpFolder):
+            job.checkpoint.load(source.folder, weights_only=True)
+        if not isinstance(source, Resume):
             return
+        step_dir = job.checkpoint.find(c.load_step)  # preflight's step, unless the whole-folder check finds it damaged
         job.checkpoint.load(step_dir)
         job.begin_step(resumed=True)  # the resumed step's global batch and data stage, which the messages below compare
         progress, global_batch_size = job.progress, job.batches.global_batch_size

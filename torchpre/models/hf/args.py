@@ -9,6 +9,7 @@ from typing import Any
 
 from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
 from torchpre.json_input import read_json, read_named_json
+from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.hf.architectures import not_decoder_only
 from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
 from torchpre.models.hf_fields import (
@@ -37,7 +38,7 @@ class HFArgs:
     max_seq_len: int
     sequence_parallel: bool = False  # parallelism.enable_sequence_parallel (applies under tensor parallel)
     loss_parallel: bool = False  # parallelism.enable_loss_parallel (idem)
-    fsdp: bool = False  # optimizer.zero_stage = 3
+    fsdp: bool = False  # the ZeRO stage shards parameters (FSDP2)
 
     @property
     def vocab_size(self) -> int:
@@ -141,7 +142,7 @@ def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
         max_seq_len=seq_len,
         sequence_parallel=job.parallelism.enable_sequence_parallel,
         loss_parallel=job.parallelism.enable_loss_parallel,
-        fsdp=job.optimizer.zero_stage == 3,
+        fsdp=zero_stage(job.optimizer.zero_stage).shards_parameters,
     )
 
 
