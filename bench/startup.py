@@ -1,7 +1,7 @@
 """How long one rank takes to build and initialise a large model, measured in one CPU process.
 
 Rank 0 of a `--world`-rank job (tensor parallel `--tp`, the rest data parallel) under torch's fake process
-group (no peers, no collectives run), with the trainer's own pieces (`torchpre.training.model.meta_model`,
+group (no peers, no collectives run), with the trainer's own pieces (`torchpre.assembly.meta.meta_model`,
 `parallel_plan`, `torchpre.parallel.parallelize`), for llama3 `--flavor` with its real vocabulary (128,256
 tokens for the released flavors) at `--seq_len`:
 
@@ -28,13 +28,14 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from bench.common import print_table
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.parallel.api import ParallelModel, parallelize
 from torchpre.parallel.ties import retie, tie_groups
-from torchpre.training.model import meta_model, parallel_plan
 
 GiB = 2**30
 

@@ -21,12 +21,13 @@ from torchpre.runtime.cli import run_entry_point  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
+    from torchpre.assembly.meta import meta_model
+    from torchpre.assembly.plans import parallel_plan
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
     from torchpre.interchange.load import load_hf_weights
     from torchpre.parallel.api import parallelize
     from torchpre.runtime.world import Runtime
-    from torchpre.training.model import meta_model, parallel_plan
     from torchpre.training.preflight import preflight
 
     config = parse_args(JobConfig, argv)

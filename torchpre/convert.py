@@ -45,6 +45,9 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchpre.assembly.args import model_args, model_context
+from torchpre.assembly.rope import check_saved_rope
+from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.checkpoint.integrity import (
     FileCheck,
     Trust,
@@ -72,8 +75,6 @@ from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights, load
 from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.model import job_tokenizer, model_args, model_context
-from torchpre.training.rope import check_saved_rope
 
 logger = logging.getLogger("torchpre")
 
@@ -201,7 +202,7 @@ def _size(text: str) -> int:
 
 
 def _job_model(config: JobConfig) -> _Model:
-    """The model args every entry point derives from `config` (`torchpre.training.model.model_args`)."""
+    """The model args every entry point derives from `config` (`torchpre.assembly.args.model_args`)."""
     spec = get_model_spec(config.model.name)
     if spec.hf is None:
         raise TorchpreError(

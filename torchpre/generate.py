@@ -7,7 +7,7 @@
 The flags are `GenerateConfig`: the job's options (of which generation reads job.*, model.*,
 training.mixed_precision_param, parallelism.* and checkpoint.folder/load_step/allow_unverified) plus the
 generation flags, parsed, checked and listed by --help like training's. The model is built by the trainer's
-code (`torchpre.training.model`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
+code (`torchpre.assembly`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
 loss parallelism, activation checkpointing, compile), and DCP reshards the checkpoint into it. Decoding uses
 the model's KV caches: one forward over the prompt, then one token at a time, each through
 `ParallelModel.forward_only`. Under pipeline parallelism that passes the hidden states stage to stage
@@ -31,6 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from torchpre.assembly.args import model_args, model_context
+from torchpre.assembly.layout_checks import check_layout
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
+from torchpre.assembly.rope import check_saved_rope
+from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.checkpoint.folders import STEP_DIR, find_step_dir
 from torchpre.checkpoint.integrity import FileCheck, Trust, find_intact_step, require_intact
 from torchpre.checkpoint.reader import Loader
@@ -47,8 +53,6 @@ from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.model import check_layout, job_tokenizer, meta_model, model_args, model_context, parallel_plan
-from torchpre.training.rope import check_saved_rope
 
 
 def _flag(default: object, doc: str):

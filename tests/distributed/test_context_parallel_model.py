@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.launch import spawn
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.models.llama3.args import TransformerArgs
@@ -18,7 +20,6 @@ from torchpre.models.registry import get_model_spec
 from torchpre.parallel.api import parallelize
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.training.job import CONTEXT_PARALLEL_KERNELS
-from torchpre.training.model import meta_model, parallel_plan
 
 pytestmark = pytest.mark.slow
 

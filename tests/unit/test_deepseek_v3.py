@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from torchpre.assembly.rope import with_rope
 from torchpre.config.job_config import JobConfig, Model
 from torchpre.config.parser import parse_args
 from torchpre.errors import ConfigError, TorchpreError
@@ -25,7 +26,6 @@ from torchpre.models.deepseek_v3.model import (
 )
 from torchpre.models.llama3.model import KVCache
 from torchpre.models.registry import get_flavor, get_model_spec
-from torchpre.training.rope import with_rope
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402

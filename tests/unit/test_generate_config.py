@@ -74,8 +74,8 @@ def test_decoding_turns_off_only_the_training_options():
 
 
 def test_generation_rejects_a_layout_with_the_trainers_message(monkeypatch):
-    """The layout checks are the trainer's (`torchpre.training.model.check_layout`), not a copy: a family without a
-    tensor-parallel plan gets the trainer's message, naming the ModelSpec field, before any process group."""
+    """The layout checks are the trainer's (`torchpre.assembly.layout_checks.check_layout`), not a copy: a family
+    without a tensor-parallel plan gets the trainer's message, naming the ModelSpec field, before any process group."""
     get_model_spec("llama3")  # registers the built-in families first
     monkeypatch.setitem(registry._REGISTRY, "llama3-no-tp", dataclasses.replace(LLAMA3, tensor_parallel=None))
     monkeypatch.setenv("WORLD_SIZE", "2")

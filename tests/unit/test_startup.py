@@ -17,6 +17,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -26,7 +28,6 @@ from torchpre.models import registry
 from torchpre.models.registry import default_init_buffers, get_flavor, get_model_spec
 from torchpre.parallel.api import parallelize
 from torchpre.training import job as training_job
-from torchpre.training.model import meta_model, parallel_plan
 from torchpre.training.trainer import Trainer
 
 SEED = 0

@@ -10,13 +10,14 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from torchpre.assembly.args import model_args
+from torchpre.assembly.tokenizer import tokenizer_path
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.model import model_args, tokenizer_path
 from torchpre.training.preflight import preflight
 
 AC_MODES = ("none", "selective", "full")
@@ -190,7 +191,7 @@ def _divisors(n: int) -> list[int]:
 
 @cache
 def cached_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer at `path` (`torchpre.training.model.tokenizer_path`), loaded once for every layout the planner
+    """The tokenizer at `path` (`torchpre.assembly.tokenizer.tokenizer_path`), loaded once for every layout the planner
     checks."""
     return load_tokenizer(path)
 

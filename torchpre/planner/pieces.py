@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from torchpre.assembly.parametrization import with_model_shape
 from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.config.parser import to_toml
 from torchpre.layouts.zero_stages import zero_stage
@@ -41,7 +42,6 @@ from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
 from torchpre.runtime.world import Runtime
 from torchpre.training.job import build_job
-from torchpre.training.parametrization import with_model_shape
 
 T = TypeVar("T")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
@@ -26,7 +27,6 @@ from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTrans
 from torchpre.planner.schedule_walk import held_peak
 from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
-from torchpre.training.model import meta_model
 
 # The stated error of the predictions (relative), from the comparison with torchtitan's published H100 runs
 # (bench/plan_vs_published.py, docs/planning.md): printed next to every prediction.

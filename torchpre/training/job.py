@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchpre.assembly.args import model_context
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.parametrization import optimizer_scales
+from torchpre.assembly.plans import parallel_plan, quantize_plan
+from torchpre.assembly.rope import rope_record
 from torchpre.checkpoint.integrity import read_signing_key
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.snapshots import SnapshotManager
@@ -52,11 +57,8 @@ from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
-from torchpre.training.model import meta_model, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
-from torchpre.training.parametrization import optimizer_scales
 from torchpre.training.preflight import Preflight, preflight
-from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.step_plan import StepShape
 

@@ -9,6 +9,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from torchpre.assembly.args import model_args, model_context
+from torchpre.assembly.layout_checks import check_layout
+from torchpre.assembly.silent_keys import check_keys_take_effect
+from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.checkpoint.folders import find_step_dir
 from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
 from torchpre.config.job_config import JobConfig
@@ -25,8 +29,6 @@ from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.training.batches import batch_sizes
-from torchpre.training.model import check_layout, job_tokenizer, model_args, model_context
-from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.step_plan import StepPlan
 
 

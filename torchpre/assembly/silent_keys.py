@@ -12,10 +12,10 @@ from typing import Any
 
 from torch import nn
 
+from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.errors import ConfigError
 from torchpre.models.registry import ModelSpec
-from torchpre.training.model import meta_model
 
 
 def check_keys_take_effect(config: JobConfig, spec: ModelSpec, args: Any, shortest_seq_len: int) -> None:
