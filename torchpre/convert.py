@@ -38,7 +38,6 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -72,6 +71,7 @@ from torchpre.interchange.folder import (
     write_metadata,
 )
 from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights, load_hf_weights
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
@@ -91,7 +91,7 @@ _SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 class _Model:
     """The job's model as the trainer builds it, and what the Hugging Face config also needs."""
 
-    args: Any
+    args: ModelArgs
     hf: HFAdapter
     flavor_max_seq_len: int
     tokenizer: Tokenizer

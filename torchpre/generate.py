@@ -25,7 +25,6 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,6 +48,7 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.layouts.schedules import get_schedule
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
@@ -311,7 +311,7 @@ def decoding_config(config: GenerateConfig) -> GenerateConfig:
     )
 
 
-def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: Any) -> PipelinePlan:
+def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: ModelArgs) -> PipelinePlan:
     """The stages of the job's pipeline layout, placed as its schedule places them. Decoding passes one sequence
     stage to stage itself (`ParallelModel.forward_only`), so the schedule's microbatch rules do not apply."""
     p = config.parallelism

@@ -8,19 +8,19 @@ plain model on the meta device in the parameter dtype, and hands it to `torchpre
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from torchpre.assembly.parametrization import refuse_shape_keys, with_model_shape, with_parametrization
 from torchpre.assembly.rope import refuse_rope_keys, with_rope
-from torchpre.config.job_config import JobConfig
+from torchpre.config.job_config import JobConfig, Model
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError
 from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import is_hf_folder
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import get_flavor, get_model_spec
 
 
-def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> Any:
+def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> ModelArgs:
     """The flavor's args (model.flavor = 'from_hf': the folder's at checkpoint.initial_load_path) with the job's
     shape (model.dim, n_layers, n_heads, n_kv_heads), vocabulary (`vocab_size`), `max_seq_len` (default:
     training.seq_len), RoPE (model.rope_*, `with_rope`) and parametrization (model.parametrization, relative to the
@@ -35,23 +35,23 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
             )
         refuse_rope_keys(m, "its RoPE comes from its own config, model.hf_config: set it there")
         refuse_shape_keys(m, f"model.name = '{m.name}' takes its shape from model.hf_config: set it there")
-        with_mtp(m, None)
+        refuse_mtp_keys(m)
         args = spec.args_from_job(config, vocab_size(config, tokenizer), seq_len)
         return with_parametrization(config, spec, args, None, lambda dim, depth: None)
     flavor = flavor_args(config)
     vocabulary = folder_vocab_size(config, tokenizer, flavor) if _from_hf(config) else vocab_size(config, tokenizer)
 
-    def finished(args: Any) -> Any:
+    def finished(args: ModelArgs) -> ModelArgs:
         args = with_mtp(m, with_rope(m, args))
         return dataclasses.replace(args, vocab_size=vocabulary, max_seq_len=seq_len)
 
-    def base_at(dim: int, depth: int) -> Any:
+    def base_at(dim: int, depth: int) -> ModelArgs:
         return finished(with_model_shape(m, flavor, dim=dim, n_layers=depth))
 
     return with_parametrization(config, spec, finished(with_model_shape(m, flavor)), flavor, base_at)
 
 
-def flavor_args(config: JobConfig) -> Any:
+def flavor_args(config: JobConfig) -> ModelArgs:
     """The args model.flavor names: a registered flavor's, or with 'from_hf' those of checkpoint.initial_load_path's
     config.json."""
     if not _from_hf(config):
@@ -66,7 +66,7 @@ def flavor_args(config: JobConfig) -> Any:
     return folder_args(path, get_model_spec(config.model.name), config.model.name)
 
 
-def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: Any) -> int:
+def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: ModelArgs) -> int:
     """The folder's vocabulary (its embedding's rows), which the tokenizer's ids must fit and model.vocab_size may
     only repeat; the shape keys are refused, as the folder's config.json sets the shape."""
     refuse_shape_keys(config.model, f"model.flavor = '{FROM_HF}' takes the shape of the folder's config.json")
@@ -88,16 +88,21 @@ def _from_hf(config: JobConfig) -> bool:
     return config.model.flavor == FROM_HF
 
 
-def with_mtp(model: Any, flavor: Any) -> Any:
-    """The flavor with model.mtp_depth and model.mtp_loss_weight, for a family with multi-token prediction."""
-    if not hasattr(flavor, "mtp_depth"):
-        if model.mtp_depth:
-            raise ConfigError(
-                f"model.mtp_depth = {model.mtp_depth} with model.name = '{model.name}': multi-token prediction is "
-                "built for model.name = 'deepseek_v3'. Set model.mtp_depth = 0."
-            )
-        return flavor
-    return dataclasses.replace(flavor, mtp_depth=model.mtp_depth, mtp_loss_weight=model.mtp_loss_weight)
+def with_mtp(m: Model, args: ModelArgs) -> ModelArgs:
+    """`args` with model.mtp_depth and model.mtp_loss_weight, for a family with multi-token prediction."""
+    if not args.predicts_ahead:
+        refuse_mtp_keys(m)
+        return args
+    return dataclasses.replace(args, mtp_depth=m.mtp_depth, mtp_loss_weight=m.mtp_loss_weight)
+
+
+def refuse_mtp_keys(m: Model) -> None:
+    """A ConfigError for model.mtp_depth set on a family without multi-token prediction."""
+    if m.mtp_depth:
+        raise ConfigError(
+            f"model.mtp_depth = {m.mtp_depth} with model.name = '{m.name}': multi-token prediction is built for "
+            "model.name = 'deepseek_v3'. Set model.mtp_depth = 0."
+        )
 
 
 def vocab_size(config: JobConfig, tokenizer: Tokenizer) -> int:

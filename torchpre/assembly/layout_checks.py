@@ -3,17 +3,17 @@ with one message that names what to change."""
 
 import fnmatch
 import math
-from typing import Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 from torchpre.parallel.quantize import check_float8_all_gather, check_quantize
 from torchpre.parallel.quantized_experts import check_quantize_experts
 
 
-def check_layout(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
+def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: ParallelDims) -> None:
     """Rejects a layout the model family cannot run, naming what to change, before any work."""
     name, p = config.model.name, config.parallelism
     if dims.tp > 1:

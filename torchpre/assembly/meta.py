@@ -3,16 +3,16 @@ validation, generation and conversion, then parallelized and materialised shard 
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
 from torchpre.config.job_config import JobConfig
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 
 
-def meta_model(config: JobConfig, spec: ModelSpec, args: Any, *, fp32: bool = False) -> nn.Module:
+def meta_model(config: JobConfig, spec: ModelSpec, args: ModelArgs, *, fp32: bool = False) -> nn.Module:
     """The whole plain model on the meta device, its parameters in training.mixed_precision_param; in fp32 with
     `fp32` (training with sharded parameters: FSDP's sharded fp32 parameters are the optimizer's masters, and its
     mixed precision policy casts them to the compute dtype)."""

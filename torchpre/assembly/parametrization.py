@@ -5,10 +5,10 @@ name before any work.
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from torchpre.config.job_config import JobConfig, Model
 from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
 from torchpre.models.parametrization import Settings, parametrize
 from torchpre.models.registry import ModelSpec
 from torchpre.models.shapes import SHAPE_KEYS, with_shape
@@ -19,7 +19,7 @@ MUP_KEYS = ("mup_base_dim", "mup_base_depth", "mup_base_head_dim", "mup_embeddin
 _DEFAULTS = Model()
 
 
-def with_model_shape(m: Model, args: Any, **base: int) -> Any:
+def with_model_shape(m: Model, args: ModelArgs, **base: int) -> ModelArgs:
     """The flavor's `args` with the model.* shape keys (`base` replaces some of them: the base shape of a
     parametrization)."""
     shape = {key: getattr(m, key) for key in SHAPE_KEYS} | base
@@ -34,8 +34,12 @@ def refuse_shape_keys(m: Model, why: str) -> None:
 
 
 def with_parametrization(
-    config: JobConfig, spec: ModelSpec, args: Any, flavor: Any, base_at: Callable[[int, int], Any]
-) -> Any:
+    config: JobConfig,
+    spec: ModelSpec,
+    args: ModelArgs,
+    flavor: ModelArgs | None,
+    base_at: Callable[[int, int], ModelArgs | None],
+) -> ModelArgs:
     """`args` (the job's model) with model.parametrization relative to the base model `base_at(dim, depth)` builds:
     model.mup_base_dim (default: the flavor's dim) and, under complete_p, model.mup_base_depth (default: the flavor's
     n_layers; µP keeps the model's own depth)."""
@@ -63,11 +67,11 @@ def with_parametrization(
     return parametrize(spec.model_cls, args, base, settings)
 
 
-def check_parametrization(config: JobConfig, args: Any) -> None:
+def check_parametrization(config: JobConfig, args: ModelArgs) -> None:
     """Refuses model.parametrization where it cannot apply: a family without the multipliers in its forward, an
     optimizer without a stated rule. (A Hugging Face folder's weights are refused where they load: `hf_weights`.)"""
     m, key = config.model, f"model.parametrization = '{config.model.parametrization}'"
-    if not hasattr(args, "parametrization"):
+    if not args.parametrized:
         raise ConfigError(
             f"{key} with model.name = '{m.name}': this family's forward has no multipliers to set (µP needs the "
             "attention scale 1/d, the logit and embedding multipliers and, for complete_p, the residual ones). Use "
@@ -83,11 +87,11 @@ def check_parametrization(config: JobConfig, args: Any) -> None:
         )
 
 
-def optimizer_scales(args: Any, optimizer_name: str) -> ParamScales | None:
+def optimizer_scales(args: ModelArgs, optimizer_name: str) -> ParamScales | None:
     """The per-parameter factors of the model's parametrization for the optimizer `optimizer_name` (its rule,
     `OptimizerSpec.mup_update`); None in the standard parametrization."""
-    parametrization = getattr(args, "parametrization", None)
-    if parametrization is None or parametrization.is_standard:
+    parametrization = args.parametrization
+    if parametrization.is_standard:
         return None
     update = get_optimizer(optimizer_name).mup_update
 

@@ -3,12 +3,12 @@
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
 from torchpre.config.job_config import JobConfig
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 from torchpre.parallel.api import ParallelPlan
 from torchpre.parallel.context_parallel import ContextParallel
@@ -45,7 +45,7 @@ def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: D
 def parallel_plan(
     config: JobConfig,
     spec: ModelSpec,
-    args: Any,
+    args: ModelArgs,
     pipeline: PipelinePlan | None,
     data_parallel: DataParallel | None = None,
     context_parallel: ContextParallel | None = None,

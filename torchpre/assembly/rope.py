@@ -8,13 +8,13 @@ so that no stage silently trains on the old frequencies. What a job trains with 
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from torchpre.checkpoint.integrity import Trust
 from torchpre.checkpoint.layout import STAGE_KEYS
 from torchpre.checkpoint.state import read_train_values
 from torchpre.config.job_config import Model
 from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.args import RopeScaling, TransformerArgs
 
 # Meta's Llama 3.1 values, for scaling turned on over a flavor that has none.
@@ -23,7 +23,7 @@ DEFAULT_LOW_FREQ_FACTOR, DEFAULT_HIGH_FREQ_FACTOR = 1.0, 4.0
 ROPE_KEYS = tuple(key for key in STAGE_KEYS if key.startswith("rope_"))
 
 
-def with_rope(m: Model, args: Any) -> Any:
+def with_rope(m: Model, args: ModelArgs) -> ModelArgs:
     """`args` (a flavor's) with model.rope_theta and the Llama 3.1 scaling keys applied; a ConfigError naming the
     key for args that have no RoPE to set, or for values that make no frequencies."""
     if not isinstance(args, TransformerArgs):
@@ -85,7 +85,7 @@ def _scaling(m: Model, flavor: RopeScaling | None) -> RopeScaling | None:
     return RopeScaling(factor, low, high, original)
 
 
-def rope_record(args: Any) -> dict[str, float]:
+def rope_record(args: ModelArgs) -> dict[str, float]:
     """What a checkpoint records of the RoPE a job trains with (`ROPE_KEYS`; the scaling keys 0 when it is off), so
     a resume can name a change; empty for a family without Llama 3's args."""
     if not isinstance(args, TransformerArgs):
@@ -95,7 +95,7 @@ def rope_record(args: Any) -> dict[str, float]:
     return dict(zip(ROPE_KEYS, (float(args.rope_theta), *map(float, scaling))))
 
 
-def check_saved_rope(step_dir: Path, args: Any, trust: Trust, allow_pickle: bool = False) -> None:
+def check_saved_rope(step_dir: Path, args: ModelArgs, trust: Trust, allow_pickle: bool = False) -> None:
     """Generation and export use the RoPE of the config (`args`); a checkpoint trained with another (a context-extension
     stage) would give wrong text or a wrong exported config silently, so it is refused, naming the keys to set."""
     saved = read_train_values(step_dir, ROPE_KEYS, trust, allow_pickle)

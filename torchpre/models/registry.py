@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
 from torchpre.models.hf_sources import Sources
 from torchpre.parallel.api import pipeline_stages
 from torchpre.parallel.context_parallel import ContextParallel
@@ -134,11 +135,11 @@ class ModelSpec:
     tokens_ahead: Callable[[Any], int] = lambda args: 0
     init_buffers: Callable[[nn.Module], None] = lambda module: default_init_buffers(module)
 
-    def blocks_of(self, args: Any) -> str:
+    def blocks_of(self, args: ModelArgs) -> str:
         """The dotted path of the block container of the model `args` describe."""
         return self.blocks(args) if callable(self.blocks) else self.blocks
 
-    def pipeline_stages(self, args: Any, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
+    def pipeline_stages(self, args: ModelArgs, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
         """The module names of each of `num_stages` pipeline stages."""
         if self.stage_modules is not None:
             return self.stage_modules(args, num_stages, split_points)
@@ -196,7 +197,7 @@ def get_model_spec(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
-def get_flavor(name: str, flavor: str) -> Any:
+def get_flavor(name: str, flavor: str) -> ModelArgs:
     """The args of `model.flavor = flavor` of the family `model.name = name`."""
     flavors = get_model_spec(name).flavors
     if flavor not in flavors:

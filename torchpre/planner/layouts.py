@@ -16,6 +16,7 @@ from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.layouts.zero_stages import ZERO_STAGES
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.training.preflight import preflight
@@ -99,7 +100,7 @@ class CheckedLayout:
 
     layout: Layout
     config: JobConfig
-    model_args: Any
+    model_args: ModelArgs
     accumulation_steps: int
     pipeline: PipelinePlan | None
 
@@ -172,7 +173,7 @@ def _dense_blocks_first(checked: CheckedLayout) -> CheckedLayout:
     """`checked`, if the first pipeline stage holds the model's dense first blocks (the MoE families'
     `first_k_dense`): the planner costs a stage as its ends plus blocks of one kind (`torchpre.planner.pieces`),
     the dense blocks among the first stage's ends."""
-    dense = getattr(checked.model_args, "first_k_dense", 0)
+    dense = checked.model_args.first_k_dense
     if checked.pipeline is None or dense <= 1:
         return checked
     blocks = get_model_spec(checked.config.model.name).blocks
@@ -199,7 +200,7 @@ def cached_tokenizer(path: Path) -> Tokenizer:
 _STAGES: dict[tuple, list[list[str]] | ConfigError] = {}
 
 
-def cached_stage_modules(spec: ModelSpec, args: Any, stages: int, split_points: Sequence[str]) -> list[list[str]]:
+def cached_stage_modules(spec: ModelSpec, args: ModelArgs, stages: int, split_points: Sequence[str]) -> list[list[str]]:
     """`spec.pipeline_stages`, once per model and stage count, refusals included (it builds the model on meta:
     ~1 s at 405B)."""
     key = (repr(args), stages, tuple(split_points))

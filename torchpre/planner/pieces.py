@@ -229,7 +229,7 @@ def leading_blocks(config: JobConfig) -> int:
     and at least one. Every block after them is of one kind, so the block piece is that kind and the first stage's
     ends include the dense blocks (which a first stage must hold: `torchpre.planner.layouts.check`)."""
     args = get_model_spec(config.model.name).flavors[config.model.flavor]
-    return max(getattr(args, "first_k_dense", 0), 1)
+    return max(args.first_k_dense, 1)
 
 
 def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:

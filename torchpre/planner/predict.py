@@ -17,6 +17,7 @@ import torch
 from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig
 from torchpre.layouts.zero_stages import zero_stage
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
 from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
@@ -177,7 +178,7 @@ def _rank_state(states: Pieces, step: StepTransient, shape: tuple) -> StateCost:
     )
 
 
-def model_flops_per_token(config: JobConfig, args: Any) -> int:
+def model_flops_per_token(config: JobConfig, args: ModelArgs) -> int:
     """The trainer's FLOPs per token (what its MFU divides by), from the whole model's parameter count."""
     spec = get_model_spec(config.model.name)
     num_params = sum(p.numel() for p in meta_model(config, spec, args).parameters())

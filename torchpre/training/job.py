@@ -358,9 +358,8 @@ def _build_model(
     )  # fmt: skip
     if pre.pipeline:
         logger.info("pipeline: %s", pre.pipeline.describe())
-    parametrization = getattr(args, "parametrization", None)
-    if parametrization is not None and not parametrization.is_standard:
-        logger.info("parametrization %s", parametrization.describe())
+    if not args.parametrization.is_standard:
+        logger.info("parametrization %s", args.parametrization.describe())
     return parallel, num_params
 
 

@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 from torchpre.assembly.args import model_args, model_context
 from torchpre.assembly.layout_checks import check_layout
@@ -24,6 +23,7 @@ from torchpre.evaluation.multiple_choice import Task, read_tasks
 from torchpre.interchange.load import FROM_HF, HFWeights, check_hf_folder, hf_weights
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.layouts.batch import BatchSizes
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.data_parallel import DataParallel
@@ -41,7 +41,7 @@ class Preflight:
     batches: BatchSizes
     model_spec: ModelSpec
     tokenizer: Tokenizer
-    model_args: Any
+    model_args: ModelArgs
     pipeline: PipelinePlan | None
     resume_dir: Path | None  # the checkpoint a resume will load
     eval_tasks: list[Task]  # eval.tasks, read and tokenized
@@ -53,7 +53,7 @@ def preflight(
     config: JobConfig,
     world_size: int,
     tokenizer: Tokenizer | None = None,
-    stage_modules: Callable[[ModelSpec, Any, int, Sequence[str]], list[list[str]]] | None = None,
+    stage_modules: Callable[[ModelSpec, ModelArgs, int, Sequence[str]], list[list[str]]] | None = None,
 ) -> Preflight:
     """Every check start-up runs before the process group, in order; raises the first ConfigError. The planner,
     which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:

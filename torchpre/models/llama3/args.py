@@ -39,9 +39,14 @@ class TransformerArgs:
     tie_word_embeddings: bool = False
     parametrization: Parametrization = Parametrization()  # the standard one; see torchpre.models.parametrization
 
-    # The model.* shape keys these args take, and the widths that scale with `dim` (torchpre.models.shapes).
+    # The model.* keys these args take (torchpre.models.args.ModelArgs): the shape keys, the widths that scale with
+    # `dim` (torchpre.models.shapes), model.parametrization; not model.mtp_depth.
     shape_keys: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads", "n_kv_heads")
     width_fields: ClassVar[tuple[str, ...]] = ()
+    parametrized: ClassVar[bool] = True
+    predicts_ahead: ClassVar[bool] = False
+    mtp_depth: ClassVar[int] = 0  # no multi-token prediction (DeepSeek-V3's args have it)
+    first_k_dense: ClassVar[int] = 0  # every block is dense (MoE's args route some)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
