@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
     spec, args = pre.model_spec, pre.model_args
     model = parallelize(
         meta_model(config, spec, args), meshes.mesh, parallel_plan(config, spec, args, pre.pipeline, pre.data_parallel),
-        device=device, init_weights=spec.init_buffers, expert_mesh=meshes.expert_mesh, dp_mesh=meshes.fsdp_mesh,
+        device=device, init_weights=spec.build.init_buffers, expert_mesh=meshes.expert_mesh, dp_mesh=meshes.fsdp_mesh,
         expert_dp_mesh=meshes.expert_fsdp_mesh,
     )  # fmt: skip
     targets = {name: tensor for part in model.parts for name, tensor in part.state_dict().items()}

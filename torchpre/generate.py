@@ -254,7 +254,7 @@ def main(argv: list[str]) -> None:
         check = FileCheck(step_dir, trust, key).whole_folder_checked()
     # The checkpoint replaces every parameter: only the buffers it does not hold (RoPE's) are computed.
     parallel = parallelize(
-        model, mesh, parallel_plan(config, spec, args, pipeline), device=device, init_weights=spec.init_buffers
+        model, mesh, parallel_plan(config, spec, args, pipeline), device=device, init_weights=spec.build.init_buffers
     )
     state = {name: value for part in parallel.parts for name, value in part.state_dict().items()}
     Loader(check, allow_pickle).load({"model": state})

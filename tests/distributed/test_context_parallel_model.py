@@ -41,7 +41,7 @@ def reference_model() -> torch.nn.Module:
     spec = get_model_spec("llama3")
     net = meta_model(JobConfig(), spec, ARGS)
     net.to_empty(device="cpu")
-    spec.init_weights(net, SEED)
+    spec.build.init_weights(net, SEED)
     return net
 
 
@@ -52,7 +52,7 @@ def context_parallel_model(context_parallel: ContextParallel, mesh) -> torch.nn.
         mesh,
         parallel_plan(JobConfig(), spec, ARGS, None, context_parallel=context_parallel),
         device=torch.device("cpu"),
-        init_weights=lambda part: spec.init_weights(part, SEED),
+        init_weights=lambda part: spec.build.init_weights(part, SEED),
     ).parts[0]
 
 

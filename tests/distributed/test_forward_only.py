@@ -53,7 +53,7 @@ def reference() -> tuple[torch.Tensor, torch.Tensor]:
     spec = get_model_spec("llama3")
     model = meta_model(JobConfig(), spec, ARGS)
     model.to_empty(device="cpu")
-    spec.init_weights(model, SEED)
+    spec.build.init_weights(model, SEED)
     inputs, labels = batch()
     with torch.no_grad():
         logits = model(inputs)
@@ -77,7 +77,7 @@ def run_layouts(out: Path, mesh) -> None:
             ParallelDims.from_degrees(dp=1, tp=tp, pp=pp, world_size=2).build_mesh("cpu"),
             parallel_plan(config, spec, ARGS, pipeline),
             device=torch.device("cpu"),
-            init_weights=lambda part: spec.init_weights(part, SEED),
+            init_weights=lambda part: spec.build.init_weights(part, SEED),
             loss_fn=cross_entropy_sum,
         )
         try:

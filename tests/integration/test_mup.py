@@ -91,7 +91,7 @@ def test_hf_export_of_a_mup_model_gives_transformers_torchpres_logits(case, tmp_
     job.write_text(to_toml(config))
     args = model_args(config, load_tokenizer(DEFAULT_TOKENIZER_PATH))
     with torch.device("meta"):
-        model = get_model_spec(config.model.name).model_cls(args)
+        model = get_model_spec(config.model.name).build.model_cls(args)
     model.to_empty(device="cpu")
     model.init_weights(0)
     step_dir, hf_dir = tmp_path / "ckpt" / "step-5", tmp_path / "hf"

@@ -216,9 +216,9 @@ def test_the_latent_cache_holds_the_latent_and_the_rope_key_per_position():
 def test_bad_shapes_are_refused():
     spec = get_model_spec("deepseek_v3")
     with pytest.raises(ConfigError, match="n_heads = 4 is not divisible by parallelism.tensor_parallel_degree = 3"):
-        spec.validate_tensor_parallel(spec.flavors["debugmodel"], 3)
+        spec.parallel.validate_tensor_parallel(spec.flavors["debugmodel"], 3)
     with pytest.raises(ConfigError, match="num_experts = 8 is not divisible by parallelism.expert_parallel_degree"):
-        spec.validate_expert_parallel(spec.flavors["debugmodel"], 3)
+        spec.parallel.validate_expert_parallel(spec.flavors["debugmodel"], 3)
     with pytest.raises(ConfigError, match="qk_rope_head_dim 7 must be even"):
         dataclasses.replace(spec.flavors["debugmodel"], qk_rope_head_dim=7)
 

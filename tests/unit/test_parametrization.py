@@ -36,7 +36,7 @@ def args_of(*flags: str):
 def build(mesh, args) -> nn.Module:
     """The model of `args` in one process, initialised from SEED."""
     with torch.device("meta"):
-        model = get_model_spec("llama3").model_cls(args)
+        model = get_model_spec("llama3").build.model_cls(args)
     return parallelize(model, mesh, ParallelPlan(blocks="layers"), device=torch.device("cpu"), init_weights=_init)
 
 

@@ -1,5 +1,5 @@
 """Start-up that scales: initialisation holds at most one full parameter beyond this rank's shards, and a job
-that will load its weights from a checkpoint skips drawing them (`ModelSpec.init_buffers`) yet ends up in the
+that will load its weights from a checkpoint skips drawing them (`ModelSpec.build.init_buffers`) yet ends up in the
 same state, bitwise, as one that initialised first."""
 
 import dataclasses
@@ -33,7 +33,7 @@ from torchpre.training.trainer import Trainer
 SEED = 0
 
 
-# ModelSpec.init_buffers' default --------------------------------------------------------------------------------
+# ModelSpec.build.init_buffers' default --------------------------------------------------------------------------------
 
 
 class Computed(nn.Module):
@@ -129,7 +129,7 @@ def init_peak(family: str, n_layers: int, mesh) -> tuple[int, int]:
                        device=torch.device("cpu"), init_weights=lambda part: None).parts[0]
     assert any(isinstance(p, DTensor) for p in part.parameters())  # the model holds shards
     with NewStorageBytes(local_tensors(part)) as allocated:
-        spec.init_weights(part, SEED)
+        spec.build.init_weights(part, SEED)
     assert allocated.live == 0  # nothing stays beyond the shards
     return allocated.peak, max(p.numel() * 4 for p in part.parameters())
 

@@ -17,25 +17,25 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: Para
     """Rejects a layout the model family cannot run, naming what to change, before any work."""
     name, p = config.model.name, config.parallelism
     if dims.tp > 1:
-        if spec.tensor_parallel is None:
+        if spec.parallel.tensor_parallel is None:
             raise ConfigError(
-                f"model.name = '{name}' has no tensor-parallel plan (ModelSpec.tensor_parallel), so "
+                f"model.name = '{name}' has no tensor-parallel plan (ModelSpec.parallel.tensor_parallel), so "
                 "parallelism.tensor_parallel_degree must be 1."
             )
-        if isinstance(spec.tensor_parallel, dict) and (p.enable_sequence_parallel or p.enable_loss_parallel):
+        if isinstance(spec.parallel.tensor_parallel, dict) and (p.enable_sequence_parallel or p.enable_loss_parallel):
             raise ConfigError(
                 f"model.name = '{name}' gives its tensor-parallel plan as a fixed dict, which decides the "
                 "layouts itself: turn off parallelism.enable_sequence_parallel and enable_loss_parallel, or "
                 "give a plan function that takes sequence_parallel and loss_parallel."
             )
-        spec.validate_tensor_parallel(args, dims.tp)
+        spec.parallel.validate_tensor_parallel(args, dims.tp)
     if dims.ep > 1:
-        if spec.expert_parallel is None:
+        if spec.parallel.expert_parallel is None:
             raise ConfigError(
-                f"model.name = '{name}' has no experts to shard (ModelSpec.expert_parallel), so "
+                f"model.name = '{name}' has no experts to shard (ModelSpec.parallel.expert_parallel), so "
                 "parallelism.expert_parallel_degree must be 1. Use model.name = 'moe' for a Mixture of Experts."
             )
-        spec.validate_expert_parallel(args, dims.ep)
+        spec.parallel.validate_expert_parallel(args, dims.ep)
     if p.enable_sequence_parallel and config.training.seq_len % dims.tp:
         raise ConfigError(
             f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
@@ -53,19 +53,19 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: Para
     if q.fsdp_float8_all_gather:
         check_float8_all_gather(q.linear, q.recipe, config.optimizer.zero_stage, dims.tp)
     if q.experts:
-        matmul_dims = None if spec.expert_matmul_dims is None else spec.expert_matmul_dims(args, dims)
+        matmul_dims = None if spec.parallel.expert_matmul_dims is None else spec.parallel.expert_matmul_dims(args, dims)
         check_quantize_experts(q.linear, name, matmul_dims)
-    spec.validate_layout(args, dims)
+    spec.parallel.validate_layout(args, dims)
 
 
 def check_context_parallel(config: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
     """Rejects what parallelism.context_parallel_degree cannot run, naming it, before any work."""
     name, cp, seq_len = config.model.name, dims.cp, config.training.seq_len
     key = f"parallelism.context_parallel_degree = {cp}"
-    if spec.context_parallel is None:
+    if spec.parallel.context_parallel is None:
         raise ConfigError(
-            f"{key}: model.name = '{name}' has no context-parallel attention (ModelSpec.context_parallel), so its "
-            "attention cannot be split over the sequence. Set context_parallel_degree = 1, or use a family that "
+            f"{key}: model.name = '{name}' has no context-parallel attention (ModelSpec.parallel.context_parallel), so "
+            "its attention cannot be split over the sequence. Set context_parallel_degree = 1, or use a family that "
             "has it (llama3, moe)."
         )
     if seq_len % (2 * cp):
@@ -85,15 +85,15 @@ def check_chunked_loss(config: JobConfig, spec: ModelSpec) -> None:
     """Rejects what training.loss_chunk_size cannot run: a family that names no output layer to replace, and an
     output layer that quantize.modules asks to convert (the chunked loss runs its matmuls itself)."""
     key, name, q = f"training.loss_chunk_size = {config.training.loss_chunk_size}", config.model.name, config.quantize
-    if spec.output_layer is None:
+    if spec.build.output_layer is None:
         raise ConfigError(
             f"{key}: model.name = '{name}' names no output layer that the chunked loss can replace "
-            "(ModelSpec.output_layer). Set training.loss_chunk_size = 0, or use a family that has one (llama3, moe, "
-            "deepseek_v3)."
+            "(ModelSpec.build.output_layer). Set training.loss_chunk_size = 0, or use a family that has one (llama3, "
+            "moe, deepseek_v3)."
         )
-    if q.linear != "none" and any(fnmatch.fnmatchcase(spec.output_layer, pattern) for pattern in q.modules):
+    if q.linear != "none" and any(fnmatch.fnmatchcase(spec.build.output_layer, pattern) for pattern in q.modules):
         raise ConfigError(
             f"{key} with quantize.linear = '{q.linear}' and quantize.modules = {list(q.modules)}, which names the "
-            f"output layer '{spec.output_layer}': the chunked loss computes that layer's matmuls itself, in the "
+            f"output layer '{spec.build.output_layer}': the chunked loss computes that layer's matmuls itself, in the "
             "parameters' dtype. Leave it out of quantize.modules, or set training.loss_chunk_size = 0."
         )

@@ -18,7 +18,7 @@ def meta_model(config: JobConfig, spec: ModelSpec, args: ModelArgs, *, fp32: boo
     mixed precision policy casts them to the compute dtype)."""
     dtype = torch.float32 if fp32 else getattr(torch, config.training.mixed_precision_param)
     with torch.device("meta"), _default_dtype(dtype):
-        return spec.model_cls(args)
+        return spec.build.model_cls(args)
 
 
 @contextlib.contextmanager

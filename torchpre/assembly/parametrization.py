@@ -64,7 +64,7 @@ def with_parametrization(
         shape = f"model.mup_base_dim = {dim}, depth {depth}"
         raise ConfigError(f"The base model ({shape}) does not hold: {error}") from None
     settings = Settings(m.parametrization, m.mup_base_head_dim, m.mup_embedding_multiplier, m.mup_logit_multiplier)
-    return parametrize(spec.model_cls, args, base, settings)
+    return parametrize(spec.build.model_cls, args, base, settings)
 
 
 def check_parametrization(config: JobConfig, args: ModelArgs) -> None:

@@ -54,7 +54,7 @@ def parallel_plan(
     `data_parallel` (training's strategy; generation and conversion load any checkpoint unsharded) shards the
     parameters, and the family's context-parallel attention bound to `context_parallel` (training under cp)."""
     p, ac = config.parallelism, config.activation_checkpoint
-    tensor_parallel = spec.tensor_parallel
+    tensor_parallel = spec.parallel.tensor_parallel
     if callable(tensor_parallel):
         tensor_parallel = functools.partial(
             tensor_parallel,
@@ -64,17 +64,17 @@ def parallel_plan(
     shards_parameters = data_parallel is not None and data_parallel.shards_parameters
     return ParallelPlan(
         tensor_parallel=tensor_parallel,
-        expert_parallel=spec.expert_parallel,
+        expert_parallel=spec.parallel.expert_parallel,
         pipeline=pipeline,
         blocks=spec.blocks_of(args),
-        extra_blocks=spec.extra_blocks(args),
-        tied_weights=spec.tied_weights(args),
+        extra_blocks=spec.build.extra_blocks(args),
+        tied_weights=spec.build.tied_weights(args),
         activation_checkpoint=ac.mode,
         selective_ac_option=ac.selective_ac_option,
         compile=config.compile.enable,
-        compile_fullgraph=spec.compile_fullgraph,
+        compile_fullgraph=spec.parallel.compile_fullgraph,
         fsdp=fsdp_plan(config, pipeline, data_parallel) if shards_parameters else None,
-        context_parallel=None if context_parallel is None else _bind(spec.context_parallel, context_parallel),
+        context_parallel=None if context_parallel is None else _bind(spec.parallel.context_parallel, context_parallel),
     )
 
 

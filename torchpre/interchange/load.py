@@ -98,7 +98,7 @@ def folder_args(path: Path, spec: ModelSpec, family: str) -> ModelArgs:
 def model_shapes(spec: ModelSpec, args: ModelArgs) -> dict[str, torch.Size]:
     """The shape of every tensor in the model's state dict, from the model built on the meta device."""
     with torch.device("meta"):
-        return {name: tensor.shape for name, tensor in spec.model_cls(args).state_dict().items()}
+        return {name: tensor.shape for name, tensor in spec.build.model_cls(args).state_dict().items()}
 
 
 def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) -> None:

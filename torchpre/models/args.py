@@ -1,18 +1,19 @@
 """What the code outside a model family reads of its args: the one typed boundary between a family and the trainer,
 generation, conversion and the planner.
 
-Every family's args declare all of it, with a default where the family lacks the feature (no multi-token
-prediction: `mtp_depth` 0; no dense first blocks: `first_k_dense` 0; a forward without µP's multipliers: the standard
-`parametrization`, and `parametrized` False), so no caller asks an args object what it has.
+Every family's args declare all of it, with a default where the family lacks the feature (`ArgsDefaults`: no
+multi-token prediction, no dense first blocks, a forward without µP's multipliers), so no caller asks an args object
+what it has. `register_model` refuses a flavor whose args do not.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 from torchpre.models.parametrization import Parametrization
 
 
+@runtime_checkable
 class ModelArgs(Protocol):
     """A family's args (`ModelSpec.flavors`, `ModelSpec.args_from_job`), as the rest of torchpre reads them.
 
@@ -39,15 +40,6 @@ class ModelArgs(Protocol):
     def n_layers(self) -> int: ...
 
     @property
-    def n_heads(self) -> int: ...
-
-    @property
-    def n_kv_heads(self) -> int | None: ...
-
-    @property
-    def tie_word_embeddings(self) -> bool: ...
-
-    @property
     def parametrization(self) -> Parametrization: ...
 
     @property
@@ -59,3 +51,17 @@ class ModelArgs(Protocol):
     def first_k_dense(self) -> int:
         """How many first blocks have a dense feed-forward in a model of routed experts; 0 in a dense model."""
         ...
+
+
+class ArgsDefaults:
+    """The optional part of `ModelArgs` for a family without those features, to derive a family's args from: no
+    model.* shape keys, no µP multipliers (the standard parametrization), no multi-token prediction, every block
+    dense. A family that has one declares it over the default."""
+
+    shape_keys: ClassVar[tuple[str, ...]] = ()
+    width_fields: ClassVar[tuple[str, ...]] = ()
+    parametrized: ClassVar[bool] = False
+    predicts_ahead: ClassVar[bool] = False
+    parametrization: ClassVar[Parametrization] = Parametrization()
+    mtp_depth: ClassVar[int] = 0
+    first_k_dense: ClassVar[int] = 0

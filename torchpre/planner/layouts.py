@@ -160,7 +160,7 @@ def valid_layouts(
         )
     model_args(base, cached_tokenizer(tokenizer_path(base)))  # a misnamed flavor, or a vocabulary that cannot be
     valid, refusals = [], Counter()
-    experts = spec.expert_parallel is not None
+    experts = spec.parallel.expert_parallel is not None
     for layout in candidates(base, gpus, gpus_per_node, experts, context_parallel):
         try:
             valid.append(_dense_blocks_first(check(layout, base, gpus)))
@@ -176,7 +176,7 @@ def _dense_blocks_first(checked: CheckedLayout) -> CheckedLayout:
     dense = checked.model_args.first_k_dense
     if checked.pipeline is None or dense <= 1:
         return checked
-    blocks = get_model_spec(checked.config.model.name).blocks
+    blocks = get_model_spec(checked.config.model.name).build.blocks
     first = sum(1 for name in checked.pipeline.stage_modules[0] if name.startswith(f"{blocks}."))
     if first < dense:
         raise ConfigError(

@@ -217,7 +217,7 @@ def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator
     for key in SHAPE_KEYS:  # folded into the flavor: model.n_layers would otherwise restore the full depth
         setattr(short.model, key, 0)
     starts = itertools.accumulate(stage_blocks[:-1])
-    short.parallelism.pipeline_parallel_split_points = [f"{spec.blocks}.{start}" for start in starts]
+    short.parallelism.pipeline_parallel_split_points = [f"{spec.build.blocks}.{start}" for start in starts]
     try:
         yield short
     finally:
@@ -566,7 +566,7 @@ def stage_shape(checked: CheckedLayout, pp_rank: int) -> list[tuple[int, bool, b
     """(blocks, is the first stage, is the last stage) of each stage chunk pipeline rank `pp_rank` holds."""
     if checked.pipeline is None:
         return [(checked.model_args.n_layers, True, True)]
-    blocks = get_model_spec(checked.config.model.name).blocks
+    blocks = get_model_spec(checked.config.model.name).build.blocks
     chunks = []
     for stage in checked.pipeline.stage_ids(pp_rank):
         names = checked.pipeline.stage_modules[stage]

@@ -182,7 +182,7 @@ def model_flops_per_token(config: JobConfig, args: ModelArgs) -> int:
     """The trainer's FLOPs per token (what its MFU divides by), from the whole model's parameter count."""
     spec = get_model_spec(config.model.name)
     num_params = sum(p.numel() for p in meta_model(config, spec, args).parameters())
-    return spec.flops_per_token(args, num_params, config.training.seq_len)
+    return spec.build.flops_per_token(args, num_params, config.training.seq_len)
 
 
 def _activation_bytes(

@@ -23,7 +23,7 @@ from torchpre.models.moe.parallelize import (
     validate_moe_tensor_parallel,
 )
 from torchpre.models.moe.router import router_stats, update_expert_bias
-from torchpre.models.registry import HFAdapter, ModelSpec
+from torchpre.models.registry import HFAdapter, ModelBuild, ModelSpec, ParallelPlans, TrainingHooks
 
 
 def tied_weights(args: DeepSeekV3Args) -> tuple[str, str] | None:
@@ -36,25 +36,31 @@ def extra_metrics(parts: Sequence[nn.Module], args: DeepSeekV3Args, device: torc
     return router_stats(parts, args, device) | (mtp_stats(parts, args.mtp_depth, device) if args.mtp_depth else {})
 
 SPEC = ModelSpec(
-    model_cls=DeepSeekV3Transformer,
+    build=ModelBuild(
+        model_cls=DeepSeekV3Transformer,
+        extra_blocks=mtp_blocks,
+        tied_weights=tied_weights,
+        flops_per_token=flops_per_token,
+        output_layer="output",
+    ),
     flavors=DEEPSEEK_V3_FLAVORS,
-    extra_blocks=mtp_blocks,
-    tensor_parallel=apply_deepseek_v3_tensor_parallel,
-    validate_tensor_parallel=validate_moe_tensor_parallel,
-    expert_parallel=apply_moe_expert_parallel,
-    validate_expert_parallel=validate_moe_expert_parallel,
-    context_parallel=apply_moe_context_parallel,
-    tied_weights=tied_weights,
-    flops_per_token=flops_per_token,
-    output_layer="output",
-    compile_fullgraph=False,
-    set_grouped_mm=DeepSeekV3Transformer.set_grouped_mm,
-    expert_matmul_dims=moe_expert_matmul_dims,
-    set_aux_loss_scale=DeepSeekV3Transformer.set_aux_loss_scale,
-    set_token_loss_scale=DeepSeekV3Transformer.set_token_loss_scale,
-    extra_metrics=extra_metrics,
-    tokens_ahead=lambda args: args.mtp_depth + 1 if args.mtp_depth else 0,
-    after_optimizer_step=update_expert_bias,
+    parallel=ParallelPlans(
+        tensor_parallel=apply_deepseek_v3_tensor_parallel,
+        validate_tensor_parallel=validate_moe_tensor_parallel,
+        expert_parallel=apply_moe_expert_parallel,
+        validate_expert_parallel=validate_moe_expert_parallel,
+        context_parallel=apply_moe_context_parallel,
+        compile_fullgraph=False,
+        set_grouped_mm=DeepSeekV3Transformer.set_grouped_mm,
+        expert_matmul_dims=moe_expert_matmul_dims,
+    ),
+    hooks=TrainingHooks(
+        set_aux_loss_scale=DeepSeekV3Transformer.set_aux_loss_scale,
+        set_token_loss_scale=DeepSeekV3Transformer.set_token_loss_scale,
+        extra_metrics=extra_metrics,
+        tokens_ahead=lambda args: args.mtp_depth + 1 if args.mtp_depth else 0,
+        after_optimizer_step=update_expert_bias,
+    ),
     hf=HFAdapter(
         to_hf_state_dict=hf.to_hf_state_dict,
         from_hf_state_dict=hf.from_hf_state_dict,

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
 from torchpre.json_input import read_json, read_named_json
+from torchpre.models.args import ArgsDefaults
 from torchpre.models.hf.architectures import not_decoder_only
 from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
 from torchpre.models.hf_fields import (
@@ -23,15 +24,15 @@ from torchpre.models.hf_fields import (
     check_divides,
     check_kinds,
 )  # fmt: skip
-from torchpre.models.parametrization import Parametrization
 from torchpre.optional import import_optional
 
 KEY = "model.hf_config"
 
 
 @dataclass(frozen=True)
-class HFArgs:
-    """A transformers config and what torchpre reads of it, in the names other families' args use."""
+class HFArgs(ArgsDefaults):
+    """A transformers config and what torchpre reads of it, in the names other families' args use. The config sets
+    the shape and the forward: no model.* shape, parametrization or multi-token prediction keys apply."""
 
     config: Any  # transformers.PretrainedConfig
     path: str
@@ -39,16 +40,6 @@ class HFArgs:
     sequence_parallel: bool = False  # parallelism.enable_sequence_parallel (applies under tensor parallel)
     loss_parallel: bool = False  # parallelism.enable_loss_parallel (idem)
     fsdp: bool = False  # optimizer.zero_stage = 3
-
-    # The config sets the shape and the forward (torchpre.models.args.ModelArgs): no model.* shape, parametrization
-    # or multi-token prediction keys apply, and its blocks count as dense.
-    shape_keys: ClassVar[tuple[str, ...]] = ()
-    width_fields: ClassVar[tuple[str, ...]] = ()
-    parametrized: ClassVar[bool] = False
-    predicts_ahead: ClassVar[bool] = False
-    parametrization: ClassVar[Parametrization] = Parametrization()
-    mtp_depth: ClassVar[int] = 0
-    first_k_dense: ClassVar[int] = 0
 
     @property
     def vocab_size(self) -> int:
