@@ -174,9 +174,9 @@ def spied_families(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(registry, "_REGISTERED_AT", dict(registry._REGISTERED_AT))
     for family in ("llama3", "moe"):
-        spied = dataclasses.replace(
-            get_model_spec(family), init_weights=counted_init_weights, init_buffers=poisoned_init_buffers
-        )
+        spec = get_model_spec(family)
+        build = dataclasses.replace(spec.build, init_weights=counted_init_weights, init_buffers=poisoned_init_buffers)
+        spied = dataclasses.replace(spec, build=build)
         registry.register_model(f"spied-{family}", spied)
     CALLS.update(init_weights=0, init_buffers=0)
 
