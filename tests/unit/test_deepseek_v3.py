@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from torchpre.assembly.rope import with_rope
 from torchpre.config.job_config import JobConfig, Model
 from torchpre.config.parser import parse_args
 from torchpre.errors import ConfigError, TorchpreError
@@ -25,6 +24,7 @@ from torchpre.models.deepseek_v3.model import (
     mla_rope_cache,
 )
 from torchpre.models.llama3.model import KVCache
+from torchpre.models.llama3.rope_keys import with_rope
 from torchpre.models.registry import get_flavor, get_model_spec
 
 transformers = pytest.importorskip("transformers")
@@ -227,10 +227,10 @@ def test_rope_keys_apply_theta_and_refuse_llama_scaling():
     def job(*keys: str) -> Model:
         return parse_args(JobConfig, ["--model.name", "deepseek_v3", *keys]).model
 
-    flavor = get_flavor("deepseek_v3", "debugmodel")
-    assert with_rope(job("--model.rope_theta", "50000"), flavor).rope_theta == 50000
+    flavor, where = get_flavor("deepseek_v3", "debugmodel"), "model.flavor = 'debugmodel'"
+    assert with_rope(flavor, job("--model.rope_theta", "50000"), where).rope_theta == 50000
     with pytest.raises(ConfigError, match="model.rope_scaling_factor .* does not apply to model.name = 'deepseek_v3'"):
-        with_rope(job("--model.rope_scaling_factor", "8", "--model.rope_original_max_seq_len", "1024"), flavor)
+        with_rope(flavor, job("--model.rope_scaling_factor", "8", "--model.rope_original_max_seq_len", "1024"), where)
 
 
 def test_hf_mapping_refuses_what_it_cannot_carry():

@@ -6,12 +6,8 @@ from torchpre.models.registry import HFAdapter, ModelBuild, ModelSpec, ParallelP
 
 SPEC = ModelSpec(
     build=ModelBuild(
-        model_cls=model.HFCausalLM,
-        blocks=model.block_path,
-        init_weights=init.init_weights,
-        init_buffers=init.init_buffers,
-        tied_weights=model.tied_weights,
-        flops_per_token=model.flops_per_token,
+        model.HFCausalLM, model.block_path, init_weights=init.init_weights, init_buffers=init.init_buffers,
+        tied_weights=model.tied_weights, flops_per_token=model.flops_per_token,
     ),
     args_from_job=hf_args,
     parallel=ParallelPlans(
@@ -22,10 +18,7 @@ SPEC = ModelSpec(
         compile_fullgraph=False,  # any architecture's blocks: data-dependent ones (experts) compile around breaks
     ),
     hf=HFAdapter(
-        to_hf_state_dict=convert.to_hf_state_dict,
-        from_hf_state_dict=convert.from_hf_state_dict,
-        hf_config=convert.hf_config,
-        hf_config_mismatches=convert.hf_config_mismatches,
-        hf_sources=convert.hf_sources,
+        convert.to_hf_state_dict, convert.from_hf_state_dict, convert.hf_config, convert.hf_config_mismatches,
+        convert.hf_sources,
     ),
 )

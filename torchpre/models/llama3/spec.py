@@ -27,11 +27,7 @@ SPEC = ModelSpec(
         context_parallel=apply_llama3_context_parallel,
     ),
     hf=HFAdapter(
-        to_hf_state_dict=hf.to_hf_state_dict,
-        from_hf_state_dict=hf.from_hf_state_dict,
-        hf_config=hf.hf_config,
-        hf_config_mismatches=hf.hf_config_mismatches,
-        hf_sources=hf.hf_sources,
-        args_from_hf_config=hf.args_from_hf_config,
+        hf.to_hf_state_dict, hf.from_hf_state_dict, hf.hf_config, hf.hf_config_mismatches, hf.hf_sources,
+        hf.args_from_hf_config,
     ),
 )
