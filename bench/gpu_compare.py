@@ -184,8 +184,8 @@ def flops_of(row: Row) -> int:
     mtp = {"mtp_depth": row.mtp_depth} if row.mtp_depth else {}
     args = replace(spec.flavors[row.flavor], vocab_size=row.vocab_size, **mtp)
     with torch.device("meta"):
-        num_params = sum(p.numel() for p in spec.model_cls(args).parameters())
-    return spec.flops_per_token(args, num_params, row.seq_len)
+        num_params = sum(p.numel() for p in spec.build.model_cls(args).parameters())
+    return spec.build.flops_per_token(args, num_params, row.seq_len)
 
 
 def measure(row: Row, steps: int, work: Path, out: Path, timeout_s: float) -> list[object]:

@@ -17,12 +17,12 @@ from torch import nn
 
 from bench.common import print_table
 from bench.one_batch import fixed_batch
+from torchpre.assembly.args import model_args
+from torchpre.assembly.parametrization import optimizer_scales
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.llama3.model import Transformer
-from torchpre.training.model import model_args
-from torchpre.training.parametrization import optimizer_scales
 
 BASE = 64
 SEED = 0

@@ -1,13 +1,13 @@
 """How long one rank takes to build and initialise a large model, measured in one CPU process.
 
 Rank 0 of a `--world`-rank job (tensor parallel `--tp`, the rest data parallel) under torch's fake process
-group (no peers, no collectives run), with the trainer's own pieces (`torchpre.training.model.meta_model`,
+group (no peers, no collectives run), with the trainer's own pieces (`torchpre.assembly.meta.meta_model`,
 `parallel_plan`, `torchpre.parallel.parallelize`), for llama3 `--flavor` with its real vocabulary (128,256
 tokens for the released flavors) at `--seq_len`:
 
 - (a) build on the meta device and parallelize (TP sharding, nothing materialised),
-- (c) `to_empty` + `ModelSpec.init_buffers`: the resume path, when a checkpoint will overwrite the weights,
-- (b) `to_empty` + `ModelSpec.init_weights`: a fresh start. Each parameter is drawn in full from its own
+- (c) `to_empty` + `ModelSpec.build.init_buffers`: the resume path, when a checkpoint will overwrite the weights,
+- (b) `to_empty` + `ModelSpec.build.init_weights`: a fresh start. Each parameter is drawn in full from its own
   generator and this rank keeps its shard (layout-independent init), so every rank draws every value.
 
 (c) runs before (b), so each peak RSS (the process's high-water mark, which only grows) is that of its path.
@@ -28,13 +28,14 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from bench.common import print_table
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.models.registry import get_flavor, get_model_spec
 from torchpre.parallel.api import ParallelModel, parallelize
 from torchpre.parallel.ties import retie, tie_groups
-from torchpre.training.model import meta_model, parallel_plan
 
 GiB = 2**30
 
@@ -100,11 +101,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         num_params = sum(p.numel() for p in model.parts[0].parameters())
         del model
         rows = [["(a) meta build + parallelize", build_s, peak_rss_bytes() / GiB]]
-        resume_s = materialise(spec.init_buffers)
+        resume_s = materialise(spec.build.init_buffers)
         rows.append(["(c) to_empty + init_buffers (resume)", resume_s, peak_rss_bytes() / GiB])
         gc.collect()
         seed = config.training.seed
-        fresh_s = materialise(lambda part: spec.init_weights(part, seed))
+        fresh_s = materialise(lambda part: spec.build.init_weights(part, seed))
         rows.append(["(b) to_empty + init_weights (fresh start)", fresh_s, peak_rss_bytes() / GiB])
     finally:
         dist.destroy_process_group()

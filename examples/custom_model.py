@@ -17,12 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from torchpre.models.args import ArgsDefaults
 from torchpre.models.init import ParamInit, init_parameters, ones
-from torchpre.models.registry import ModelSpec, register_model
+from torchpre.models.registry import ModelBuild, ModelSpec, ParallelPlans, register_model
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Args:
+class GPT2Args(ArgsDefaults):
     """torchpre sets `vocab_size` (from the tokenizer) and `max_seq_len` (training.seq_len); the learned
     position table has its own size, `n_positions`."""
 
@@ -125,11 +126,9 @@ TP_PLAN = {
 }
 
 SPEC = ModelSpec(
-    model_cls=GPT2,
+    build=ModelBuild(model_cls=GPT2, blocks="h", tied_weights=lambda args: ("wte.weight", "lm_head.weight")),
     flavors={"tiny": GPT2Args(), "124M": GPT2Args(dim=768, n_layers=12, n_heads=12)},
-    blocks="h",
-    tensor_parallel=TP_PLAN,
-    tied_weights=lambda args: ("wte.weight", "lm_head.weight"),
+    parallel=ParallelPlans(tensor_parallel=TP_PLAN),
 )
 
 register_model("gpt2", SPEC)

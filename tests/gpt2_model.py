@@ -13,14 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from torchpre.models.args import ArgsDefaults
 from torchpre.models.init import ParamInit, init_parameters, ones
-from torchpre.models.registry import HFAdapter, ModelSpec
+from torchpre.models.registry import HFAdapter, ModelBuild, ModelSpec, ParallelPlans
 
 NAME = "gpt2-test"
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Args:
+class GPT2Args(ArgsDefaults):
     """`vocab_size` and `max_seq_len` are set by torchpre (tokenizer, sequence length); the learned position
     table has its own fixed size, `n_positions`, so checkpoints fit whatever the sequence length."""
 
@@ -156,11 +157,9 @@ def unsupported(*args):
 
 
 SPEC = ModelSpec(
-    model_cls=GPT2,
+    build=ModelBuild(model_cls=GPT2, blocks="h", tied_weights=lambda args: ("wte.weight", "lm_head.weight")),
     flavors={"tiny": GPT2Args()},
-    blocks="h",
-    tensor_parallel=TP_PLAN,
-    tied_weights=lambda args: ("wte.weight", "lm_head.weight"),
+    parallel=ParallelPlans(tensor_parallel=TP_PLAN),
     hf=HFAdapter(to_hf_state_dict=to_hf, from_hf_state_dict=unsupported, hf_config=hf_config,
                  hf_config_mismatches=unsupported),
 )

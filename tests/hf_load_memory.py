@@ -21,12 +21,13 @@ from torchpre.runtime.cli import run_entry_point  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
+    from torchpre.assembly.meta import meta_model
+    from torchpre.assembly.plans import parallel_plan
     from torchpre.config.job_config import JobConfig
     from torchpre.config.parser import parse_args
     from torchpre.interchange.load import load_hf_weights
     from torchpre.parallel.api import parallelize
     from torchpre.runtime.world import Runtime
-    from torchpre.training.model import meta_model, parallel_plan
     from torchpre.training.preflight import preflight
 
     config = parse_args(JobConfig, argv)
@@ -38,7 +39,7 @@ def main(argv: list[str]) -> None:
     spec, args = pre.model_spec, pre.model_args
     model = parallelize(
         meta_model(config, spec, args), meshes.mesh, parallel_plan(config, spec, args, pre.pipeline, pre.data_parallel),
-        device=device, init_weights=spec.init_buffers, expert_mesh=meshes.expert_mesh, dp_mesh=meshes.fsdp_mesh,
+        device=device, init_weights=spec.build.init_buffers, expert_mesh=meshes.expert_mesh, dp_mesh=meshes.fsdp_mesh,
         expert_dp_mesh=meshes.expert_fsdp_mesh,
     )  # fmt: skip
     targets = {name: tensor for part in model.parts for name, tensor in part.state_dict().items()}

@@ -38,13 +38,15 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchpre.assembly.args import model_args, model_context
+from torchpre.assembly.rope import check_saved_rope
+from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.checkpoint.integrity import (
     FileCheck,
     Trust,
@@ -68,11 +70,10 @@ from torchpre.interchange.folder import (
     write_metadata,
 )
 from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights, load_hf_weights
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import HFAdapter, get_model_spec
 from torchpre.runtime.cli import run_entry_point
 from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.model import job_tokenizer, model_args, model_context
-from torchpre.training.rope import check_saved_rope
 
 logger = logging.getLogger("torchpre")
 
@@ -89,7 +90,7 @@ _SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 class _Model:
     """The job's model as the trainer builds it, and what the Hugging Face config also needs."""
 
-    args: Any
+    args: ModelArgs
     hf: HFAdapter
     flavor_max_seq_len: int
     tokenizer: Tokenizer
@@ -201,7 +202,7 @@ def _size(text: str) -> int:
 
 
 def _job_model(config: JobConfig) -> _Model:
-    """The model args every entry point derives from `config` (`torchpre.training.model.model_args`)."""
+    """The model args every entry point derives from `config` (`torchpre.assembly.args.model_args`)."""
     spec = get_model_spec(config.model.name)
     if spec.hf is None:
         raise TorchpreError(

@@ -7,7 +7,7 @@
 The flags are `GenerateConfig`: the job's options (of which generation reads job.*, model.*,
 training.mixed_precision_param, parallelism.* and checkpoint.folder/load_step/allow_unverified) plus the
 generation flags, parsed, checked and listed by --help like training's. The model is built by the trainer's
-code (`torchpre.training.model`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
+code (`torchpre.assembly`, then `torchpre.parallel.parallelize`) with the training-only options off (sequence and
 loss parallelism, activation checkpointing, compile), and DCP reshards the checkpoint into it. Decoding uses
 the model's KV caches: one forward over the prompt, then one token at a time, each through
 `ParallelModel.forward_only`. Under pipeline parallelism that passes the hidden states stage to stage
@@ -25,12 +25,17 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from torchpre.assembly.args import model_args, model_context
+from torchpre.assembly.layout_checks import check_layout
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
+from torchpre.assembly.rope import check_saved_rope
+from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.checkpoint.folders import STEP_DIR, find_step_dir
 from torchpre.checkpoint.integrity import FileCheck, Trust, find_intact_step, require_intact
 from torchpre.checkpoint.reader import Loader
@@ -46,12 +51,11 @@ from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.layouts.schedules import get_schedule
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.model import check_layout, job_tokenizer, meta_model, model_args, model_context, parallel_plan
-from torchpre.training.rope import check_saved_rope
 from torchpre.training.weights import Resume
 
 
@@ -274,7 +278,7 @@ def load_for_decoding(pre: DecodingPreflight, device: torch.device) -> tuple[Par
     # The checkpoint replaces every parameter: only the buffers it does not hold (RoPE's) are computed.
     spec = get_model_spec(pre.config.model.name)
     mesh = pre.dims.build_mesh(device.type)
-    parallel = parallelize(pre.model, mesh, pre.plan, device=device, init_weights=spec.init_buffers)
+    parallel = parallelize(pre.model, mesh, pre.plan, device=device, init_weights=spec.build.init_buffers)
     state = {name: value for part in parallel.parts for name, value in part.state_dict().items()}
     Loader(check, allow_pickle).load({"model": state})
     for part in parallel.parts:
@@ -347,7 +351,7 @@ def decoding_config(config: GenerateConfig) -> GenerateConfig:
     )
 
 
-def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: Any) -> PipelinePlan:
+def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: ModelArgs) -> PipelinePlan:
     """The stages of the job's pipeline layout, placed as its schedule places them. Decoding passes one sequence
     stage to stage itself (`ParallelModel.forward_only`), so the schedule's microbatch rules do not apply."""
     p = config.parallelism

@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.launch import spawn
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.models.llama3.args import TransformerArgs
@@ -18,7 +20,6 @@ from torchpre.models.registry import get_model_spec
 from torchpre.parallel.api import parallelize
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.training.job import CONTEXT_PARALLEL_KERNELS
-from torchpre.training.model import meta_model, parallel_plan
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +41,7 @@ def reference_model() -> torch.nn.Module:
     spec = get_model_spec("llama3")
     net = meta_model(JobConfig(), spec, ARGS)
     net.to_empty(device="cpu")
-    spec.init_weights(net, SEED)
+    spec.build.init_weights(net, SEED)
     return net
 
 
@@ -51,7 +52,7 @@ def context_parallel_model(context_parallel: ContextParallel, mesh) -> torch.nn.
         mesh,
         parallel_plan(JobConfig(), spec, ARGS, None, context_parallel=context_parallel),
         device=torch.device("cpu"),
-        init_weights=lambda part: spec.init_weights(part, SEED),
+        init_weights=lambda part: spec.build.init_weights(part, SEED),
     ).parts[0]
 
 

@@ -1,5 +1,5 @@
 """`ParallelModel.forward_only`, the one forward path of validation and generation, built by the trainer's
-code (`torchpre.training.model` + `parallelize`): under tp2 and pp2 (one stage per rank, interleaved virtual stages,
+code (`torchpre.assembly` + `parallelize`): under tp2 and pp2 (one stage per rank, interleaved virtual stages,
 a V) its loss and logits equal one process's."""
 
 import dataclasses
@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.launch import spawn
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
@@ -19,7 +21,6 @@ from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel.api import parallelize
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.model import meta_model, parallel_plan
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def reference() -> tuple[torch.Tensor, torch.Tensor]:
     spec = get_model_spec("llama3")
     model = meta_model(JobConfig(), spec, ARGS)
     model.to_empty(device="cpu")
-    spec.init_weights(model, SEED)
+    spec.build.init_weights(model, SEED)
     inputs, labels = batch()
     with torch.no_grad():
         logits = model(inputs)
@@ -76,7 +77,7 @@ def run_layouts(out: Path, mesh) -> None:
             ParallelDims.from_degrees(dp=1, tp=tp, pp=pp, world_size=2).build_mesh("cpu"),
             parallel_plan(config, spec, ARGS, pipeline),
             device=torch.device("cpu"),
-            init_weights=lambda part: spec.init_weights(part, SEED),
+            init_weights=lambda part: spec.build.init_weights(part, SEED),
             loss_fn=cross_entropy_sum,
         )
         try:

@@ -91,13 +91,13 @@ def test_moe_under_context_parallel_prints_no_warning(tmp_path):
 
 def test_expert_degree_must_divide_the_experts():
     with pytest.raises(ConfigError, match="num_experts = 4 is not divisible by parallelism.expert_parallel_degree = 3"):
-        SPEC.validate_expert_parallel(MOE_FLAVORS["tiny"], 3)
+        SPEC.parallel.validate_expert_parallel(MOE_FLAVORS["tiny"], 3)
 
 
 def test_tensor_degree_must_divide_the_expert_width():
     args = dataclasses.replace(MOE_FLAVORS["tiny"], moe_hidden_dim=31)
     with pytest.raises(ConfigError, match="moe_hidden_dim = 31 is not divisible by parallelism.tensor_parallel_degree"):
-        SPEC.validate_tensor_parallel(args, 2)
+        SPEC.parallel.validate_tensor_parallel(args, 2)
 
 
 # DeepSeek-V3's routing (tiny_dsv3: sigmoid, groups, scaling, z-loss, a dense first block) with the balancing bias on.

@@ -11,11 +11,11 @@ from bench.coord_check import DEFAULTS, coordinates
 from bench.one_batch import fixed_batch
 from tests.integration.test_hf_convert import LOGITS_ATOL, SEQ_LEN, convert_ok, save_checkpoint, tokens
 from tests.launch import TINY, train_and_read_metrics, train_and_read_params
+from torchpre.assembly.args import model_args
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.models.registry import get_model_spec
-from torchpre.training.model import model_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
@@ -91,7 +91,7 @@ def test_hf_export_of_a_mup_model_gives_transformers_torchpres_logits(case, tmp_
     job.write_text(to_toml(config))
     args = model_args(config, load_tokenizer(DEFAULT_TOKENIZER_PATH))
     with torch.device("meta"):
-        model = get_model_spec(config.model.name).model_cls(args)
+        model = get_model_spec(config.model.name).build.model_cls(args)
     model.to_empty(device="cpu")
     model.init_weights(0)
     step_dir, hf_dir = tmp_path / "ckpt" / "step-5", tmp_path / "hf"

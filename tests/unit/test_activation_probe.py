@@ -235,7 +235,7 @@ def test_a_router_counts_on_meta_as_balanced(family: str) -> None:
     probes = []
     for device in ("cpu", "meta"):
         with torch.device(device):
-            model = spec.model_cls(args)
+            model = spec.build.model_cls(args)
         if device == "cpu":
             model.init_weights(0)
         tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))

@@ -24,8 +24,8 @@ from torchpre.models.deepseek_v3.model import (
     mla_rope_cache,
 )
 from torchpre.models.llama3.model import KVCache
+from torchpre.models.llama3.rope_keys import with_rope
 from torchpre.models.registry import get_flavor, get_model_spec
-from torchpre.training.rope import with_rope
 
 transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
@@ -216,9 +216,9 @@ def test_the_latent_cache_holds_the_latent_and_the_rope_key_per_position():
 def test_bad_shapes_are_refused():
     spec = get_model_spec("deepseek_v3")
     with pytest.raises(ConfigError, match="n_heads = 4 is not divisible by parallelism.tensor_parallel_degree = 3"):
-        spec.validate_tensor_parallel(spec.flavors["debugmodel"], 3)
+        spec.parallel.validate_tensor_parallel(spec.flavors["debugmodel"], 3)
     with pytest.raises(ConfigError, match="num_experts = 8 is not divisible by parallelism.expert_parallel_degree"):
-        spec.validate_expert_parallel(spec.flavors["debugmodel"], 3)
+        spec.parallel.validate_expert_parallel(spec.flavors["debugmodel"], 3)
     with pytest.raises(ConfigError, match="qk_rope_head_dim 7 must be even"):
         dataclasses.replace(spec.flavors["debugmodel"], qk_rope_head_dim=7)
 
@@ -227,10 +227,10 @@ def test_rope_keys_apply_theta_and_refuse_llama_scaling():
     def job(*keys: str) -> Model:
         return parse_args(JobConfig, ["--model.name", "deepseek_v3", *keys]).model
 
-    flavor = get_flavor("deepseek_v3", "debugmodel")
-    assert with_rope(job("--model.rope_theta", "50000"), flavor).rope_theta == 50000
+    flavor, where = get_flavor("deepseek_v3", "debugmodel"), "model.flavor = 'debugmodel'"
+    assert with_rope(flavor, job("--model.rope_theta", "50000"), where).rope_theta == 50000
     with pytest.raises(ConfigError, match="model.rope_scaling_factor .* does not apply to model.name = 'deepseek_v3'"):
-        with_rope(job("--model.rope_scaling_factor", "8", "--model.rope_original_max_seq_len", "1024"), flavor)
+        with_rope(flavor, job("--model.rope_scaling_factor", "8", "--model.rope_original_max_seq_len", "1024"), where)
 
 
 def test_hf_mapping_refuses_what_it_cannot_carry():

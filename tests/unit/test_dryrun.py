@@ -136,7 +136,7 @@ def test_a_fake_rank_holds_what_a_real_process_holds(monkeypatch):
         dist.destroy_process_group()
     initialised = []
     spec = real.job.preflight.model_spec
-    monkeypatch.setattr(type(spec), "init_weights", lambda *args: initialised.append(args), raising=True)
+    monkeypatch.setattr(type(spec.build), "init_weights", lambda *args: initialised.append(args), raising=True)
     fake = build_rank(config, 1, 0)
     assert not initialised  # a fake rank never draws full parameters
     assert dataclasses.replace(fake, activation_bytes=0, optimizer_step_bytes=0) == expected

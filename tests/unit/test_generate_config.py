@@ -74,13 +74,14 @@ def test_decoding_turns_off_only_the_training_options():
 
 
 def test_generation_rejects_a_layout_with_the_trainers_message(monkeypatch):
-    """The layout checks are the trainer's (`torchpre.training.model.check_layout`), not a copy: a family without a
-    tensor-parallel plan gets the trainer's message, naming the ModelSpec field, before any process group."""
+    """The layout checks are the trainer's (`torchpre.assembly.layout_checks.check_layout`), not a copy: a family
+    without a tensor-parallel plan gets the trainer's message, naming the ModelSpec field, before any process group."""
     get_model_spec("llama3")  # registers the built-in families first
-    monkeypatch.setitem(registry._REGISTRY, "llama3-no-tp", dataclasses.replace(LLAMA3, tensor_parallel=None))
+    no_tp = dataclasses.replace(LLAMA3, parallel=dataclasses.replace(LLAMA3.parallel, tensor_parallel=None))
+    monkeypatch.setitem(registry._REGISTRY, "llama3-no-tp", no_tp)
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = [*PROMPT, "--model.name", "llama3-no-tp", "--parallelism.tensor_parallel_degree", "2"]
-    with pytest.raises(ConfigError, match=r"has no tensor-parallel plan \(ModelSpec.tensor_parallel\)"):
+    with pytest.raises(ConfigError, match=r"has no tensor-parallel plan \(ModelSpec.parallel.tensor_parallel\)"):
         main(argv)
 
 

@@ -33,9 +33,9 @@ def _exporter(
     spec = get_model_spec(family)
     args = dataclasses.replace(spec.flavors[flavor], vocab_size=TOKENIZER.vocab_size, max_seq_len=32, **(args or {}))
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.build.model_cls(args)
     model.to_empty(device="cpu")
-    spec.init_weights(model, 0)
+    spec.build.init_weights(model, 0)
     parallel = SimpleNamespace(parts=[model])  # what the exporter asks of a ParallelModel
     exporter = HFExporter(folder, HFExport(enable=True, **settings), parallel, spec, args, TOKENIZER, 32)
     return exporter, model

@@ -89,9 +89,9 @@ def load(folder: Path, family: str) -> torch.nn.Module:
     args = folder_args(folder, spec, family)
     weights = hf_weights(folder, spec, args, "checkpoint.initial_load_path")
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.build.model_cls(args)
     model.to_empty(device="cpu")
-    spec.init_buffers(model)
+    spec.build.init_buffers(model)
     load_hf_weights(weights, model.state_dict(), no_dist=True)
     return model.eval()
 

@@ -21,7 +21,8 @@ PACKAGE = "torchpre"
 # job's sections (torch-free: tests/unit/test_help_without_torch.py), which the layers above read; `parallel` the
 # parallelize machinery and the data-parallel strategy; then the components built on it, each from its config section
 # (`evaluation` the held-out loss and downstream tasks, `interchange` Hugging Face folders in and out); then the
-# training loop that sequences them; then the planner (dry run included) and the entry points (`python -m torchpre.X`).
+# job's model assembled from them (`assembly`: args, layout checks, the meta model, its plans); then the training loop
+# that sequences them; then the planner (dry run included) and the entry points (`python -m torchpre.X`).
 # `runtime` holds what every entry point shares (the runner of entry points, custom imports) and the job's runtime
 # services (determinism, preemption, GC, profiling, the world it runs in).
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -30,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),
     ("parallel",),
     ("optim", "models", "data", "checkpoint", "metrics", "health", "runtime", "evaluation", "interchange"),
+    ("assembly",),
     ("training",),
     ("planner", "train", "generate", "convert", "plot", "plan"),
 )

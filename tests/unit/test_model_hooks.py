@@ -19,6 +19,7 @@ from torchpre.models.aux_loss import AddAuxLoss
 from torchpre.models.init import InitRule, ParamInit, ones
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.spec import SPEC as LLAMA3_SPEC
+from torchpre.models.registry import TrainingHooks
 from torchpre.training.trainer import Trainer
 
 LOCAL_BATCH, GLOBAL_BATCH, STEPS = 2, 4, 2  # two microbatches per step: the aux terms must add up over them
@@ -63,14 +64,14 @@ def extra_metrics(parts, args, device: torch.device) -> dict[str, float]:
     return {"toy/calls": float(len(CALLS["extra_metrics"]))}
 
 
+_AUX_BUILD = dataclasses.replace(LLAMA3_SPEC.build, model_cls=AuxTransformer)
 HOOKED = dataclasses.replace(
     LLAMA3_SPEC,
-    model_cls=AuxTransformer,
-    validate_layout=validate_layout,
-    set_aux_loss_scale=set_aux_loss_scale,
-    extra_metrics=extra_metrics,
+    build=_AUX_BUILD,
+    parallel=dataclasses.replace(LLAMA3_SPEC.parallel, validate_layout=validate_layout),
+    hooks=TrainingHooks(set_aux_loss_scale=set_aux_loss_scale, extra_metrics=extra_metrics),
 )
-PLAIN = dataclasses.replace(LLAMA3_SPEC, model_cls=AuxTransformer)  # the default hooks: no aux loss, no metrics
+PLAIN = dataclasses.replace(LLAMA3_SPEC, build=_AUX_BUILD)  # the default hooks: no aux loss, no metrics
 
 
 @pytest.fixture(autouse=True)

@@ -9,11 +9,12 @@ import pytest
 
 from torchpre.errors import ConfigError
 from torchpre.models import registry
+from torchpre.models.args import ArgsDefaults
 from torchpre.models.llama3.spec import SPEC as LLAMA3_SPEC
 from torchpre.models.registry import get_model_spec, register_model
 from torchpre.runtime.custom_import import import_custom_module
 
-OTHER = dataclasses.replace(LLAMA3_SPEC, blocks="layers2")  # equal in all but one field: still another spec
+OTHER = dataclasses.replace(LLAMA3_SPEC, build=dataclasses.replace(LLAMA3_SPEC.build, blocks="layers2"))  # another spec
 
 
 @pytest.fixture(autouse=True)
@@ -34,6 +35,30 @@ def test_a_taken_name_is_an_error_naming_both_places() -> None:
     assert f"at {__file__}:{again_line}: " in message and f"registered at {__file__}:{first_line}." in message
     assert "'mine' is taken" in message and "another name" in message
     assert get_model_spec("mine") is LLAMA3_SPEC  # the first registration stands
+
+
+def test_a_flavor_whose_args_lack_the_model_args_protocol_is_refused() -> None:
+    """Args that do not declare what torchpre reads of them (`ModelArgs`) are refused where they are registered, naming
+    the flavor and the base class that declares the optional features; derived from it, they register."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Bare:
+        dim: int = 8
+        n_layers: int = 1
+        vocab_size: int = 16
+        max_seq_len: int = 8
+
+    @dataclasses.dataclass(frozen=True)
+    class Declared(ArgsDefaults, Bare):
+        pass
+
+    with pytest.raises(ConfigError) as error:
+        register_model("bare", dataclasses.replace(LLAMA3_SPEC, flavors={"small": Bare()}))
+    message = str(error.value)
+    assert "flavor 'small' (Bare)" in message and "torchpre.models.args.ArgsDefaults" in message
+    assert "bare" not in registry._REGISTRY
+    register_model("declared", dataclasses.replace(LLAMA3_SPEC, flavors={"small": Declared()}))
+    assert get_model_spec("declared").flavors["small"].mtp_depth == 0
 
 
 def test_a_built_in_name_is_taken() -> None:

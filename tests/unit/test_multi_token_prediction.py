@@ -116,9 +116,9 @@ def test_without_future_tokens_or_gradients_the_model_is_the_main_model():
 def test_the_embedding_copy_is_the_embedding_and_the_spec_ties_and_counts_it():
     model, _ = model_and_tokens()
     assert model.mtp_embeddings.weight is model.tok_embeddings.weight
-    assert SPEC.tied_weights(ARGS) == ("tok_embeddings.weight", "mtp_embeddings.weight")
-    assert SPEC.tokens_ahead(ARGS) == DEPTH + 1
-    assert SPEC.tokens_ahead(DEEPSEEK_V3_FLAVORS["debugmodel"]) == 0
+    assert SPEC.build.tied_weights(ARGS) == ("tok_embeddings.weight", "mtp_embeddings.weight")
+    assert SPEC.hooks.tokens_ahead(ARGS) == DEPTH + 1
+    assert SPEC.hooks.tokens_ahead(DEEPSEEK_V3_FLAVORS["debugmodel"]) == 0
     # Each depth is a block of the last layer's kind (MoE), routed as the layers after the main ones.
     assert [row for row, _ in model.moe_layers_by_id()] == [1, 2, 3, 4]
     assert ARGS.router_rows == ARGS.n_layers + DEPTH

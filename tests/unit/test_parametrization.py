@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchpre.assembly.args import model_args
+from torchpre.assembly.parametrization import optimizer_scales
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
@@ -19,8 +21,6 @@ from torchpre.models.parametrization import fold_multipliers
 from torchpre.models.registry import get_model_spec
 from torchpre.optim import build_optimizer
 from torchpre.parallel import ParallelPlan, parallelize
-from torchpre.training.model import model_args
-from torchpre.training.parametrization import optimizer_scales
 
 TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 SEED, LR, WEIGHT_DECAY, EPS = 3, 1e-3, 0.1, 1e-8
@@ -36,7 +36,7 @@ def args_of(*flags: str):
 def build(mesh, args) -> nn.Module:
     """The model of `args` in one process, initialised from SEED."""
     with torch.device("meta"):
-        model = get_model_spec("llama3").model_cls(args)
+        model = get_model_spec("llama3").build.model_cls(args)
     return parallelize(model, mesh, ParallelPlan(blocks="layers"), device=torch.device("cpu"), init_weights=_init)
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -27,7 +28,6 @@ from torchpre.planner.pieces import microbatch_pieces
 from torchpre.planner.predict import model_flops_per_token, predict
 from torchpre.planner.search import needs_context_parallel, search
 from torchpre.planner.time_model import collective_seconds
-from torchpre.training.model import meta_model
 
 JSON_KEYS = {
     "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",

@@ -61,8 +61,8 @@ def test_auto_emulates_on_cpu_and_false_is_refused_there():
 
 
 def test_by_default_the_linears_of_the_family_s_blocks_convert():
+    from torchpre.assembly.plans import quantize_plan
     from torchpre.config.job_config import JobConfig
-    from torchpre.training.model import quantize_plan
 
     config = JobConfig()
     config.quantize.linear = "float8"

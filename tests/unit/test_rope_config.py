@@ -8,14 +8,14 @@ import torch
 
 from tests.launch import REPO
 from tests.unit.test_model import meta_apply_scaling
+from torchpre.assembly.args import model_args
+from torchpre.assembly.rope import rope_record
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, RopeScaling
 from torchpre.models.llama3.model import Transformer
-from torchpre.training.model import model_args
-from torchpre.training.rope import rope_record
 
 TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "64"]

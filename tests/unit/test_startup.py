@@ -1,5 +1,5 @@
 """Start-up that scales: initialisation holds at most one full parameter beyond this rank's shards, and a job
-that will load its weights from a checkpoint skips drawing them (`ModelSpec.init_buffers`) yet ends up in the
+that will load its weights from a checkpoint skips drawing them (`ModelSpec.build.init_buffers`) yet ends up in the
 same state, bitwise, as one that initialised first."""
 
 import dataclasses
@@ -17,6 +17,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.plans import parallel_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -26,14 +28,13 @@ from torchpre.models import registry
 from torchpre.models.registry import default_init_buffers, get_flavor, get_model_spec
 from torchpre.parallel.api import parallelize
 from torchpre.training import preflight
-from torchpre.training.model import meta_model, parallel_plan
 from torchpre.training.trainer import Trainer
 from torchpre.training.weights import Resume
 
 SEED = 0
 
 
-# ModelSpec.init_buffers' default --------------------------------------------------------------------------------
+# ModelSpec.build.init_buffers' default --------------------------------------------------------------------------------
 
 
 class Computed(nn.Module):
@@ -129,7 +130,7 @@ def init_peak(family: str, n_layers: int, mesh) -> tuple[int, int]:
                        device=torch.device("cpu"), init_weights=lambda part: None).parts[0]
     assert any(isinstance(p, DTensor) for p in part.parameters())  # the model holds shards
     with NewStorageBytes(local_tensors(part)) as allocated:
-        spec.init_weights(part, SEED)
+        spec.build.init_weights(part, SEED)
     assert allocated.live == 0  # nothing stays beyond the shards
     return allocated.peak, max(p.numel() * 4 for p in part.parameters())
 
@@ -174,9 +175,9 @@ def spied_families(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(registry, "_REGISTERED_AT", dict(registry._REGISTERED_AT))
     for family in ("llama3", "moe"):
-        spied = dataclasses.replace(
-            get_model_spec(family), init_weights=counted_init_weights, init_buffers=poisoned_init_buffers
-        )
+        spec = get_model_spec(family)
+        build = dataclasses.replace(spec.build, init_weights=counted_init_weights, init_buffers=poisoned_init_buffers)
+        spied = dataclasses.replace(spec, build=build)
         registry.register_model(f"spied-{family}", spied)
     CALLS.update(init_weights=0, init_buffers=0)
 

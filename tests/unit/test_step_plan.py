@@ -8,7 +8,7 @@ from torchpre.config.job_config import DataStage, JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.errors import ConfigError
 from torchpre.layouts.batch import BatchSizes
-from torchpre.training.ramp import BatchRamp
+from torchpre.layouts.ramp import BatchRamp
 from torchpre.training.stages import StageTable, stages_change
 from torchpre.training.step_plan import StepPlan
 

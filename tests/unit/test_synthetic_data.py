@@ -6,13 +6,13 @@ import dataclasses
 import pytest
 import torch
 
+from torchpre.assembly.args import model_args
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.data.loader import build_dataloader, pins_memory
 from torchpre.data.synthetic import SyntheticTokens
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
-from torchpre.training.model import model_args
 
 TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 LLAMA3_VOCAB = 128_256

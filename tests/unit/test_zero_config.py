@@ -4,11 +4,11 @@ strategy built from them), with messages that name the key; the FSDP settings of
 import pytest
 import torch
 
+from torchpre.assembly.plans import fsdp_plan
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.errors import ConfigError
 from torchpre.parallel.data_parallel import DataParallel
-from torchpre.training.model import fsdp_plan
 
 
 def check(config: JobConfig) -> DataParallel:

@@ -14,7 +14,7 @@ from pathlib import Path
 # them, it loads nothing into them.
 LAYOUT_KEYS = ("world_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps")
 # What the saving job trained on, beside its layout, by the config key that sets it: a resume that changes it
-# starts a new stage of the run. The rope_* entries are the resolved RoPE (`torchpre.training.rope.rope_record`).
+# starts a new stage of the run. The rope_* entries are the resolved RoPE (`torchpre.assembly.rope.rope_record`).
 STAGE_KEYS = {
     "seq_len": "training.seq_len",
     "rope_theta": "model.rope_theta",

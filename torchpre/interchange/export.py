@@ -90,7 +90,7 @@ class HFExporter:
         self.signing_key = signing_key
         self.adapter, self.args, self.tokenizer, self.max_length = spec.hf, args, tokenizer, max_length
         self.rank = dist.get_rank()
-        tied = spec.tied_weights(args)
+        tied = spec.build.tied_weights(args)
         self.skipped = {tied[1]} if tied else set()  # the output copy of a tied embedding: Hugging Face omits it
         self.tensors = _tensor_infos(self._local_state())
         self.owners = _balanced_owners(self.tensors)

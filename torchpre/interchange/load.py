@@ -17,7 +17,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
 from torchpre.interchange.reader import CONFIG, INDEX, HFFolder, read_config
 from torchpre.interchange.storage import HFStorageReader, first_name
 from torchpre.metrics.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from torchpre.models.args import ModelArgs
 from torchpre.models.hf_sources import Sources, check_folder
 from torchpre.models.registry import ModelSpec
 
@@ -78,7 +78,7 @@ class LoadReport:
         )
 
 
-def folder_args(path: Path, spec: ModelSpec, family: str) -> Any:
+def folder_args(path: Path, spec: ModelSpec, family: str) -> ModelArgs:
     """The family's args from the config.json of the folder at `path` (`model.flavor = "from_hf"`), every field read
     or refused (the adapter's `args_from_hf_config`)."""
     adapter = spec.hf
@@ -95,10 +95,10 @@ def folder_args(path: Path, spec: ModelSpec, family: str) -> Any:
         raise ConfigError(f"model.flavor = '{FROM_HF}': {path / CONFIG}: {error}") from None
 
 
-def model_shapes(spec: ModelSpec, args: Any) -> dict[str, torch.Size]:
+def model_shapes(spec: ModelSpec, args: ModelArgs) -> dict[str, torch.Size]:
     """The shape of every tensor in the model's state dict, from the model built on the meta device."""
     with torch.device("meta"):
-        return {name: tensor.shape for name, tensor in spec.model_cls(args).state_dict().items()}
+        return {name: tensor.shape for name, tensor in spec.build.model_cls(args).state_dict().items()}
 
 
 def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) -> None:
@@ -131,12 +131,12 @@ def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) ->
         )
 
 
-def hf_weights(path: Path, spec: ModelSpec, args: Any, key: str) -> HFWeights:
+def hf_weights(path: Path, spec: ModelSpec, args: ModelArgs, key: str) -> HFWeights:
     """The folder at `path` (given as `key`, e.g. checkpoint.initial_load_path) checked against the model `args`
     describes: a TorchpreError names what does not fit and what to do, before any weight is read."""
     adapter = spec.hf
-    parametrization = getattr(args, "parametrization", None)
-    if parametrization is not None and not parametrization.is_standard:
+    parametrization = args.parametrization
+    if not parametrization.is_standard:
         raise ConfigError(
             f"{key} = {path} is a Hugging Face folder, with model.parametrization = '{parametrization.name}': its "
             "weights are a model in the standard parametrization, without the µP multipliers, so they would not "

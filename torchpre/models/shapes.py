@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
 
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads")
 
 
-def with_shape(args: Any, where: str, **shape: int) -> Any:
+def with_shape(args: ModelArgs, where: str, **shape: int) -> ModelArgs:
     """`args` with each of `shape` (SHAPE_KEYS; 0 = keep the args' own) replaced, and the width fields scaled with
     `dim`. A ConfigError names the key that `where` (e.g. "model.flavor = 'tiny'") cannot take, or the shape that does
     not hold together."""
@@ -24,7 +24,7 @@ def with_shape(args: Any, where: str, **shape: int) -> Any:
     for key, value in shape.items():
         if value < 0:
             raise ConfigError(f"model.{key} = {value}: it must be positive (0 = the flavor's).")
-    taken = getattr(type(args), "shape_keys", ())
+    taken = type(args).shape_keys
     refused = [key for key in given if key not in taken]
     if refused:
         takes = f"it takes model.{', model.'.join(taken)}" if taken else "its args take no shape keys"
@@ -35,7 +35,7 @@ def with_shape(args: Any, where: str, **shape: int) -> Any:
         return args
     changes = dict(given)
     if "dim" in given:
-        changes |= {name: _scaled(args, name, given["dim"], where) for name in getattr(type(args), "width_fields", ())}
+        changes |= {name: _scaled(args, name, given["dim"], where) for name in type(args).width_fields}
     try:
         return dataclasses.replace(args, **changes)
     except ConfigError as error:
@@ -43,7 +43,7 @@ def with_shape(args: Any, where: str, **shape: int) -> Any:
         raise ConfigError(f"{settings} on {where}: {error}. Choose a shape that holds together.") from None
 
 
-def _scaled(args: Any, name: str, dim: int, where: str) -> int:
+def _scaled(args: ModelArgs, name: str, dim: int, where: str) -> int:
     """The width field `name` of `args` scaled by dim / args.dim; it must stay a whole number."""
     width = getattr(args, name)
     if width * dim % args.dim:

@@ -86,7 +86,7 @@ class ParallelPlan:
     over TP and DP needs none. `compile_fullgraph = False` is for blocks
     with data-dependent shapes (Mixture of Experts). `fsdp` shards the parameters over DP with FSDP2
     (ZeRO-3, see `parallel.data_parallel`); `parallelize` then needs the DP mesh. `context_parallel` makes a
-    part's attention context-parallel in place (a family's `ModelSpec.context_parallel` bound to this rank's
+    part's attention context-parallel in place (a family's `ModelSpec.parallel.context_parallel` bound to this rank's
     `parallel.context_parallel.ContextParallel`); it runs after the tensor-parallel plan and before activation
     checkpointing, which then recomputes the key/value gather with the rest of a block. `extra_blocks` are the
     dotted paths of blocks outside that container (DeepSeek-V3's multi-token prediction blocks,

@@ -1,8 +1,8 @@
 """The output layer under training.loss_chunk_size: the model returns its final hidden states, and the loss projects
 them onto the vocabulary a chunk of tokens at a time (`torchpre.parallel.linear_cross_entropy`).
 
-`chunk_output_layer` swaps a family's output nn.Linear (`ModelSpec.output_layer`) for a `ChunkedOutput` that holds the
-same weight Parameter under the same name, so initialisation, tied embeddings, checkpoints, Hugging Face exports and
+`chunk_output_layer` swaps a family's output nn.Linear (`ModelSpec.build.output_layer`) for a `ChunkedOutput` that holds
+the same weight Parameter under the same name, so initialisation, tied embeddings, checkpoints, Hugging Face exports and
 resumes with chunking on or off are unchanged. Its forward returns its input: the model, or the last pipeline stage,
 outputs the final normalised hidden states [batch, seq, dim] where it output logits. The training loss and the
 multiple-choice evaluation score them through the last stage's `ChunkedProjection`; a model that scores its own

@@ -70,7 +70,7 @@ class ContextParallel:
     """One rank's part of context parallelism over the 1-D `mesh` (cp ranks), for sequences of `seq_len`.
 
     `shard` cuts a batch to this rank's positions; `rope_rows` and `attend` are what a model family's attention
-    hook (`ModelSpec.context_parallel`) uses instead of the positions 0.. and the local causal kernel. With
+    hook (`ModelSpec.parallel.context_parallel`) uses instead of the positions 0.. and the local causal kernel. With
     `document_bos` (the BOS id, under training.document_mask) `forward_kwargs` reads the batch's document
     boundaries from the whole rows, and `document_attention` makes the attention of one microbatch's. `kernels`
     compute the attention.

@@ -2,7 +2,7 @@
 
 A family's grouped-experts layer runs its SwiGLU as three grouped matmuls, tokens [N, K] grouped by expert times
 weights [E, K, N'] given the groups' end offsets (`GroupedMM`). `quantize.experts` swaps that function, through the
-family's `ModelSpec.set_grouped_mm`, for torchao's `_to_mxfp8_then_scaled_grouped_mm`: each token row is cast to
+family's `ParallelPlans.set_grouped_mm`, for torchao's `_to_mxfp8_then_scaled_grouped_mm`: each token row is cast to
 MXFP8 in blocks of 32 along K, each expert's weight in blocks of 32 of its own, and the output gradient likewise in
 backward; with `rowwise_with_gw_hp` the weight gradient stays in high precision. The weights stay the plain
 high-precision Parameters, so expert, tensor and data parallelism, the optimizer and checkpoints see the model they
@@ -42,7 +42,7 @@ def check_quantize_experts(linear: str, family: str, matmul_dims: dict[str, int]
     if matmul_dims is None:
         raise ConfigError(
             f"{key} with model.name = '{family}': that family has no routed experts whose grouped matmuls torchpre "
-            f"can swap (ModelSpec.set_grouped_mm). Turn {key} off, or use model.name = 'moe' or 'deepseek_v3'."
+            f"can swap (ModelSpec.parallel.set_grouped_mm). Turn {key} off, or use model.name = 'moe' or 'deepseek_v3'."
         )
     if linear == "none":
         raise ConfigError(

@@ -114,7 +114,7 @@ def run_dry_run(config: JobConfig) -> list[RankMemory]:
     start = time.perf_counter()
     results = [build_rank(config, world_size, rank) for rank in ranks]
     print(memory_table(results, hardware))
-    if get_model_spec(config.model.name).expert_parallel is not None:
+    if get_model_spec(config.model.name).parallel.expert_parallel is not None:
         print(
             f"activ: model.name = '{config.model.name}' routes tokens by their values, which meta tensors do not "
             "have: counted for a balanced router (each expert an equal share of the routed rows)"

@@ -10,13 +10,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from torchpre.assembly.args import model_args
+from torchpre.assembly.tokenizer import tokenizer_path
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.layouts.zero_stages import ZERO_STAGES
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
-from torchpre.training.model import model_args, tokenizer_path
 from torchpre.training.preflight import preflight
 
 AC_MODES = ("none", "selective", "full")
@@ -98,7 +100,7 @@ class CheckedLayout:
 
     layout: Layout
     config: JobConfig
-    model_args: Any
+    model_args: ModelArgs
     accumulation_steps: int
     pipeline: PipelinePlan | None
 
@@ -158,7 +160,7 @@ def valid_layouts(
         )
     model_args(base, cached_tokenizer(tokenizer_path(base)))  # a misnamed flavor, or a vocabulary that cannot be
     valid, refusals = [], Counter()
-    experts = spec.expert_parallel is not None
+    experts = spec.parallel.expert_parallel is not None
     for layout in candidates(base, gpus, gpus_per_node, experts, context_parallel):
         try:
             valid.append(_dense_blocks_first(check(layout, base, gpus)))
@@ -171,10 +173,10 @@ def _dense_blocks_first(checked: CheckedLayout) -> CheckedLayout:
     """`checked`, if the first pipeline stage holds the model's dense first blocks (the MoE families'
     `first_k_dense`): the planner costs a stage as its ends plus blocks of one kind (`torchpre.planner.pieces`),
     the dense blocks among the first stage's ends."""
-    dense = getattr(checked.model_args, "first_k_dense", 0)
+    dense = checked.model_args.first_k_dense
     if checked.pipeline is None or dense <= 1:
         return checked
-    blocks = get_model_spec(checked.config.model.name).blocks
+    blocks = get_model_spec(checked.config.model.name).build.blocks
     first = sum(1 for name in checked.pipeline.stage_modules[0] if name.startswith(f"{blocks}."))
     if first < dense:
         raise ConfigError(
@@ -190,7 +192,7 @@ def _divisors(n: int) -> list[int]:
 
 @cache
 def cached_tokenizer(path: Path) -> Tokenizer:
-    """The tokenizer at `path` (`torchpre.training.model.tokenizer_path`), loaded once for every layout the planner
+    """The tokenizer at `path` (`torchpre.assembly.tokenizer.tokenizer_path`), loaded once for every layout the planner
     checks."""
     return load_tokenizer(path)
 
@@ -198,7 +200,7 @@ def cached_tokenizer(path: Path) -> Tokenizer:
 _STAGES: dict[tuple, list[list[str]] | ConfigError] = {}
 
 
-def cached_stage_modules(spec: ModelSpec, args: Any, stages: int, split_points: Sequence[str]) -> list[list[str]]:
+def cached_stage_modules(spec: ModelSpec, args: ModelArgs, stages: int, split_points: Sequence[str]) -> list[list[str]]:
     """`spec.pipeline_stages`, once per model and stage count, refusals included (it builds the model on meta:
     ~1 s at 405B)."""
     key = (repr(args), stages, tuple(split_points))

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from torchpre.assembly.parametrization import with_model_shape
 from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.config.parser import to_toml
 from torchpre.layouts.zero_stages import zero_stage
@@ -41,7 +42,6 @@ from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
 from torchpre.runtime.world import Runtime
 from torchpre.training.job import build_job
-from torchpre.training.parametrization import with_model_shape
 
 T = TypeVar("T")
 
@@ -217,7 +217,7 @@ def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator
     for key in SHAPE_KEYS:  # folded into the flavor: model.n_layers would otherwise restore the full depth
         setattr(short.model, key, 0)
     starts = itertools.accumulate(stage_blocks[:-1])
-    short.parallelism.pipeline_parallel_split_points = [f"{spec.blocks}.{start}" for start in starts]
+    short.parallelism.pipeline_parallel_split_points = [f"{spec.build.blocks}.{start}" for start in starts]
     try:
         yield short
     finally:
@@ -229,7 +229,7 @@ def leading_blocks(config: JobConfig) -> int:
     and at least one. Every block after them is of one kind, so the block piece is that kind and the first stage's
     ends include the dense blocks (which a first stage must hold: `torchpre.planner.layouts.check`)."""
     args = get_model_spec(config.model.name).flavors[config.model.flavor]
-    return max(getattr(args, "first_k_dense", 0), 1)
+    return max(args.first_k_dense, 1)
 
 
 def two_stage_config(config: JobConfig, microbatch_size: int = 1) -> JobConfig:
@@ -566,7 +566,7 @@ def stage_shape(checked: CheckedLayout, pp_rank: int) -> list[tuple[int, bool, b
     """(blocks, is the first stage, is the last stage) of each stage chunk pipeline rank `pp_rank` holds."""
     if checked.pipeline is None:
         return [(checked.model_args.n_layers, True, True)]
-    blocks = get_model_spec(checked.config.model.name).blocks
+    blocks = get_model_spec(checked.config.model.name).build.blocks
     chunks = []
     for stage in checked.pipeline.stage_ids(pp_rank):
         names = checked.pipeline.stage_modules[stage]

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig
 from torchpre.layouts.zero_stages import zero_stage
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
 from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
@@ -26,7 +28,6 @@ from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTrans
 from torchpre.planner.schedule_walk import held_peak
 from torchpre.planner.time_model import Layout as TimeLayout
 from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
-from torchpre.training.model import meta_model
 
 # The stated error of the predictions (relative), from the comparison with torchtitan's published H100 runs
 # (bench/plan_vs_published.py, docs/planning.md): printed next to every prediction.
@@ -177,11 +178,11 @@ def _rank_state(states: Pieces, step: StepTransient, shape: tuple) -> StateCost:
     )
 
 
-def model_flops_per_token(config: JobConfig, args: Any) -> int:
+def model_flops_per_token(config: JobConfig, args: ModelArgs) -> int:
     """The trainer's FLOPs per token (what its MFU divides by), from the whole model's parameter count."""
     spec = get_model_spec(config.model.name)
     num_params = sum(p.numel() for p in meta_model(config, spec, args).parameters())
-    return spec.flops_per_token(args, num_params, config.training.seq_len)
+    return spec.build.flops_per_token(args, num_params, config.training.seq_len)
 
 
 def _activation_bytes(

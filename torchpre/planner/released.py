@@ -13,6 +13,8 @@ import copy
 from collections.abc import Iterator
 from pathlib import Path
 
+from torchpre.assembly.args import folder_vocab_size
+from torchpre.assembly.tokenizer import tokenizer_path
 from torchpre.config.job_config import JobConfig
 from torchpre.confined import file_kind
 from torchpre.errors import ConfigError
@@ -20,7 +22,6 @@ from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import CONFIG
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.layouts import cached_tokenizer
-from torchpre.training.model import folder_vocab_size, tokenizer_path
 
 
 @contextlib.contextmanager

@@ -19,6 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchpre.assembly.args import model_context
+from torchpre.assembly.meta import meta_model
+from torchpre.assembly.parametrization import optimizer_scales
+from torchpre.assembly.plans import parallel_plan, quantize_plan
+from torchpre.assembly.rope import rope_record
 from torchpre.checkpoint.manager import CheckpointManager
 from torchpre.checkpoint.snapshots import SnapshotManager
 from torchpre.checkpoint.state import RNGState
@@ -51,11 +56,8 @@ from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
-from torchpre.training.model import meta_model, model_context, parallel_plan, quantize_plan
 from torchpre.training.model_update import StepWithModelUpdate
-from torchpre.training.parametrization import optimizer_scales
 from torchpre.training.preflight import Preflight, preflight
-from torchpre.training.rope import rope_record
 from torchpre.training.state import ModelState, TrainProgress
 from torchpre.training.step_plan import StepShape
 
@@ -138,8 +140,8 @@ class TrainingJob:
 
     def _use(self, shape: StepShape) -> None:
         """Publishes `shape`'s batch sizes to the components that read them (`batch`), gives the model the loss
-        scales of another batch (`ModelSpec.set_aux_loss_scale`: a mean over the global batch's sequences or tokens)
-        and the data loader another stage's data."""
+        scales of another batch (`ModelSpec.hooks.set_aux_loss_scale`: a mean over the global batch's sequences or
+        tokens) and the data loader another stage's data."""
         before, self.shape = self.shape, shape
         if shape.sizes != self.batch.sizes:
             self.batch.sizes = shape.sizes
@@ -189,7 +191,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
     loss_parallel = config.parallelism.enable_loss_parallel and pre.dims.tp > 1
     loss = GlobalMeanLoss(batch, compile=config.compile.enable and not loss_parallel)
     context_parallel = None
-    tokens_ahead = pre.model_spec.tokens_ahead(pre.model_args)
+    tokens_ahead = pre.model_spec.hooks.tokens_ahead(pre.model_args)
     if meshes.context_mesh is not None:
         bos = pre.tokenizer.bos_id if t.document_mask else None
         context_parallel = ContextParallel(
@@ -224,14 +226,14 @@ def build_job(config: JobConfig, runtime: Runtime) -> TrainingJob:
          "accumulation_steps": batch.sizes.accumulation_steps, "seq_len": t.seq_len, **rope_record(pre.model_args)},
         pre.plan.stages.record(),
     )  # fmt: skip
-    after_step = partial(pre.model_spec.after_optimizer_step, model.parts, pre.model_args, device)
+    after_step = partial(pre.model_spec.hooks.after_optimizer_step, model.parts, pre.model_args, device)
     guard = StepGuard(
         t, StepWithModelUpdate(optimizer, after_step), _forensics(model, pre, meshes), tp_degree=d.tp, batch=batch,
         is_logging_rank=dist.get_rank() == 0,
     )  # fmt: skip
     metrics = TrainingMetrics(
         config.metrics, device, None, batch=batch,
-        flops_per_token=partial(pre.model_spec.flops_per_token, pre.model_args, num_params), meshes=meshes.all(),
+        flops_per_token=partial(pre.model_spec.build.flops_per_token, pre.model_args, num_params), meshes=meshes.all(),
         pipeline=_pipeline_timing(model, pre.pipeline, meshes), linear=config.quantize.linear,
     )  # fmt: skip
     job = TrainingJob(
@@ -316,22 +318,23 @@ def _build_model(
     """The model, or this rank's pipeline stages of it, with its parameter count: built on the
     meta device in the parameter dtype, parallelized, then materialised and initialised from the seed alone (so
     every layout starts equal). When a checkpoint will overwrite the weights, only the buffers it does not hold
-    are computed (`ModelSpec.init_buffers`): drawing billions of values to discard them is most of start-up."""
+    are computed (`ModelSpec.build.init_buffers`): drawing billions of values to discard them is most of start-up."""
     spec, args = pre.model_spec, pre.model_args
     model = meta_model(config, spec, args, fp32=pre.data_parallel.shards_parameters)
     if config.training.loss_chunk_size:  # checked: the family names its output layer
-        chunk_output_layer(model, spec.output_layer, config.training.loss_chunk_size)
+        chunk_output_layer(model, spec.build.output_layer, config.training.loss_chunk_size)
     # Before any parallelism: the swapped linears keep their Parameters, so TP, AC, compile and FSDP see them.
     plan = quantize_plan(config, device, spec.blocks_of(args))
     convert_linears(model, plan)
     if config.quantize.experts:  # checked: the family has set_grouped_mm
-        quantize_experts(model, plan, spec.set_grouped_mm)
+        quantize_experts(model, plan, spec.parallel.set_grouped_mm)
     num_params = sum(p.numel() for p in model.parameters())
-    flops_per_token = spec.flops_per_token(args, num_params, config.training.seq_len)
+    flops_per_token = spec.build.flops_per_token(args, num_params, config.training.seq_len)
     seed, source = config.training.seed, pre.weights
     if source.loads_weights:
         logger.info("skipped weight initialisation: loading %s", source.folder)
-    init_weights = spec.init_buffers if source.loads_weights or fake else lambda part: spec.init_weights(part, seed)
+    build = spec.build
+    init_weights = build.init_buffers if source.loads_weights or fake else lambda part: build.init_weights(part, seed)
     parallel = parallelize(
         model,
         meshes.mesh,
@@ -355,17 +358,16 @@ def _build_model(
     )  # fmt: skip
     if pre.pipeline:
         logger.info("pipeline: %s", pre.pipeline.describe())
-    parametrization = getattr(args, "parametrization", None)
-    if parametrization is not None and not parametrization.is_standard:
-        logger.info("parametrization %s", parametrization.describe())
+    if not args.parametrization.is_standard:
+        logger.info("parametrization %s", args.parametrization.describe())
     return parallel, num_params
 
 
 def scale_auxiliary_losses(spec: ModelSpec, model: ParallelModel, sizes: BatchSizes) -> None:
     """An auxiliary loss is a mean over the global batch's sequences (MoE's balance loss) or tokens (MTP's)."""
     for part in model.parts:
-        spec.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
-        spec.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
+        spec.hooks.set_aux_loss_scale(part, 1 / sizes.global_batch_size)
+        spec.hooks.set_token_loss_scale(part, 1 / sizes.tokens_per_step)
 
 
 def _forensics(model: ParallelModel, pre: Preflight, meshes: Meshes) -> Forensics:

@@ -46,7 +46,7 @@ class ForwardInputs:
     """What a model's forward gets besides the tokens: under training.document_mask, `document_ids`, each position's
     document in the packed rows. A new one starts at every BOS token (positions before a row's first BOS end a
     document begun in an earlier row). For a model that reads `tokens_ahead` tokens after each position
-    (`ModelSpec.tokens_ahead`: multi-token prediction), `future_tokens` [batch, seq, tokens_ahead]."""
+    (`ModelSpec.hooks.tokens_ahead`: multi-token prediction), `future_tokens` [batch, seq, tokens_ahead]."""
 
     def __init__(self, document_mask: bool, bos_id: int | None, tokens_ahead: int = 0):
         self.document_mask, self.bos_id, self.tokens_ahead = document_mask, bos_id, tokens_ahead

@@ -9,7 +9,7 @@ from torchpre.optim.distributed_optimizer import DistributedOptimizer
 
 class StepWithModelUpdate:
     """The optimizer as the step guard applies or discards its step (`torchpre.health.guard.StepOptimizer`), each
-    followed by the model family's `ModelSpec.after_optimizer_step`, told whether the step was applied: training
+    followed by the model family's `ModelSpec.hooks.after_optimizer_step`, told whether the step was applied: training
     state that no optimizer owns (MoE's routing biases) then moves exactly when the parameters do, steps skipped on
     the device included, and a discarded step's statistics go with its gradients."""
 

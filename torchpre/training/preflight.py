@@ -7,8 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
+from torchpre.assembly.args import model_args, model_context
+from torchpre.assembly.layout_checks import check_layout
+from torchpre.assembly.silent_keys import check_keys_take_effect
+from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.checkpoint.folders import find_step_dir
 from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
 from torchpre.config.job_config import JobConfig
@@ -20,13 +23,12 @@ from torchpre.evaluation.multiple_choice import Task, read_tasks
 from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.layouts.batch import BatchSizes
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.training.batches import batch_sizes
-from torchpre.training.model import check_layout, job_tokenizer, model_args, model_context
-from torchpre.training.silent_keys import check_keys_take_effect
 from torchpre.training.step_plan import StepPlan
 from torchpre.training.weights import WeightsSource, weights_source
 
@@ -40,7 +42,7 @@ class Preflight:
     batches: BatchSizes
     model_spec: ModelSpec
     tokenizer: Tokenizer
-    model_args: Any
+    model_args: ModelArgs
     pipeline: PipelinePlan | None
     trust: Trust  # what loads accept: the [checkpoint] settings with the signing key, read once
     weights: WeightsSource  # where the weights come from: the resumed checkpoint, an initial folder, or the seed
@@ -52,7 +54,7 @@ def preflight(
     config: JobConfig,
     world_size: int,
     tokenizer: Tokenizer | None = None,
-    stage_modules: Callable[[ModelSpec, Any, int, Sequence[str]], list[list[str]]] | None = None,
+    stage_modules: Callable[[ModelSpec, ModelArgs, int, Sequence[str]], list[list[str]]] | None = None,
 ) -> Preflight:
     """Every check start-up runs before the process group, in order; raises the first ConfigError. The planner,
     which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:

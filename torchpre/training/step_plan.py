@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
 from torchpre.layouts.batch import BatchSizes
+from torchpre.layouts.ramp import KEY as RAMP_KEY
+from torchpre.layouts.ramp import BatchRamp
 from torchpre.training.batches import kept_global_batch
-from torchpre.training.ramp import KEY as RAMP_KEY
-from torchpre.training.ramp import BatchRamp
 from torchpre.training.stages import Stage, StageTable
 
 

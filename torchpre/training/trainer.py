@@ -225,7 +225,7 @@ class Trainer:
                 **({"optimizer_sent_bytes": optimizer.sent_bytes()} if optimizer.assembles_matrices else {}),
             },
             extra=lambda: (
-                spec.extra_metrics(job.model.parts, job.preflight.model_args, job.device)
+                spec.hooks.extra_metrics(job.model.parts, job.preflight.model_args, job.device)
                 | job.guard.metrics()
                 | job.data.shares()
                 | ({"data_stage": job.shape.stage.index + 1} if len(job.preflight.plan.stages.stages) > 1 else {})

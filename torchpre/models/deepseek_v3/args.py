@@ -56,6 +56,7 @@ class DeepSeekV3Args(MoEArgs):
     mtp_loss_weight: float = 0.3
 
     shape_keys: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads")  # MLA has no key/value heads
+    predicts_ahead: ClassVar[bool] = True
     width_fields: ClassVar[tuple[str, ...]] = (
         "moe_hidden_dim", "shared_expert_hidden_dim", "q_lora_rank", "kv_lora_rank", "dense_hidden_dim",
     )

@@ -218,7 +218,7 @@ def mtp_block_path(depth: int) -> str:
 
 def mtp_blocks(args: DeepSeekV3Args) -> tuple[str, ...]:
     """The multi-token prediction blocks' paths: units of activation checkpointing, compile and FSDP like the layers
-    (`ModelSpec.extra_blocks`)."""
+    (`ModelSpec.build.extra_blocks`)."""
     return tuple(mtp_block_path(depth) for depth in range(1, args.mtp_depth + 1))
 
 
@@ -229,7 +229,7 @@ class DeepSeekV3Transformer(MoETransformer):
     prediction (mtp.py).
 
     `mtp` and `mtp_embeddings` come after the output layer, so a pipeline split puts them on the last stage;
-    `mtp_embeddings` is the embedding's second name (`ModelSpec.tied_weights`): one Parameter where one part holds
+    `mtp_embeddings` is the embedding's second name (`ModelSpec.build.tied_weights`): one Parameter where one part holds
     both, two copies with summed gradients where the first and last stages do."""
 
     args: DeepSeekV3Args
@@ -274,7 +274,7 @@ class DeepSeekV3Transformer(MoETransformer):
         return self.head(AddAuxLoss.apply(h, mtp_loss))
 
     def set_token_loss_scale(self, scale: float | None) -> None:
-        """The multi-token prediction's 1 / the step's token count (`ModelSpec.set_token_loss_scale`)."""
+        """The multi-token prediction's 1 / the step's token count (`ModelSpec.hooks.set_token_loss_scale`)."""
         if self.mtp is not None:
             self.mtp.loss_scale = scale
 

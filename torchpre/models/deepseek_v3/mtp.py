@@ -57,7 +57,7 @@ class MTPDepth(nn.Module):
 class MultiTokenPrediction(nn.Module):
     """The D depths (`depths["1"]` .. `depths[str(D)]`) and their running statistics. `forward` returns the
     weighted MTP loss of a microbatch, already divided by the global token count (`loss_scale` = 1 / tokens per
-    step, set through `ModelSpec.set_token_loss_scale`)."""
+    step, set through `ModelSpec.hooks.set_token_loss_scale`)."""
 
     loss_sums: Tensor
     target_counts: Tensor

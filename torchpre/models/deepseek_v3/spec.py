@@ -4,6 +4,7 @@ Its model is in model.py, its MLA tensor-parallel plan in parallelize.py, its Hu
 routing, router statistics, bias balancing and expert/context parallelism are the MoE family's.
 """
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -15,15 +16,9 @@ from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer, mtp_blocks
 from torchpre.models.deepseek_v3.mtp import mtp_stats
 from torchpre.models.deepseek_v3.parallelize import apply_deepseek_v3_tensor_parallel
 from torchpre.models.llama3.spec import llama3_tied_weights
-from torchpre.models.moe.parallelize import (
-    apply_moe_context_parallel,
-    apply_moe_expert_parallel,
-    moe_expert_matmul_dims,
-    validate_moe_expert_parallel,
-    validate_moe_tensor_parallel,
-)
-from torchpre.models.moe.router import router_stats, update_expert_bias
-from torchpre.models.registry import HFAdapter, ModelSpec
+from torchpre.models.moe.router import router_stats
+from torchpre.models.moe.spec import SPEC as MOE
+from torchpre.models.registry import HFAdapter, ModelBuild, ModelSpec
 
 
 def tied_weights(args: DeepSeekV3Args) -> tuple[str, str] | None:
@@ -36,31 +31,25 @@ def extra_metrics(parts: Sequence[nn.Module], args: DeepSeekV3Args, device: torc
     return router_stats(parts, args, device) | (mtp_stats(parts, args.mtp_depth, device) if args.mtp_depth else {})
 
 SPEC = ModelSpec(
-    model_cls=DeepSeekV3Transformer,
+    build=ModelBuild(
+        model_cls=DeepSeekV3Transformer,
+        extra_blocks=mtp_blocks,
+        tied_weights=tied_weights,
+        flops_per_token=flops_per_token,
+        output_layer="output",
+    ),
     flavors=DEEPSEEK_V3_FLAVORS,
-    extra_blocks=mtp_blocks,
-    tensor_parallel=apply_deepseek_v3_tensor_parallel,
-    validate_tensor_parallel=validate_moe_tensor_parallel,
-    expert_parallel=apply_moe_expert_parallel,
-    validate_expert_parallel=validate_moe_expert_parallel,
-    context_parallel=apply_moe_context_parallel,
-    tied_weights=tied_weights,
-    flops_per_token=flops_per_token,
-    output_layer="output",
-    compile_fullgraph=False,
-    set_grouped_mm=DeepSeekV3Transformer.set_grouped_mm,
-    expert_matmul_dims=moe_expert_matmul_dims,
-    set_aux_loss_scale=DeepSeekV3Transformer.set_aux_loss_scale,
-    set_token_loss_scale=DeepSeekV3Transformer.set_token_loss_scale,
-    extra_metrics=extra_metrics,
-    tokens_ahead=lambda args: args.mtp_depth + 1 if args.mtp_depth else 0,
-    after_optimizer_step=update_expert_bias,
+    # The MoE family's plans and hooks (routing, experts, context parallel), with MLA's tensor-parallel plan and
+    # multi-token prediction's loss scale, statistics and future tokens.
+    parallel=dataclasses.replace(MOE.parallel, tensor_parallel=apply_deepseek_v3_tensor_parallel),
+    hooks=dataclasses.replace(
+        MOE.hooks,
+        set_token_loss_scale=DeepSeekV3Transformer.set_token_loss_scale,
+        extra_metrics=extra_metrics,
+        tokens_ahead=lambda args: args.mtp_depth + 1 if args.mtp_depth else 0,
+    ),
     hf=HFAdapter(
-        to_hf_state_dict=hf.to_hf_state_dict,
-        from_hf_state_dict=hf.from_hf_state_dict,
-        hf_config=hf.hf_config,
-        hf_config_mismatches=hf.hf_config_mismatches,
-        hf_sources=hf.hf_sources,
-        args_from_hf_config=hf.args_from_hf_config,
+        hf.to_hf_state_dict, hf.from_hf_state_dict, hf.hf_config, hf.hf_config_mismatches, hf.hf_sources,
+        hf.args_from_hf_config,
     ),
 )

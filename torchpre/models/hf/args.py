@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
 from torchpre.json_input import read_json, read_named_json
 from torchpre.layouts.zero_stages import zero_stage
+from torchpre.models.args import ArgsDefaults
 from torchpre.models.hf.architectures import not_decoder_only
 from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
 from torchpre.models.hf_fields import (
@@ -30,8 +32,9 @@ KEY = "model.hf_config"
 
 
 @dataclass(frozen=True)
-class HFArgs:
-    """A transformers config and what torchpre reads of it, in the names other families' args use."""
+class HFArgs(ArgsDefaults):
+    """A transformers config and what torchpre reads of it, in the names other families' args use. The config sets
+    the shape and the forward: no model.* shape, parametrization or multi-token prediction keys apply."""
 
     config: Any  # transformers.PretrainedConfig
     path: str
@@ -78,7 +81,7 @@ class ConfigKey:
         return isinstance(other, ConfigKey) and self.config.to_json_string() == other.config.to_json_string()
 
 
-def hf_args(job: Any, vocab_size: int, max_seq_len: int | None) -> HFArgs:
+def hf_args(job: JobConfig, vocab_size: int, max_seq_len: int | None) -> HFArgs:
     """The transformers config at `model.hf_config` (a config.json or a folder holding one), checked against the
     job: the tokenizer's `vocab_size` ids must fit the model's vocabulary and `max_seq_len` (None: the model's
     own context) its positions."""

@@ -101,8 +101,8 @@ def _with(config: Any, key: str, value: Any) -> Any:
 
 
 def validate_tensor_parallel(args: HFArgs, tp: int) -> None:
-    """ModelSpec.validate_tensor_parallel: refuses tensor (and sequence, and loss) parallelism the model does not
-    run."""
+    """ModelSpec.parallel.validate_tensor_parallel: refuses tensor (and sequence, and loss) parallelism the model
+    does not run."""
     reasons = refusals(args, tp)
     _refuse_if(args, DATA, reasons)
     _refuse_if(args, TENSOR, reasons)
@@ -111,8 +111,8 @@ def validate_tensor_parallel(args: HFArgs, tp: int) -> None:
 
 
 def validate_layout(args: HFArgs, dims: ParallelDims) -> None:
-    """ModelSpec.validate_layout: refuses an architecture torchpre does not train, ZeRO-3 of parameters some inputs
-    leave unused, or pipeline stages that do not reproduce its forward."""
+    """ModelSpec.parallel.validate_layout: refuses an architecture torchpre does not train, ZeRO-3 of parameters some
+    inputs leave unused, or pipeline stages that do not reproduce its forward."""
     reasons = refusals(args, max(dims.tp, 2))
     _refuse_if(args, DATA, reasons)
     if args.fsdp and dims.dp > 1:

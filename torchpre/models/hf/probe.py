@@ -219,5 +219,5 @@ def decoder_stages(model: HFCausalLM, num_stages: int, split_points: Sequence[st
 
 
 def stage_modules(args: HFArgs, num_stages: int, split_points: Sequence[str]) -> list[list[str]]:
-    """`decoder_stages` of the model `args` describe (ModelSpec.stage_modules)."""
+    """`decoder_stages` of the model `args` describe (ModelSpec.parallel.stage_modules)."""
     return decoder_stages(meta_model(args), num_stages, split_points)

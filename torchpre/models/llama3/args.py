@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from torchpre.errors import ConfigError
+from torchpre.models.args import ArgsDefaults
 from torchpre.models.parametrization import Parametrization
 
 
@@ -21,7 +22,7 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class TransformerArgs:
+class TransformerArgs(ArgsDefaults):
     """Shape of a Llama 3 model. Frozen so a shared flavor cannot be mutated; derive variants
     with `dataclasses.replace` (e.g. to set `vocab_size` from the tokenizer)."""
 
@@ -39,9 +40,10 @@ class TransformerArgs:
     tie_word_embeddings: bool = False
     parametrization: Parametrization = Parametrization()  # the standard one; see torchpre.models.parametrization
 
-    # The model.* shape keys these args take, and the widths that scale with `dim` (torchpre.models.shapes).
+    # The model.* keys these args take over `ArgsDefaults` (torchpre.models.args.ModelArgs): the shape keys
+    # (torchpre.models.shapes) and model.parametrization.
     shape_keys: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads", "n_kv_heads")
-    width_fields: ClassVar[tuple[str, ...]] = ()
+    parametrized: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

@@ -8,7 +8,7 @@ from torchpre.models.llama3.parallelize import (
     apply_llama3_tensor_parallel,
     validate_llama3_tensor_parallel,
 )
-from torchpre.models.registry import HFAdapter, ModelSpec
+from torchpre.models.registry import HFAdapter, ModelBuild, ModelSpec, ParallelPlans
 
 
 def llama3_tied_weights(args: TransformerArgs) -> tuple[str, str] | None:
@@ -17,20 +17,17 @@ def llama3_tied_weights(args: TransformerArgs) -> tuple[str, str] | None:
 
 
 SPEC = ModelSpec(
-    model_cls=Transformer,
+    build=ModelBuild(
+        model_cls=Transformer, tied_weights=llama3_tied_weights, flops_per_token=flops_per_token, output_layer="output"
+    ),
     flavors=LLAMA3_FLAVORS,
-    tensor_parallel=apply_llama3_tensor_parallel,
-    validate_tensor_parallel=validate_llama3_tensor_parallel,
-    context_parallel=apply_llama3_context_parallel,
-    tied_weights=llama3_tied_weights,
-    flops_per_token=flops_per_token,
-    output_layer="output",
+    parallel=ParallelPlans(
+        tensor_parallel=apply_llama3_tensor_parallel,
+        validate_tensor_parallel=validate_llama3_tensor_parallel,
+        context_parallel=apply_llama3_context_parallel,
+    ),
     hf=HFAdapter(
-        to_hf_state_dict=hf.to_hf_state_dict,
-        from_hf_state_dict=hf.from_hf_state_dict,
-        hf_config=hf.hf_config,
-        hf_config_mismatches=hf.hf_config_mismatches,
-        hf_sources=hf.hf_sources,
-        args_from_hf_config=hf.args_from_hf_config,
+        hf.to_hf_state_dict, hf.from_hf_state_dict, hf.hf_config, hf.hf_config_mismatches, hf.hf_sources,
+        hf.args_from_hf_config,
     ),
 )

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.parallelize import (
     apply_llama3_context_parallel,
     apply_transformer_plan,
@@ -43,7 +44,7 @@ from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.expert_parallel import apply_expert_parallel
 
 
-def llama3_attention_plan(args: Any, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def llama3_attention_plan(args: ModelArgs, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """Llama 3's attention plan, as `apply_moe_tensor_parallel`'s `block_attention_plan` takes it."""
     return attention_plan(sequence_parallel)
 
@@ -121,11 +122,12 @@ def _tp_output(module: nn.Module, partial: Tensor, mesh: DeviceMesh) -> Tensor:
 def validate_moe_tensor_parallel(args: MoEArgs, tp: int) -> None:
     """Llama 3's head checks, and whole hidden slices for the experts, the shared expert and the dense blocks."""
     check_llama3_heads(args, tp)
-    dense = ("ffn_hidden_dim",) if args.first_k_dense else ()
-    for key in ("moe_hidden_dim", "shared_expert_hidden_dim", *dense):
-        if getattr(args, key) % tp:
+    widths = {"moe_hidden_dim": args.moe_hidden_dim, "shared_expert_hidden_dim": args.shared_expert_hidden_dim}
+    dense = {"ffn_hidden_dim": args.ffn_hidden_dim} if args.first_k_dense else {}
+    for key, width in (widths | dense).items():
+        if width % tp:
             raise ConfigError(
-                f"The model's {key} = {getattr(args, key)} is not divisible by parallelism.tensor_parallel_degree "
+                f"The model's {key} = {width} is not divisible by parallelism.tensor_parallel_degree "
                 f"= {tp}: each tensor-parallel rank holds an equal slice of every expert. Use a divisor of it."
             )
 

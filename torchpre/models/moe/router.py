@@ -24,7 +24,7 @@ def router_stats(model_parts: Sequence[MoETransformer], args: MoEArgs, device: t
     - `moe/min_load`: over layers, the smallest min(expert load) / mean(expert load) (0: an unused expert);
     - `moe/aux_loss`: the load-balancing loss per sequence, before its coefficient (1 is even), averaged over layers;
     - `moe/bias_min`, `moe/bias_max`: with bias balancing, the smallest and largest routing bias over layers.
-    A collective: every rank must call it (the family's `ModelSpec.extra_metrics`).
+    A collective: every rank must call it (the family's `ModelSpec.hooks.extra_metrics`).
     """
     num_experts = args.num_experts
     table = torch.zeros(args.router_rows, num_experts + 2, dtype=torch.float64, device=device)
@@ -73,7 +73,7 @@ def update_expert_bias(
     tokens, pipeline stages hold different layers. Tensor-parallel ranks and activation-checkpoint recomputation
     multiply a layer's counts alike, which the sign ignores; the sign is taken of an exact integer difference,
     so every rank, and one process, computes the same bias to the bit. A collective: every rank calls it (the
-    family's `ModelSpec.after_optimizer_step`).
+    family's `ModelSpec.hooks.after_optimizer_step`).
     """
     if args.bias_update_rate == 0:
         return

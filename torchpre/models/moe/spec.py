@@ -16,23 +16,29 @@ from torchpre.models.moe.parallelize import (
     validate_moe_tensor_parallel,
 )
 from torchpre.models.moe.router import router_stats, update_expert_bias
-from torchpre.models.registry import ModelSpec
+from torchpre.models.registry import ModelBuild, ModelSpec, ParallelPlans, TrainingHooks
 
 SPEC = ModelSpec(
-    model_cls=MoETransformer,
+    build=ModelBuild(
+        model_cls=MoETransformer,
+        tied_weights=llama3_tied_weights,
+        flops_per_token=flops_per_token,
+        output_layer="output",
+    ),
     flavors=MOE_FLAVORS,
-    tensor_parallel=apply_moe_tensor_parallel,
-    validate_tensor_parallel=validate_moe_tensor_parallel,
-    expert_parallel=apply_moe_expert_parallel,
-    validate_expert_parallel=validate_moe_expert_parallel,
-    context_parallel=apply_moe_context_parallel,
-    tied_weights=llama3_tied_weights,
-    flops_per_token=flops_per_token,
-    output_layer="output",
-    compile_fullgraph=False,
-    set_grouped_mm=MoETransformer.set_grouped_mm,
-    expert_matmul_dims=moe_expert_matmul_dims,
-    set_aux_loss_scale=MoETransformer.set_aux_loss_scale,
-    extra_metrics=router_stats,
-    after_optimizer_step=update_expert_bias,
+    parallel=ParallelPlans(
+        tensor_parallel=apply_moe_tensor_parallel,
+        validate_tensor_parallel=validate_moe_tensor_parallel,
+        expert_parallel=apply_moe_expert_parallel,
+        validate_expert_parallel=validate_moe_expert_parallel,
+        context_parallel=apply_moe_context_parallel,
+        compile_fullgraph=False,
+        set_grouped_mm=MoETransformer.set_grouped_mm,
+        expert_matmul_dims=moe_expert_matmul_dims,
+    ),
+    hooks=TrainingHooks(
+        set_aux_loss_scale=MoETransformer.set_aux_loss_scale,
+        extra_metrics=router_stats,
+        after_optimizer_step=update_expert_bias,
+    ),
 )

@@ -8,17 +8,17 @@ set). Left alone, each would train a different run than the one asked for, witho
 
 import fnmatch
 from collections.abc import Sequence
-from typing import Any
 
 from torch import nn
 
+from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
-from torchpre.training.model import meta_model
 
 
-def check_keys_take_effect(config: JobConfig, spec: ModelSpec, args: Any, shortest_seq_len: int) -> None:
+def check_keys_take_effect(config: JobConfig, spec: ModelSpec, args: ModelArgs, shortest_seq_len: int) -> None:
     """Refuses the first key that would do nothing; `shortest_seq_len` is the shortest of the run's data stages."""
     _check_quantize_format(config.quantize)
     c = config.checkpoint
@@ -28,7 +28,7 @@ def check_keys_take_effect(config: JobConfig, spec: ModelSpec, args: Any, shorte
             "on, so this one would train from step 0. Set checkpoint.enable = true to resume that step, or leave "
             "checkpoint.load_step at -1 (checkpoint.initial_load_path loads weights into a new run)."
         )
-    depth = getattr(args, "mtp_depth", 0)
+    depth = args.mtp_depth
     if depth >= shortest_seq_len:
         raise ConfigError(
             f"model.mtp_depth = {depth} predicts up to {depth + 1} tokens past each position, but the sequences of "

@@ -3,9 +3,39 @@ with, as a function of the samples consumed before it, so that it is the same un
 
 from dataclasses import dataclass
 
-from torchpre.config.training_schedule import RAMP_KEY as KEY
-from torchpre.config.training_schedule import ramp_values
 from torchpre.errors import ConfigError
+
+KEY = "training.batch_rampup"
+
+
+def ramp_values(text: str, final: int) -> tuple[int, int, int] | None:
+    """(start, increment, samples) of the ramp `text` ("start,increment,samples") towards the global batch `final`;
+    None for "" (no ramp)."""
+    if not text.strip():
+        return None
+    usage = f'{KEY} = "{text}": expected "start,increment,samples", three integers (e.g. "16,16,1000000")'
+    try:
+        start, increment, samples = (int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{usage}.") from None
+    if start < 1 or increment < 1 or samples < 0:
+        raise ConfigError(f"{usage}: start and increment must be at least 1, samples at least 0.")
+    if final == -1:
+        raise ConfigError(
+            f"{KEY} ramps the global batch up to training.global_batch_size, which is -1 (derived): set "
+            "training.global_batch_size to the batch the ramp ends at."
+        )
+    if start > final:
+        raise ConfigError(
+            f"{KEY} starts at {start} sequences, more than training.global_batch_size = {final}: a ramp grows "
+            "the batch, so start must be at most the global batch."
+        )
+    if (final - start) % increment:
+        raise ConfigError(
+            f"{KEY} grows from {start} by {increment}, which never reaches training.global_batch_size = "
+            f"{final}: choose an increment that divides {final} - {start} = {final - start}."
+        )
+    return start, increment, samples
 
 
 @dataclass(frozen=True)

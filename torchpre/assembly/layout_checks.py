@@ -1,0 +1,97 @@
+"""Checks that the model family can run the job's layout, before any process group: bad input stops every rank
+with one message that names what to change."""
+
+import fnmatch
+import math
+
+from torchpre.config.job_config import JobConfig
+from torchpre.distributed.parallel_dims import ParallelDims
+from torchpre.errors import ConfigError
+from torchpre.models.args import ModelArgs
+from torchpre.models.registry import ModelSpec
+from torchpre.parallel.quantize import check_quantize
+from torchpre.parallel.quantized_experts import check_quantize_experts
+
+
+def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: ParallelDims) -> None:
+    """Rejects a layout the model family cannot run, naming what to change, before any work."""
+    name, p = config.model.name, config.parallelism
+    if dims.tp > 1:
+        if spec.parallel.tensor_parallel is None:
+            raise ConfigError(
+                f"model.name = '{name}' has no tensor-parallel plan (ModelSpec.parallel.tensor_parallel), so "
+                "parallelism.tensor_parallel_degree must be 1."
+            )
+        if isinstance(spec.parallel.tensor_parallel, dict) and (p.enable_sequence_parallel or p.enable_loss_parallel):
+            raise ConfigError(
+                f"model.name = '{name}' gives its tensor-parallel plan as a fixed dict, which decides the "
+                "layouts itself: turn off parallelism.enable_sequence_parallel and enable_loss_parallel, or "
+                "give a plan function that takes sequence_parallel and loss_parallel."
+            )
+        spec.parallel.validate_tensor_parallel(args, dims.tp)
+    if dims.ep > 1:
+        if spec.parallel.expert_parallel is None:
+            raise ConfigError(
+                f"model.name = '{name}' has no experts to shard (ModelSpec.parallel.expert_parallel), so "
+                "parallelism.expert_parallel_degree must be 1. Use model.name = 'moe' for a Mixture of Experts."
+            )
+        spec.parallel.validate_expert_parallel(args, dims.ep)
+    if p.enable_sequence_parallel and config.training.seq_len % dims.tp:
+        raise ConfigError(
+            f"parallelism.enable_sequence_parallel shards the sequence over tensor_parallel_degree = {dims.tp} "
+            f"ranks, but training.seq_len = {config.training.seq_len} is not divisible by it. Use a multiple of "
+            f"{dims.tp}."
+        )
+    if dims.cp > 1:
+        check_context_parallel(config, spec, dims)
+    if config.training.loss_chunk_size:
+        check_chunked_loss(config, spec)
+    seq_len, cp = config.training.seq_len, dims.cp
+    tokens_key = "training.seq_len" + (f" / parallelism.context_parallel_degree {cp}" if cp > 1 else "")
+    q = config.quantize
+    check_quantize(q.linear, q.recipe, seq_len // cp, tokens_key)
+    if q.experts:
+        matmul_dims = None if spec.parallel.expert_matmul_dims is None else spec.parallel.expert_matmul_dims(args, dims)
+        check_quantize_experts(q.linear, name, matmul_dims)
+    spec.parallel.validate_layout(args, dims)
+
+
+def check_context_parallel(config: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
+    """Rejects what parallelism.context_parallel_degree cannot run, naming it, before any work."""
+    name, cp, seq_len = config.model.name, dims.cp, config.training.seq_len
+    key = f"parallelism.context_parallel_degree = {cp}"
+    if spec.parallel.context_parallel is None:
+        raise ConfigError(
+            f"{key}: model.name = '{name}' has no context-parallel attention (ModelSpec.parallel.context_parallel), so "
+            "its attention cannot be split over the sequence. Set context_parallel_degree = 1, or use a family that "
+            "has it (llama3, moe)."
+        )
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"{key}: training.seq_len = {seq_len} is not divisible by 2 x {cp} = {2 * cp}. Head-tail load balancing "
+            f"cuts each sequence into 2 x cp equal chunks; use a multiple of {2 * cp}."
+        )
+    if config.parallelism.enable_sequence_parallel and (seq_len // cp) % dims.tp:
+        raise ConfigError(
+            f"{key} with parallelism.enable_sequence_parallel: each cp rank's {seq_len // cp} positions are sharded "
+            f"again over tensor_parallel_degree = {dims.tp}, which does not divide them. Use a training.seq_len that "
+            f"is a multiple of {math.lcm(2 * cp, cp * dims.tp)}."
+        )
+
+
+def check_chunked_loss(config: JobConfig, spec: ModelSpec) -> None:
+    """Rejects what training.loss_chunk_size cannot run: a family that names no output layer to replace, and an
+    output layer that quantize.modules asks to convert (the chunked loss runs its matmuls itself)."""
+    key, name, q = f"training.loss_chunk_size = {config.training.loss_chunk_size}", config.model.name, config.quantize
+    if spec.build.output_layer is None:
+        raise ConfigError(
+            f"{key}: model.name = '{name}' names no output layer that the chunked loss can replace "
+            "(ModelSpec.build.output_layer). Set training.loss_chunk_size = 0, or use a family that has one (llama3, "
+            "moe, deepseek_v3)."
+        )
+    if q.linear != "none" and any(fnmatch.fnmatchcase(spec.build.output_layer, pattern) for pattern in q.modules):
+        raise ConfigError(
+            f"{key} with quantize.linear = '{q.linear}' and quantize.modules = {list(q.modules)}, which names the "
+            f"output layer '{spec.build.output_layer}': the chunked loss computes that layer's matmuls itself, in the "
+            "parameters' dtype. Leave it out of quantize.modules, or set training.loss_chunk_size = 0."
+        )
