@@ -57,11 +57,12 @@ MOSAIC_H100_FP8 = Source(
 LLAMA3 = Source(
     "The Llama 3 Herd of Models", "arXiv 2407.21783", "Table 4 (Llama 3 405B pre-training)", False, "h100-80gb",
     "llama3 paper")
-# Megatron-Core's FP8 runs are not a layout of torchpre: TransformerEngine saves the FP8 copies of a linear's input
-# for backward (torchao's float8 saves the bf16 input and casts it again), runs fused FP8 kernels (LayerNorm and
-# cast, cuDNN attention) and overlaps tensor-parallel communication with its GEMMs; torchpre has none of these.
-MEGATRON_CORE_FP8 = ("TransformerEngine's FP8 layers (FP8 activations saved for backward, fused cast kernels, "
-                     "tensor-parallel overlap), which torchpre's torchao float8 does not implement")
+# Megatron-Core's FP8 runs are not layouts of torchpre: they run whole TransformerEngine layers (LayerNorm fused into
+# the FP8 linears, cuDNN's fused attention, tensor-parallel communication overlapped with the GEMMs, FP8 copies of the
+# linears' inputs saved for backward where torchao's float8 saves the bf16 input); torchpre has none of these.
+# (MosaicML's FP8 rows run TransformerEngine's FP8 linears alone, inside llm-foundry's blocks: they count.)
+MEGATRON_CORE_FP8 = ("Megatron-Core's TransformerEngine layers (fused LayerNorm and FP8 linears, cuDNN attention, "
+                     "tensor-parallel overlap, FP8 activations saved for backward), which torchpre does not implement")
 NEMO = Source(
     "NeMo Performance Benchmarks (NeMo 24.07, DGX-H100)", "NVIDIA/NeMo docs/source/performance/performance_summary.md",
     "Pretraining (FP8)", False, "h100-80gb", "nemo 24.07 fp8", MEGATRON_CORE_FP8)
