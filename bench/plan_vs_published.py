@@ -10,7 +10,8 @@ MosaicML's H100 BF16 table, torchtitan's 8B rows: `--fit` prints the fit); every
     python -m bench.plan_vs_published --all        the whole corpus: the table, the errors, which rows fit
     python -m bench.plan_vs_published --fit        the efficiencies that fit the calibration rows best
 
-`--plot P.png` draws predicted against published; `--no-dry-run` leaves the dry runs out.
+`--plot P.png` draws predicted against published; `--no-dry-run` leaves the dry runs out; `--rows TEXT` keeps the
+rows whose name contains TEXT (e.g. `--all --rows "mosaic a100"`), to iterate on a part of the corpus.
 """
 
 import argparse
@@ -88,6 +89,11 @@ def compare(run: Run, dry_run: bool = False, hardware: Hardware | None = None) -
     return Compared(run, prediction, counted)
 
 
+def selected(rows: Sequence[Run], text: str) -> list[Run]:
+    """The rows whose name contains `text` (all of them for "")."""
+    return [row for row in rows if text in row.name]
+
+
 def compare_all(rows: Sequence[Run] = ROWS, dry_run: bool = False) -> list[Compared]:
     logging.getLogger("torchpre").setLevel(logging.WARNING)
     return [compare(row, dry_run) for row in rows]
@@ -151,10 +157,16 @@ def corpus_table(compared: Sequence[Compared]) -> str:
 
 
 def summary_lines(compared: Sequence[Compared]) -> list[str]:
+    """The errors of the calibration rows, of every evaluation row, of the evaluation rows issue 61's targets count
+    (the sources torchpre can express: `Source.outside_target`), and of each source."""
     calibration = [c for c in compared if c.run.source.calibration]
     evaluation = [c for c in compared if not c.run.source.calibration]
+    target = [c for c in evaluation if not c.run.source.outside_target]
+    left_out = sorted({c.run.source.short for c in evaluation if c.run.source.outside_target})
+    target_label = "evaluation only, the target's rows" + (f" (without {', '.join(left_out)})" if left_out else "")
     lines = [Errors.of(rows).line(label) for label, rows in (("calibration", calibration),
-                                                            ("evaluation only", evaluation)) if rows]  # fmt: skip
+                                                            ("evaluation only", evaluation),
+                                                            (target_label, target)) if rows]  # fmt: skip
     by_source: dict[str, list[Compared]] = {}
     for c in compared:
         by_source.setdefault(c.run.source.short, []).append(c)
@@ -235,18 +247,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows.add_argument("--held-out", action="store_true", help="torchtitan's 70B and 405B rows, not its 8B rows")
     rows.add_argument("--all", action="store_true", help="every row of the corpus (bench/published_runs.py)")
     rows.add_argument("--fit", action="store_true", help="fit the efficiencies on each GPU's calibration rows")
+    parser.add_argument("--rows", default="", help="only the rows whose name contains this text")
     args = parser.parse_args(argv)
+    rows = selected(CALIBRATION if args.fit else CORPUS if args.all else HELD_OUT if args.held_out else ROWS, args.rows)
+    if not rows:
+        parser.error(f"--rows {args.rows!r} matches no row's name; names look like {CORPUS[0].name!r}")
     if args.fit:
-        for name in dict.fromkeys(row.source.hardware for row in CALIBRATION):
+        for name in dict.fromkeys(row.source.hardware for row in rows):
             hardware = get_hardware(name)
-            calibration = [row for row in CALIBRATION if row.source.hardware == name]
+            calibration = [row for row in rows if row.source.hardware == name]
             print(f"{name} ({len(calibration)} rows): {fit(calibration, hardware, FITTED_ON.get(name, FITTED))}")
         return
     if args.all:
-        compared = compare_all(CORPUS)
+        compared = compare_all(rows)
         print(corpus_table(compared))
     else:
-        compared = compare_all(HELD_OUT if args.held_out else ROWS, dry_run=not args.no_dry_run and not args.held_out)
+        compared = compare_all(rows, dry_run=not args.no_dry_run and not args.held_out)
         print(table(compared))
     if args.plot:
         plot(compared, Path(args.plot))

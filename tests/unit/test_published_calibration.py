@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from bench.plan_vs_published import HELD_OUT, ROWS, compare, compare_all, fit
+from bench.plan_vs_published import HELD_OUT, ROWS, compare, compare_all, fit, main, selected
 from bench.published_runs import (
     BRIDGE,
     CALIBRATION,
@@ -24,8 +24,10 @@ from bench.published_runs import (
     MEGATRON_1,
     MEGATRON_2,
     MEGATRON_T1,
+    MOSAIC_A100,
     MOSAIC_H100,
     NEMO,
+    TARGET,
     TORCHTITAN,
     megatron_tokens,
 )
@@ -57,6 +59,33 @@ def test_every_row_names_its_source_and_only_the_issues_sources_calibrate():
         assert row.source.title and row.source.where and row.source.table and row.row and row.published
     assert len({row.name for row in CORPUS}) == len(CORPUS)
     assert {NEMO.hardware, BRIDGE.hardware, LLAMA3.hardware} == {"h100-80gb"}
+
+
+def test_only_the_runs_torchpre_cannot_express_are_left_out_of_the_target_and_each_says_why():
+    """Megatron-Core's FP8 runs (NeMo 24.07, Megatron-Bridge 25.11: TransformerEngine's FP8 layers) are outside issue
+    61's targets, with the reason stated; every other evaluation row counts, and no calibration row is left out."""
+    assert {row.source for row in CORPUS if row.source.outside_target} == {NEMO, BRIDGE}
+    assert all("TransformerEngine" in source.outside_target for source in (NEMO, BRIDGE))
+    assert TARGET == tuple(row for row in EVALUATION if row.source not in (NEMO, BRIDGE))
+    assert len(TARGET) == len(EVALUATION) - 8
+
+
+def test_rows_are_chosen_by_a_part_of_their_name():
+    """`--rows TEXT` keeps the rows whose name contains TEXT; text that names none is a usage error (exit 2)."""
+    assert {row.source for row in selected(CORPUS, "mosaic a100")} == {MOSAIC_A100}
+    assert len(selected(CORPUS, "mosaic a100")) == 61 and selected(CORPUS, "") == list(CORPUS)
+    with pytest.raises(SystemExit) as exited:
+        main(["--all", "--rows", "no such run"])
+    assert exited.value.code == 2
+
+
+def test_the_a100_attends_at_the_flash_attention_benchmarks_rate_not_its_matmul_rate():
+    """No calibration row runs flash attention on an A100, so its attention rate comes from a kernel benchmark (the
+    FlashAttention-2 paper: FlashAttention reaches 25-40% of the A100's peak; the row takes 0.325), not from its
+    matmul rate (0.64). MosaicML's 350m at 65,536 tokens on 8 A100s, four fifths of whose FLOPs are attention, was
+    predicted 82% fast at the matmul rate; it is within 10%."""
+    (row,) = [r for r in CORPUS if r.source is MOSAIC_A100 and r.model.label == "mpt-350m" and r.seq_len == 65536]
+    assert abs(compare(row).tps_error) < 0.10
 
 
 def test_published_throughput_is_converted_as_each_source_counts_it():
@@ -158,7 +187,9 @@ def corpus():
     return compare_all(CORPUS)
 
 
+# The whole corpus is predicted once per module (3.6 CPU minutes; 17.6 minutes of wall time on a loaded 2-core machine).
 @pytest.mark.published_corpus
+@pytest.mark.timeout(3600)
 def test_every_row_of_the_corpus_is_predicted_as_pinned(corpus):
     moved = [(c.run.name, f"{c.tps_error:+.3f}", c.fits) for c in corpus
              if abs(c.tps_error - CORPUS_PINNED[c.run.name][0]) > 0.03 or c.fits != CORPUS_PINNED[c.run.name][1]]
@@ -167,14 +198,18 @@ def test_every_row_of_the_corpus_is_predicted_as_pinned(corpus):
 
 
 @pytest.mark.published_corpus
+@pytest.mark.timeout(3600)
 def test_the_corpus_summary_is_the_documented_one(corpus):
-    """The medians and worst errors docs/planning.md prints, calibration and evaluation-only rows apart."""
-    for calibration in (True, False):
-        errors = [c.tps_error for c in corpus if c.run.source.calibration == calibration]
-        median, worst, fit = SUMMARY["calibration" if calibration else "evaluation"]
+    """The medians and worst errors docs/planning.md prints: calibration rows, evaluation-only rows, and the
+    evaluation rows issue 61's targets count."""
+    sets = {"calibration": CALIBRATION, "evaluation": EVALUATION, "target": TARGET}
+    for name, rows in sets.items():
+        chosen = [c for c in corpus if c.run in rows]
+        errors = [c.tps_error for c in chosen]
+        median, worst, fit = SUMMARY[name]
         assert statistics.median(abs(e) for e in errors) == pytest.approx(median, abs=0.005)
         assert max(errors, key=abs) == pytest.approx(worst, abs=0.01)
-        assert sum(c.fits for c in corpus if c.run.source.calibration == calibration) == fit
+        assert sum(c.fits for c in chosen) == fit
 
 
 def test_a_search_for_a_published_job_offers_its_layout_or_a_faster_one_that_fits(monkeypatch):
