@@ -1052,6 +1052,11 @@ BREAKS = [
           ("tests/integration/test_snapshots.py::test_a_killed_node_resumes_from_the_snapshots_of_the_step_before_bitwise",),
           "a resume's first iterator moves the global generator a checkpoint saved: the RNG states end unlike the "
           "uninterrupted run's"),
+    Break("heap-abort-rerun-in-a-used-folder", "tests/launch.py",
+          "            restore()\n",
+          "",
+          ("tests/unit/test_launch_heap_abort.py",),
+          "the test launcher reruns a job glibc aborted in the folder the aborted run left, not the one it started from"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:
