@@ -1056,7 +1056,7 @@ BREAKS = [
           "            restore()\n",
           "",
           ("tests/unit/test_launch_heap_abort.py",),
-          "the test launcher reruns a job glibc aborted in the folder the aborted run left, not the one it started from"),
+          "the test launcher reruns an aborted job in the folder the aborted run left, not the one it started from"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:
