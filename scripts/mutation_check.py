@@ -641,7 +641,7 @@ BREAKS = [
           '"train", "rng")',
           ("tests/unit/test_checkpoint_entries.py",),
           "checkpoint.exclude_from_loading refuses an entry the checkpoint saves (the step guard's health)"),
-    Break("weights-resume-ignores-excluded-model", "torchpre/training/weights.py",
+    Break("weights-resume-ignores-excluded-model", "torchpre/assembly/weights.py",
           '        return Resume(resume_dir, loads_weights="model" not in checkpoint.exclude_from_loading)',
           "        return Resume(resume_dir)",
           ("tests/unit/test_weights_source.py",),

@@ -36,6 +36,7 @@ from torchpre.assembly.meta import meta_model
 from torchpre.assembly.plans import parallel_plan
 from torchpre.assembly.rope import check_saved_rope
 from torchpre.assembly.tokenizer import job_tokenizer
+from torchpre.assembly.weights import Resume
 from torchpre.checkpoint.folders import STEP_DIR, find_step_dir
 from torchpre.checkpoint.integrity import FileCheck, Trust, find_intact_step, require_intact
 from torchpre.checkpoint.reader import Loader
@@ -56,7 +57,6 @@ from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
-from torchpre.training.weights import Resume
 
 
 def _flag(default: object, doc: str, bound: Bound | None = None):

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from torchpre.assembly.meta import meta_model
 from torchpre.assembly.plans import parallel_plan
+from torchpre.assembly.weights import Resume
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -29,7 +30,6 @@ from torchpre.models.registry import default_init_buffers, get_flavor, get_model
 from torchpre.parallel.api import parallelize
 from torchpre.training import preflight
 from torchpre.training.trainer import Trainer
-from torchpre.training.weights import Resume
 
 SEED = 0
 

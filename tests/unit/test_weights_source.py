@@ -3,8 +3,8 @@ none is loaded, and the trainer loads what the kind names."""
 
 from pathlib import Path
 
+from torchpre.assembly.weights import DcpFolder, HfFolder, RandomInit, Resume, weights_source
 from torchpre.config.job_config import Checkpoint
-from torchpre.training.weights import DcpFolder, HfFolder, RandomInit, Resume, weights_source
 
 
 def no_hf(path: Path):

@@ -12,6 +12,7 @@ from torchpre.assembly.args import model_args, model_context
 from torchpre.assembly.layout_checks import check_layout
 from torchpre.assembly.silent_keys import check_keys_take_effect
 from torchpre.assembly.tokenizer import job_tokenizer
+from torchpre.assembly.weights import WeightsSource, weights_source
 from torchpre.checkpoint.folders import find_step_dir
 from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
 from torchpre.config.job_config import JobConfig
@@ -30,7 +31,6 @@ from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.training.batches import batch_sizes
 from torchpre.training.step_plan import StepPlan
-from torchpre.training.weights import WeightsSource, weights_source
 
 
 @dataclass(frozen=True)

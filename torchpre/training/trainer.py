@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchpre.assembly.weights import DcpFolder, HfFolder, Resume
 from torchpre.checkpoint.folders import complete_steps
 from torchpre.checkpoint.layout import layout_change, stage_change
 from torchpre.config.job_config import JobConfig
@@ -30,7 +31,6 @@ from torchpre.training.run_folder import (
     set_aside_later_history,
 )
 from torchpre.training.stages import saved_stages, stages_change
-from torchpre.training.weights import DcpFolder, HfFolder, Resume
 
 logger = logging.getLogger("torchpre")
 
