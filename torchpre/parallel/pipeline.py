@@ -156,7 +156,7 @@ def _prune(module: nn.Module, prefix: str, kept: set[str]) -> None:
             module.register_module(name, None)
 
 
-class Stage(PipelineStage):
+class HookedPipelineStage(PipelineStage):
     """A `PipelineStage` whose weight-only backward (the zero-bubble schedules' W step) ends like an ordinary
     backward: it runs the post-accumulate-grad hooks of each parameter whose gradient it accumulated.
 

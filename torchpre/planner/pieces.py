@@ -28,8 +28,7 @@ from torchpre.config.parser import to_toml
 from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.models.shapes import SHAPE_KEYS
-from torchpre.planner.activation_probe import ActivationProbe
-from torchpre.planner.activation_probe import Collective as ProbedCollective
+from torchpre.planner.activation_probe import ActivationProbe, ProbedCollective
 from torchpre.planner.dryrun import (
     is_expert,
     leave_fake_world,

@@ -26,8 +26,7 @@ from torchpre.planner.layouts import CheckedLayout
 from torchpre.planner.measured import Measured
 from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
 from torchpre.planner.schedule_walk import held_peak
-from torchpre.planner.time_model import Layout as TimeLayout
-from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
+from torchpre.planner.time_model import RankWork, StepTime, TimeLayout, Work, step_time
 
 # The stated error of the predictions (relative), from the comparison with torchtitan's published H100 runs
 # (bench/plan_vs_published.py, docs/planning.md): printed next to every prediction.
