@@ -48,7 +48,7 @@ from torchpre.config.validate import check_section_bounds
 from torchpre.confined import file_kind
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
+from torchpre.distributed.process_groups import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.layouts.schedules import get_schedule
 from torchpre.models.args import ModelArgs

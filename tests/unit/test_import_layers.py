@@ -53,7 +53,8 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("torchpre.plan", "torchpre.planner.plot"): "entry point: only --plot needs it (and matplotlib)",
     ("torchpre.runtime.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
     ("torchpre.runtime.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
-    ("torchpre.runtime.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",
+    ("torchpre.runtime.cli", "torchpre.distributed.process_groups"): "loads torch; only needed once the job has run or "
+    "failed",
     ("torchpre.runtime.cli", "torchpre.distributed.peer_exit"): "loads torch; only needed once a rank of a torchrun "
     "job has failed",
     ("torchpre.data.documents", "torchpre.data.corpus"): "the built-in corpus reads the standard library's "

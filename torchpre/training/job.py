@@ -32,7 +32,7 @@ from torchpre.config.parser import to_toml
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
 from torchpre.data.sampler import ORDER_VERSION
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
-from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
+from torchpre.distributed.process_groups import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
 from torchpre.evaluation.validation import held_out_fraction
 from torchpre.health.forensics import Forensics
