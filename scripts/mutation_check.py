@@ -496,7 +496,7 @@ BREAKS = [
           "        if False:",
           ("tests/unit/test_plan.py::test_planner_memory_is_the_dry_runs",),
           "the dry run counts ZeRO-3's sharded gradients under pipelining, where FSDP2 holds them unsharded"),
-    Break("plan-cp-never-enumerated", "torchpre/planner/layouts.py",
+    Break("plan-cp-never-enumerated", "torchpre/planner/layout_space.py",
           "            for cp in cps if context_parallel else [1]:",
           "            for cp in [1]:",
           ("tests/unit/test_plan.py::test_cp_layouts_are_enumerated_for_every_degree_that_cuts_the_sequence_evenly",),

@@ -17,12 +17,12 @@ from torchpre.errors import ConfigError
 from torchpre.layouts.schedules import names_where
 from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
-from torchpre.planner import layouts, pieces
+from torchpre.planner import layout_space, pieces
 from torchpre.planner import search as search_module
 from torchpre.planner.dryrun import build_rank, probe_rank_parts
 from torchpre.planner.dryrun import probe_rank as build_and_probe
 from torchpre.planner.hardware import get_hardware
-from torchpre.planner.layouts import Layout, check, valid_layouts
+from torchpre.planner.layout_space import Layout, check, valid_layouts
 from torchpre.planner.measured import microbatch_costs, microbatch_key, state_key
 from torchpre.planner.pieces import microbatch_pieces
 from torchpre.planner.predict import model_flops_per_token, predict
@@ -264,9 +264,9 @@ def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
     and tp8 (237 s here); `-s` prints the table docs/context-parallel.md shows."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective", "full")), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", ())):  # fmt: skip
-        monkeypatch.setattr(layouts, name, values)
-    every = layouts.candidates
-    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        monkeypatch.setattr(layout_space, name, values)
+    every = layout_space.candidates
+    monkeypatch.setattr(layout_space, "candidates", lambda *args, **kwargs: (
         layout for layout in every(*args, **kwargs) if layout.tp >= 4))  # fmt: skip
     base = _job("--model.flavor", "8B", "--training.seq_len", "131072", "--training.global_batch_size", "16",
                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
@@ -286,7 +286,7 @@ def test_a_job_whose_layouts_fit_without_cp_is_not_offered_cp(monkeypatch):
     few (112 s here)."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective",)), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", (("1F1B", 1),))):  # fmt: skip
-        monkeypatch.setattr(layouts, name, values)
+        monkeypatch.setattr(layout_space, name, values)
     base = _job("--model.flavor", "8B", "--training.seq_len", "8192", "--training.global_batch_size", "64",
                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
     result = search(base, get_hardware("h100-80gb"), 64)
@@ -461,8 +461,8 @@ import json, sys
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.planner.hardware import get_hardware
-from torchpre.planner import layouts, search
-layouts.ZERO_STAGES, layouts.AC_MODES, layouts.MICROBATCH_SIZES = (1, 3), ("none",), (1,)
+from torchpre.planner import layout_space, search
+layout_space.ZERO_STAGES, layout_space.AC_MODES, layout_space.MICROBATCH_SIZES = (1, 3), ("none",), (1,)
 search.needs_context_parallel = lambda predictions: True
 base = parse_args(JobConfig, "--model.flavor tiny --training.seq_len 32 --training.global_batch_size 8".split())
 result = search.search(base, get_hardware("h100-80gb"), 2, workers=int(sys.argv[1]))
@@ -497,9 +497,9 @@ def test_the_microbatch_probe_counts_what_the_dry_run_counts():
 def _narrow(monkeypatch, tp: tuple[int, ...] = (1,), pp: tuple[int, ...] = (1,), **values) -> None:
     """The search cut to the given degrees and `values` (ZERO_STAGES=..., AC_MODES=...) to keep its probes few."""
     for name, value in values.items():
-        monkeypatch.setattr(layouts, name, value)
-    every = layouts.candidates
-    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        monkeypatch.setattr(layout_space, name, value)
+    every = layout_space.candidates
+    monkeypatch.setattr(layout_space, "candidates", lambda *args, **kwargs: (
         layout for layout in every(*args, **kwargs) if layout.tp in tp and layout.pp in pp))  # fmt: skip
 
 
@@ -585,6 +585,6 @@ def test_a_first_stage_without_the_dense_blocks_is_refused_by_name():
     61 blocks, and the planner refuses the layout saying why; over 16 (4 blocks) it accepts it."""
     base = _job(*DSV3_671B)
     with pytest.raises(ConfigError, match="first pipeline stage holds 2 blocks, fewer than the model's first_k_dense"):
-        layouts._dense_blocks_first(check(Layout(dp=64, tp=1, pp=32, ep=64, schedule="1F1B"), base, 2048))
+        layout_space._dense_blocks_first(check(Layout(dp=64, tp=1, pp=32, ep=64, schedule="1F1B"), base, 2048))
     accepted = check(Layout(dp=128, tp=1, pp=16, ep=64, schedule="1F1B"), base, 2048)
-    assert layouts._dense_blocks_first(accepted) is accepted
+    assert layout_space._dense_blocks_first(accepted) is accepted

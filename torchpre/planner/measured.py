@@ -10,7 +10,7 @@ every layout as `predict` does alone.
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from torchpre.planner.layouts import CheckedLayout, Layout
+from torchpre.planner.layout_space import CheckedLayout, Layout
 from torchpre.planner.pieces import Pieces, StepTransient, affine, microbatch_pieces, state_pieces, step_transient
 
 T = TypeVar("T")

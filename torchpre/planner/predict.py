@@ -22,7 +22,7 @@ from torchpre.models.registry import get_model_spec
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
 from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
 from torchpre.planner.hardware import Hardware
-from torchpre.planner.layouts import CheckedLayout
+from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.measured import Measured
 from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
 from torchpre.planner.schedule_walk import held_peak

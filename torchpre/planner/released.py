@@ -21,7 +21,7 @@ from torchpre.errors import ConfigError
 from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import CONFIG
 from torchpre.models.registry import get_model_spec
-from torchpre.planner.layouts import cached_tokenizer
+from torchpre.planner.layout_space import cached_tokenizer
 
 
 @contextlib.contextmanager

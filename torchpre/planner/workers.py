@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchpre.planner import pieces
-from torchpre.planner.layouts import CheckedLayout
+from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.measured import Measured
 from torchpre.planner.predict import Prediction, predict
 
