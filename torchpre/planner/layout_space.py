@@ -171,7 +171,7 @@ def valid_layouts(
 
 def _dense_blocks_first(checked: CheckedLayout) -> CheckedLayout:
     """`checked`, if the first pipeline stage holds the model's dense first blocks (the MoE families'
-    `first_k_dense`): the planner costs a stage as its ends plus blocks of one kind (`torchpre.planner.pieces`),
+    `first_k_dense`): the planner costs a stage as its ends plus blocks of one kind (`torchpre.planner.stage_costs`),
     the dense blocks among the first stage's ends."""
     dense = checked.model_args.first_k_dense
     if checked.pipeline is None or dense <= 1:

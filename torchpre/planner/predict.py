@@ -24,8 +24,8 @@ from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
 from torchpre.planner.hardware import Hardware
 from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.measured import Measured
-from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
 from torchpre.planner.schedule_walk import held_peak
+from torchpre.planner.stage_costs import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
 from torchpre.planner.time_model import RankWork, StepTime, TimeLayout, Work, step_time
 
 # The stated error of the predictions (relative), from the comparison with torchtitan's published H100 runs

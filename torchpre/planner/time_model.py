@@ -13,7 +13,7 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   `torchpre.planner.calibrate` state it.
 - CP (context parallelism): every attention layer all-gathers its keys and values over cp in forward (again in a
   full-AC backward's recompute) and reduce-scatters their gradients in backward; the probe counts them as it counts
-  TP's (`torchpre.planner.pieces.to_work` tells the dimensions apart by their groups' rank stride).
+  TP's (`torchpre.planner.stage_costs.to_work` tells the dimensions apart by their groups' rank stride).
 - EP (expert parallelism): every MoE layer all-to-alls its routed rows to their experts' ranks and back in forward
   (dispatch and combine: tokens x top-k x dim in the compute dtype each, after an exchange of the per-expert row
   counts) and their gradients both ways in backward, as the probe counts them for a balanced router. The experts'
