@@ -478,7 +478,7 @@ BREAKS = [
           "    return round(tensor_bytes * (1 + FRAGMENTATION))", "    return round(tensor_bytes)",
           (PUBLISHED_TEST,),
           "the planner reports the tensor peak as the allocator's: every published memory row 14% low"),
-    Break("plan-from-hf-tokenizer-vocabulary", "torchpre/planner/released.py",
+    Break("plan-from-hf-tokenizer-vocabulary", "torchpre/planner/hf_flavor.py",
           "planned.model.vocab_size, planned.model.tokenizer_path = name, vocabulary, str(tokenizer)",
           "planned.model.tokenizer_path = name, str(tokenizer)",
           ("tests/unit/test_plan_released.py::test_a_fixed_layout_of_a_released_folder_is_predicted_as_its_flavor",),
@@ -515,7 +515,7 @@ BREAKS = [
           "    dense = state.tp_numel - state.expert_numel", "    dense = state.tp_numel",
           ("tests/unit/test_plan.py::test_expert_gradients_are_reduced_over_the_ranks_that_hold_the_same_experts",),
           "the planner reduces the experts' gradients over all dp ranks instead of the edp ranks that hold them"),
-    Break("plan-measured-key-without-ac", "torchpre/planner/measured.py",
+    Break("plan-measured-key-without-ac", "torchpre/planner/cost_cache.py",
           "layout.ep, layout.activation_checkpoint, layout.microbatch_size", "layout.ep, layout.microbatch_size",
           ("tests/unit/test_plan.py::test_a_search_tells_its_measurements_apart_by_their_keys",),
           "a search looks microbatch costs up without their activation checkpointing: every AC mode gets the first "

@@ -45,8 +45,8 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("torchpre.train", "torchpre.planner.dryrun"): "entry point: loads torch, like the trainer it builds",
     ("torchpre.plan", "torchpre.planner.search"): "entry point: `--help` and bad flags answer before torch "
     "loads",
-    ("torchpre.plan", "torchpre.planner.fixed"): "entry point: only --fixed needs it (and torch)",
-    ("torchpre.plan", "torchpre.planner.released"): "entry point: after the flags are checked, as the search's",
+    ("torchpre.plan", "torchpre.planner.given_layout"): "entry point: only --fixed needs it (and torch)",
+    ("torchpre.plan", "torchpre.planner.hf_flavor"): "entry point: after the flags are checked, as the search's",
     ("torchpre.plan", "torchpre.planner.predict"): "entry point: the error bars are printed after a search, with torch "
     "loaded",
     ("torchpre.plan", "torchpre.planner.calibrate"): "entry point: only --calibrate needs it (and torch)",

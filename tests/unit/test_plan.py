@@ -19,11 +19,11 @@ from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
 from torchpre.planner import layout_space, stage_costs
 from torchpre.planner import search as search_module
+from torchpre.planner.cost_cache import microbatch_costs, microbatch_key, state_key
 from torchpre.planner.dryrun import build_rank, probe_rank_parts
 from torchpre.planner.dryrun import probe_rank as build_and_probe
 from torchpre.planner.hardware import get_hardware
 from torchpre.planner.layout_space import Layout, check, valid_layouts
-from torchpre.planner.measured import microbatch_costs, microbatch_key, state_key
 from torchpre.planner.predict import model_flops_per_token, predict
 from torchpre.planner.search import needs_context_parallel, search
 from torchpre.planner.stage_costs import microbatch_pieces

@@ -20,10 +20,10 @@ from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
+from torchpre.planner.cost_cache import Measured
 from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
 from torchpre.planner.hardware import Hardware
 from torchpre.planner.layout_space import CheckedLayout
-from torchpre.planner.measured import Measured
 from torchpre.planner.schedule_walk import held_peak
 from torchpre.planner.stage_costs import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
 from torchpre.planner.time_model import RankWork, StepTime, TimeLayout, Work, step_time

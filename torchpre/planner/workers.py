@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from torchpre.planner import stage_costs
+from torchpre.planner.cost_cache import Measured
 from torchpre.planner.layout_space import CheckedLayout
-from torchpre.planner.measured import Measured
 from torchpre.planner.predict import Prediction, predict
 
 _TASK: dict[str, Any] = {}  # what the workers fork with: the layouts, the hardware, the shared counters
