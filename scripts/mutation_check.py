@@ -695,7 +695,7 @@ BREAKS = [
           ("tests/unit/test_pipeline_plan.py::test_a_smaller_step_runs_fewer_microbatches_of_the_set_size",),
           "a ramped pipeline step is cut into the final batch's microbatch count (some empty), not microbatches of the "
           "set size"),
-    Break("ramp-rounds-instead-of-truncating", "torchpre/layouts/ramp.py",
+    Break("ramp-rounds-instead-of-truncating", "torchpre/step_rules/ramp.py",
           "        return self.start + int(consumed_samples / per_increment) * self.increment",
           "        return self.start + round(consumed_samples / per_increment) * self.increment",
           (STEP_PLAN_TEST,), "the ramp grows the batch half an increment early (not Megatron's formula)"),

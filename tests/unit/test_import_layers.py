@@ -17,17 +17,17 @@ PACKAGE = "torchpre"
 # Bottom to top. A unit (a subpackage or top-level module of torchpre, or `train` for train.py) may import its own
 # layer's and lower layers' units, never a higher one's. Within a layer, imports are allowed as long as they form no
 # cycle between units. `errors`, `optional`, `confined` and `json_input` are the leaves; `distributed` the mesh,
-# collectives and name helpers, and `layouts` the torch-free tables of pipeline schedules and ZeRO stages; `config` the
-# job's sections (torch-free: tests/unit/test_help_without_torch.py), which the layers above read; `parallel` the
-# parallelize machinery and the data-parallel strategy; then the components built on it, each from its config section
-# (`evaluation` the held-out loss and downstream tasks, `interchange` Hugging Face folders in and out); then the
-# job's model assembled from them (`assembly`: args, layout checks, the meta model, its plans); then the training loop
-# that sequences them; then the planner (dry run included) and the entry points (`python -m torchpre.X`).
-# `runtime` holds what every entry point shares (the runner of entry points, custom imports) and the job's runtime
-# services (determinism, preemption, GC, profiling, the world it runs in).
+# collectives and name helpers, and `step_rules` the torch-free rules of a step (pipeline schedules, ZeRO stages,
+# batch sizes, the ramp); `config` the job's sections (torch-free: tests/unit/test_help_without_torch.py), which the
+# layers above read; `parallel` the parallelize machinery and the data-parallel strategy; then the components built
+# on it, each from its config section (`evaluation` the held-out loss and downstream tasks, `interchange` Hugging Face
+# folders in and out); then the job's model assembled from them (`assembly`: args, layout checks, the meta model, its
+# plans); then the training loop that sequences them; then the planner (dry run included) and the entry points
+# (`python -m torchpre.X`). `runtime` holds what every entry point shares (the runner of entry points, custom imports)
+# and the job's runtime services (determinism, preemption, GC, profiling, the world it runs in).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "optional", "confined", "json_input"),
-    ("distributed", "layouts"),
+    ("distributed", "step_rules"),
     ("config",),
     ("parallel",),
     ("optim", "models", "data", "checkpoint", "metrics", "health", "runtime", "evaluation", "interchange"),

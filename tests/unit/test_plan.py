@@ -14,7 +14,6 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import names_where
 from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
 from torchpre.planner import layout_space, stage_costs
@@ -28,6 +27,7 @@ from torchpre.planner.predict import model_flops_per_token, predict
 from torchpre.planner.search import needs_context_parallel, search
 from torchpre.planner.stage_costs import microbatch_pieces
 from torchpre.planner.time_model import collective_seconds
+from torchpre.step_rules.schedules import names_where
 
 JSON_KEYS = {
     "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",

@@ -57,13 +57,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.names import canonical_fqn
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import names_where
 from torchpre.parallel.activation_checkpoint import BlockSlot, apply_activation_checkpointing, slots
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.data_parallel import FSDPPlan, apply_fsdp
 from torchpre.parallel.pipeline import HookedPipelineStage, PipelinePlan, build_schedule, prune_to, split_layers
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_plan
 from torchpre.parallel.ties import check_tied_placements, cross_stage_pair, retie, tie_groups
+from torchpre.step_rules.schedules import names_where
 
 TensorParallelPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
 """A `parallelize_module` plan (keys are fnmatch paths such as "blocks.*.mlp.fc"), or a function that

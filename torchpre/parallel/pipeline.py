@@ -20,7 +20,7 @@ from torch.distributed.pipelining._backward import stage_backward_weight
 
 from torchpre.distributed.clock import SpanClock
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import PipelineSchedule, get_schedule
+from torchpre.step_rules.schedules import PipelineSchedule, get_schedule
 
 
 def schedule_class(schedule: PipelineSchedule) -> type:

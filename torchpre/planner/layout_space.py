@@ -15,10 +15,10 @@ from torchpre.assembly.tokenizer import tokenizer_path
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer, load_tokenizer
 from torchpre.errors import ConfigError
-from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.step_rules.zero_stages import ZERO_STAGES
 from torchpre.training.preflight import preflight
 
 AC_MODES = ("none", "selective", "full")

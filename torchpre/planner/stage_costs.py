@@ -25,7 +25,6 @@ from typing import Generic, TypeVar
 from torchpre.assembly.parametrization import with_model_shape
 from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.config.parser import to_toml
-from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.models.shapes import SHAPE_KEYS
 from torchpre.planner.activation_probe import ActivationProbe, ProbedCollective
@@ -40,6 +39,7 @@ from torchpre.planner.dryrun import (
 from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
 from torchpre.runtime.world import Runtime
+from torchpre.step_rules.zero_stages import zero_stage
 from torchpre.training.job import build_job
 
 T = TypeVar("T")

@@ -60,10 +60,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from torchpre.layouts.schedules import get_schedule
-from torchpre.layouts.zero_stages import zero_stage
 from torchpre.planner.allocator import FRAGMENTATION
 from torchpre.planner.hardware import Hardware
+from torchpre.step_rules.schedules import get_schedule
+from torchpre.step_rules.zero_stages import zero_stage
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 Dim = Literal["tp", "ep", "cp", "dp", "edp", "pp"]
