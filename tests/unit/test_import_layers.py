@@ -6,7 +6,10 @@ test needs nothing imported and catches an import that only runs on some code pa
 """
 
 import ast
+import importlib.util
 import re
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,3 +292,20 @@ def test_the_architecture_page_lists_the_layers():
     table = page.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
     rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [tuple(re.findall(r"`([a-z_]+)`", packages)) for packages in rows] == list(LAYERS)
+
+
+def test_the_architecture_page_draws_the_layers():
+    """docs/architecture.md's layer picture is what scripts/layer_diagram.py writes from `LAYERS`."""
+    result = subprocess.run([sys.executable, "scripts/layer_diagram.py", "--check"], cwd=REPO, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_layer_diagram_has_one_box_per_layer_and_an_arrow_down_from_each():
+    spec = importlib.util.spec_from_file_location("layer_diagram", REPO / "scripts" / "layer_diagram.py")
+    layer_diagram = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layer_diagram)
+    assert layer_diagram.read_layers() == list(LAYERS)
+    assert layer_diagram.diagram([("errors",), ("config", "parallel")]) == "\n".join([
+        "```mermaid", "flowchart TD", '    L2["2: config · parallel"]', '    L1["1: errors"]',
+        "    L2 -->|may import| L1", "```"])  # fmt: skip
