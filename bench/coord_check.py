@@ -37,7 +37,7 @@ from bench.common import REPO, print_table
 from bench.one_batch import fixed_batch
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.utils import shutdown_distributed
+from torchpre.distributed.process_groups import shutdown_distributed
 from torchpre.parallel.api import ParallelModel
 from torchpre.training.trainer import Trainer
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.common import print_table, run_torchpre
-from torchpre.layouts.zero_stages import zero_stage as zero_stage_row
+from torchpre.step_rules.zero_stages import zero_stage as zero_stage_row
 
 DP = 2
 ADAM_BYTES_PER_PARAM = 8

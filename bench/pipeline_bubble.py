@@ -5,7 +5,7 @@ each) under torchrun (bench/pipeline_bubble_worker.py). Each rank times its comp
 backward, weight backward, loss) inside a window that spans one pipeline step of the slowest rank;
 idle = 1 - compute / window, the median over the timed steps. The table gives it per rank and the
 mean over ranks (1 - total compute / (p x window), the pipeline's bubble fraction), which is what
-is compared with the theory (`PipelineSchedule.bubble` in torchpre/layouts/schedules.py, which the planner
+is compared with the theory (`PipelineSchedule.bubble` in torchpre/step_rules/schedules.py, which the planner
 also uses), for p = pipeline degree and v stages per rank:
 
 - GPipe, 1F1B: (p-1) / (m+p-1): p-1 slots of fill and drain around m slots of work.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO, print_table
-from torchpre.layouts.schedules import get_schedule
+from torchpre.step_rules.schedules import get_schedule
 
 PP = 2
 TARGET = 0.10

@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.utils import shutdown_distributed
+from torchpre.distributed.process_groups import shutdown_distributed
 from torchpre.training.trainer import Trainer
 
 

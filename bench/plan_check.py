@@ -25,7 +25,7 @@ from bench.common import print_table, run_torchpre
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.planner.hardware import Hardware, get_hardware
-from torchpre.planner.layouts import Layout, check
+from torchpre.planner.layout_space import Layout, check
 from torchpre.planner.predict import model_flops_per_token, predict
 
 MEMORY_TOLERANCE = 0.10

@@ -27,7 +27,7 @@ from bench.published_runs import CALIBRATION, CORPUS, TORCHTITAN_HELD_OUT_ROWS, 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.planner.dryrun import build_rank
-from torchpre.planner.fixed import predict_fixed
+from torchpre.planner.given_layout import predict_fixed
 from torchpre.planner.hardware import Hardware, get_hardware
 from torchpre.planner.predict import Prediction
 

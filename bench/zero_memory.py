@@ -19,9 +19,9 @@ from fractions import Fraction
 import torch
 
 from bench.common import print_table, run_torchpre
-from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
+from torchpre.step_rules.zero_stages import ZERO_STAGES
 
 NUM_PARAMS = 5_770_496  # the debug model with the shipped 2048-token tokenizer
 GLOBAL_BATCH = 8

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import init_distributed, select_device
+from torchpre.distributed.process_groups import init_distributed, select_device
 from torchpre.models.hf.model import init_weights
 from torchpre.optim import build_optimizer
 from torchpre.parallel import ParallelPlan, logits_of, parallelize

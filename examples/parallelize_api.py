@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from custom_model import GPT2, TP_PLAN, GPT2Args  # this file's folder is on sys.path when run as a script
 
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import init_distributed, select_device
+from torchpre.distributed.process_groups import init_distributed, select_device
 from torchpre.optim import build_optimizer
 from torchpre.parallel import ParallelPlan, PipelinePlan, parallelize, pipeline_stages
 

@@ -36,7 +36,7 @@ _JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str:
 _REQUIRED = object()
 
 
-def field(record: Any, key: str, kinds: type | tuple[type, ...], where: str = "", default: Any = _REQUIRED) -> Any:
+def json_field(record: Any, key: str, kinds: type | tuple[type, ...], where: str = "", default: Any = _REQUIRED) -> Any:
     """`record[key]` if it holds one of `kinds` (JSON's types: a bool is no integer, an integer is a number), or
     `default` when the key is absent and a default is given; otherwise a FieldError naming the key by its path in
     the file (`where`, e.g. "shards[0]", is the path of `record`) and what it holds instead."""

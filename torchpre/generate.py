@@ -49,14 +49,14 @@ from torchpre.config.validate import check_section_bounds
 from torchpre.confined import file_kind
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
+from torchpre.distributed.process_groups import init_distributed, select_device, world_size_from_env
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.layouts.schedules import get_schedule
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.runtime.custom_import import import_custom_module
+from torchpre.step_rules.schedules import get_schedule
 
 
 def _flag(default: object, doc: str, bound: Bound | None = None):

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
     if planner.gpus < 1:
         raise ConfigError(f"{PROG} needs --gpus N: the number of GPUs the job will run on.")
     logging.getLogger("torchpre").setLevel(logging.WARNING)  # the planner builds thousands of trainers
-    from torchpre.planner.released import planned_flavor  # torch loads here: a mistyped flag answers without it
+    from torchpre.planner.hf_flavor import planned_flavor  # torch loads here: a mistyped flag answers without it
 
     start = time.perf_counter()
     with planned_flavor(config) as planned:
@@ -101,7 +101,7 @@ def _search(config: JobConfig, hardware: Hardware, planner: argparse.Namespace) 
 
 def _fixed(config: JobConfig, hardware: Hardware, gpus: int) -> "SearchResult":
     """The job's own layout, predicted, as a one-layout result (refused by start-up's checks: their ConfigError)."""
-    from torchpre.planner.fixed import predict_fixed
+    from torchpre.planner.given_layout import predict_fixed
     from torchpre.planner.search import SearchResult
 
     return SearchResult([predict_fixed(config, hardware, gpus)], 0, hardware, gpus, config)

@@ -22,7 +22,7 @@ from bench.plan_check import (
 )
 from torchpre.planner.calibrate import calibrate
 from torchpre.planner.hardware import get_hardware
-from torchpre.planner.layouts import Layout
+from torchpre.planner.layout_space import Layout
 
 pytestmark = pytest.mark.slow
 CI_SAMPLE = ("dp2-zero1-ac-full", "pp2-gpipe-ac-full")

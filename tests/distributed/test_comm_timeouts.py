@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.utils import shutdown_distributed
+from torchpre.distributed.process_groups import shutdown_distributed
 from torchpre.training.trainer import Trainer
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 from tests.launch import REPO, TINY, run_train
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
-from torchpre.distributed.utils import _restart_store
+from torchpre.distributed.process_groups import _restart_store
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.runtime.cli import EXIT_COMM_FAILURE, EXIT_STORAGE_FAILURE, run_entry_point
 from torchpre.runtime.preemption import PreemptionHandler

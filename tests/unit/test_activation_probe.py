@@ -19,7 +19,7 @@ from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel import ParallelPlan, parallelize
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing, slots
-from torchpre.planner.activation_probe import ActivationProbe, Collective, probe_microbatch
+from torchpre.planner.activation_probe import ActivationProbe, ProbedCollective, probe_microbatch
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], max_seq_len=32)  # dim 64, 2 blocks, 4 heads, 2 kv heads
 BATCH, SEQ = 2, 32
@@ -185,8 +185,8 @@ def test_tensor_parallel_all_reduces_and_per_rank_bytes(tp2_mesh) -> None:
     result = tp_probe(tp2_mesh, sequence_parallel=False)
     activation = 4 * BATCH * SEQ * ARGS.dim
     assert Counter(result.collectives) == {
-        Collective("_c10d_functional.all_reduce", 2, activation): 2 * (1 + 2 * ARGS.n_layers),
-        Collective("_c10d_functional.all_gather_into_tensor", 2, 4 * BATCH * SEQ * ARGS.vocab_size // 2): 1,
+        ProbedCollective("_c10d_functional.all_reduce", 2, activation): 2 * (1 + 2 * ARGS.n_layers),
+        ProbedCollective("_c10d_functional.all_gather_into_tensor", 2, 4 * BATCH * SEQ * ARGS.vocab_size // 2): 1,
     }
     tp1 = probe("meta")
     assert result.saved_bytes < tp1.saved_bytes
@@ -200,8 +200,8 @@ def test_sequence_parallel_turns_all_reduces_into_reduce_scatters_and_all_gather
     result = tp_probe(tp2_mesh, sequence_parallel=True)
     activation = 4 * BATCH * SEQ * ARGS.dim
     counts, per_direction = Counter(result.collectives), 1 + 2 * ARGS.n_layers
-    assert counts[Collective("_c10d_functional.reduce_scatter_tensor", 2, activation)] == 2 * per_direction
-    assert counts[Collective("_c10d_functional.all_gather_into_tensor", 2, activation // 2)] == 2 * per_direction
+    assert counts[ProbedCollective("_c10d_functional.reduce_scatter_tensor", 2, activation)] == 2 * per_direction
+    assert counts[ProbedCollective("_c10d_functional.all_gather_into_tensor", 2, activation // 2)] == 2 * per_direction
     assert result.saved_bytes < tp_probe(tp2_mesh, sequence_parallel=False).saved_bytes
 
 
@@ -220,7 +220,7 @@ class AllReduceInForward(nn.Module):
 
 def test_c10d_collectives_are_recorded_with_their_group_size(tp2_mesh) -> None:
     result = probe_microbatch(AllReduceInForward(), (torch.empty(3, 8, device="meta"),))
-    assert result.collectives == [Collective("c10d.allreduce_", 2, 4 * 3 * 8)]
+    assert result.collectives == [ProbedCollective("c10d.allreduce_", 2, 4 * 3 * 8)]
 
 
 @pytest.mark.parametrize("family", ["moe", "deepseek_v3"])

@@ -13,7 +13,7 @@ from torchpre.data.loader import TrainingData, build_dataloader
 from torchpre.data.sampler import ORDER_VERSION, ORDERS, EpochShuffle, FeistelShuffle, GlobalBatchSampler
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import TorchpreError
-from torchpre.layouts.batch import BatchSizes, CurrentBatch
+from torchpre.step_rules.batch import BatchSizes, CurrentBatch
 
 
 def take(sampler: GlobalBatchSampler, n: int) -> list[list[int]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torchpre.checkpoint.layout import layout_change
 from torchpre.distributed.elastic import usable_world_sizes, world_sizes_hint
-from torchpre.distributed.utils import _restart_store
+from torchpre.distributed.process_groups import _restart_store
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpre.distributed.utils import (
+from torchpre.distributed.process_groups import (
     FLIGHT_RECORDER_FILE_VARIABLES,
     FLIGHT_RECORDER_SIZE_VARIABLES,
     configure_flight_recorder,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchpre.distributed.utils import configure_float32_matmuls
+from torchpre.distributed.process_groups import configure_float32_matmuls
 
 
 @pytest.mark.parametrize(

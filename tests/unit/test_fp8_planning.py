@@ -13,9 +13,9 @@ from torchpre.metrics import flops
 from torchpre.metrics.logger import format_step_line
 from torchpre.planner.activation_probe import probe_microbatch
 from torchpre.planner.hardware import get_hardware
-from torchpre.planner.layouts import Layout, check
-from torchpre.planner.pieces import microbatch_pieces
+from torchpre.planner.layout_space import Layout, check
 from torchpre.planner.predict import model_flops_per_token, predict
+from torchpre.planner.stage_costs import microbatch_pieces
 from torchpre.planner.time_model import Work, compute_seconds
 
 pytest.importorskip("torchao")

@@ -6,7 +6,10 @@ test needs nothing imported and catches an import that only runs on some code pa
 """
 
 import ast
+import importlib.util
 import re
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,17 +20,17 @@ PACKAGE = "torchpre"
 # Bottom to top. A unit (a subpackage or top-level module of torchpre, or `train` for train.py) may import its own
 # layer's and lower layers' units, never a higher one's. Within a layer, imports are allowed as long as they form no
 # cycle between units. `errors`, `optional`, `confined` and `json_input` are the leaves; `distributed` the mesh,
-# collectives and name helpers, and `layouts` the torch-free tables of pipeline schedules and ZeRO stages; `config` the
-# job's sections (torch-free: tests/unit/test_help_without_torch.py), which the layers above read; `parallel` the
-# parallelize machinery and the data-parallel strategy; then the components built on it, each from its config section
-# (`evaluation` the held-out loss and downstream tasks, `interchange` Hugging Face folders in and out); then the
-# job's model assembled from them (`assembly`: args, layout checks, the meta model, its plans); then the training loop
-# that sequences them; then the planner (dry run included) and the entry points (`python -m torchpre.X`).
-# `runtime` holds what every entry point shares (the runner of entry points, custom imports) and the job's runtime
-# services (determinism, preemption, GC, profiling, the world it runs in).
+# collectives and name helpers, and `step_rules` the torch-free rules of a step (pipeline schedules, ZeRO stages,
+# batch sizes, the ramp); `config` the job's sections (torch-free: tests/unit/test_help_without_torch.py), which the
+# layers above read; `parallel` the parallelize machinery and the data-parallel strategy; then the components built
+# on it, each from its config section (`evaluation` the held-out loss and downstream tasks, `interchange` Hugging Face
+# folders in and out); then the job's model assembled from them (`assembly`: args, layout checks, the meta model, its
+# plans); then the training loop that sequences them; then the planner (dry run included) and the entry points
+# (`python -m torchpre.X`). `runtime` holds what every entry point shares (the runner of entry points, custom imports)
+# and the job's runtime services (determinism, preemption, GC, profiling, the world it runs in).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "optional", "confined", "json_input"),
-    ("distributed", "layouts"),
+    ("distributed", "step_rules"),
     ("config",),
     ("parallel",),
     ("optim", "models", "data", "checkpoint", "metrics", "health", "runtime", "evaluation", "interchange"),
@@ -45,15 +48,16 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("torchpre.train", "torchpre.planner.dryrun"): "entry point: loads torch, like the trainer it builds",
     ("torchpre.plan", "torchpre.planner.search"): "entry point: `--help` and bad flags answer before torch "
     "loads",
-    ("torchpre.plan", "torchpre.planner.fixed"): "entry point: only --fixed needs it (and torch)",
-    ("torchpre.plan", "torchpre.planner.released"): "entry point: after the flags are checked, as the search's",
+    ("torchpre.plan", "torchpre.planner.given_layout"): "entry point: only --fixed needs it (and torch)",
+    ("torchpre.plan", "torchpre.planner.hf_flavor"): "entry point: after the flags are checked, as the search's",
     ("torchpre.plan", "torchpre.planner.predict"): "entry point: the error bars are printed after a search, with torch "
     "loaded",
     ("torchpre.plan", "torchpre.planner.calibrate"): "entry point: only --calibrate needs it (and torch)",
     ("torchpre.plan", "torchpre.planner.plot"): "entry point: only --plot needs it (and matplotlib)",
     ("torchpre.runtime.cli", "torchpre.config.job_config"): "imported by every entry point before it parses its flags",
     ("torchpre.runtime.cli", "torchpre.config.parser"): "imported by every entry point before it parses its flags",
-    ("torchpre.runtime.cli", "torchpre.distributed.utils"): "loads torch; only needed once the job has run or failed",
+    ("torchpre.runtime.cli", "torchpre.distributed.process_groups"): "loads torch; only needed once the job has run or "
+    "failed",
     ("torchpre.runtime.cli", "torchpre.distributed.peer_exit"): "loads torch; only needed once a rank of a torchrun "
     "job has failed",
     ("torchpre.data.documents", "torchpre.data.corpus"): "the built-in corpus reads the standard library's "
@@ -288,3 +292,20 @@ def test_the_architecture_page_lists_the_layers():
     table = page.split("<!-- layers:", 1)[1].split("<!-- /layers -->", 1)[0]
     rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [tuple(re.findall(r"`([a-z_]+)`", packages)) for packages in rows] == list(LAYERS)
+
+
+def test_the_architecture_page_draws_the_layers():
+    """docs/architecture.md's layer picture is what scripts/layer_diagram.py writes from `LAYERS`."""
+    result = subprocess.run([sys.executable, "scripts/layer_diagram.py", "--check"], cwd=REPO, capture_output=True,
+                            text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_layer_diagram_has_one_box_per_layer_and_an_arrow_down_from_each():
+    spec = importlib.util.spec_from_file_location("layer_diagram", REPO / "scripts" / "layer_diagram.py")
+    layer_diagram = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layer_diagram)
+    assert layer_diagram.read_layers() == list(LAYERS)
+    assert layer_diagram.diagram([("errors",), ("config", "parallel")]) == "\n".join([
+        "```mermaid", "flowchart TD", '    L2["2: config · parallel"]', '    L1["1: errors"]',
+        "    L2 -->|may import| L1", "```"])  # fmt: skip

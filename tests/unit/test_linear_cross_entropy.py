@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchpre.evaluation.multiple_choice import _continuation_log_likelihoods
-from torchpre.layouts.batch import BatchSizes, CurrentBatch
 from torchpre.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
 from torchpre.models.deepseek_v3.model import DeepSeekV3Transformer
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
@@ -29,6 +28,7 @@ from torchpre.parallel.chunked_output import ChunkedOutput, ChunkedProjection, c
 from torchpre.parallel.forward_inputs import IGNORE_INDEX, future_tokens
 from torchpre.parallel.linear_cross_entropy import linear_cross_entropy
 from torchpre.planner.tensor_memory import TensorMemory
+from torchpre.step_rules.batch import BatchSizes, CurrentBatch
 from torchpre.training.loss import GlobalMeanLoss
 
 RELATIVE = 1e-6

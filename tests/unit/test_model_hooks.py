@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import shutdown_distributed
+from torchpre.distributed.process_groups import shutdown_distributed
 from torchpre.models import registry
 from torchpre.models.aux_loss import AddAuxLoss
 from torchpre.models.init import InitRule, ParamInit, ones

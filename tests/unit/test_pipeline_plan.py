@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import get_schedule
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
 from torchpre.models.llama3.spec import SPEC as LLAMA3
 from torchpre.parallel.pipeline import PipelinePlan, prune_to, split_layers
+from torchpre.step_rules.schedules import get_schedule
 
 LAYERS = [f"layers.{i}" for i in range(6)]
 

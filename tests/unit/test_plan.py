@@ -14,20 +14,20 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import names_where
 from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
-from torchpre.planner import layouts, pieces
+from torchpre.planner import layout_space, stage_costs
 from torchpre.planner import search as search_module
+from torchpre.planner.cost_cache import microbatch_costs, microbatch_key, state_key
 from torchpre.planner.dryrun import build_rank, probe_rank_parts
 from torchpre.planner.dryrun import probe_rank as build_and_probe
 from torchpre.planner.hardware import get_hardware
-from torchpre.planner.layouts import Layout, check, valid_layouts
-from torchpre.planner.measured import microbatch_costs, microbatch_key, state_key
-from torchpre.planner.pieces import microbatch_pieces
+from torchpre.planner.layout_space import Layout, check, valid_layouts
 from torchpre.planner.predict import model_flops_per_token, predict
 from torchpre.planner.search import needs_context_parallel, search
+from torchpre.planner.stage_costs import microbatch_pieces
 from torchpre.planner.time_model import collective_seconds
+from torchpre.step_rules.schedules import names_where
 
 JSON_KEYS = {
     "dp", "tp", "pp", "ep", "zero_stage", "activation_checkpoint", "microbatch_size", "schedule", "memory_bytes",
@@ -264,9 +264,9 @@ def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
     and tp8 (237 s here); `-s` prints the table docs/context-parallel.md shows."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective", "full")), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", ())):  # fmt: skip
-        monkeypatch.setattr(layouts, name, values)
-    every = layouts.candidates
-    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        monkeypatch.setattr(layout_space, name, values)
+    every = layout_space.candidates
+    monkeypatch.setattr(layout_space, "candidates", lambda *args, **kwargs: (
         layout for layout in every(*args, **kwargs) if layout.tp >= 4))  # fmt: skip
     base = _job("--model.flavor", "8B", "--training.seq_len", "131072", "--training.global_batch_size", "16",
                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
@@ -286,7 +286,7 @@ def test_a_job_whose_layouts_fit_without_cp_is_not_offered_cp(monkeypatch):
     few (112 s here)."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective",)), ("MICROBATCH_SIZES", (1,)),
                          ("PLANNED_SCHEDULES", (("1F1B", 1),))):  # fmt: skip
-        monkeypatch.setattr(layouts, name, values)
+        monkeypatch.setattr(layout_space, name, values)
     base = _job("--model.flavor", "8B", "--training.seq_len", "8192", "--training.global_batch_size", "64",
                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
     result = search(base, get_hardware("h100-80gb"), 64)
@@ -322,7 +322,7 @@ def test_the_ep_communication_is_the_dispatch_and_combine_of_every_moe_layer():
     assert step.tp_comm_s == step.cp_comm_s == 0
 
 
-def _without_step(state: pieces.StateCost) -> pieces.StateCost:
+def _without_step(state: stage_costs.StateCost) -> stage_costs.StateCost:
     return dataclasses.replace(state, optimizer_step_bytes=0)
 
 
@@ -334,12 +334,12 @@ def test_expert_parallel_costs_are_interpolated_in_one_over_ep_to_the_byte(zero)
     case per stage, each within pytest's timeout on a loaded machine."""
     base = _job(*DSV3_DEBUG, "--training.global_batch_size", "16")
     config = check(Layout(dp=8, tp=1, pp=1, ep=8, zero_stage=zero), base, 8).config
-    state, measured = pieces.state_pieces(config), pieces._measured_state_pieces(pieces.state_config(config))
+    state_config = stage_costs.state_config(config)
+    state, measured = stage_costs.state_pieces(config), stage_costs._measured_state_pieces(state_config)
     for name in ("block", "first", "last"):  # the step's transient is `step_transient`'s, below
         assert _without_step(getattr(state, name)) == _without_step(getattr(measured, name)), name
-    interpolated = pieces.step_transient(config, 3)
-    assert interpolated.at(3) == pytest.approx(pieces._measure_step_transient(pieces.state_config(config), 3).at(3),
-                                               rel=0.05)  # fmt: skip
+    interpolated = stage_costs.step_transient(config, 3)
+    assert interpolated.at(3) == pytest.approx(stage_costs._measure_step_transient(state_config, 3).at(3), rel=0.05)
 
 
 def test_expert_parallel_microbatch_costs_are_interpolated_in_one_over_ep():
@@ -348,12 +348,12 @@ def test_expert_parallel_microbatch_costs_are_interpolated_in_one_over_ep():
     the same; fewer local experts than at ep2 do less work."""
     config = check(Layout(dp=8, tp=1, pp=1, ep=8), _job(*DSV3_DEBUG, "--training.global_batch_size", "16"), 8).config
     interpolated = microbatch_pieces(config, 1)
-    _same_microbatch_costs(interpolated, pieces._probed_microbatch_pieces(config, 1))
-    at_ep2 = pieces._probed_microbatch_pieces(pieces._with_degree(config, "ep", 2), 1)
+    _same_microbatch_costs(interpolated, stage_costs._probed_microbatch_pieces(config, 1))
+    at_ep2 = stage_costs._probed_microbatch_pieces(stage_costs._with_degree(config, "ep", 2), 1)
     assert interpolated.block.backward.other_bytes < at_ep2.block.backward.other_bytes  # fewer local experts
 
 
-def _same_microbatch_costs(got: pieces.Pieces, want: pieces.Pieces) -> None:
+def _same_microbatch_costs(got: stage_costs.Pieces, want: stage_costs.Pieces) -> None:
     """Every number of two `MicrobatchCost` pieces within 1e-9 relative (float rounding of an interpolation), their
     ops and collectives the same."""
     for name in ("block", "first", "last"):
@@ -376,19 +376,19 @@ def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly(monkeypa
     (a view op's outputs, as many as `chunk(cp)` makes, once added entries: issue 57's 405B probed 12 degrees)."""
     base = _job("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.global_batch_size", "8")
     config = check(Layout(dp=1, tp=1, pp=1, cp=8), base, 8).config
-    monkeypatch.setattr(pieces, "_CACHE", {})
-    probe, probed_degrees = pieces._microbatch, set()
+    monkeypatch.setattr(stage_costs, "_CACHE", {})
+    probe, probed_degrees = stage_costs._microbatch, set()
 
-    def counted(config, world: int, rank: int) -> pieces.MicrobatchCost:
+    def counted(config, world: int, rank: int) -> stage_costs.MicrobatchCost:
         probed_degrees.add(config.parallelism.context_parallel_degree)
         return probe(config, world, rank)
 
-    monkeypatch.setattr(pieces, "_microbatch", counted)
+    monkeypatch.setattr(stage_costs, "_microbatch", counted)
     interpolated = microbatch_pieces(config, 1)
     assert probed_degrees == {2, 4}
-    probed = pieces._probed_microbatch_pieces(config, 1)
+    probed = stage_costs._probed_microbatch_pieces(config, 1)
     _same_microbatch_costs(interpolated, probed)
-    low, high = (pieces._probed_microbatch_pieces(pieces._with_degree(config, "cp", cp), 1) for cp in (2, 4))
+    low, high = (stage_costs._probed_microbatch_pieces(stage_costs._with_degree(config, "cp", cp), 1) for cp in (2, 4))
     as_numbers = low.first.transient_bytes + (1 / 8 - 1 / 2) / (1 / 4 - 1 / 2) * (
         high.first.transient_bytes - low.first.transient_bytes)  # fmt: skip
     assert as_numbers == pytest.approx(0.754 * probed.first.transient_bytes, rel=0.01)
@@ -402,7 +402,7 @@ def test_microbatch_costs_beyond_two_sequences_are_the_probes():
     base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
     config = check(Layout(dp=1, tp=1, pp=2, cp=2, activation_checkpoint="full", microbatch_size=4,
                           schedule="1F1B"), base, 4).config  # fmt: skip
-    probed = pieces._probed_microbatch_pieces(config, 4)
+    probed = stage_costs._probed_microbatch_pieces(config, 4)
     _same_microbatch_costs(microbatch_costs(config, 4), probed)
 
 
@@ -413,11 +413,11 @@ def test_cp_layouts_share_the_state_of_dp_x_cp_ranks():
     base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
     for zero in (0, 1, 2, 3):
         config = check(Layout(dp=2, tp=1, pp=1, cp=2, zero_stage=zero), base, 4).config
-        as_built = pieces.two_stage_config(config)
+        as_built = stage_costs.two_stage_config(config)
         as_built.activation_checkpoint.mode = "none"
         assert as_built.parallelism.context_parallel_degree == 2
-        assert pieces._measured_state_pieces(as_built) == pieces.state_pieces(config), zero
-        built, folded = pieces._measure_step_transient(as_built, 6), pieces.step_transient(config, 6)
+        assert stage_costs._measured_state_pieces(as_built) == stage_costs.state_pieces(config), zero
+        built, folded = stage_costs._measure_step_transient(as_built, 6), stage_costs.step_transient(config, 6)
         assert built == folded, zero
 
 
@@ -426,11 +426,11 @@ def test_zero0_state_is_the_same_at_every_data_parallel_degree_above_one():
     optimizer step's transient measured at dp8 equal those of dp2, which the planner measures for every dp > 1."""
     base = _job("--model.flavor", "debugmodel", "--training.seq_len", "64", "--training.global_batch_size", "8")
     config = check(Layout(dp=8, tp=1, pp=1, zero_stage=0), base, 8).config
-    as_built = pieces.two_stage_config(config)
+    as_built = stage_costs.two_stage_config(config)
     as_built.activation_checkpoint.mode = "none"
-    assert pieces.state_config(config).parallelism.data_parallel_degree == 2
-    assert pieces._measured_state_pieces(as_built) == pieces.state_pieces(config)
-    assert pieces._measure_step_transient(as_built, 6) == pieces.step_transient(config, 6)
+    assert stage_costs.state_config(config).parallelism.data_parallel_degree == 2
+    assert stage_costs._measured_state_pieces(as_built) == stage_costs.state_pieces(config)
+    assert stage_costs._measure_step_transient(as_built, 6) == stage_costs.step_transient(config, 6)
 
 
 @pytest.mark.parametrize(
@@ -448,8 +448,8 @@ def test_a_search_tells_its_measurements_apart_by_their_keys(argv):
     checked = [c for cp in (False, True) for c in valid_layouts(base, 8, 8, context_parallel=cp)[0]]
     assert {c.layout.cp for c in checked} == {1, 2, 4, 8}
     assert {c.layout.ep for c in checked} == ({1, 2, 4, 8} if argv == DSV3_DEBUG else {1})
-    for key, config in ((state_key, lambda c: pieces.state_config(c.config)),
-                        (microbatch_key, lambda c: pieces.microbatch_config(c.config, c.layout.microbatch_size))):
+    for key, config in ((state_key, lambda c: stage_costs.state_config(c.config)),
+                        (microbatch_key, lambda c: stage_costs.microbatch_config(c.config, c.layout.microbatch_size))):
         configs = {}
         for c in checked:
             configs.setdefault(key(c.layout), set()).add(to_toml(config(c)))
@@ -461,8 +461,8 @@ import json, sys
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.planner.hardware import get_hardware
-from torchpre.planner import layouts, search
-layouts.ZERO_STAGES, layouts.AC_MODES, layouts.MICROBATCH_SIZES = (1, 3), ("none",), (1,)
+from torchpre.planner import layout_space, search
+layout_space.ZERO_STAGES, layout_space.AC_MODES, layout_space.MICROBATCH_SIZES = (1, 3), ("none",), (1,)
 search.needs_context_parallel = lambda predictions: True
 base = parse_args(JobConfig, "--model.flavor tiny --training.seq_len 32 --training.global_batch_size 8".split())
 result = search.search(base, get_hardware("h100-80gb"), 2, workers=int(sys.argv[1]))
@@ -497,9 +497,9 @@ def test_the_microbatch_probe_counts_what_the_dry_run_counts():
 def _narrow(monkeypatch, tp: tuple[int, ...] = (1,), pp: tuple[int, ...] = (1,), **values) -> None:
     """The search cut to the given degrees and `values` (ZERO_STAGES=..., AC_MODES=...) to keep its probes few."""
     for name, value in values.items():
-        monkeypatch.setattr(layouts, name, value)
-    every = layouts.candidates
-    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        monkeypatch.setattr(layout_space, name, value)
+    every = layout_space.candidates
+    monkeypatch.setattr(layout_space, "candidates", lambda *args, **kwargs: (
         layout for layout in every(*args, **kwargs) if layout.tp in tp and layout.pp in pp))  # fmt: skip
 
 
@@ -585,6 +585,6 @@ def test_a_first_stage_without_the_dense_blocks_is_refused_by_name():
     61 blocks, and the planner refuses the layout saying why; over 16 (4 blocks) it accepts it."""
     base = _job(*DSV3_671B)
     with pytest.raises(ConfigError, match="first pipeline stage holds 2 blocks, fewer than the model's first_k_dense"):
-        layouts._dense_blocks_first(check(Layout(dp=64, tp=1, pp=32, ep=64, schedule="1F1B"), base, 2048))
+        layout_space._dense_blocks_first(check(Layout(dp=64, tp=1, pp=32, ep=64, schedule="1F1B"), base, 2048))
     accepted = check(Layout(dp=128, tp=1, pp=16, ep=64, schedule="1F1B"), base, 2048)
-    assert layouts._dense_blocks_first(accepted) is accepted
+    assert layout_space._dense_blocks_first(accepted) is accepted

@@ -13,9 +13,9 @@ from torchpre.models.llama3 import hf as llama_hf
 from torchpre.models.registry import get_flavor
 from torchpre.plan import main as plan_main
 from torchpre.planner.dryrun import build_rank
-from torchpre.planner.fixed import check_fixed, predict_fixed
+from torchpre.planner.given_layout import check_fixed, predict_fixed
 from torchpre.planner.hardware import get_hardware, save_profile
-from torchpre.planner.layouts import Layout, check
+from torchpre.planner.layout_space import Layout, check
 from torchpre.planner.predict import ERROR_BARS, model_flops_per_token, predict
 
 TINY = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8"]

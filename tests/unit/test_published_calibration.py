@@ -34,7 +34,7 @@ from bench.published_runs import (
 from tests.unit.published_pins import CORPUS_PINNED, NOT_FITTING, SUMMARY
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.planner import layouts
+from torchpre.planner import layout_space
 from torchpre.planner import search as search_module
 from torchpre.planner.hardware import get_hardware
 from torchpre.planner.predict import ERROR_BARS
@@ -220,9 +220,9 @@ def test_a_search_for_a_published_job_offers_its_layout_or_a_faster_one_that_fit
     (row,) = [r for r in CORPUS if r.source is MOSAIC_H100 and r.model.label == "mpt-13b" and r.seq_len == 2048
               and r.gpus == 8]  # fmt: skip
     for name, value in (("ZERO_STAGES", (1, 3)), ("AC_MODES", ("none", "full")), ("MICROBATCH_SIZES", (1, 2))):
-        monkeypatch.setattr(layouts, name, value)
-    every = layouts.candidates
-    monkeypatch.setattr(layouts, "candidates", lambda *args, **kwargs: (
+        monkeypatch.setattr(layout_space, name, value)
+    every = layout_space.candidates
+    monkeypatch.setattr(layout_space, "candidates", lambda *args, **kwargs: (
         layout for layout in every(*args, **kwargs) if layout.tp <= 2 and layout.pp == 1))  # fmt: skip
     monkeypatch.setattr(search_module, "needs_context_parallel", lambda predictions: False)
     result = search(parse_args(JobConfig, row.argv()), get_hardware(row.source.hardware), row.gpus)

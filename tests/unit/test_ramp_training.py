@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.distributed.utils import shutdown_distributed
+from torchpre.distributed.process_groups import shutdown_distributed
 from torchpre.training.trainer import Trainer
 
 

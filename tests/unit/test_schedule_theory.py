@@ -16,8 +16,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from bench.pipeline_bubble import theory as bench_theory
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import SCHEDULES, get_schedule
 from torchpre.planner.schedule_walk import held_peak
+from torchpre.step_rules.schedules import SCHEDULES, get_schedule
 
 FREES = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_INPUT)
 

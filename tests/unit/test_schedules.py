@@ -11,8 +11,8 @@ from torchpre.config.job_config import JobConfig, Parallelism
 from torchpre.config.parser import format_help, parse_args
 from torchpre.config.validate import validate_config
 from torchpre.errors import ConfigError
-from torchpre.layouts import schedules as table
 from torchpre.parallel.pipeline import schedule_class
+from torchpre.step_rules import schedules as table
 
 
 @pytest.mark.parametrize("row", table.SCHEDULES, ids=lambda row: row.name)

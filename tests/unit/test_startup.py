@@ -23,7 +23,7 @@ from torchpre.assembly.weights import Resume
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.distributed.utils import shutdown_distributed
+from torchpre.distributed.process_groups import shutdown_distributed
 from torchpre.errors import ConfigError
 from torchpre.models import registry
 from torchpre.models.registry import default_init_buffers, get_flavor, get_model_spec

@@ -15,7 +15,7 @@ from torchpre.config.job_config import Training
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard, TakenStep
 from torchpre.health.verdict import NonFiniteError
-from torchpre.layouts.batch import BatchSizes, CurrentBatch
+from torchpre.step_rules.batch import BatchSizes, CurrentBatch
 
 ROWS = 3
 

@@ -7,8 +7,8 @@ import pytest
 from torchpre.config.job_config import DataStage, JobConfig
 from torchpre.config.parser import parse_args, to_toml
 from torchpre.errors import ConfigError
-from torchpre.layouts.batch import BatchSizes
-from torchpre.layouts.ramp import BatchRamp
+from torchpre.step_rules.batch import BatchSizes
+from torchpre.step_rules.ramp import BatchRamp
 from torchpre.training.stages import StageTable, stages_change
 from torchpre.training.step_plan import StepPlan
 

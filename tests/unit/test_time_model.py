@@ -14,8 +14,8 @@ import pytest
 from torchpre.planner.hardware import HARDWARE, Hardware
 from torchpre.planner.time_model import (
     Collective,
-    Layout,
     RankWork,
+    TimeLayout,
     Work,
     assumptions,
     collective_on,
@@ -49,7 +49,7 @@ def test_one_rank_is_compute_and_optimizer():
         optimizer_state_bytes=8e9,
         optimizer_ops=1000,
     )
-    time = step_time(Layout(microbatches=4), [work], HARDWARE["h100-80gb"])
+    time = step_time(TimeLayout(microbatches=4), [work], HARDWARE["h100-80gb"])
     # per microbatch: 6e12 / 613.18e12 + 2.5 x 3.35e9 / 3.35e12 + 1000 x 5e-6 = 0.0097850 + 0.0025 + 0.005
     assert time.compute_s == approx(4 * (6e12 / 613.18e12 + 0.0025 + 0.005))
     # AdamW: 3.5 x 8e9 / 3.35e12 + 1000 x 5e-6
@@ -62,10 +62,10 @@ def test_one_rank_is_compute_and_optimizer():
 
 def test_405b_layout_uses_nvlink_for_tp_only():
     """tp8 x dp8 x pp16 at 8 GPUs per node: a tp group is one node; dp (stride 8) and pp (stride 64) cross nodes."""
-    layout = Layout(dp=8, tp=8, pp=16, microbatches=16)
+    layout = TimeLayout(dp=8, tp=8, pp=16, microbatches=16)
     assert intra_node(layout, "tp", 8) and not intra_node(layout, "dp", 8) and not intra_node(layout, "pp", 8)
     # tp4 x dp2: a dp group (stride 4) spans ranks r and r + 4, the same node of 8
-    assert intra_node(Layout(dp=2, tp=4), "dp", 8) and not intra_node(Layout(dp=4, tp=4), "dp", 8)
+    assert intra_node(TimeLayout(dp=2, tp=4), "dp", 8) and not intra_node(TimeLayout(dp=4, tp=4), "dp", 8)
     h100 = HARDWARE["h100-80gb"]
     tp_all_reduce = Collective("all_reduce", "tp", 64 * MiB)
     work = RankWork(forward=Work(flops=0, collectives=(tp_all_reduce,)), backward=Work(flops=0),
@@ -87,12 +87,12 @@ def test_a_group_spanning_nodes_uses_the_nics_of_its_ranks_on_each_node():
     shards over all 64 ranks, 8 on each node: an all-gather leaves each node over its 8 NICs (400 GB/s, below
     NVLink), where a data-parallel group of stride 8 (beside tp8) has one rank, one NIC, per node."""
     h100, nbytes = HARDWARE["h100-80gb"], 1e9
-    fsdp64 = Layout(dp=64)
+    fsdp64 = TimeLayout(dp=64)
     assert ranks_per_node(*fsdp64.group("dp"), 64, 8) == 8
     # (8 - 1) steps within a node + (8 - 1) between nodes; 63/64 of the buffer at min(450, 8 x 50) GB/s
     assert collective_on(Collective("all_gather", "dp", nbytes), fsdp64, h100) == approx(
         14 * 10e-6 + 63 / 64 * nbytes / 400e9)
-    beside_tp8 = Layout(dp=64, tp=8)
+    beside_tp8 = TimeLayout(dp=64, tp=8)
     assert ranks_per_node(*beside_tp8.group("dp"), 512, 8) == 1
     assert collective_on(Collective("all_gather", "dp", nbytes), beside_tp8, h100) == approx(
         63 * 10e-6 + 63 / 64 * nbytes / 50e9)
@@ -101,15 +101,16 @@ def test_a_group_spanning_nodes_uses_the_nics_of_its_ranks_on_each_node():
         20 * 10e-6 + 2 * 63 / 64 * nbytes / 400e9)
     # tp16 spans two nodes with 8 ranks on each: their 8 NICs; an ep16 all-to-all sends half its buffer off the
     # node over each rank's own NIC, 7/16 of it over NVLink
-    tp16 = Layout(tp=16)
+    tp16 = TimeLayout(tp=16)
     assert collective_on(Collective("all_gather", "tp", nbytes), tp16, h100) == approx(
         8 * 10e-6 + 15 / 16 * nbytes / 400e9)
-    ep16 = Layout(dp=16, ep=16)
+    ep16 = TimeLayout(dp=16, ep=16)
     assert collective_on(Collective("all_to_all", "ep", nbytes), ep16, h100) == approx(
         15 * 10e-6 + 8 / 16 * nbytes / 50e9)
     # a pipeline send between nodes: one device's NIC; within a node: NVLink
-    assert collective_on(Collective("send", "pp", nbytes), Layout(pp=2, tp=8), h100) == approx(10e-6 + nbytes / 50e9)
-    assert collective_on(Collective("send", "pp", nbytes), Layout(pp=2, tp=4), h100) == approx(
+    assert collective_on(Collective("send", "pp", nbytes), TimeLayout(pp=2, tp=8), h100) == approx(
+        10e-6 + nbytes / 50e9)
+    assert collective_on(Collective("send", "pp", nbytes), TimeLayout(pp=2, tp=4), h100) == approx(
         10e-6 + nbytes / 450e9)
     # a group placed unevenly (stride 3 on nodes of 8) is priced by its fewest ranks on a node
     assert ranks_per_node(4, 3, 12, 8) == 1
@@ -120,36 +121,36 @@ def test_dp_overlap_and_zero_stages():
     work = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e9, param_bytes=5e8)
     bucket = 25 * MiB
 
-    zero0 = step_time(Layout(dp=4, microbatches=2, zero_stage=0), [work], TOY)
+    zero0 = step_time(TimeLayout(dp=4, microbatches=2, zero_stage=0), [work], TOY)
     # all-reduce: 2 x (1 + 1) x 1 ms + 2 x 3/4 x 1e9 / 1e9 = 1.504 s, once; hidden behind one backward (0.4 s)
     assert zero0.dp_comm_s == approx(1.504)
     assert zero0.dp_comm_exposed_s == approx(1.504 - 0.4)
     assert zero0.total_s == approx(2 * 0.6 + 1.104)
 
-    zero1 = step_time(Layout(dp=4, microbatches=2, zero_stage=1), [work], TOY)
+    zero1 = step_time(TimeLayout(dp=4, microbatches=2, zero_stage=1), [work], TOY)
     # reduce-scatter 2 ms + 0.75 s = 0.752 s (exposed 0.352 s), then the parameters' all-gather 2 ms + 0.375 s
     assert zero1.dp_comm_s == approx(0.752 + 0.377)
     assert zero1.dp_comm_exposed_s == approx(0.352 + 0.377)
 
-    zero2 = step_time(Layout(dp=4, microbatches=2, zero_stage=2), [work], TOY)
+    zero2 = step_time(TimeLayout(dp=4, microbatches=2, zero_stage=2), [work], TOY)
     # one reduce-scatter per microbatch, each behind its backward, then the all-gather
     assert zero2.dp_comm_exposed_s == approx(2 * 0.352 + 0.377)
 
-    zero3 = step_time(Layout(dp=4, microbatches=2, zero_stage=3), [work], TOY)
+    zero3 = step_time(TimeLayout(dp=4, microbatches=2, zero_stage=3), [work], TOY)
     # per microbatch: reduce-scatter 0.752 + 2 all-gathers 0.754 = 1.506 s behind the whole microbatch (0.6 s)
     assert zero3.dp_comm_s == approx(2 * 1.506)
     assert zero3.dp_comm_exposed_s == approx(2 * (1.506 - 0.6))
 
     # a small gradient hides entirely, except its last (here: only) bucket: 2 ms + 0.75 x 1e6 / 1e9
     small = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e6)
-    assert step_time(Layout(dp=4, zero_stage=1), [small], TOY).dp_comm_exposed_s == approx(0.002 + 0.00075)
+    assert step_time(TimeLayout(dp=4, zero_stage=1), [small], TOY).dp_comm_exposed_s == approx(0.002 + 0.00075)
     # a large one: the last bucket is 25 MiB
-    big = step_time(Layout(dp=4, zero_stage=1), [RankWork(Work(0), Work(0), grad_bytes=1e9)], TOY)
+    big = step_time(TimeLayout(dp=4, zero_stage=1), [RankWork(Work(0), Work(0), grad_bytes=1e9)], TOY)
     assert big.dp_comm_exposed_s == approx(0.752)  # nothing to hide behind
     no_overlap = Hardware(**{**TOY.__dict__, "overlap": 0.0})
-    assert step_time(Layout(dp=4, microbatches=2), [work], no_overlap).dp_comm_exposed_s == approx(1.504)
+    assert step_time(TimeLayout(dp=4, microbatches=2), [work], no_overlap).dp_comm_exposed_s == approx(1.504)
     gloo = Hardware(**{**TOY.__dict__, "reduce_scatter_as_all_reduce": True})
-    assert step_time(Layout(dp=4, zero_stage=1), [work], gloo).dp_comm_s == approx(1.504 + 0.377)
+    assert step_time(TimeLayout(dp=4, zero_stage=1), [work], gloo).dp_comm_s == approx(1.504 + 0.377)
     assert collective_seconds("reduce_scatter", 4, bucket, 1e9, TOY) == approx(0.003 + 0.75 * bucket / 1e9)
 
 
@@ -159,7 +160,7 @@ def test_zero3_under_pipelining_gathers_and_reduces_once_per_step():
     where it once charged two gathers and a reduce-scatter per microbatch (4 x 1.506 s). The reduce-scatter follows
     the last backward, exposed; the gather hides behind the first forward (0.2 s) but for its first bucket."""
     work = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e9, param_bytes=5e8)
-    layout = Layout(dp=4, pp=2, microbatches=4, zero_stage=3, reshard_after_forward=False)
+    layout = TimeLayout(dp=4, pp=2, microbatches=4, zero_stage=3, reshard_after_forward=False)
     time = rank_step_times(layout, [work, work], TOY)[0]
     assert time.dp_comm_s == approx(0.377 + 0.752)
     assert time.dp_comm_exposed_s == approx(0.752 + 0.377 - 0.2)
@@ -177,7 +178,7 @@ def test_pipeline_bubble_paces_every_rank_by_the_slowest():
     Rank 3 also computes a 0.3 s forward."""
     slow = RankWork(forward=Work(flops=1.5e11), backward=PLAIN.backward, boundary_bytes=1e6)
     fast = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, boundary_bytes=1e6, optimizer_state_bytes=1e9)
-    layout = Layout(pp=4, microbatches=8, schedule="1F1B")
+    layout = TimeLayout(pp=4, microbatches=8, schedule="1F1B")
     times = rank_step_times(layout, [fast, fast, fast, slow], TOY)
     # sends: 2 x 8 of (1 ms + 1e6 / 0.5e9) = 0.048 s; busy: 8 x 0.6 + 0.048 (fast), 8 x 0.7 + 0.048 (slow)
     pipeline = (8 * 0.7 + 0.048) / (1 - 3 / 11)
@@ -189,7 +190,7 @@ def test_pipeline_bubble_paces_every_rank_by_the_slowest():
     assert times[0].total_s == approx(pipeline + 0.35)
     assert step_time(layout, [fast, fast, fast, slow], TOY) == times[0]
     # interleaved, 2 stages per rank: bubble 3/19 and twice the sends
-    interleaved = rank_step_times(Layout(pp=4, microbatches=8, schedule="Interleaved1F1B", stages_per_rank=2),
+    interleaved = rank_step_times(TimeLayout(pp=4, microbatches=8, schedule="Interleaved1F1B", stages_per_rank=2),
                                   [fast, fast, fast, slow], TOY)
     assert interleaved[3].total_s == approx((8 * 0.7 + 0.096) / (1 - 3 / 19))
 
@@ -197,7 +198,7 @@ def test_pipeline_bubble_paces_every_rank_by_the_slowest():
 def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
     """tp2 x dp2 with ep2 on nodes of 2: tp within a node (4 GB/s), ep (stride tp = 2) across nodes, one rank per
     node, each sending over its share of the node's NIC (0.5 GB/s)."""
-    layout = Layout(dp=2, tp=2, ep=2, microbatches=2)
+    layout = TimeLayout(dp=2, tp=2, ep=2, microbatches=2)
     forward = Work(flops=1e11, collectives=(Collective("all_reduce", "tp", 1e8),) * 2
                    + (Collective("all_to_all", "ep", 1e8),))
     backward = Work(flops=2e11, collectives=(Collective("all_reduce", "tp", 1e8),) * 2)
@@ -212,7 +213,7 @@ def test_tp_and_ep_collectives_are_exposed_inside_each_microbatch():
 def test_a_collective_counted_n_times_costs_n_of_them():
     """A stage of n blocks carries each of a block's collectives once with count n (`Collective.count`), not n
     entries: it costs what n entries cost. tp2 within a node, all-reduce of 1e8 bytes = 0.027 s (above)."""
-    layout = Layout(dp=2, tp=2, microbatches=1)
+    layout = TimeLayout(dp=2, tp=2, microbatches=1)
     repeated = Work(flops=0.0, collectives=(Collective("all_reduce", "tp", 1e8),) * 126)
     counted = Work(flops=0.0, collectives=(Collective("all_reduce", "tp", 1e8, count=126),))
     times = [step_time(layout, [RankWork(work, Work(0.0))], TOY).tp_comm_s for work in (repeated, counted)]
@@ -228,7 +229,7 @@ def test_a_ranks_chunks_add_up():
 
 def test_work_for_the_wrong_number_of_ranks_is_refused():
     with pytest.raises(ValueError, match="1 ranks of work for pp = 2"):
-        step_time(Layout(pp=2, microbatches=2), [PLAIN], TOY)
+        step_time(TimeLayout(pp=2, microbatches=2), [PLAIN], TOY)
 
 
 def test_the_assumptions_name_the_efficiencies_a_reader_must_accept():
@@ -252,9 +253,9 @@ def test_attention_fp8_and_compiled_work_run_at_their_own_rates():
 
 
 def test_a_compiled_layout_is_timed_compiled():
-    """`Layout.compiled` reaches every microbatch's compute (and nothing else)."""
+    """`TimeLayout.compiled` reaches every microbatch's compute (and nothing else)."""
     work = RankWork(forward=Work(1e12, other_bytes=1e10, ops=1000), backward=Work(2e12, other_bytes=2e10, ops=2000))
     row = HARDWARE["h100-96gb-hbm2e-500w"]
-    eager, compiled = (step_time(Layout(microbatches=2, compiled=c), [work], row) for c in (False, True))
+    eager, compiled = (step_time(TimeLayout(microbatches=2, compiled=c), [work], row) for c in (False, True))
     saved = 2 * 0.6 * (2.5 * 3e10 / 2.4e12 + 3000 * 5e-6)
     assert eager.total_s - compiled.total_s == pytest.approx(saved)

@@ -4,7 +4,7 @@ contributes its summed token losses divided by the global token count, so the co
 import torch
 import torch.nn.functional as F
 
-from torchpre.layouts.batch import BatchSizes, CurrentBatch
+from torchpre.step_rules.batch import BatchSizes, CurrentBatch
 from torchpre.training.loss import GlobalMeanLoss
 
 DP, ACCUMULATION, SEQ_LEN, VOCAB = 2, 2, 8, 16

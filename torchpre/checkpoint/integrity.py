@@ -25,8 +25,7 @@ import logging
 import os
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
-from dataclasses import field as dataclass_field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch.distributed as dist
 from torchpre.checkpoint.folders import STEP_DIR, complete_steps, find_step_dir, linked_steps
 from torchpre.config.job_config import Checkpoint
 from torchpre.confined import check_name, file_kind, open_file, read_file, write_file
-from torchpre.errors import FieldError, TorchpreError, UntrustedInput, field
+from torchpre.errors import FieldError, TorchpreError, UntrustedInput, json_field
 from torchpre.json_input import read_json
 
 logger = logging.getLogger("torchpre")
@@ -140,16 +139,16 @@ def read_manifest(
     except UntrustedInput as error:
         raise TorchpreError(f"{path} is not a valid manifest: {error}") from None
     try:
-        checksums = field(record, "checksums", str, default="write")
+        checksums = json_field(record, "checksums", str, default="write")
         if checksums not in CHECKSUMS:
             raise FieldError(f"'checksums' is {checksums!r}, not 'write' or 'off'")
-        files = field(record, "files", dict)
+        files = json_field(record, "files", dict)
         records = {name: _file_record(files, name, checksums == "write") for name in sorted(files)}
-        signature = field(record, "signature", str, default=None)
-        saved_step = field(record, "step", int, default=None)
+        signature = json_field(record, "signature", str, default=None)
+        saved_step = json_field(record, "step", int, default=None)
         if saved_step is not None and saved_step < 0:
             raise FieldError(f"'step' is {saved_step}, not a step number")
-        saved_run = field(record, "run", str, default=None)
+        saved_run = json_field(record, "run", str, default=None)
     except FieldError as error:
         raise TorchpreError(f"{path} is not a valid manifest ({error})") from None
     for name in records:
@@ -203,12 +202,12 @@ def _require_signed(
 
 
 def _file_record(files: dict[str, Any], name: str, with_crc: bool) -> FileRecord:
-    where = f"files.{name}"
-    size = field(files[name], "size", int, where)
+    record, where = files[name], f"files.{name}"
+    size = json_field(record, "size", int, where)
     if size < 0:
         raise FieldError(f"'{where}.size' is {size}, not a size in bytes")
-    crc = field(files[name], "crc32", int, where) if with_crc else field(files[name], "crc32", int, where, None)
-    return FileRecord(size, crc, field(files[name], "sha256", str, where, None))
+    crc = json_field(record, "crc32", int, where) if with_crc else json_field(record, "crc32", int, where, None)
+    return FileRecord(size, crc, json_field(record, "sha256", str, where, None))
 
 
 def checkpoint_problems(step_dir: Path, trust: Trust = Trust()) -> list[str] | None:
@@ -390,7 +389,7 @@ class FileCheck:
     step_dir: Path
     trust: Trust = Trust()
     key: str = ""  # the setting that chose the folder, in messages
-    _checked: set[str] = dataclass_field(default_factory=set)
+    _checked: set[str] = field(default_factory=set)
     _records: dict[str, FileRecord] | None = None
     _read: bool = False
     _whole: bool = False

@@ -77,7 +77,7 @@ from torchpre.checkpoint.storage import RecordingWriter, make_stager, published_
 from torchpre.checkpoint.values import VALUES, encode_values, put_values, read_values, split_values, without_values
 from torchpre.config.job_config import Checkpoint
 from torchpre.confined import is_regular_file
-from torchpre.distributed.utils import comm_timeout
+from torchpre.distributed.process_groups import comm_timeout
 from torchpre.errors import StorageError, UntrustedInput
 
 logger = logging.getLogger("torchpre")

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torchpre.checkpoint.metadata_checks import DTYPES, MAX_RANK, MEMORY_FORMATS, refused
-from torchpre.errors import FieldError, field
+from torchpre.errors import FieldError, json_field
 from torchpre.json_input import loads
 
 METADATA_JSON = "metadata.json"
@@ -105,12 +105,12 @@ def decode(data: bytes, source: Path) -> Metadata:
     and the field when a field is missing or of the wrong type."""
     record = loads(data, source)
     try:
-        entries = field(record, "state_dict_metadata", dict)
+        entries = json_field(record, "state_dict_metadata", dict)
         planner = _optional(record, "planner_data", dict)
         return Metadata(
             state_dict_metadata={fqn: _read_entry(entries, fqn) for fqn in entries},
             planner_data=None if planner is None else {fqn: _key_path(planner, fqn) for fqn in planner},
-            storage_data=_read_storage_data(field(record, "storage_data", list)),
+            storage_data=_read_storage_data(json_field(record, "storage_data", list)),
             storage_meta=_read_storage_meta(_optional(record, "storage_meta", dict)),
             version=_optional(record, "version", str),
         )  # fmt: skip
@@ -120,29 +120,29 @@ def decode(data: bytes, source: Path) -> Metadata:
 
 def _optional(record: dict[str, Any], key: str, kinds: type | tuple[type, ...], where: str = "") -> Any:
     """`record[key]`, None when it is null or absent, else one of `kinds`."""
-    return None if record.get(key) is None else field(record, key, kinds, where)
+    return None if record.get(key) is None else json_field(record, key, kinds, where)
 
 
 def _read_entry(entries: dict[str, Any], fqn: str) -> TensorStorageMetadata | BytesStorageMetadata:
     where = f"state_dict_metadata.{fqn}"
-    entry = field(entries, fqn, dict, "state_dict_metadata")
-    kind = field(entry, "type", str, where)
+    entry = json_field(entries, fqn, dict, "state_dict_metadata")
+    kind = json_field(entry, "type", str, where)
     if kind == "bytes":
         return BytesStorageMetadata()
     if kind != "tensor":
         raise FieldError(f"'{where}.type' is {kind!r}, not 'tensor' or 'bytes'")
-    dtype, memory_format = field(entry, "dtype", str, where), field(entry, "memory_format", str, where)
+    dtype, memory_format = json_field(entry, "dtype", str, where), json_field(entry, "memory_format", str, where)
     if dtype not in DTYPES or memory_format not in MEMORY_FORMATS:
         raise FieldError(f"'{where}' has the dtype {dtype!r} and memory format {memory_format!r}: not one of "
                          f"{sorted(DTYPES)} and {sorted(MEMORY_FORMATS)}")  # fmt: skip
     properties = TensorProperties(
         dtype=DTYPES[dtype],
         layout=torch.strided,
-        requires_grad=field(entry, "requires_grad", bool, where),
+        requires_grad=json_field(entry, "requires_grad", bool, where),
         memory_format=MEMORY_FORMATS[memory_format],
-        pin_memory=field(entry, "pin_memory", bool, where),
+        pin_memory=json_field(entry, "pin_memory", bool, where),
     )
-    chunks = [_chunk(chunk, f"{where}.chunks[{n}]") for n, chunk in enumerate(field(entry, "chunks", list, where))]
+    chunks = [_chunk(chunk, f"{where}.chunks[{n}]") for n, chunk in enumerate(json_field(entry, "chunks", list, where))]
     return TensorStorageMetadata(properties, _size(entry, "size", where), chunks)
 
 
@@ -151,14 +151,14 @@ def _chunk(chunk: Any, where: str) -> ChunkStorageMetadata:
 
 
 def _size(record: Any, key: str, where: str) -> torch.Size:
-    values = field(record, key, list, where)
+    values = json_field(record, key, list, where)
     if len(values) > MAX_RANK or not all(type(value) is int and value in _INT64 for value in values):
         raise FieldError(f"'{where}.{key}' is not a list of at most {MAX_RANK} 64-bit integers")
     return torch.Size(values)
 
 
 def _key_path(planner: dict[str, Any], fqn: str) -> tuple[str | int, ...]:
-    path = field(planner, fqn, list, "planner_data")
+    path = json_field(planner, fqn, list, "planner_data")
     if not all(type(part) in (str, int) for part in path):
         raise FieldError(f"'planner_data.{fqn}' holds something other than names and indices")
     return tuple(path)
@@ -168,14 +168,15 @@ def _read_storage_data(items: list[Any]) -> dict[MetadataIndex, _StorageInfo]:
     storage = {}
     for n, item in enumerate(items):
         where = f"storage_data[{n}]"
-        index = field(item, "index", dict, where)
+        index = json_field(item, "index", dict, where)
         offset = None if index.get("offset") is None else _size(index, "offset", f"{where}.index")
-        key = MetadataIndex(field(index, "fqn", str, f"{where}.index"), offset,
+        key = MetadataIndex(json_field(index, "fqn", str, f"{where}.index"), offset,
                             _optional(index, "index", int, f"{where}.index"))  # fmt: skip
         if key in storage:
             raise FieldError(f"'{where}' stores {key.fqn!r} at {offset} a second time")
-        storage[key] = _StorageInfo(field(item, "relative_path", str, where), field(item, "offset", int, where),
-                                    field(item, "length", int, where))  # fmt: skip
+        storage[key] = _StorageInfo(json_field(item, "relative_path", str, where),
+                                    json_field(item, "offset", int, where),
+                                    json_field(item, "length", int, where))  # fmt: skip
     return storage
 
 
@@ -187,8 +188,8 @@ def _read_storage_meta(meta: dict[str, Any] | None) -> StorageMeta | None:
         if len(checkpoint_id) != 1 or next(iter(checkpoint_id)) not in _PATHS:
             raise FieldError(f"'storage_meta.checkpoint_id' is not one of {sorted(_PATHS)}")
         kind = next(iter(checkpoint_id))
-        checkpoint_id = _PATHS[kind](field(checkpoint_id, kind, str, "storage_meta.checkpoint_id"))
-    modules = field(meta, "modules", list, "storage_meta")
+        checkpoint_id = _PATHS[kind](json_field(checkpoint_id, kind, str, "storage_meta.checkpoint_id"))
+    modules = json_field(meta, "modules", list, "storage_meta")
     if not all(type(module) is str for module in modules):
         raise FieldError("'storage_meta.modules' holds something other than names")
     return StorageMeta(checkpoint_id, _optional(meta, "save_id", str, "storage_meta"),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torchpre.checkpoint.integrity import Trust
 from torchpre.confined import file_kind, write_file
-from torchpre.errors import FieldError, UntrustedInput, field
+from torchpre.errors import FieldError, UntrustedInput, json_field
 from torchpre.json_input import read_json
 
 RUN_FILE = "run.json"
@@ -31,8 +31,8 @@ def read_run(folder: Path, signing_key: bytes | None) -> str | None:
     path = folder / RUN_FILE
     record = read_json(folder, RUN_FILE, "manifest")
     try:
-        run = field(record, "run", str)
-        signature = field(record, "signature", str, default=None)
+        run = json_field(record, "run", str)
+        signature = json_field(record, "signature", str, default=None)
     except FieldError as error:
         raise UntrustedInput(f"{path} is not a valid run record ({error}).") from None
     if not run or len(run) > 64:

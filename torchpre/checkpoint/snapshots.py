@@ -36,7 +36,7 @@ from torchpre.checkpoint.state import Checkpointable, flatten
 from torchpre.checkpoint.values import split_values
 from torchpre.config.job_config import Checkpoint
 from torchpre.confined import make_folder, open_new
-from torchpre.distributed.utils import comm_timeout
+from torchpre.distributed.process_groups import comm_timeout
 from torchpre.errors import UntrustedInput
 
 logger = logging.getLogger("torchpre")

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torchpre.config.bounds import Bound, at_least, between, positive
-from torchpre.layouts.schedules import SCHEDULE_NAMES, aliases_text, names_where
+from torchpre.step_rules.schedules import SCHEDULE_NAMES, aliases_text, names_where
 
 # What a collective's timeout means, for the message that refuses one.
 TIMEOUT = "it must be a positive number (seconds a rank waits for a peer before failing)."

@@ -1,6 +1,6 @@
 """Each `[[training.data_stages]]` table's own values, read and checked in one place: `validate_config` checks them
 before any work, and `torchpre.training.stages` builds on them. (`training.batch_rampup`'s three numbers are read
-by `torchpre.layouts.ramp.ramp_values`, beside the ramp they describe.)"""
+by `torchpre.step_rules.ramp.ramp_values`, beside the ramp they describe.)"""
 
 from torchpre.config.job_config import DataStage, JobConfig
 from torchpre.errors import ConfigError

@@ -10,10 +10,10 @@ from torchpre.config.bounds import check_bounds
 from torchpre.config.job_config import CHECKPOINT_ENTRIES, Checkpoint, JobConfig
 from torchpre.config.training_schedule import check_data_stage
 from torchpre.errors import ConfigError
-from torchpre.layouts.ramp import ramp_values
-from torchpre.layouts.schedules import SCHEDULE_KEY, get_schedule, names_where
-from torchpre.layouts.zero_stages import zero_stage
 from torchpre.optional import import_tensorboard, import_wandb
+from torchpre.step_rules.ramp import ramp_values
+from torchpre.step_rules.schedules import SCHEDULE_KEY, get_schedule, names_where
+from torchpre.step_rules.zero_stages import zero_stage
 
 
 def validate_config(config: JobConfig) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from torchpre.confined import located, read_file, read_named
-from torchpre.errors import FieldError, TorchpreError, UntrustedInput, field
+from torchpre.errors import FieldError, TorchpreError, UntrustedInput, json_field
 from torchpre.json_input import LIMITS, loads
 from torchpre.optional import import_optional
 
@@ -92,15 +92,15 @@ def vocabulary_size(spec: Any, source: Path) -> int:
     library's, its vocabulary's ids and its added tokens' ids integers from 0 to MAX_ID, no BPE dropout (the ids
     would change from run to run)."""
     try:
-        model = field(spec, "model", dict)
-        kind = field(model, "type", str, "model")
+        model = json_field(spec, "model", dict)
+        kind = json_field(model, "type", str, "model")
         if kind not in MODELS:
             raise FieldError(f"'model.type' is {kind!r}, not one of the tokenizers library's {', '.join(MODELS)}")
         ids = _model_ids(model, kind)
-        for index, token in enumerate(field(spec, "added_tokens", list, default=[])):
+        for index, token in enumerate(json_field(spec, "added_tokens", list, default=[])):
             where = f"added_tokens[{index}]"
-            field(token, "content", str, where)
-            field(token, "special", bool, where, default=False)
+            json_field(token, "content", str, where)
+            json_field(token, "special", bool, where, default=False)
             ids.append(_token_id(token, "id", where))
     except FieldError as error:
         raise UntrustedInput(f"{source} is not a tokenizer.json torchpre can read: {error}. {_HINT}") from None
@@ -113,23 +113,23 @@ def _model_ids(model: dict, kind: str) -> list[int]:
     """The ids of the model's vocabulary: a list of [piece, score] for Unigram (ids by position), else an object of
     token -> id."""
     if kind == "Unigram":
-        pieces = field(model, "vocab", list, "model")
+        pieces = json_field(model, "vocab", list, "model")
         for index, piece in enumerate(pieces):
             if not (isinstance(piece, list) and len(piece) == 2 and isinstance(piece[0], str)
                     and type(piece[1]) in (int, float)):  # fmt: skip
                 raise FieldError(f"'model.vocab[{index}]' is not a [piece, score] pair")
         return list(range(len(pieces)))
-    if kind == "BPE" and field(model, "dropout", (float, type(None)), "model", default=None):
+    if kind == "BPE" and json_field(model, "dropout", (float, type(None)), "model", default=None):
         raise FieldError(
             f"'model.dropout' is {model['dropout']}: BPE dropout splits words at random, so the same text would give "
             "other ids each time. Set it to null"
         )
-    vocab = field(model, "vocab", dict, "model")
+    vocab = json_field(model, "vocab", dict, "model")
     return [_token_id(vocab, token, "model.vocab") for token in vocab]
 
 
 def _token_id(record: dict, key: str, where: str) -> int:
-    value = field(record, key, int, where)
+    value = json_field(record, key, int, where)
     if not 0 <= value <= MAX_ID:
         raise FieldError(f"'{where}.{key}' is {value}, not a token id (0 to {MAX_ID:,})")
     return value
@@ -152,8 +152,8 @@ def framing(files: TokenizerFiles, library: Any, config: Any) -> Framing:
     try:
         bos_named = _special_id(config, "bos_token", library, files)
         eos_named = _special_id(config, "eos_token", library, files)
-        add_bos = field(config, "add_bos_token", (bool, type(None)), default=None)
-        add_eos = field(config, "add_eos_token", (bool, type(None)), default=None)
+        add_bos = json_field(config, "add_bos_token", (bool, type(None)), default=None)
+        add_eos = json_field(config, "add_eos_token", (bool, type(None)), default=None)
     except FieldError as error:
         raise UntrustedInput(f"{config_source} is not a tokenizer_config.json torchpre can read: {error}.") from None
     _agree(files, "add_bos_token", add_bos, prefix, "before")
@@ -196,8 +196,8 @@ def _added_around(library: Any, source: Path) -> tuple[list[int], list[int]]:
 def _special_id(config: Any, key: str, library: Any, files: TokenizerFiles) -> int | None:
     """The id of the token `config[key]` names (a string, or transformers' AddedToken object {"content": ...}), None
     when it names none; an error naming both files when tokenizer.json has no such token."""
-    value = field(config, key, (str, dict, type(None)), default=None)
-    content = field(value, "content", str, key) if isinstance(value, dict) else value
+    value = json_field(config, key, (str, dict, type(None)), default=None)
+    content = json_field(value, "content", str, key) if isinstance(value, dict) else value
     if content is None:
         return None
     try:

@@ -17,7 +17,7 @@ from torchpre.data.shard_dataset import ShardWindows
 from torchpre.data.synthetic import SyntheticTokens, in_order
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, TorchpreError
-from torchpre.layouts.batch import CurrentBatch
+from torchpre.step_rules.batch import CurrentBatch
 
 # torchdata 0.11 calls a torch API that newer torch deprecated; the warning says nothing to users.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

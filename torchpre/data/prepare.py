@@ -89,7 +89,7 @@ _INPUT_HINT = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Source:
+class InputSource:
     """One input, read as records in a fixed order: a text, or None/blank for an empty record."""
 
     name: str
@@ -195,7 +195,7 @@ def _positive_int(value: str) -> int:
 # ----- inputs -------------------------------------------------------------------------------------
 
 
-def resolve_inputs(items: list[str], text_field: str, hf_split: str, task: tuple[int, int] | None) -> list[Source]:
+def resolve_inputs(items: list[str], text_field: str, hf_split: str, task: tuple[int, int] | None) -> list[InputSource]:
     """The sources the INPUT arguments name, in order; with `task` = (I, N), only the I-th of N contiguous runs of
     them of about equal bytes (each source counted at its midpoint), the rest never opened."""
     if task is None:
@@ -224,7 +224,7 @@ def _input_units(item: str) -> list[Path | str]:
     return [path] if path.is_file() else [item]
 
 
-def resolve_input(item: str, text_field: str, hf_split: str) -> list[Source]:
+def resolve_input(item: str, text_field: str, hf_split: str) -> list[InputSource]:
     """The sources an INPUT argument names, each checked up front (columns, JSON lines) so that a
     bad input fails before any shard is written, when fixing it can still reuse the folder."""
     path = Path(item)
@@ -280,7 +280,7 @@ def _kind_under(folder: Path, name: str) -> str:
     return kind
 
 
-def _file_source(path: Path, text_field: str) -> Source:
+def _file_source(path: Path, text_field: str) -> InputSource:
     readers = {".txt": _txt_source, ".jsonl": _jsonl_source, ".parquet": _parquet_source}
     reader = readers.get(path.suffix.lower())
     if reader is None:
@@ -288,8 +288,8 @@ def _file_source(path: Path, text_field: str) -> Source:
     return reader(path, text_field)
 
 
-def _txt_source(path: Path, text_field: str) -> Source:
-    return Source(str(path), (path,), 1, functools.partial(_txt_texts, path))
+def _txt_source(path: Path, text_field: str) -> InputSource:
+    return InputSource(str(path), (path,), 1, functools.partial(_txt_texts, path))
 
 
 def _txt_texts(path: Path) -> Iterator[str]:
@@ -297,9 +297,9 @@ def _txt_texts(path: Path) -> Iterator[str]:
         yield file.read().decode("utf-8", errors="replace")
 
 
-def _jsonl_source(path: Path, text_field: str) -> Source:
+def _jsonl_source(path: Path, text_field: str) -> InputSource:
     records = sum(1 for _ in _jsonl_texts(path, text_field))  # validates every line before any work
-    return Source(str(path), (path,), records, functools.partial(_jsonl_texts, path, text_field))
+    return InputSource(str(path), (path,), records, functools.partial(_jsonl_texts, path, text_field))
 
 
 def _jsonl_texts(path: Path, text_field: str) -> Iterator[str | None]:
@@ -323,7 +323,7 @@ def _jsonl_text(record: object, text_field: str, where: str) -> str | None:
     return text
 
 
-def _parquet_source(path: Path, text_field: str) -> Source:
+def _parquet_source(path: Path, text_field: str) -> InputSource:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -336,7 +336,7 @@ def _parquet_source(path: Path, text_field: str) -> Source:
             raise TorchpreError(f"{path} is not a readable Parquet file ({error}).") from None
         _check_column(str(path), text_field, {field.name: str(field.type) for field in file.schema_arrow})
         records = file.metadata.num_rows
-    return Source(str(path), (path,), records, functools.partial(_parquet_texts, path, text_field))
+    return InputSource(str(path), (path,), records, functools.partial(_parquet_texts, path, text_field))
 
 
 def _parquet_texts(path: Path, text_field: str) -> Iterator[str | None]:
@@ -355,11 +355,11 @@ def _check_column(name: str, column: str, types: dict[str, str]) -> None:
         raise TorchpreError(f"Column '{column}' of {name} holds {types[column]}, not text. Pass --text-field COLUMN.")
 
 
-def _dataset_source(dataset: Any, name: str, text_field: str) -> Source:
+def _dataset_source(dataset: Any, name: str, text_field: str) -> InputSource:
     """A `datasets.Dataset`, fingerprinted by its Arrow files."""
     _check_column(name, text_field, {column: str(getattr(f, "dtype", f)) for column, f in dataset.features.items()})
     files = tuple(Path(cache["filename"]) for cache in dataset.cache_files)
-    return Source(name, files, len(dataset), functools.partial(_dataset_texts, dataset, text_field))
+    return InputSource(name, files, len(dataset), functools.partial(_dataset_texts, dataset, text_field))
 
 
 def _dataset_texts(dataset: Any, text_field: str) -> Iterator[str | None]:
@@ -471,7 +471,7 @@ def _hub_offline(enabled: bool) -> Iterator[None]:
             module.HF_HUB_OFFLINE = value
 
 
-def _fingerprint(source: Source) -> dict:
+def _fingerprint(source: InputSource) -> dict:
     """What identifies a source's content independently of where it lies: sizes and a SHA-256."""
     digest = hashlib.sha256()
     size = 0
@@ -573,7 +573,7 @@ def _keep_intact_shards(folder: Path, manifest: Manifest) -> Manifest:
 
 
 def write_shards(
-    sources: list[Source],
+    sources: list[InputSource],
     manifest: Manifest,
     folder: Path,
     tokenizer: Tokenizer,

@@ -42,7 +42,7 @@ from typing import BinaryIO
 import numpy as np
 
 from torchpre.confined import OpenFolder, check_name, open_file, open_replacing, read_file, write_file
-from torchpre.errors import FieldError, TorchpreError, field
+from torchpre.errors import FieldError, TorchpreError, json_field
 from torchpre.json_input import LIMITS, loads, read_json
 
 FORMAT_VERSION = 1
@@ -127,18 +127,18 @@ class Manifest:
     def _from_record(cls, record: object) -> Manifest:
         """The manifest a parsed `manifest.json` holds; a FieldError names the first field that is missing, of the
         wrong type, or (dtype, num_tokens: derived fields) at odds with the others."""
-        shards = [_shard(shard, f"shards[{i}]") for i, shard in enumerate(field(record, "shards", list))]
+        shards = [_shard(shard, f"shards[{i}]") for i, shard in enumerate(json_field(record, "shards", list))]
         manifest = cls(
-            field(record, "tokenizer_name", str),
-            field(record, "tokenizer_sha256", str),
+            json_field(record, "tokenizer_name", str),
+            json_field(record, "tokenizer_sha256", str),
             _count(record, "vocab_size"),
             shards,
-            field(record, "version", int),
+            json_field(record, "version", int),
             # Absent from manifests written before these fields existed: those were complete.
-            field(record, "complete", bool, default=True),
-            field(record, "source", dict, default={}),
+            json_field(record, "complete", bool, default=True),
+            json_field(record, "source", dict, default={}),
         )
-        if field(record, "dtype", str) != manifest.dtype.name:
+        if json_field(record, "dtype", str) != manifest.dtype.name:
             raise FieldError(
                 f"'dtype' is {record['dtype']!r}, but vocab_size {manifest.vocab_size} stores tokens as "
                 f"{manifest.dtype.name!r}"
@@ -150,7 +150,7 @@ class Manifest:
 
 def _shard(record: object, where: str) -> ShardInfo:
     return ShardInfo(
-        field(record, "name", str, where),
+        json_field(record, "name", str, where),
         _count(record, "num_tokens", where),
         _count(record, "num_documents", where),
         _largest_id(record, where),
@@ -189,7 +189,7 @@ def _journal(folder: Path, listed: int) -> list[ShardInfo]:
 
 def _count(record: object, key: str, where: str = "") -> int:
     """A field that counts something: an integer, never negative."""
-    value = field(record, key, int, where)
+    value = json_field(record, key, int, where)
     if value < 0:
         raise FieldError(f"'{f'{where}.{key}' if where else key}' is {value}, not a count (0 or more)")
     return value
@@ -198,7 +198,7 @@ def _count(record: object, key: str, where: str = "") -> int:
 def _largest_id(shard: object, where: str) -> int | None:
     """A shard's `max_token_id`: a token id (0 or more), or absent or null (manifests written before it was
     recorded, an empty shard)."""
-    value = field(shard, "max_token_id", (int, type(None)), where, default=None)
+    value = json_field(shard, "max_token_id", (int, type(None)), where, default=None)
     if value is not None and value < 0:
         raise FieldError(f"'{where}.max_token_id' is {value}, not a token id (0 or more)")
     return value

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.confined import make_folder, open_named, write_file
 from torchpre.data.tokenizer import Tokenizer
-from torchpre.errors import ConfigError, FieldError, UntrustedInput, field
+from torchpre.errors import ConfigError, FieldError, UntrustedInput, json_field
 from torchpre.evaluation.validation import eval_mode
 from torchpre.json_input import json_lines
 from torchpre.parallel.api import ParallelModel
@@ -103,9 +103,9 @@ _EXPECTED = '{"context": str, "choices": [str, ...], "answer": int}'
 def _question(record: object, where: str) -> Question:
     expected = f"expected {_EXPECTED}"
     try:
-        context = field(record, "context", str)
-        choices = field(record, "choices", list)
-        answer = field(record, "answer", int)
+        context = json_field(record, "context", str)
+        choices = json_field(record, "choices", list)
+        answer = json_field(record, "answer", int)
     except FieldError as error:
         raise ConfigError(f"eval.tasks: {where}: {error}; {expected}.") from None
     if len(choices) < 2 or not all(isinstance(choice, str) and choice for choice in choices):

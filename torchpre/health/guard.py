@@ -26,7 +26,7 @@ from torchpre.config.job_config import Training
 from torchpre.health.forensics import Forensics
 from torchpre.health.spikes import LossSpikeDetector
 from torchpre.health.verdict import NonFiniteError, StepHealth, StepVerdict, step_verdict
-from torchpre.layouts.batch import CurrentBatch
+from torchpre.step_rules.batch import CurrentBatch
 
 logger = logging.getLogger("torchpre")
 

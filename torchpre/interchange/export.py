@@ -46,7 +46,7 @@ from torchpre.checkpoint.folders import (
 from torchpre.checkpoint.integrity import all_gather
 from torchpre.config.job_config import HFExport
 from torchpre.data.tokenizer import Tokenizer
-from torchpre.distributed.utils import comm_timeout
+from torchpre.distributed.process_groups import comm_timeout
 from torchpre.errors import StorageError, UntrustedInput
 from torchpre.interchange.folder import (
     SAFETENSORS,

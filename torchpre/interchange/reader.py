@@ -29,7 +29,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from torchpre.confined import check_name, file_kind, located, open_file
-from torchpre.errors import FieldError, TorchpreError, field
+from torchpre.errors import FieldError, TorchpreError, json_field
 from torchpre.json_input import read_json
 from torchpre.models.hf_fields import IRRELEVANT_KINDS, check_kinds
 from torchpre.models.hf_sources import Box
@@ -207,8 +207,8 @@ def _weight_files(folder: Path) -> dict[str, str] | None:
     except FileNotFoundError:
         return None
     try:
-        weight_map = field(record, "weight_map", dict)
-        names = {tensor: field(weight_map, tensor, str, "weight_map") for tensor in weight_map}
+        weight_map = json_field(record, "weight_map", dict)
+        names = {tensor: json_field(weight_map, tensor, str, "weight_map") for tensor in weight_map}
     except FieldError as error:
         raise TorchpreError(
             f"{index} is not a safetensors index ({error}): it must hold an object whose weight_map names each "

@@ -22,12 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchpre.config.job_config import Metrics
 from torchpre.distributed.comm_timer import CommTimer
-from torchpre.layouts.batch import CurrentBatch
 from torchpre.metrics.flops import peak_flops
 from torchpre.metrics.logger import MetricsLogger
-from torchpre.metrics.memory import max_memory_bytes
+from torchpre.metrics.peak_memory import max_memory_bytes
 from torchpre.metrics.rank_times import StragglerWatch, pipeline_bubble_metrics
 from torchpre.metrics.timer import PhaseTimer, StepTimes, tail
+from torchpre.step_rules.batch import CurrentBatch
 
 logger = logging.getLogger("torchpre")
 

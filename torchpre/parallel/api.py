@@ -57,13 +57,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torchpre.distributed.clock import SpanClock
 from torchpre.distributed.names import canonical_fqn
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import names_where
 from torchpre.parallel.activation_checkpoint import BlockSlot, apply_activation_checkpointing, slots
 from torchpre.parallel.compile import compile_blocks
 from torchpre.parallel.data_parallel import FSDPPlan, apply_fsdp
-from torchpre.parallel.pipeline import PipelinePlan, Stage, build_schedule, prune_to, split_layers
+from torchpre.parallel.pipeline import HookedPipelineStage, PipelinePlan, build_schedule, prune_to, split_layers
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_plan
 from torchpre.parallel.ties import check_tied_placements, cross_stage_pair, retie, tie_groups
+from torchpre.step_rules.schedules import names_where
 
 TensorParallelPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
 """A `parallelize_module` plan (keys are fnmatch paths such as "blocks.*.mlp.fc"), or a function that
@@ -235,13 +235,13 @@ class ParallelModel:
         self.stage_ids = pipeline.stage_ids(mesh["pp"].get_local_rank()) if pipeline else [0]
         num_stages = pipeline.num_stages if pipeline else 1
         self.has_first_stage, self.has_last_stage = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
-        self._stages: list[Stage] = []  # those of the schedule running now
+        self._stages: list[HookedPipelineStage] = []  # those of the schedule running now
         self._backward_callback: Callable[[int, bool], None] | None = None
         # The compute time of this rank's stages in training steps (not evaluation): see `pipeline_busy_seconds`.
         self._pipeline_clock = SpanClock(device)
         # Schedules by (microbatches, batch shape): torch's stages size their buffers from the first batch they
         # run, so another shape (a ramp's batch, a data stage's seq_len) gets stages and a schedule of its own.
-        self._schedules: dict[tuple[int, tuple[int, ...]], tuple[Any, list[Stage]]] = {}
+        self._schedules: dict[tuple[int, tuple[int, ...]], tuple[Any, list[HookedPipelineStage]]] = {}
 
     def _schedule_for(self, n_microbatches: int, inputs: torch.Tensor):
         """The schedule that runs `inputs` [batch, ...] as `n_microbatches`, built on first use; its stages become
@@ -253,7 +253,7 @@ class ParallelModel:
         if key not in self._schedules:
             pipeline, group = self.plan.pipeline, self.mesh["pp"].get_group()
             stages = [
-                Stage(part, stage, pipeline.num_stages, self.device, group=group, part_index=index)
+                HookedPipelineStage(part, stage, pipeline.num_stages, self.device, group=group, part_index=index)
                 for index, (part, stage) in enumerate(zip(self.parts, self.stage_ids))
             ]
             for stage in stages:

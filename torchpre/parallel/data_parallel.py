@@ -29,13 +29,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.collectives import DEFAULT_BUCKET_BYTES, rank_chunk
 from torchpre.errors import ConfigError
-from torchpre.layouts.zero_stages import ZeroStage, zero_stage
+from torchpre.step_rules.zero_stages import ZeroStage, zero_stage
 
 
 @dataclass(frozen=True)
 class DataParallel:
     """How data parallelism shards the training state and reduces gradients: ZeRO stage `zero_stage`
-    (`torchpre.layouts.zero_stages`), asked by capability, and the reduction's settings.
+    (`torchpre.step_rules.zero_stages`), asked by capability, and the reduction's settings.
 
     | zero_stage | optimizer state | gradients | parameters | gradient reduction |
     |---|---|---|---|---|

@@ -20,7 +20,7 @@ from torch.distributed.pipelining._backward import stage_backward_weight
 
 from torchpre.distributed.clock import SpanClock
 from torchpre.errors import ConfigError
-from torchpre.layouts.schedules import PipelineSchedule, get_schedule
+from torchpre.step_rules.schedules import PipelineSchedule, get_schedule
 
 
 def schedule_class(schedule: PipelineSchedule) -> type:
@@ -156,7 +156,7 @@ def _prune(module: nn.Module, prefix: str, kept: set[str]) -> None:
             module.register_module(name, None)
 
 
-class Stage(PipelineStage):
+class HookedPipelineStage(PipelineStage):
     """A `PipelineStage` whose weight-only backward (the zero-bubble schedules' W step) ends like an ordinary
     backward: it runs the post-accumulate-grad hooks of each parameter whose gradient it accumulated.
 

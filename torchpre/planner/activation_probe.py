@@ -81,7 +81,7 @@ _FLOP_FORMULAS = {
 
 
 @dataclass(frozen=True)
-class Collective:
+class ProbedCollective:
     """One collective op as this rank issued it: `op` ("namespace.name", e.g. "_c10d_functional.all_reduce"),
     the size of its process group, and `bytes`, the bytes of this rank's input tensors (for an all-gather the
     local shard, for a reduce-scatter the whole tensor). `group_stride`: the distance between the group's
@@ -138,7 +138,7 @@ class ActivationProbe:
     matmul_flops: int
     other_bytes: int
     op_counts: Counter[str]
-    collectives: list[Collective]
+    collectives: list[ProbedCollective]
     subclass_ops: int = 0
     fp8_flops: int = 0
     transient_trace: tuple[int, ...] = ()
@@ -158,7 +158,7 @@ class ProbeMode(TensorMemory):
         super().__init__(devices)
         self.flops = self.matmul_flops = self.fp8_flops = self.other_bytes = self.fp8_operand_elements = 0
         self.op_counts: Counter[str] = Counter()
-        self.collectives: list[Collective] = []
+        self.collectives: list[ProbedCollective] = []
         self.live_trace: list[int] = []  # live bytes after each counted allocation
         self.subclass_ops = 0  # ops dispatched on tensor subclasses (DTensor), before they run their local ops
         self.created_at: dict[int, int] = {}  # id(storage) -> its index in live_trace
@@ -243,7 +243,7 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _collective(func, args: tuple, kwargs: dict) -> Collective:
+def _collective(func, args: tuple, kwargs: dict) -> ProbedCollective:
     """The op, group size and input bytes of a functional (`group_name`) or c10d (ProcessGroup) collective."""
     values = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
     if "group_name" in values:
@@ -255,7 +255,7 @@ def _collective(func, args: tuple, kwargs: dict) -> Collective:
     nbytes = sum(_nbytes(t) for t in tree_leaves(values[sent]) if isinstance(t, Tensor))
     name = func.overloadpacket._qualified_op_name.replace("::", ".")
     ranks = sorted(dist.get_process_group_ranks(group))
-    return Collective(name, group.size(), nbytes, ranks[1] - ranks[0] if len(ranks) > 1 else 1)
+    return ProbedCollective(name, group.size(), nbytes, ranks[1] - ranks[0] if len(ranks) > 1 else 1)
 
 
 @contextmanager

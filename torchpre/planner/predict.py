@@ -16,18 +16,17 @@ import torch
 
 from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig
-from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
+from torchpre.planner.cost_cache import Measured
 from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
 from torchpre.planner.hardware import Hardware
-from torchpre.planner.layouts import CheckedLayout
-from torchpre.planner.measured import Measured
-from torchpre.planner.pieces import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
+from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.schedule_walk import held_peak
-from torchpre.planner.time_model import Layout as TimeLayout
-from torchpre.planner.time_model import RankWork, StepTime, Work, step_time
+from torchpre.planner.stage_costs import MicrobatchCost, Pieces, StateCost, StepTransient, stage_shape
+from torchpre.planner.time_model import RankWork, StepTime, TimeLayout, Work, step_time
+from torchpre.step_rules.zero_stages import zero_stage
 
 # The stated error of the predictions (relative), from the comparison with torchtitan's published H100 runs
 # (bench/plan_vs_published.py, docs/planning.md): printed next to every prediction.

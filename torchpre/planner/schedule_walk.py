@@ -1,6 +1,6 @@
 """The activations a pipeline rank holds at its peak, walked over torch's own action order.
 
-A schedule's row (`torchpre.layouts.schedules`) gives the most stage-chunk forwards a rank holds at once, which is
+A schedule's row (`torchpre.step_rules.schedules`) gives the most stage-chunk forwards a rank holds at once, which is
 the rank's peak when its chunks save the same bytes. They do not when one of them is the last stage: its chunk
 also keeps the output layer's logits and the loss, and on a multi-stage schedule the backward of the last stage
 follows its forward at once (the loss is right there), so the rank's peak holds many microbatches of its other
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from torchpre.layouts.schedules import get_schedule
+from torchpre.step_rules.schedules import get_schedule
 
 _FREES = (torch_schedules.FULL_BACKWARD, torch_schedules.BACKWARD_INPUT)
 

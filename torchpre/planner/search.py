@@ -5,9 +5,9 @@ from typing import Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
+from torchpre.planner.cost_cache import Measured
 from torchpre.planner.hardware import Hardware
-from torchpre.planner.layouts import CheckedLayout, valid_layouts
-from torchpre.planner.measured import Measured
+from torchpre.planner.layout_space import CheckedLayout, valid_layouts
 from torchpre.planner.predict import Prediction, model_flops_per_token, predict
 from torchpre.planner.progress import Progress
 from torchpre.planner.time_model import assumptions

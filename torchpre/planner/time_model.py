@@ -13,7 +13,7 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   `torchpre.planner.calibrate` state it.
 - CP (context parallelism): every attention layer all-gathers its keys and values over cp in forward (again in a
   full-AC backward's recompute) and reduce-scatters their gradients in backward; the probe counts them as it counts
-  TP's (`torchpre.planner.pieces.to_work` tells the dimensions apart by their groups' rank stride).
+  TP's (`torchpre.planner.stage_costs.to_work` tells the dimensions apart by their groups' rank stride).
 - EP (expert parallelism): every MoE layer all-to-alls its routed rows to their experts' ranks and back in forward
   (dispatch and combine: tokens x top-k x dim in the compute dtype each, after an exchange of the per-expert row
   counts) and their gradients both ways in backward, as the probe counts them for a balanced router. The experts'
@@ -60,10 +60,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from torchpre.layouts.schedules import get_schedule
-from torchpre.layouts.zero_stages import zero_stage
 from torchpre.planner.allocator import FRAGMENTATION
 from torchpre.planner.hardware import Hardware
+from torchpre.step_rules.schedules import get_schedule
+from torchpre.step_rules.zero_stages import zero_stage
 
 Op = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"]
 Dim = Literal["tp", "ep", "cp", "dp", "edp", "pp"]
@@ -144,7 +144,7 @@ class RankWork:
 
 
 @dataclass(frozen=True)
-class Layout:
+class TimeLayout:
     """The parallel layout: degrees, microbatches per step, the schedule and its stages per rank, the ZeRO stage."""
 
     dp: int = 1
@@ -223,7 +223,7 @@ def assumptions(hardware: Hardware) -> dict[str, float | bool | str]:
     }
 
 
-def intra_node(layout: Layout, dim: Dim, gpus_per_node: int) -> bool:
+def intra_node(layout: TimeLayout, dim: Dim, gpus_per_node: int) -> bool:
     """Whether every group of `dim` lies within one node (ranks r and r' share a node iff r // g == r' // g)."""
     return _groups_within_nodes(*layout.group(dim), layout.world_size, gpus_per_node)
 
@@ -280,7 +280,7 @@ def group_seconds(op: Op, n: int, per_node: int, nbytes: float, hardware: Hardwa
     return (per_node - 1 + nodes - 1) * latency + (n - 1) / n * nbytes / bw
 
 
-def collective_on(collective: Collective, layout: Layout, hardware: Hardware) -> float:
+def collective_on(collective: Collective, layout: TimeLayout, hardware: Hardware) -> float:
     """`group_seconds` over the groups of its mesh dimension, as the mesh's order places them on nodes, `count`
     times; nothing to move is free. A pipeline send goes between two neighbouring stages: across nodes when the
     pp groups span them."""
@@ -315,11 +315,11 @@ def compute_seconds(work: Work, hardware: Hardware, compiled: bool = False) -> f
     )
 
 
-def comm_seconds(work: Work, dim: Dim, layout: Layout, hardware: Hardware) -> float:
+def comm_seconds(work: Work, dim: Dim, layout: TimeLayout, hardware: Hardware) -> float:
     return sum(collective_on(c, layout, hardware) for c in work.collectives if c.dim == dim)
 
 
-def dp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> tuple[float, float]:
+def dp_seconds(rank: RankWork, layout: TimeLayout, hardware: Hardware) -> tuple[float, float]:
     """(all DP communication, the exposed part) of one step; see the module docstring."""
     forward = _microbatch_seconds(rank.forward, layout, hardware)
     backward = _microbatch_seconds(rank.backward, layout, hardware)
@@ -330,7 +330,7 @@ def dp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> tuple[floa
 
 
 def _dp_dim_seconds(
-    dim: Dim, grads: float, params: float, windows: tuple[float, float], layout: Layout, hardware: Hardware
+    dim: Dim, grads: float, params: float, windows: tuple[float, float], layout: TimeLayout, hardware: Hardware
 ) -> tuple[float, float]:
     """(total, exposed) DP seconds over one mesh dimension's groups, for the layout's ZeRO stage; `windows` are a
     microbatch's forward and backward seconds, which the communication may hide behind."""
@@ -356,7 +356,12 @@ def _dp_dim_seconds(
 
 
 def _fsdp_under_pipelining(
-    run: Callable[[Op, float], float], grads: float, params: float, forward: float, layout: Layout, hardware: Hardware
+    run: Callable[[Op, float], float],
+    grads: float,
+    params: float,
+    forward: float,
+    layout: TimeLayout,
+    hardware: Hardware,
 ) -> tuple[float, float]:
     """(total, exposed) seconds of FSDP2 under a pipeline schedule (see the module docstring): one gather of the
     parameters per step, or one per microbatch more when they are resharded after forward, and one reduce-scatter
@@ -369,12 +374,12 @@ def _fsdp_under_pipelining(
     return gathers + reduce, reduce + max(first, gathers - hidden)
 
 
-def _microbatch_seconds(work: Work, layout: Layout, hardware: Hardware) -> float:
+def _microbatch_seconds(work: Work, layout: TimeLayout, hardware: Hardware) -> float:
     communication = sum(comm_seconds(work, d, layout, hardware) for d in MICROBATCH_DIMS)
     return compute_seconds(work, hardware, layout.compiled) + communication
 
 
-def pp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
+def pp_seconds(rank: RankWork, layout: TimeLayout, hardware: Hardware) -> float:
     """2 v m sends of the boundary activation (forward) and its gradient (backward) per step."""
     if layout.pp == 1:
         return 0.0
@@ -382,7 +387,7 @@ def pp_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
     return sends * collective_on(Collective("send", "pp", rank.boundary_bytes), layout, hardware)
 
 
-def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardware) -> list[StepTime]:
+def rank_step_times(layout: TimeLayout, ranks: Sequence[RankWork], hardware: Hardware) -> list[StepTime]:
     """Each pipeline rank's `StepTime` (`ranks[r]` is pp rank r), all paced by the slowest rank's microbatches."""
     if len(ranks) != layout.pp:
         raise ValueError(f"{len(ranks)} ranks of work for pp = {layout.pp}")
@@ -394,7 +399,7 @@ def rank_step_times(layout: Layout, ranks: Sequence[RankWork], hardware: Hardwar
     return [times[id(rank)] for rank in ranks]
 
 
-def _busy_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
+def _busy_seconds(rank: RankWork, layout: TimeLayout, hardware: Hardware) -> float:
     """The rank's microbatches and pipeline sends of one step."""
     m = layout.microbatches
     return (m * (_microbatch_seconds(rank.forward, layout, hardware) + _microbatch_seconds(rank.backward, layout,
@@ -402,7 +407,7 @@ def _busy_seconds(rank: RankWork, layout: Layout, hardware: Hardware) -> float:
             + pp_seconds(rank, layout, hardware))  # fmt: skip
 
 
-def _rank_step_time(rank: RankWork, busy: float, pipeline: float, layout: Layout, hardware: Hardware) -> StepTime:
+def _rank_step_time(rank: RankWork, busy: float, pipeline: float, layout: TimeLayout, hardware: Hardware) -> StepTime:
     """One rank's `StepTime`, paced by the slowest rank's `pipeline` seconds."""
     m = layout.microbatches
     dp, dp_exposed = dp_seconds(rank, layout, hardware)
@@ -420,6 +425,6 @@ def _rank_step_time(rank: RankWork, busy: float, pipeline: float, layout: Layout
     )
 
 
-def step_time(layout: Layout, ranks: Sequence[RankWork], hardware: Hardware) -> StepTime:
+def step_time(layout: TimeLayout, ranks: Sequence[RankWork], hardware: Hardware) -> StepTime:
     """The step time of the job: the slowest rank's `StepTime`."""
     return max(rank_step_times(layout, ranks, hardware), key=lambda t: t.total_s)

@@ -12,13 +12,13 @@ import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
-from torchpre.planner import pieces
-from torchpre.planner.layouts import CheckedLayout
-from torchpre.planner.measured import Measured
+from torchpre.planner import stage_costs
+from torchpre.planner.cost_cache import Measured
+from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.predict import Prediction, predict
 
 _TASK: dict[str, Any] = {}  # what the workers fork with: the layouts, the hardware, the shared counters
-_CACHES = (pieces._CACHE, pieces._STEP_CACHE, pieces._STATE_BUILDS)
+_CACHES = (stage_costs._CACHE, stage_costs._STEP_CACHE, stage_costs._STATE_BUILDS)
 
 
 def deal_by_tp(checked: list[CheckedLayout], workers: int) -> list[list[int]]:
@@ -38,7 +38,7 @@ def predict_in_workers(
     report: Callable[[int, int], None],
 ) -> list[Prediction]:  # fmt: skip
     """`predict` of every layout, in `workers` forked processes; `report(done, pieces)` while they run. The pieces
-    they measured join `measured` and `torchpre.planner.pieces`' caches. The caller must not have run autograd
+    they measured join `measured` and `torchpre.planner.stage_costs`' caches. The caller must not have run autograd
     (torch's engine threads do not survive a fork): `python -m torchpre.plan` never does before it searches."""
     shares = deal_by_tp(checked, workers)
     context = multiprocessing.get_context("fork")

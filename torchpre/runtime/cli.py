@@ -49,7 +49,7 @@ def run_entry_point(main: Callable[[list[str]], None], argv: list[str], prog: st
         if not _is_comm_failure(error):
             raise
         _fail(_comm_failure_message(error), EXIT_COMM_FAILURE)
-    from torchpre.distributed.utils import shutdown_distributed  # loads torch, which `--help` does not need
+    from torchpre.distributed.process_groups import shutdown_distributed  # loads torch, which `--help` does not need
 
     shutdown_distributed()
 
@@ -85,7 +85,7 @@ def _is_comm_failure(error: RuntimeError) -> bool:
 
 def _comm_failure_message(error: RuntimeError) -> str:
     """Names the likely cause and the key that bounds the wait, with the backend's own first line."""
-    from torchpre.distributed.utils import comm_timeout, comm_timeout_key
+    from torchpre.distributed.process_groups import comm_timeout, comm_timeout_key
 
     timeout, key = comm_timeout(), comm_timeout_key()
     limit = f"{timeout.total_seconds():g} s" if timeout else "its default"

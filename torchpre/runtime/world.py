@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from torchpre.distributed.utils import init_distributed, select_device, world_size_from_env
+from torchpre.distributed.process_groups import init_distributed, select_device, world_size_from_env
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from torchpre.checkpoint.state import read_train_values
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.elastic import world_sizes_hint
 from torchpre.errors import ConfigError
-from torchpre.layouts.batch import BatchSizes
+from torchpre.step_rules.batch import BatchSizes
 
 logger = logging.getLogger("torchpre")
 

@@ -32,13 +32,12 @@ from torchpre.config.parser import to_toml
 from torchpre.data.loader import TrainingData, build_dataloader, pins_memory
 from torchpre.data.sampler import ORDER_VERSION
 from torchpre.distributed.parallel_dims import Meshes, ParallelDims
-from torchpre.distributed.utils import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
+from torchpre.distributed.process_groups import apply_comm_timeout, configure_flight_recorder, configure_float32_matmuls
 from torchpre.evaluation.registry import EvalContext, Evaluations, build_evaluations
 from torchpre.evaluation.validation import held_out_fraction
 from torchpre.health.forensics import Forensics
 from torchpre.health.guard import StepGuard
 from torchpre.interchange.export import HFExporter
-from torchpre.layouts.batch import BatchSizes, CurrentBatch
 from torchpre.metrics.recorder import PipelineTiming, TrainingMetrics
 from torchpre.models.attention import masked_attention
 from torchpre.models.registry import ModelSpec
@@ -55,6 +54,7 @@ from torchpre.parallel.quantize import convert_linears
 from torchpre.parallel.quantized_experts import quantize_experts
 from torchpre.runtime.determinism import configure_determinism
 from torchpre.runtime.world import Runtime
+from torchpre.step_rules.batch import BatchSizes, CurrentBatch
 from torchpre.training.loss import ForwardInputs, GlobalMeanLoss
 from torchpre.training.model_update import StepWithModelUpdate
 from torchpre.training.preflight import Preflight, preflight

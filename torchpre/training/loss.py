@@ -6,10 +6,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from torchpre.layouts.batch import CurrentBatch
 from torchpre.parallel.api import logits_of
 from torchpre.parallel.chunked_output import ChunkedProjection
 from torchpre.parallel.forward_inputs import future_tokens
+from torchpre.step_rules.batch import CurrentBatch
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,12 @@ from torchpre.errors import ConfigError
 from torchpre.evaluation.multiple_choice import Task, read_tasks
 from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights
 from torchpre.interchange.reader import is_hf_folder
-from torchpre.layouts.batch import BatchSizes
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.optim.registry import check_config as check_optimizer_config
 from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.step_rules.batch import BatchSizes
 from torchpre.training.batches import batch_sizes
 from torchpre.training.step_plan import StepPlan
 

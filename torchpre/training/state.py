@@ -6,9 +6,9 @@ from typing import Any
 import torch
 
 from torchpre.checkpoint.layout import LAYOUT_KEYS, STAGE_KEYS
-from torchpre.layouts.batch import CurrentBatch
 from torchpre.optim.distributed_optimizer import DistributedOptimizer
 from torchpre.parallel.api import ParallelModel
+from torchpre.step_rules.batch import CurrentBatch
 
 # Entries of the "train" state that checkpoints written before they were recorded lack.
 OPTIONAL_KEYS = ("global_batch_size", "dp", "tp", "pp", "ep", "cp", "accumulation_steps", "data_stages", *STAGE_KEYS)

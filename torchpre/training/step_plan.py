@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError
-from torchpre.layouts.batch import BatchSizes
-from torchpre.layouts.ramp import KEY as RAMP_KEY
-from torchpre.layouts.ramp import BatchRamp
+from torchpre.step_rules.batch import BatchSizes
+from torchpre.step_rules.ramp import KEY as RAMP_KEY
+from torchpre.step_rules.ramp import BatchRamp
 from torchpre.training.batches import kept_global_batch
 from torchpre.training.stages import Stage, StageTable
 

@@ -13,7 +13,7 @@ from torchpre.assembly.weights import DcpFolder, HfFolder, Resume
 from torchpre.checkpoint.folders import complete_steps
 from torchpre.checkpoint.layout import layout_change, stage_change
 from torchpre.config.job_config import JobConfig
-from torchpre.distributed.utils import set_comm_timeout
+from torchpre.distributed.process_groups import set_comm_timeout
 from torchpre.health.guard import Batch, TakenStep
 from torchpre.health.verdict import StepHealth
 from torchpre.interchange.load import HFWeights, LoadReport, load_hf_weights, log_reports

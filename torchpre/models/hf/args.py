@@ -10,7 +10,6 @@ from typing import Any
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
 from torchpre.json_input import read_json, read_named_json
-from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.args import ArgsDefaults
 from torchpre.models.hf.architectures import not_decoder_only
 from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
@@ -27,6 +26,7 @@ from torchpre.models.hf_fields import (
     check_kinds,
 )  # fmt: skip
 from torchpre.optional import import_optional
+from torchpre.step_rules.zero_stages import zero_stage
 
 KEY = "model.hf_config"
 

@@ -10,7 +10,7 @@ import copy
 from torchpre.assembly.tokenizer import tokenizer_path
 from torchpre.config.job_config import JobConfig
 from torchpre.planner.hardware import Hardware
-from torchpre.planner.layouts import CheckedLayout, Layout, cached_stage_modules, cached_tokenizer
+from torchpre.planner.layout_space import CheckedLayout, Layout, cached_stage_modules, cached_tokenizer
 from torchpre.planner.predict import Prediction, model_flops_per_token, predict
 from torchpre.training.preflight import preflight
 

@@ -2,7 +2,7 @@
 
 The layouts of one search share their model, batch and precision and differ only in the fields `Layout.apply`
 sets; each kind of measurement depends on a few of them. Looking pieces up by those fields spares every layout
-the copy and serialization of its config that `torchpre.planner.pieces` keys its own caches on (a search of
+the copy and serialization of its config that `torchpre.planner.stage_costs` keys its own caches on (a search of
 30,000 layouts made 120,000 of them, ~4 ms each). `tests/unit/test_plan.py` checks that a search predicts
 every layout as `predict` does alone.
 """
@@ -10,8 +10,8 @@ every layout as `predict` does alone.
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from torchpre.planner.layouts import CheckedLayout, Layout
-from torchpre.planner.pieces import Pieces, StepTransient, affine, microbatch_pieces, state_pieces, step_transient
+from torchpre.planner.layout_space import CheckedLayout, Layout
+from torchpre.planner.stage_costs import Pieces, StepTransient, affine, microbatch_pieces, state_pieces, step_transient
 
 T = TypeVar("T")
 
@@ -51,14 +51,14 @@ class Measured:
 
 
 def state_key(layout: Layout) -> tuple[int, ...]:
-    """What the model state's pieces and the optimizer step depend on (`torchpre.planner.pieces.state_config`):
+    """What the model state's pieces and the optimizer step depend on (`torchpre.planner.stage_costs.state_config`):
     its sharding (dp, cp, tp, ep, ZeRO stage), not the pipeline (the probes' is two stages), activation
     checkpointing or the microbatch."""
     return layout.dp, layout.cp, layout.tp, layout.ep, layout.zero_stage
 
 
 def microbatch_key(layout: Layout) -> tuple:
-    """What a microbatch's costs depend on (`torchpre.planner.pieces.microbatch_config`): its sharding (tp, cp, ep;
+    """What a microbatch's costs depend on (`torchpre.planner.stage_costs.microbatch_config`): its sharding (tp, cp, ep;
     probed at dp = ep and ZeRO-1 over two stages), activation checkpointing and the microbatch size."""
     return "microbatch", layout.tp, layout.cp, layout.ep, layout.activation_checkpoint, layout.microbatch_size
 

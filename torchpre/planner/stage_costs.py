@@ -25,11 +25,9 @@ from typing import Generic, TypeVar
 from torchpre.assembly.parametrization import with_model_shape
 from torchpre.config.job_config import JobConfig, Quantize
 from torchpre.config.parser import to_toml
-from torchpre.layouts.zero_stages import zero_stage
 from torchpre.models.registry import get_model_spec
 from torchpre.models.shapes import SHAPE_KEYS
-from torchpre.planner.activation_probe import ActivationProbe
-from torchpre.planner.activation_probe import Collective as ProbedCollective
+from torchpre.planner.activation_probe import ActivationProbe, ProbedCollective
 from torchpre.planner.dryrun import (
     is_expert,
     leave_fake_world,
@@ -38,9 +36,10 @@ from torchpre.planner.dryrun import (
     rank_memory,
     unsharded_numel,
 )
-from torchpre.planner.layouts import CheckedLayout
+from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.time_model import Collective, Work
 from torchpre.runtime.world import Runtime
+from torchpre.step_rules.zero_stages import zero_stage
 from torchpre.training.job import build_job
 
 T = TypeVar("T")
@@ -227,7 +226,7 @@ def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator
 def leading_blocks(config: JobConfig) -> int:
     """Blocks the probes' first stage holds: the model's dense first blocks (the MoE families' `first_k_dense`),
     and at least one. Every block after them is of one kind, so the block piece is that kind and the first stage's
-    ends include the dense blocks (which a first stage must hold: `torchpre.planner.layouts.check`)."""
+    ends include the dense blocks (which a first stage must hold: `torchpre.planner.layout_space.check`)."""
     args = get_model_spec(config.model.name).flavors[config.model.flavor]
     return max(args.first_k_dense, 1)
 

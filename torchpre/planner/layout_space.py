@@ -15,10 +15,10 @@ from torchpre.assembly.tokenizer import tokenizer_path
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer, load_tokenizer
 from torchpre.errors import ConfigError
-from torchpre.layouts.zero_stages import ZERO_STAGES
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.step_rules.zero_stages import ZERO_STAGES
 from torchpre.training.preflight import preflight
 
 AC_MODES = ("none", "selective", "full")
@@ -171,7 +171,7 @@ def valid_layouts(
 
 def _dense_blocks_first(checked: CheckedLayout) -> CheckedLayout:
     """`checked`, if the first pipeline stage holds the model's dense first blocks (the MoE families'
-    `first_k_dense`): the planner costs a stage as its ends plus blocks of one kind (`torchpre.planner.pieces`),
+    `first_k_dense`): the planner costs a stage as its ends plus blocks of one kind (`torchpre.planner.stage_costs`),
     the dense blocks among the first stage's ends."""
     dense = checked.model_args.first_k_dense
     if checked.pipeline is None or dense <= 1:

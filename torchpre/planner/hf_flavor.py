@@ -1,7 +1,7 @@
 """A released Hugging Face folder planned like a flavor.
 
 `model.flavor = 'from_hf'` builds the model from the config.json at `checkpoint.initial_load_path`. The planner
-measures a model by cutting its flavor to fewer blocks (`pieces.shortened_flavor`), so for the search the folder's
+measures a model by cutting its flavor to fewer blocks (`stage_costs.shortened_flavor`), so for the search the folder's
 args are registered as a flavor of their family, under a name that says where they came from. Only config.json is
 read (through the reader a job loads the folder with, `interchange.load.folder_args`: confined, bounded, every field
 checked), so a model can be planned before its weights are downloaded: which boxes of them each rank reads does not
@@ -21,7 +21,7 @@ from torchpre.errors import ConfigError
 from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import CONFIG
 from torchpre.models.registry import get_model_spec
-from torchpre.planner.layouts import cached_tokenizer
+from torchpre.planner.layout_space import cached_tokenizer
 
 
 @contextlib.contextmanager
