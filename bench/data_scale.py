@@ -1,7 +1,7 @@
 """Data at the scale of a real run (issue 66): how the data pipeline's costs grow with the shard count, the window
 count and the number of sources. Each section prints a Markdown table; `--only NAME` runs one.
 
-- shards: train.py, one step of the tiny model, on 100,000 tiny shards and on 10 (tests/shard_folders.py writes them),
+- shards: train.py, one step of the tiny model, on 100,000 tiny shards and on 10 (bench/shard_folders.py writes them),
   each a fresh process held to 1,024 open files: wall seconds to the end of step 1 and peak RSS (targets: within 2x
   and 10% of the 10-shard folder's).
 - trillion: the same on 1,000 sparse shards of a billion tokens each (10^12 tokens; they read as token 0), against
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import print_table
-from tests.shard_folders import TOKENIZER, shard_folder, train_one_step
+from bench.shard_folders import TOKENIZER, shard_folder, train_one_step
 from torchpre.data.mixture import MixtureOrder, Source
 from torchpre.data.prepare import main as prepare
 from torchpre.data.sampler import EpochShuffle, FeistelShuffle

@@ -24,19 +24,16 @@ and the manifest.json (each file's size and CRC-32) that loading checks; start t
 refuses one without a manifest unless --checkpoint.allow_unverified is given.
 
 --dtype casts the weights (default: keep the dtype they are stored in). Output folders are
-written under a new temporary name next to their final one and renamed when complete; an existing
-non-empty output folder, or a symbolic link in its place, is an error.
+written under a new temporary name next to their final one, marked as torchpre's, and renamed when complete
+(torchpre/checkpoint/published.py, as checkpoints are); an existing non-empty output folder, or a symbolic link in its
+place, is an error.
 """
 
 import dataclasses
 import logging
-import os
 import re
-import secrets
-import shutil
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,6 +51,7 @@ from torchpre.checkpoint.integrity import (
     require_intact,
     write_manifest,
 )
+from torchpre.checkpoint.published import write_whole
 from torchpre.checkpoint.reader import Loader, read_metadata
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.config.job_config import JobConfig
@@ -147,7 +145,7 @@ def dcp_to_hf(
         if signing_key is not None:
             sign_folder(folder, signing_key)
 
-    _write_atomically(out_dir, write)
+    write_whole(out_dir, write)
     logger.info(f"Wrote the Hugging Face model {out_dir} ({torch_dtype}) from {step_dir}")
 
 
@@ -168,7 +166,7 @@ def hf_to_dcp(
             file.write(to_toml(config).encode("utf-8"))
         write_manifest(folder, "write", writer.fs.records, signing_key, step=folder_step(step_dir))
 
-    _write_atomically(step_dir, write)
+    write_whole(step_dir, write)
     logger.info(f"Wrote the model-only checkpoint {step_dir} from {hf_dir}: {report.describe()}")
 
 
@@ -268,20 +266,6 @@ def _check_output_free(target: Path) -> None:
         )
     if target.exists() and not (target.is_dir() and not any(target.iterdir())):
         raise TorchpreError(f"Output {target} already exists and is not an empty folder; remove it or choose another.")
-
-
-def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """Runs `write` on a sibling temporary folder, then renames it to `target`, so `target` only
-    ever appears complete."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.parent / f".tmp-{target.name}-{secrets.token_hex(6)}"
-    temporary.mkdir()
-    try:
-        write(temporary)
-        os.rename(temporary, target)  # rename(2) replaces an empty folder
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
 
 
 if __name__ == "__main__":

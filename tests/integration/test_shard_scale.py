@@ -8,7 +8,7 @@ like one of 10 shards, under 2 GiB: nothing is kept per window (the sample order
 
 import pytest
 
-from tests.shard_folders import shard_folder, train_one_step
+from bench.shard_folders import shard_folder, train_one_step
 
 pytestmark = pytest.mark.slow
 

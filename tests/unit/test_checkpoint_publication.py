@@ -1,7 +1,8 @@
 """When a save becomes a checkpoint, without a training job: an async save is published (manifest, rename to
 step-N) as soon as its write is done, never before and not at the next save; a save the storage cannot take leaves
 no folder, keeps the earlier checkpoints and raises one StorageError that says where, how many bytes and what to
-do; a save that will not fit in the free space is warned about or skipped (checkpoint.on_low_space)."""
+do, and removes no folder torchpre did not make; a save that will not fit in the free space is warned about or
+skipped (checkpoint.on_low_space)."""
 
 import dataclasses
 import errno
@@ -9,6 +10,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 import torchpre.checkpoint.manager as manager
 from tests.unit.test_checkpoint_integrity import _loaded_step, _manager, _records_on_disk
 from torchpre.checkpoint.disk import Failure, summary
+from torchpre.checkpoint.folders import MARKER
 from torchpre.checkpoint.integrity import MANIFEST
 from torchpre.checkpoint.storage import RecordingWriter
 from torchpre.errors import StorageError
@@ -155,6 +158,24 @@ def test_a_failed_save_that_is_no_storage_failure_raises_its_own_error(world, tm
     with pytest.raises(CheckpointException, match="a bug in a planner"):
         checkpoints.save(2)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_save_leaves_a_tmp_folder_that_lost_torchpres_marker(world, tmp_path, monkeypatch, caplog):
+    """A failed save removes its `.tmp-step-2` only while torchpre's marker says it is torchpre's: one swapped for an
+    unmarked folder during the write (anyone's) stays, named in a warning, and the save's failure is raised."""
+    tmp = tmp_path / ".tmp-step-2"
+
+    def swapped_then_full(self, plan, planner):
+        shutil.rmtree(tmp)
+        tmp.mkdir()
+        (tmp / "theirs.txt").write_text("not torchpre's\n")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(RecordingWriter, "write_data", swapped_then_full)
+    with caplog.at_level(logging.WARNING, logger="torchpre"), pytest.raises(StorageError, match="step 2"):
+        _manager(tmp_path).save(2)
+    assert (tmp / "theirs.txt").read_text() == "not torchpre's\n"
+    assert f"left {tmp} in place: it lacks torchpre's marker {MARKER}, so torchpre did not make it" in caplog.text
 
 
 @pytest.mark.parametrize("on_low_space", ["warn", "skip"])

@@ -267,7 +267,7 @@ def test_retention_never_counts_or_removes_folders_moved_aside(world, tmp_path):
     _save(folder, 2)
     (folder / "step-2").rename(folder / "damaged-step-2")
     checkpoints = _manager(folder, components=_components())
-    checkpoints.keep_latest_k = 1
+    checkpoints.steps.keep_latest_k = 1
     for step in (4, 6):
         checkpoints.components["train"].values["step"] = step
         checkpoints.save(step)

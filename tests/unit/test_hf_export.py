@@ -1,13 +1,14 @@
 """The Hugging Face exporter in one process, without a training job: what it writes equals the family's mapping of
 the model's state dict bitwise, a `step-N` folder never exists while its files are being written, retention keeps
-the newest, the clean-up removes only torchpre's unfinished exports, a failed write publishes nothing, and the
-tensors' owners split the bytes among the ranks holding them (the multi-rank layouts, against transformers, are in
-tests/integration/test_hf_export_eval.py)."""
+the newest, the clean-up removes only torchpre's unfinished exports, a failed write publishes nothing (and removes no
+folder torchpre did not make), and the tensors' owners split the bytes among the ranks holding them (the multi-rank
+layouts, against transformers, are in tests/integration/test_hf_export_eval.py)."""
 
 import dataclasses
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -137,7 +138,8 @@ def test_an_unfinished_export_torchpre_did_not_make_stops_the_export_of_its_step
     victim.mkdir()
     os.symlink(victim, tmp_path / ".tmp-step-2")
     exporter, _ = _exporter(tmp_path)
-    with pytest.raises(UntrustedInput, match=f"{tmp_path / '.tmp-step-2'} is in the way of step 2's export"):
+    in_the_way = f"{tmp_path / '.tmp-step-2'} is in the way of the Hugging Face export of step 2"
+    with pytest.raises(UntrustedInput, match=in_the_way):
         exporter.export(2)
     assert list(victim.iterdir()) == [] and (tmp_path / ".tmp-step-2").is_symlink()
 
@@ -152,6 +154,28 @@ def test_a_failed_write_publishes_nothing_and_raises_at_the_next_export(world, t
     with pytest.raises(StorageError, match=r"export of step 2 .* failed \(rank 0: OSError: .*No space left"):
         exporter.export(4)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_export_leaves_a_tmp_folder_that_lost_torchpres_marker(world, tmp_path, monkeypatch, caplog):
+    """A failed write removes its `.tmp-step-2` only while torchpre's marker says it is torchpre's: one swapped for an
+    unmarked folder during the write (anyone's) stays, named in a warning, and the export's failure is raised."""
+    tmp = tmp_path / ".tmp-step-2"
+
+    def swapped_then_full(tensors, path):
+        shutil.rmtree(tmp)
+        tmp.mkdir()
+        (tmp / "theirs.txt").write_text("not torchpre's\n")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_export, "save_safetensors", swapped_then_full)
+    exporter, _ = _exporter(tmp_path, async_mode="disabled")
+    with caplog.at_level(logging.WARNING, logger="torchpre"), pytest.raises(StorageError, match="export of step 2"):
+        exporter.export(2)
+    assert (tmp / "theirs.txt").read_text() == "not torchpre's\n"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"left {tmp} in place: it lacks torchpre's marker {MARKER}, so torchpre did not make it (remove it yourself "
+        "if unwanted)"
+    ]
 
 
 def test_owners_are_holders_and_split_the_bytes():

@@ -13,6 +13,7 @@ import pytest
 
 from torchpre.checkpoint.folders import MARKER, complete_steps, mark_as_ours, remove_step
 from torchpre.checkpoint.history import set_aside_earlier_metrics, set_aside_later_records
+from torchpre.checkpoint.published import StepFolders
 from torchpre.config.job_config import JobConfig
 from torchpre.confined import make_folder, write_file
 from torchpre.data.shards import write_shard
@@ -172,18 +173,15 @@ def test_malformed_saved_stages_are_an_error_naming_the_file_and_key(record, why
 
 
 def test_retention_keeps_a_step_whose_marker_is_a_link_and_says_so(tmp_path, outside, caplog):
-    """The manager's retention: a step it cannot mark (its marker a link) stays, with a warning; the save that
-    triggered retention is not failed by it."""
-    from torchpre.checkpoint.manager import CheckpointManager
-
+    """Retention (checkpoints' and exports'): a step it cannot mark (its marker a link) stays, with a warning; the
+    save that triggered retention is not failed by it."""
     folder = tmp_path / "run"
     for step in (2, 4, 6):
         (folder / f"step-{step}").mkdir()
     (folder / "step-2" / MARKER).symlink_to(outside)
-    manager = CheckpointManager.__new__(CheckpointManager)
-    manager.folder, manager.keep_latest_k = folder, 1
+    steps = StepFolders(folder, "checkpoint.folder", "checkpoint", keep_latest_k=1, keeps_marker=True)
     with caplog.at_level(logging.WARNING, logger="torchpre"):
-        manager._apply_retention()
+        steps.keep_newest()
     assert complete_steps(folder) == [2, 6] and outside.read_bytes() == OUTSIDE
     assert f"could not remove the old checkpoint step-2 ({folder / 'step-2' / MARKER} is not a regular file" in (
         caplog.text

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.shard_folders import open_descriptors, write_many_shards
+from bench.shard_folders import open_descriptors, write_many_shards
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.config.validate import validate_config

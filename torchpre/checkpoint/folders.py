@@ -5,7 +5,8 @@ torchpre deletes only what it made: a save marks its `.tmp-step-N` folder (`MARK
 deletion marks the step folder before renaming it to `.tmp-removing-step-N`, and the clean-up of unfinished ones
 removes a `.tmp-` folder only if its name is one of those two and it holds the marker (a regular file); it never
 follows a symbolic link, and touches a marker only where it is a regular file (`torchpre.confined.touch_marker`).
-Hugging Face exports (torchpre.interchange.export) live by the same rules. Nor does it delete a checkpoint it did not
+Hugging Face exports (torchpre.interchange.export) and convert's output live by the same rules, through the one
+sequence published.py runs over them. Nor does it delete a checkpoint it did not
 choose to: a `step-N` that a new save of step N finds (from an earlier run) is moved aside to `replaced-step-N`, and
 one that a resume found damaged and skipped to `damaged-step-N`; retention (checkpoint.keep_latest_k) counts and
 removes `step-N` folders only.
@@ -103,11 +104,12 @@ def remove_unfinished(folder: Path) -> list[Path]:
     return removed
 
 
-def remove_if_ours(path: Path) -> bool:
-    """Removes `path` if torchpre made it (see `remove_unfinished`); False, with a warning, otherwise."""
+def remove_if_ours(path: Path, names: re.Pattern[str] = UNFINISHED) -> bool:
+    """Removes `path` if torchpre made it (see `remove_unfinished`; `names`: the names it gives such folders); False,
+    with a warning, otherwise."""
     if path.is_symlink():
         why = "it is a symbolic link"
-    elif not path.is_dir() or not UNFINISHED.match(path.name):
+    elif not path.is_dir() or not names.match(path.name):
         why = "its name is not one torchpre gives its unfinished checkpoints"
     elif not is_regular_file(path / MARKER):
         why = f"it lacks torchpre's marker {MARKER}"
@@ -140,9 +142,9 @@ def move_aside_damaged(folder: Path, newest: int) -> None:
 
 
 def publish(tmp: Path, final: Path) -> Path | None:
-    """Gives a finished `.tmp-` folder its final name and flushes the rename to the disk, so that a power loss after
-    it does not undo it. A folder already of that name (a damaged checkpoint a resume skipped, or an earlier run's) is
-    moved aside first (`move_aside`), and its new path returned and logged; None when there was none."""
+    """Gives a finished `.tmp-` folder its final name (`rename_durably`). A folder already of that name (a damaged
+    checkpoint a resume skipped, or an earlier run's) is moved aside first (`move_aside`), and its new path returned
+    and logged; None when there was none."""
     replaced = move_aside(final, REPLACED) if final.exists() or final.is_symlink() else None
     if replaced is not None:
         logger.warning(
@@ -150,10 +152,16 @@ def publish(tmp: Path, final: Path) -> Path | None:
             "the new checkpoint in its place",
             final, replaced,
         )  # fmt: skip
-    tmp.rename(final)
-    folder = os.open(final.parent, os.O_RDONLY)
+    rename_durably(tmp, final)
+    return replaced
+
+
+def rename_durably(source: Path, target: Path) -> None:
+    """Renames `source` to `target` (replacing an empty folder there, as rename(2) does) and flushes the rename to the
+    disk, so that a power loss after it does not undo it."""
+    source.rename(target)
+    folder = os.open(target.parent, os.O_RDONLY)
     try:
         os.fsync(folder)
     finally:
         os.close(folder)
-    return replaced

@@ -12,11 +12,12 @@ DCP's metadata, which loads through the restricted reader (reader.py). The folde
 
 A checkpoint is written as `.tmp-step-N` and published, renamed to `step-N` by rank 0, as soon as every rank has written
 its files, so a `step-N` folder is always complete; loaders only ever look at `step-N` names, and a restarted job
-removes the `.tmp-*` folders a killed one left, if torchpre's marker says it made them (folders.py). A `step-N` that is
-already there when a save publishes is moved aside, never deleted. Before the rename, `manifest.json` records every
-file's size and CRC-32, taken from the bytes as they are written (storage.py), never by reading the files back; loading
-checks them (integrity.py). With checkpoint.checksums = "off" the manifest holds the sizes only. An async save is
-published by a finisher in the background, on the save's own process group, the moment its write is done.
+removes the `.tmp-*` folders a killed one left, if torchpre's marker says it made them (published.py runs that life
+for checkpoints, exports and convert alike; folders.py holds its rules). A `step-N` that is already there when a save
+publishes is moved aside, never deleted. Before the rename, `manifest.json` records every file's size and CRC-32, taken
+from the bytes as they are written (storage.py), never by reading the files back; loading checks them (integrity.py).
+With checkpoint.checksums = "off" the manifest holds the sizes only. An async save is published by a finisher in the
+background, on the save's own process group, the moment its write is done.
 
 A save that fails (a full disk, no permission, an I/O error) removes its `.tmp-step-N` and raises a StorageError on
 every rank, naming the folder, the bytes it needed and had, and what to do (disk.py); an async save's failure is
@@ -28,11 +29,10 @@ Checkpoints written before the data position was an entry of its own (main at 0a
 """
 
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,16 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from torchpre.checkpoint.disk import Failure, free_bytes, low_space_message, summary, unwritten_message
-from torchpre.checkpoint.folders import (
-    MARKER,
-    TMP_PREFIX,
-    complete_steps,
-    move_aside_damaged,
-    publish,
-    remove_if_ours,
-    remove_step,
-    remove_unfinished,
-)
+from torchpre.checkpoint.folders import complete_steps, move_aside_damaged
 from torchpre.checkpoint.integrity import (
     FileCheck,
     Trust,
@@ -62,6 +53,7 @@ from torchpre.checkpoint.integrity import (
     require_intact,
     write_manifest,
 )
+from torchpre.checkpoint.published import Finisher, StepFolders, background_group
 from torchpre.checkpoint.reader import Loader
 from torchpre.checkpoint.run import ensure_run, resume_trust
 from torchpre.checkpoint.state import (
@@ -76,8 +68,6 @@ from torchpre.checkpoint.state import (
 from torchpre.checkpoint.storage import RecordingWriter, make_stager, published_records, stager_keeps_buffers
 from torchpre.checkpoint.values import VALUES, encode_values, put_values, read_values, split_values, without_values
 from torchpre.config.job_config import Checkpoint
-from torchpre.confined import is_regular_file
-from torchpre.distributed.process_groups import comm_timeout
 from torchpre.errors import StorageError, UntrustedInput
 
 logger = logging.getLogger("torchpre")
@@ -124,22 +114,20 @@ class CheckpointManager:
     ):
         self.folder, self.components, self.settings, self.trust = folder, dict(components), settings, trust
         self.config_text = config_text
-        self.interval, self.keep_latest_k = settings.interval, settings.keep_latest_k
+        self.interval = settings.interval
+        self.steps = StepFolders(folder, "checkpoint.folder", "checkpoint", settings.keep_latest_k, keeps_marker=True)
         self.checksums = settings.checksums
         self.rank = dist.get_rank()
         async_mode = settings.async_mode
         # Background writes and their publication run their collectives on a group of their own, never interleaved
         # with training's.
-        self.async_group = (
-            dist.new_group(backend=_background_backend(), timeout=comm_timeout()) if async_mode != "disabled" else None
-        )
+        self.async_group = background_group() if async_mode != "disabled" else None
         # "async_process": DCP's checkpoint process writes (its own gloo group), so the write holds no GIL of ours.
         self.in_process = async_mode == "async_process"
-        # Under async_mode the finisher that publishes a written save runs in this thread.
-        self._background = ThreadPoolExecutor(max_workers=1) if self.async_group is not None else None
+        # Under async_mode the finisher that publishes a written save runs in a thread of its own.
+        self._finisher = Finisher(background=self.async_group is not None)
         # One stager for every async save, so its host buffers (pinned on CUDA) are allocated once.
         self._stager = self._new_stager() if self.async_group is not None and stager_keeps_buffers() else None
-        self._pending: Future[Published | BaseException] | None = None
         self._size: int | None = None  # bytes of the last checkpoint saved (every rank's): the next one's estimate
         self._unreported: Published | None = None  # the latest publication the metrics have not shown yet
         self._lock = threading.Lock()  # `_unreported` is set by the finisher's thread
@@ -154,7 +142,7 @@ class CheckpointManager:
         """Rank 0 deletes the temporary folders of saves or deletions that did not finish (a crashed run's), and only
         those (folders.remove_unfinished)."""
         if self.rank == 0:
-            remove_unfinished(self.folder)
+            self.steps.remove_unfinished()
 
     # Saving ------------------------------------------------------------------------------------
 
@@ -174,7 +162,7 @@ class CheckpointManager:
             needed, estimate = self._size, "the size of the last checkpoint"
         else:
             needed, estimate = state_bytes(state), "the size of the state"
-        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
+        tmp = self.steps.temporary(step)
         signed = self.trust.signing_key is not None
         writer = RecordingWriter(tmp, crc=self.checksums == "write", publish=self.in_process, sha256=signed)
         values_json = encode_values(values)
@@ -187,7 +175,7 @@ class CheckpointManager:
                 error = None
             except (Exception, CheckpointException) as failure:  # DCP's CheckpointException is no Exception
                 error = failure
-            _raise_if_failed(self._publish(step, start, writer, error, needed, values_json, group=None))
+            self._finisher.finish(self._publish, step, start, writer, error, needed, values_json, None)
             return True
         stager = self._stager or self._new_stager()
         kind = AsyncCheckpointerType.PROCESS if self.in_process else AsyncCheckpointerType.THREAD
@@ -201,26 +189,18 @@ class CheckpointManager:
         if stager is not self._stager:
             stager.close()  # staging is done on return (use_async_staging=False)
         logger.info("checkpoint step-%d staged in %.2f s; writing in the background", step, time.perf_counter() - start)
-        self._pending = self._background.submit(
-            self._publish_when_written, write, step, start, writer, needed, values_json
-        )
+        self._finisher.finish(self._publish_when_written, write, step, start, writer, needed, values_json)
         return True
 
     @property
     def failed(self) -> bool:
         """Whether the background save has ended without being published; never waits. Its error is raised by the
         next `save`, `wait` or `close`."""
-        pending = self._pending
-        if pending is None or not pending.done():
-            return False
-        return pending.exception() is not None or not isinstance(pending.result(), Published)
+        return self._finisher.failed
 
     def wait(self) -> None:
         """Until the background save, if one is running, is published; raises its failure."""
-        if self._pending is None:
-            return
-        pending, self._pending = self._pending, None
-        _raise_if_failed(pending.result())
+        self._finisher.wait()
 
     def metrics(self) -> dict[str, float]:
         """For the metrics record: `checkpoint/published_step` and `checkpoint/write_s` (from the start of its save
@@ -233,10 +213,8 @@ class CheckpointManager:
 
     def close(self) -> None:
         try:
-            self.wait()
+            self._finisher.close()
         finally:
-            if self._background is not None:
-                self._background.shutdown()
             if self._stager is not None:
                 self._stager.close()
 
@@ -250,20 +228,15 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 go = self._fits(step, needed, estimate)
-                if go and (tmp.exists() or tmp.is_symlink()) and not remove_if_ours(tmp):
-                    go = UntrustedInput(
-                        f"{tmp} is in the way of the checkpoint of step {step}, and torchpre did not make it (it is a "
-                        "symbolic link, or lacks torchpre's marker). Remove it, or point checkpoint.folder elsewhere."
-                    )
-                if go is True:
-                    tmp.mkdir(parents=True)
-                    contents = {MARKER: b"", "config.toml": self.config_text.encode("utf-8"), VALUES: values}
-                    for name, content in contents.items():  # the marker first: the clean-up knows the folder as ours
+                if go:
+                    self.steps.create(step, lambda path: writer.fs.create_stream(path, "wb"))
+                    for name, content in {"config.toml": self.config_text.encode("utf-8"), VALUES: values}.items():
                         with writer.fs.create_stream(tmp / name, "wb") as file:
                             file.write(content)
+            except UntrustedInput as error:
+                go = error
             except OSError as error:
-                if tmp.is_dir() and not tmp.is_symlink() and is_regular_file(tmp / MARKER):
-                    shutil.rmtree(tmp, ignore_errors=True)
+                self.steps.discard(tmp)
                 failure = summary(error)
                 go = unwritten_message(step, self.folder, {0: failure}, needed, free_bytes(self.folder), self._latest())
         go = _broadcast(go, group=None)
@@ -357,37 +330,31 @@ class CheckpointManager:
     ) -> Published | _Unwritten:  # fmt: skip
         """Rank 0's part of `_publish`: the manifest, then the rename that makes the checkpoint visible; or, when a
         rank failed (or the manifest or the rename does), the folder removed and what went wrong."""
-        final = self.folder / f"step-{step}"
-        if not failures:
-            files = published_records(tmp) if self.in_process else files
-            try:
-                key = self.trust.signing_key
-                run = ensure_run(self.folder, key) if key is not None else None
-                write_manifest(tmp, self.checksums, files, key, step, run)
-                publish(tmp, final)
-            except OSError as error:
-                failures = {0: summary(error)}
+        files = published_records(tmp) if self.in_process and not failures else files
+
+        def finalize(folder: Path) -> None:
+            key = self.trust.signing_key
+            run = ensure_run(self.folder, key) if key is not None else None
+            write_manifest(folder, self.checksums, files, key, step, run)
+
+        error = self.steps.publish_or_discard(tmp, step, finalize, failed=bool(failures))
+        if error is not None:
+            failures = {0: summary(error)}
         if failures:
-            shutil.rmtree(tmp, ignore_errors=True)
             free = free_bytes(self.folder)
             message = unwritten_message(step, self.folder, failures, needed, free, self._latest())
             return _Unwritten(sorted(failures), message)
         seconds, size = time.perf_counter() - start, sum(record["size"] for record in files.values())
-        logger.info("checkpoint %s published %.2f s after its save started (%s bytes)", final, seconds, f"{size:,}")
-        self._apply_retention()
+        logger.info(
+            "checkpoint %s published %.2f s after its save started (%s bytes)", self.steps.final(step), seconds,
+            f"{size:,}",
+        )  # fmt: skip
+        self.steps.keep_newest()
         return Published(step, seconds, size)
 
     def _latest(self) -> Path | None:
         steps = complete_steps(self.folder)
         return self.folder / f"step-{steps[-1]}" if steps else None
-
-    def _apply_retention(self) -> None:
-        if self.keep_latest_k > 0:
-            for step in complete_steps(self.folder)[: -self.keep_latest_k]:
-                try:
-                    remove_step(self.folder / f"step-{step}")
-                except (OSError, UntrustedInput) as error:  # published already: an old one left over is no failure
-                    logger.warning("could not remove the old checkpoint step-%d (%s); it stays", step, error)
 
     def _new_stager(self):
         return make_stager(self._device(), shared=self.in_process)
@@ -479,19 +446,9 @@ def _require_agreed(values: list[bytes]) -> None:
         )
 
 
-def _raise_if_failed(outcome: Published | BaseException) -> None:
-    if isinstance(outcome, BaseException):
-        raise outcome
-
-
 def _broadcast(value: Any, group: dist.ProcessGroup | None) -> Any:
     """Rank 0's `value`, on every rank of `group`."""
     box = [value]
     dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
 
-
-def _background_backend() -> str:
-    """gloo (background writes must not share the training group's stream), or the job's own backend when that
-    is torch's fake one (a dry run), which has no peers for gloo to connect to."""
-    return "fake" if dist.get_backend() == "fake" else "gloo"

@@ -12,19 +12,16 @@ ranks write), the config and the tokenizer.
 
 The gather and the copy to the host happen between steps; with hf_export.async_mode = "async" the files are
 written and the folder published by a thread while training goes on, on a gloo group of the exporter's own. A
-folder is written as `.tmp-step-N` and renamed to `step-N` by rank 0 once every rank's file is written
-(`torchpre.checkpoint.folders`, as checkpoints are), so a `step-N` folder is always complete. Rank 0 creates the
-`.tmp-step-N` folder (a new one: never one already there, nor a symbolic link) and marks it as torchpre's before any
-rank writes into it (the published folder loses it: it holds Hugging Face's files only); a restarted job removes the
-`.tmp-*` folders a killed one left that hold that marker, and only those, and only the newest hf_export.keep_latest_k
-are kept. An export that fails raises on every rank at the next
-export or at the end of training.
+folder lives as a checkpoint does (`torchpre.checkpoint.published`): written as `.tmp-step-N` and renamed to `step-N`
+by rank 0 once every rank's file is written, so a `step-N` folder is always complete. Rank 0 creates the `.tmp-step-N`
+folder (a new one: never one already there, nor a symbolic link) and marks it as torchpre's before any rank writes into
+it (the published folder loses it: it holds Hugging Face's files only); a restarted job, and a failed export, remove
+only `.tmp-` folders that hold that marker, and only the newest hf_export.keep_latest_k are kept. An export that fails
+raises on every rank at the next export or at the end of training.
 """
 
 import logging
-import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,20 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchpre.checkpoint.folders import (
-    MARKER,
-    TMP_PREFIX,
-    complete_steps,
-    mark_as_ours,
-    publish,
-    remove_if_ours,
-    remove_step,
-    remove_unfinished,
-)
 from torchpre.checkpoint.integrity import all_gather
+from torchpre.checkpoint.published import Finisher, StepFolders, background_group
 from torchpre.config.job_config import HFExport
 from torchpre.data.tokenizer import Tokenizer
-from torchpre.distributed.process_groups import comm_timeout
 from torchpre.errors import StorageError, UntrustedInput
 from torchpre.interchange.folder import (
     SAFETENSORS,
@@ -103,19 +90,20 @@ class HFExporter:
             SAFETENSORS if len(writers) == 1 else shard_file_name(writers.index(self.rank) + 1, len(writers))
         ) if self.rank in writers else None  # fmt: skip
         self.several_files = len(writers) > 1
+        self.steps = StepFolders(folder, "hf_export.folder", "Hugging Face export", settings.keep_latest_k,
+                                 keeps_marker=False)  # fmt: skip
         background = settings.async_mode == "async"
-        self.group = dist.new_group(backend="gloo", timeout=comm_timeout()) if background else None
-        self._background = ThreadPoolExecutor(max_workers=1) if background else None
-        self._pending: Future[BaseException | None] | None = None
+        self.group = background_group() if background else None
+        self._finisher = Finisher(background)
 
     def due(self, step: int, last_step: int) -> bool:
         return step % self.settings.interval == 0 or step == last_step
 
     def remove_unfinished(self) -> None:
         """Rank 0 deletes the temporary folders of exports that did not finish (a crashed run's), and only those:
-        `.tmp-` folders that hold torchpre's marker, as checkpoints' (`folders.remove_unfinished`)."""
+        `.tmp-` folders that hold torchpre's marker, as checkpoints' (`StepFolders.remove_unfinished`)."""
         if self.rank == 0:
-            remove_unfinished(self.folder)
+            self.steps.remove_unfinished()
 
     def export(self, step: int) -> None:
         """Gathers this rank's tensors to the host, then writes and publishes step-N (in the background under
@@ -123,45 +111,34 @@ class HFExporter:
         self.wait()
         start = time.perf_counter()
         weights = self._hf_tensors(self._gather())
-        tmp = self.folder / f"{TMP_PREFIX}step-{step}"
-        box = [self._create(tmp, step) if self.rank == 0 else None]
+        tmp = self.steps.temporary(step)
+        box = [self._create(step) if self.rank == 0 else None]
         dist.broadcast_object_list(box, group_src=0)
         if box[0] is not None:
             raise box[0]
-        if self._background is None:
-            _raise_if_failed(self._write_and_publish(step, tmp, weights, start))
-            return
-        if self.rank == 0:
+        if self.rank == 0 and self.group is not None:
             logger.info("Hugging Face export of step %d on the host in %.2f s; writing in the background", step,
                         time.perf_counter() - start)  # fmt: skip
-        self._pending = self._background.submit(self._write_and_publish, step, tmp, weights, start)
+        self._finisher.finish(self._write_and_publish, step, tmp, weights, start)
 
-    def _create(self, tmp: Path, step: int) -> StorageError | UntrustedInput | None:
-        """Rank 0 makes `tmp` a new folder marked as torchpre's; the error every rank raises if it cannot."""
+    def _create(self, step: int) -> StorageError | UntrustedInput | None:
+        """Rank 0 makes step's `.tmp-step-N`, a new folder marked as torchpre's; the error every rank raises if it
+        cannot."""
         try:
-            if (tmp.exists() or tmp.is_symlink()) and not remove_if_ours(tmp):
-                return UntrustedInput(
-                    f"hf_export.folder: {tmp} is in the way of step {step}'s export, and torchpre did not make it "
-                    "(no marker, or a symbolic link). Remove it, or give hf_export.folder another folder."
-                )
-            tmp.mkdir(parents=True)
-            mark_as_ours(tmp)
+            self.steps.create(step)
+        except UntrustedInput as error:
+            return error
         except OSError as error:  # checked writable at start-up: the file system changed since
-            return StorageError(f"hf_export.folder: cannot create {tmp} for step {step}'s export: {error}")
+            return StorageError(f"hf_export.folder: cannot create {self.steps.temporary(step)} for step {step}'s "
+                                f"export: {error}")  # fmt: skip
         return None
 
     def wait(self) -> None:
         """Until the background export, if one is running, is published; raises its failure."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            _raise_if_failed(pending.result())
+        self._finisher.wait()
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            if self._background is not None:
-                self._background.shutdown()
+        self._finisher.close()
 
     def _local_state(self) -> dict[str, torch.Tensor]:
         """This rank's part of the model's state dict (by full-model names), without the tied copy."""
@@ -228,34 +205,25 @@ class HFExporter:
     ) -> str | None:  # fmt: skip
         """Rank 0's part: the index and the rename that makes the export visible, then retention; or the folder
         removed and a message saying what failed."""
-        final = self.folder / f"step-{step}"
-        if not failures:
-            try:
-                if self.several_files:
-                    weight_map = {name: file for file, sizes, _ in parts for name in sizes}
-                    write_index(tmp, weight_map, sum(sum(sizes.values()) for _, sizes, _ in parts))
-                give_default_modes(tmp)
-                if self.signing_key is not None:
-                    sign_folder(tmp, self.signing_key, skipped=frozenset({MARKER}))
-                publish(tmp, final)
-                (final / MARKER).unlink()  # a Hugging Face folder holds its own files only; retention marks it again
-            except OSError as failure:
-                failures = {0: f"{type(failure).__name__}: {failure}"}
+        final = self.steps.final(step)
+
+        def finalize(folder: Path) -> None:
+            if self.several_files:
+                weight_map = {name: file for file, sizes, _ in parts for name in sizes}
+                write_index(folder, weight_map, sum(sum(sizes.values()) for _, sizes, _ in parts))
+            give_default_modes(folder)
+            if self.signing_key is not None:
+                sign_folder(folder, self.signing_key)
+
+        error = self.steps.publish_or_discard(tmp, step, finalize, failed=bool(failures))
+        if error is not None:
+            failures = {0: f"{type(error).__name__}: {error}"}
         if failures:
-            shutil.rmtree(tmp, ignore_errors=True)
             lines = "; ".join(f"rank {rank}: {failure}" for rank, failure in sorted(failures.items()))
             return f"The Hugging Face export of step {step} to {final} failed ({lines}); nothing was published."
         logger.info("Hugging Face export %s published %.2f s after it started", final, time.perf_counter() - start)
-        self._apply_retention()
+        self.steps.keep_newest()
         return None
-
-    def _apply_retention(self) -> None:
-        if self.settings.keep_latest_k > 0:
-            for step in complete_steps(self.folder)[: -self.settings.keep_latest_k]:
-                try:
-                    remove_step(self.folder / f"step-{step}")
-                except (OSError, UntrustedInput) as error:
-                    logger.warning("could not remove the old export step-%d (%s); it stays", step, error)
 
 
 def _tensor_infos(local: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
@@ -284,8 +252,3 @@ def _balanced_owners(tensors: dict[str, TensorInfo]) -> dict[str, int]:
 
 def _bytes(info: TensorInfo) -> int:
     return torch.Size(info.shape).numel() * info.dtype.itemsize
-
-
-def _raise_if_failed(outcome: BaseException | None) -> None:
-    if outcome is not None:
-        raise outcome

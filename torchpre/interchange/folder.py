@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from torchpre.checkpoint.folders import MARKER
 from torchpre.checkpoint.integrity import MANIFEST, file_record, write_manifest
 from torchpre.confined import is_regular_file, replacing_path, write_file
 from torchpre.data.tokenizer import Tokenizer
@@ -62,14 +63,14 @@ def give_default_modes(folder: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
-def sign_folder(folder: Path, signing_key: bytes, skipped: frozenset[str] = frozenset()) -> None:
+def sign_folder(folder: Path, signing_key: bytes) -> None:
     """Signs the finished folder (checkpoint.signing_key_file): a manifest of every regular file's size, CRC-32 and
-    SHA-256 but `skipped`'s, signed as a checkpoint's is (`torchpre.checkpoint.integrity`), so that a job holding the
-    key loads it as its own and refuses it altered. The files are read once more here: the weights were written by
-    safetensors, which reports no digest."""
+    SHA-256, signed as a checkpoint's is (`torchpre.checkpoint.integrity`), so that a job holding the key loads it as
+    its own and refuses it altered. torchpre's marker is left out: the folder loses it once published. The files are
+    read once more here: the weights were written by safetensors, which reports no digest."""
     files = {}
     for path in sorted(folder.iterdir()):
-        if is_regular_file(path) and path.name not in skipped and path.name != MANIFEST:
+        if is_regular_file(path) and path.name not in (MANIFEST, MARKER):
             files[path.name] = file_record(path)
     write_manifest(folder, "write", files, signing_key)
 
