@@ -133,13 +133,15 @@ def test_a_killed_node_resumes_from_the_snapshots_of_the_step_before_bitwise(nod
     assert first.wait() == 0, first.output()[-3000:]
     assert replacement.wait() == 0, replacement.output()[-3000:]
 
-    output = first.output()
+    # torchrun's rendezvous may number the nodes the other way after the restart: rank 0, which logs the restore, is
+    # then the replacement's (the cause of this check's two failures in CI, 2026-12-07).
+    output = first.output() + replacement.output()
     peers = nproc if emptied else 0
     assert (
         f"resumed from the in-memory snapshots of step {step} (newer than the disk checkpoint's step 0); {peers} "
         "rank(s) restored from a peer's replica" in output
     ), output[-3000:]
-    assert f"at step {step + 1} is not used" in output + replacement.output()  # the torn files
+    assert f"at step {step + 1} is not used" in output  # the torn files
     expected = records_by_step(reference)
     records = records_by_step(run)
     assert sorted(records) == list(range(1, STEPS + 1))

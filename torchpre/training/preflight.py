@@ -14,7 +14,7 @@ from torchpre.assembly.silent_keys import check_keys_take_effect
 from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.assembly.weights import WeightsSource, weights_source
 from torchpre.checkpoint.folders import find_step_dir
-from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable
+from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable, find_intact_step
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.data.tokenizer import Tokenizer
@@ -74,7 +74,10 @@ def preflight(
     )  # fmt: skip
     # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
     trust = Trust.from_settings(c)
-    resume_dir = find_step_dir(Path(config.job.dump_folder) / c.folder, c.load_step) if c.enable else None
+    run_checkpoints = Path(config.job.dump_folder) / c.folder
+    resume_dir = find_step_dir(run_checkpoints, c.load_step) if c.enable else None
+    if c.enable and resume_dir is None:  # only step-N links, if anything: refused by name, never skipped
+        find_intact_step(run_checkpoints, c.load_step, trust)
     if c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):  # read below for its shape or its weights
         check_hf_folder(Path(c.initial_load_path), trust, c.allow_unsigned_hf, "checkpoint.initial_load_path")
     if resume_dir is not None:
