@@ -6,7 +6,7 @@ non-zero instead of showing a traceback.
 """
 
 import json
-from typing import Any
+from typing import TypeVar, overload
 
 
 class TorchpreError(Exception):
@@ -34,9 +34,24 @@ class FieldError(TorchpreError):
 _JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "an array",
                dict: "an object", type(None): "null"}  # fmt: skip
 _REQUIRED = object()
+Kind = TypeVar("Kind")
+Default = TypeVar("Default")
 
 
-def json_field(record: Any, key: str, kinds: type | tuple[type, ...], where: str = "", default: Any = _REQUIRED) -> Any:
+# A field's type is the kinds asked for, or the default's: `json_field(record, "size", int)` is an int.
+@overload
+def json_field(record: object, key: str, kinds: type[Kind] | tuple[type[Kind], ...], where: str = "") -> Kind: ...
+@overload
+def json_field(
+    record: object, key: str, kinds: type[Kind] | tuple[type[Kind], ...], where: str, default: Default
+) -> Kind | Default: ...
+@overload
+def json_field(
+    record: object, key: str, kinds: type[Kind] | tuple[type[Kind], ...], *, default: Default
+) -> Kind | Default: ...
+def json_field(
+    record: object, key: str, kinds: type | tuple[type, ...], where: str = "", default: object = _REQUIRED
+) -> object:
     """`record[key]` if it holds one of `kinds` (JSON's types: a bool is no integer, an integer is a number), or
     `default` when the key is absent and a default is given; otherwise a FieldError naming the key by its path in
     the file (`where`, e.g. "shards[0]", is the path of `record`) and what it holds instead."""
@@ -56,7 +71,7 @@ def json_field(record: Any, key: str, kinds: type | tuple[type, ...], where: str
     return value
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     """A JSON value as the file shows it, shortened: null, "abc", 12, [...]."""
     text = json.dumps(value)
     return text if len(text) <= 40 else f"{text[:37]}..."

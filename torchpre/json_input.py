@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO, TypeAlias, Union
 
 from torchpre.confined import read_file, read_named
 from torchpre.errors import UntrustedInput
@@ -35,8 +35,12 @@ LIMITS = {
     "line": 16 * MiB,
 }
 
+# What `loads` returns: JSON's values as `json.loads` builds them (a number without a fraction or exponent as an int).
+# A reader narrows it field by field (`errors.json_field`, isinstance) before it trusts any of it.
+JsonValue: TypeAlias = Union[None, bool, int, float, str, list["JsonValue"], dict[str, "JsonValue"]]
 
-def loads(data: bytes, source: Path, where: str = "") -> Any:
+
+def loads(data: bytes, source: Path, where: str = "") -> JsonValue:
     """`data` (UTF-8 JSON from the file `source`; `where`, e.g. "line 3", says where in it) parsed, once its nesting
     is shown to be at most MAX_DEPTH deep; integers of more than MAX_INTEGER_DIGITS digits are refused. NaN and
     Infinity parse as floats (torchpre writes them); the reader decides where a field may hold one. An UntrustedInput
@@ -68,19 +72,19 @@ def _too_deep(source: Path, at: str, levels: str) -> UntrustedInput:
     )
 
 
-def read_named_json(path: Path, kind: str) -> Any:
+def read_named_json(path: Path, kind: str) -> JsonValue:
     """The JSON file the user named `path` (`confined.read_named`: a link followed, a regular file, bounded by
     `LIMITS[kind]`), parsed by `loads`. FileNotFoundError when it is missing."""
     return loads(read_named(path, LIMITS[kind]), path)
 
 
-def read_json(folder: Path, name: str, kind: str, source: Path | None = None, entry: str = "") -> Any:
+def read_json(folder: Path, name: str, kind: str, source: Path | None = None, entry: str = "") -> JsonValue:
     """The JSON file `folder/name`, opened by `confined.read_file` (no symbolic link, a regular file, at most
     `LIMITS[kind]` bytes) and parsed by `loads`. FileNotFoundError when it is missing."""
     return loads(read_file(folder, name, LIMITS[kind], source, entry), folder / name)
 
 
-def json_lines(file: BinaryIO, source: Path) -> Iterator[tuple[int, Any]]:
+def json_lines(file: BinaryIO, source: Path) -> Iterator[tuple[int, JsonValue]]:
     """(line number, value) of each non-blank line of the JSON Lines `file` (the file `source`), each line refused
     (UntrustedInput naming `source` and the line) past `LIMITS["line"]` bytes before anything of it is kept, then
     parsed by `loads`: a file of records from others is bounded line by line, not as a whole."""
@@ -95,7 +99,7 @@ def json_lines(file: BinaryIO, source: Path) -> Iterator[tuple[int, Any]]:
             yield number, loads(line, source, f"line {number}")
 
 
-def nesting_depth(value: Any) -> int:
+def nesting_depth(value: JsonValue) -> int:
     """How deep arrays and objects nest in the parsed JSON `value` (0 for a number or string), walked without
     recursion."""
     deepest, pending = 0, [(value, 0)]

@@ -15,7 +15,6 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable
 from pathlib import Path, PurePath
-from typing import Any
 
 import numpy as np
 import torch
@@ -64,7 +63,7 @@ def refused(source: Path, why: str) -> UntrustedInput:
     )
 
 
-def check_metadata(metadata: Any, source: Path, file_size: Callable[[str, str], int]) -> Metadata:
+def check_metadata(metadata: object, source: Path, file_size: Callable[[str, str], int]) -> Metadata:
     """`metadata` (read from `source`) once every check above holds; `file_size(name, entry)` gives the bytes of the
     folder's file `name` (named by `entry` of the metadata). Raises UntrustedInput naming `source`, the entry and what
     is wrong otherwise."""
@@ -214,14 +213,14 @@ def _tiling_problem(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> str
     return None
 
 
-def _is(value: Any, *kinds: type) -> bool:
+def _is(value: object, *kinds: type) -> bool:
     """Whether `value`'s type is one of `kinds` exactly (a bool is no int, a subclass no dataclass of DCP's)."""
     return type(value) in kinds
 
 
-def _natural(value: Any) -> bool:
+def _natural(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     return "None" if value is None else f"a {type(value).__name__}"

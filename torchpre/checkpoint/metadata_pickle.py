@@ -13,8 +13,8 @@ constructors from checked values.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -35,6 +35,7 @@ from torchpre.checkpoint.pickled import (
     PLAIN_OPCODES,
     Global,
     Grammar,
+    Item,
     NotAPickle,
     Record,
     Refused,
@@ -61,7 +62,7 @@ def _fields(cls: type, kinds: dict[str, tuple[type, ...]]) -> Record:
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     }  # fmt: skip
 
-    def build(state: Any) -> Any:
+    def build(state: Item) -> object:
         if type(state) is not dict:
             raise Refused(f"its state is a {type(state).__name__}, not a mapping of its fields")
         for name, value in state.items():
@@ -77,7 +78,7 @@ def _fields(cls: type, kinds: dict[str, tuple[type, ...]]) -> Record:
     return Record(cls, build, tuple(kinds))
 
 
-def _tensor_properties(state: Any) -> TensorProperties:
+def _tensor_properties(state: Item) -> TensorProperties:
     """TensorProperties from the state its `__getstate__` gives: (dtype, layout, requires_grad, memory format's
     encoding, pin_memory)."""
     kinds = (torch.dtype, torch.layout, bool, _MEM_FORMAT_ENCODING, bool)
@@ -87,7 +88,7 @@ def _tensor_properties(state: Any) -> TensorProperties:
     return TensorProperties(dtype, layout, requires_grad, _FORMATS[encoding], pin_memory)
 
 
-def _size(args: tuple) -> torch.Size:
+def _size(args: tuple[Item, ...]) -> torch.Size:
     if len(args) != 1 or type(args[0]) is not tuple or len(args[0]) > MAX_RANK:
         raise Refused(f"a size is one tuple of at most {MAX_RANK} integers")
     if not all(type(value) is int and value in _INT64 for value in args[0]):
@@ -95,20 +96,20 @@ def _size(args: tuple) -> torch.Size:
     return torch.Size(args[0])
 
 
-def _layout(args: tuple) -> torch.layout:
+def _layout(args: tuple[Item, ...]) -> torch.layout:
     if args != ("torch.strided",):
         raise Refused("a checkpoint's tensors are strided")
     return torch.strided
 
 
-def _memory_format(args: tuple) -> _MEM_FORMAT_ENCODING:
+def _memory_format(args: tuple[Item, ...]) -> _MEM_FORMAT_ENCODING:
     if len(args) != 1 or type(args[0]) is not int or args[0] not in {member.value for member in _FORMATS}:
         raise Refused(f"the encodings are {sorted(member.value for member in _FORMATS)}")
     return _MEM_FORMAT_ENCODING(args[0])
 
 
-def _pure(kind: type) -> Any:
-    def path(args: tuple) -> PurePosixPath | PureWindowsPath:
+def _pure(kind: type[PurePosixPath] | type[PureWindowsPath]) -> Callable[[tuple[Item, ...]], PurePath]:
+    def path(args: tuple[Item, ...]) -> PurePath:
         if len(args) > MAX_PATH_PARTS or not all(type(part) is str for part in args):
             raise Refused(f"a path is made of at most {MAX_PATH_PARTS} strings")
         return kind(*args)
@@ -116,7 +117,7 @@ def _pure(kind: type) -> Any:
     return path
 
 
-def _empty_mapping(args: tuple) -> dict:
+def _empty_mapping(args: tuple[Item, ...]) -> dict:
     if args != ():
         raise Refused("only an empty mapping is made this way")
     return {}
@@ -170,7 +171,7 @@ METADATA = Grammar(
 )
 
 
-def read_pickled_metadata(data: bytes, source: Path) -> Any:
+def read_pickled_metadata(data: bytes, source: Path) -> Item:
     """What the pickled metadata `data` (the file `source`) holds, built by the interpreter under `METADATA`; an
     UntrustedInput naming `source`, the opcode and what it refused otherwise (a TorchpreError for bytes that are no
     pickle: damage). Whether it is DCP's Metadata, and means what DCP writes, is for `check_metadata`."""

@@ -24,12 +24,20 @@ from __future__ import annotations
 import pickletools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias, TypeVar, Union
 
 MAX_MEMO = 1 << 24  # entries; a 405B model's 1,024-rank metadata memoizes a few million objects
 MAX_STACK = 1 << 16  # items between two marks; picklers write lists and dicts in batches of 1,000
 MAX_MARKS = 64  # nested marks; DCP's metadata nests 5 deep
 MAX_STRING = 1 << 20  # characters or bytes of one string
+
+
+# An item of the interpreter's stack: a scalar, a container of items, a grammar's `Global` token or constant, a
+# `_Blank`, or what a grammar's call or record built. All of it comes from the file, so every use narrows it first.
+Item: TypeAlias = object
+Container = TypeVar("Container", list, dict)
+# An opcode's argument as `pickletools.genops` decodes it (None for an opcode without one).
+Argument: TypeAlias = Union[None, int, float, str, bytes]
 
 
 class Refused(Exception):
@@ -47,7 +55,7 @@ class Record:
     accepts (empty: a record with no fields, made whole by NEWOBJ alone)."""
 
     cls: type
-    build: Callable[[Any], Any]
+    build: Callable[[Item], object]
     fields: tuple[str, ...] = ()
 
 
@@ -59,8 +67,8 @@ class Global:
 
     module: str
     name: str
-    value: Any = None
-    call: Callable[[tuple], Any] | None = None
+    value: object = None
+    call: Callable[[tuple[Item, ...]], object] | None = None
     record: Record | None = None
 
     def __str__(self) -> str:
@@ -100,22 +108,27 @@ PLAIN_OPCODES = frozenset({
 OBJECT_OPCODES = frozenset({"GLOBAL", "STACK_GLOBAL", "REDUCE", "NEWOBJ", "BUILD"})
 
 PLAIN_VALUES = Grammar("a plain value", PLAIN_OPCODES)
+# What a pickle under PLAIN_VALUES can build: its grammar names no global, so nothing but these.
+PlainValue: TypeAlias = Union[
+    None, bool, int, float, str, bytes, list["PlainValue"], tuple["PlainValue", ...], dict["PlainValue", "PlainValue"]
+]
 
 
-def interpret(data: bytes, grammar: Grammar) -> Any:
-    """The object the pickle `data` describes, built as `grammar` allows; Refused otherwise."""
+def interpret(data: bytes, grammar: Grammar) -> Item:
+    """The object the pickle `data` describes, built as `grammar` allows (its caller checks that it is what it
+    expects: the pickle may end on any item); Refused otherwise."""
     return _Machine(grammar).run(data)
 
 
 class _Machine:
     def __init__(self, grammar: Grammar) -> None:
         self.grammar = grammar
-        self.stack: list[Any] = []
-        self.marks: list[list[Any]] = []
-        self.memo: dict[int, Any] = {}
+        self.stack: list[Item] = []
+        self.marks: list[list[Item]] = []
+        self.memo: dict[int, Item] = {}
         self.where = ""
 
-    def run(self, data: bytes) -> Any:
+    def run(self, data: bytes) -> Item:
         for name, arg, position in _opcodes(data):
             self.where = f"{name} at byte {position}"
             if name not in self.grammar.opcodes:
@@ -132,32 +145,33 @@ class _Machine:
 
     # The stack -----------------------------------------------------------------------------------------------
 
-    def push(self, value: Any) -> None:
+    def push(self, value: Item) -> None:
         if len(self.stack) >= MAX_STACK:
             raise self.refuse(f"its stack grows past {MAX_STACK:,} items")
         self.stack.append(value)
 
-    def pop(self) -> Any:
+    def pop(self) -> Item:
         if not self.stack:
             raise self.refuse("it takes from an empty stack")
         return self.stack.pop()
 
-    def top(self, kind: type) -> Any:
-        if not self.stack or type(self.stack[-1]) is not kind:
+    def top(self, kind: type[Container]) -> Container:
+        value = self.stack[-1] if self.stack else None
+        if not isinstance(value, kind) or type(value) is not kind:  # exactly: no subclass a grammar's call built
             raise self.refuse(f"it needs a {kind.__name__} under it")
-        return self.stack[-1]
+        return value
 
     def protocol(self, version: int) -> None:
         if not 2 <= version <= 5:
             raise self.refuse(f"it is written with pickle protocol {version}, not 2 to 5")
 
-    def mark(self, _: Any) -> None:
+    def mark(self, _: None) -> None:
         if len(self.marks) >= MAX_MARKS:
             raise self.refuse(f"it nests more than {MAX_MARKS} marks")
         self.marks.append(self.stack)
         self.stack = []
 
-    def pop_mark(self) -> list[Any]:
+    def pop_mark(self) -> list[Item]:
         if not self.marks:
             raise self.refuse("it has no mark to return to")
         items, self.stack = self.stack, self.marks.pop()
@@ -194,19 +208,19 @@ class _Machine:
         del self.stack[len(self.stack) - count :]
         self.push(items)
 
-    def append(self, _: Any) -> None:
+    def append(self, _: None) -> None:
         value = self.pop()
         self.top(list).append(value)
 
-    def appends(self, _: Any) -> None:
+    def appends(self, _: None) -> None:
         items = self.pop_mark()
         self.top(list).extend(items)
 
-    def setitem(self, _: Any) -> None:
+    def setitem(self, _: None) -> None:
         value = self.pop()
         self.setitems([self.pop(), value])
 
-    def setitems(self, items: list[Any]) -> None:
+    def setitems(self, items: list[Item]) -> None:
         target = self.top(dict)
         if len(items) % 2:
             raise self.refuse("it gives a key without a value")
@@ -221,7 +235,7 @@ class _Machine:
 
     # Globals and objects -------------------------------------------------------------------------------------
 
-    def global_named(self, module: Any, name: Any) -> None:
+    def global_named(self, module: Item, name: Item) -> None:
         if not isinstance(module, str) or not isinstance(name, str):
             raise self.refuse("it names a global with no string name")
         known = self.grammar.globals.get((module, name))
@@ -229,7 +243,7 @@ class _Machine:
             raise self.refuse(f"it names {module}.{name}, which {self.grammar.what} never holds")
         self.push(known.value if known.value is not None else known)
 
-    def reduce(self, _: Any) -> None:
+    def reduce(self, _: None) -> None:
         args, function = self.pop(), self.pop()
         if not isinstance(function, Global) or function.call is None:
             raise self.refuse(f"it calls {_describe(function)}, which {self.grammar.what} never calls")
@@ -240,7 +254,7 @@ class _Machine:
         except Refused as error:
             raise self.refuse(f"it calls {function}{_shown(args)}: {error}") from None
 
-    def newobj(self, _: Any) -> None:
+    def newobj(self, _: None) -> None:
         args, cls = self.pop(), self.pop()
         if not isinstance(cls, Global) or cls.record is None:
             raise self.refuse(f"it instantiates {_describe(cls)}, which {self.grammar.what} never holds")
@@ -248,7 +262,7 @@ class _Machine:
             raise self.refuse(f"it instantiates {cls} with arguments {_shown(args)}")
         self.push(_Blank(cls.record) if cls.record.fields else cls.record.build(None))
 
-    def build(self, _: Any) -> None:
+    def build(self, _: None) -> None:
         state = self.pop()
         target = self.pop()
         if type(target) is not _Blank:
@@ -261,7 +275,7 @@ class _Machine:
             raise self.refuse(f"{target.record.cls.__name__}: {error}") from None
 
 
-def _opcodes(data: bytes) -> Iterator[tuple[str, Any, int]]:
+def _opcodes(data: bytes) -> Iterator[tuple[str, Argument, int]]:
     """`data`'s opcodes, their arguments and byte positions; Refused where it is no pickle."""
     try:
         for opcode, arg, position in pickletools.genops(data):
@@ -270,7 +284,7 @@ def _opcodes(data: bytes) -> Iterator[tuple[str, Any, int]]:
         raise NotAPickle(f"it is no pickle ({error})") from None
 
 
-def _describe(value: Any) -> str:
+def _describe(value: Item) -> str:
     if isinstance(value, Global):
         return f"{value}, a global"
     if isinstance(value, _Blank):
@@ -278,7 +292,7 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _shown(args: Any) -> str:
+def _shown(args: Item) -> str:
     text = repr(args)
     return text if len(text) <= 60 else f"{text[:57]}..."
 
@@ -288,14 +302,19 @@ def _string_pair(machine: _Machine, arg: str) -> None:
     machine.global_named(module, name)
 
 
-def _stack_global(machine: _Machine, _: Any) -> None:
+def _stack_global(machine: _Machine, _: None) -> None:
     name, module = machine.pop(), machine.pop()
     machine.global_named(module, name)
 
 
-def _build_handlers() -> dict[str, Callable[[_Machine, Any], None]]:
+# What an opcode does to the machine, given its argument (whose type depends on the opcode: an int for BININT, a
+# str for BINUNICODE, None for APPEND).
+Handler: TypeAlias = Callable[[_Machine, Any], None]
+
+
+def _build_handlers() -> dict[str, Handler]:
     constant = lambda value: lambda m, _: m.push(value)  # noqa: E731
-    handlers: dict[str, Callable[[_Machine, Any], None]] = {
+    handlers: dict[str, Handler] = {
         "PROTO": _Machine.protocol,
         "FRAME": lambda m, _: None,
         "MARK": _Machine.mark,

@@ -48,7 +48,7 @@ from torchpre.checkpoint.integrity import MANIFEST, FileCheck, FileRecord
 from torchpre.checkpoint.metadata_checks import check_metadata, refused
 from torchpre.checkpoint.metadata_json import METADATA_JSON, decode
 from torchpre.checkpoint.metadata_pickle import read_pickled_metadata
-from torchpre.checkpoint.pickled import Refused
+from torchpre.checkpoint.pickled import PlainValue, Refused
 from torchpre.checkpoint.torch_save import NotAnArchive, Window, open_archive, read_plain_value
 from torchpre.confined import file_kind, open_file
 from torchpre.errors import TorchpreError, UntrustedInput
@@ -81,7 +81,7 @@ def _read_metadata(step_dir: Path, check: FileCheck, allow_pickle: bool) -> tupl
     return check_metadata(metadata, source, _file_sizes(step_dir, records, source)), source
 
 
-def _unpickled(data: bytes, source: Path, allow_pickle: bool) -> Any:
+def _unpickled(data: bytes, source: Path, allow_pickle: bool) -> object:
     """A pickled `.metadata` through the interpreter; when it refuses, full pickle if `allow_pickle`."""
     try:
         return read_pickled_metadata(data, source)
@@ -132,7 +132,7 @@ class SafeReader(FileSystemReader):
         self.source = step_dir / METADATA  # the metadata file that names the data files, once read
         self.refusal: TorchpreError | None = None  # why `read_metadata` refused, which DCP reports only as text
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         try:
             metadata, self.source = _read_metadata(self.step_dir, self.check, self.allow_pickle)
         except TorchpreError as error:
@@ -252,7 +252,7 @@ class _PlainValues:
         else:
             self.state_dict[fqn] = loaded
 
-    def _plain(self, fqn: str, data: bytes) -> Any:
+    def _plain(self, fqn: str, data: bytes) -> PlainValue:
         try:
             return read_plain_value(data)
         except (NotAnArchive, Refused) as error:

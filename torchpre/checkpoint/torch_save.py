@@ -17,9 +17,9 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-from typing import Any, BinaryIO
+from typing import BinaryIO, cast
 
-from torchpre.checkpoint.pickled import PLAIN_VALUES, Refused, interpret
+from torchpre.checkpoint.pickled import PLAIN_VALUES, PlainValue, Refused, interpret
 
 MAGIC = b"PK\x03\x04"  # a zip archive's first local header
 MAX_RECORDS = 1024  # records of one archive; torch.save writes 6 and one per storage
@@ -54,7 +54,7 @@ class Window(io.RawIOBase):
         self._position = base + offset
         return self._position
 
-    def readinto(self, buffer: Any) -> int:
+    def readinto(self, buffer: bytearray | memoryview) -> int:
         count = max(0, min(len(buffer), self.length - self._position))
         data = os.pread(self._fd, count, self.start + self._position) if count else b""
         buffer[: len(data)] = data
@@ -86,7 +86,7 @@ def open_archive(file: BinaryIO, length: int) -> zipfile.ZipFile:
     return archive
 
 
-def read_plain_value(data: bytes) -> Any:
+def read_plain_value(data: bytes) -> PlainValue:
     """The plain value (None, a bool, number, string, bytes, or a list, tuple or dict of them) that the torch.save
     archive `data` holds; NotAnArchive or pickled.Refused saying why it holds no such value."""
     if len(data) > MAX_PLAIN_VALUE:
@@ -97,4 +97,4 @@ def read_plain_value(data: bytes) -> Any:
         raise NotAnArchive(f"it holds {len(pickles)} data.pkl records, not one")
     if any("/data/" in name for name in archive.namelist()):
         raise Refused("it holds tensor storages")
-    return interpret(archive.read(pickles[0]), PLAIN_VALUES)
+    return cast(PlainValue, interpret(archive.read(pickles[0]), PLAIN_VALUES))

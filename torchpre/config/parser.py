@@ -22,12 +22,15 @@ TOML has no null: an optional field left out of the file keeps its default, and 
 None values as comments. A dump therefore round-trips exactly when optional fields default to None.
 """
 
+from __future__ import annotations
+
 import dataclasses
+import datetime
 import difflib
 import os
 import sys
 import types
-from typing import Any, Iterator, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Iterator, Literal, TypeAlias, TypeVar, Union, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,9 +39,25 @@ else:
 
 from torchpre.errors import ConfigError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 __all__ = ["CONFIG_FILE_KEY", "HelpRequested", "format_help", "format_reference", "parse_args", "to_dict", "to_toml"]
 
 T = TypeVar("T")
+
+# A value as tomllib reads it; the command line gives text (a str), which `_coerce` parses.
+TomlValue: TypeAlias = Union[
+    str, int, float, bool, datetime.datetime, datetime.date, datetime.time, list["TomlValue"], dict[str, "TomlValue"]
+]
+# An option's value once resolved: a scalar, None, a list or dict of them, or a list of a table's dataclasses.
+OptionValue: TypeAlias = Union[
+    None, bool, int, float, str, list["OptionValue"], dict[str, "OptionValue"], "DataclassInstance"
+]
+# A field's type as its annotation spells it: a class (int) or a typing form that is no class (list[str],
+# Literal["a", "b"], int | None). Python has no type for both (PEP 747's TypeForm is a draft): get_origin, get_args
+# and the checks below narrow it.
+TypeForm: TypeAlias = object
 
 CONFIG_FILE_KEY = "job.config_file"
 _CLI = "on the command line"
@@ -81,9 +100,9 @@ class _Option:
     """One leaf field of the config, named by its dotted path."""
 
     key: str
-    type: Any
+    type: TypeForm
     type_name: str
-    default: Any
+    default: OptionValue
     help: str
 
 
@@ -179,7 +198,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def to_toml(config: Any) -> str:
+def to_toml(config: DataclassInstance) -> str:
     """The config as TOML text, which `parse_args` reads back to an equal config.
 
     Sections become tables. None values are written as comments because TOML has no null; read
@@ -188,7 +207,7 @@ def to_toml(config: Any) -> str:
     return "\n\n".join(_toml_blocks(config, "")) + "\n"
 
 
-def to_dict(config: Any) -> dict[str, Any]:
+def to_dict(config: DataclassInstance) -> dict[str, OptionValue]:
     """The config as nested plain dicts, e.g. for experiment trackers."""
     return dataclasses.asdict(config)
 
@@ -202,7 +221,7 @@ def _options(config_cls: type) -> dict[str, _Option]:
     return {option.key: option for option in _walk(config_cls, config_cls(), "")}
 
 
-def _walk(cls: type, instance: Any, prefix: str) -> Iterator[_Option]:
+def _walk(cls: type, instance: DataclassInstance, prefix: str) -> Iterator[_Option]:
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if not f.init:
@@ -218,7 +237,7 @@ def _walk(cls: type, instance: Any, prefix: str) -> Iterator[_Option]:
         yield _Option(key, tp, type_name, value, f.metadata.get("help", ""))
 
 
-def _build(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
+def _build(cls: type[T], values: dict[str, OptionValue], prefix: str = "") -> T:
     """Instantiate `cls` and its sections from a complete {dotted key: value} mapping."""
     hints = get_type_hints(cls)
     kwargs = {}
@@ -232,7 +251,7 @@ def _build(cls: type[T], values: dict[str, Any], prefix: str = "") -> T:
 # ----- types ---------------------------------------------------------------------------------------
 
 
-def _split_optional(tp: Any) -> tuple[Any, bool]:
+def _split_optional(tp: TypeForm) -> tuple[TypeForm, bool]:
     """``X | None`` -> (X, True); anything else -> (tp, False)."""
     args = get_args(tp)
     if get_origin(tp) in (Union, types.UnionType) and type(None) in args:
@@ -242,14 +261,14 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _type_name(tp: Any) -> str:
+def _type_name(tp: TypeForm) -> str:
     """How `tp` reads in help and errors; raises TypeError for a type this parser cannot handle."""
     base, optional = _split_optional(tp)
     name = _base_type_name(base, containers=True)
     return f"{name} | None" if optional else name
 
 
-def _base_type_name(tp: Any, containers: bool) -> str:
+def _base_type_name(tp: TypeForm, containers: bool) -> str:
     origin, args = get_origin(tp), get_args(tp)
     if tp in (str, int, float, bool):
         return tp.__name__
@@ -267,7 +286,7 @@ def _base_type_name(tp: Any, containers: bool) -> str:
 # ----- values --------------------------------------------------------------------------------------
 
 
-def _convert(option: _Option, value: Any, source: str, from_cli: bool) -> Any:
+def _convert(option: _Option, value: TomlValue, source: str, from_cli: bool) -> OptionValue:
     """`value` (TOML data, or command-line text) as the option's type, or a ConfigError saying why."""
     try:
         if _table_type(option.type) is not None:
@@ -278,13 +297,13 @@ def _convert(option: _Option, value: Any, source: str, from_cli: bool) -> Any:
         raise ConfigError(f"Invalid value {value!r} for '{option.key}' {source}: {detail}.") from None
 
 
-def _table_type(tp: Any) -> type | None:
+def _table_type(tp: TypeForm) -> type | None:
     """The dataclass of a ``list[D]`` option (a TOML array of tables), else None."""
     args = get_args(tp)
     return args[0] if get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]) else None
 
 
-def _tables(option: _Option, value: Any, source: str, from_cli: bool) -> list[Any]:
+def _tables(option: _Option, value: TomlValue, source: str, from_cli: bool) -> list[DataclassInstance]:
     """A TOML array of tables as a list of the option's dataclass, each checked like a section of its own."""
     if from_cli:
         raise _BadValue(f"set it in the TOML file, as [[{option.key}]] tables")
@@ -299,7 +318,7 @@ def _tables(option: _Option, value: Any, source: str, from_cli: bool) -> list[An
     ]
 
 
-def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
+def _coerce(value: TomlValue, tp: TypeForm, from_cli: bool) -> OptionValue:
     base, optional = _split_optional(tp)
     origin, args = get_origin(base), get_args(base)
     if from_cli and optional and value.strip().lower() == "none":
@@ -327,7 +346,7 @@ def _coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     return value
 
 
-def _parse_scalar(text: str, tp: type) -> Any:
+def _parse_scalar(text: str, tp: type) -> bool | int | float | str:
     if tp is bool:
         word = text.strip().lower()
         if word not in _BOOL_WORDS:
@@ -339,7 +358,7 @@ def _parse_scalar(text: str, tp: type) -> Any:
         raise _BadValue from None
 
 
-def _choice(value: Any, choices: tuple[str, ...]) -> str:
+def _choice(value: TomlValue, choices: tuple[str, ...]) -> str:
     if isinstance(value, str) and value in choices:
         return value
     same_but_case = [choice for choice in choices if choice.lower() == str(value).lower()]
@@ -365,7 +384,7 @@ def _split_pairs(text: str) -> dict[str, str]:
 # ----- sources -------------------------------------------------------------------------------------
 
 
-def _from_cli(argv: list[str], options: dict[str, _Option]) -> dict[str, Any]:
+def _from_cli(argv: list[str], options: dict[str, _Option]) -> dict[str, OptionValue]:
     """Checked overrides from ``--key value`` / ``--key=value`` / bare bool flags; last one wins."""
     values = {}
     i = 0
@@ -389,7 +408,7 @@ def _from_cli(argv: list[str], options: dict[str, _Option]) -> dict[str, Any]:
     return values
 
 
-def _load_toml(path: str) -> dict[str, Any]:
+def _load_toml(path: str) -> dict[str, TomlValue]:
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -403,7 +422,9 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"Invalid TOML in {path}: {e}.") from None
 
 
-def _from_toml(table: dict[str, Any], options: dict[str, _Option], source: str, prefix: str = "") -> dict[str, Any]:
+def _from_toml(
+    table: dict[str, TomlValue], options: dict[str, _Option], source: str, prefix: str = ""
+) -> dict[str, OptionValue]:
     """Flatten a TOML document into checked {dotted key: value}, rejecting names the config lacks."""
     sections = {key.rsplit(".", i)[0] for key in options for i in range(1, key.count(".") + 1)}
     values = {}
@@ -431,7 +452,7 @@ def _unknown(kind: str, name: str, candidates: list[str], source: str, dashes: s
 # ----- TOML output ---------------------------------------------------------------------------------
 
 
-def _toml_blocks(config: Any, path: str) -> list[str]:
+def _toml_blocks(config: DataclassInstance, path: str) -> list[str]:
     """One text block per table: its own keys first (TOML requires that), then its sub-tables."""
     own, nested = [f"[{path}]"] if path else [], []
     for f in dataclasses.fields(config):
@@ -450,7 +471,7 @@ def _toml_blocks(config: Any, path: str) -> list[str]:
     return (["\n".join(own)] if own else []) + nested
 
 
-def _toml_value(value: Any) -> str:
+def _toml_value(value: OptionValue) -> str:
     match value:
         case bool():
             return "true" if value else "false"
@@ -466,6 +487,6 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
-def _show(value: Any) -> str:
+def _show(value: OptionValue) -> str:
     """A default as help shows it: TOML syntax, and ``none`` (the command-line word) for None."""
     return "none" if value is None else _toml_value(value)
