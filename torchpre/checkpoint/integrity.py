@@ -27,7 +27,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -44,6 +44,7 @@ ALLOW_UNVERIFIED = "checkpoint.allow_unverified"
 SIGNING_KEY = "checkpoint.signing_key_file"
 LATEST = "checkpoint.load_step = -1 (the latest checkpoint)"  # the setting that chose the folder, in messages
 CHECKSUMS = ("write", "off")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -451,8 +452,8 @@ class FileCheck:
             )
 
 
-def all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+def all_gather(value: T, group: dist.ProcessGroup | None = None) -> list[T]:
     """Every rank's `value` (of `group`), by rank."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
+    gathered = [value] * dist.get_world_size(group)  # each item replaced by its rank's
     dist.all_gather_object(gathered, value, group=group)
     return gathered

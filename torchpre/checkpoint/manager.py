@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,7 @@ logger = logging.getLogger("torchpre")
 WEIGHTS = "model"
 # Where checkpoints of an older format keep an entry that is now elsewhere: (component, key) -> (component, key).
 LEGACY_LOCATIONS = {("dataloader", "consumed_samples"): ("train", "consumed_samples")}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -325,7 +326,7 @@ class CheckpointManager:
         )
 
     def _publish_or_remove(
-        self, step: int, start: float, tmp: Path, files: dict[str, dict[str, int]], failures: dict[int, Failure],
+        self, step: int, start: float, tmp: Path, files: dict[str, dict[str, int | str]], failures: dict[int, Failure],
         needed: int,
     ) -> Published | _Unwritten:  # fmt: skip
         """Rank 0's part of `_publish`: the manifest, then the rename that makes the checkpoint visible; or, when a
@@ -446,7 +447,7 @@ def _require_agreed(values: list[bytes]) -> None:
         )
 
 
-def _broadcast(value: Any, group: dist.ProcessGroup | None) -> Any:
+def _broadcast(value: T, group: dist.ProcessGroup | None) -> T:
     """Rank 0's `value`, on every rank of `group`."""
     box = [value]
     dist.broadcast_object_list(box, group=group, group_src=0)

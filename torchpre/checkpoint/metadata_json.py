@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path, PurePath, PurePosixPath, PureWindowsPath
-from typing import Any
+from typing import TypeVar
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -39,13 +39,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from torchpre.checkpoint.metadata_checks import DTYPES, MAX_RANK, MEMORY_FORMATS, refused
 from torchpre.errors import FieldError, json_field
-from torchpre.json_input import loads
+from torchpre.json_input import JsonValue, loads
 
 METADATA_JSON = "metadata.json"
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _FORMAT_NAMES = {memory_format: name for name, memory_format in MEMORY_FORMATS.items()}
 _PATHS = {"posix_path": PurePosixPath, "windows_path": PureWindowsPath}
 _INT64 = range(-(1 << 63), 1 << 63)
+Kind = TypeVar("Kind")
 
 
 def encode(metadata: Metadata) -> bytes:
@@ -62,7 +63,7 @@ def encode(metadata: Metadata) -> bytes:
     return json.dumps(record, separators=(",", ":")).encode("utf-8")
 
 
-def _entry(value: TensorStorageMetadata | BytesStorageMetadata) -> dict[str, Any]:
+def _entry(value: TensorStorageMetadata | BytesStorageMetadata) -> dict[str, object]:
     if isinstance(value, BytesStorageMetadata):
         return {"type": "bytes"}
     properties = value.properties
@@ -79,7 +80,7 @@ def _entry(value: TensorStorageMetadata | BytesStorageMetadata) -> dict[str, Any
     }
 
 
-def _storage(index: MetadataIndex, info: _StorageInfo) -> dict[str, Any]:
+def _storage(index: MetadataIndex, info: _StorageInfo) -> dict[str, object]:
     if info.transform_descriptors:
         raise ValueError(f"DCP stored {index.fqn!r} through transforms; torchpre writes without any")
     offset = None if index.offset is None else list(index.offset)
@@ -91,7 +92,7 @@ def _storage(index: MetadataIndex, info: _StorageInfo) -> dict[str, Any]:
     }
 
 
-def _storage_meta(meta: StorageMeta) -> dict[str, Any]:
+def _storage_meta(meta: StorageMeta) -> dict[str, object]:
     checkpoint_id = meta.checkpoint_id
     if isinstance(checkpoint_id, PurePath):
         kind = "windows_path" if isinstance(checkpoint_id, PureWindowsPath) else "posix_path"
@@ -118,12 +119,14 @@ def decode(data: bytes, source: Path) -> Metadata:
         raise refused(source, str(error)) from None
 
 
-def _optional(record: dict[str, Any], key: str, kinds: type | tuple[type, ...], where: str = "") -> Any:
+def _optional(
+    record: dict[str, JsonValue], key: str, kinds: type[Kind] | tuple[type[Kind], ...], where: str = ""
+) -> Kind | None:
     """`record[key]`, None when it is null or absent, else one of `kinds`."""
     return None if record.get(key) is None else json_field(record, key, kinds, where)
 
 
-def _read_entry(entries: dict[str, Any], fqn: str) -> TensorStorageMetadata | BytesStorageMetadata:
+def _read_entry(entries: dict[str, JsonValue], fqn: str) -> TensorStorageMetadata | BytesStorageMetadata:
     where = f"state_dict_metadata.{fqn}"
     entry = json_field(entries, fqn, dict, "state_dict_metadata")
     kind = json_field(entry, "type", str, where)
@@ -146,25 +149,25 @@ def _read_entry(entries: dict[str, Any], fqn: str) -> TensorStorageMetadata | By
     return TensorStorageMetadata(properties, _size(entry, "size", where), chunks)
 
 
-def _chunk(chunk: Any, where: str) -> ChunkStorageMetadata:
+def _chunk(chunk: JsonValue, where: str) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(_size(chunk, "offsets", where), _size(chunk, "sizes", where))
 
 
-def _size(record: Any, key: str, where: str) -> torch.Size:
+def _size(record: JsonValue, key: str, where: str) -> torch.Size:
     values = json_field(record, key, list, where)
     if len(values) > MAX_RANK or not all(type(value) is int and value in _INT64 for value in values):
         raise FieldError(f"'{where}.{key}' is not a list of at most {MAX_RANK} 64-bit integers")
     return torch.Size(values)
 
 
-def _key_path(planner: dict[str, Any], fqn: str) -> tuple[str | int, ...]:
+def _key_path(planner: dict[str, JsonValue], fqn: str) -> tuple[str | int, ...]:
     path = json_field(planner, fqn, list, "planner_data")
     if not all(type(part) in (str, int) for part in path):
         raise FieldError(f"'planner_data.{fqn}' holds something other than names and indices")
     return tuple(path)
 
 
-def _read_storage_data(items: list[Any]) -> dict[MetadataIndex, _StorageInfo]:
+def _read_storage_data(items: list[JsonValue]) -> dict[MetadataIndex, _StorageInfo]:
     storage = {}
     for n, item in enumerate(items):
         where = f"storage_data[{n}]"
@@ -180,7 +183,7 @@ def _read_storage_data(items: list[Any]) -> dict[MetadataIndex, _StorageInfo]:
     return storage
 
 
-def _read_storage_meta(meta: dict[str, Any] | None) -> StorageMeta | None:
+def _read_storage_meta(meta: dict[str, JsonValue] | None) -> StorageMeta | None:
     if meta is None:
         return None
     checkpoint_id = _optional(meta, "checkpoint_id", (str, dict), "storage_meta")

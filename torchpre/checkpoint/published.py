@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch.distributed as dist
 
@@ -119,9 +119,9 @@ class Finisher:
 
     def __init__(self, background: bool):
         self._thread = ThreadPoolExecutor(max_workers=1) if background else None
-        self._pending: Future[Any] | None = None
+        self._pending: Future[object] | None = None
 
-    def finish(self, function: Callable[..., Any], *args: Any) -> None:
+    def finish(self, function: Callable[..., object], *args: object) -> None:
         if self._thread is None:
             _raise_if_failed(function(*args))
         else:
@@ -188,6 +188,6 @@ def _discard(tmp: Path, names: re.Pattern[str]) -> None:
         logger.warning("could not remove %s (%s); it stays", tmp, error)
 
 
-def _raise_if_failed(outcome: Any) -> None:
+def _raise_if_failed(outcome: object) -> None:
     if isinstance(outcome, BaseException):
         raise outcome

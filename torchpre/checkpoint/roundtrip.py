@@ -137,7 +137,7 @@ def compare_states(saved: dict[str, Any], live: dict[str, Any]) -> RoundTripRepo
     return report
 
 
-def _difference(expected: Any, actual: Any) -> str:
+def _difference(expected: object, actual: object) -> str:
     """'' when equal (bitwise for tensors, in the lower precision of two float dtypes), else what differs."""
     if isinstance(expected, torch.Tensor) != isinstance(actual, torch.Tensor):
         return f"{type(expected).__name__} vs {type(actual).__name__}"

@@ -153,7 +153,7 @@ def check_shapes(request: dict[str, Any], saved: dict[str, Any], step_dir: Path)
         )
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     if isinstance(value, TensorStorageMetadata):
         return f"a tensor of shape {tuple(value.size)}"
     if isinstance(value, torch.Tensor):

@@ -172,7 +172,7 @@ class RecordingWriter(FileSystemWriter):
             (Path(self.path) / f"{self._prefix}{RECORDS}").write_text(json.dumps(self.fs.records), encoding="utf-8")
 
 
-def published_records(folder: Path) -> dict[str, dict[str, int]]:
+def published_records(folder: Path) -> dict[str, dict[str, int | str]]:
     """Every rank's records that `RecordingWriter(publish=True)` left in `folder`, merged; the files are removed."""
     records = {}
     for path in sorted(folder.glob(f"*{RECORDS}")):

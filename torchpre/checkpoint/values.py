@@ -25,20 +25,20 @@ import torch
 
 from torchpre.checkpoint.integrity import FileCheck, folder_step
 from torchpre.errors import UntrustedInput
-from torchpre.json_input import LIMITS, loads
+from torchpre.json_input import LIMITS, JsonValue, loads
 
 VALUES = "state.json"
 
 
-def _integer(least: int) -> Callable[[Any], bool]:
+def _integer(least: int) -> Callable[[JsonValue], bool]:
     return lambda value: type(value) is int and least <= value < 2**63  # what an int64 tensor or counter holds
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: JsonValue) -> bool:
     return type(value) in (int, float) and math.isfinite(value) and value >= 0
 
 
-def _list_of(rule: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def _list_of(rule: Callable[[JsonValue], bool]) -> Callable[[JsonValue], bool]:
     return lambda value: isinstance(value, list) and all(map(rule, value))
 
 
@@ -47,12 +47,12 @@ class Rule:
     """What a value of `state.json` may hold (`holds`, and in words: `expected`). `describes_run`: a record of the
     saving run (its layout, its stages), which a resume compares with its own, so its shape may be another's."""
 
-    holds: Callable[[Any], bool]
+    holds: Callable[[JsonValue], bool]
     expected: str
     describes_run: bool = False
 
 
-def _stages(value: Any) -> bool:
+def _stages(value: JsonValue) -> bool:
     return isinstance(value, list) and all(isinstance(stage, dict) for stage in value)  # fields: StageTable.from_record
 
 
@@ -77,7 +77,7 @@ def rule_of(name: str) -> Rule | None:
     return next((rule for pattern, rule in _COMPILED if pattern.fullmatch(name)), None)
 
 
-def split_values(state: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+def split_values(state: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, object]]:
     """`state` (nested) as its tensors (the same nesting, for DCP) and its other leaves, by flattened name."""
     tensors, values = {}, {}
     for key, value in state.items():
@@ -92,7 +92,7 @@ def split_values(state: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any
     return tensors, values
 
 
-def encode_values(values: dict[str, Any]) -> bytes:
+def encode_values(values: dict[str, object]) -> bytes:
     """`values` as `state.json`'s bytes. A value JSON cannot hold exactly is a bug of the component that gave it."""
     for name, value in values.items():
         if not _exact_in_json(value):
@@ -104,7 +104,7 @@ def encode_values(values: dict[str, Any]) -> bytes:
     return json.dumps(values, indent=1, sort_keys=True).encode("utf-8")
 
 
-def _exact_in_json(value: Any) -> bool:
+def _exact_in_json(value: object) -> bool:
     if value is None or isinstance(value, (bool, int, str)):
         return True
     if isinstance(value, float):
@@ -116,33 +116,35 @@ def _exact_in_json(value: Any) -> bool:
     return False
 
 
-def read_values(check: FileCheck) -> dict[str, Any] | None:
+def read_values(check: FileCheck) -> dict[str, JsonValue] | None:
     """The checked folder's `state.json`, every value that has a rule meeting it (`RULES`) and its step the folder's;
     None when it has none (a checkpoint from before it existed, or one converted from Hugging Face, which holds
     weights only)."""
     path = check.step_dir / VALUES
     try:
-        values = loads(check.read(VALUES, LIMITS["state"]), path)
+        read = loads(check.read(VALUES, LIMITS["state"]), path)
     except FileNotFoundError:
         return None
-    check_values(values, path)
+    values = check_values(read, path)
     step, saved = folder_step(check.step_dir), values.get("train.step")
     if step is not None and saved is not None and saved != step:
         raise _bad_value(path, "train.step", saved, f"the step of its folder, {check.step_dir.name}")
     return values
 
 
-def check_values(values: Any, path: Path) -> None:
-    """Raises, naming `path`, unless `values` (read from it) is an object of named values each meeting its rule."""
+def check_values(values: JsonValue, path: Path) -> dict[str, JsonValue]:
+    """`values` (read from `path`) once it is an object of named values each meeting its rule; raises, naming `path`,
+    otherwise."""
     if not isinstance(values, dict):
         raise UntrustedInput(f"{path} holds a JSON {type(values).__name__}, not an object of named values.")
     for name, value in values.items():
         rule = rule_of(name)
         if rule is not None and not rule.holds(value):
             raise _bad_value(path, name, value, rule.expected)
+    return values
 
 
-def _bad_value(path: Path, name: str, value: Any, expected: str) -> UntrustedInput:
+def _bad_value(path: Path, name: str, value: JsonValue, expected: str) -> UntrustedInput:
     shown = json.dumps(value)
     return UntrustedInput(
         f"{path}: {name!r} is {shown if len(shown) <= 60 else shown[:57] + '...'}, not {expected}. torchpre never "
@@ -151,7 +153,7 @@ def _bad_value(path: Path, name: str, value: Any, expected: str) -> UntrustedInp
     )
 
 
-def without_values(state: dict[str, Any], values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def without_values(state: dict[str, Any], values: dict[str, JsonValue], prefix: str = "") -> dict[str, Any]:
     """`state` (a load request) without the leaves `values` holds: what DCP loads."""
     kept = {}
     for key, value in state.items():
@@ -164,7 +166,7 @@ def without_values(state: dict[str, Any], values: dict[str, Any], prefix: str = 
 
 
 def put_values(
-    loaded: dict[str, Any], request: dict[str, Any], values: dict[str, Any], step_dir: Path, prefix: str = ""
+    loaded: dict[str, Any], request: dict[str, Any], values: dict[str, JsonValue], step_dir: Path, prefix: str = ""
 ) -> None:
     """Puts into `loaded` (what DCP loaded of `request`) the leaves of `request` that `values` (`step_dir`'s
     state.json) holds, each once shown to have the shape of the live value it replaces (`same_shape`), unless it
@@ -181,7 +183,7 @@ def put_values(
             loaded[key] = values[name]
 
 
-def same_shape(saved: Any, live: Any) -> str | None:
+def same_shape(saved: JsonValue, live: object) -> str | None:
     """None when `saved` (from JSON) can replace the live value `live`: a boolean for a boolean, an integer for an
     integer, a number for a float, a string for a string, null for None, a list of as many items for a list or
     tuple (item by item), an object of the same keys for a dict; otherwise what it should have been, in words."""
