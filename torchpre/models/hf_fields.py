@@ -15,7 +15,7 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from torchpre.errors import TorchpreError
 
@@ -24,7 +24,7 @@ from torchpre.errors import TorchpreError
 class Kind:
     """What a field must hold: `accepts` a parsed JSON value, `words` says what that is in a message."""
 
-    accepts: Callable[[Any], bool]
+    accepts: Callable[[object], bool]
     words: str
 
     def or_null(self) -> Kind:
@@ -32,7 +32,7 @@ class Kind:
         return Kind(lambda value: value is None or self.accepts(value), f"{self.words} or null")
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return type(value) in (int, float) and math.isfinite(value)
 
 
@@ -47,7 +47,7 @@ OBJECT = Kind(lambda value: type(value) is dict, "an object")
 ANY = Kind(lambda value: True, "any value")
 
 
-def check_kinds(config: Mapping[str, Any], kinds: Mapping[str, Kind], prefix: str = "") -> None:
+def check_kinds(config: Mapping[str, object], kinds: Mapping[str, Kind], prefix: str = "") -> None:
     """A TorchpreError for the first field of `config` that `kinds` names and whose value is not of its kind (an
     absent field is the caller's default). `prefix` names a nested object's fields, e.g. "rope_parameters."."""
     for field, kind in kinds.items():
@@ -64,7 +64,7 @@ def check_divides(config: Mapping[str, Any], divisor: str, dividend: str, why: s
         )
 
 
-def shown(value: Any) -> str:
+def shown(value: object) -> str:
     """A JSON value as the file shows it, shortened: null, "256", [...]."""
     text = json.dumps(value)
     return text if len(text) <= 40 else f"{text[:37]}..."

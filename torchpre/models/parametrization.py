@@ -35,10 +35,10 @@ import fnmatch
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import ClassVar, Literal, Protocol, TypeVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from torchpre.errors import ConfigError
 from torchpre.models.init import Fill, InitRule, ParamInit
@@ -46,6 +46,28 @@ from torchpre.models.init import Fill, InitRule, ParamInit
 PARAMETRIZATIONS = ("sp", "mup", "complete_p")
 Update = Literal["adaptive", "sgd"]  # entrywise-normalised updates (Adam, AdamW, Adagrad, RMSprop), or raw gradients
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+# What this module reads of a family's args (torchpre.models.args.ModelArgs, which imports this module's
+# Parametrization, so it is named here by the parts read).
+class Parametrizable(Protocol):
+    parametrized: ClassVar[bool]  # whether the forward has µP's multipliers
+
+
+class ScaledArgs(Protocol):
+    """The shape µP scales from: the args of a parametrized family (llama3, moe, deepseek_v3)."""
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def attention_head_dim(self) -> int: ...
+
+
+Args = TypeVar("Args", bound=ScaledArgs)
 
 
 @dataclass(frozen=True)
@@ -77,7 +99,7 @@ class Parametrization:
     base_shapes: Shapes = ()
     shapes: Shapes = ()
     vocabulary: frozenset[str] = frozenset()
-    base_args: Any = None  # the same model at the base shape, in the standard parametrization
+    base_args: ScaledArgs | None = None  # the same model at the base shape, in the standard parametrization
 
     @property
     def is_standard(self) -> bool:
@@ -202,7 +224,7 @@ class Settings:
     logit_multiplier: float = 1.0
 
 
-def check_parametrized(args: Any, settings: Settings, family: str) -> None:
+def check_parametrized(args: Parametrizable, settings: Settings, family: str) -> None:
     """Refuses `settings` for a family whose forward has no multipliers to set (`ModelArgs.parametrized`)."""
     if not args.parametrized:
         raise ConfigError(
@@ -212,7 +234,7 @@ def check_parametrized(args: Any, settings: Settings, family: str) -> None:
         )
 
 
-def parametrize(model_cls: Callable[[Any], Any], args: Any, base_args: Any, settings: Settings) -> Any:
+def parametrize(model_cls: Callable[[Args], nn.Module], args: Args, base_args: Args, settings: Settings) -> Args:
     """`args` with the `Parametrization` `settings` describes relative to `base_args` (the same model at the base
     width and depth), both built on the meta device to read every parameter's global shape."""
     shapes, vocabulary = _shapes(model_cls, args)
@@ -243,7 +265,7 @@ def parametrize(model_cls: Callable[[Any], Any], args: Any, base_args: Any, sett
     return dataclasses.replace(args, parametrization=parametrization)
 
 
-def _shapes(model_cls: Callable[[Any], Any], args: Any) -> tuple[Shapes, frozenset[str]]:
+def _shapes(model_cls: Callable[[Args], nn.Module], args: Args) -> tuple[Shapes, frozenset[str]]:
     """Each parameter kind's global shape (in the order of `named_parameters`, tied names included) and the names of
     the vocabulary matrices, from the model built on the meta device."""
     with torch.device("meta"):

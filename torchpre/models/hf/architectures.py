@@ -12,7 +12,7 @@ They are read off transformers' own auto mappings, not listed by hand: every `mo
 from __future__ import annotations
 
 import functools
-from typing import Any
+from types import ModuleType
 
 from torchpre.optional import import_optional
 
@@ -20,11 +20,11 @@ from torchpre.optional import import_optional
 DECODER_PART_CONFIGS = ("attn_config", "ffn_config")
 
 
-def _transformers() -> Any:
+def _transformers() -> ModuleType:
     return import_optional("transformers", "model.name = 'hf'", extra="hf")
 
 
-def _auto_mappings() -> Any:
+def _auto_mappings() -> ModuleType:
     return import_optional("transformers.models.auto.modeling_auto", "model.name = 'hf'", extra="hf")
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
-from torchpre.json_input import read_json, read_named_json
+from torchpre.json_input import JsonValue, read_json, read_named_json
 from torchpre.models.args import ArgsDefaults
 from torchpre.models.hf.architectures import not_decoder_only
 from torchpre.models.hf.tiny import is_stochastic_key, stochastic_keys
@@ -28,6 +28,9 @@ from torchpre.models.hf_fields import (
 from torchpre.optional import import_optional
 from torchpre.step_rules.zero_stages import zero_stage
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 KEY = "model.hf_config"
 
 
@@ -36,7 +39,7 @@ class HFArgs(ArgsDefaults):
     """A transformers config and what torchpre reads of it, in the names other families' args use. The config sets
     the shape and the forward: no model.* shape, parametrization or multi-token prediction keys apply."""
 
-    config: Any  # transformers.PretrainedConfig
+    config: PretrainedConfig
     path: str
     max_seq_len: int
     sequence_parallel: bool = False  # parallelism.enable_sequence_parallel (applies under tensor parallel)
@@ -72,7 +75,7 @@ class HFArgs(ArgsDefaults):
 class ConfigKey:
     """A transformers config as a cache key (configs are mutable and unhashable): equal when their JSON is."""
 
-    config: Any
+    config: PretrainedConfig
 
     def __hash__(self) -> int:
         return hash(self.config.to_json_string())
@@ -163,7 +166,7 @@ def check_values(values: Mapping[str, Any]) -> None:
             check_kinds(fields, _ROPE_KINDS, prefix)
 
 
-def read_attributes(config: Any) -> dict[str, Any]:
+def read_attributes(config: PretrainedConfig) -> dict[str, Any]:
     """The values torchpre reads of a built transformers config, under transformers' common names (a family's own
     names, e.g. GPT-2's n_embd, reach them through its attribute_map)."""
     return {name: getattr(config, name) for name in _READ if hasattr(config, name)}
@@ -201,7 +204,7 @@ _STOCHASTIC = Kind(lambda value: value is None or type(value) is bool or NON_NEG
                    "a number of 0 or more")  # fmt: skip
 
 
-def _read_config(value: str) -> tuple[Path, dict[str, Any]]:
+def _read_config(value: str) -> tuple[Path, dict[str, JsonValue]]:
     """The path model.hf_config names (a config.json, or a folder holding one) and the object it holds, bounded: a
     named file may be a link (the user's choice), a folder's config.json is read as every file of a Hugging Face
     folder is, never through a link (`json_input.read_json`)."""

@@ -20,7 +20,7 @@ import copy
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,9 @@ from torchpre.errors import ConfigError
 from torchpre.models.hf.args import ConfigKey
 from torchpre.models.init import param_generator
 from torchpre.optional import import_optional
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 RANDOM = ("uniform_", "normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
           "trunc_normal_", "orthogonal_", "sparse_")  # fmt: skip
@@ -121,7 +124,7 @@ def _transformers_class(module: nn.Module) -> type:
     raise ConfigError(f"{type(module).__name__} is not a transformers model: its initialisation is not known.")
 
 
-def init_plan(model_class: type, config: Any) -> InitPlan:
+def init_plan(model_class: type, config: PretrainedConfig) -> InitPlan:
     """Records transformers' initialisation of `model_class` built from `config` on the meta device (once per
     class and config). Raises ConfigError naming a tensor that no recorded operation fills completely,
     a buffer filled at random, or a value transformers computes from the model's own (meta) tensors.
@@ -179,7 +182,7 @@ def _recording(ops: dict[int, list[Op]], model_class: type, names: dict[int, str
     originals = dict(table), initialization.copy_
 
     def recorder(function: str):
-        def record(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        def record(tensor: Tensor, *args: object, **kwargs: object) -> Tensor:
             kwargs.pop("generator", None)
             parameters = list(_SIGNATURES[function])
             kwargs.update(zip(parameters, args))

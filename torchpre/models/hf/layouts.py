@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
@@ -28,6 +28,9 @@ from torchpre.models.hf.parallelize import (
 )
 from torchpre.models.hf.probe import probe
 from torchpre.models.hf.tiny import is_stochastic_key
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DATA, FSDP, TENSOR, PIPELINE = "data parallel", "ZeRO-3 (FSDP)", "tensor parallel", "pipeline parallel"
 SEQUENCE = "sequence and loss parallel"  # checked together: the support table trains them together
@@ -96,7 +99,7 @@ def _forward_scalars(model: HFCausalLM) -> list[tuple[str, float]]:
     ]
 
 
-def _with(config: Any, key: str, value: Any) -> Any:
+def _with(config: PretrainedConfig, key: str, value: object) -> PretrainedConfig:
     return type(config).from_dict({**config.to_dict(), key: value})
 
 

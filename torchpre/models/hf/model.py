@@ -41,7 +41,7 @@ class PassThrough(nn.Module):
         super().__init__()
         self.__dict__.update(attributes or {})
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
         value = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
         if isinstance(value, Tensor) and value.is_floating_point():
             return value

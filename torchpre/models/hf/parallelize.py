@@ -29,7 +29,7 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +51,9 @@ from torchpre.models.hf.styles import (
 )
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 QKV = ("q_proj", "k_proj", "v_proj")
 FUSED_QKV = ("qkv_proj", "query_key_value", "c_attn", "Wqkv")
 ATTENTION_OUTPUTS = ("o_proj", "out_proj", "dense", "c_proj")
@@ -66,6 +69,8 @@ FEED_FORWARDS = (  # (input projections, output projection)
     (("fc_in",), "fc_out"),
 )
 HEAD_COUNTS = re.compile(r"^(num|n)_(heads|head|attention_heads|key_value_heads|kv_heads)$")
+# What a transformers attention returns: its output, or a tuple it leads (the attention weights, or None, follow).
+AttentionOutput = Union[Tensor, tuple[Tensor, ...]]
 
 
 class Unplanned(ConfigError):
@@ -107,7 +112,7 @@ def _attention_cache(key: ConfigKey) -> frozenset[str]:
     plan = _structural_plan(model, sequence_parallel=False)
     calls: dict[str, tuple[tuple, dict, Tensor]] = {}
 
-    def record(path: str, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def record(path: str, module: nn.Module, args: tuple, kwargs: dict, output: AttentionOutput) -> None:
         calls[path] = (args, kwargs, _first(output))
 
     handles = [
@@ -125,7 +130,7 @@ def _attention_cache(key: ConfigKey) -> frozenset[str]:
     )
 
 
-def _attention_without_whole_heads(config: Any) -> frozenset[str]:
+def _attention_without_whole_heads(config: PretrainedConfig) -> frozenset[str]:
     """The attention classes of `config`'s architecture whose forward does not run on a rank's share of the heads:
     on the tiny copy, each of two ranks' heads (q/k/v rows, output columns, head counts halved) must run, and
     their outputs must add up to the whole attention's."""
@@ -154,7 +159,7 @@ def _whole_heads_add_up(attention: nn.Module, args: tuple, kwargs: dict, output:
     return total.shape == output.shape and torch.allclose(total, output, rtol=0, atol=1e-5)
 
 
-def _first(output: Any) -> Tensor:
+def _first(output: AttentionOutput) -> Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
@@ -345,7 +350,7 @@ def _per_rank_head_counts(attention: nn.Module, tp: int) -> None:
             setattr(attention, name, value // tp)
 
 
-def sliding_window(config: Any) -> int | None:
+def sliding_window(config: PretrainedConfig) -> int | None:
     """The config's sliding attention window, if it has one: a slice of the sequence cannot apply it."""
     window = getattr(config, "sliding_window", None)
     return window if isinstance(window, int) and not isinstance(window, bool) else None

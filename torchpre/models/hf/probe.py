@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ from torchpre.models.hf.model import HFCausalLM, meta_model, outside_blocks, spl
 from torchpre.models.hf.tiny import tiny_config
 from torchpre.optional import import_optional
 from torchpre.parallel.pipeline import prune_to
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 BATCH, SEQ_LEN, SEED = 2, 8, 0
 
@@ -52,7 +55,7 @@ class Probe:
     fsdp_refusal: str | None = None
 
 
-def probe(config: Any) -> Probe:
+def probe(config: PretrainedConfig) -> Probe:
     """The probe of `config`'s architecture (made once per config)."""
     return _probe(ConfigKey(config))
 
@@ -79,7 +82,7 @@ def _probe(key: ConfigKey) -> Probe:
     return Probe(None, pipeline, roles, _sequence_refusal(model, tokens, logits, masked), fsdp)
 
 
-def tiny_model(config: Any) -> HFCausalLM:
+def tiny_model(config: PretrainedConfig) -> HFCausalLM:
     """`config`'s architecture at tiny sizes on the CPU, initialised (every buffer checked: NaN until set), in
     training mode."""
     tiny = tiny_config(config)
@@ -196,7 +199,7 @@ def _sequence_refusal(model: HFCausalLM, tokens: Tensor, logits: Tensor, masked:
     return None
 
 
-def _tensors(value: Any) -> Iterator[Tensor]:
+def _tensors(value: object) -> Iterator[Tensor]:
     if isinstance(value, Tensor):
         yield value
     elif isinstance(value, (tuple, list)):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import inspect
 import types
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.function import FunctionCtx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -117,7 +117,7 @@ def _route_to_local_experts(mesh: DeviceMesh, first: int, local: int, module: nn
     return hidden_states, top_k_index, top_k_weights, *rest
 
 
-def _sum_over_ranks(mesh: DeviceMesh, module: nn.Module, args: Any, output: Tensor) -> Tensor:
+def _sum_over_ranks(mesh: DeviceMesh, module: nn.Module, args: tuple[object, ...], output: Tensor) -> Tensor:
     # An expert that got no token has no gradient, and a rank whose experts got none returns zeros that depend on
     # nothing. Tie the output to the inputs and to every local weight (adding 0), so that every rank's backward
     # reaches the gradient sum and every weight gets a gradient (zero), as the unsharded weight does.
@@ -133,12 +133,12 @@ class _SumGradients(torch.autograd.Function):
     in shape, and separate collectives could run in a different order on different ranks."""
 
     @staticmethod
-    def forward(ctx: Any, group: dist.ProcessGroup, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: FunctionCtx, group: dist.ProcessGroup, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.group = group
         return tuple(tensor.view_as(tensor) for tensor in tensors)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: FunctionCtx, *grads: Tensor) -> tuple[Tensor | None, ...]:
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         dist.all_reduce(flat, group=ctx.group)
         sizes = [grad.numel() for grad in grads]

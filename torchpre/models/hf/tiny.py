@@ -9,9 +9,12 @@ the support table (`docs/hf-models.md`) trains each architecture from the tiny v
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchpre.optional import import_optional
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 VOCAB_SIZE = 2048  # torchpre's shipped tokenizer
 LAYERS = 2
@@ -58,7 +61,7 @@ DERIVED = ("head_dim", "num_key_value_heads")
 SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id", "eod_token_id", "sep_token_id", "cls_token_id")
 
 
-def tiny_config(config: Any, **changes: Any) -> Any:
+def tiny_config(config: PretrainedConfig, **changes: object) -> PretrainedConfig:
     """A config of `config`'s class with the tiny sizes (and `changes`); raises what transformers raises if it
     cannot build one."""
     values = config.to_dict()
@@ -81,7 +84,7 @@ def tiny_config(config: Any, **changes: Any) -> Any:
     return type(config).from_dict({**values, **changes})
 
 
-def default_tiny_config(model_type: str) -> Any:
+def default_tiny_config(model_type: str) -> PretrainedConfig:
     """The tiny version of `model_type`'s default config, without dropout (the support table's model)."""
     default = import_optional("transformers", "model.name = 'hf'", extra="hf").CONFIG_MAPPING[model_type]()
     return tiny_config(default, **dict.fromkeys(stochastic_keys(default), 0.0))
@@ -92,7 +95,7 @@ def is_stochastic_key(name: str) -> bool:
     return any(word in name for word in ("dropout", "pdrop", "jitter", "noise"))
 
 
-def stochastic_keys(config: Any) -> list[str]:
+def stochastic_keys(config: PretrainedConfig) -> list[str]:
     """The config keys that make a training forward random (dropout, jitter, noise) with a non-zero value."""
     return [
         name
@@ -101,6 +104,6 @@ def stochastic_keys(config: Any) -> list[str]:
     ]
 
 
-def _out_of_vocabulary(token: Any) -> bool:
+def _out_of_vocabulary(token: object) -> bool:
     tokens = token if isinstance(token, list) else [token]
     return any(isinstance(t, int) and t >= VOCAB_SIZE for t in tokens)
