@@ -4,9 +4,12 @@ checked for every field of every section by `check_bounds`, so a key's range liv
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchpre.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ def between(low: float, high: float, *, high_open: bool = False, low_open: bool 
     return Bound(low=low, high=high, low_open=low_open, high_open=high_open, message=message)
 
 
-def check_bounds(section: Any, prefix: str) -> None:
+def check_bounds(section: "DataclassInstance", prefix: str) -> None:
     """Checks every field of the dataclass `section` that declares a bound (`metadata["bound"]`), named as
     `prefix` + its name ("training." for a section's keys, "--" for generation's flags)."""
     for field in dataclasses.fields(section):

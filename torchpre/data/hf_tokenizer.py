@@ -26,12 +26,15 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from torchpre.confined import located, read_file, read_named
 from torchpre.errors import FieldError, TorchpreError, UntrustedInput, json_field
-from torchpre.json_input import LIMITS, loads
+from torchpre.json_input import LIMITS, JsonValue, loads
 from torchpre.optional import import_optional
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding, Tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -86,7 +89,7 @@ def read_files(path: Path) -> TokenizerFiles:
     return TokenizerFiles(path, tokenizer, source, config, folder / TOKENIZER_CONFIG)
 
 
-def vocabulary_size(spec: Any, source: Path) -> int:
+def vocabulary_size(spec: JsonValue, source: Path) -> int:
     """The number of ids of the parsed tokenizer.json `spec` (its largest id + 1: the model's embedding must have a
     row for each), once every field torchpre reads of it is shown to be of its kind: the model's type one of the
     library's, its vocabulary's ids and its added tokens' ids integers from 0 to MAX_ID, no BPE dropout (the ids
@@ -143,7 +146,7 @@ class Framing:
     eos_id: int
 
 
-def framing(files: TokenizerFiles, library: Any, config: Any) -> Framing:
+def framing(files: TokenizerFiles, library: Tokenizer, config: JsonValue) -> Framing:
     """The framing of the tokenizer `library` (built from `files`), whose parsed tokenizer_config.json is `config`
     ({} without one): what its post-processor adds around a text, checked against the config's BOS, EOS and
     add_bos_token / add_eos_token."""
@@ -176,7 +179,7 @@ def framing(files: TokenizerFiles, library: Any, config: Any) -> Framing:
     return Framing(prefix[0] if prefix else None, eos_id)
 
 
-def _added_around(library: Any, source: Path) -> tuple[list[int], list[int]]:
+def _added_around(library: Tokenizer, source: Path) -> tuple[list[int], list[int]]:
     """The ids the post-processor of tokenizer.json (`source`) adds before and after a text (at most one each), seen
     on a probe text."""
     framed = _guarded(lambda: library.encode(_PROBE, add_special_tokens=True), source, "encode a text")
@@ -193,7 +196,7 @@ def _added_around(library: Any, source: Path) -> tuple[list[int], list[int]]:
     return prefix, suffix
 
 
-def _special_id(config: Any, key: str, library: Any, files: TokenizerFiles) -> int | None:
+def _special_id(config: JsonValue, key: str, library: Tokenizer, files: TokenizerFiles) -> int | None:
     """The id of the token `config[key]` names (a string, or transformers' AddedToken object {"content": ...}), None
     when it names none; an error naming both files when tokenizer.json has no such token."""
     value = json_field(config, key, (str, dict, type(None)), default=None)
@@ -282,7 +285,7 @@ class HFTokenizer:
         return [self._frame(encoding.ids, bos, eos) for encoding in _guarded(
             lambda: self._encodings(texts), self._source, "encode")]  # fmt: skip
 
-    def _encodings(self, texts: list[str]) -> list[Any]:
+    def _encodings(self, texts: list[str]) -> list[Encoding]:
         """The library's encodings of `texts`. A lone surrogate (text from JSON may hold one; no UTF-8 can) becomes
         U+FFFD first, as tiktoken makes it."""
         try:

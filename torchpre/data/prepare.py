@@ -50,7 +50,8 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from types import ModuleType
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 from tqdm import tqdm
@@ -72,6 +73,9 @@ from torchpre.data.shards import (
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.errors import TorchpreError, UntrustedInput
 from torchpre.json_input import json_lines
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 PROG = "python -m torchpre.data.prepare"
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -355,14 +359,14 @@ def _check_column(name: str, column: str, types: dict[str, str]) -> None:
         raise TorchpreError(f"Column '{column}' of {name} holds {types[column]}, not text. Pass --text-field COLUMN.")
 
 
-def _dataset_source(dataset: Any, name: str, text_field: str) -> InputSource:
+def _dataset_source(dataset: Dataset, name: str, text_field: str) -> InputSource:
     """A `datasets.Dataset`, fingerprinted by its Arrow files."""
     _check_column(name, text_field, {column: str(getattr(f, "dtype", f)) for column, f in dataset.features.items()})
     files = tuple(Path(cache["filename"]) for cache in dataset.cache_files)
     return InputSource(name, files, len(dataset), functools.partial(_dataset_texts, dataset, text_field))
 
 
-def _dataset_texts(dataset: Any, text_field: str) -> Iterator[str | None]:
+def _dataset_texts(dataset: Dataset, text_field: str) -> Iterator[str | None]:
     for batch in dataset.select_columns([text_field]).iter(batch_size=1024):
         yield from batch[text_field]
 
@@ -374,7 +378,7 @@ def _is_saved_dataset(folder: Path) -> bool:
     )
 
 
-def _import_datasets(what: str) -> Any:
+def _import_datasets(what: str) -> ModuleType:
     try:
         import datasets
     except ImportError:
@@ -385,7 +389,7 @@ def _import_datasets(what: str) -> Any:
     return datasets
 
 
-def _load_saved_dataset(folder: Path, split: str) -> tuple[Any, str]:
+def _load_saved_dataset(folder: Path, split: str) -> tuple[Dataset, str]:
     datasets = _import_datasets(str(folder))
     loaded = datasets.load_from_disk(str(folder))
     if not isinstance(loaded, datasets.DatasetDict):
@@ -400,7 +404,7 @@ def _looks_like_hub_name(item: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", item)) and Path(item).suffix.lower() not in SUFFIXES
 
 
-def _load_hub_dataset(name: str, split: str) -> Any:
+def _load_hub_dataset(name: str, split: str) -> Dataset:
     """`datasets.load_dataset(name, split=split)`, from the local cache when the Hub is out of reach."""
     datasets = _import_datasets(f"the Hugging Face dataset '{name}'")
     offline_reason = _hub_offline_reason()

@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -132,7 +133,7 @@ class CommTimer:
                 setattr(module, name, original)
             self._pending.clear()
 
-    def _kind(self, group: Any, collective: str) -> str:
+    def _kind(self, group: funcol.RANK_TYPES | None, collective: str) -> str:
         """The kind of a call of `collective` on `group`. torch gives dimensions over the same ranks one group
         (ep spanning all of dp, say; or cp when the gradients are reduced over cp alone): there an all-to-all is
         expert parallelism's, a call inside `counted_as(kind)` that kind's (context parallelism's key/value
@@ -203,7 +204,7 @@ def _buffer(tensor: torch.Tensor) -> int:
 
 
 def _delegate(name: str) -> Callable:
-    def method(self: "_TimedWork", *args, **kwargs) -> Any:
+    def method(self: "_TimedWork", *args, **kwargs) -> object:
         return getattr(self._work, name)(*args, **kwargs)
 
     method.__name__ = name
@@ -238,5 +239,5 @@ class _TimedWork(dist.Work):
             return self._work.wait(*args, **kwargs)
 
     @property
-    def timeout(self) -> Any:
+    def timeout(self) -> timedelta:
         return self._work.timeout

@@ -24,7 +24,6 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from torchpre.interchange.folder import (
     write_index,
     write_metadata,
 )
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 from torchpre.parallel.api import ParallelModel
 
@@ -68,7 +68,7 @@ class HFExporter:
         settings: HFExport,
         model: ParallelModel,
         spec: ModelSpec,
-        args: Any,
+        args: ModelArgs,
         tokenizer: Tokenizer,
         max_length: int,
         signing_key: bytes | None = None,

@@ -11,7 +11,6 @@ name is replaced, never written through, even in a folder that was not new."""
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -20,6 +19,8 @@ from torchpre.checkpoint.folders import MARKER
 from torchpre.checkpoint.integrity import MANIFEST, file_record, write_manifest
 from torchpre.confined import is_regular_file, replacing_path, write_file
 from torchpre.data.tokenizer import Tokenizer
+from torchpre.json_input import JsonValue
+from torchpre.models.args import ModelArgs
 from torchpre.models.registry import HFAdapter
 
 SAFETENSORS = "model.safetensors"
@@ -42,7 +43,7 @@ def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> No
 
 
 def write_metadata(
-    folder: Path, adapter: HFAdapter, args: Any, tokenizer: Tokenizer, max_length: int, dtype: str
+    folder: Path, adapter: HFAdapter, args: ModelArgs, tokenizer: Tokenizer, max_length: int, dtype: str
 ) -> None:
     """config.json (weights in `dtype`, e.g. "float32"), generation_config.json and the tokenizer files.
     `max_length`: the longest context the weights are meant for (it changes neither the weights nor RoPE)."""
@@ -75,5 +76,5 @@ def sign_folder(folder: Path, signing_key: bytes) -> None:
     write_manifest(folder, "write", files, signing_key)
 
 
-def write_json(path: Path, value: Any) -> None:
+def write_json(path: Path, value: JsonValue) -> None:
     write_file(path, json.dumps(value, indent=2) + "\n")

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from torchpre.confined import check_name, file_kind, located, open_file
 from torchpre.errors import FieldError, TorchpreError, json_field
-from torchpre.json_input import read_json
+from torchpre.json_input import JsonValue, read_json
 from torchpre.models.hf_fields import IRRELEVANT_KINDS, check_kinds
 from torchpre.models.hf_sources import Box
 
@@ -70,7 +70,7 @@ def is_hf_folder(path: Path) -> bool:
     return present(CONFIG) and (present(SAFETENSORS) or present(INDEX))
 
 
-def read_config(folder: Path) -> dict[str, Any]:
+def read_config(folder: Path) -> dict[str, JsonValue]:
     """The folder's config.json, which must hold a JSON object (read confined and bounded: `read_json`)."""
     if not folder.is_dir():
         raise TorchpreError(
@@ -164,7 +164,7 @@ class _Safetensors:
     """A safetensors file of the folder, opened confined (`file`), and safetensors' handle on that very file."""
 
     file: BinaryIO
-    handle: Any  # safetensors' safe_open
+    handle: safe_open
 
     @classmethod
     def open(cls, folder: Path, name: str, index: Path | None = None) -> _Safetensors:

@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeAlias, Union
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,15 @@ from torchpre.step_rules.schedules import names_where
 TensorParallelPlan = dict[str, ParallelStyle] | Callable[[nn.Module, DeviceMesh], None]
 """A `parallelize_module` plan (keys are fnmatch paths such as "blocks.*.mlp.fc"), or a function that
 shards a model or pipeline stage in place over the 1-D tp mesh."""
+
+class HasLogits(Protocol):
+    """A model output object (transformers' `CausalLMOutputWithPast`)."""
+
+    logits: torch.Tensor
+
+
+ForwardOutput: TypeAlias = Union[torch.Tensor, tuple[torch.Tensor, ...], list[torch.Tensor], HasLogits]
+"""What a model's forward returns: the logits, a tuple or list that they lead, or an object holding them."""
 
 ExpertParallelPlan = Callable[[nn.Module, DeviceMesh], None]
 """A function that shards a model's experts in place over the 1-D ep mesh (see `parallel.expert_parallel`).
@@ -194,7 +203,7 @@ def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
     return before, after
 
 
-def logits_of(output: Any) -> torch.Tensor:
+def logits_of(output: ForwardOutput) -> torch.Tensor:
     """The logits in what a model returns: the tensor itself, a tuple's first element, or an output object's
     `.logits` (transformers' `CausalLMOutputWithPast`)."""
     if isinstance(output, torch.Tensor):
@@ -225,7 +234,7 @@ class ParallelModel:
         mesh: DeviceMesh,
         plan: ParallelPlan,
         device: torch.device,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None,
+        loss_fn: Callable[[ForwardOutput, torch.Tensor], torch.Tensor] | None,
         expert_mesh: DeviceMesh | None,
         dp_mesh: DeviceMesh | None = None,
     ):
@@ -263,7 +272,7 @@ class ParallelModel:
         schedule, self._stages = self._schedules[key]
         return schedule
 
-    def _stage_loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+    def _stage_loss(self, output: ForwardOutput, labels: torch.Tensor) -> torch.Tensor:
         """`loss_fn` as the last stage's schedule calls it, timed as stage compute while a step is timed."""
         clock = self._stages[0].clock
         with clock.span("compute") if clock is not None else contextlib.nullcontext():
@@ -425,7 +434,7 @@ def parallelize(
     *,
     device: torch.device,
     init_weights: Callable[[nn.Module], None],
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    loss_fn: Callable[[ForwardOutput, torch.Tensor], torch.Tensor] | None = None,
     expert_mesh: DeviceMesh | None = None,
     dp_mesh: DeviceMesh | None = None,
     expert_dp_mesh: DeviceMesh | None = None,

@@ -10,6 +10,7 @@ every layout as `predict` does alone.
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from torchpre.config.job_config import JobConfig
 from torchpre.planner.layout_space import CheckedLayout, Layout
 from torchpre.planner.stage_costs import Pieces, StepTransient, affine, microbatch_pieces, state_pieces, step_transient
 
@@ -63,7 +64,7 @@ def microbatch_key(layout: Layout) -> tuple:
     return "microbatch", layout.tp, layout.cp, layout.ep, layout.activation_checkpoint, layout.microbatch_size
 
 
-def microbatch_costs(config: Any, microbatch_size: int) -> Pieces:
+def microbatch_costs(config: JobConfig, microbatch_size: int) -> Pieces:
     """Probed at 1 and 2 sequences and extended linearly beyond: activations and work per microbatch are
     affine in its size (every tensor but a few scalars scales with it; the op count does not change)."""
     if microbatch_size <= 2:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torchpre.planner import stage_costs
 from torchpre.planner.cost_cache import Measured
+from torchpre.planner.hardware import Hardware
 from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.predict import Prediction, predict
 
@@ -34,7 +35,7 @@ def deal_by_tp(checked: list[CheckedLayout], workers: int) -> list[list[int]]:
 
 
 def predict_in_workers(
-    checked: list[CheckedLayout], hardware: Any, gpus: int, flops: int, measured: Measured, workers: int,
+    checked: list[CheckedLayout], hardware: Hardware, gpus: int, flops: int, measured: Measured, workers: int,
     report: Callable[[int, int], None],
 ) -> list[Prediction]:  # fmt: skip
     """`predict` of every layout, in `workers` forked processes; `report(done, pieces)` while they run. The pieces

@@ -1,12 +1,10 @@
 """The training loss: the mean token cross-entropy over the whole global batch, for any layout; and the inputs a
 model's forward gets besides the tokens."""
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-from torchpre.parallel.api import logits_of
+from torchpre.parallel.api import ForwardOutput, logits_of
 from torchpre.parallel.chunked_output import ChunkedProjection
 from torchpre.parallel.forward_inputs import future_tokens
 from torchpre.step_rules.batch import CurrentBatch
@@ -38,7 +36,7 @@ class GlobalMeanLoss:
     def project_with(self, projection: ChunkedProjection) -> None:
         self.cross_entropy_sum = projection.cross_entropy_sum
 
-    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, output: ForwardOutput, labels: torch.Tensor) -> torch.Tensor:
         return self.cross_entropy_sum(logits_of(output), labels) / self.tokens_per_step
 
 
