@@ -6,7 +6,7 @@ non-zero instead of showing a traceback.
 """
 
 import json
-from typing import TypeVar, overload
+from typing import TypeAlias, TypeVar, Union, overload
 
 
 class TorchpreError(Exception):
@@ -34,21 +34,20 @@ class FieldError(TorchpreError):
 _JSON_TYPES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "an array",
                dict: "an object", type(None): "null"}  # fmt: skip
 _REQUIRED = object()
-Kind = TypeVar("Kind")
+FieldValue = TypeVar("FieldValue")
 Default = TypeVar("Default")
+Kinds: TypeAlias = Union[type[FieldValue], tuple[type[FieldValue], ...]]  # the types a field may hold
 
 
 # A field's type is the kinds asked for, or the default's: `json_field(record, "size", int)` is an int.
 @overload
-def json_field(record: object, key: str, kinds: type[Kind] | tuple[type[Kind], ...], where: str = "") -> Kind: ...
+def json_field(record: object, key: str, kinds: Kinds[FieldValue], where: str = "") -> FieldValue: ...
 @overload
 def json_field(
-    record: object, key: str, kinds: type[Kind] | tuple[type[Kind], ...], where: str, default: Default
-) -> Kind | Default: ...
+    record: object, key: str, kinds: Kinds[FieldValue], where: str, default: Default
+) -> FieldValue | Default: ...
 @overload
-def json_field(
-    record: object, key: str, kinds: type[Kind] | tuple[type[Kind], ...], *, default: Default
-) -> Kind | Default: ...
+def json_field(record: object, key: str, kinds: Kinds[FieldValue], *, default: Default) -> FieldValue | Default: ...
 def json_field(
     record: object, key: str, kinds: type | tuple[type, ...], where: str = "", default: object = _REQUIRED
 ) -> object:

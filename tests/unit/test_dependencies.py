@@ -26,6 +26,8 @@ ENTRY_POINTS = (
 
 # Standard-library modules of a newer Python than the oldest supported one (imported behind a version check).
 NEWER_STDLIB = {"tomllib"}
+# Modules only type checkers have (typeshed's stubs), imported under `if TYPE_CHECKING:`.
+TYPE_CHECKER_ONLY = {"_typeshed"}
 
 # Import names whose distribution has another name and that may not be installed where this test runs.
 DISTRIBUTION_OF = {"yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}
@@ -180,7 +182,7 @@ def always_imported_files() -> set[Path]:
 
 def _third_party(module: str) -> str | None:
     top = module.split(".")[0]
-    if top in sys.stdlib_module_names or top in NEWER_STDLIB or top == PACKAGE:
+    if top in sys.stdlib_module_names or top in NEWER_STDLIB or top in TYPE_CHECKER_ONLY or top == PACKAGE:
         return None
     return top
 

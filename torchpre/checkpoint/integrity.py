@@ -35,7 +35,7 @@ from torchpre.checkpoint.folders import STEP_DIR, complete_steps, find_step_dir,
 from torchpre.config.job_config import Checkpoint
 from torchpre.confined import check_name, file_kind, open_file, read_file, write_file
 from torchpre.errors import FieldError, TorchpreError, UntrustedInput, json_field
-from torchpre.json_input import read_json
+from torchpre.json_input import JsonValue, read_json
 
 logger = logging.getLogger("torchpre")
 
@@ -202,7 +202,7 @@ def _require_signed(
     )
 
 
-def _file_record(files: dict[str, Any], name: str, with_crc: bool) -> FileRecord:
+def _file_record(files: dict[str, JsonValue], name: str, with_crc: bool) -> FileRecord:
     record, where = files[name], f"files.{name}"
     size = json_field(record, "size", int, where)
     if size < 0:

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from torchpre.checkpoint.metadata_checks import DTYPES, MAX_RANK, MEMORY_FORMATS, refused
-from torchpre.errors import FieldError, json_field
+from torchpre.errors import FieldError, Kinds, json_field
 from torchpre.json_input import JsonValue, loads
 
 METADATA_JSON = "metadata.json"
@@ -46,7 +46,7 @@ _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _FORMAT_NAMES = {memory_format: name for name, memory_format in MEMORY_FORMATS.items()}
 _PATHS = {"posix_path": PurePosixPath, "windows_path": PureWindowsPath}
 _INT64 = range(-(1 << 63), 1 << 63)
-Kind = TypeVar("Kind")
+FieldValue = TypeVar("FieldValue")
 
 
 def encode(metadata: Metadata) -> bytes:
@@ -119,9 +119,7 @@ def decode(data: bytes, source: Path) -> Metadata:
         raise refused(source, str(error)) from None
 
 
-def _optional(
-    record: dict[str, JsonValue], key: str, kinds: type[Kind] | tuple[type[Kind], ...], where: str = ""
-) -> Kind | None:
+def _optional(record: dict[str, JsonValue], key: str, kinds: Kinds[FieldValue], where: str = "") -> FieldValue | None:
     """`record[key]`, None when it is null or absent, else one of `kinds`."""
     return None if record.get(key) is None else json_field(record, key, kinds, where)
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 from torchpre.confined import file_kind, open_file, open_named
 from torchpre.errors import TorchpreError, UntrustedInput
-from torchpre.json_input import json_lines
+from torchpre.json_input import JsonValue, json_lines
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
@@ -78,7 +78,7 @@ def _read_file(folder: Path, name: str, text_field: str) -> list[str]:
         return [_text(record, text_field, f"{path}:{number}") for number, record in json_lines(file, path)]
 
 
-def _text(record: object, text_field: str, where: str) -> str:
+def _text(record: JsonValue, text_field: str, where: str) -> str:
     text = record.get(text_field) if isinstance(record, dict) else None
     if isinstance(text, str):
         return text

@@ -72,7 +72,7 @@ from torchpre.data.shards import (
 )
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, Tokenizer, load_tokenizer
 from torchpre.errors import TorchpreError, UntrustedInput
-from torchpre.json_input import json_lines
+from torchpre.json_input import JsonValue, json_lines
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -313,7 +313,7 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str | None]:
             yield _jsonl_text(record, text_field, f"{path}:{line_number}")
 
 
-def _jsonl_text(record: object, text_field: str, where: str) -> str | None:
+def _jsonl_text(record: JsonValue, text_field: str, where: str) -> str | None:
     example = f'Each line of a .jsonl input must be a JSON object like {{"{text_field}": "..."}}'
     if not isinstance(record, dict) or text_field not in record:
         keys = ", ".join(map(repr, record)) if isinstance(record, dict) else f"a {type(record).__name__}"

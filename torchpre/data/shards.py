@@ -43,7 +43,7 @@ import numpy as np
 
 from torchpre.confined import OpenFolder, check_name, open_file, open_replacing, read_file, write_file
 from torchpre.errors import FieldError, TorchpreError, json_field
-from torchpre.json_input import LIMITS, loads, read_json
+from torchpre.json_input import LIMITS, JsonValue, loads, read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -124,7 +124,7 @@ class Manifest:
         return manifest
 
     @classmethod
-    def _from_record(cls, record: object) -> Manifest:
+    def _from_record(cls, record: JsonValue) -> Manifest:
         """The manifest a parsed `manifest.json` holds; a FieldError names the first field that is missing, of the
         wrong type, or (dtype, num_tokens: derived fields) at odds with the others."""
         shards = [_shard(shard, f"shards[{i}]") for i, shard in enumerate(json_field(record, "shards", list))]
@@ -148,7 +148,7 @@ class Manifest:
         return manifest
 
 
-def _shard(record: object, where: str) -> ShardInfo:
+def _shard(record: JsonValue, where: str) -> ShardInfo:
     return ShardInfo(
         json_field(record, "name", str, where),
         _count(record, "num_tokens", where),
@@ -187,7 +187,7 @@ def _journal(folder: Path, listed: int) -> list[ShardInfo]:
     return shards
 
 
-def _count(record: object, key: str, where: str = "") -> int:
+def _count(record: JsonValue, key: str, where: str = "") -> int:
     """A field that counts something: an integer, never negative."""
     value = json_field(record, key, int, where)
     if value < 0:

@@ -36,7 +36,7 @@ from torchpre.confined import make_folder, open_named, write_file
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, FieldError, UntrustedInput, json_field
 from torchpre.evaluation.validation import eval_mode
-from torchpre.json_input import json_lines
+from torchpre.json_input import JsonValue, json_lines
 from torchpre.parallel.api import ParallelModel
 from torchpre.parallel.chunked_output import ChunkedProjection
 
@@ -100,7 +100,7 @@ def read_questions(path: Path) -> list[Question]:
 _EXPECTED = '{"context": str, "choices": [str, ...], "answer": int}'
 
 
-def _question(record: object, where: str) -> Question:
+def _question(record: JsonValue, where: str) -> Question:
     expected = f"expected {_EXPECTED}"
     try:
         context = json_field(record, "context", str)
