@@ -1076,6 +1076,11 @@ BREAKS = [
           "        pass\n",
           ("tests/integration/test_run_folder_links.py::test_no_write_of_a_run_goes_through_a_link_in_its_folder",),
           "a run whose checkpoint folder holds only step-N links starts from the seed instead of naming them"),
+    Break("any-annotation-back", "torchpre/json_input.py",
+          "def nesting_depth(value: JsonValue) -> int:",
+          "def nesting_depth(value: Any) -> int:",
+          ("tests/unit/test_typed_boundaries.py::test_any_annotations_in_torchpre_stay_within_the_pin",),
+          "a value annotated Any again (the type checker turned off for it) passes unnoticed"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:
