@@ -52,7 +52,7 @@ TomlValue: TypeAlias = Union[
 ]
 # An option's value once resolved: a scalar, None, a list or dict of them, or a list of a table's dataclasses.
 OptionValue: TypeAlias = Union[
-    None, bool, int, float, str, list["OptionValue"], dict[str, "OptionValue"], "DataclassInstance"
+    None, bool, int, float, str, list["OptionValue"], dict[str, "OptionValue"], list["DataclassInstance"]
 ]
 # A field's type as its annotation spells it: a class (int) or a typing form that is no class (list[str],
 # Literal["a", "b"], int | None). Python has no type for both (PEP 747's TypeForm is a draft): get_origin, get_args
