@@ -48,14 +48,16 @@ Update = Literal["adaptive", "sgd"]  # entrywise-normalised updates (Adam, AdamW
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-# What this module reads of a family's args (torchpre.models.args.ModelArgs, which imports this module's
-# Parametrization, so it is named here by the parts read).
 class Parametrizable(Protocol):
+    """A family's args as `check_parametrized` reads them: part of torchpre.models.args.ModelArgs, which imports
+    this module's Parametrization and so cannot be named here."""
+
     parametrized: ClassVar[bool]  # whether the forward has µP's multipliers
 
 
 class ScaledArgs(Protocol):
-    """The shape µP scales from: the args of a parametrized family (llama3, moe, deepseek_v3)."""
+    """The shape µP scales from, in the args of a parametrized family (llama3, moe, deepseek_v3). ModelArgs lacks
+    `attention_head_dim`: `check_parametrized` admits only these families."""
 
     @property
     def dim(self) -> int: ...
