@@ -356,10 +356,10 @@ def safetensors_file(path: Path, rng: random.Random) -> tuple[str, bool]:
 
 
 def snapshot_file(path: Path, rng: random.Random) -> tuple[str, bool]:
-    """An in-memory snapshot (torchpre/checkpoint/snapshot_file.py): its header's JSON mutated (the run, step, rank,
-    layout, the tensors' offsets and sizes, the values) with the CRC-32 recomputed, as whoever can write /dev/shm
-    could; or its length field, or its bytes (the CRC no longer matches). A snapshot refused falls back to the disk
-    checkpoint, which gives the same result; a value changed within its range and signed anew may change it."""
+    """An in-memory snapshot (torchpre/checkpoint/snapshots/file_format.py): its header's JSON mutated (the run,
+    step, rank, layout, the tensors' offsets and sizes, the values) with the CRC-32 recomputed, as whoever can write
+    /dev/shm could; or its length field, or its bytes (the CRC no longer matches). A snapshot refused falls back to the
+    disk checkpoint, which gives the same result; a value changed within its range and signed anew may change it."""
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[8:16])
     header, body = json.loads(data[16 : 16 + length]), data[16 + length : -4]
