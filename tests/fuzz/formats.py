@@ -177,7 +177,7 @@ def json_lines(may_change_values: bool) -> Mutator:
 # and what a payload reaches for.
 PAYLOAD_GLOBALS = [
     ("builtins", "exec"), ("builtins", "eval"), ("builtins", "getattr"), ("builtins", "setattr"), ("os", "system"),
-    ("posix", "system"), ("torchpre.confined", "open_beneath"), ("torchpre.checkpoint.reader", "read_metadata"),
+    ("posix", "system"), ("torchpre.confined.read", "open_beneath"), ("torchpre.checkpoint.reader", "read_metadata"),
     ("builtins", "dict"), ("copyreg", "_reconstructor"), ("torch._utils", "_rebuild_tensor_v2"),
     ("functools", "partial"), ("collections", "OrderedDict"),
 ]  # fmt: skip
