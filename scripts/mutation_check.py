@@ -642,8 +642,8 @@ BREAKS = [
           ("tests/unit/test_checkpoint_entries.py",),
           "checkpoint.exclude_from_loading refuses an entry the checkpoint saves (the step guard's health)"),
     Break("weights-resume-ignores-excluded-model", "torchpre/assembly/weights.py",
-          '        return Resume(resume_dir, loads_weights="model" not in checkpoint.exclude_from_loading)',
-          "        return Resume(resume_dir)",
+          '    loads_weights = "model" not in checkpoint.exclude_from_loading',
+          "    loads_weights = True",
           ("tests/unit/test_weights_source.py",),
           "a resume that excludes the model skips drawing its weights, leaving them uninitialised"),
     Break("data-stage-values-unchecked-before-work", "torchpre/config/training_schedule.py",
@@ -1080,11 +1080,19 @@ BREAKS = [
           "",
           ("tests/unit/test_launch_heap_abort.py",),
           "the test launcher reruns an aborted job in the folder the aborted run left, not the one it started from"),
-    Break("linked-step-in-a-fresh-run-skipped", "torchpre/training/preflight.py",
-          "        find_intact_step(run_checkpoints, c.load_step, trust)\n",
-          "        pass\n",
-          ("tests/integration/test_run_folder_links.py::test_no_write_of_a_run_goes_through_a_link_in_its_folder",),
+    Break("linked-step-in-a-fresh-run-skipped", "torchpre/assembly/weights.py",
+          "        find_intact_step(folder, checkpoint.load_step, trust)",
+          "        pass",
+          ("tests/unit/test_weights_source.py::test_a_folder_of_step_links_only_is_refused_by_name_never_a_fresh_run",
+           "tests/integration/test_run_folder_links.py::test_no_write_of_a_run_goes_through_a_link_in_its_folder"),
           "a run whose checkpoint folder holds only step-N links starts from the seed instead of naming them"),
+    Break("resume-searches-past-the-chosen-step", "torchpre/checkpoint/manager.py",
+          "        if latest:\n            return self.find(-1) or chosen",
+          "        if True:\n            return self.find(-1) or chosen",
+          ("tests/unit/test_checkpoint_integrity.py::"
+           "test_a_resume_loads_preflight_s_step_and_looks_again_only_past_a_damaged_latest",),
+          "a resume searches the folder again instead of loading the step preflight found, skipping a damaged chosen "
+          "step for another one"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:
