@@ -259,7 +259,9 @@ def decoding_preflight(gen: GenerateConfig, world_size: int) -> DecodingPrefligh
     check_checkpoint_fits(model, FileCheck(step_dir, trust, "checkpoint.folder"), allow_pickle)
     check_saved_rope(step_dir, args, trust, allow_pickle)
     plan = parallel_plan(config, spec, args, pipeline)
-    return DecodingPreflight(config, dims, tokenizer, model, plan, prompt_ids, folder, trust, Resume(step_dir))
+    latest = step_dir.parent == folder and config.checkpoint.load_step == -1
+    weights = Resume(step_dir, latest=latest)
+    return DecodingPreflight(config, dims, tokenizer, model, plan, prompt_ids, folder, trust, weights)
 
 
 def load_for_decoding(pre: DecodingPreflight, device: torch.device) -> tuple[ParallelModel, Path]:
@@ -268,7 +270,7 @@ def load_for_decoding(pre: DecodingPreflight, device: torch.device) -> tuple[Par
     load_step, folder, step_dir = pre.config.checkpoint.load_step, pre.folder, pre.weights.step_dir
     key = "checkpoint.folder" if load_step == -1 else f"checkpoint.load_step = {load_step}"
     allow_pickle = pre.config.checkpoint.allow_pickle
-    if step_dir.parent == folder and load_step == -1:  # the latest: past corrupt ones, as training resumes
+    if pre.weights.latest:  # past corrupt ones, as training resumes: the check waits for the process group
         step_dir = find_intact_step(folder, load_step, pre.trust)
         check = FileCheck(step_dir, pre.trust, key).whole_folder_checked()
         check_checkpoint_fits(pre.model, check, allow_pickle)

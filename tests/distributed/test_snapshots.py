@@ -11,10 +11,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests.launch import spawn
-from torchpre.checkpoint import snapshots
 from torchpre.checkpoint.integrity import all_gather
-from torchpre.checkpoint.snapshot_file import snapshot_name
-from torchpre.checkpoint.snapshots import SnapshotManager
+from torchpre.checkpoint.snapshots import manager as snapshots
+from torchpre.checkpoint.snapshots.file_format import snapshot_name
+from torchpre.checkpoint.snapshots.manager import SnapshotManager
 from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import Checkpoint
 

@@ -177,7 +177,7 @@ def json_lines(may_change_values: bool) -> Mutator:
 # and what a payload reaches for.
 PAYLOAD_GLOBALS = [
     ("builtins", "exec"), ("builtins", "eval"), ("builtins", "getattr"), ("builtins", "setattr"), ("os", "system"),
-    ("posix", "system"), ("torchpre.confined", "open_beneath"), ("torchpre.checkpoint.reader", "read_metadata"),
+    ("posix", "system"), ("torchpre.confined.read", "open_beneath"), ("torchpre.checkpoint.reader", "read_metadata"),
     ("builtins", "dict"), ("copyreg", "_reconstructor"), ("torch._utils", "_rebuild_tensor_v2"),
     ("functools", "partial"), ("collections", "OrderedDict"),
 ]  # fmt: skip
@@ -356,10 +356,10 @@ def safetensors_file(path: Path, rng: random.Random) -> tuple[str, bool]:
 
 
 def snapshot_file(path: Path, rng: random.Random) -> tuple[str, bool]:
-    """An in-memory snapshot (torchpre/checkpoint/snapshot_file.py): its header's JSON mutated (the run, step, rank,
-    layout, the tensors' offsets and sizes, the values) with the CRC-32 recomputed, as whoever can write /dev/shm
-    could; or its length field, or its bytes (the CRC no longer matches). A snapshot refused falls back to the disk
-    checkpoint, which gives the same result; a value changed within its range and signed anew may change it."""
+    """An in-memory snapshot (torchpre/checkpoint/snapshots/file_format.py): its header's JSON mutated (the run,
+    step, rank, layout, the tensors' offsets and sizes, the values) with the CRC-32 recomputed, as whoever can write
+    /dev/shm could; or its length field, or its bytes (the CRC no longer matches). A snapshot refused falls back to the
+    disk checkpoint, which gives the same result; a value changed within its range and signed anew may change it."""
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[8:16])
     header, body = json.loads(data[16 : 16 + length]), data[16 + length : -4]

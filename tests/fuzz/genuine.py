@@ -101,7 +101,10 @@ def _snapshot_run(folder: Path) -> None:
     and, as if its last save never finished, without step-4: a resume takes its snapshots of step 3."""
     (folder / "checkpoint").mkdir(parents=True)
     (folder / "checkpoint" / "run.json").write_text(json.dumps({"run": "fuzz"}) + "\n")
-    keep = "from torchpre.checkpoint.snapshots import SnapshotManager as M; M.close = lambda s, finished: s.wait()"
+    keep = (
+        "from torchpre.checkpoint.snapshots.manager import SnapshotManager as M; "
+        "M.close = lambda s, finished: s.wait()"
+    )
     script = f"{keep}; import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')"
     argv = ["train.py", *BASE, *SNAPSHOTS(folder), "--job.dump_folder", str(folder)]
     result = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True, text=True,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from tests.fuzz import formats
 from tests.fuzz.genuine import BASE, CHECKPOINTED, OLD_RUN, SNAPSHOTS, Genuine
-from torchpre.checkpoint.snapshot_file import parse_name
+from torchpre.checkpoint.snapshots.file_format import parse_name
 
 STEP = "checkpoint/step-2"
 DATA_VOCAB = 2048 + 2  # the shipped tokenizer's ranks and its BOS and EOS

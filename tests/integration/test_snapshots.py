@@ -17,7 +17,7 @@ import torch
 from tests.integration.test_elastic import Node, nodes  # noqa: F401 (the fixture)
 from tests.integration.test_faults import records_by_step
 from tests.launch import TINY, read_checkpoint, run_train
-from torchpre.checkpoint.snapshot_file import parse_name, snapshot_name
+from torchpre.checkpoint.snapshots.file_format import parse_name, snapshot_name
 from torchpre.checkpoint.state import flatten
 
 STEPS = 24

@@ -239,6 +239,22 @@ def test_a_damaged_file_of_the_chosen_step_is_an_error_naming_it(damage, world, 
     assert checkpoints.find(2) == tmp_path / "step-2"
 
 
+def test_a_resume_loads_preflight_s_step_and_looks_again_only_past_a_damaged_latest(world, tmp_path):
+    """The trainer resumes from the step preflight found (`resume_step`): a chosen step is checked, never searched
+    for, so a damaged later step stays where it is; a damaged chosen step is an error naming it; a latest one found
+    damaged by the whole-folder check is the one case that searches back, moving it aside."""
+    _save(tmp_path, 2, 4, 6)
+    _flip_a_byte(next((tmp_path / "step-6").glob("*.distcp")))
+    checkpoints = _manager(tmp_path)
+    assert checkpoints.resume_step(tmp_path / "step-4", latest=False) == tmp_path / "step-4"
+    assert _loaded_step(checkpoints, tmp_path / "step-4") == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4", "step-6"]
+    with pytest.raises(TorchpreError, match="checkpoint.load_step = 6: the checkpoint .*step-6 is corrupt"):
+        _manager(tmp_path).resume_step(tmp_path / "step-6", latest=False)
+    assert _manager(tmp_path).resume_step(tmp_path / "step-6", latest=True) == tmp_path / "step-4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged-step-6", "step-2", "step-4"]
+
+
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(world, tmp_path, caplog):
     _save(tmp_path, 2, 4, 6)
     _flip_a_byte(tmp_path / "step-6" / ".metadata")

@@ -1,6 +1,6 @@
 """The one way to read a file from a folder someone else made, and to write one into a run folder
-(torchpre/confined.py), and JSON from others parsed within bounds (torchpre/json_input.py): each under openat2 and
-under the per-component fallback that kernels without openat2 take."""
+(torchpre/confined/read.py, write.py), and JSON from others parsed within bounds (torchpre/json_input.py): each under
+openat2 and under the per-component fallback that kernels without openat2 take."""
 
 import os
 from pathlib import Path
@@ -17,7 +17,7 @@ def opener(request, monkeypatch):
     if request.param == "openat2" and not confined.openat2_available():
         pytest.skip("this kernel has no openat2")
     if request.param == "components":
-        monkeypatch.setattr(confined._openat2, "available", False)
+        monkeypatch.setattr(confined.read._openat2, "available", False)
     return request.param
 
 

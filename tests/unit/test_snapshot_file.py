@@ -1,6 +1,6 @@
-"""In-memory snapshots, the pieces without processes: the file format and its checks (snapshot_file.py), the choice
-of the step every rank resumes from (snapshot_restore.choose), the peers that keep the replicas (snapshot_peers.py)
-and the config keys."""
+"""In-memory snapshots, the pieces without processes: the file format and its checks (snapshots/file_format.py),
+the choice of the step every rank resumes from (snapshots/restore.py's `choose`), the peers that keep the replicas
+(snapshots/peers.py) and the config keys."""
 
 import dataclasses
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchpre.checkpoint.snapshot_file import (
+from torchpre.checkpoint.snapshots.file_format import (
     Digest,
     Expected,
     SnapshotError,
@@ -19,8 +19,8 @@ from torchpre.checkpoint.snapshot_file import (
     tensor_at,
     verify,
 )
-from torchpre.checkpoint.snapshot_peers import peer_ranks, same_node_peers
-from torchpre.checkpoint.snapshot_restore import Listing, choose
+from torchpre.checkpoint.snapshots.peers import peer_ranks, same_node_peers
+from torchpre.checkpoint.snapshots.restore import Listing, choose
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.errors import ConfigError

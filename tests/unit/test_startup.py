@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_leaves
 
 from torchpre.assembly.meta import meta_model
 from torchpre.assembly.plans import parallel_plan
-from torchpre.assembly.weights import Resume
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
 from torchpre.distributed.parallel_dims import ParallelDims
@@ -235,7 +234,9 @@ def test_a_resumed_job_skips_initialisation_and_starts_in_the_state_an_initialis
     assert f"skipped weight initialisation: loading {tmp_path / 'checkpoint' / 'step-2'}" in caplog.text
 
     # Initialise, then load: the job draws the weights, the trainer still resumes every entry.
-    monkeypatch.setattr(preflight, "weights_source", lambda settings, resume_dir, hf: Resume(resume_dir, False))
+    monkeypatch.setattr(
+        preflight, "weights_source", lambda settings, resume, hf: dataclasses.replace(resume, loads_weights=False)
+    )
     initialised = state_after_start(job(family, tmp_path, 3, *checkpoint))
     assert CALLS == {"init_weights": 1, "init_buffers": 1}
     assert_bitwise_equal(skipped, initialised)

@@ -379,6 +379,17 @@ class CheckpointManager:
         self._verified = found
         return found
 
+    def resume_step(self, chosen: Path, latest: bool) -> Path:
+        """The step a resume loads: `chosen`, the one preflight found from the folder's listing, once its files are
+        checked whole (`load` then reads it without checking again). The check reads every file, each rank a share,
+        so it waits for the process group, which preflight runs before: a latest step (`latest`) found damaged here
+        is the one case that looks through the folder again, for the newest intact step before it (`find`, which
+        names every step it skips). A chosen step (checkpoint.load_step) found damaged is an error naming it."""
+        if latest:
+            return self.find(-1) or chosen  # None only for a folder emptied since preflight: the load names it
+        self._require_intact(chosen, f"checkpoint.load_step = {chosen.name.removeprefix('step-')}", weights_only=False)
+        return chosen
+
     def _require_intact(self, step_dir: Path, key: str, weights_only: bool) -> FileCheck:
         """The folder checked whole (on every rank, each a share), as a FileCheck that then reads without checking
         again. A resume's checkpoint must be this run's; a run's initial weights may be any run's."""

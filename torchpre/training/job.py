@@ -25,7 +25,7 @@ from torchpre.assembly.parametrization import optimizer_scales
 from torchpre.assembly.plans import parallel_plan, quantize_plan
 from torchpre.assembly.rope import rope_record
 from torchpre.checkpoint.manager import CheckpointManager
-from torchpre.checkpoint.snapshots import SnapshotManager
+from torchpre.checkpoint.snapshots.manager import SnapshotManager
 from torchpre.checkpoint.state import RNGState
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import to_toml

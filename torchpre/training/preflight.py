@@ -12,9 +12,8 @@ from torchpre.assembly.args import model_args, model_context
 from torchpre.assembly.layout_checks import check_layout
 from torchpre.assembly.silent_keys import check_keys_take_effect
 from torchpre.assembly.tokenizer import job_tokenizer
-from torchpre.assembly.weights import WeightsSource, weights_source
-from torchpre.checkpoint.folders import find_step_dir
-from torchpre.checkpoint.integrity import LATEST, Trust, check_verifiable, find_intact_step
+from torchpre.assembly.weights import WeightsSource, find_resume, weights_source
+from torchpre.checkpoint.integrity import Trust, check_verifiable
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.data.tokenizer import Tokenizer
@@ -74,19 +73,13 @@ def preflight(
     )  # fmt: skip
     # The checkpoint a resume will load, found before anything is sized: it may fix the global batch.
     trust = Trust.from_settings(c)
-    run_checkpoints = Path(config.job.dump_folder) / c.folder
-    resume_dir = find_step_dir(run_checkpoints, c.load_step) if c.enable else None
-    if c.enable and resume_dir is None:  # only step-N links, if anything: refused by name, never skipped
-        find_intact_step(run_checkpoints, c.load_step, trust)
+    resume = find_resume(c, Path(config.job.dump_folder) / c.folder, trust)
     if c.initial_load_path and is_hf_folder(Path(c.initial_load_path)):  # read below for its shape or its weights
         check_hf_folder(Path(c.initial_load_path), trust, c.allow_unsigned_hf, "checkpoint.initial_load_path")
-    if resume_dir is not None:
-        key = LATEST if c.load_step == -1 else f"checkpoint.load_step = {c.load_step}"
-        check_verifiable(resume_dir, key, trust)
-    elif c.initial_load_path and not is_hf_folder(Path(c.initial_load_path)) and config.model.flavor != FROM_HF:
+    elif resume is None and c.initial_load_path and config.model.flavor != FROM_HF:
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
-    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir, trust)
+    batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() or not resume else resume.step_dir, trust)
     plan = StepPlan.from_config(config, batches, dims.dp)
     spec = get_model_spec(config.model.name)
     tokenizer = tokenizer or job_tokenizer(config)
@@ -102,7 +95,7 @@ def preflight(
     for seq_len in seq_lens:
         check_layout(at_seq_len(config, seq_len), spec, args, dims)
     check_keys_take_effect(config, spec, args, seq_lens[0])
-    weights = weights_source(c, resume_dir, lambda path: hf_weights(path, spec, args, "checkpoint.initial_load_path"))
+    weights = weights_source(c, resume, lambda path: hf_weights(path, spec, args, "checkpoint.initial_load_path"))
     if config.hf_export.enable and spec.hf is None:
         raise ConfigError(
             f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from torchpre.assembly.weights import DcpFolder, HfFolder, Resume
-from torchpre.checkpoint.folders import complete_steps
 from torchpre.checkpoint.layout import layout_change, stage_change
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.process_groups import set_comm_timeout
@@ -245,8 +244,10 @@ class Trainer:
         return time.perf_counter() - start
 
     def _resume(self) -> None:
-        """Loads where preflight found the weights come from (`Preflight.weights`): the in-memory snapshots or this
-        job's latest (or chosen) checkpoint, else `checkpoint.initial_load_path`'s weights, else nothing (the seed)."""
+        """Loads where preflight found the weights come from (`Preflight.weights`): this job's checkpoint (the step
+        preflight found, unless the whole-folder check at load finds a latest one damaged: `resume_step`), else
+        `checkpoint.initial_load_path`'s weights, else nothing (the seed). In-memory snapshots newer than that
+        checkpoint take precedence over all of them."""
         job, c = self.job, self.config.checkpoint
         if self._resume_from_snapshots():
             return
@@ -257,7 +258,7 @@ class Trainer:
             job.checkpoint.load(source.folder, weights_only=True)
         if not isinstance(source, Resume):
             return
-        step_dir = job.checkpoint.find(c.load_step)  # preflight's step, unless the whole-folder check finds it damaged
+        step_dir = job.checkpoint.resume_step(source.step_dir, source.latest)
         job.checkpoint.load(step_dir)
         job.begin_step(resumed=True)  # the resumed step's global batch and data stage, which the messages below compare
         progress, global_batch_size = job.progress, job.batches.global_batch_size
@@ -285,16 +286,18 @@ class Trainer:
 
     def _resume_from_snapshots(self) -> bool:
         """Resumes from the in-memory snapshots (checkpoint.memory_interval) when every rank has one of a step newer
-        than the disk checkpoint; False (on every rank) when the disk checkpoint is the one to resume from, or when
-        checkpoint.load_step chose one."""
+        than the disk checkpoint preflight found; False (on every rank) when the disk checkpoint is the one to resume
+        from, or when checkpoint.load_step chose one. The snapshots' step is chosen here, not by preflight: the ranks
+        agree on it over the process group, from each one's listing of its own folder and its peer's replicas."""
         job, c = self.job, self.config.checkpoint
         if job.snapshots is None or c.load_step != -1:
             return False
-        on_disk = complete_steps(job.checkpoint.folder)
-        restored = job.snapshots.restore(on_disk[-1] if on_disk else 0, c.exclude_from_loading)
+        source = job.preflight.weights
+        on_disk = source.step if isinstance(source, Resume) else None  # the newest complete step, preflight's
+        restored = job.snapshots.restore(on_disk or 0, c.exclude_from_loading)
         if restored is None:
             return False
-        self.last_checkpoint_step = on_disk[-1] if on_disk else None
+        self.last_checkpoint_step = on_disk
         job.begin_step(resumed=True)
         self._compare_stages(job.snapshots.folder)
         return True

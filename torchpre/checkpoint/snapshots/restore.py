@@ -1,4 +1,4 @@
-"""A restart from in-memory snapshots (snapshots.py): every rank lists the snapshot files its folder holds, all
+"""A restart from in-memory snapshots (manager.py): every rank lists the snapshot files its folder holds, all
 ranks agree on one step, each rank's state is read from its own folder or received from the rank whose folder holds
 it (its peer's replica, when its node was replaced), checked, and loaded into the live components.
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchpre.checkpoint.integrity import all_gather
-from torchpre.checkpoint.snapshot_file import Entry, Expected, SnapshotError, parse_name, tensor_at, verify
+from torchpre.checkpoint.snapshots.file_format import Entry, Expected, SnapshotError, parse_name, tensor_at, verify
 from torchpre.checkpoint.state import Checkpointable, flatten, load_component, load_targets
 from torchpre.checkpoint.values import put_values, without_values
 from torchpre.confined import open_file

@@ -1,8 +1,8 @@
 """In-memory snapshots (checkpoint.memory_interval): every N steps each rank writes its whole training state (the
 same components as the disk checkpoint, in this layout, no resharding) to a file in host memory that outlives the
 process (`checkpoint.memory_folder`, /dev/shm by default, a folder per run id), and sends a copy to a peer rank on
-another node (checkpoint.memory_replicas = 1, snapshot_peers.py), so that a restart resumes from the step before a
-failure instead of the last disk checkpoint (snapshot_restore.py).
+another node (checkpoint.memory_replicas = 1, peers.py), so that a restart resumes from the step before a
+failure instead of the last disk checkpoint (restore.py).
 
 The state is copied into a host buffer kept across snapshots (the only time training waits); a thread then writes
 it, exchanges it with the peers and publishes it, as the async disk save does, on a gloo group of its own. A file is
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torchpre.checkpoint.disk import free_bytes
 from torchpre.checkpoint.integrity import all_gather
 from torchpre.checkpoint.run import ensure_run
-from torchpre.checkpoint.snapshot_file import Digest, Expected, encode_prefix, entries_of, local, snapshot_name
-from torchpre.checkpoint.snapshot_peers import node_key, peer_ranks, same_node_peers
-from torchpre.checkpoint.snapshot_restore import Here, Restored, restore
+from torchpre.checkpoint.snapshots.file_format import Digest, Expected, encode_prefix, entries_of, local, snapshot_name
+from torchpre.checkpoint.snapshots.peers import node_key, peer_ranks, same_node_peers
+from torchpre.checkpoint.snapshots.restore import Here, Restored, restore
 from torchpre.checkpoint.state import Checkpointable, flatten
 from torchpre.checkpoint.values import split_values
 from torchpre.config.job_config import Checkpoint

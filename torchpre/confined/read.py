@@ -1,45 +1,29 @@
-"""The one way torchpre opens a file in a folder someone else may have made, and the one way it writes into a run
-folder, so that neither ever reaches outside the folder (docs/security.md).
+"""Reading a file in a folder someone else may have made without ever reaching outside it (docs/security.md).
 
-Reading (`open_file`, `read_file`, `file_kind`; `open_named`, `read_named` for a file the user names, whose links are
-the user's choice and followed, but which must be a regular file too): a name that comes from inside a file (a
-checkpoint's metadata or manifest, a Hugging Face index, a shard manifest) must be a relative name with no `..`, no root
-and no backslash (`check_name`); the file is then opened relative to the folder without following a symbolic link on any
-component of the name (`openat2` with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS where the kernel has it, O_NOFOLLOW
-component by component otherwise), and must be a regular file on the open descriptor, so that what is checked is what is
-read. The folder itself is the caller's choice (a key of the config, an argument): a link there is followed. One link
-inside a folder is followed, by its form: a huggingface_hub cache snapshot's link into its repository's blobs
-(`located`).
-
-Writing (`write_file`, `open_replacing`, `replacing_path`, `open_new`, `open_for_append`, `touch_marker`,
-`make_folder`): a file is created with O_EXCL | O_NOFOLLOW under a fresh temporary name and renamed into place, which
-replaces a symbolic link at the name instead of writing through it; an existing file is appended to only when it is a
-regular file, opened without following a link; a folder torchpre writes into is created, or must already be a folder,
-never a link to one.
+A name that comes from inside a file (a checkpoint's metadata or manifest, a Hugging Face index, a shard manifest) must
+be a relative name with no `..`, no root and no backslash (`check_name`); the file is then opened relative to the
+folder without following a symbolic link on any component of the name (`openat2` with RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS where the kernel has it, O_NOFOLLOW component by component otherwise), and must be a regular file
+on the open descriptor, so that what is checked is what is read. The folder itself is the caller's choice (a key of
+the config, an argument): a link there is followed. One link inside a folder is followed, by its form: a
+huggingface_hub cache snapshot's link into its repository's blobs (`located`). A file the user names (`open_named`,
+`read_named`) may be reached through links, the user's choice, but must be a regular file too.
 """
-
-from __future__ import annotations
 
 import ctypes
 import errno
 import os
 import re
-import secrets
 import stat
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import BinaryIO, Literal
 
+from torchpre.confined.flags import CLOEXEC, DIRECTORY, NOFOLLOW, NONBLOCK
 from torchpre.errors import UntrustedInput
 
 _RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x02, 0x04, 0x08
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437, "ppc64le": 437, "s390x": 437}
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO in place of a file opens at once, and is refused as no file
 
 
 class _OpenHow(ctypes.Structure):
@@ -60,9 +44,9 @@ class _Openat2:
         except (OSError, AttributeError):
             return
         self._number = number
-        probe = os.open(".", os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+        probe = os.open(".", os.O_RDONLY | DIRECTORY | CLOEXEC)
         try:
-            fd = self(probe, ".", os.O_RDONLY | _DIRECTORY)
+            fd = self(probe, ".", os.O_RDONLY | DIRECTORY)
             os.close(fd)
             self.available = True
         except OSError:
@@ -72,7 +56,7 @@ class _Openat2:
 
     def __call__(self, dir_fd: int, name: str, flags: int, mode: int = 0) -> int:
         mode = mode if flags & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)) else 0  # openat2 refuses a mode otherwise
-        how = _OpenHow(flags | _CLOEXEC, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+        how = _OpenHow(flags | CLOEXEC, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
         fd = self._syscall(self._number, dir_fd, os.fsencode(name), ctypes.byref(how), ctypes.sizeof(how))
         if fd < 0:
             code = ctypes.get_errno()
@@ -122,7 +106,7 @@ def file_kind(folder: Path, name: str) -> FileKind:
     """What `folder/name` is, without following a symbolic link on any component of `name`: a regular file, missing,
     a link (or a path through one), or something else (a folder, a FIFO, a device)."""
     try:
-        fd = open_beneath(folder, name, os.O_PATH if hasattr(os, "O_PATH") else os.O_RDONLY | _NONBLOCK)
+        fd = open_beneath(folder, name, os.O_PATH if hasattr(os, "O_PATH") else os.O_RDONLY | NONBLOCK)
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.EXDEV, errno.EMLINK):
             return "link"
@@ -174,7 +158,7 @@ class OpenFolder:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+        self.fd = os.open(path, os.O_RDONLY | DIRECTORY | CLOEXEC)
 
     def __truediv__(self, name: str) -> Path:
         return self.path / name
@@ -193,7 +177,7 @@ def open_beneath(folder: Path | str | OpenFolder, name: str, flags: int, mode: i
     (OSError ELOOP, EXDEV or ENOTDIR then). `folder` itself is opened as given, or is an `OpenFolder` already open."""
     if isinstance(folder, OpenFolder):
         return _open_at(folder.fd, name, flags, mode)
-    dir_fd = os.open(folder, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    dir_fd = os.open(folder, os.O_RDONLY | DIRECTORY | CLOEXEC)
     try:
         return _open_at(dir_fd, name, flags, mode)
     finally:
@@ -213,10 +197,10 @@ def _open_by_components(dir_fd: int, name: str, flags: int, mode: int) -> int:
     current = os.dup(dir_fd)
     try:
         for part in parts[:-1]:
-            following = os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=current)
+            following = os.open(part, os.O_RDONLY | DIRECTORY | NOFOLLOW | CLOEXEC, dir_fd=current)
             os.close(current)
             current = following
-        return os.open(parts[-1], flags | _NOFOLLOW | _CLOEXEC, mode, dir_fd=current)
+        return os.open(parts[-1], flags | NOFOLLOW | CLOEXEC, mode, dir_fd=current)
     finally:
         os.close(current)
 
@@ -231,7 +215,7 @@ def open_file(folder: Path | OpenFolder, name: str, source: Path | None = None, 
         check_name(name, source, entry)
     path = folder / name
     try:
-        fd = open_beneath(folder, name, os.O_RDONLY | _NONBLOCK)
+        fd = open_beneath(folder, name, os.O_RDONLY | NONBLOCK)
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.EXDEV, errno.EMLINK) or (
             error.errno == errno.ENOTDIR and _a_component_is_a_link(folder, name)
@@ -248,7 +232,7 @@ def open_named(path: Path) -> BinaryIO:
     choice and followed, but what it leads to must be a regular file (a FIFO would block the job, a device never
     ends): an UntrustedInput error names it otherwise; FileNotFoundError when it is missing."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | NONBLOCK | CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(errno.ENOENT, "No such file", str(path)) from None
     except IsADirectoryError:
@@ -311,139 +295,4 @@ def _escape(source: Path, entry: str, name: object, why: str) -> UntrustedInput:
         f"{source}: {entry} names {name!r}, which {why}. A file may only name files inside its own folder "
         f"({source.parent}); this one was written by another tool or altered. Do not load it, or fix the entry "
         "(docs/security.md)."
-    )
-
-
-# Writing ----------------------------------------------------------------------------------------------------------
-
-
-def write_file(path: Path, data: bytes | str, durable: bool = False) -> None:
-    """Replaces `path` with `data` (a str as UTF-8) all at once: a reader sees the old content or the new one. The
-    bytes go to a new file of a fresh name beside it (O_EXCL | O_NOFOLLOW), renamed over `path`: a symbolic link
-    at `path` is replaced, never written through. `durable` flushes the file to the disk before the rename."""
-    with open_replacing(path, durable) as file:
-        file.write(data.encode("utf-8") if isinstance(data, str) else data)
-
-
-@contextmanager
-def open_replacing(path: Path, durable: bool = False) -> Iterator[BinaryIO]:
-    """A new file, written in pieces by the body, that replaces `path` when the body ends without error, as
-    `write_file` replaces it (for content too large to hold twice, such as a token shard)."""
-    with _temporary_beside(path) as (file, temporary):
-        yield file
-        file.flush()
-        if durable:
-            os.fsync(file.fileno())
-        file.close()
-        _replace(temporary, path)
-
-
-@contextmanager
-def replacing_path(path: Path) -> Iterator[Path]:
-    """The name of a new empty file beside `path`, for a library that writes a file by its name (safetensors, the
-    profiler); renamed over `path` when the body ends without error, as `write_file` replaces it."""
-    with _temporary_beside(path) as (file, temporary):
-        file.close()
-        yield temporary
-        _replace(temporary, path)
-
-
-@contextmanager
-def _temporary_beside(path: Path) -> Iterator[tuple[BinaryIO, Path]]:
-    """A new file beside `path` that no one else can have made (a random name, O_EXCL | O_NOFOLLOW), removed unless
-    the body renamed it away."""
-    temporary = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
-    file = open_new(temporary)
-    try:
-        yield file, temporary
-    finally:
-        file.close()
-        if temporary.is_symlink() or temporary.exists():
-            temporary.unlink()
-
-
-def _replace(temporary: Path, path: Path) -> None:
-    """`temporary` renamed over `path`; a folder at `path` is an UntrustedInput error naming it, not an OSError."""
-    try:
-        os.replace(temporary, path)
-    except (IsADirectoryError, NotADirectoryError):
-        raise UntrustedInput(_not_a_file(path, "a folder")) from None
-
-
-def open_new(path: Path) -> BinaryIO:
-    """`path` created for writing, failing (FileExistsError) if anything, a symbolic link included, is there."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o644)
-    return os.fdopen(fd, "wb")
-
-
-def open_for_append(path: Path) -> BinaryIO:
-    """`path` open for appending (created if missing) when it is a regular file; a symbolic link or anything else
-    at `path` is an UntrustedInput error naming it, never written through."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o644)
-    except OSError as error:
-        if error.errno in (errno.ELOOP, errno.EMLINK):
-            raise UntrustedInput(_not_a_file(path, "a symbolic link")) from None
-        if error.errno in (errno.EISDIR, errno.ENXIO):  # a folder; a FIFO no one reads
-            raise UntrustedInput(_not_a_file(path, "not a regular file")) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UntrustedInput(_not_a_file(path, "not a regular file"))
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "ab")
-
-
-def touch_marker(path: Path) -> None:
-    """Creates the empty marker file `path`; one already there is kept if it is a regular file. A symbolic link or
-    anything else there is an UntrustedInput error: a marker is never touched through a link."""
-    try:
-        open_new(path).close()
-    except FileExistsError:
-        if not is_regular_file(path):
-            raise UntrustedInput(_not_a_file(path, "not a regular file (a symbolic link, a folder)")) from None
-
-
-def make_folder(folder: Path, name: str | PurePosixPath = "") -> Path:
-    """`folder/name`, a folder torchpre writes into, created if missing. `folder` (the run's folder, a key of the
-    config, an argument) is the caller's choice, and a link there is followed, as is an absolute `name`; each
-    component of a relative `name` must be a folder itself: a symbolic link, even to a folder, or a file there is an
-    UntrustedInput error naming it, never written through."""
-    path = folder / name
-    if PurePosixPath(name).is_absolute():
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    current = folder
-    for part in PurePosixPath(name).parts:
-        current = current / part
-        try:
-            os.mkdir(current)
-        except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(current).st_mode):
-                what = "a symbolic link" if current.is_symlink() else "not a folder"
-                raise UntrustedInput(_not_a_folder(current, what)) from None
-    return path
-
-
-def is_regular_file(path: Path) -> bool:
-    """Whether `path` itself is a regular file (a symbolic link, even to a file, is not)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _not_a_file(path: Path, what: str) -> str:
-    return (
-        f"{path} is {what}, where torchpre writes a file of its own. It never writes through a link, which could lead "
-        "out of the folder: remove it, or give the job another folder (docs/security.md)."
-    )
-
-
-def _not_a_folder(path: Path, what: str) -> str:
-    return (
-        f"{path} is {what}, where torchpre keeps a folder of its own. It never writes through a link, which could "
-        "lead out of the run's folder: remove it, or give the job another folder; to keep checkpoints or exports on "
-        "another disk, set checkpoint.folder or hf_export.folder to that path (docs/security.md)."
     )
