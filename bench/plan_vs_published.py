@@ -94,10 +94,10 @@ def compare(run: Run, dry_run: bool = False, hardware: Hardware | None = None) -
 
 
 def settle(run: Run, hardware: Hardware | None = None) -> Compared:
-    """The run at the values of its unstated knobs the planner's search would rank first (the fastest predicted that
-    fits, else the fastest: a published run ran, so those who ran it chose what ran fastest for them), among the
-    legal ones (`Run.choices`; start-up refuses the others). One rule for every row with a knob its source does not
-    state, instead of a value picked per row; `Compared.chosen` is the choice."""
+    """The run at the legal values of its unstated knobs (`Run.choices`; start-up refuses the others) predicted
+    fastest among those that fit, as the planner's search ranks them, else the fastest: a published run ran, so
+    those who ran it chose what ran fastest for them. One rule for every row with a knob its source does not state,
+    instead of a value picked per row; `Compared.chosen` is the choice."""
     n_layers = check_fixed(parse_args(JobConfig, run.argv()), run.gpus).model_args.n_layers
     candidates = []
     for choice in run.choices(n_layers):
