@@ -26,8 +26,9 @@ from pathlib import Path
 from bench.published_runs import CALIBRATION, CORPUS, TORCHTITAN_HELD_OUT_ROWS, TORCHTITAN_ROWS, Run
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.errors import ConfigError
 from torchpre.planner.dryrun import build_rank
-from torchpre.planner.given_layout import predict_fixed
+from torchpre.planner.given_layout import check_fixed, predict_fixed
 from torchpre.planner.hardware import Hardware, get_hardware
 from torchpre.planner.predict import Prediction
 
@@ -45,6 +46,7 @@ class Compared:
     run: Run
     prediction: Prediction
     dry_run_bytes: int | None = None  # rank 0's tensor peak, from a dry run of the whole job (`--dry-run`)
+    chosen: Run | None = None  # the values of the run's unstated knobs it was predicted at (`settle`)
 
     @property
     def row(self) -> Run:
@@ -81,12 +83,31 @@ class Compared:
 
 
 def compare(run: Run, dry_run: bool = False, hardware: Hardware | None = None) -> Compared:
-    """The planner's prediction of the run (on its source's hardware row, or `hardware`) and, with `dry_run`, the
-    dry run's count of its rank 0."""
+    """The planner's prediction of the run (on its source's hardware row, or `hardware`; a run with unstated knobs
+    at the planner's choice of them: `settle`) and, with `dry_run`, the dry run's count of its rank 0."""
+    if run.unstated:
+        return settle(run, hardware)
     config = parse_args(JobConfig, run.argv())
     counted = build_rank(config, run.gpus, 0, checkpoint=False).total_bytes if dry_run else None
     prediction = predict_fixed(config, hardware or get_hardware(run.source.hardware), run.gpus)
     return Compared(run, prediction, counted)
+
+
+def settle(run: Run, hardware: Hardware | None = None) -> Compared:
+    """The run at the legal values of its unstated knobs (`Run.choices`; start-up refuses the others) predicted
+    fastest among those that fit, as the planner's search ranks them, else the fastest: a published run ran, so
+    those who ran it chose what ran fastest for them. One rule for every row with a knob its source does not state,
+    instead of a value picked per row; `Compared.chosen` is the choice."""
+    n_layers = check_fixed(parse_args(JobConfig, run.argv()), run.gpus).model_args.n_layers
+    candidates = []
+    for choice in run.choices(n_layers):
+        try:
+            candidates.append(dataclasses.replace(compare(dataclasses.replace(choice, unstated=()), False, hardware),
+                                                  run=run, chosen=choice))  # fmt: skip
+        except ConfigError:
+            continue
+    fitting = [c for c in candidates if c.fits]
+    return max(fitting or candidates, key=lambda c: c.tps_per_gpu)
 
 
 def selected(rows: Sequence[Run], text: str) -> list[Run]:
@@ -150,7 +171,8 @@ def corpus_table(compared: Sequence[Compared]) -> str:
         published = "" if c.run.memory_gib is None else f"{c.run.memory_gib:.1f}"
         card = c.prediction.hardware.allocator_bytes / GiB
         kind = "calibration" if c.run.source.calibration else "evaluation"
-        lines.append(f"| {c.run.name} | {kind} | {c.reserved_gib:.1f}{'' if c.fits else ' (does not fit)'} | "
+        chosen = f" (chosen: {c.chosen.pipeline_choice})" if c.chosen else ""
+        lines.append(f"| {c.run.name}{chosen} | {kind} | {c.reserved_gib:.1f}{'' if c.fits else ' (does not fit)'} | "
                      f"{card:.1f} | {published} | {c.tps_per_gpu:,.0f} | {c.run.tokens_per_s_per_gpu:,.0f} | "
                      f"{c.tps_error:+.1%} | {c.mfu:.1%} |")  # fmt: skip
     return "\n".join([*lines, "", *summary_lines(compared)])

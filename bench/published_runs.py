@@ -15,6 +15,7 @@ flash attention, Megatron-Core's TransformerEngine layers) are torchpre's blocks
 torchpre block saves and moves beyond them, the compiled one does not (`FUSED`).
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 GiB = 2**30
@@ -125,6 +126,10 @@ class Run:
     memory_gib: float | None = None  # the peak the CUDA caching allocator reserved, where published
     assumed: str = ""  # what the source does not state and the row assumes
     extra: tuple[str, ...] = field(default=())
+    # Pipeline knobs the source does not state ("schedule", "virtual_stages", "microbatch"): the row is predicted at
+    # every legal value of them (`choices`) and the planner's choice kept (`bench.plan_vs_published.settle`), one
+    # rule for every such row instead of a value picked per row.
+    unstated: tuple[str, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -132,12 +137,26 @@ class Run:
 
     @property
     def name(self) -> str:
+        """The row's layout; an unstated knob (`unstated`) as "?"."""
         degrees = "".join(f" {axis}{n}" for axis, n in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)) if n > 1)
         schedule = f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        if "schedule" in self.unstated:
+            schedule = " schedule?"
+        elif "virtual_stages" in self.unstated:
+            schedule = f" {self.schedule} v?"
+        microbatch = "?" if "microbatch" in self.unstated else self.microbatch
         extras = "+compile" * self.compile + " fp8" * self.fp8
         return (f"{self.source.short}: {self.model.label} {self.gpus}gpu dp{self.dp}{degrees}"
-                f"{schedule if self.pp > 1 else ''} z{self.zero_stage} seq{self.seq_len} mb{self.microbatch} "
+                f"{schedule if self.pp > 1 else ''} z{self.zero_stage} seq{self.seq_len} mb{microbatch} "
                 f"ac:{self.activation_checkpoint}{extras}")
+
+    @property
+    def pipeline_choice(self) -> str:
+        """The values of its unstated knobs, as the name prints them ("" when it has none)."""
+        if not self.unstated:
+            return ""
+        return f"{self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "") + (
+            f" mb{self.microbatch}")
 
     def argv(self) -> list[str]:
         """The job's keys, as `python -m torchpre.plan --fixed` takes them."""
@@ -163,6 +182,26 @@ class Run:
         keys += ["--compile.enable"] * self.compile
         keys += ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise"] * self.fp8
         return [*keys, *self.extra]
+
+    def choices(self, n_layers: int) -> list["Run"]:
+        """The row with each legal value of its `unstated` knobs, the stated ones fixed: "schedule", 1F1B or
+        Interleaved 1F1B at any stages per rank; "virtual_stages", Interleaved 1F1B's stages per rank from 2; up to
+        as many as leave every stage a block of the `n_layers` (start-up's rule); "microbatch", every size that
+        divides a data-parallel rank's sequences."""
+        stages = [self.virtual_stages]
+        if {"schedule", "virtual_stages"} & set(self.unstated):
+            stages = list(range(1 if "schedule" in self.unstated else 2, n_layers // self.pp + 1))
+        local = self.global_batch // self.dp
+        sizes = [m for m in range(1, local + 1) if local % m == 0]
+        if "microbatch" not in self.unstated:
+            sizes = [self.microbatch]
+        return [dataclasses.replace(self, virtual_stages=v, microbatch=m, schedule=self._schedule(v))
+                for v in stages for m in sizes]  # fmt: skip
+
+    def _schedule(self, virtual_stages: int) -> str:
+        if virtual_stages == self.virtual_stages:
+            return self.schedule
+        return "Interleaved1F1B" if virtual_stages > 1 else "1F1B"
 
 
 # --- Megatron-LM 2021 (A100 80GB, DGX A100 nodes on Selene: 8 x 200 Gb/s HDR InfiniBand) --------------------------
@@ -213,19 +252,18 @@ GPT_175B = gpt("gpt-174.6B", 12288, 96, 96, MEGATRON_VOCAB)
 GPT_530B = gpt("gpt-529.6B", 20480, 105, 128, MEGATRON_VOCAB)
 
 
-def _megatron_t2(model: Model, gpus: int, batch: int, microbatch: int, tflops: float, tp: int = 1, pp: int = 1,
-                 virtual: int = 1) -> Run:  # fmt: skip
+def _megatron_t2(model: Model, gpus: int, batch: int, microbatch: int, tflops: float, tp: int = 1, pp: int = 1) -> Run:
     zero3 = tp == 1
     scheme = "ZeRO-3 without model parallelism" if zero3 else f"PTD-P (model-parallel size {tp * pp})"
-    schedule = ("Interleaved1F1B" if virtual > 1 else "1F1B") if pp > 1 else ""
+    schedule = "1F1B" if pp > 1 else ""
     assumed = ("DeepSpeed ZeRO-3 as FSDP2 (ZeRO-3), full recomputation" if zero3 else
-               "the schedule (not stated for Table 2): " + ("1F1B" if virtual == 1 else
-                                                            f"interleaved, v{virtual}, as Table 1 runs 530B"))
+               "the schedule (not stated for Table 2): the planner's choice of 1F1B or Interleaved 1F1B at any "
+               "stages per rank (`Run.unstated`)")
     return Run(MEGATRON_2, f"{scheme}, {model.label}, {gpus} GPUs, batch {batch}, microbatch {microbatch}, "
                f"{tflops:.0f} TFLOP/s", model, gpus, MEGATRON_SEQ, batch, microbatch,
                megatron_tokens(tflops, model.dim, model.n_layers), f"{tflops:.0f} teraFLOP/s per GPU (equation 3)",
-               tp=tp, pp=pp, schedule=schedule, virtual_stages=virtual, zero_stage=3 if zero3 else 0,
-               sequence_parallel=False, compile=True,
+               tp=tp, pp=pp, schedule=schedule, zero_stage=3 if zero3 else 0,
+               sequence_parallel=False, compile=True, unstated=() if zero3 else ("schedule",),
                assumed=assumed + f"; bf16 for the paper's mixed precision; no sequence parallelism; {FUSED}",
                )  # fmt: skip
 
@@ -240,9 +278,9 @@ MEGATRON_T2 = (
     _megatron_t2(GPT_175B, 384, 1536, 1, 153, tp=8, pp=12),
     _megatron_t2(GPT_175B, 768, 1536, 1, 149, tp=8, pp=12),
     _megatron_t2(GPT_175B, 1536, 1536, 1, 141, tp=8, pp=12),
-    _megatron_t2(GPT_530B, 560, 2240, 1, 171, tp=8, pp=35, virtual=3),
-    _megatron_t2(GPT_530B, 1120, 2240, 1, 167, tp=8, pp=35, virtual=3),
-    _megatron_t2(GPT_530B, 2240, 2240, 1, 159, tp=8, pp=35, virtual=3),
+    _megatron_t2(GPT_530B, 560, 2240, 1, 171, tp=8, pp=35),
+    _megatron_t2(GPT_530B, 1120, 2240, 1, 167, tp=8, pp=35),
+    _megatron_t2(GPT_530B, 2240, 2240, 1, 159, tp=8, pp=35),
 )
 
 # --- MosaicML llm-foundry MPT benchmarks ---------------------------------------------------------------------------
@@ -477,8 +515,10 @@ TORCHTITAN_HELD_OUT_ROWS = (
 # left out. Section 3.3.2: FSDP without resharding after forward, fp32 gradient reduce-scatter, an interleaved
 # schedule, no activation checkpointing at 8K tokens.
 LLAMA3_405B_FLOPS_PER_TOKEN = 6 * (405_853_388_800 - LLAMA_VOCAB * 16384) + 12 * 126 * 16384 * 8192
-LLAMA3_ASSUMED = ("one sequence per microbatch and 2 stages per rank (the paper states neither V nor the "
-                  "microbatch); layers split evenly, where Meta's first and last stages hold one layer less")
+LLAMA3_ASSUMED = ("the stages per rank and the microbatch size, which the paper does not state, are the planner's "
+                  "choice (`Run.unstated`); layers split evenly, where Meta's first and last stages hold one layer "
+                  "less (its first chunk the embedding alone: 128 one-layer chunks, which torch's stages, each "
+                  "holding a block, cannot express for 126 layers on 16 ranks)")
 
 
 def _llama3(gpus: int, dp: int, per_dp: int, tflops: float) -> Run:
@@ -486,7 +526,7 @@ def _llama3(gpus: int, dp: int, per_dp: int, tflops: float) -> Run:
                f"TFLOPs/GPU", Model("llama3-405B", "405B", vocab_size=LLAMA_VOCAB), gpus, 8192, dp * per_dp, 1,
                tflops * 1e12 / LLAMA3_405B_FLOPS_PER_TOKEN, f"{tflops:.0f} TFLOPs/GPU (model FLOPs per token)", tp=8,
                pp=16, schedule="Interleaved1F1B", virtual_stages=2, activation_checkpoint="none",
-               assumed=LLAMA3_ASSUMED)  # fmt: skip
+               unstated=("virtual_stages", "microbatch"), assumed=LLAMA3_ASSUMED)  # fmt: skip
 
 
 LLAMA3_ROWS = (_llama3(8192, 64, 32, 430), _llama3(16384, 128, 16, 400))
