@@ -6,7 +6,10 @@ non-zero instead of showing a traceback.
 """
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_Step = TypeVar("_Step", bound=Callable[..., object])
 
 
 class TorchpreError(Exception):
@@ -15,6 +18,13 @@ class TorchpreError(Exception):
 
 class ConfigError(TorchpreError):
     """A config key is unknown, has the wrong type, or holds an impossible value."""
+
+
+def resolve_step(step: _Step) -> _Step:
+    """Marks `step` as a config section's resolve step (docs/architecture.md, "Where a key is checked"): it reads
+    the section's keys together, raises their ConfigError before any work and returns what the job reads; preflight
+    runs it. tests/unit/test_config_error_homes.py finds the steps by this mark and counts the raises elsewhere."""
+    return step
 
 
 class StorageError(TorchpreError):

@@ -13,7 +13,7 @@ from torchpre.assembly.keys import ModelKeys, model_keys, vocab_size
 from torchpre.assembly.parametrization import refuse_shape_keys
 from torchpre.config.job_config import JobConfig
 from torchpre.data.tokenizer import Tokenizer, released_vocabulary
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.models.args import ModelArgs, with_mtp
@@ -24,6 +24,7 @@ from torchpre.models.shapes import with_shape
 from torchpre.optim.registry import check_mup_rule
 
 
+@resolve_step
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> ModelArgs:
     """The flavor's args (model.flavor = 'from_hf': the folder's at checkpoint.initial_load_path) with the job's
     shape (model.dim, n_layers, n_heads, n_kv_heads), vocabulary, `max_seq_len` (default: training.seq_len), RoPE

@@ -6,13 +6,14 @@ import math
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 from torchpre.parallel.quantize import check_quantize
 from torchpre.parallel.quantized_experts import check_quantize_experts
 
 
+@resolve_step
 def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: ParallelDims) -> None:
     """Rejects a layout the model family cannot run, naming what to change, before any work."""
     name, p = config.model.name, config.parallelism

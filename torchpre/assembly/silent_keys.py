@@ -13,11 +13,12 @@ from torch import nn
 
 from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig, Quantize
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 
 
+@resolve_step
 def check_keys_take_effect(config: JobConfig, spec: ModelSpec, args: ModelArgs, shortest_seq_len: int) -> None:
     """Refuses the first key that would do nothing; `shortest_seq_len` is the shortest of the run's data stages."""
     _check_quantize_format(config.quantize)

@@ -9,13 +9,14 @@ from pathlib import Path
 from torchpre.config.bounds import check_bounds
 from torchpre.config.job_config import CHECKPOINT_ENTRIES, Checkpoint, JobConfig
 from torchpre.config.training_schedule import check_data_stage
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.optional import import_tensorboard, import_wandb
 from torchpre.step_rules.ramp import ramp_values
 from torchpre.step_rules.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.step_rules.zero_stages import zero_stage
 
 
+@resolve_step
 def validate_config(config: JobConfig) -> None:
     """Raises ConfigError naming the first impossible value and what would be valid: first every key's own bound,
     declared with its field (`torchpre.config.bounds`), then each section's checks of its keys together."""

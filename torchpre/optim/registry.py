@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from torchpre.config.job_config import Optimizer
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.optim.muon import Muon, check_settings
 
 
@@ -188,6 +188,7 @@ def hyperparameters_from_config(values: dict[str, object]) -> dict[str, object]:
     }
 
 
+@resolve_step
 def check_config(section: Optimizer, shards: dict[str, bool]) -> None:
     """`optimizer.name` is registered, no `optimizer.*` key it does not read is set away from its default, the
     values it reads are valid, and an update that is not elementwise is not computed on shards (`shards`: each

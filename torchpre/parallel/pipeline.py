@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._backward import stage_backward_weight
 
 from torchpre.distributed.clock import SpanClock
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.step_rules.schedules import PipelineSchedule, get_schedule
 
 
@@ -47,6 +47,7 @@ class PipelinePlan:
         return self.pp * self.stages_per_rank
 
     @classmethod
+    @resolve_step
     def from_config(
         cls, parallelism, stage_modules: Callable[[int], list[list[str]]], sequences_per_step: int
     ) -> "PipelinePlan":

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torchpre.config.job_config import JobConfig
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.step_rules.batch import BatchSizes
 from torchpre.step_rules.ramp import KEY as RAMP_KEY
 from torchpre.step_rules.ramp import BatchRamp
@@ -33,6 +33,7 @@ class StepPlan:
         self.base, self.ramp, self.stages, self.dp, self.unit = base, ramp, stages, dp, unit
 
     @classmethod
+    @resolve_step
     def from_config(cls, config: JobConfig, base: BatchSizes, dp: int) -> "StepPlan":
         t = config.training
         ramp = BatchRamp.parse(t.batch_rampup, t.global_batch_size)
@@ -78,6 +79,7 @@ class StepPlan:
         shapes = [shape.sizes for step, _, shape in self.walk() if step < steps] or [self.at(0, 0).sizes]
         return max(s.local_batch_size * s.accumulation_steps for s in shapes), max(s.seq_len for s in shapes)
 
+    @resolve_step
     def check(self, steps: int, check_microbatches: Callable[[int], None]) -> None:
         """Every shape the run takes in `steps` steps, checked before any work: whole rounds of
         local_batch_size x dp, whole sequences under 'tokens', and `check_microbatches(sequences per DP rank)`
