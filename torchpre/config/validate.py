@@ -8,10 +8,9 @@ from pathlib import Path
 
 from torchpre.config.bounds import check_bounds
 from torchpre.config.job_config import CHECKPOINT_ENTRIES, Checkpoint, JobConfig
-from torchpre.config.training_schedule import check_data_stage
+from torchpre.config.training_schedule import check_data_stage, ramp_values
 from torchpre.errors import ConfigError, resolve_step
 from torchpre.optional import import_tensorboard, import_wandb
-from torchpre.step_rules.ramp import ramp_values
 from torchpre.step_rules.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.step_rules.zero_stages import zero_stage
 

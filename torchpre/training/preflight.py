@@ -30,6 +30,7 @@ from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.step_rules.batch import BatchSizes
 from torchpre.training.batches import batch_sizes
+from torchpre.training.stages import StageTable
 from torchpre.training.step_plan import StepPlan
 
 
@@ -87,7 +88,7 @@ def preflight(
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
     batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() else resume_dir, trust)
-    plan = StepPlan.from_config(config, batches, dims.dp)
+    plan = StepPlan.from_config(config, batches, StageTable.from_config(config), dims.dp)
     spec = get_model_spec(config.model.name)
     tokenizer = tokenizer or job_tokenizer(config)
     if t.document_mask and tokenizer.bos_id is None:
