@@ -12,11 +12,11 @@ from pathlib import Path
 from torchpre.assembly.keys import ModelKeys, model_keys, vocab_size
 from torchpre.assembly.parametrization import refuse_shape_keys
 from torchpre.config.job_config import JobConfig
-from torchpre.data.tokenizer import Tokenizer, released_vocabulary
+from torchpre.data.tokenizer import Tokenizer
 from torchpre.errors import ConfigError, resolve_step
 from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import is_hf_folder
-from torchpre.models.args import ModelArgs, with_mtp
+from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.rope_keys import with_rope
 from torchpre.models.parametrization import check_parametrized, parametrize
 from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
@@ -43,7 +43,7 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
             f"model.parametrization = '{settings.name}' with model.name = '{name}': its args come from its own config "
             "(ModelSpec.args_from_job), with no flavor to take the base shape from. Use model.parametrization = 'sp'."
         )
-    return with_mtp(args, keys.mtp_depth, keys.mtp_loss_weight, name)
+    return _with_mtp(args, keys.mtp_depth, keys.mtp_loss_weight, name)
 
 
 def flavored_args(config: JobConfig, spec: ModelSpec, keys: ModelKeys, tokenizer: Tokenizer, seq_len: int) -> ModelArgs:
@@ -54,11 +54,11 @@ def flavored_args(config: JobConfig, spec: ModelSpec, keys: ModelKeys, tokenizer
     vocabulary = keys.vocabulary
     if m.flavor == FROM_HF:
         folder = config.checkpoint.initial_load_path
-        vocabulary = released_vocabulary(tokenizer, flavor.vocab_size, m.vocab_size, where, folder)
+        vocabulary = _released_vocabulary(tokenizer, flavor.vocab_size, m.vocab_size, where, folder)
 
     def at_shape(**shape: int) -> ModelArgs:
         shaped = with_rope(with_shape(flavor, where, **keys.shape | shape), m, where)
-        args = with_mtp(shaped, keys.mtp_depth, keys.mtp_loss_weight, m.name)
+        args = _with_mtp(shaped, keys.mtp_depth, keys.mtp_loss_weight, m.name)
         return dataclasses.replace(args, vocab_size=vocabulary, max_seq_len=seq_len)
 
     args, settings = at_shape(), keys.parametrization
@@ -97,7 +97,7 @@ def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: ModelArgs) 
     only repeat; the shape keys are refused, as the folder's config.json sets the shape."""
     refuse_shape_keys(config.model, f"model.flavor = '{FROM_HF}' takes the shape of the folder's config.json")
     setting, folder = f"model.flavor = '{FROM_HF}'", config.checkpoint.initial_load_path
-    return released_vocabulary(tokenizer, args.vocab_size, config.model.vocab_size, setting, folder)
+    return _released_vocabulary(tokenizer, args.vocab_size, config.model.vocab_size, setting, folder)
 
 
 def model_context(config: JobConfig, tokenizer: Tokenizer) -> int:
@@ -106,3 +106,33 @@ def model_context(config: JobConfig, tokenizer: Tokenizer) -> int:
     if spec.args_from_job is not None:
         return spec.args_from_job(config, vocab_size(config, tokenizer), None).max_seq_len
     return flavor_args(config).max_seq_len
+
+
+def _with_mtp(args: ModelArgs, depth: int, loss_weight: float, family: str) -> ModelArgs:
+    """`args` with model.mtp_depth = `depth` and model.mtp_loss_weight = `loss_weight`, for a family with multi-token
+    prediction (`predicts_ahead`); a ConfigError for a depth asked of `family` that has none."""
+    if args.predicts_ahead:
+        return dataclasses.replace(args, mtp_depth=depth, mtp_loss_weight=loss_weight)
+    if depth:
+        raise ConfigError(
+            f"model.mtp_depth = {depth} with model.name = '{family}': multi-token prediction is built for "
+            "model.name = 'deepseek_v3'. Set model.mtp_depth = 0."
+        )
+    return args
+
+
+def _released_vocabulary(tokenizer: Tokenizer, rows: int, asked: int, setting: str, folder: str) -> int:
+    """The vocabulary of a released model whose embedding in `folder` has `rows` rows, which `setting` (the key that
+    reads it) trains: model.vocab_size (`asked`; 0 = unset) may only repeat it, and the tokenizer's ids must each
+    have a row."""
+    if asked not in (0, rows):
+        raise ConfigError(
+            f"model.vocab_size = {asked} with {setting}: the folder's embedding has vocab_size = {rows} rows. Set "
+            "model.vocab_size = 0."
+        )
+    if tokenizer.vocab_size > rows:
+        raise ConfigError(
+            f"The tokenizer {tokenizer.path} (model.tokenizer_path) has {tokenizer.vocab_size} ids, more than the "
+            f"{rows} rows of the embedding of {folder}. Use the tokenizer the model was released with."
+        )
+    return rows
