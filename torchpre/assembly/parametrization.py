@@ -41,12 +41,6 @@ def parametrization_settings(m: Model) -> Settings | None:
         return None
     if m.parametrization == "mup":
         _refuse_set(m, ("mup_base_depth",), "the base depth is read by model.parametrization = 'complete_p' only")
-    for key in ("mup_base_dim", "mup_base_depth", "mup_base_head_dim"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"model.{key} = {getattr(m, key)}: it must be positive (0 = the default).")
-    for key in ("mup_embedding_multiplier", "mup_logit_multiplier"):
-        if not getattr(m, key) > 0:
-            raise ConfigError(f"model.{key} = {getattr(m, key)}: a multiplier must be positive.")
     return Settings(m.parametrization, m.mup_base_head_dim, m.mup_embedding_multiplier, m.mup_logit_multiplier)
 
 
