@@ -1012,7 +1012,7 @@ BREAKS = [
           "    if tokenizer.vocab_size > rows:", "    if False:",
           (f"{BAD_INPUT_CASE}[hf-folder-vocab-below-the-tokenizer]",),
           "a released folder whose embedding has fewer rows than the tokenizer has ids trains, indexing past it"),
-    Break("mup-with-an-optimizer-without-a-rule-accepted", "torchpre/optim/registry.py",
+    Break("mup-with-an-optimizer-without-a-rule-accepted", "torchpre/assembly/args.py",
           "    if get_optimizer(name).mup_update is None:", "    if False:",
           (f"{BAD_INPUT_CASE}[mup-with-muon]",),
           "model.parametrization = 'mup' with Muon trains with factors no rule states"),

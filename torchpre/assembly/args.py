@@ -8,6 +8,7 @@ model at its base shape. A second copy of any of these steps is how generation a
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from torchpre.assembly.keys import ModelKeys, model_keys, vocab_size
 from torchpre.assembly.parametrization import refuse_shape_keys
@@ -18,10 +19,10 @@ from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.rope_keys import with_rope
-from torchpre.models.parametrization import check_parametrized, parametrize
+from torchpre.models.parametrization import Settings, parametrize
 from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
 from torchpre.models.shapes import with_shape
-from torchpre.optim.registry import check_mup_rule
+from torchpre.optim.registry import get_optimizer
 
 
 @resolve_step
@@ -38,7 +39,7 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
     name, settings = config.model.name, keys.parametrization
     args = spec.args_from_job(config, keys.vocabulary, seq_len)
     if settings is not None:
-        check_parametrized(args, settings, name)
+        _check_parametrized(args, settings, name)
         raise ConfigError(
             f"model.parametrization = '{settings.name}' with model.name = '{name}': its args come from its own config "
             "(ModelSpec.args_from_job), with no flavor to take the base shape from. Use model.parametrization = 'sp'."
@@ -64,8 +65,8 @@ def flavored_args(config: JobConfig, spec: ModelSpec, keys: ModelKeys, tokenizer
     args, settings = at_shape(), keys.parametrization
     if settings is None:
         return args
-    check_parametrized(args, settings, m.name)
-    check_mup_rule(config.optimizer.name, settings.name)
+    _check_parametrized(args, settings, m.name)
+    _check_mup_rule(config.optimizer.name, settings.name)
     dim = keys.base_dim or flavor.dim
     depth = (keys.base_depth or flavor.n_layers) if settings.name == "complete_p" else args.n_layers
     try:
@@ -136,3 +137,25 @@ def _released_vocabulary(tokenizer: Tokenizer, rows: int, asked: int, setting: s
             f"{rows} rows of the embedding of {folder}. Use the tokenizer the model was released with."
         )
     return rows
+
+
+def _check_parametrized(args: Any, settings: Settings, family: str) -> None:
+    """Refuses `settings` for a family whose forward has no multipliers to set (`ModelArgs.parametrized`)."""
+    if not args.parametrized:
+        raise ConfigError(
+            f"model.parametrization = '{settings.name}' with model.name = '{family}': this family's forward has no "
+            "multipliers to set (µP needs the attention scale 1/d, the logit and embedding multipliers and, for "
+            "complete_p, the residual ones). Use llama3, moe or deepseek_v3, or model.parametrization = 'sp'."
+        )
+
+
+def _check_mup_rule(name: str, parametrization: str) -> None:
+    """Refuses model.parametrization = `parametrization` (not 'sp') with an optimizer that has no stated per-parameter
+    rule (`OptimizerSpec.mup_update`)."""
+    if get_optimizer(name).mup_update is None:
+        raise ConfigError(
+            f"model.parametrization = '{parametrization}' with optimizer.name = '{name}': torchpre has no "
+            "per-parameter rule for it. Muon's would be spectral scaling (each matrix's update scaled by "
+            "sqrt(fan-out / fan-in), optimizer.muon_lr_adjust = 'spectral_unclamped', no 1/width on its learning "
+            "rate), which the learning-rate transfer test has not checked. Use AdamW, Adam, SGD, Adagrad or RMSprop."
+        )

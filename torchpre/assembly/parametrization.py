@@ -35,7 +35,7 @@ def refuse_shape_keys(m: Model, why: str) -> None:
 def parametrization_settings(m: Model) -> Settings | None:
     """What model.parametrization and the model.mup_* keys set (None: the standard parametrization, under which the
     mup keys are refused); whether the family and the optimizer can take it is checked where the args are known
-    (`torchpre.models.parametrization.check_parametrized`, `torchpre.optim.registry.check_mup_rule`)."""
+    (`torchpre.assembly.args`)."""
     if m.parametrization == "sp":
         _refuse_set(m, MUP_KEYS, "they apply under model.parametrization = 'mup' or 'complete_p'")
         return None

@@ -202,16 +202,6 @@ class Settings:
     logit_multiplier: float = 1.0
 
 
-def check_parametrized(args: Any, settings: Settings, family: str) -> None:
-    """Refuses `settings` for a family whose forward has no multipliers to set (`ModelArgs.parametrized`)."""
-    if not args.parametrized:
-        raise ConfigError(
-            f"model.parametrization = '{settings.name}' with model.name = '{family}': this family's forward has no "
-            "multipliers to set (µP needs the attention scale 1/d, the logit and embedding multipliers and, for "
-            "complete_p, the residual ones). Use llama3, moe or deepseek_v3, or model.parametrization = 'sp'."
-        )
-
-
 def parametrize(model_cls: Callable[[Any], Any], args: Any, base_args: Any, settings: Settings) -> Any:
     """`args` with the `Parametrization` `settings` describes relative to `base_args` (the same model at the base
     width and depth), both built on the meta device to read every parameter's global shape."""

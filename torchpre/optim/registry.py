@@ -163,18 +163,6 @@ def get_optimizer(name: str) -> OptimizerSpec:
     return _REGISTRY[name]
 
 
-def check_mup_rule(name: str, parametrization: str) -> None:
-    """Refuses model.parametrization = `parametrization` (not 'sp') with an optimizer that has no stated per-parameter
-    rule (`OptimizerSpec.mup_update`)."""
-    if get_optimizer(name).mup_update is None:
-        raise ConfigError(
-            f"model.parametrization = '{parametrization}' with optimizer.name = '{name}': torchpre has no "
-            "per-parameter rule for it. Muon's would be spectral scaling (each matrix's update scaled by "
-            "sqrt(fan-out / fan-in), optimizer.muon_lr_adjust = 'spectral_unclamped', no 1/width on its learning "
-            "rate), which the learning-rate transfer test has not checked. Use AdamW, Adam, SGD, Adagrad or RMSprop."
-        )
-
-
 def config_keys() -> list[str]:
     """Every `optimizer.*` key that some optimizer reads."""
     return [key for keys in HYPERPARAMETER_KEYS.values() for key in keys]
