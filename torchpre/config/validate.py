@@ -80,7 +80,7 @@ def _check_quantize(config: JobConfig) -> None:
     amax of the whole weight, all-reduced over the data-parallel shards before the gather. Only tensorwise FP8 has
     such a scale, only ZeRO-3 gathers, and under tensor parallelism torchao reduces that amax over the data-parallel
     shards alone (measured: tp2 x dp2 losses 1e-5 off the high-precision gather, which equals it bitwise without
-    tp). The format's package and the sequences a rank sees are `torchpre.parallel.quantize.check_quantize`'s."""
+    tp). The format's package and the sequences a rank sees are `torchpre.assembly.layout_checks.check_quantize`'s."""
     q, key = config.quantize, "quantize.fsdp_float8_all_gather"
     if q.linear == "mxfp8" and q.recipe == "tensorwise":
         raise ConfigError(
