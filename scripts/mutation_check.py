@@ -1076,6 +1076,21 @@ BREAKS = [
           "        pass\n",
           ("tests/integration/test_run_folder_links.py::test_no_write_of_a_run_goes_through_a_link_in_its_folder",),
           "a run whose checkpoint folder holds only step-N links starts from the seed instead of naming them"),
+    Break("ac-selective-option-unchecked-before-work", "torchpre/config/validate.py",
+          '    if ac.mode == "selective" and option != "op" and (not option.isdigit() or int(option) < 1):',
+          "    if False:",
+          ("tests/unit/test_activation_checkpoint.py::"
+           "test_a_selective_option_that_is_neither_op_nor_a_positive_count_stops_in_validation",),
+          "a selective_ac_option that is no block count passes start-up and fails when the blocks are wrapped"),
+    Break("resolve-step-mark-dropped", "torchpre/training/batches.py",
+          "@resolve_step\ndef batch_sizes(", "def batch_sizes(",
+          ("tests/unit/test_config_error_homes.py::test_config_errors_outside_the_resolve_steps_do_not_grow",),
+          "the counter of ConfigErrors outside the resolve steps misses a step's raises moving out of it"),
+    Break("resolve-step-skipped-by-preflight", "torchpre/training/preflight.py",
+          "    window = evaluation_window(config, tokenizer)\n",
+          "    window = config.eval.max_length or config.training.seq_len\n",
+          ("tests/unit/test_config_error_homes.py::test_preflight_runs_every_resolve_step",),
+          "a marked resolve step that preflight no longer runs (eval.max_length unchecked) passes as a step"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:

@@ -333,9 +333,16 @@ def _check_writable_folder(key: str, folder: Path) -> None:
 
 
 def _check_activation_checkpoint(config: JobConfig) -> None:
-    """Per-op selective checkpointing keeps each saved op output for one backward through the block; a zero-bubble
-    schedule runs two (input gradients, then weight gradients), and torch fails in the second."""
+    """selective_ac_option: 'op' or every N-th block. Per-op selective checkpointing keeps each saved op output for
+    one backward through the block; a zero-bubble schedule runs two (input gradients, then weight gradients), and
+    torch fails in the second."""
     ac, p = config.activation_checkpoint, config.parallelism
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and (not option.isdigit() or int(option) < 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option = '{option}': use 'op' or a positive integer N (checkpoint "
+            "every N-th block)."
+        )
     per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
     if per_op and p.pipeline_parallel_degree > 1 and get_schedule(p.pipeline_parallel_schedule).zero_bubble:
         raise ConfigError(
