@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torchpre.checkpoint.integrity import MANIFEST, SIGNING_KEY, Trust, read_manifest, verify_share
 from torchpre.confined import file_kind
 from torchpre.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON
-from torchpre.errors import ConfigError, InputFileError, TorchpreError, UntrustedInput
+from torchpre.errors import ConfigError, InputFileError, TorchpreError, UntrustedInput, resolve_step
 from torchpre.interchange.reader import CONFIG, INDEX, HFFolder, read_config
 from torchpre.interchange.storage import HFStorageReader, first_name
 from torchpre.metrics.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -131,6 +131,7 @@ def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) ->
         )
 
 
+@resolve_step
 def hf_weights(path: Path, spec: ModelSpec, args: ModelArgs, key: str) -> HFWeights:
     """The folder at `path` (given as `key`, e.g. checkpoint.initial_load_path) checked against the model `args`
     describes: a TorchpreError names what does not fit and what to do, before any weight is read."""
