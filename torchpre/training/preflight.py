@@ -21,6 +21,7 @@ from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError, resolve_step
 from torchpre.evaluation.multiple_choice import Task, read_tasks
+from torchpre.evaluation.validation import check_validation_batches
 from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.models.args import ModelArgs
@@ -108,6 +109,7 @@ def preflight(
             stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
             sequences_per_step=t.local_batch_size * first.accumulation_steps,
         )
+    check_validation_batches(config, pipeline)
     plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
     return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, trust, weights, eval_tasks, plan)
 
