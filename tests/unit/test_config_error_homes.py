@@ -23,7 +23,7 @@ FAMILIES = PACKAGE / "models"  # a family's step checks its args; preflight's [m
 
 # `raise ConfigError` outside config/ and the resolve steps (216 when issue 64 was filed; 204 before the steps).
 # Lower this when you move a check into its section's step; never raise it.
-RAISES_OUTSIDE = 82
+RAISES_OUTSIDE = 77
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,11 @@ def _family_jobs(folder: Path) -> list[tuple[JobConfig, int]]:
         (parse_args(JobConfig, [*common, "--model.flavor", "from_hf", "--checkpoint.initial_load_path",
                                 str(released)]), 1),  # fmt: skip
         (parse_args(JobConfig, [*common, "--parallelism.pipeline_parallel_degree", "2", "--training.global_batch_size",
-                                "16", "--training.batch_rampup", "8,8,64"]), 2),  # fmt: skip
-        (parse_args(JobConfig, [*common, "--model.name", "moe", "--model.flavor", "debugmodel"]), 1),
+                                "16", "--training.batch_rampup", "8,8,64", "--parallelism.tensor_parallel_degree",
+                                "2"]), 4),  # fmt: skip
+        (parse_args(JobConfig, [*common, "--model.name", "moe", "--model.flavor", "debugmodel",
+                                "--parallelism.tensor_parallel_degree", "2", "--parallelism.expert_parallel_degree",
+                                "2"]), 4),  # fmt: skip
         (parse_args(JobConfig, [*common, "--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]), 1),
         (parse_args(JobConfig, [*common, "--model.name", "hf", "--model.hf_config",
                                 "assets/hf_configs/qwen2_tiny.json"]), 1),  # fmt: skip
