@@ -129,6 +129,11 @@ def test_config_errors_outside_the_resolve_steps_do_not_grow() -> None:
     assert count == RAISES_OUTSIDE, f"{count} now: lower RAISES_OUTSIDE to {count} so the number cannot grow back."
 
 
+def test_architecture_md_states_the_pinned_count() -> None:
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert f"number ({RAISES_OUTSIDE} today, its `RAISES_OUTSIDE`" in page
+
+
 def test_the_counter_sees_a_raise_in_a_helper_of_a_step_as_home_and_one_elsewhere_as_outside(tmp_path: Path) -> None:
     source = tmp_path / "section.py"
     source.write_text(
