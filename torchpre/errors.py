@@ -6,7 +6,10 @@ non-zero instead of showing a traceback.
 """
 
 import json
+from collections.abc import Callable
 from typing import TypeAlias, TypeVar, Union, overload
+
+_Step = TypeVar("_Step", bound=Callable[..., object])
 
 
 class TorchpreError(Exception):
@@ -15,6 +18,18 @@ class TorchpreError(Exception):
 
 class ConfigError(TorchpreError):
     """A config key is unknown, has the wrong type, or holds an impossible value."""
+
+
+class InputFileError(TorchpreError):
+    """A file the job reads holds what it cannot use (an eval task's line, a released folder's config.json or
+    weights, a hardware profile): the file is at fault, not a key's value, so no resolve step can check it earlier."""
+
+
+def resolve_step(step: _Step) -> _Step:
+    """Marks `step` as a config section's resolve step (docs/architecture.md, "Where a key is checked"): it reads
+    the section's keys together, raises their ConfigError before any work and returns what the job reads; preflight
+    runs it. tests/unit/test_config_error_homes.py finds the steps by this mark and counts the raises elsewhere."""
+    return step
 
 
 class StorageError(TorchpreError):

@@ -54,7 +54,7 @@ from torchpre.errors import ConfigError, TorchpreError
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec, get_model_spec
 from torchpre.parallel.api import ParallelModel, ParallelPlan, parallelize
-from torchpre.parallel.pipeline import PipelinePlan
+from torchpre.parallel.pipeline import PipelinePlan, checked_stages_per_rank
 from torchpre.runtime.custom_import import import_custom_module
 from torchpre.step_rules.schedules import get_schedule
 
@@ -358,7 +358,7 @@ def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: ModelArgs) -> Pi
     stage to stage itself (`ParallelModel.forward_only`), so the schedule's microbatch rules do not apply."""
     p = config.parallelism
     schedule = get_schedule(p.pipeline_parallel_schedule)
-    per_rank = schedule.stages_per_rank(p.pipeline_parallel_virtual_stages)
+    per_rank = checked_stages_per_rank(schedule, p.pipeline_parallel_virtual_stages)
     num_stages = p.pipeline_parallel_degree * per_rank
     stages = spec.pipeline_stages(args, num_stages, p.pipeline_parallel_split_points)
     return PipelinePlan(schedule, p.pipeline_parallel_degree, per_rank, n_microbatches=1, stage_modules=stages)

@@ -13,6 +13,10 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchpre.config.job_config import JobConfig
+from torchpre.config.parser import parse_args
+from torchpre.config.validate import validate_config
+from torchpre.errors import ConfigError
 from torchpre.models import attention
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
@@ -131,3 +135,12 @@ def test_op_selective_checkpointing_does_not_recompute_flash_attn(monkeypatch: p
         assert attention_runs("full", kernel=flash) == (ARGS.n_layers, ARGS.n_layers)
     finally:
         activation_checkpoint._saved_ops.cache_clear()
+
+
+@pytest.mark.parametrize("option", ["0", "every", "-2"])
+def test_a_selective_option_that_is_neither_op_nor_a_positive_count_stops_in_validation(tmp_path, option):
+    """Checked with the [activation_checkpoint] keys before any work, not when the blocks are wrapped."""
+    config = parse_args(JobConfig, ["--job.dump_folder", str(tmp_path), "--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", option])  # fmt: skip
+    with pytest.raises(ConfigError, match=f"selective_ac_option = '{option}': use 'op' or a positive integer N"):
+        validate_config(config)

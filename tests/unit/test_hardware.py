@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.launch import REPO
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, InputFileError
 from torchpre.planner.hardware import HARDWARE, Hardware, get_hardware, load_profile, save_profile
 
 
@@ -84,7 +84,7 @@ def test_a_bad_profile_says_which_field(tmp_path, content, fragment):
            "NODES": {**fields, "gpus_per_node": 2.5}}
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad[content]) if content in bad else content)
-    with pytest.raises(ConfigError, match=fragment) as error:
+    with pytest.raises(InputFileError, match=fragment) as error:
         get_hardware(str(path), key="plan.gpu_profile")
     assert f"plan.gpu_profile = '{path}'" in str(error.value)
 

@@ -90,6 +90,7 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
     with pytest.raises(TorchpreError, match="eval.tasks: " + re.escape(str(path)) + r"(:3:| \(line 3\)) ") as error:
         read_task(str(path), TOKENIZER, max_length=32)
     assert message in str(error.value)
+    assert not isinstance(error.value, ConfigError)  # the file is at fault, not eval.tasks
 
 
 def test_a_choice_longer_than_the_sequence_is_named_by_file_and_line(tmp_path):

@@ -6,10 +6,11 @@ import sys
 import pytest
 import torch
 
+from torchpre.assembly.layout_checks import check_quantize
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.models.llama3.model import Transformer
-from torchpre.parallel.quantize import QuantizePlan, check_quantize, convert_linears, resolve_emulate
+from torchpre.parallel.quantize import QuantizePlan, convert_linears, resolve_emulate
 
 pytest.importorskip("torchao")
 

@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 import torch
 
+from torchpre.assembly.layout_checks import check_quantize_experts
 from torchpre.distributed.parallel_dims import ParallelDims
 from torchpre.errors import ConfigError
 from torchpre.models.moe.args import MOE_FLAVORS
 from torchpre.models.moe.model import GroupedExperts, MoETransformer
 from torchpre.models.moe.parallelize import moe_expert_matmul_dims
-from torchpre.parallel.quantized_experts import check_quantize_experts, mxfp8_grouped_mm
+from torchpre.parallel.quantized_experts import mxfp8_grouped_mm
 
 pytest.importorskip("torchao")
 

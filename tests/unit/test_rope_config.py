@@ -12,6 +12,7 @@ from torchpre.assembly.args import model_args
 from torchpre.assembly.rope import rope_record
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
+from torchpre.config.validate import check_section_bounds
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, RopeScaling
@@ -23,7 +24,10 @@ HF_LLAMA = str(REPO / "assets/hf_configs/llama_tiny.json")
 
 
 def args_of(*argv: str):
-    return model_args(parse_args(JobConfig, [*TINY, *argv]), TOKENIZER)
+    """The model args as every entry point reaches them: after the keys' own bounds (model.rope_theta's, ...)."""
+    config = parse_args(JobConfig, [*TINY, *argv])
+    check_section_bounds(config)
+    return model_args(config, TOKENIZER)
 
 
 def test_unset_keys_keep_the_flavors_rope():

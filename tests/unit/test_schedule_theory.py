@@ -16,6 +16,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from bench.pipeline_bubble import theory as bench_theory
 from torchpre.errors import ConfigError
+from torchpre.parallel.pipeline import check_microbatches
 from torchpre.planner.schedule_walk import held_peak
 from torchpre.step_rules.schedules import SCHEDULES, get_schedule
 
@@ -67,7 +68,7 @@ CASES = [
 def test_in_flight_closed_form_matches_torch_action_order(name, pp, microbatches, virtual):
     per_rank = _stages_per_rank(name, virtual)
     try:
-        get_schedule(name).check_microbatches(microbatches, pp, pp * per_rank)
+        check_microbatches(get_schedule(name), microbatches, pp, pp * per_rank)
     except ConfigError:
         pytest.skip("torchpre does not run this schedule with these microbatches")
     order = _torch_order(name, pp, microbatches, per_rank)
@@ -123,7 +124,7 @@ def test_the_walk_of_chunks_of_one_size_holds_the_closed_form_count(name, pp, mi
     count on every rank."""
     per_rank = _stages_per_rank(name, virtual)
     try:
-        get_schedule(name).check_microbatches(microbatches, pp, pp * per_rank)
+        check_microbatches(get_schedule(name), microbatches, pp, pp * per_rank)
     except ConfigError:
         pytest.skip("torchpre does not run this schedule with these microbatches")
     walked = [held_peak(name, pp, microbatches, rank, [1.0] * per_rank) for rank in range(pp)]

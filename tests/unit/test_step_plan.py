@@ -6,6 +6,7 @@ import pytest
 
 from torchpre.config.job_config import DataStage, JobConfig
 from torchpre.config.parser import parse_args, to_toml
+from torchpre.config.training_schedule import ramp_values
 from torchpre.errors import ConfigError
 from torchpre.step_rules.batch import BatchSizes
 from torchpre.step_rules.ramp import BatchRamp
@@ -25,7 +26,7 @@ def megatron_global_batch(start: int, increment: int, samples: int, final: int, 
 @pytest.mark.parametrize("ramp", [(2, 2, 12, 8), (16, 16, 1000, 128), (3, 6, 100, 27), (32, 32, 777, 1024)])
 def test_the_ramp_gives_megatrons_batch_at_every_step(ramp):
     start, increment, samples, final = ramp
-    parsed = BatchRamp.parse(f"{start},{increment},{samples}", final)
+    parsed = BatchRamp(start, increment, samples, final)
     consumed, sizes = 0, []
     while consumed <= samples + final:
         size = parsed.global_batch(consumed)
@@ -38,14 +39,14 @@ def test_the_ramp_gives_megatrons_batch_at_every_step(ramp):
 
 def test_the_ramp_of_the_docs_example_by_step():
     """"2,2,12" up to 8: 3 increments, one every 4 samples; the steps consume 2, 2, 4, 6, then 8."""
-    ramp = BatchRamp.parse("2,2,12", 8)
+    ramp = BatchRamp(*ramp_values("2,2,12", 8), 8)
     consumed, sizes = 0, []
     for _ in range(6):
         sizes.append(ramp.global_batch(consumed))
         consumed += sizes[-1]
     assert sizes == [2, 2, 4, 6, 8, 8]
-    assert BatchRamp.parse("4,2,0", 8).global_batch(0) == 8  # no ramp samples: the final batch at once
-    assert BatchRamp.parse("", 8) is None
+    assert BatchRamp(4, 2, 0, 8).global_batch(0) == 8  # no ramp samples: the final batch at once
+    assert ramp_values("", 8) is None
 
 
 @pytest.mark.parametrize(
@@ -61,15 +62,14 @@ def test_the_ramp_of_the_docs_example_by_step():
 )
 def test_a_bad_ramp_is_refused_by_name(text, final, message):
     with pytest.raises(ConfigError, match="training.batch_rampup") as error:
-        BatchRamp.parse(text, final)
+        ramp_values(text, final)
     assert message in str(error.value)
 
 
 def test_a_ramp_that_a_round_of_local_batch_x_dp_does_not_divide_is_refused():
-    ramp = BatchRamp.parse("2,2,12", 8)
-    ramp.check_divisible(local_batch_size=2, dp=1)
+    plan([], ramp="2,2,12", dp=1)
     with pytest.raises(ConfigError) as error:
-        ramp.check_divisible(local_batch_size=2, dp=2)
+        plan([], ramp="2,2,12", dp=2)
     assert "global batches 2, 4, 6, 8, and 2, 6 are not divisible by training.local_batch_size x data-parallel" in (
         str(error.value)
     )
@@ -129,7 +129,7 @@ def test_a_decay_stage_without_a_decay_is_refused():
 
 def plan(stages: list[DataStage], ramp: str = "", unit: str = "sequences", dp: int = 1) -> StepPlan:
     job = config(stages, batch_rampup=ramp, global_batch_size=8, local_batch_size=2, global_batch_unit=unit)
-    return StepPlan.from_config(job, BatchSizes(8, 8 // (2 * dp), 2, 32), dp)
+    return StepPlan.from_config(job, BatchSizes(8, 8 // (2 * dp), 2, 32), StageTable.from_config(job), dp)
 
 
 def test_each_step_consumes_its_own_batch_and_a_stage_starts_at_its_step():

@@ -1,7 +1,6 @@
 """Validation: the held-out split, the fixed validation batches, the evaluation itself and its config keys."""
 
 import json
-import types
 
 import numpy as np
 import pytest
@@ -17,7 +16,12 @@ from torchpre.data.sampler import EpochShuffle
 from torchpre.data.shards import Manifest, write_shard
 from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
-from torchpre.evaluation.validation import Validator, held_out_fraction, validation_batches
+from torchpre.evaluation.validation import (
+    Validator,
+    check_validation_batches,
+    held_out_fraction,
+    validation_batches,
+)
 from torchpre.metrics.logger import format_step_line
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
@@ -217,13 +221,18 @@ def test_evaluate_is_the_mean_token_loss_and_leaves_no_trace(text_file):
         assert p.grad is None and torch.equal(p, before[name]), name
 
 
-def test_pipeline_validation_batches_must_split_into_the_schedules_microbatches(text_file):
-    samples, order = held_out(0.5, **text(text_file))
-    batches = validation_batches(order, len(samples), steps=2, local_batch_size=2, dp_rank=0, dp_size=1)
+def test_pipeline_validation_batches_must_split_into_the_schedules_microbatches():
+    """Refused by preflight's step, before any work (not when the validator is built)."""
     pipeline = PipelinePlan.build([["layers.0"], ["layers.1"]], pp=2, schedule="GPipe", n_microbatches=4)
-    model = types.SimpleNamespace(plan=ParallelPlan(pipeline=pipeline))  # only its plan is read before evaluating
+    config = JobConfig()
+    config.validation.enable, config.validation.local_batch_size = True, 2
     with pytest.raises(ConfigError, match="validation.local_batch_size = 2: .* 4 microbatches"):
-        Validator(samples, batches, freq=5, model=model, device=torch.device("cpu"), groups=[])
+        check_validation_batches(config, pipeline)
+    config.validation.local_batch_size = 8
+    check_validation_batches(config, pipeline)
+    config.validation.enable = False
+    config.validation.local_batch_size = 2
+    check_validation_batches(config, pipeline)
 
 
 # ----- config and output -----------------------------------------------------------------------------

@@ -12,18 +12,19 @@ from pathlib import Path
 from torchpre.assembly.keys import ModelKeys, model_keys, vocab_size
 from torchpre.assembly.parametrization import refuse_shape_keys
 from torchpre.config.job_config import JobConfig
-from torchpre.data.tokenizer import Tokenizer, released_vocabulary
-from torchpre.errors import ConfigError
+from torchpre.data.tokenizer import Tokenizer
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.interchange.load import FROM_HF, folder_args
 from torchpre.interchange.reader import is_hf_folder
-from torchpre.models.args import ModelArgs, with_mtp
+from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.rope_keys import with_rope
-from torchpre.models.parametrization import check_parametrized, parametrize
+from torchpre.models.parametrization import Settings, parametrize
 from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
 from torchpre.models.shapes import with_shape
-from torchpre.optim.registry import check_mup_rule
+from torchpre.optim.registry import get_optimizer
 
 
+@resolve_step
 def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None = None) -> ModelArgs:
     """The flavor's args (model.flavor = 'from_hf': the folder's at checkpoint.initial_load_path) with the job's
     shape (model.dim, n_layers, n_heads, n_kv_heads), vocabulary, `max_seq_len` (default: training.seq_len), RoPE
@@ -37,12 +38,12 @@ def model_args(config: JobConfig, tokenizer: Tokenizer, max_seq_len: int | None 
     name, settings = config.model.name, keys.parametrization
     args = spec.args_from_job(config, keys.vocabulary, seq_len)
     if settings is not None:
-        check_parametrized(args, settings, name)
+        _check_parametrized(args, settings, name)
         raise ConfigError(
             f"model.parametrization = '{settings.name}' with model.name = '{name}': its args come from its own config "
             "(ModelSpec.args_from_job), with no flavor to take the base shape from. Use model.parametrization = 'sp'."
         )
-    return with_mtp(args, keys.mtp_depth, keys.mtp_loss_weight, name)
+    return _with_mtp(args, keys.mtp_depth, keys.mtp_loss_weight, name)
 
 
 def flavored_args(config: JobConfig, spec: ModelSpec, keys: ModelKeys, tokenizer: Tokenizer, seq_len: int) -> ModelArgs:
@@ -53,18 +54,18 @@ def flavored_args(config: JobConfig, spec: ModelSpec, keys: ModelKeys, tokenizer
     vocabulary = keys.vocabulary
     if m.flavor == FROM_HF:
         folder = config.checkpoint.initial_load_path
-        vocabulary = released_vocabulary(tokenizer, flavor.vocab_size, m.vocab_size, where, folder)
+        vocabulary = _released_vocabulary(tokenizer, flavor.vocab_size, m.vocab_size, where, folder)
 
     def at_shape(**shape: int) -> ModelArgs:
         shaped = with_rope(with_shape(flavor, where, **keys.shape | shape), m, where)
-        args = with_mtp(shaped, keys.mtp_depth, keys.mtp_loss_weight, m.name)
+        args = _with_mtp(shaped, keys.mtp_depth, keys.mtp_loss_weight, m.name)
         return dataclasses.replace(args, vocab_size=vocabulary, max_seq_len=seq_len)
 
     args, settings = at_shape(), keys.parametrization
     if settings is None:
         return args
-    check_parametrized(args, settings, m.name)
-    check_mup_rule(config.optimizer.name, settings.name)
+    _check_parametrized(args, settings, m.name)
+    _check_mup_rule(config.optimizer.name, settings.name)
     dim = keys.base_dim or flavor.dim
     depth = (keys.base_depth or flavor.n_layers) if settings.name == "complete_p" else args.n_layers
     try:
@@ -96,7 +97,7 @@ def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: ModelArgs) 
     only repeat; the shape keys are refused, as the folder's config.json sets the shape."""
     refuse_shape_keys(config.model, f"model.flavor = '{FROM_HF}' takes the shape of the folder's config.json")
     setting, folder = f"model.flavor = '{FROM_HF}'", config.checkpoint.initial_load_path
-    return released_vocabulary(tokenizer, args.vocab_size, config.model.vocab_size, setting, folder)
+    return _released_vocabulary(tokenizer, args.vocab_size, config.model.vocab_size, setting, folder)
 
 
 def model_context(config: JobConfig, tokenizer: Tokenizer) -> int:
@@ -105,3 +106,55 @@ def model_context(config: JobConfig, tokenizer: Tokenizer) -> int:
     if spec.args_from_job is not None:
         return spec.args_from_job(config, vocab_size(config, tokenizer), None).max_seq_len
     return flavor_args(config).max_seq_len
+
+
+def _with_mtp(args: ModelArgs, depth: int, loss_weight: float, family: str) -> ModelArgs:
+    """`args` with model.mtp_depth = `depth` and model.mtp_loss_weight = `loss_weight`, for a family with multi-token
+    prediction (`predicts_ahead`); a ConfigError for a depth asked of `family` that has none."""
+    if args.predicts_ahead:
+        return dataclasses.replace(args, mtp_depth=depth, mtp_loss_weight=loss_weight)
+    if depth:
+        raise ConfigError(
+            f"model.mtp_depth = {depth} with model.name = '{family}': multi-token prediction is built for "
+            "model.name = 'deepseek_v3'. Set model.mtp_depth = 0."
+        )
+    return args
+
+
+def _released_vocabulary(tokenizer: Tokenizer, rows: int, asked: int, setting: str, folder: str) -> int:
+    """The vocabulary of a released model whose embedding in `folder` has `rows` rows, which `setting` (the key that
+    reads it) trains: model.vocab_size (`asked`; 0 = unset) may only repeat it, and the tokenizer's ids must each
+    have a row."""
+    if asked not in (0, rows):
+        raise ConfigError(
+            f"model.vocab_size = {asked} with {setting}: the folder's embedding has vocab_size = {rows} rows. Set "
+            "model.vocab_size = 0."
+        )
+    if tokenizer.vocab_size > rows:
+        raise ConfigError(
+            f"The tokenizer {tokenizer.path} (model.tokenizer_path) has {tokenizer.vocab_size} ids, more than the "
+            f"{rows} rows of the embedding of {folder}. Use the tokenizer the model was released with."
+        )
+    return rows
+
+
+def _check_parametrized(args: ModelArgs, settings: Settings, family: str) -> None:
+    """Refuses `settings` for a family whose forward has no multipliers to set (`ModelArgs.parametrized`)."""
+    if not args.parametrized:
+        raise ConfigError(
+            f"model.parametrization = '{settings.name}' with model.name = '{family}': this family's forward has no "
+            "multipliers to set (µP needs the attention scale 1/d, the logit and embedding multipliers and, for "
+            "complete_p, the residual ones). Use llama3, moe or deepseek_v3, or model.parametrization = 'sp'."
+        )
+
+
+def _check_mup_rule(name: str, parametrization: str) -> None:
+    """Refuses model.parametrization = `parametrization` (not 'sp') with an optimizer that has no stated per-parameter
+    rule (`OptimizerSpec.mup_update`)."""
+    if get_optimizer(name).mup_update is None:
+        raise ConfigError(
+            f"model.parametrization = '{parametrization}' with optimizer.name = '{name}': torchpre has no "
+            "per-parameter rule for it. Muon's would be spectral scaling (each matrix's update scaled by "
+            "sqrt(fan-out / fan-in), optimizer.muon_lr_adjust = 'spectral_unclamped', no 1/width on its learning "
+            "rate), which the learning-rate transfer test has not checked. Use AdamW, Adam, SGD, Adagrad or RMSprop."
+        )

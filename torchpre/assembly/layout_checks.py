@@ -6,13 +6,14 @@ import math
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
-from torchpre.parallel.quantize import check_quantize
-from torchpre.parallel.quantized_experts import check_quantize_experts
+from torchpre.optional import import_optional
+from torchpre.parallel.quantize import DIVISOR
 
 
+@resolve_step
 def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: ParallelDims) -> None:
     """Rejects a layout the model family cannot run, naming what to change, before any work."""
     name, p = config.model.name, config.parallelism
@@ -94,4 +95,55 @@ def check_chunked_loss(config: JobConfig, spec: ModelSpec) -> None:
             f"{key} with quantize.linear = '{q.linear}' and quantize.modules = {list(q.modules)}, which names the "
             f"output layer '{spec.build.output_layer}': the chunked loss computes that layer's matmuls itself, in the "
             "parameters' dtype. Leave it out of quantize.modules, or set training.loss_chunk_size = 0."
+        )
+
+
+def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: str) -> None:
+    """Refuses, naming the keys, what the chosen format cannot do with the sequences a rank sees (the [quantize]
+    keys' own combinations are `torchpre.config.validate`'s); run on every rank before any process group.
+    `tokens_per_row` is how many positions of a sequence one rank's matmuls see (`tokens_key` says which keys
+    set it): MXFP8's weight gradient scales blocks of 32 of them."""
+    if linear == "none":
+        return
+    import_optional("torchao", f"quantize.linear = '{linear}'", extra="fp8")  # missing: names the extra
+    if linear != "mxfp8":
+        return
+    if recipe == "rowwise" and tokens_per_row % DIVISOR["mxfp8"]:
+        raise ConfigError(
+            f"quantize.linear = 'mxfp8' with quantize.recipe = 'rowwise' and {tokens_key} = {tokens_per_row} "
+            "positions per sequence on each rank: its weight gradient scales blocks of 32 tokens of a microbatch, "
+            "which every microbatch has whole when the positions are a multiple of 32. Change training.seq_len, or "
+            "use quantize.recipe = 'rowwise_with_gw_hp' (weight gradients in high precision)."
+        )
+
+
+def check_quantize_experts(linear: str, family: str, matmul_dims: dict[str, int] | None) -> None:
+    """Refuses what `quantize.experts` cannot run, naming the keys, on every rank before any process group.
+    `matmul_dims` names the dimensions each rank's expert matmuls multiply (None: the family has no routed experts)."""
+    key = "quantize.experts"
+    if matmul_dims is None:
+        raise ConfigError(
+            f"{key} with model.name = '{family}': that family has no routed experts whose grouped matmuls torchpre "
+            f"can swap (ModelSpec.parallel.set_grouped_mm). Turn {key} off, or use model.name = 'moe' or 'deepseek_v3'."
+        )
+    if linear == "none":
+        raise ConfigError(
+            f"{key} with quantize.linear = 'none': the experts take quantize.linear's format. Set quantize.linear = "
+            f"'mxfp8', or turn {key} off."
+        )
+    if linear == "float8":
+        raise ConfigError(
+            f"{key} with quantize.linear = 'float8': torchao's float8 grouped matmul (rowwise only) runs on triton "
+            "kernels on CUDA GPUs, with no emulation, and torchpre does not build it. Use quantize.linear = 'mxfp8' "
+            f"(emulated on CPU; kernels on compute capability 10.0), or turn {key} off (the experts stay in high "
+            "precision, the other linears in float8)."
+        )
+    divisor = DIVISOR[linear]
+    uneven = {name: size for name, size in matmul_dims.items() if size % divisor}
+    if uneven:
+        sizes = ", ".join(f"{name} = {size}" for name, size in uneven.items())
+        raise ConfigError(
+            f"{key} with quantize.linear = '{linear}': the experts' matmuls scale blocks of {divisor} values along "
+            f"every dimension, and each rank's experts have {sizes}. Use a flavor whose expert dimensions are "
+            f"multiples of {divisor} on every rank, or turn {key} off."
         )

@@ -35,18 +35,12 @@ def refuse_shape_keys(m: Model, why: str) -> None:
 def parametrization_settings(m: Model) -> Settings | None:
     """What model.parametrization and the model.mup_* keys set (None: the standard parametrization, under which the
     mup keys are refused); whether the family and the optimizer can take it is checked where the args are known
-    (`torchpre.models.parametrization.check_parametrized`, `torchpre.optim.registry.check_mup_rule`)."""
+    (`torchpre.assembly.args`)."""
     if m.parametrization == "sp":
         _refuse_set(m, MUP_KEYS, "they apply under model.parametrization = 'mup' or 'complete_p'")
         return None
     if m.parametrization == "mup":
         _refuse_set(m, ("mup_base_depth",), "the base depth is read by model.parametrization = 'complete_p' only")
-    for key in ("mup_base_dim", "mup_base_depth", "mup_base_head_dim"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"model.{key} = {getattr(m, key)}: it must be positive (0 = the default).")
-    for key in ("mup_embedding_multiplier", "mup_logit_multiplier"):
-        if not getattr(m, key) > 0:
-            raise ConfigError(f"model.{key} = {getattr(m, key)}: a multiplier must be positive.")
     return Settings(m.parametrization, m.mup_base_head_dim, m.mup_embedding_multiplier, m.mup_logit_multiplier)
 
 

@@ -13,14 +13,20 @@ from torch import nn
 
 from torchpre.assembly.meta import meta_model
 from torchpre.config.job_config import JobConfig, Quantize
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 
 
+@resolve_step
 def check_keys_take_effect(config: JobConfig, spec: ModelSpec, args: ModelArgs, shortest_seq_len: int) -> None:
     """Refuses the first key that would do nothing; `shortest_seq_len` is the shortest of the run's data stages."""
     _check_quantize_format(config.quantize)
+    if config.hf_export.enable and spec.hf is None:
+        raise ConfigError(
+            f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
+            "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
+        )
     c = config.checkpoint
     if c.load_step != -1 and not c.enable:
         raise ConfigError(

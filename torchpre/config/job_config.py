@@ -54,6 +54,11 @@ class Job:
     )
 
 
+_SHAPE = at_least(0, "it must be positive (0 = the flavor's).")
+_MUP_BASE = at_least(0, "it must be positive (0 = the default).")
+_MULTIPLIER = positive("a multiplier must be positive.")
+
+
 @dataclass
 class Model:
     """The model family and size, its tokenizer and vocabulary."""
@@ -93,11 +98,12 @@ class Model:
     )
     # The shape on top of the flavor, so that a width or depth sweep needs no Python (docs/mup.md).
     dim: int = _option(
-        0, "model width; 0 = the flavor's. The feed-forward (and MoE, latent) widths follow it as the flavor's do"
+        0, "model width; 0 = the flavor's. The feed-forward (and MoE, latent) widths follow it as the flavor's do",
+        _SHAPE,
     )
-    n_layers: int = _option(0, "number of blocks; 0 = the flavor's")
-    n_heads: int = _option(0, "attention heads; 0 = the flavor's")
-    n_kv_heads: int = _option(0, "key/value heads (grouped-query attention); 0 = the flavor's")
+    n_layers: int = _option(0, "number of blocks; 0 = the flavor's", _SHAPE)
+    n_heads: int = _option(0, "attention heads; 0 = the flavor's", _SHAPE)
+    n_kv_heads: int = _option(0, "key/value heads (grouped-query attention); 0 = the flavor's", _SHAPE)
     # Hyperparameter transfer across width and depth (docs/mup.md): multipliers and per-parameter learning rates
     # relative to a base shape at which the model is the standard one.
     parametrization: Literal["sp", "mup", "complete_p"] = _option(
@@ -106,28 +112,38 @@ class Model:
         "the logit multiplier scale with the width over model.mup_base_dim); complete_p: mup and residual branches "
         "scaled by model.mup_base_depth / n_layers",
     )
-    mup_base_dim: int = _option(0, "mup, complete_p: the width the hyperparameters were tuned at; 0 = the flavor's dim")
+    mup_base_dim: int = _option(
+        0, "mup, complete_p: the width the hyperparameters were tuned at; 0 = the flavor's dim", _MUP_BASE
+    )
     mup_base_depth: int = _option(
-        0, "complete_p: the depth the hyperparameters were tuned at; 0 = the flavor's n_layers"
+        0, "complete_p: the depth the hyperparameters were tuned at; 0 = the flavor's n_layers", _MUP_BASE
     )
     mup_base_head_dim: int = _option(
         0,
         "mup, complete_p: the attention head size at the base width; 0 = mup_base_dim / n_heads (the base had this "
         "model's heads); set it when the width grows by adding heads",
+        _MUP_BASE,
     )
     mup_embedding_multiplier: float = _option(
-        1.0, "mup, complete_p: the embedding's output multiplier (tuned at the base; it does not scale with width)"
+        1.0, "mup, complete_p: the embedding's output multiplier (tuned at the base; it does not scale with width)",
+        _MULTIPLIER,
     )
     mup_logit_multiplier: float = _option(
-        1.0, "mup, complete_p: the logit multiplier at the base width; the logits are multiplied by it x base / dim"
+        1.0, "mup, complete_p: the logit multiplier at the base width; the logits are multiplied by it x base / dim",
+        _MULTIPLIER,
     )
     # RoPE for the families built on Llama 3's args (llama3, moe); a family that reads its RoPE elsewhere (hf) refuses
     # them. A change on resume is a stated stage change (docs/context-parallel.md, "Context extension").
-    rope_theta: float = _option(0.0, "RoPE base; 0 = the flavor's (500000 for Llama 3)")
+    rope_theta: float = _option(
+        0.0, "RoPE base; 0 = the flavor's (500000 for Llama 3)",
+        at_least(0, "the RoPE base must be positive (0 = the flavor's)."),
+    )
     rope_scaling_factor: float = _option(
         0.0,
         "Llama 3.1-style RoPE scaling: divide the long-wavelength frequencies by this; 0 = the flavor's (1B-405B "
         "have it, debugmodel/tiny not), 1 = no scaling",
+        at_least(1, "it divides the long-wavelength frequencies, so it must be at least 1 (1 = no scaling, 0 = the "
+                 "flavor's).", also=(0,)),
     )
     rope_low_freq_factor: float = _option(
         0.0, "Llama 3.1 scaling: wavelengths above original_max_seq_len / this are scaled fully; 0 = the flavor's, or 1"

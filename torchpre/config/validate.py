@@ -8,14 +8,14 @@ from pathlib import Path
 
 from torchpre.config.bounds import check_bounds
 from torchpre.config.job_config import CHECKPOINT_ENTRIES, Checkpoint, JobConfig
-from torchpre.config.training_schedule import check_data_stage
-from torchpre.errors import ConfigError
+from torchpre.config.training_schedule import check_data_stage, ramp_values
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.optional import import_tensorboard, import_wandb
-from torchpre.step_rules.ramp import ramp_values
 from torchpre.step_rules.schedules import SCHEDULE_KEY, get_schedule, names_where
 from torchpre.step_rules.zero_stages import zero_stage
 
 
+@resolve_step
 def validate_config(config: JobConfig) -> None:
     """Raises ConfigError naming the first impossible value and what would be valid: first every key's own bound,
     declared with its field (`torchpre.config.bounds`), then each section's checks of its keys together."""
@@ -80,7 +80,7 @@ def _check_quantize(config: JobConfig) -> None:
     amax of the whole weight, all-reduced over the data-parallel shards before the gather. Only tensorwise FP8 has
     such a scale, only ZeRO-3 gathers, and under tensor parallelism torchao reduces that amax over the data-parallel
     shards alone (measured: tp2 x dp2 losses 1e-5 off the high-precision gather, which equals it bitwise without
-    tp). The format's package and the sequences a rank sees are `torchpre.parallel.quantize.check_quantize`'s."""
+    tp). The format's package and the sequences a rank sees are `torchpre.assembly.layout_checks.check_quantize`'s."""
     q, key = config.quantize, "quantize.fsdp_float8_all_gather"
     if q.linear == "mxfp8" and q.recipe == "tensorwise":
         raise ConfigError(
@@ -333,9 +333,16 @@ def _check_writable_folder(key: str, folder: Path) -> None:
 
 
 def _check_activation_checkpoint(config: JobConfig) -> None:
-    """Per-op selective checkpointing keeps each saved op output for one backward through the block; a zero-bubble
-    schedule runs two (input gradients, then weight gradients), and torch fails in the second."""
+    """selective_ac_option: 'op' or every N-th block. Per-op selective checkpointing keeps each saved op output for
+    one backward through the block; a zero-bubble schedule runs two (input gradients, then weight gradients), and
+    torch fails in the second."""
     ac, p = config.activation_checkpoint, config.parallelism
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and (not option.isdigit() or int(option) < 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option = '{option}': use 'op' or a positive integer N (checkpoint "
+            "every N-th block)."
+        )
     per_op = ac.mode == "selective" and ac.selective_ac_option == "op"
     if per_op and p.pipeline_parallel_degree > 1 and get_schedule(p.pipeline_parallel_schedule).zero_bubble:
         raise ConfigError(

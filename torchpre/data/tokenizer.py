@@ -10,7 +10,6 @@ from typing import Protocol
 
 from torchpre.data.hf_tokenizer import HFTokenizer
 from torchpre.data.tiktoken_bpe import DEFAULT_TOKENIZER_PATH, TiktokenTokenizer
-from torchpre.errors import ConfigError
 
 __all__ = ["DEFAULT_TOKENIZER_PATH", "Tokenizer", "load_tokenizer"]
 
@@ -55,21 +54,3 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if path.is_dir() or path.suffix == ".json":
         return HFTokenizer(path)
     return TiktokenTokenizer(path)
-
-
-
-def released_vocabulary(tokenizer: Tokenizer, rows: int, asked: int, setting: str, folder: str) -> int:
-    """The vocabulary of a released model whose embedding in `folder` has `rows` rows, which `setting` (the key that
-    reads it) trains: model.vocab_size (`asked`; 0 = unset) may only repeat it, and the tokenizer's ids must each
-    have a row."""
-    if asked not in (0, rows):
-        raise ConfigError(
-            f"model.vocab_size = {asked} with {setting}: the folder's embedding has vocab_size = {rows} rows. Set "
-            "model.vocab_size = 0."
-        )
-    if tokenizer.vocab_size > rows:
-        raise ConfigError(
-            f"The tokenizer {tokenizer.path} (model.tokenizer_path) has {tokenizer.vocab_size} ids, more than the "
-            f"{rows} rows of the embedding of {folder}. Use the tokenizer the model was released with."
-        )
-    return rows

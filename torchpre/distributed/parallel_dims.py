@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchpre.distributed.elastic import world_sizes_hint
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 CONTEXT_MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
@@ -89,6 +89,7 @@ class ParallelDims:
             object.__setattr__(self, "dp_shard", self.dp // self.dp_replicate)
 
     @classmethod
+    @resolve_step
     def from_degrees(
         cls,
         dp: int,

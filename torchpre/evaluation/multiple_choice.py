@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from torchpre.confined import make_folder, open_named, write_file
 from torchpre.data.tokenizer import Tokenizer
-from torchpre.errors import ConfigError, FieldError, UntrustedInput, json_field
+from torchpre.errors import ConfigError, FieldError, InputFileError, UntrustedInput, json_field, resolve_step
 from torchpre.evaluation.validation import eval_mode
 from torchpre.json_input import JsonValue, json_lines
 from torchpre.parallel.api import ParallelModel
@@ -76,7 +76,7 @@ def task_name(path: str | Path) -> str:
 
 
 def read_questions(path: Path) -> list[Question]:
-    """The questions of a task file; a ConfigError naming `file:line` and what is wrong for a malformed line. Task
+    """The questions of a task file; an InputFileError naming `file:line` and what is wrong for a malformed line. Task
     files are often downloaded: each line is bounded before it is parsed (`json_input.json_lines`), and the file
     must be a regular file (the path is the user's: a link on it is followed, `confined.open_named`)."""
     try:
@@ -93,7 +93,7 @@ def read_questions(path: Path) -> list[Question]:
         except UntrustedInput as error:
             raise UntrustedInput(f"eval.tasks: {error} Each line must be a JSON object like {_EXPECTED}.") from None
     if not questions:
-        raise ConfigError(f"eval.tasks: {path} holds no questions (one JSON object a line).")
+        raise InputFileError(f"eval.tasks: {path} holds no questions (one JSON object a line).")
     return questions
 
 
@@ -107,11 +107,11 @@ def _question(record: JsonValue, where: str) -> Question:
         choices = json_field(record, "choices", list)
         answer = json_field(record, "answer", int)
     except FieldError as error:
-        raise ConfigError(f"eval.tasks: {where}: {error}; {expected}.") from None
+        raise InputFileError(f"eval.tasks: {where}: {error}; {expected}.") from None
     if len(choices) < 2 or not all(isinstance(choice, str) and choice for choice in choices):
-        raise ConfigError(f"eval.tasks: {where}: 'choices' must hold at least two non-empty strings; {expected}.")
+        raise InputFileError(f"eval.tasks: {where}: 'choices' must hold at least two non-empty strings; {expected}.")
     if not 0 <= answer < len(choices):
-        raise ConfigError(
+        raise InputFileError(
             f"eval.tasks: {where}: 'answer' = {answer} is not an index into its {len(choices)} choices (0 to "
             f"{len(choices) - 1})."
         )
@@ -151,6 +151,7 @@ def read_task(path: str, tokenizer: Tokenizer, max_length: int) -> Task:
     return Task(task_name(path), Path(path), questions, rows)
 
 
+@resolve_step
 def read_tasks(paths: list[str], tokenizer: Tokenizer, max_length: int) -> list[Task]:
     """Every eval.tasks file, read before any work; two files of the same name are an error (their metrics would
     mix)."""

@@ -26,8 +26,9 @@ from torchpre.config.job_config import JobConfig, Validation
 from torchpre.data.loader import held_out_samples, source_samples
 from torchpre.data.sampler import GlobalBatchSampler, SampleOrder
 from torchpre.data.tokenizer import Tokenizer
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.parallel.api import Batch, ParallelModel
+from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.parallel.tensor_parallel import loss_parallel_context
 
 
@@ -92,12 +93,7 @@ class Validator:
         positions under context parallelism (its tokens are then counted here, and the cp ranks' sums add up
         over the DP group, which spans them)."""
         pipeline = model.plan.pipeline
-        if pipeline is not None and len(batches[0]) % pipeline.n_microbatches:
-            raise ConfigError(
-                f"validation.local_batch_size = {len(batches[0])}: under pipeline parallelism each validation "
-                f"batch is split into the schedule's {pipeline.n_microbatches} microbatches. Use a multiple of "
-                f"{pipeline.n_microbatches}."
-            )
+        assert pipeline is None or len(batches[0]) % pipeline.n_microbatches == 0, "check_validation_batches"
         self.samples = samples
         self.batches = batches
         self.freq = freq
@@ -135,6 +131,21 @@ class Validator:
         inputs = torch.stack([x for x, _ in pairs]).to(self.device)
         labels = torch.stack([y for _, y in pairs]).to(self.device)
         return (inputs, labels) if self.shard is None else self.shard((inputs, labels))
+
+
+@resolve_step
+def check_validation_batches(config: JobConfig, pipeline: PipelinePlan | None) -> None:
+    """Under pipeline parallelism each validation batch runs as the schedule's microbatches, which must divide it."""
+    v = config.validation
+    if not v.enable or pipeline is None:
+        return
+    local_batch_size = config.training.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
+    if local_batch_size % pipeline.n_microbatches:
+        raise ConfigError(
+            f"validation.local_batch_size = {local_batch_size}: under pipeline parallelism each validation "
+            f"batch is split into the schedule's {pipeline.n_microbatches} microbatches. Use a multiple of "
+            f"{pipeline.n_microbatches}."
+        )
 
 
 def build_validator(

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torchpre.checkpoint.integrity import MANIFEST, SIGNING_KEY, Trust, read_manifest, verify_share
 from torchpre.confined import file_kind
 from torchpre.data.hf_tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON
-from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
+from torchpre.errors import ConfigError, InputFileError, TorchpreError, UntrustedInput, resolve_step
 from torchpre.interchange.reader import CONFIG, INDEX, HFFolder, read_config
 from torchpre.interchange.storage import HFStorageReader, first_name
 from torchpre.metrics.host_memory import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -92,7 +92,7 @@ def folder_args(path: Path, spec: ModelSpec, family: str) -> ModelArgs:
     try:
         return adapter.args_from_hf_config(config)
     except TorchpreError as error:
-        raise ConfigError(f"model.flavor = '{FROM_HF}': {path / CONFIG}: {error}") from None
+        raise InputFileError(f"model.flavor = '{FROM_HF}': {path / CONFIG}: {error}") from None
 
 
 def model_shapes(spec: ModelSpec, args: ModelArgs) -> dict[str, torch.Size]:
@@ -131,6 +131,7 @@ def check_hf_folder(path: Path, trust: Trust, allow_unsigned: bool, key: str) ->
         )
 
 
+@resolve_step
 def hf_weights(path: Path, spec: ModelSpec, args: ModelArgs, key: str) -> HFWeights:
     """The folder at `path` (given as `key`, e.g. checkpoint.initial_load_path) checked against the model `args`
     describes: a TorchpreError names what does not fit and what to do, before any weight is read."""
@@ -152,7 +153,7 @@ def hf_weights(path: Path, spec: ModelSpec, args: ModelArgs, key: str) -> HFWeig
     try:
         mismatches = adapter.hf_config_mismatches(config, args)
     except TorchpreError as error:
-        raise ConfigError(f"{key} = {path}: {path / CONFIG}: {error}") from None
+        raise InputFileError(f"{key} = {path}: {path / CONFIG}: {error}") from None
     if mismatches:
         raise ConfigError(
             f"{key} = {path}: its config.json does not describe the job's model: {'; '.join(mismatches)}. Use the "
@@ -162,7 +163,7 @@ def hf_weights(path: Path, spec: ModelSpec, args: ModelArgs, key: str) -> HFWeig
     try:
         shapes = model_shapes(spec, args)
     except (TypeError, RuntimeError) as error:  # a size past int64 (TypeError), a tensor past 2**63 bytes
-        raise ConfigError(
+        raise InputFileError(
             f"{key} = {path}: {path / CONFIG} describes a model whose tensors no machine can hold "
             f"({str(error).splitlines()[0][:200]}). Use the model the weights were made with."
         ) from None
@@ -171,7 +172,7 @@ def hf_weights(path: Path, spec: ModelSpec, args: ModelArgs, key: str) -> HFWeig
     try:
         check_folder(sources, shapes, folder.shapes)
     except TorchpreError as error:
-        raise ConfigError(f"{key} = {path}: {error} Use the model the weights were made with.") from None
+        raise InputFileError(f"{key} = {path}: {error} Use the model the weights were made with.") from None
     return HFWeights(folder, sources, shapes)
 
 

@@ -8,10 +8,8 @@ what it has. `register_model` refuses a flavor whose args do not.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar, Protocol, runtime_checkable
 
-from torchpre.errors import ConfigError
 from torchpre.models.parametrization import Parametrization
 
 
@@ -67,16 +65,3 @@ class ArgsDefaults:
     parametrization: ClassVar[Parametrization] = Parametrization()
     mtp_depth: ClassVar[int] = 0
     first_k_dense: ClassVar[int] = 0
-
-
-def with_mtp(args: ModelArgs, depth: int, loss_weight: float, family: str) -> ModelArgs:
-    """`args` with model.mtp_depth = `depth` and model.mtp_loss_weight = `loss_weight`, for a family with multi-token
-    prediction (`predicts_ahead`); a ConfigError for a depth asked of `family` that has none."""
-    if args.predicts_ahead:
-        return dataclasses.replace(args, mtp_depth=depth, mtp_loss_weight=loss_weight)
-    if depth:
-        raise ConfigError(
-            f"model.mtp_depth = {depth} with model.name = '{family}': multi-token prediction is built for "
-            "model.name = 'deepseek_v3'. Set model.mtp_depth = 0."
-        )
-    return args

@@ -35,7 +35,7 @@ import fnmatch
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -48,16 +48,9 @@ Update = Literal["adaptive", "sgd"]  # entrywise-normalised updates (Adam, AdamW
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
 
 
-class Parametrizable(Protocol):
-    """A family's args as `check_parametrized` reads them: part of torchpre.models.args.ModelArgs, which imports
-    this module's Parametrization and so cannot be named here."""
-
-    parametrized: ClassVar[bool]  # whether the forward has µP's multipliers
-
-
 class ScaledArgs(Protocol):
     """The shape µP scales from, in the args of a parametrized family (llama3, moe, deepseek_v3). ModelArgs lacks
-    `attention_head_dim`: `check_parametrized` admits only these families."""
+    `attention_head_dim`: model_args (torchpre.assembly.args) parametrizes only these families."""
 
     @property
     def dim(self) -> int: ...
@@ -224,16 +217,6 @@ class Settings:
     base_head_dim: int  # 0: the base model's own
     embedding_multiplier: float = 1.0
     logit_multiplier: float = 1.0
-
-
-def check_parametrized(args: Parametrizable, settings: Settings, family: str) -> None:
-    """Refuses `settings` for a family whose forward has no multipliers to set (`ModelArgs.parametrized`)."""
-    if not args.parametrized:
-        raise ConfigError(
-            f"model.parametrization = '{settings.name}' with model.name = '{family}': this family's forward has no "
-            "multipliers to set (µP needs the attention scale 1/d, the logit and embedding multipliers and, for "
-            "complete_p, the residual ones). Use llama3, moe or deepseek_v3, or model.parametrization = 'sp'."
-        )
 
 
 def parametrize(model_cls: Callable[[Args], nn.Module], args: Args, base_args: Args, settings: Settings) -> Args:

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ModelArgs
 from torchpre.models.hf_sources import Sources
 from torchpre.parallel.api import pipeline_stages
@@ -227,6 +227,7 @@ def register_model(name: str, spec: ModelSpec) -> None:
     _REGISTERED_AT.setdefault(name, place)
 
 
+@resolve_step
 def get_model_spec(name: str) -> ModelSpec:
     if name not in _REGISTRY:
         raise ConfigError(f"model.name = '{name}' is not a registered model.{_suggest(name, _REGISTRY)}")

@@ -21,9 +21,6 @@ def with_shape(args: ModelArgs, where: str, **shape: int) -> ModelArgs:
     `dim`. A ConfigError names the key that `where` (e.g. "model.flavor = 'tiny'") cannot take, or the shape that does
     not hold together."""
     given = {key: value for key, value in shape.items() if value}
-    for key, value in shape.items():
-        if value < 0:
-            raise ConfigError(f"model.{key} = {value}: it must be positive (0 = the flavor's).")
     taken = type(args).shape_keys
     refused = [key for key in given if key not in taken]
     if refused:

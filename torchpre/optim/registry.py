@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from torchpre.config.job_config import Optimizer
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.optim.muon import Muon, check_settings
 
 
@@ -111,11 +111,7 @@ class OptimizerSpec:
         """Whether to build the fused implementation for parameters on `device`: by default (`optimizer.implementation
         = "auto"`) on CUDA only, so CPU runs keep the implementation their reference numbers were measured with."""
         if implementation == "fused":
-            if not self.has_fused():
-                raise ConfigError(
-                    f"optimizer.implementation = 'fused': {self.cls.__name__} has no fused implementation here; "
-                    "use 'auto' or 'foreach'."
-                )
+            assert self.has_fused(), f"{self.cls.__name__} has no fused implementation: check_config refuses it"
             return True
         if implementation == "foreach" or device.type != "cuda":
             return False
@@ -163,18 +159,6 @@ def get_optimizer(name: str) -> OptimizerSpec:
     return _REGISTRY[name]
 
 
-def check_mup_rule(name: str, parametrization: str) -> None:
-    """Refuses model.parametrization = `parametrization` (not 'sp') with an optimizer that has no stated per-parameter
-    rule (`OptimizerSpec.mup_update`)."""
-    if get_optimizer(name).mup_update is None:
-        raise ConfigError(
-            f"model.parametrization = '{parametrization}' with optimizer.name = '{name}': torchpre has no "
-            "per-parameter rule for it. Muon's would be spectral scaling (each matrix's update scaled by "
-            "sqrt(fan-out / fan-in), optimizer.muon_lr_adjust = 'spectral_unclamped', no 1/width on its learning "
-            "rate), which the learning-rate transfer test has not checked. Use AdamW, Adam, SGD, Adagrad or RMSprop."
-        )
-
-
 def config_keys() -> list[str]:
     """Every `optimizer.*` key that some optimizer reads."""
     return [key for keys in HYPERPARAMETER_KEYS.values() for key in keys]
@@ -188,16 +172,23 @@ def hyperparameters_from_config(values: dict[str, object]) -> dict[str, object]:
     }
 
 
+@resolve_step
 def check_config(section: Optimizer, shards: dict[str, bool]) -> None:
     """`optimizer.name` is registered, no `optimizer.*` key it does not read is set away from its default, the
-    values it reads are valid, and an update that is not elementwise is not computed on shards (`shards`: each
-    setting of the layout, e.g. "optimizer.zero_stage = 1", and whether it leaves ranks holding shards)."""
+    values it reads are valid, optimizer.implementation = 'fused' only where it has one, and an update that is not
+    elementwise is not computed on shards (`shards`: each setting of the layout, e.g. "optimizer.zero_stage = 1", and
+    whether it leaves ranks holding shards)."""
     keys, defaults = config_keys(), Optimizer()
     values = {k: getattr(section, k) for k in keys}
     check_hyperparameters(section.name, values, {k: getattr(defaults, k) for k in keys})
     spec = get_optimizer(section.name)
     if spec.check is not None:
         spec.check(hyperparameters_from_config(values))
+    if section.implementation == "fused" and not spec.has_fused():
+        raise ConfigError(
+            f"optimizer.implementation = 'fused': {spec.cls.__name__} has no fused implementation here; use 'auto' or "
+            "'foreach'."
+        )
     sharded = [setting for setting, holds_shards in shards.items() if holds_shards]
     if not spec.elementwise and not spec.whole_matrices and sharded:
         raise ConfigError(

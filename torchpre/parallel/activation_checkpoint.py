@@ -9,8 +9,6 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchpre.errors import ConfigError
-
 
 def _overloads(namespace: torch._ops._OpNamespace, *names: str) -> set[torch._ops.OpOverload]:
     """The `.default` overloads of those of `names` this torch (or an installed extension) registers."""
@@ -74,12 +72,7 @@ def apply_activation_checkpointing(blocks: Sequence[BlockSlot], mode: str, selec
         return
     every = 1
     if mode == "selective" and selective_option != "op":
-        if not selective_option.isdigit() or int(selective_option) < 1:
-            raise ConfigError(
-                f"activation_checkpoint.selective_ac_option = '{selective_option}': use 'op' or a positive "
-                "integer N (checkpoint every N-th block)."
-            )
-        every = int(selective_option)
+        every = int(selective_option)  # 'op' or a positive integer: validate_config's check
     per_op = mode == "selective" and selective_option == "op"
     for index, (parent, name) in enumerate(blocks):
         if index % every:

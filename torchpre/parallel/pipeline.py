@@ -19,8 +19,8 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._backward import stage_backward_weight
 
 from torchpre.distributed.clock import SpanClock
-from torchpre.errors import ConfigError
-from torchpre.step_rules.schedules import PipelineSchedule, get_schedule
+from torchpre.errors import ConfigError, resolve_step
+from torchpre.step_rules.schedules import PipelineSchedule, get_schedule, names_where
 
 
 def schedule_class(schedule: PipelineSchedule) -> type:
@@ -47,6 +47,7 @@ class PipelinePlan:
         return self.pp * self.stages_per_rank
 
     @classmethod
+    @resolve_step
     def from_config(
         cls, parallelism, stage_modules: Callable[[int], list[list[str]]], sequences_per_step: int
     ) -> "PipelinePlan":
@@ -54,7 +55,7 @@ class PipelinePlan:
         `sequences_per_step` is what one DP rank processes per optimizer step."""
         schedule = get_schedule(parallelism.pipeline_parallel_schedule)
         pp = parallelism.pipeline_parallel_degree
-        per_rank = schedule.stages_per_rank(parallelism.pipeline_parallel_virtual_stages)
+        per_rank = checked_stages_per_rank(schedule, parallelism.pipeline_parallel_virtual_stages)
         microbatch_size = parallelism.pipeline_parallel_microbatch_size
         if microbatch_size < 1 or sequences_per_step % microbatch_size:
             raise ConfigError(
@@ -63,7 +64,7 @@ class PipelinePlan:
                 "(training.local_batch_size x gradient-accumulation steps)."
             )
         n_microbatches = sequences_per_step // microbatch_size
-        schedule.check_microbatches(n_microbatches, pp, pp * per_rank)
+        check_microbatches(schedule, n_microbatches, pp, pp * per_rank)
         return cls(schedule, pp, per_rank, n_microbatches, stage_modules(pp * per_rank), microbatch_size)
 
     @classmethod
@@ -76,7 +77,7 @@ class PipelinePlan:
         per_rank = len(stage_modules) // pp
         if per_rank != row.stages_per_rank(per_rank):
             raise ConfigError(f"The '{row.name}' schedule cannot hold {per_rank} stages per rank.")
-        row.check_microbatches(n_microbatches, pp, len(stage_modules))
+        check_microbatches(row, n_microbatches, pp, len(stage_modules))
         return cls(row, pp, per_rank, n_microbatches, [list(names) for names in stage_modules])
 
     def microbatches_in(self, sequences: int) -> int:
@@ -96,6 +97,41 @@ class PipelinePlan:
             f"{self.schedule.name}, {self.num_stages} stages ({self.stages_per_rank} per rank), "
             f"{self.n_microbatches} microbatches per step; stages {stages}"
         )
+
+
+def checked_stages_per_rank(schedule: PipelineSchedule, virtual_stages: int) -> int:
+    """The stages each rank holds (`PipelineSchedule.stages_per_rank`); a ConfigError if the schedule cannot hold
+    parallelism.pipeline_parallel_virtual_stages = `virtual_stages`."""
+    key = "parallelism.pipeline_parallel_virtual_stages"
+    if not schedule.multi_stage and virtual_stages > 1:
+        raise ConfigError(
+            f"{key} = {virtual_stages}, but '{schedule.name}' runs one stage per rank. Use one of "
+            f"{', '.join(names_where(multi_stage=True, placement='loop'))} for virtual stages, or set it to 1."
+        )
+    if schedule.multi_stage and schedule.placement == "v" and virtual_stages not in (1, 2):
+        raise ConfigError(f"{key} = {virtual_stages}, but '{schedule.name}' places exactly 2 stages per rank (a V).")
+    return schedule.stages_per_rank(virtual_stages)
+
+
+def check_microbatches(schedule: PipelineSchedule, n_microbatches: int, pp: int, num_stages: int) -> None:
+    """Rejects microbatch counts `schedule` cannot run, before any work."""
+    fix = (
+        "Raise training.local_batch_size (or training.global_batch_size) or lower "
+        "parallelism.pipeline_parallel_microbatch_size."
+    )
+    if schedule.microbatches_per_stage and n_microbatches < num_stages:
+        raise ConfigError(
+            f"The '{schedule.name}' schedule needs at least as many microbatches as stages ({num_stages}), "
+            f"but a step has {n_microbatches}. {fix}"
+        )
+    if schedule.rounds:
+        rounds = max(1, n_microbatches // pp)
+        if n_microbatches % rounds:
+            raise ConfigError(
+                f"The '{schedule.name}' schedule runs microbatches in rounds of the pipeline degree ({pp}); "
+                f"{n_microbatches} microbatches per step do not split into {rounds} equal rounds. "
+                f"Use a multiple of {pp}. {fix}"
+            )
 
 
 def split_layers(layer_names: Sequence[str], num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from torchpre.errors import ConfigError
-from torchpre.optional import import_optional
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +39,6 @@ class QuantizePlan:
     modules: tuple[str, ...]
     emulate: bool
     fsdp_float8_all_gather: bool = False
-
-
-def check_quantize(linear: str, recipe: str, tokens_per_row: int, tokens_key: str) -> None:
-    """Refuses, naming the keys, what the chosen format cannot do with the sequences a rank sees (the [quantize]
-    keys' own combinations are `torchpre.config.validate`'s); run on every rank before any process group.
-    `tokens_per_row` is how many positions of a sequence one rank's matmuls see (`tokens_key` says which keys
-    set it): MXFP8's weight gradient scales blocks of 32 of them."""
-    if linear == "none":
-        return
-    import_optional("torchao", f"quantize.linear = '{linear}'", extra="fp8")  # missing: names the extra
-    if linear != "mxfp8":
-        return
-    if recipe == "rowwise" and tokens_per_row % DIVISOR["mxfp8"]:
-        raise ConfigError(
-            f"quantize.linear = 'mxfp8' with quantize.recipe = 'rowwise' and {tokens_key} = {tokens_per_row} "
-            "positions per sequence on each rank: its weight gradient scales blocks of 32 tokens of a microbatch, "
-            "which every microbatch has whole when the positions are a multiple of 32. Change training.seq_len, or "
-            "use quantize.recipe = 'rowwise_with_gw_hp' (weight gradients in high precision)."
-        )
 
 
 def resolve_emulate(linear: str, emulate: str, device: torch.device) -> bool:

@@ -25,46 +25,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from torchpre.errors import ConfigError
-from torchpre.parallel.quantize import DIVISOR, QuantizePlan
+from torchpre.parallel.quantize import QuantizePlan
 
 logger = logging.getLogger(__name__)
 
 # (tokens [rows, K] grouped by expert, weights [experts, K, N], int32 end offsets [experts]) -> [rows, N]; rows past
 # the last offset are left unwritten (as torch._grouped_mm leaves them).
 GroupedMM = Callable[[Tensor, Tensor, Tensor], Tensor]
-
-
-def check_quantize_experts(linear: str, family: str, matmul_dims: dict[str, int] | None) -> None:
-    """Refuses what `quantize.experts` cannot run, naming the keys, on every rank before any process group.
-    `matmul_dims` names the dimensions each rank's expert matmuls multiply (None: the family has no routed experts)."""
-    key = "quantize.experts"
-    if matmul_dims is None:
-        raise ConfigError(
-            f"{key} with model.name = '{family}': that family has no routed experts whose grouped matmuls torchpre "
-            f"can swap (ModelSpec.parallel.set_grouped_mm). Turn {key} off, or use model.name = 'moe' or 'deepseek_v3'."
-        )
-    if linear == "none":
-        raise ConfigError(
-            f"{key} with quantize.linear = 'none': the experts take quantize.linear's format. Set quantize.linear = "
-            f"'mxfp8', or turn {key} off."
-        )
-    if linear == "float8":
-        raise ConfigError(
-            f"{key} with quantize.linear = 'float8': torchao's float8 grouped matmul (rowwise only) runs on triton "
-            "kernels on CUDA GPUs, with no emulation, and torchpre does not build it. Use quantize.linear = 'mxfp8' "
-            f"(emulated on CPU; kernels on compute capability 10.0), or turn {key} off (the experts stay in high "
-            "precision, the other linears in float8)."
-        )
-    divisor = DIVISOR[linear]
-    uneven = {name: size for name, size in matmul_dims.items() if size % divisor}
-    if uneven:
-        sizes = ", ".join(f"{name} = {size}" for name, size in uneven.items())
-        raise ConfigError(
-            f"{key} with quantize.linear = '{linear}': the experts' matmuls scale blocks of {divisor} values along "
-            f"every dimension, and each rank's experts have {sizes}. Use a flavor whose expert dimensions are "
-            f"multiples of {divisor} on every rank, or turn {key} off."
-        )
 
 
 def quantize_experts(

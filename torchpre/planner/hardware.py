@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchpre.confined import write_file
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, InputFileError
 
 
 @dataclass(frozen=True)
@@ -175,14 +175,14 @@ def load_profile(path: Path, key: str = "hardware") -> Hardware:
     except FileNotFoundError:
         raise ConfigError(f"{key} = '{path}': no such profile file.") from None
     except json.JSONDecodeError as error:
-        raise ConfigError(f"{key} = '{path}' is not valid JSON: {error}.") from None
+        raise InputFileError(f"{key} = '{path}' is not valid JSON: {error}.") from None
     if not isinstance(fields, dict):
-        raise ConfigError(f"{key} = '{path}' must hold a JSON object of Hardware fields.")
+        raise InputFileError(f"{key} = '{path}' must hold a JSON object of Hardware fields.")
     names = {field.name for field in dataclasses.fields(Hardware)}
     required = {field.name for field in dataclasses.fields(Hardware) if field.default is dataclasses.MISSING}
     unknown, missing = sorted(set(fields) - names), sorted(required - set(fields))
     if unknown or missing:
-        raise ConfigError(
+        raise InputFileError(
             f"{key} = '{path}': " + "; ".join(
                 part for part in (unknown and f"unknown fields {', '.join(unknown)}",
                                   missing and f"missing fields {', '.join(missing)}") if part
@@ -209,7 +209,9 @@ def _check_values(fields: dict, path: Path, key: str) -> None:
         else:
             ok = _number(value) and value > 0
         if not ok:
-            raise ConfigError(f"{key} = '{path}': field {field.name} = {value!r} is out of range or of the wrong type.")
+            raise InputFileError(
+                f"{key} = '{path}': field {field.name} = {value!r} is out of range or of the wrong type."
+            )
 
 
 def _number(value: object) -> bool:

@@ -78,22 +78,11 @@ class PipelineSchedule:
 
     def stages_per_rank(self, virtual_stages: int) -> int:
         """Stages each rank holds under parallelism.pipeline_parallel_virtual_stages = `virtual_stages`: 1 for
-        single-stage schedules, 2 for V schedules, else `virtual_stages`; a ConfigError if the schedule cannot."""
-        key = "parallelism.pipeline_parallel_virtual_stages"
+        single-stage schedules, 2 for V schedules, else `virtual_stages` (which of these the schedule accepts is
+        `torchpre.parallel.pipeline.checked_stages_per_rank`'s to check)."""
         if not self.multi_stage:
-            if virtual_stages > 1:
-                raise ConfigError(
-                    f"{key} = {virtual_stages}, but '{self.name}' runs one stage per rank. Use one of "
-                    f"{', '.join(names_where(multi_stage=True, placement='loop'))} for virtual stages, or set it to 1."
-                )
             return 1
-        if self.placement == "v":
-            if virtual_stages not in (1, 2):
-                raise ConfigError(
-                    f"{key} = {virtual_stages}, but '{self.name}' places exactly 2 stages per rank (a V)."
-                )
-            return 2
-        return virtual_stages
+        return 2 if self.placement == "v" else virtual_stages
 
     def stage_ids(self, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
         """The global stage indices held by `pp_rank`: r, r + pp, ... in a loop; r and 2 pp - 1 - r in a V."""
@@ -106,26 +95,6 @@ class PipelineSchedule:
         if self.placement == "v":
             return stage if stage < pp else 2 * pp - 1 - stage
         return stage % pp
-
-    def check_microbatches(self, n_microbatches: int, pp: int, num_stages: int) -> None:
-        """Rejects microbatch counts the schedule cannot run, before any work."""
-        fix = (
-            "Raise training.local_batch_size (or training.global_batch_size) or lower "
-            "parallelism.pipeline_parallel_microbatch_size."
-        )
-        if self.microbatches_per_stage and n_microbatches < num_stages:
-            raise ConfigError(
-                f"The '{self.name}' schedule needs at least as many microbatches as stages ({num_stages}), "
-                f"but a step has {n_microbatches}. {fix}"
-            )
-        if self.rounds:
-            rounds = max(1, n_microbatches // pp)
-            if n_microbatches % rounds:
-                raise ConfigError(
-                    f"The '{self.name}' schedule runs microbatches in rounds of the pipeline degree ({pp}); "
-                    f"{n_microbatches} microbatches per step do not split into {rounds} equal rounds. "
-                    f"Use a multiple of {pp}. {fix}"
-                )
 
     def check_stages_per_rank(self, stages_per_rank: int) -> None:
         expected = 1 if not self.multi_stage else 2 if self.placement == "v" else None

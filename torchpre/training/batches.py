@@ -8,7 +8,7 @@ from torchpre.checkpoint.integrity import Trust
 from torchpre.checkpoint.state import read_train_values
 from torchpre.config.job_config import JobConfig
 from torchpre.distributed.elastic import world_sizes_hint
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.step_rules.batch import BatchSizes
 
 logger = logging.getLogger("torchpre")
@@ -28,6 +28,7 @@ def resolve_batch_sizes(local_batch_size: int, global_batch_size: int, dp: int) 
     return global_batch_size, global_batch_size // per_round
 
 
+@resolve_step
 def batch_sizes(config: JobConfig, dp: int, resume_dir: Path | None, trust: Trust) -> BatchSizes:
     """`resolve_batch_sizes` for this job, except that a resumed job keeps the global batch its checkpoint
     (`resume_dir`, read as `trust` allows) was trained with when training.global_batch_size is -1 (derived): under

@@ -18,8 +18,9 @@ from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.data.tokenizer import Tokenizer
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.evaluation.multiple_choice import Task, read_tasks
+from torchpre.evaluation.validation import check_validation_batches
 from torchpre.interchange.load import FROM_HF, check_hf_folder, hf_weights
 from torchpre.interchange.reader import is_hf_folder
 from torchpre.models.args import ModelArgs
@@ -29,6 +30,7 @@ from torchpre.parallel.data_parallel import DataParallel
 from torchpre.parallel.pipeline import PipelinePlan
 from torchpre.step_rules.batch import BatchSizes
 from torchpre.training.batches import batch_sizes
+from torchpre.training.stages import StageTable
 from torchpre.training.step_plan import StepPlan
 
 
@@ -80,27 +82,16 @@ def preflight(
         check_verifiable(Path(c.initial_load_path), "checkpoint.initial_load_path", trust)
     # A ramp's batch follows the samples consumed, not the checkpoint's batch: the global batch is the ramp's end.
     batches = batch_sizes(config, dims.dp, None if t.batch_rampup.strip() or not resume else resume.step_dir, trust)
-    plan = StepPlan.from_config(config, batches, dims.dp)
+    plan = StepPlan.from_config(config, batches, StageTable.from_config(config), dims.dp)
     spec = get_model_spec(config.model.name)
-    tokenizer = tokenizer or job_tokenizer(config)
-    if t.document_mask and tokenizer.bos_id is None:
-        raise ConfigError(
-            f"training.document_mask finds each document by the BOS token it starts with, but the tokenizer "
-            f"{tokenizer.path} starts documents with none (its family only ends them, with EOS, as Qwen's does). "
-            "Turn training.document_mask off."
-        )
-    window = _evaluation_window(config, tokenizer)
+    tokenizer = checked_tokenizer(config, tokenizer)
+    window = evaluation_window(config, tokenizer)
     args = model_args(config, tokenizer, max_seq_len=max(plan.stages.max_seq_len, window))
     seq_lens = sorted({stage.seq_len for stage in plan.stages.stages})
     for seq_len in seq_lens:
         check_layout(at_seq_len(config, seq_len), spec, args, dims)
     check_keys_take_effect(config, spec, args, seq_lens[0])
     weights = weights_source(c, resume, lambda path: hf_weights(path, spec, args, "checkpoint.initial_load_path"))
-    if config.hf_export.enable and spec.hf is None:
-        raise ConfigError(
-            f"hf_export.enable: model.name = '{config.model.name}' has no Hugging Face conversion (its ModelSpec has "
-            "no `hf` adapter). Turn hf_export off, or export checkpoints another way."
-        )
     eval_tasks = read_tasks(config.eval.tasks, tokenizer, window)
     pipeline = None
     if dims.pp > 1:
@@ -111,11 +102,27 @@ def preflight(
             stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
             sequences_per_step=t.local_batch_size * first.accumulation_steps,
         )
+    check_validation_batches(config, pipeline)
     plan.check(t.steps, partial(_check_pipeline_microbatches, p) if dims.pp > 1 else lambda sequences: None)
     return Preflight(dims, data_parallel, batches, spec, tokenizer, args, pipeline, trust, weights, eval_tasks, plan)
 
 
-def _evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:
+@resolve_step
+def checked_tokenizer(config: JobConfig, loaded: Tokenizer | None) -> Tokenizer:
+    """The job's tokenizer (`loaded`: the one the planner read once for many layouts), which training.document_mask
+    needs to mark where each document starts."""
+    tokenizer = loaded or job_tokenizer(config)
+    if config.training.document_mask and tokenizer.bos_id is None:
+        raise ConfigError(
+            f"training.document_mask finds each document by the BOS token it starts with, but the tokenizer "
+            f"{tokenizer.path} starts documents with none (its family only ends them, with EOS, as Qwen's does). "
+            "Turn training.document_mask off."
+        )
+    return tokenizer
+
+
+@resolve_step
+def evaluation_window(config: JobConfig, tokenizer: Tokenizer) -> int:
     """The most tokens a multiple-choice row feeds the model (eval.max_length, 0 = training.seq_len); 0 without
     tasks. The model's positions must cover it."""
     e = config.eval

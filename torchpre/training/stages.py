@@ -13,7 +13,7 @@ from typing import Any
 from torchpre.config.job_config import DataStage, JobConfig
 from torchpre.config.training_schedule import STAGES_KEY as KEY
 from torchpre.config.training_schedule import check_data_stage, stage_name
-from torchpre.errors import ConfigError, FieldError, TorchpreError, json_field
+from torchpre.errors import ConfigError, FieldError, TorchpreError, json_field, resolve_step
 from torchpre.optim.lr_scheduler import decay_start_step
 
 SAVED_KEY = "train.data_stages"  # where a checkpoint's state.json keeps the stages of the run that saved it
@@ -44,6 +44,7 @@ class StageTable:
         self._starts = [stage.start_step for stage in stages]
 
     @classmethod
+    @resolve_step
     def from_config(cls, config: JobConfig) -> "StageTable":
         t = config.training
         if not t.data_stages:

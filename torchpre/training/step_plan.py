@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torchpre.config.job_config import JobConfig
-from torchpre.errors import ConfigError
+from torchpre.config.training_schedule import RAMP_KEY, ramp_values
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.step_rules.batch import BatchSizes
-from torchpre.step_rules.ramp import KEY as RAMP_KEY
 from torchpre.step_rules.ramp import BatchRamp
 from torchpre.training.batches import kept_global_batch
 from torchpre.training.stages import Stage, StageTable
@@ -33,12 +33,24 @@ class StepPlan:
         self.base, self.ramp, self.stages, self.dp, self.unit = base, ramp, stages, dp, unit
 
     @classmethod
-    def from_config(cls, config: JobConfig, base: BatchSizes, dp: int) -> "StepPlan":
+    @resolve_step
+    def from_config(cls, config: JobConfig, base: BatchSizes, stages: StageTable, dp: int) -> "StepPlan":
+        """The plan of `base` (the job's batch sizes), training.batch_rampup and `stages`; refuses a ramp whose sizes
+        a round of training.local_batch_size x `dp` sequences does not divide."""
         t = config.training
-        ramp = BatchRamp.parse(t.batch_rampup, t.global_batch_size)
-        if ramp is not None:
-            ramp.check_divisible(t.local_batch_size, dp)
-        return cls(base, ramp, StageTable.from_config(config), dp, t.global_batch_unit)
+        values = ramp_values(t.batch_rampup, t.global_batch_size)
+        ramp = None if values is None else BatchRamp(*values, t.global_batch_size)
+        per_round = t.local_batch_size * dp
+        bad = ramp.indivisible_sizes(per_round) if ramp is not None else []
+        if bad:
+            raise ConfigError(
+                f"{RAMP_KEY} = \"{ramp.start},{ramp.increment},{ramp.samples}\" trains with global batches "
+                f"{_listed(ramp.sizes())}, and "
+                f"{_listed(bad)} are not divisible by training.local_batch_size x data-parallel degree = "
+                f"{t.local_batch_size} x {dp} = {per_round}. Use a start and an increment that are multiples of "
+                f"{per_round} (or a smaller local_batch_size)."
+            )
+        return cls(base, ramp, stages, dp, t.global_batch_unit)
 
     @property
     def phased(self) -> bool:
@@ -78,6 +90,7 @@ class StepPlan:
         shapes = [shape.sizes for step, _, shape in self.walk() if step < steps] or [self.at(0, 0).sizes]
         return max(s.local_batch_size * s.accumulation_steps for s in shapes), max(s.seq_len for s in shapes)
 
+    @resolve_step
     def check(self, steps: int, check_microbatches: Callable[[int], None]) -> None:
         """Every shape the run takes in `steps` steps, checked before any work: whole rounds of
         local_batch_size x dp, whole sequences under 'tokens', and `check_microbatches(sequences per DP rank)`
@@ -142,3 +155,7 @@ class StepPlan:
                 "sequences. Choose a seq_len that divides it, or set global_batch_unit = 'sequences'."
             )
         return kept
+
+
+def _listed(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes[:6])) + (f", ... ({len(sizes)} in all)" if len(sizes) > 6 else "")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.moe.args import MoEArgs, active_params
 
 
@@ -61,6 +61,7 @@ class DeepSeekV3Args(MoEArgs):
         "moe_hidden_dim", "shared_expert_hidden_dim", "q_lora_rank", "kv_lora_rank", "dense_hidden_dim",
     )
 
+    @resolve_step
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.rope_scaling is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchpre.config.job_config import JobConfig
-from torchpre.errors import ConfigError, TorchpreError, UntrustedInput
+from torchpre.errors import ConfigError, TorchpreError, UntrustedInput, resolve_step
 from torchpre.json_input import JsonValue, read_json, read_named_json
 from torchpre.models.args import ArgsDefaults
 from torchpre.models.hf.architectures import not_decoder_only
@@ -84,6 +84,7 @@ class ConfigKey:
         return isinstance(other, ConfigKey) and self.config.to_json_string() == other.config.to_json_string()
 
 
+@resolve_step
 def hf_args(job: JobConfig, vocab_size: int, max_seq_len: int | None) -> HFArgs:
     """The transformers config at `model.hf_config` (a config.json or a folder holding one), checked against the
     job: the tokenizer's `vocab_size` ids must fit the model's vocabulary and `max_seq_len` (None: the model's

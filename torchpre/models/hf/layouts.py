@@ -16,7 +16,7 @@ import inspect
 from typing import TYPE_CHECKING
 
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.hf.args import HFArgs
 from torchpre.models.hf.model import HFCausalLM, meta_model, tied_weights
 from torchpre.models.hf.parallelize import (
@@ -113,6 +113,7 @@ def validate_tensor_parallel(args: HFArgs, tp: int) -> None:
         _refuse_if(args, SEQUENCE, reasons)
 
 
+@resolve_step
 def validate_layout(args: HFArgs, dims: ParallelDims) -> None:
     """ModelSpec.parallel.validate_layout: refuses an architecture torchpre does not train, ZeRO-3 of parameters some
     inputs leave unused, or pipeline stages that do not reproduce its forward."""

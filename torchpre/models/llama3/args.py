@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ArgsDefaults
 from torchpre.models.parametrization import Parametrization
 
@@ -45,6 +45,7 @@ class TransformerArgs(ArgsDefaults):
     shape_keys: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads", "n_kv_heads")
     parametrized: ClassVar[bool] = True
 
+    @resolve_step
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)

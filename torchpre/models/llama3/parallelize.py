@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.chunked_output import ChunkedOutput, VocabParallelOutput
@@ -52,6 +52,7 @@ from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole_heads
 
 
+@resolve_step
 def validate_llama3_tensor_parallel(args: TransformerArgs, tp: int) -> None:
     """Fail fast, before any process-group work, if `tp` ranks cannot hold whole heads and equal slices of the
     SwiGLU width (DTensor would shard it unevenly, and the row-parallel w2 would not match w1's shard)."""

@@ -32,8 +32,6 @@ def with_rope(args: ModelArgs, m: Model, where: str) -> ModelArgs:
                     "model.rope_* set the RoPE of llama3 and moe). Remove the key (0 = unset)."
                 )
         return args
-    if m.rope_theta < 0:
-        raise ConfigError(f"model.rope_theta = {m.rope_theta}: the RoPE base must be positive (0 = the flavor's).")
     theta = m.rope_theta or args.rope_theta
     return dataclasses.replace(args, rope_theta=theta, rope_scaling=_scaling(m, args.rope_scaling, where))
 
@@ -48,11 +46,6 @@ def _scaling(m: Model, flavor: RopeScaling | None, where: str) -> RopeScaling | 
         "rope_high_freq_factor": m.rope_high_freq_factor,
         "rope_original_max_seq_len": m.rope_original_max_seq_len,
     }
-    if asked and asked < 1:
-        raise ConfigError(
-            f"model.rope_scaling_factor = {asked}: it divides the long-wavelength frequencies, so it must be at least "
-            "1 (1 = no scaling, 0 = the flavor's)."
-        )
     if factor == 1:
         set_keys = [key for key, value in details.items() if value]
         if set_keys:

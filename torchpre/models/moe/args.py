@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.args import flops_per_token as dense_flops_per_token
 
@@ -45,6 +45,7 @@ class MoEArgs(TransformerArgs):
 
     width_fields: ClassVar[tuple[str, ...]] = ("moe_hidden_dim", "shared_expert_hidden_dim")
 
+    @resolve_step
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.num_experts < 1:

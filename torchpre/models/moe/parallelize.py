@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchpre.distributed.parallel_dims import ParallelDims
-from torchpre.errors import ConfigError
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.parallelize import (
     apply_llama3_context_parallel,
@@ -119,6 +119,7 @@ def _tp_output(module: nn.Module, partial: Tensor, mesh: DeviceMesh) -> Tensor:
     return DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
+@resolve_step
 def validate_moe_tensor_parallel(args: MoEArgs, tp: int) -> None:
     """Llama 3's head checks, and whole hidden slices for the experts, the shared expert and the dense blocks."""
     check_llama3_heads(args, tp)
@@ -147,6 +148,7 @@ def apply_moe_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         apply_expert_parallel(moe.experts, ep_mesh)
 
 
+@resolve_step
 def validate_moe_expert_parallel(args: MoEArgs, ep: int) -> None:
     if args.num_experts % ep:
         raise ConfigError(
