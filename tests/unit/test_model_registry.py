@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from torchpre.errors import ConfigError
 from torchpre.models import registry
 from torchpre.models.args import ArgsDefaults
 from torchpre.models.llama3.spec import SPEC as LLAMA3_SPEC
@@ -28,7 +27,7 @@ def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_taken_name_is_an_error_naming_both_places() -> None:
     register_model("mine", LLAMA3_SPEC)
     first_line = _line_of('register_model("mine", LLAMA3_SPEC)')
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ValueError) as error:
         register_model("mine", OTHER)
     message = str(error.value)
     again_line = _line_of('register_model("mine", OTHER)')
@@ -52,7 +51,7 @@ def test_a_flavor_whose_args_lack_the_model_args_protocol_is_refused() -> None:
     class Declared(ArgsDefaults, Bare):
         pass
 
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(TypeError) as error:
         register_model("bare", dataclasses.replace(LLAMA3_SPEC, flavors={"small": Bare()}))
     message = str(error.value)
     assert "flavor 'small' (Bare)" in message and "torchpre.models.args.ArgsDefaults" in message
@@ -62,7 +61,7 @@ def test_a_flavor_whose_args_lack_the_model_args_protocol_is_refused() -> None:
 
 
 def test_a_built_in_name_is_taken() -> None:
-    with pytest.raises(ConfigError, match=r"'llama3' is taken, registered at .*torchpre/models/families\.py"):
+    with pytest.raises(ValueError, match=r"'llama3' is taken, registered at .*torchpre/models/families\.py"):
         register_model("llama3", OTHER)
 
 

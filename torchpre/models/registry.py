@@ -190,7 +190,7 @@ def default_init_buffers(module: nn.Module) -> None:
         if child._buffers.get(name) is not None
     ]
     if computed:
-        raise ConfigError(
+        raise TypeError(
             f"{type(module).__name__} has non-persistent buffers ({', '.join(computed[:5])}) that a checkpoint "
             "does not hold, and no init_buffers() to compute them when the weights come from a checkpoint. Give "
             "the model an init_buffers() method (or its ModelSpec an init_buffers hook) that fills them."
@@ -206,20 +206,21 @@ def register_model(name: str, spec: ModelSpec) -> None:
 
     A name is registered once. Registering the same spec object again does nothing, and a module imported
     a second time (reloaded, or imported under another name) may register its new spec from the same line;
-    another spec under a taken name is a ConfigError naming both places.
+    another spec under a taken name is a ValueError naming both places (a bug in the code that registers, not a key
+    the user can change).
     """
     caller = traceback.extract_stack(limit=2)[0]
     place = f"{caller.filename}:{caller.lineno}"
     for flavor, args in spec.flavors.items():
         if not isinstance(args, ModelArgs):
-            raise ConfigError(
+            raise TypeError(
                 f"register_model('{name}', ...) at {place}: the args of its flavor '{flavor}' "
                 f"({type(args).__name__}) do not declare what torchpre reads of a model's args "
                 "(torchpre.models.args.ModelArgs). Derive the args class from torchpre.models.args.ArgsDefaults, "
                 "which declares the optional features as absent."
             )
     if name in _REGISTRY and _REGISTRY[name] is not spec and _REGISTERED_AT[name] != place:
-        raise ConfigError(
+        raise ValueError(
             f"register_model('{name}', ...) at {place}: the name '{name}' is taken, registered at "
             f"{_REGISTERED_AT[name]}. Give this model family another name."
         )
