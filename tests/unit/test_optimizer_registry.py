@@ -141,7 +141,7 @@ def test_the_implementation_key_forces_or_forbids_the_fused_kernel_on_any_device
 
 
 def test_registering_a_taken_name_is_an_error():
-    with pytest.raises(ConfigError, match="'SGD' is already registered"):
+    with pytest.raises(ValueError, match="'SGD' is already registered"):
         register_optimizer("SGD", OptimizerSpec(torch.optim.SGD, ("lr", "weight_decay")))
 
 

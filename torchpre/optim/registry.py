@@ -137,9 +137,9 @@ _REGISTRY: dict[str, OptimizerSpec] = {
 
 
 def register_optimizer(name: str, spec: OptimizerSpec) -> None:
-    """Makes `optimizer.name = name` available; a name already taken is an error."""
+    """Makes `optimizer.name = name` available; a name already taken is a ValueError (a bug in the registering code)."""
     if name in _REGISTRY:
-        raise ConfigError(f"An optimizer named '{name}' is already registered ({_REGISTRY[name].cls.__name__}).")
+        raise ValueError(f"An optimizer named '{name}' is already registered ({_REGISTRY[name].cls.__name__}).")
     _REGISTRY[name] = spec
 
 
