@@ -1,28 +1,17 @@
-"""The model.rope_* keys of the job config (which `torchpre.models.llama3.rope_keys` applies to Llama 3's args): a
-family that reads its RoPE elsewhere (model.name = 'hf': its config.json) refuses a set key instead of ignoring it, so
-that no stage silently trains on the old frequencies. What a job trains with is recorded in its checkpoints
-(`rope_record`), so a resume that changes it says so (`torchpre.checkpoint.layout.stage_change`).
+"""The RoPE a job trains with (the model.rope_* keys, which the [model] step checks and
+`torchpre.models.llama3.rope_keys` applies), recorded in its checkpoints (`rope_record`), so that a resume that changes
+it says so (`torchpre.checkpoint.layout.stage_change`) and generation or export refuses a checkpoint trained with
+another.
 """
 
 from pathlib import Path
 
 from torchpre.checkpoint.integrity import Trust
 from torchpre.checkpoint.state import read_train_values
-from torchpre.config.job_config import Model
 from torchpre.errors import ConfigError
 from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.rope_keys import ROPE_KEYS
-
-
-def refuse_rope_keys(m: Model, why: str) -> None:
-    """A ConfigError naming the first model.rope_* key that is set (not 0), for a family that does not read it."""
-    for key in ROPE_KEYS:
-        if getattr(m, key):
-            raise ConfigError(
-                f"model.{key} = {getattr(m, key)} with model.name = '{m.name}': this family does not read it "
-                f"({why}). Remove the key (0 = unset)."
-            )
 
 
 def rope_record(args: ModelArgs) -> dict[str, float]:
