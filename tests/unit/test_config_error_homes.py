@@ -23,7 +23,7 @@ FAMILIES = PACKAGE / "models"  # a family's step checks its args; preflight's [m
 
 # `raise ConfigError` outside config/ and the resolve steps (216 when issue 64 was filed; 204 before the steps).
 # Lower this when you move a check into its section's step; never raise it.
-RAISES_OUTSIDE = 61
+RAISES_OUTSIDE = 60
 
 
 @dataclass(frozen=True)

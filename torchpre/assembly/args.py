@@ -23,7 +23,7 @@ from torchpre.models.args import ModelArgs
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.rope_keys import ROPE_KEYS, SCALING_DETAIL_KEYS, asked_scaling, with_rope
 from torchpre.models.parametrization import Settings, parametrize
-from torchpre.models.registry import ModelSpec, get_flavor, get_model_spec
+from torchpre.models.registry import ModelSpec, get_model_spec, suggest_name
 from torchpre.models.shapes import SHAPE_KEYS, with_shape
 from torchpre.optim.registry import get_optimizer
 
@@ -141,7 +141,11 @@ def flavor_args(config: JobConfig) -> ModelArgs:
                 "checkpoint.initial_load_path to the folder."
             )
         return folder_args(path, get_model_spec(config.model.name), config.model.name)
-    return get_flavor(config.model.name, config.model.flavor)
+    m, flavors = config.model, get_model_spec(config.model.name).flavors
+    if m.flavor not in flavors:
+        suggestion = suggest_name(m.flavor, flavors)
+        raise ConfigError(f"model.flavor = '{m.flavor}' is not a flavor of '{m.name}'.{suggestion}")
+    return flavors[m.flavor]
 
 
 def folder_vocab_size(config: JobConfig, tokenizer: Tokenizer, args: ModelArgs) -> int:

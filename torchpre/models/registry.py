@@ -231,19 +231,18 @@ def register_model(name: str, spec: ModelSpec) -> None:
 @resolve_step
 def get_model_spec(name: str) -> ModelSpec:
     if name not in _REGISTRY:
-        raise ConfigError(f"model.name = '{name}' is not a registered model.{_suggest(name, _REGISTRY)}")
+        raise ConfigError(f"model.name = '{name}' is not a registered model.{suggest_name(name, _REGISTRY)}")
     return _REGISTRY[name]
 
 
 def get_flavor(name: str, flavor: str) -> ModelArgs:
-    """The args of `model.flavor = flavor` of the family `model.name = name`."""
-    flavors = get_model_spec(name).flavors
-    if flavor not in flavors:
-        raise ConfigError(f"model.flavor = '{flavor}' is not a flavor of '{name}'.{_suggest(flavor, flavors)}")
-    return flavors[flavor]
+    """The args of `model.flavor = flavor` of the family `model.name = name`, a flavor the [model] step checked
+    (`torchpre.assembly.args.flavor_args`)."""
+    return get_model_spec(name).flavors[flavor]
 
 
-def _suggest(name: str, choices: Mapping[str, object]) -> str:
+def suggest_name(name: str, choices: Mapping[str, object]) -> str:
+    """The end of a message refusing `name`: the closest of `choices`, if any is close, and all of them."""
     close = difflib.get_close_matches(name, choices, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     return f"{hint} Choose one of: {', '.join(choices)}."
