@@ -5,15 +5,18 @@ mark is not a name only."""
 
 import ast
 import dataclasses
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.hf_folders import write_llama_folder
 from torchpre.config.job_config import JobConfig
 from torchpre.config.parser import parse_args
-from torchpre.errors import resolve_step
+from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.llama3.args import LLAMA3_FLAVORS
 from torchpre.training import preflight
 
@@ -222,3 +225,20 @@ def test_the_mark_changes_nothing() -> None:
         return 1
 
     assert resolve_step(step) is step
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (["--model.rope_low_freq_factor", "2"], "model.rope_low_freq_factor = 2.0 shapes Llama 3.1 RoPE scaling"),
+        (["--model.name", "deepseek_v3", "--model.n_kv_heads", "2"], "model.n_kv_heads = 2 with model.name = "),
+        (["--model.name", "deepseek_v3", "--model.flavor", "2B", "--model.dim", "1000"], "a multiple of 3"),
+        (["--model.flavor", "debugmodell"], "model.flavor = 'debugmodell' is not a flavor of 'llama3'"),
+    ],
+)
+def test_the_model_keys_applied_to_a_flavor_are_refused_in_preflight(tmp_path: Path, keys: list[str], message: str):
+    """The shape, RoPE and flavor checks that moved into the [model] step fire in preflight, before any work."""
+    config = parse_args(JobConfig, ["--job.config_file", "train_configs/debug_model.toml", "--job.dump_folder",
+                                    str(tmp_path), "--training.seq_len", "64", *keys])  # fmt: skip
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        preflight.preflight(config, 1)
