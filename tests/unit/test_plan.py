@@ -158,7 +158,7 @@ def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys, monkeyp
     """The tiny model on 2 GPUs, the search cut to ZeRO-1 and -3, no activation checkpointing, 1 or 2 sequences per
     microbatch and 1F1B (12 layouts, each kind of layout: dp2, tp2, pp2)."""
     _narrow(monkeypatch, tp=(1, 2), pp=(1, 2), ZERO_STAGES=(1, 3), AC_MODES=("none",), MICROBATCH_SIZES=(1, 2),
-            PLANNED_SCHEDULES=(("1F1B", 1),))  # fmt: skip
+            TRY_WHOLE_SHARE=False, PLANNED_SCHEDULES=(("1F1B", 1),))  # fmt: skip
     plan_main(["--model.flavor", "tiny", "--training.seq_len", "32", "--training.global_batch_size", "8",
                "--gpus", "2", "--gpu", "a100-80gb", "--json", "--workers", "1"])  # fmt: skip
     result = json.loads(capsys.readouterr().out)
@@ -263,7 +263,7 @@ def test_llama3_8b_at_128k_tokens_on_64_h100s_is_offered_cp(monkeypatch):
     for this job: tp4 x pp2 x cp8 on 64 GPUs). Narrowed to ZeRO-3, one sequence per microbatch, no pipelining, tp4
     and tp8 (237 s here); `-s` prints the table docs/context-parallel.md shows."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective", "full")), ("MICROBATCH_SIZES", (1,)),
-                         ("PLANNED_SCHEDULES", ())):  # fmt: skip
+                         ("TRY_WHOLE_SHARE", False), ("PLANNED_SCHEDULES", ())):  # fmt: skip
         monkeypatch.setattr(layout_space, name, values)
     every = layout_space.candidates
     monkeypatch.setattr(layout_space, "candidates", lambda *args, **kwargs: (
@@ -285,7 +285,7 @@ def test_a_job_whose_layouts_fit_without_cp_is_not_offered_cp(monkeypatch):
     per layer). The search is narrowed to ZeRO-3, per-op AC, one sequence per microbatch and 1F1B to keep its probes
     few (112 s here)."""
     for name, values in (("ZERO_STAGES", (3,)), ("AC_MODES", ("selective",)), ("MICROBATCH_SIZES", (1,)),
-                         ("PLANNED_SCHEDULES", (("1F1B", 1),))):  # fmt: skip
+                         ("TRY_WHOLE_SHARE", False), ("PLANNED_SCHEDULES", (("1F1B", 1),))):  # fmt: skip
         monkeypatch.setattr(layout_space, name, values)
     base = _job("--model.flavor", "8B", "--training.seq_len", "8192", "--training.global_batch_size", "64",
                 "--training.mixed_precision_param", "bfloat16")  # fmt: skip
@@ -463,6 +463,7 @@ from torchpre.config.parser import parse_args
 from torchpre.planner.hardware import get_hardware
 from torchpre.planner import layout_space, search
 layout_space.ZERO_STAGES, layout_space.AC_MODES, layout_space.MICROBATCH_SIZES = (1, 3), ("none",), (1,)
+layout_space.TRY_WHOLE_SHARE = False
 search.needs_context_parallel = lambda predictions: True
 base = parse_args(JobConfig, "--model.flavor tiny --training.seq_len 32 --training.global_batch_size 8".split())
 result = search.search(base, get_hardware("h100-80gb"), 2, workers=int(sys.argv[1]))
@@ -511,7 +512,7 @@ def test_deepseek_v3_lite_on_8_h100s_fits_only_with_its_experts_split(monkeypatc
     each rank's parameter bytes fall as ep splits the experts, and its optimizer
     state does not move (ZeRO-1 shards the experts' over the edp = dp / ep ranks that hold them: 1 / dp of them
     whatever ep). The search is cut to these four layouts (its probes take most of the time)."""
-    _narrow(monkeypatch, ZERO_STAGES=(1,), AC_MODES=("full",), MICROBATCH_SIZES=(1,))
+    _narrow(monkeypatch, ZERO_STAGES=(1,), AC_MODES=("full",), MICROBATCH_SIZES=(1,), TRY_WHOLE_SHARE=False)
     monkeypatch.setattr(search_module, "needs_context_parallel", lambda predictions: False)
     base = _job("--model.name", "deepseek_v3", "--model.flavor", "lite", "--training.seq_len", "4096",
                 "--training.global_batch_size", "64", "--training.mixed_precision_param", "bfloat16")  # fmt: skip

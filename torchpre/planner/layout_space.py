@@ -23,6 +23,7 @@ from torchpre.training.preflight import preflight
 
 AC_MODES = ("none", "selective", "full")
 MICROBATCH_SIZES = (1, 2, 4, 8)
+TRY_WHOLE_SHARE = True  # also each rank's whole share in one microbatch (`microbatch_sizes`)
 # Pipeline schedules the planner compares (the others are variants of these), with the stages each rank holds.
 PLANNED_SCHEDULES = (("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
 
@@ -134,11 +135,23 @@ def candidates(
                 schedules = PLANNED_SCHEDULES if pp > 1 else (("", 1),)
                 eps = _divisors(dp * cp) if experts else (1,)
                 for ep, zero, ac, mb, (schedule, v) in itertools.product(
-                    eps, ZERO_STAGES, AC_MODES, MICROBATCH_SIZES, schedules
+                    eps, ZERO_STAGES, AC_MODES, microbatch_sizes(global_batch, dp, pp), schedules
                 ):
                     if global_batch % (dp * mb):
                         continue
                     yield Layout(dp, tp, pp, ep, zero, ac, mb, schedule, v, cp)
+
+
+def microbatch_sizes(global_batch: int, dp: int, pp: int) -> tuple[int, ...]:
+    """The microbatch sizes a layout of `dp` data-parallel ranks and `pp` stages is tried at: `MICROBATCH_SIZES`, and
+    without pipelining each rank's whole share of the batch in one microbatch (no gradient accumulation) where that
+    share is larger: a run that fits it skips accumulation's extra passes over the weights (torchtitan's 70B on 256
+    H100s runs 16 sequences per rank in one microbatch). Under pipelining the share is cut into microbatches anyway,
+    and one per step would leave every stage but one idle."""
+    share = global_batch // dp
+    if not TRY_WHOLE_SHARE or pp > 1 or global_batch % dp or share <= max(MICROBATCH_SIZES):
+        return MICROBATCH_SIZES
+    return (*MICROBATCH_SIZES, share)
 
 
 def valid_layouts(
