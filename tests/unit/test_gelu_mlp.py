@@ -19,6 +19,7 @@ from torchpre.data.tokenizer import DEFAULT_TOKENIZER_PATH, load_tokenizer
 from torchpre.errors import ConfigError
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs
 from torchpre.models.llama3.model import Transformer
+from torchpre.planner.activation_probe import probe_microbatch
 
 TOKENIZER = load_tokenizer(DEFAULT_TOKENIZER_PATH)
 GELU = dataclasses.replace(ARGS, mlp="gelu")
@@ -160,3 +161,22 @@ def test_conversion_to_a_hugging_face_llama_folder_is_refused() -> None:
     check_hf_mlp(config_args(), "python -m torchpre.convert")
     with pytest.raises(ConfigError, match="model.mlp = 'gelu_tanh' with python -m torchpre.convert"):
         check_hf_mlp(config_args("--model.mlp", "gelu_tanh"), "python -m torchpre.convert")
+
+
+def test_the_planners_probe_prices_the_two_intermediates_gelu_saves() -> None:
+    """On the meta device, as the planner probes a model: SwiGLU's backward keeps four [tokens, hidden] tensors per
+    block (w1's and w3's outputs, the SiLU, the product), GELU's two (w1's output, the GELU); the rest of the model is
+    the same, so the saved bytes differ by exactly that (tiny: SwiGLU 192 wide, GELU 256; fp32)."""
+    swiglu = dataclasses.replace(LLAMA3_FLAVORS["tiny"], max_seq_len=32)
+    gelu = dataclasses.replace(swiglu, mlp="gelu")
+    assert (swiglu.ffn_hidden_dim, gelu.ffn_hidden_dim) == (192, 256)
+    batch, seq = 2, 32
+
+    def saved(args: TransformerArgs) -> int:
+        with torch.device("meta"):
+            model = Transformer(args)
+        tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        return probe_microbatch(model, (tokens,)).saved_bytes
+
+    per_block = 4 * batch * seq * (4 * swiglu.ffn_hidden_dim - 2 * gelu.ffn_hidden_dim)
+    assert saved(swiglu) - saved(gelu) == swiglu.n_layers * per_block
