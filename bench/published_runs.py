@@ -8,8 +8,9 @@ rows); every other row is evaluation only. What a source does not state and a ro
 `assumed` text.
 
 GPT-style models (Megatron's GPT, MosaicML's MPT: a 4 x width GELU MLP, LayerNorm, tied embeddings) run as Llama 3
-blocks of the same width, depth and heads with the `debugmodel_tied` flavor's rules (a SwiGLU of 2/3 of 4 x width,
-rounded up to a multiple of 256: the same matmul FLOPs within 1%; tied embeddings), set by the model.* shape keys.
+blocks of the same width, depth and heads with the `debugmodel_tied` flavor's rules (tied embeddings) and their own
+MLP, model.mlp's GELU of 4 x width (MPT's exact GELU, Megatron's tanh-approximated fused bias-GELU), set by the model.*
+shape keys; what remains Llama's is RMSNorm for LayerNorm, RoPE for learned or ALiBi positions, and no biases.
 The frameworks' fused kernels (Megatron's fused LayerNorm, bias-GeLU and softmax, MPT's low-precision LayerNorm and
 flash attention, Megatron-Core's TransformerEngine layers) are torchpre's blocks under torch.compile: what an eager
 torchpre block saves and moves beyond them, the compiled one does not (`FUSED`).
@@ -84,18 +85,20 @@ class Model:
     n_heads: int = 0
     n_kv_heads: int = 0
     vocab_size: int = 0
+    mlp: str = ""  # model.mlp; "" = the flavor's (SwiGLU)
 
     def keys(self) -> list[str]:
         keys = ["--model.flavor", self.flavor]
-        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "mlp"):
             if getattr(self, key):
                 keys += [f"--model.{key}", str(getattr(self, key))]
         return keys
 
 
-def gpt(label: str, dim: int, n_layers: int, n_heads: int, vocab_size: int) -> Model:
-    """A GPT-style model (4 x width MLP, tied embeddings, multi-head attention) as Llama 3 blocks of its shape."""
-    return Model(label, "debugmodel_tied", dim, n_layers, n_heads, n_heads, vocab_size)
+def gpt(label: str, dim: int, n_layers: int, n_heads: int, vocab_size: int, mlp: str = "gelu") -> Model:
+    """A GPT-style model (a GELU MLP 4 x width wide, tied embeddings, multi-head attention) as Llama 3 blocks of its
+    shape with model.mlp = `mlp`."""
+    return Model(label, "debugmodel_tied", dim, n_layers, n_heads, n_heads, vocab_size, mlp)
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,8 @@ class Run:
 # is published as teraFLOP/s per GPU counted with the paper's equation (3): F = 96 B s l h^2 (1 + s / 6h + V / 16lh)
 # per iteration (recomputation included), so tokens/s per GPU = X / (96 l h^2 (1 + s / 6h + V / 16lh)).
 MEGATRON_VOCAB, MEGATRON_SEQ = 51200, 2048
+# Megatron-LM's GPT MLP under --bias-gelu-fusion (on by default): the tanh approximation (fused_bias_gelu.py).
+MEGATRON_GELU = "gelu_tanh"
 
 
 def megatron_tokens(tflops: float, dim: int, n_layers: int) -> float:
@@ -223,11 +228,13 @@ def _megatron_t1(params: str, heads: int, dim: int, n_layers: int, tp: int, pp: 
                  tflops: float, microbatch: int, virtual: int) -> Run:  # fmt: skip
     schedule = ("Interleaved1F1B" if virtual > 1 else "1F1B") if pp > 1 else ""
     return Run(MEGATRON_1, f"{params}B: {gpus} GPUs, tp{tp} pp{pp}, batch {batch}, {tflops:.0f} TFLOP/s",
-               gpt(f"gpt-{params}B", dim, n_layers, heads, MEGATRON_VOCAB), gpus, MEGATRON_SEQ, batch, microbatch,
+               gpt(f"gpt-{params}B", dim, n_layers, heads, MEGATRON_VOCAB, MEGATRON_GELU), gpus, MEGATRON_SEQ, batch,
+               microbatch,
                megatron_tokens(tflops, dim, n_layers), f"{tflops:.0f} teraFLOP/s per GPU (equation 3)", tp=tp, pp=pp,
                schedule=schedule, virtual_stages=virtual, zero_stage=0, sequence_parallel=False, compile=True,
                assumed="bf16 for the paper's mixed precision (the A100's fp16 and bf16 peaks are equal); no "
-                       f"sequence parallelism (2021); data-parallel gradients all-reduced in fp32; {FUSED}",
+                       "sequence parallelism (2021); data-parallel gradients all-reduced in fp32; LayerNorm and "
+                       f"learned positions as Llama 3's RMSNorm and RoPE; {FUSED}",
                )  # fmt: skip
 
 
@@ -248,8 +255,8 @@ MEGATRON_T1 = (
 # at 141 (PTD-P) and 44 (ZeRO-3) teraFLOP/s): GPT-3 175B (h 12288, 96 layers, 96 heads) and 530B (h 20480, 105
 # layers, 128 heads). ZeRO-3 "without model parallelism": DeepSpeed ZeRO-3 over every GPU, one microbatch per step.
 # PTD-P: model-parallel size 96 = tp8 x pp12 and 280 = tp8 x pp35, microbatch 1.
-GPT_175B = gpt("gpt-174.6B", 12288, 96, 96, MEGATRON_VOCAB)
-GPT_530B = gpt("gpt-529.6B", 20480, 105, 128, MEGATRON_VOCAB)
+GPT_175B = gpt("gpt-174.6B", 12288, 96, 96, MEGATRON_VOCAB, MEGATRON_GELU)
+GPT_530B = gpt("gpt-529.6B", 20480, 105, 128, MEGATRON_VOCAB, MEGATRON_GELU)
 
 
 def _megatron_t2(model: Model, gpus: int, batch: int, microbatch: int, tflops: float, tp: int = 1, pp: int = 1) -> Run:
@@ -320,7 +327,8 @@ def _mosaic(source: Source, table: str, fp8: bool = False) -> tuple[Run, ...]:
                         activation_checkpoint="full" if ac == "True" else "none", fp8=fp8, compile=True,
                         reduce_dtype="bfloat16" if mode == "PURE" else "float32",
                         extra=MPT_LOSS_CHUNK,
-                        assumed=f"MPT's LayerNorm, GELU MLP and ALiBi as Llama 3 blocks of its shape; {FUSED}; its "
+                        assumed="MPT's LayerNorm and ALiBi as Llama 3's RMSNorm and RoPE, its exact-GELU MLP as "
+                                f"model.mlp = 'gelu'; {FUSED}; its "
                                 "fused cross-entropy as the chunked loss"
                                 + ("; TransformerEngine's FP8 linears as torchao's tensorwise float8" if fp8 else "")))
     return tuple(runs)

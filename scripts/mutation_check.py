@@ -103,6 +103,8 @@ STOP_READ_LATE_TEST = (
 STEP_PLAN_TEST = "tests/unit/test_step_plan.py"
 PARITY = "tests/distributed/test_parallel_parity.py"
 MUP_UNIT = "tests/unit/test_parametrization.py"
+GELU_UNIT = "tests/unit/test_gelu_mlp.py"
+GELU_REFERENCE = f"{GELU_UNIT}::test_a_gelu_model_trains_as_one_with_hand_written_gpt_mlps"
 MUP_INTEGRATION = "tests/integration/test_mup.py"
 MIXED_PRECISION_TEST = (
     "tests/unit/test_mixed_precision.py::test_fp32_accumulation_tracks_fp32_more_closely_than_bf16_accumulation"
@@ -555,6 +557,30 @@ BREAKS = [
           ("tests/unit/test_plan_given_layout.py::test_a_feed_forward_width_tensor_parallelism_cannot_split_is_refused_at_start_up",),
           "a feed-forward width tensor parallelism cannot split evenly passes start-up's checks and ends in a DTensor "
           "traceback"),
+    Break("gelu-mlp-computes-silu", "torchpre/models/llama3/model.py",
+          "        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))",
+          "        return self.w2(F.silu(self.w1(x)))",
+          (GELU_REFERENCE,), "model.mlp = 'gelu' trains a SiLU MLP"),
+    Break("gelu-tanh-computes-exact-gelu", "torchpre/models/llama3/model.py",
+          'approximate="tanh" if args.mlp == "gelu_tanh" else "none")', 'approximate="none")',
+          (GELU_REFERENCE,), "model.mlp = 'gelu_tanh' computes the exact GELU, not GPT-2's and Megatron's tanh form"),
+    Break("gelu-mlp-swiglu-width", "torchpre/models/llama3/args.py",
+          "        hidden = 4 * self.dim if not self.gated_mlp else int(2 * 4 * self.dim / 3)",
+          "        hidden = int(2 * 4 * self.dim / 3)",
+          (f"{GELU_UNIT}::test_the_gelu_mlp_is_4_x_dim_wide_with_two_matrices",),
+          "a GELU MLP takes SwiGLU's 2/3 width: GPT-shaped models (and the corpus's GPT rows) are a third too narrow"),
+    Break("gelu-plan-shards-missing-w3", "torchpre/models/llama3/parallelize.py",
+          "    if gated:\n        plan[\"feed_forward.w3\"]", "    if True:\n        plan[\"feed_forward.w3\"]",
+          (TENSOR_PARALLEL,), "tensor parallelism of a GELU model names SwiGLU's w3 and stops at start-up"),
+    Break("gelu-on-moe-accepted", "torchpre/assembly/args.py",
+          "    if not args.selectable_mlp:", "    if False:",
+          (f"{GELU_UNIT}::test_refused_where_a_gelu_mlp_cannot_apply",),
+          "model.mlp = 'gelu' on moe or deepseek_v3 is ignored: their experts stay SwiGLU"),
+    Break("gelu-hf-llama-folder-accepted", "torchpre/assembly/args.py",
+          "    if isinstance(args, TransformerArgs) and not args.gated_mlp:", "    if False:",
+          (f"{GELU_UNIT}::test_refused_with_a_hugging_face_llama_folder",
+           f"{GELU_UNIT}::test_conversion_to_a_hugging_face_llama_folder_is_refused"),
+          "a GELU model loads, exports or converts to a Hugging Face Llama folder, whose gated MLP it does not have"),
     Break("plan-interleaved-last-stage-held-per-microbatch", "torchpre/planner/predict.py",
           "pipeline.n_microbatches, pp_rank, chunk_bytes)",
           "pipeline.n_microbatches, pp_rank, [max(chunk_bytes)] * len(chunk_bytes))",

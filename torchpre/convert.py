@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchpre.assembly.args import model_args, model_context
+from torchpre.assembly.args import check_hf_mlp, model_args, model_context
 from torchpre.assembly.rope import check_saved_rope
 from torchpre.assembly.tokenizer import job_tokenizer
 from torchpre.checkpoint.integrity import (
@@ -207,7 +207,9 @@ def _job_model(config: JobConfig) -> _Model:
             f"model.name = '{config.model.name}' has no Hugging Face conversion: its ModelSpec has no `hf` adapter."
         )
     tokenizer = job_tokenizer(config)
-    return _Model(model_args(config, tokenizer), spec.hf, model_context(config, tokenizer), tokenizer)
+    args = model_args(config, tokenizer)
+    check_hf_mlp(args, "python -m torchpre.convert")
+    return _Model(args, spec.hf, model_context(config, tokenizer), tokenizer)
 
 
 def _load_dcp_model(step_dir: Path, loader: Loader) -> dict[str, Tensor]:

@@ -369,3 +369,28 @@ def test_mup_layout_matches_one_process(layout, quantized_reference, tmp_path):
     model, nproc, args = MUP_LAYOUTS[layout]
     records = train_and_read_metrics([*DEBUG, *model, *args], nproc, tmp_path)
     assert_same_curve(records, quantized_reference(model), MUP_ATOL)
+
+
+# GPT's GELU MLP (model.mlp, docs/configuration.md) under tensor, sequence and loss parallelism (w1 column-parallel, w2
+# row-parallel, no w3 in the plan), pipelining and ZeRO-3, each against one process with the same model: a layout only
+# reorders sums, held to LOSS_ATOL as the Llama rows.
+GELU = ["--model.mlp", "gelu"]
+GELU_LAYOUTS = {
+    "gelu_tp2_sp": (GELU, 2, [*TP2, *SP]),
+    "gelu_tanh_tp2_sp_lp": (["--model.mlp", "gelu_tanh"], 2, [*TP2, *SP, *LP]),
+    "gelu_tp2": (GELU, 2, TP2),
+    "gelu_pp2_1f1b": (GELU, 2, pp("1F1B")),
+    "gelu_dp2_zero3": (GELU, 2, zero(3)),
+    "gelu_dp2_tp2_pp2": (GELU, 8, [*per_rank_batch(2), *TP2, *SP, *LP, *pp("1F1B")]),
+}
+GELU_CI_ROWS = ("gelu_tp2_sp",)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [name if name in GELU_CI_ROWS else pytest.param(name, marks=pytest.mark.parity_matrix) for name in GELU_LAYOUTS],
+)
+def test_gelu_mlp_layout_matches_one_process(layout, quantized_reference, tmp_path):
+    model, nproc, args = GELU_LAYOUTS[layout]
+    records = train_and_read_metrics([*DEBUG, *model, *args], nproc, tmp_path)
+    assert_same_curve(records, quantized_reference(model), LOSS_ATOL)

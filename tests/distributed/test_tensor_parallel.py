@@ -60,6 +60,7 @@ class Variant(NamedTuple):
     loss_parallel: bool
     tie_word_embeddings: bool = False
     chunk_size: int = 0  # training.loss_chunk_size: a ChunkedOutput, vocabulary-parallel chunk by chunk
+    mlp: str = "swiglu"  # model.mlp: GELU's plan has no w3
 
 
 # 12 tokens per chunk: 3 chunks of the 32 tokens, the last one short.
@@ -72,6 +73,8 @@ VARIANTS = [
     Variant("tp+sp+loss_parallel, tied", sequence_parallel=True, loss_parallel=True, tie_word_embeddings=True),
     Variant("tp+sp, chunked", sequence_parallel=True, loss_parallel=False, chunk_size=12),
     Variant("tp, tied, chunked", sequence_parallel=False, loss_parallel=True, tie_word_embeddings=True, chunk_size=12),
+    Variant("tp+sp, gelu", sequence_parallel=True, loss_parallel=False, mlp="gelu"),
+    Variant("tp+loss_parallel, gelu_tanh", sequence_parallel=False, loss_parallel=True, mlp="gelu_tanh"),
 ]
 
 
@@ -85,7 +88,7 @@ def _check_all_variants(mesh: DeviceMesh) -> None:
 
 
 def _check_variant(variant: Variant, mesh: DeviceMesh) -> None:
-    args = dataclasses.replace(ARGS, tie_word_embeddings=variant.tie_word_embeddings)
+    args = dataclasses.replace(ARGS, tie_word_embeddings=variant.tie_word_embeddings, mlp=variant.mlp)
     reference = _materialize(_meta_model(args))
     model = _meta_model(args)
     if variant.chunk_size:

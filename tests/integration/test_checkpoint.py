@@ -149,6 +149,21 @@ def _flatten(state: dict, prefix: str = "") -> dict:
     return flat
 
 
+def test_a_gelu_models_checkpoint_reshards_and_is_refused_by_a_swiglu_model(tmp_path):
+    """model.mlp = 'gelu' saved under tp2 + SP at step 5 resumes on one process with the losses of one process's
+    uninterrupted run (to the reshard tolerance); the same checkpoint resumed as the SwiGLU model names the tensors
+    it lacks and holds."""
+    gelu = [*DEBUG, *ONE, "--model.mlp", "gelu"]
+    straight = train_and_read_metrics(gelu, 1, tmp_path / "straight")
+    train_and_read_metrics([*gelu, *CKPT, *TP2, "--parallelism.enable_sequence_parallel"], 2, tmp_path / "run")
+    resumed = resume(tmp_path / "run", [*gelu, *CKPT], 1, from_step=5)
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert losses(resumed) == pytest.approx(losses(straight)[5:], abs=LOSS_ATOL)
+    result = run_train([*DEBUG, *ONE, *CKPT], 1, tmp_path / "run", timeout=120)
+    assert result.returncode != 0
+    assert "does not fit this model" in result.stderr and "feed_forward.w3.weight" in result.stderr
+
+
 def test_loading_into_another_model_names_the_mismatched_tensors(tmp_path):
     train_and_read_metrics([*TINY, *CKPT, "--training.steps", "5"], 1, tmp_path)
     result = run_train([*TINY, *CKPT, "--training.steps", "6", "--model.flavor", "debugmodel"], 1, tmp_path, timeout=60)

@@ -111,6 +111,7 @@ def flavored_args(config: JobConfig, spec: ModelSpec, keys: ModelKeys, tokenizer
             raise ConfigError(f"{settings} on {where}: {error}. Choose a shape that holds together.") from None
         _check_rope_keys(shaped, m, where)
         args = _with_mtp(with_rope(shaped, m, where), keys.mtp_depth, keys.mtp_loss_weight, m.name)
+        args = _with_mlp(args, config, where)
         return dataclasses.replace(args, vocab_size=vocabulary, max_seq_len=seq_len)
 
     args, settings = at_shape(), keys.parametrization
@@ -175,6 +176,44 @@ def _with_mtp(args: ModelArgs, depth: int, loss_weight: float, family: str) -> M
             "model.name = 'deepseek_v3'. Set model.mtp_depth = 0."
         )
     return args
+
+
+def _with_mlp(args: ModelArgs, config: JobConfig, where: str) -> ModelArgs:
+    """`args` (of `where`) with model.mlp's feed-forward (empty: the flavor's), for a family whose blocks take the
+    choice (`selectable_mlp`); refused for the others and for a job that reads or writes Hugging Face Llama weights."""
+    mlp = config.model.mlp
+    if not mlp:
+        return args
+    if not args.selectable_mlp:
+        raise ConfigError(
+            f"model.mlp = '{mlp}' with {where}: this family's feed-forward is its own (moe's and deepseek_v3's "
+            "experts and dense blocks are SwiGLU); model.mlp chooses the MLP of model.name = 'llama3'. Remove the key."
+        )
+    args = dataclasses.replace(args, mlp=mlp)
+    if uses := _hf_weights_use(config):
+        check_hf_mlp(args, uses)
+    return args
+
+
+def _hf_weights_use(config: JobConfig) -> str:
+    """The key through which the job reads or writes a Hugging Face folder's weights ("" when none does)."""
+    load_path = config.checkpoint.initial_load_path
+    if config.model.flavor == FROM_HF:
+        return f"model.flavor = '{FROM_HF}'"
+    if load_path and is_hf_folder(Path(load_path)):
+        return f"checkpoint.initial_load_path = '{load_path}' (a Hugging Face folder)"
+    return "hf_export.enable = true" if config.hf_export.enable else ""
+
+
+def check_hf_mlp(args: ModelArgs, uses: str) -> None:
+    """Refuses a non-gated MLP for `uses`, which reads or writes a Hugging Face Llama folder: its config describes
+    only Llama's gated MLP (gate_proj, up_proj, down_proj), so a GELU model has no folder to come from or go to."""
+    if isinstance(args, TransformerArgs) and not args.gated_mlp:
+        raise ConfigError(
+            f"model.mlp = '{args.mlp}' with {uses}: a Hugging Face Llama folder has only Llama's gated MLP "
+            "(LlamaConfig has no non-gated one), so a GELU model cannot be read from or written to one. Keep the model "
+            "in torchpre's checkpoints (checkpoint.*), or set model.mlp = 'swiglu'."
+        )
 
 
 def _released_vocabulary(tokenizer: Tokenizer, rows: int, asked: int, setting: str, folder: str) -> int:
@@ -259,6 +298,11 @@ def _refuse_changed(m: Model, keys: tuple[str, ...], why: str) -> None:
 
 def _refuse_own_config_keys(m: Model) -> None:
     """Refuses the keys a family that reads its model from its own config (model.hf_config) would ignore."""
+    if m.mlp:
+        raise ConfigError(
+            f"model.mlp = '{m.mlp}' with model.name = '{m.name}': this family's MLP comes from its own config "
+            "(model.hf_config's hidden_act and architecture: set it there). Remove the key."
+        )
     if m.vocab_size:
         raise ConfigError(
             f"model.vocab_size = {m.vocab_size} with model.name = '{m.name}': this family takes its vocabulary "

@@ -104,6 +104,14 @@ class Model:
     n_layers: int = _option(0, "number of blocks; 0 = the flavor's", _SHAPE)
     n_heads: int = _option(0, "attention heads; 0 = the flavor's", _SHAPE)
     n_kv_heads: int = _option(0, "key/value heads (grouped-query attention); 0 = the flavor's", _SHAPE)
+    mlp: Literal["", "swiglu", "gelu", "gelu_tanh"] = _option(
+        "",
+        "the feed-forward of llama3's blocks: swiglu (Llama's gated w2(silu(w1 x) * w3 x), 2/3 of 4 x dim wide), "
+        "gelu (GPT's and MPT's w2(gelu(w1 x)), 4 x dim wide, exact GELU) or gelu_tanh (GELU's tanh approximation, "
+        "GPT-2's and Megatron-LM's fused bias-GELU); empty = the flavor's (swiglu); the width follows "
+        "ffn_dim_multiplier and multiple_of as the flavor sets them. The GELUs have no Hugging Face Llama folder to "
+        "load, export or convert to",
+    )
     # Hyperparameter transfer across width and depth (docs/mup.md): multipliers and per-parameter learning rates
     # relative to a base shape at which the model is the standard one.
     parametrization: Literal["sp", "mup", "complete_p"] = _option(

@@ -20,12 +20,14 @@ class ModelArgs(Protocol):
     The class attributes say which model.* keys the args take: `shape_keys` the shape keys
     (torchpre.models.shapes), `width_fields` the widths that scale with model.dim, `parametrized` whether
     model.parametrization beyond 'sp' applies (the forward has the multipliers), `predicts_ahead` whether
-    model.mtp_depth and model.mtp_loss_weight apply (multi-token prediction)."""
+    model.mtp_depth and model.mtp_loss_weight apply (multi-token prediction), `selectable_mlp` whether model.mlp
+    applies (a dense Llama-style feed-forward that may be SwiGLU or GELU)."""
 
     shape_keys: ClassVar[tuple[str, ...]]
     width_fields: ClassVar[tuple[str, ...]]
     parametrized: ClassVar[bool]
     predicts_ahead: ClassVar[bool]
+    selectable_mlp: ClassVar[bool]
 
     @property
     def vocab_size(self) -> int: ...
@@ -56,12 +58,13 @@ class ModelArgs(Protocol):
 class ArgsDefaults:
     """The optional part of `ModelArgs` for a family without those features, to derive a family's args from: no
     model.* shape keys, no µP multipliers (the standard parametrization), no multi-token prediction, every block
-    dense. A family that has one declares it over the default."""
+    dense, no choice of feed-forward. A family that has one declares it over the default."""
 
     shape_keys: ClassVar[tuple[str, ...]] = ()
     width_fields: ClassVar[tuple[str, ...]] = ()
     parametrized: ClassVar[bool] = False
     predicts_ahead: ClassVar[bool] = False
+    selectable_mlp: ClassVar[bool] = False
     parametrization: ClassVar[Parametrization] = Parametrization()
     mtp_depth: ClassVar[int] = 0
     first_k_dense: ClassVar[int] = 0

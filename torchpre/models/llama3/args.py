@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from torchpre.errors import ConfigError, resolve_step
 from torchpre.models.args import ArgsDefaults
@@ -38,12 +38,16 @@ class TransformerArgs(ArgsDefaults):
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 131072
     tie_word_embeddings: bool = False
+    # The feed-forward (model.mlp): Llama's gated SwiGLU, or GPT-2/MPT's non-gated GELU, exact (MPT's default, torch's)
+    # or tanh-approximated (GPT-2's, Megatron-LM's fused bias-GELU).
+    mlp: Literal["swiglu", "gelu", "gelu_tanh"] = "swiglu"
     parametrization: Parametrization = Parametrization()  # the standard one; see torchpre.models.parametrization
 
     # The model.* keys these args take over `ArgsDefaults` (torchpre.models.args.ModelArgs): the shape keys
     # (torchpre.models.shapes) and model.parametrization.
     shape_keys: ClassVar[tuple[str, ...]] = ("dim", "n_layers", "n_heads", "n_kv_heads")
     parametrized: ClassVar[bool] = True
+    selectable_mlp: ClassVar[bool] = True
 
     @resolve_step
     def __post_init__(self) -> None:
@@ -68,9 +72,15 @@ class TransformerArgs(ArgsDefaults):
         return self.head_dim
 
     @property
+    def gated_mlp(self) -> bool:
+        """Whether the feed-forward has the gate projection w3 (SwiGLU) or only w1 and w2 (GELU)."""
+        return self.mlp == "swiglu"
+
+    @property
     def ffn_hidden_dim(self) -> int:
-        """SwiGLU width: 2/3 of 4*dim (same FLOPs as a 4*dim MLP), scaled, rounded up."""
-        hidden = int(2 * 4 * self.dim / 3)
+        """The feed-forward width, scaled by ffn_dim_multiplier and rounded up to multiple_of: 4*dim for GELU (GPT's),
+        2/3 of it for SwiGLU (the same matmul FLOPs with its third matrix)."""
+        hidden = 4 * self.dim if not self.gated_mlp else int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)

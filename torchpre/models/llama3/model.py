@@ -213,6 +213,29 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GeluFeedForward(nn.Module):
+    """GPT's non-gated MLP: w2(gelu(w1 x)), exact GELU or (`approximate="tanh"`) GPT-2's tanh form.
+
+    The names w1 and w2 are SwiGLU's, so tensor parallelism, initialisation and µP treat both MLPs alike; no biases,
+    as in the rest of the model."""
+
+    def __init__(self, dim: int, hidden_dim: int, approximate: str = "none") -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
+
+
+def build_mlp(args: TransformerArgs) -> nn.Module:
+    """The dense feed-forward model.mlp asks for, of width `args.ffn_hidden_dim`."""
+    if args.mlp == "swiglu":
+        return FeedForward(args.dim, args.ffn_hidden_dim)
+    return GeluFeedForward(args.dim, args.ffn_hidden_dim, approximate="tanh" if args.mlp == "gelu_tanh" else "none")
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: attention, then feed-forward.
 
@@ -237,7 +260,7 @@ class TransformerBlock(nn.Module):
         return Attention(args.dim, args.n_heads, args.n_kv_heads, args.parametrization.attention_multiplier)
 
     def build_ffn(self, args: TransformerArgs) -> nn.Module:
-        return FeedForward(args.dim, args.ffn_hidden_dim)
+        return build_mlp(args)
 
     def forward(
         self,
@@ -396,7 +419,8 @@ class Transformer(nn.Module):
 
 def init_rule(args: TransformerArgs) -> InitRule:
     """torchtitan's Llama init. Projections into the residual stream (wo, w2, w3) shrink with
-    depth so deep stacks start stable; the output layer is scaled to the model width.
+    depth so deep stacks start stable; the output layer is scaled to the model width. A GELU MLP's w1 and w2 take
+    SwiGLU's rules for them (GPT-2 also shrinks its residual projections with depth).
 
     With tied embeddings the shared table uses std 0.02 because it also produces the logits,
     and `output.weight` maps to the embedding's key and fill, so a pipeline stage holding its own

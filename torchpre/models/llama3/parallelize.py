@@ -5,8 +5,9 @@ Megatron-style sharding over the `tp` mesh dimension (tp ranks):
   in its vocab rows; the partial embeddings are all-reduced (reduce-scattered over the sequence
   under SP).
 - `attention.wq/wk/wv` and `feed_forward.w1/w3`: column-parallel, weight Shard(0). Each rank
-  holds n_heads/tp query heads, n_kv_heads/tp key/value heads and hidden/tp SwiGLU units, so
-  attention and the SwiGLU product run on local shards with no communication.
+  holds n_heads/tp query heads, n_kv_heads/tp key/value heads and hidden/tp feed-forward units, so
+  attention and the SwiGLU product (or GELU, model.mlp; that MLP has no w3) run on local shards with no
+  communication.
 - `attention.wo` and `feed_forward.w2`: row-parallel, weight Shard(1). Their partial outputs
   are all-reduced (reduce-scattered over the sequence under SP).
 - `output`: column-parallel, weight Shard(0), the same placement as the embedding, so tied
@@ -55,7 +56,7 @@ from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole
 @resolve_step
 def validate_llama3_tensor_parallel(args: TransformerArgs, tp: int) -> None:
     """Fail fast, before any process-group work, if `tp` ranks cannot hold whole heads and equal slices of the
-    SwiGLU width (DTensor would shard it unevenly, and the row-parallel w2 would not match w1's shard)."""
+    feed-forward width (DTensor would shard it unevenly, and the row-parallel w2 would not match w1's shard)."""
     check_llama3_heads(args, tp)
     width = args.ffn_hidden_dim
     if width % tp:
@@ -63,8 +64,8 @@ def validate_llama3_tensor_parallel(args: TransformerArgs, tp: int) -> None:
         raise ConfigError(
             f"The model's feed-forward width ffn_hidden_dim = {width} (a config.json's intermediate_size) is not "
             f"divisible by parallelism.tensor_parallel_degree = {tp}: each tensor-parallel rank holds an equal slice "
-            f"of w1, w2 and w3. Set parallelism.tensor_parallel_degree to a divisor of {width} ({degrees}), or use a "
-            "model whose width it divides."
+            f"of w1, w2 (and SwiGLU's w3). Set parallelism.tensor_parallel_degree to a divisor of {width} ({degrees}), "
+            "or use a model whose width it divides."
         )
 
 
@@ -85,7 +86,7 @@ def apply_llama3_tensor_parallel(
     parts this stage holds.
     """
     validate_llama3_tensor_parallel(model.args, tp_mesh.size())
-    block_plan = attention_plan(sequence_parallel) | feed_forward_plan(sequence_parallel)
+    block_plan = attention_plan(sequence_parallel) | feed_forward_plan(sequence_parallel, gated=model.args.gated_mlp)
     apply_transformer_plan(model, tp_mesh, block_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
@@ -158,8 +159,9 @@ def attention_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def feed_forward_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """A block's SwiGLU feed-forward and its norm, sharded like attention (see `attention_plan`)."""
+def feed_forward_plan(sequence_parallel: bool, gated: bool = True) -> dict[str, ParallelStyle]:
+    """A block's feed-forward and its norm, sharded like attention (see `attention_plan`): w1 (and SwiGLU's gate w3,
+    when `gated`) column-parallel, w2 row-parallel, so the activation runs on each rank's slice of the width."""
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
         "feed_forward": PrepareModuleInput(
@@ -167,8 +169,9 @@ def feed_forward_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         ),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    if gated:
+        plan["feed_forward.w3"] = ColwiseParallel()
     if sequence_parallel:
         plan["ffn_norm"] = SequenceParallel()
     return plan

@@ -44,6 +44,7 @@ class MoEArgs(TransformerArgs):
     first_k_dense: int = 0
 
     width_fields: ClassVar[tuple[str, ...]] = ("moe_hidden_dim", "shared_expert_hidden_dim")
+    selectable_mlp: ClassVar[bool] = False  # the experts (and dense first blocks) are SwiGLU
 
     @resolve_step
     def __post_init__(self) -> None:
