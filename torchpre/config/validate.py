@@ -56,11 +56,6 @@ def _check_optimizer(config: JobConfig) -> None:
             f"parallelism.data_parallel_replicate_degree = {p.data_parallel_replicate_degree} asks for HSDP, "
             "which replicates FSDP shards: set optimizer.zero_stage = 3, or the replicate degree to 1."
         )
-    if p.fsdp_wrap != "block" and not stage.shards_parameters:
-        raise ConfigError(
-            f"parallelism.fsdp_wrap = '{p.fsdp_wrap}' chooses FSDP2's units, which only ZeRO-3 has: set "
-            "optimizer.zero_stage = 3, or parallelism.fsdp_wrap = 'block'."
-        )
     if not stage.shards_parameters:
         return
     # What ZeRO-3 (FSDP2) cannot run, or runs differently.
