@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from torchpre.config.job_config import JobConfig
-from torchpre.errors import ConfigError
 from torchpre.models.args import ModelArgs
 from torchpre.models.registry import ModelSpec
 from torchpre.parallel.api import ParallelPlan
@@ -35,14 +34,10 @@ def fsdp_plan(
     parameters of a block are freed until its backward) and off with one: a stage runs one forward per
     microbatch, and keeping its gathered parameters saves an all-gather per block and microbatch, while
     torch's pipeline stage keeps them through the step's backwards in any case. `sublayers` are the family's
-    (`ModelBuild.sublayers`), the units of `parallelism.fsdp_wrap = "sublayer"`."""
+    (`ModelBuild.sublayers`), the units of `parallelism.fsdp_wrap = "sublayer"` (`check_keys_take_effect` refuses
+    the key for a family that names none)."""
     t, p = config.training, config.parallelism
     reshard = {"always": True, "never": False, "default": pipeline is None}[p.fsdp_reshard_after_forward]
-    if p.fsdp_wrap == "sublayer" and not sublayers:
-        raise ConfigError(
-            f"parallelism.fsdp_wrap = 'sublayer': model.name = '{config.model.name}' names no sub-layers for FSDP "
-            "(ModelBuild.sublayers). Use parallelism.fsdp_wrap = 'block'."
-        )
     return FSDPPlan(
         param_dtype=torch.bfloat16 if t.mixed_precision_param == "bfloat16" else None,
         reduce_dtype=data_parallel.reduce_dtype,
