@@ -263,7 +263,9 @@ def _megatron_t2(model: Model, gpus: int, batch: int, microbatch: int, tflops: f
     zero3 = tp == 1
     scheme = "ZeRO-3 without model parallelism" if zero3 else f"PTD-P (model-parallel size {tp * pp})"
     schedule = "1F1B" if pp > 1 else ""
-    assumed = ("DeepSpeed ZeRO-3 as FSDP2 (ZeRO-3), full recomputation" if zero3 else
+    assumed = ("DeepSpeed ZeRO-3, which gathers each parameter as it is used (up to stage3_max_live_parameters), "
+               "as FSDP2 units per sub-layer (parallelism.fsdp_wrap = sublayer), torchpre's nearer layout; full "
+               "recomputation" if zero3 else
                "the schedule (not stated for Table 2): the planner's choice of 1F1B or Interleaved 1F1B at any "
                "stages per rank (`Run.unstated`)")
     return Run(MEGATRON_2, f"{scheme}, {model.label}, {gpus} GPUs, batch {batch}, microbatch {microbatch}, "
@@ -271,6 +273,7 @@ def _megatron_t2(model: Model, gpus: int, batch: int, microbatch: int, tflops: f
                megatron_tokens(tflops, model.dim, model.n_layers), f"{tflops:.0f} teraFLOP/s per GPU (equation 3)",
                tp=tp, pp=pp, schedule=schedule, zero_stage=3 if zero3 else 0,
                sequence_parallel=False, compile=True, unstated=() if zero3 else ("schedule",),
+               extra=("--parallelism.fsdp_wrap", "sublayer") if zero3 else (),
                assumed=assumed + f"; bf16 for the paper's mixed precision; no sequence parallelism; {FUSED}",
                )  # fmt: skip
 

@@ -157,7 +157,12 @@ def unsupported(*args):
 
 
 SPEC = ModelSpec(
-    build=ModelBuild(model_cls=GPT2, blocks="h", tied_weights=lambda args: ("wte.weight", "lm_head.weight")),
+    build=ModelBuild(
+        model_cls=GPT2,
+        blocks="h",
+        tied_weights=lambda args: ("wte.weight", "lm_head.weight"),
+        sublayers=("attn", "mlp"),
+    ),
     flavors={"tiny": GPT2Args()},
     parallel=ParallelPlans(tensor_parallel=TP_PLAN),
     hf=HFAdapter(to_hf_state_dict=to_hf, from_hf_state_dict=unsupported, hf_config=hf_config,

@@ -47,6 +47,7 @@ SP = ("--parallelism.enable_sequence_parallel",)
 ZERO1 = ("--optimizer.zero_stage", "1")
 ZERO2 = ("--optimizer.zero_stage", "2")
 ZERO3 = ("--optimizer.zero_stage", "3")
+SUBLAYER = ("--parallelism.fsdp_wrap", "sublayer")  # FSDP units per attention and feed-forward
 EP2 = ("--parallelism.expert_parallel_degree", "2")
 CP2 = ("--parallelism.context_parallel_degree", "2")
 
@@ -81,6 +82,7 @@ LAYOUTS: dict[str, Layout] = {
     "dp2-zero3": Layout(2, ZERO3, dense=True),
     "dp2xtp2-zero3": Layout(4, (*TP2, *ZERO3), dense=True),
     "dp2xpp2-zero3": Layout(4, (*_pp2("1F1B"), *ZERO3), dense=True),
+    "dp2-zero3-sublayer": Layout(2, (*ZERO3, *SUBLAYER), dense=True),
     # dp4: 2 sequences per rank keep the global batch of 8 (a later flag overrides COMMON's).
     "hsdp2x2": Layout(
         4, (*ZERO3, "--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"), dense=True
@@ -88,6 +90,7 @@ LAYOUTS: dict[str, Layout] = {
     "ep2": Layout(2, EP2, experts=True),
     "ep2-zero1": Layout(2, (*EP2, *ZERO1), experts=True),
     "ep2-zero3": Layout(2, (*EP2, *ZERO3), experts=True),
+    "ep2-zero3-sublayer": Layout(2, (*EP2, *ZERO3, *SUBLAYER), experts=True),
     "cp2": Layout(2, CP2, context=True),
     "cp2xtp2": Layout(4, (*CP2, *TP2, *SP), context=True),
 }

@@ -1,7 +1,7 @@
 """ZeRO-3 (FSDP2) through train.py gives ZeRO-0's per-step losses on every layout it composes with.
 
 CI runs a covering sample (TP with sequence parallelism, PP with a weight tied across stages, HSDP, experts sharded
-over ep and FSDP); the other cases run with `-m zero_matrix`.
+over ep and FSDP, FSDP units per sub-layer); the other cases run with `-m zero_matrix`.
 """
 
 import pytest
@@ -21,6 +21,7 @@ STEPS = ["--training.steps", "10"]
 ACCUMULATE_2 = ["--training.local_batch_size", "2", "--training.global_batch_size", "8"]  # at dp2
 ZERO3 = ["--optimizer.zero_stage", "3"]
 TP2_SP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel"]
+SUBLAYER = ["--parallelism.fsdp_wrap", "sublayer"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]
 
 # name: (processes, the layout's arguments, ZeRO-3's extra arguments)
@@ -37,8 +38,18 @@ CASES = {
     # dp4 x ep2: the experts are FSDP groups of their own, sharded over the edp_shard = 2 ranks holding them.
     "moe_dp4_ep2": (4, ["--model.name", "moe", "--parallelism.expert_parallel_degree", "2",
                         "--training.local_batch_size", "1", "--training.global_batch_size", "8"], []),
+    # parallelism.fsdp_wrap = "sublayer": each block's attention and feed-forward are FSDP groups inside the block's.
+    "dp2_sublayer": (2, ACCUMULATE_2, SUBLAYER),
+    "dp2_compile_ac_sublayer": (2, [*ACCUMULATE_2, "--compile.enable", "--activation_checkpoint.mode", "full"],
+                                SUBLAYER),
+    "hsdp2x2_sublayer": (4, ["--training.local_batch_size", "1", "--training.global_batch_size", "8"],
+                         ["--parallelism.data_parallel_replicate_degree", "2", *SUBLAYER]),
+    "dp2_tp2_sp_sublayer": (4, [*ACCUMULATE_2, *TP2_SP], SUBLAYER),
+    "dp2_pp2_1f1b_sublayer": (4, [*ACCUMULATE_2, *PP2], SUBLAYER),
+    "moe_dp4_ep2_sublayer": (4, ["--model.name", "moe", "--parallelism.expert_parallel_degree", "2",
+                                 "--training.local_batch_size", "1", "--training.global_batch_size", "8"], SUBLAYER),
 }
-CI_SAMPLE = ("dp2_tp2_sp", "dp2_pp2_1f1b_tied", "hsdp2x2", "moe_dp4_ep2")
+CI_SAMPLE = ("dp2_tp2_sp", "dp2_pp2_1f1b_tied", "hsdp2x2", "moe_dp4_ep2", "dp2_sublayer", "moe_dp4_ep2_sublayer")
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ cases) saves step 5; the loading layout resumes it with tests/reshard_worker.py,
 loaded state with the checkpoint bitwise (`torchpre.checkpoint.roundtrip`), then trains steps 6-10, whose
 losses must match the uninterrupted run's. Every job is forked from one warm interpreter (tests/fork_server.py).
 
-`pytest -m matrix` runs the full matrix (6,560 cases); TORCHPRE_MATRIX_CASES=N runs a covering sample of N of
+`pytest -m matrix` runs the full matrix (7,282 cases); TORCHPRE_MATRIX_CASES=N runs a covering sample of N of
 them instead. The default run takes SAMPLE_SIZE cases that cover every axis value and every problem of
 issue 15.
 """

@@ -93,6 +93,26 @@ def test_planner_memory_is_the_dry_runs(layout):
     assert prediction.step.total_s > 0 and 0 < prediction.mfu < 1
 
 
+def test_the_planner_prices_fsdp_units_per_sublayer_as_the_dry_run():
+    """parallelism.fsdp_wrap = "sublayer": FSDP2 holds one block gathered at the peak instead of two (the running
+    sub-layer, the prefetched one and the block's norms; tests/distributed/test_fsdp_sublayer.py counts it on
+    gloo). 8B at dp8 x tp8 with ZeRO-3 without pipelining (resharded after forward): the planner's activations
+    against a dry run of each wrapping (equal), and the difference one bf16 block's tp8 shard."""
+    layout = Layout(dp=8, tp=8, pp=1, zero_stage=3, activation_checkpoint="full")
+    predicted, real = {}, {}
+    for wrap in ("block", "sublayer"):
+        base = _job("--model.flavor", "8B", "--training.seq_len", "2048", "--training.global_batch_size", "64",
+                    "--training.mixed_precision_param", "bfloat16", "--parallelism.fsdp_wrap", wrap)  # fmt: skip
+        checked = check(layout, base, 64)
+        flops = model_flops_per_token(checked.config, checked.model_args)
+        predicted[wrap] = predict(checked, get_hardware("h100-80gb"), 64, flops).ranks[0].activation_bytes
+        real[wrap] = build_rank(checked.config, 64, 0, checkpoint=False).activation_bytes
+        assert predicted[wrap] == pytest.approx(real[wrap], rel=0.005), wrap
+    # 4096 x (4096 + 2 x 1024 + 4096) attention + 3 x 4096 x 14,336 feed-forward over tp8, two norms of 4096 whole
+    one_block = (218_103_808 // 8 + 2 * 4096) * 2
+    assert predicted["block"] - predicted["sublayer"] == real["block"] - real["sublayer"] == one_block
+
+
 def test_the_planner_counts_the_chunked_loss_as_the_dry_run_does():
     """training.loss_chunk_size: the planner's pieces build the chunked output layer as start-up does, so its last
     stage's activations are the dry run's and lose the whole logits. tp2 x pp2 (vocabulary-parallel chunks), the debug

@@ -34,7 +34,7 @@ def test_deepseek_v3_crosses_every_dtype_and_pair_of_its_layouts_and_ci_runs_one
     assert pairs == {(save, load) for save in DEEPSEEK_V3_LAYOUTS for load in DEEPSEEK_V3_LAYOUTS if save != load}
     assert len(cases) == len(DTYPES) * len(pairs) == 48
     assert {"tp2-sp", "ep2"} <= set(DEEPSEEK_V3_LAYOUTS)  # latent down-projections replicated; experts split
-    assert [case.id for case in SAMPLE if case.model == "deepseek_v3"] == ["deepseek_v3-fp32>bf16-dp2-zero1-to-ep2"]
+    assert [case.id for case in SAMPLE if case.model == "deepseek_v3"] == ["deepseek_v3-bf16>fp32-dp2-zero1-to-ep2"]
 
 
 def test_the_ci_sample_covers_every_axis_value_and_problem():

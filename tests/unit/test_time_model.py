@@ -154,6 +154,21 @@ def test_dp_overlap_and_zero_stages():
     assert collective_seconds("reduce_scatter", 4, bucket, 1e9, TOY) == approx(0.003 + 0.75 * bucket / 1e9)
 
 
+def test_zero3_units_per_sublayer_cost_three_collectives_a_block():
+    """parallelism.fsdp_wrap = "sublayer": a block's norms, attention and feed-forward are gathered and reduced one
+    by one, so each of ZeRO-3's collectives is three of a third the size: the same bytes, three times the latency
+    (dp4 on nodes of 2: 2 steps of 1 ms). Per microbatch: reduce-scatter 6 ms + 0.75 s, 2 all-gathers of
+    6 ms + 0.375 s."""
+    work = RankWork(forward=PLAIN.forward, backward=PLAIN.backward, grad_bytes=1e9, param_bytes=5e8)
+    block = step_time(TimeLayout(dp=4, microbatches=2, zero_stage=3), [work], TOY)
+    sublayer = step_time(TimeLayout(dp=4, microbatches=2, zero_stage=3, fsdp_units_per_block=3), [work], TOY)
+    assert block.dp_comm_s == approx(2 * 1.506)
+    assert sublayer.dp_comm_s == approx(2 * (0.756 + 2 * 0.381))
+    # ZeRO-1 has no FSDP units: the key changes nothing there
+    zero1 = TimeLayout(dp=4, microbatches=2, zero_stage=1)
+    assert step_time(dataclasses.replace(zero1, fsdp_units_per_block=3), [work], TOY) == step_time(zero1, [work], TOY)
+
+
 def test_zero3_under_pipelining_gathers_and_reduces_once_per_step():
     """FSDP2 under a pipeline schedule: sync and resharding after backward are off until the last microbatch, so
     dp4 x pp2 with 4 microbatches gathers the parameters once (2 ms + 0.375 s) and reduce-scatters once (0.752 s),

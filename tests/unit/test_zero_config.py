@@ -1,13 +1,18 @@
 """The ZeRO and HSDP keys are checked before any process group exists (the config's values, then the data-parallel
 strategy built from them), with messages that name the key; the FSDP settings of ZeRO-3 follow them."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from torchpre.assembly.plans import fsdp_plan
+from torchpre.assembly.silent_keys import check_keys_take_effect
 from torchpre.config.job_config import JobConfig
 from torchpre.config.validate import validate_config
 from torchpre.errors import ConfigError
+from torchpre.models.llama3.args import LLAMA3_FLAVORS
+from torchpre.models.registry import get_model_spec
 from torchpre.parallel.data_parallel import DataParallel
 
 
@@ -77,6 +82,30 @@ def test_fsdp_reshard_after_forward_defaults_to_off_under_pipelines(tmp_path, se
     config = _config(tmp_path, optimizer__zero_stage=3, parallelism__fsdp_reshard_after_forward=setting)
     pipeline = object() if pipelined else None
     assert settings(config, pipeline).reshard_after_forward is reshard
+
+
+@pytest.mark.parametrize("model, sublayers", [("llama3", ("attention", "feed_forward")),
+                                              ("moe", ("attention", "feed_forward", "moe")),
+                                              ("deepseek_v3", ("attention", "feed_forward", "moe"))])  # fmt: skip
+def test_fsdp_units_per_sublayer_are_the_familys(tmp_path, model, sublayers):
+    """parallelism.fsdp_wrap = "sublayer" hands FSDP the family's sub-layers (`ModelBuild.sublayers`); "block" none."""
+    spec = get_model_spec(model)
+    config = _config(tmp_path, optimizer__zero_stage=3, model__name=model, parallelism__fsdp_wrap="sublayer")
+    plan = fsdp_plan(config, None, DataParallel.from_config(config), spec.build.sublayers)
+    assert plan.sublayers == sublayers
+    config.parallelism.fsdp_wrap = "block"
+    assert fsdp_plan(config, None, DataParallel.from_config(config), spec.build.sublayers).sublayers == ()
+
+
+def test_a_family_without_sublayers_refuses_units_per_sublayer(tmp_path):
+    """Start-up refuses the key where it would leave every block one unit (the hf family names no sub-layers)."""
+    llama3 = get_model_spec("llama3")
+    spec = dataclasses.replace(llama3, build=dataclasses.replace(llama3.build, sublayers=()))
+    config = _config(tmp_path, optimizer__zero_stage=3, parallelism__fsdp_wrap="sublayer")
+    with pytest.raises(ConfigError, match="parallelism.fsdp_wrap = 'sublayer': model.name = 'llama3' names no sub-lay"):
+        check_keys_take_effect(config, spec, LLAMA3_FLAVORS["debugmodel"], 2048)
+    check_keys_take_effect(config, llama3, LLAMA3_FLAVORS["debugmodel"], 2048)
+    assert get_model_spec("hf").build.sublayers == ()
 
 
 def test_fsdp_mixed_precision_follows_the_config(tmp_path):

@@ -27,11 +27,15 @@ def quantize_plan(config: JobConfig, device: torch.device, blocks: str) -> Quant
     return QuantizePlan(q.linear, q.recipe, modules, emulate, q.fsdp_float8_all_gather)
 
 
-def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: DataParallel) -> FSDPPlan:
+def fsdp_plan(
+    config: JobConfig, pipeline: PipelinePlan | None, data_parallel: DataParallel, sublayers: tuple[str, ...] = ()
+) -> FSDPPlan:
     """How FSDP2 shards the parameters. Resharding after forward defaults to on without a pipeline (the gathered
     parameters of a block are freed until its backward) and off with one: a stage runs one forward per
     microbatch, and keeping its gathered parameters saves an all-gather per block and microbatch, while
-    torch's pipeline stage keeps them through the step's backwards in any case."""
+    torch's pipeline stage keeps them through the step's backwards in any case. `sublayers` are the family's
+    (`ModelBuild.sublayers`), the units of `parallelism.fsdp_wrap = "sublayer"` (`check_keys_take_effect` refuses
+    the key for a family that names none)."""
     t, p = config.training, config.parallelism
     reshard = {"always": True, "never": False, "default": pipeline is None}[p.fsdp_reshard_after_forward]
     return FSDPPlan(
@@ -39,6 +43,7 @@ def fsdp_plan(config: JobConfig, pipeline: PipelinePlan | None, data_parallel: D
         reduce_dtype=data_parallel.reduce_dtype,
         reshard_after_forward=reshard,
         byte_all_gather=config.quantize.fsdp_float8_all_gather,
+        sublayers=sublayers if p.fsdp_wrap == "sublayer" else (),
     )
 
 
@@ -73,7 +78,7 @@ def parallel_plan(
         selective_ac_option=ac.selective_ac_option,
         compile=config.compile.enable,
         compile_fullgraph=spec.parallel.compile_fullgraph,
-        fsdp=fsdp_plan(config, pipeline, data_parallel) if shards_parameters else None,
+        fsdp=fsdp_plan(config, pipeline, data_parallel, spec.build.sublayers) if shards_parameters else None,
         context_parallel=None if context_parallel is None else _bind(spec.parallel.context_parallel, context_parallel),
     )
 

@@ -1,7 +1,8 @@
 """Keys a user sets expecting an effect that this job would give them none: refused at start-up, naming the key.
 
 Each check here is of a value that is valid on its own but does nothing in this job: a quantize setting without a
-low-precision format, multi-token prediction deeper than a sequence, a resume step without resuming, a pattern that
+low-precision format, multi-token prediction deeper than a sequence, a resume step without resuming, FSDP units per
+sub-layer for a family that names none, a pattern that
 matches no module or parameter of the model (read on the model built on the meta device, only when a pattern is
 set). Left alone, each would train a different run than the one asked for, without a word.
 """
@@ -33,6 +34,12 @@ def check_keys_take_effect(config: JobConfig, spec: ModelSpec, args: ModelArgs, 
             f"checkpoint.load_step = {c.load_step} with checkpoint.enable off: a job resumes only with checkpoints "
             "on, so this one would train from step 0. Set checkpoint.enable = true to resume that step, or leave "
             "checkpoint.load_step at -1 (checkpoint.initial_load_path loads weights into a new run)."
+        )
+    if config.parallelism.fsdp_wrap == "sublayer" and not spec.build.sublayers:
+        raise ConfigError(
+            f"parallelism.fsdp_wrap = 'sublayer': model.name = '{config.model.name}' names no sub-layers for FSDP "
+            "(its ModelBuild.sublayers is empty), so every block would stay one unit. Use parallelism.fsdp_wrap = "
+            "'block', or name the family's sub-layers."
         )
     depth = args.mtp_depth
     if depth >= shortest_seq_len:

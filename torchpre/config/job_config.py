@@ -388,6 +388,11 @@ class Parallelism:
         "ZeRO-3: free gathered parameters after each block's forward (always) or keep them for backward (never); "
         "default = always without pipeline parallelism, never with it",
     )
+    fsdp_wrap: Literal["block", "sublayer"] = _option(
+        "block",
+        "ZeRO-3: the units FSDP2 gathers and frees one at a time: each block, or also each block's attention and "
+        "feed-forward (sublayer: about half the gathered parameters at the peak, three collectives per block)",
+    )
     tensor_parallel_degree: int = _option(1, "tensor-parallel degree (shards attention heads, MLP and vocabulary)")
     enable_sequence_parallel: bool = _option(
         False, "with tensor parallelism, shard norms and residuals along the sequence (saves activation memory)"

@@ -67,6 +67,8 @@ class ModelBuild:
       tensor-parallel plan must give that module `VocabParallelOutput`. None: the chunked loss is refused.
     - `tied_weights(args)`: the two names of a weight shared by two modules (tied embeddings).
     - `flops_per_token(args, num_params, seq_len)` for MFU; default 6 x parameters.
+    - `sublayers`: the names of a block's children that ZeRO-3 makes FSDP units of their own under
+      `parallelism.fsdp_wrap = "sublayer"` (those a block has; its norms stay with the block). Empty: refused.
     """
 
     model_cls: Callable[[ModelArgs], nn.Module]
@@ -77,6 +79,7 @@ class ModelBuild:
     output_layer: str | None = None
     tied_weights: Callable[[ModelArgs], tuple[str, str] | None] = lambda args: None
     flops_per_token: Callable[[ModelArgs, int, int], int] = lambda args, num_params, seq_len: 6 * num_params
+    sublayers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

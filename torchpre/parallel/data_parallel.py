@@ -7,7 +7,8 @@ describes every parameter as data parallelism splits it on this rank (`ShardedPa
 (`torchpre.parallel.grad_reduction`) and the optimizer that steps on the shards (`torchpre.optim`) both read it.
 
 Under ZeRO-3 each block is one FSDP group (its parameters are all-gathered before its forward and backward and its
-gradients reduce-scattered after its backward), and the part root is another one, which collects what no block
+gradients reduce-scattered after its backward; with `parallelism.fsdp_wrap = "sublayer"` its attention and
+feed-forward are groups of their own inside it), and the part root is another one, which collects what no block
 holds: embeddings, the final norm, the head, and a weight tied between them (a Parameter belongs to exactly one FSDP
 group). The sharded fp32 parameters are the optimizer's masters (`MixedPrecisionPolicy` casts them to the compute
 dtype at each all-gather). Gradients are summed, not averaged: the trainer's loss is already divided by the global
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
@@ -201,12 +203,20 @@ class FSDPPlan:
     Under pipeline parallelism a stage runs forward and backward once per microbatch, so resharding after
     forward costs one extra all-gather per block and microbatch; torch's pipeline stage also keeps the
     gathered parameters through every backward of the step (it reduce-scatters once, after the last).
+
+    `sublayers` (`parallelism.fsdp_wrap = "sublayer"`) names the children of a block (its attention and
+    feed-forward) that are FSDP units of their own inside the block's, which keeps the rest (its norms). FSDP2
+    gathers one unit ahead of the one running (the next all-gather is issued before the current unit's output
+    is freed, and backward prefetches the next unit in reverse order), so the gathered parameters at the peak
+    are the largest two consecutive units': about one block's instead of two. Each unit is one all-gather
+    and one reduce-scatter, so a block costs three of each instead of one.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype = torch.float32
     reshard_after_forward: bool = True
     byte_all_gather: bool = False  # gather 1-byte dtypes (FP8 all-gather) as uint8, which every backend has
+    sublayers: tuple[str, ...] = ()  # a block's children sharded as units of their own (`apply_fsdp`)
 
 
 class ByteAllGather(DefaultAllGather):
@@ -243,7 +253,9 @@ def apply_fsdp(
         shard_dim = _expert_shard_dim(expert_dp_mesh)
         for experts in expert_parallel_modules(part):
             sharded.append(fully_shard(experts, mesh=expert_dp_mesh, shard_placement_fn=shard_dim, **options))
-    sharded += [fully_shard(block, mesh=dp_mesh, **options) for block in blocks]
+    for block in blocks:
+        sharded += [fully_shard(sublayer, mesh=dp_mesh, **options) for sublayer in _sublayers(block, plan.sublayers)]
+        sharded.append(fully_shard(block, mesh=dp_mesh, **options))
     sharded.append(fully_shard(part, mesh=dp_mesh, **options))
     for module in sharded:
         sum_gradients(module)
@@ -252,6 +264,13 @@ def apply_fsdp(
     # TODO(perf): explicit prefetching (`set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`,
     # as torchtitan's llama4 apply_fsdp does) overlaps more all-gathers; correctness does not need it.
     return sharded
+
+
+def _sublayers(block: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    """The children of `block` named in `names`, looked up inside an activation-checkpoint wrapper (whose
+    recompute then runs their FSDP hooks again: the unit is gathered anew in backward, as a whole block is)."""
+    inner = block._checkpoint_wrapped_module if isinstance(block, ActivationWrapper) else block
+    return [child for name, child in inner.named_children() if name in names]
 
 
 def expert_parallel_modules(part: nn.Module) -> list[nn.Module]:

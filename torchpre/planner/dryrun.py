@@ -305,8 +305,8 @@ def _held_activations(job: TrainingJob, parts: list["PartProbe"], pp_rank: int) 
 
 def _fsdp_gathered(job: TrainingJob) -> int:
     """Under ZeRO-3, the unsharded compute-dtype parameters FSDP2 holds on top of its shards: with resharding
-    after forward, the largest block's twice (the one running and the one prefetched); without (the default
-    under pipelining), the whole rank's, from the first forward to the step."""
+    after forward, the largest block's `gathered_blocks` times; without (the default under pipelining), the whole
+    rank's, from the first forward to the step."""
     if not job.preflight.data_parallel.shards_parameters:
         return 0
     itemsize = getattr(torch, job.config.training.mixed_precision_param).itemsize
@@ -317,7 +317,15 @@ def _fsdp_gathered(job: TrainingJob) -> int:
         for name, param in part.named_parameters():
             block = ".".join(name.split(".")[:2])
             blocks[block] = blocks.get(block, 0) + unsharded_numel(param, job) * itemsize
-    return 2 * max(blocks.values())
+    return gathered_blocks(job.config) * max(blocks.values())
+
+
+def gathered_blocks(config: JobConfig) -> int:
+    """Blocks' worth of parameters FSDP2 holds gathered at a step's peak when it reshards after forward: it
+    gathers one unit ahead of the one running, so two blocks with units per block; one with units per sub-layer
+    (`parallelism.fsdp_wrap = "sublayer"`: the feed-forward running in backward, the attention prefetched and
+    their block's norms). tests/distributed/test_fsdp_sublayer.py counts both."""
+    return 1 if config.parallelism.fsdp_wrap == "sublayer" else 2
 
 
 def _fsdp_unsharded_numel(job: TrainingJob) -> int:

@@ -20,7 +20,7 @@ from torchpre.models.args import ModelArgs
 from torchpre.models.registry import get_model_spec
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT, reserved_bytes
 from torchpre.planner.cost_cache import Measured
-from torchpre.planner.dryrun import accumulated_grad_itemsize, peak_bytes
+from torchpre.planner.dryrun import accumulated_grad_itemsize, gathered_blocks, peak_bytes
 from torchpre.planner.hardware import Hardware
 from torchpre.planner.layout_space import CheckedLayout
 from torchpre.planner.schedule_walk import held_peak
@@ -31,6 +31,9 @@ from torchpre.step_rules.zero_stages import zero_stage
 # The stated error of the predictions (relative), from the comparison with torchtitan's published H100 runs
 # (bench/plan_vs_published.py, docs/planning.md): printed next to every prediction.
 ERROR_BARS = {"memory_gib": 0.10, "tokens_per_s_per_gpu": 0.20, "mfu": 0.20}
+# FSDP2 units per block, each one all-gather and one reduce-scatter: the block; or its norms, attention and
+# feed-forward (a MoE block under expert parallelism has its experts as one more unit, left out here).
+FSDP_UNITS_PER_BLOCK = {"block": 1, "sublayer": 3}
 OPTIMIZER_OPS_PER_TENSOR = 12  # eager ops of single-tensor AdamW per parameter tensor (torch's _single_tensor_adamw)
 
 
@@ -202,7 +205,7 @@ def _activation_bytes(
     if zero_stage(layout.zero_stage).shards_parameters:
         itemsize = getattr(torch, checked.config.training.mixed_precision_param).itemsize
         if _reshards_after_forward(checked.config):
-            gathered = 2 * states.block.tp_numel * itemsize
+            gathered = gathered_blocks(checked.config) * states.block.tp_numel * itemsize
         else:
             gathered = sum(states.stage(*chunk, zero=StateCost()).tp_numel for chunk in chunks) * itemsize
     return int(saved + transient + gathered)
@@ -291,4 +294,5 @@ def _time_layout(checked: CheckedLayout) -> TimeLayout:
         bucket_bytes=checked.config.optimizer.bucket_size_mb * 2**20,
         compiled=checked.config.compile.enable,
         reshard_after_forward=_reshards_after_forward(checked.config),
+        fsdp_units_per_block=FSDP_UNITS_PER_BLOCK[checked.config.parallelism.fsdp_wrap],
     )

@@ -43,7 +43,10 @@ The model, per pipeline rank (all of its stage chunks together), for one step of
   the schedule turns FSDP2's gradient sync and resharding after backward off until the last microbatch, so it
   gathers the parameters once per step (once per microbatch more when it reshards after forward, in backward) and
   reduce-scatters once, after the last backward, exposed (the first stage's last backward ends the pipeline); its
-  gathers hide behind the first microbatch's forward up to `overlap`.
+  gathers hide behind the first microbatch's forward up to `overlap`. ZeRO 3's all-gathers and reduce-scatters are
+  priced as one collective of the rank's parameters each; with FSDP2 units per sub-layer
+  (`fsdp_units_per_block` = 3: a block's norms, attention and feed-forward) each is that many collectives of a
+  third of the bytes: the same bandwidth term, three times the latency terms.
 - Optimizer: AdamW reads the fp32 master, gradient, exp_avg and exp_avg_sq (16 B/param) and writes master,
   exp_avg, exp_avg_sq (12 B/param): 28 B per 8 B of state, so OPTIMIZER_TRAFFIC = 3.5 x state bytes / mem_bw,
   plus its ops x op_overhead_s.
@@ -159,6 +162,7 @@ class TimeLayout:
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
     compiled: bool = False  # compile.enable: blocks' elementwise ops fused (`COMPILE_ELEMENTWISE`)
     reshard_after_forward: bool = True  # ZeRO 3: FSDP2 frees the gathered parameters after forward, gathers again
+    fsdp_units_per_block: int = 1  # ZeRO 3: FSDP2 units per block, 3 under parallelism.fsdp_wrap = "sublayer"
 
     @property
     def world_size(self) -> int:
@@ -335,15 +339,21 @@ def _dp_dim_seconds(
     """(total, exposed) DP seconds over one mesh dimension's groups, for the layout's ZeRO stage; `windows` are a
     microbatch's forward and backward seconds, which the communication may hide behind."""
 
-    def run(op: Op, nbytes: float) -> float:
+    zero, m = zero_stage(layout.zero_stage), layout.microbatches
+    units = layout.fsdp_units_per_block if zero.shards_parameters else 1
+
+    def once(op: Op, nbytes: float) -> float:
         return collective_on(Collective(op, dim, nbytes), layout, hardware)
 
-    zero, m = zero_stage(layout.zero_stage), layout.microbatches
+    def run(op: Op, nbytes: float) -> float:
+        """`nbytes` of `op` over the step's units: FSDP2's `units` collectives per block's share under ZeRO 3."""
+        return units * once(op, nbytes / units)
+
     forward, backward = windows
     if zero.shards_parameters and layout.pp > 1:
-        return _fsdp_under_pipelining(run, grads, params, forward, layout, hardware)
+        return _fsdp_under_pipelining(run, once, grads, params, forward, layout, hardware)
     reduce_op: Op = "reduce_scatter" if zero.shards_optimizer_state else "all_reduce"
-    reduce, last = run(reduce_op, grads), run(reduce_op, min(layout.bucket_bytes, grads))
+    reduce, last = run(reduce_op, grads), once(reduce_op, min(layout.bucket_bytes, grads))
     rounds = m if zero.shards_gradients else 1  # sharded gradients are reduced every microbatch
     window = forward + backward if zero.shards_parameters else backward
     gathers = 2 if layout.reshard_after_forward else 1
@@ -357,6 +367,7 @@ def _dp_dim_seconds(
 
 def _fsdp_under_pipelining(
     run: Callable[[Op, float], float],
+    once: Callable[[Op, float], float],
     grads: float,
     params: float,
     forward: float,
@@ -369,7 +380,7 @@ def _fsdp_under_pipelining(
     gather = run("all_gather", params)
     gathers = (1 + layout.microbatches) * gather if layout.reshard_after_forward else gather
     reduce = run("reduce_scatter", grads)
-    first = run("all_gather", min(layout.bucket_bytes, params))  # the first block's gather precedes any compute
+    first = once("all_gather", min(layout.bucket_bytes, params))  # the first block's gather precedes any compute
     hidden = hardware.overlap * forward * (layout.microbatches if layout.reshard_after_forward else 1)
     return gathers + reduce, reduce + max(first, gathers - hidden)
 

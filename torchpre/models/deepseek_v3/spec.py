@@ -37,6 +37,7 @@ SPEC = ModelSpec(
         tied_weights=tied_weights,
         flops_per_token=flops_per_token,
         output_layer="output",
+        sublayers=MOE.build.sublayers,  # MLA in place of attention; its latent projections gathered together
     ),
     flavors=DEEPSEEK_V3_FLAVORS,
     # The MoE family's plans and hooks (routing, experts, context parallel), with MLA's tensor-parallel plan and

@@ -2,7 +2,7 @@
 
 from torchpre.models.llama3 import hf
 from torchpre.models.llama3.args import LLAMA3_FLAVORS, TransformerArgs, flops_per_token
-from torchpre.models.llama3.model import Transformer
+from torchpre.models.llama3.model import Transformer, TransformerBlock
 from torchpre.models.llama3.parallelize import (
     apply_llama3_context_parallel,
     apply_llama3_tensor_parallel,
@@ -18,7 +18,11 @@ def llama3_tied_weights(args: TransformerArgs) -> tuple[str, str] | None:
 
 SPEC = ModelSpec(
     build=ModelBuild(
-        model_cls=Transformer, tied_weights=llama3_tied_weights, flops_per_token=flops_per_token, output_layer="output"
+        model_cls=Transformer,
+        tied_weights=llama3_tied_weights,
+        flops_per_token=flops_per_token,
+        output_layer="output",
+        sublayers=("attention", TransformerBlock.ffn_name),
     ),
     flavors=LLAMA3_FLAVORS,
     parallel=ParallelPlans(

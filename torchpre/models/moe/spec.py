@@ -4,9 +4,10 @@ Its model is in model.py, its routing rule in routing.py, its tensor- and expert
 its router statistics (logged as `moe/*`) and the balancing step of its routing biases in router.py.
 """
 
+from torchpre.models.llama3.model import TransformerBlock
 from torchpre.models.llama3.spec import llama3_tied_weights
 from torchpre.models.moe.args import MOE_FLAVORS, flops_per_token
-from torchpre.models.moe.model import MoETransformer
+from torchpre.models.moe.model import MoEBlock, MoETransformer
 from torchpre.models.moe.parallelize import (
     apply_moe_context_parallel,
     apply_moe_expert_parallel,
@@ -18,12 +19,18 @@ from torchpre.models.moe.parallelize import (
 from torchpre.models.moe.router import router_stats, update_expert_bias
 from torchpre.models.registry import ModelBuild, ModelSpec, ParallelPlans, TrainingHooks
 
+# The attention and the whole feed-forward: the dense blocks' MLP, the MoE blocks' router, shared expert and routed
+# experts together (under expert parallelism the routed experts are already FSDP units of their own, on the edp
+# mesh). Splitting the router and shared expert from the experts without ep would save only their small share.
+MOE_SUBLAYERS = ("attention", TransformerBlock.ffn_name, MoEBlock.ffn_name)
+
 SPEC = ModelSpec(
     build=ModelBuild(
         model_cls=MoETransformer,
         tied_weights=llama3_tied_weights,
         flops_per_token=flops_per_token,
         output_layer="output",
+        sublayers=MOE_SUBLAYERS,
     ),
     flavors=MOE_FLAVORS,
     parallel=ParallelPlans(
