@@ -29,6 +29,12 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: Para
                 "layouts itself: turn off parallelism.enable_sequence_parallel and enable_loss_parallel, or "
                 "give a plan function that takes sequence_parallel and loss_parallel."
             )
+        if p.sequence_parallel_save_shard and p.enable_sequence_parallel and not spec.parallel.saves_sequence_shard:
+            raise ConfigError(
+                f"parallelism.sequence_parallel_save_shard: model.name = '{name}' has no plan that saves the sequence "
+                "shard for backward (ModelSpec.parallel.saves_sequence_shard; the families llama3, moe and "
+                "deepseek_v3 have one). Turn the key off."
+            )
         spec.parallel.validate_tensor_parallel(args, dims.tp)
     if dims.ep > 1:
         if spec.parallel.expert_parallel is None:
