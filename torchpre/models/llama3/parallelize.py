@@ -99,9 +99,9 @@ def apply_llama3_tensor_parallel(
 
 
 def save_sequence_shard_plan(model: Transformer) -> dict[str, ParallelStyle]:
-    """Under SP, every attention and feed-forward (dense or MoE) this stage holds saves its sequence shard for backward and
-    gathers it again there, instead of saving the gathered input (`torchpre.parallel.sequence_gather`); for the
-    families built on Llama 3's `Transformer`, applied after their plan (its gather runs first)."""
+    """Under SP, every attention and feed-forward (dense or MoE) this stage holds saves its sequence shard for
+    backward and gathers it again there, instead of saving the gathered input (`torchpre.parallel.sequence_gather`);
+    for the families built on Llama 3's `Transformer`, applied after their plan (its gather runs first)."""
     return {
         f"{block_path}.{name}": SaveShardForBackward()
         for block_path, block in model.attention_blocks()
