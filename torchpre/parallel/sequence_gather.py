@@ -17,7 +17,6 @@ tensor from the outer ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -75,7 +74,7 @@ class _ModuleHooks:
         self.hooks = saved_tensors_hooks(forward.pack, forward.unpack)
         self.hooks.__enter__()
 
-    def exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def exit(self, module: nn.Module, args: tuple, output: object) -> None:
         self.shard = None
         if self.hooks is not None:
             self.hooks.__exit__(None, None, None)
