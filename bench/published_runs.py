@@ -520,8 +520,9 @@ LLAMA3_ASSUMED = ("the stages per rank and the microbatch size, which the paper 
                   "less (its first chunk the embedding alone: 128 one-layer chunks, which torch's stages, each "
                   "holding a block, cannot express for 126 layers on 16 ranks); tensor parallelism with Megatron-LM's "
                   "sequence parallelism, which saves each attention's and feed-forward's sequence shard and gathers it "
-                  "again in backward (parallelism.sequence_parallel_save_shard): the paper's TP is Megatron-LM's, and "
-                  "without it a 405B stage does not fit 80 GB at 8K tokens and no recomputation")
+                  "again in backward (parallelism.sequence_parallel_save_shard): the paper does not say, but its "
+                  "tensor parallelism is Megatron-LM's, and its blocks kept far less than torchpre's saving the "
+                  "gathered inputs (docs/planning.md)")
 
 
 def _llama3(gpus: int, dp: int, per_dp: int, tflops: float) -> Run:
