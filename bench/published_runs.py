@@ -529,7 +529,11 @@ LLAMA3_405B_FLOPS_PER_TOKEN = 6 * (405_853_388_800 - LLAMA_VOCAB * 16384) + 12 *
 LLAMA3_ASSUMED = ("the stages per rank and the microbatch size, which the paper does not state, are the planner's "
                   "choice (`Run.unstated`); layers split evenly, where Meta's first and last stages hold one layer "
                   "less (its first chunk the embedding alone: 128 one-layer chunks, which torch's stages, each "
-                  "holding a block, cannot express for 126 layers on 16 ranks)")
+                  "holding a block, cannot express for 126 layers on 16 ranks); tensor parallelism with Megatron-LM's "
+                  "sequence parallelism, which saves each attention's and feed-forward's sequence shard and gathers it "
+                  "again in backward (parallelism.sequence_parallel_save_shard): the paper does not say, but its "
+                  "tensor parallelism is Megatron-LM's, and its blocks kept far less than torchpre's saving the "
+                  "gathered inputs (docs/planning.md)")
 
 
 def _llama3(gpus: int, dp: int, per_dp: int, tflops: float) -> Run:
@@ -537,7 +541,8 @@ def _llama3(gpus: int, dp: int, per_dp: int, tflops: float) -> Run:
                f"TFLOPs/GPU", Model("llama3-405B", "405B", vocab_size=LLAMA_VOCAB), gpus, 8192, dp * per_dp, 1,
                tflops * 1e12 / LLAMA3_405B_FLOPS_PER_TOKEN, f"{tflops:.0f} TFLOPs/GPU (model FLOPs per token)", tp=8,
                pp=16, schedule="Interleaved1F1B", virtual_stages=2, activation_checkpoint="none",
-               unstated=("virtual_stages", "microbatch"), assumed=LLAMA3_ASSUMED)  # fmt: skip
+               unstated=("virtual_stages", "microbatch"), assumed=LLAMA3_ASSUMED,
+               extra=("--parallelism.sequence_parallel_save_shard",))  # fmt: skip
 
 
 LLAMA3_ROWS = (_llama3(8192, 64, 32, 430), _llama3(16384, 128, 16, 400))

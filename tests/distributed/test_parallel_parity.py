@@ -47,6 +47,7 @@ def pp(schedule: str, *extra: str) -> list[str]:
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 SP = ["--parallelism.enable_sequence_parallel"]
 LP = ["--parallelism.enable_loss_parallel"]
+SAVE_SHARD = ["--parallelism.sequence_parallel_save_shard"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 V2 = ["--parallelism.pipeline_parallel_virtual_stages", "2"]
 
@@ -60,6 +61,7 @@ LAYOUTS = {
     "tp2_sp": (2, [*TP2, *SP]),
     "tp2_sp_lp": (2, [*TP2, *SP, *LP]),
     "tp2_lp": (2, [*TP2, *LP]),
+    "tp2_sp_save_shard_full_ac": (2, [*TP2, *SP, *SAVE_SHARD, "--activation_checkpoint.mode", "full"]),
     "pp2_gpipe": (2, pp("GPipe")),
     "pp2_1f1b": (2, pp("1F1B")),
     "pp2_interleaved1f1b_v2": (2, pp("Interleaved1F1B", "--parallelism.pipeline_parallel_virtual_stages", "2")),
@@ -81,6 +83,7 @@ LAYOUTS = {
     "cp2_dp2_zero1": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "1"]),
     "cp2_dp2_zero3": (4, [*per_rank_batch(2), *CP2, "--optimizer.zero_stage", "3"]),
     "cp2_tp2_sp_lp": (4, [*CP2, *TP2, *SP, *LP]),
+    "cp2_tp2_sp_lp_save_shard": (4, [*CP2, *TP2, *SP, *LP, *SAVE_SHARD]),
     "cp2_pp2_1f1b": (4, [*CP2, *pp("1F1B")]),
     "cp2_pp2_zbv": (4, [*CP2, *pp("ZBVZeroBubble")]),
     "cp2_selective_ac": (2, [*CP2, "--activation_checkpoint.mode", "selective"]),
@@ -107,9 +110,11 @@ def reference(tmp_path_factory) -> list[dict]:
 
 
 # Rows each of whose parts another row already checks under context parallelism (compile, a second AC mode, a second
-# pipeline schedule, HSDP's replicas), and the schedules with two stages per rank under ZeRO beyond Interleaved1F1B
-# at ZeRO-3: opt-in with `-m parity_matrix`, to keep CI's time.
+# pipeline schedule, HSDP's replicas), saving the sequence shard under full AC and cp (CI checks it bitwise at tp2 +
+# SP, tests/integration/test_bitwise_losses.py), and the schedules with two stages per rank under ZeRO beyond
+# Interleaved1F1B at ZeRO-3: opt-in with `-m parity_matrix`, to keep CI's time.
 OPT_IN_ROWS = (
+    "tp2_sp_save_shard_full_ac", "cp2_tp2_sp_lp_save_shard",
     "cp2_compile", "cp2_selective_ac", "cp2_pp2_zbv", "cp2_hsdp", "dp2_pp2_zero3_zbv", "dp2_pp2_zero3_looped_bfs",
     "dp2_pp2_zero3_interleaved_zero_bubble", "dp2_pp2_zero3_dualpipev", "dp2_pp2_zero2_zbv",
 )  # fmt: skip

@@ -10,6 +10,7 @@ counts the collectives, since a plan can be right and still communicate twice as
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,7 @@ from torchpre.parallel.tensor_parallel import (
     loss_parallel_context,
     reduce_partial_gradients,
 )
+from torchpre.planner.activation_probe import probe_microbatch
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +63,7 @@ class Variant(NamedTuple):
     tie_word_embeddings: bool = False
     chunk_size: int = 0  # training.loss_chunk_size: a ChunkedOutput, vocabulary-parallel chunk by chunk
     mlp: str = "swiglu"  # model.mlp: GELU's plan has no w3
+    save_sequence_shard: bool = False  # parallelism.sequence_parallel_save_shard
 
 
 # 12 tokens per chunk: 3 chunks of the 32 tokens, the last one short.
@@ -75,6 +78,7 @@ VARIANTS = [
     Variant("tp, tied, chunked", sequence_parallel=False, loss_parallel=True, tie_word_embeddings=True, chunk_size=12),
     Variant("tp+sp, gelu", sequence_parallel=True, loss_parallel=False, mlp="gelu"),
     Variant("tp+loss_parallel, gelu_tanh", sequence_parallel=False, loss_parallel=True, mlp="gelu_tanh"),
+    Variant("tp+sp, saving the shard", sequence_parallel=True, loss_parallel=False, save_sequence_shard=True),
 ]
 
 
@@ -85,6 +89,8 @@ def test_tensor_parallel_matches_single_process(tmp_path: Path) -> None:
 def _check_all_variants(mesh: DeviceMesh) -> None:
     for variant in VARIANTS:
         _check_variant(variant, mesh)
+    _check_saving_the_shard_changes_no_bit(mesh)
+    _check_saving_the_shard_saves_memory(mesh)
 
 
 def _check_variant(variant: Variant, mesh: DeviceMesh) -> None:
@@ -94,7 +100,8 @@ def _check_variant(variant: Variant, mesh: DeviceMesh) -> None:
     if variant.chunk_size:
         chunk_output_layer(model, "output", variant.chunk_size)
     apply_llama3_tensor_parallel(
-        model, mesh, sequence_parallel=variant.sequence_parallel, loss_parallel=variant.loss_parallel
+        model, mesh, sequence_parallel=variant.sequence_parallel, loss_parallel=variant.loss_parallel,
+        save_sequence_shard=variant.save_sequence_shard,
     )
     tied = model.output.weight is model.tok_embeddings.weight
     assert tied == variant.tie_word_embeddings, variant.name
@@ -133,6 +140,52 @@ def _check_variant(variant: Variant, mesh: DeviceMesh) -> None:
         _assert_close(_full(param.detach()), expected[name].detach(), f"{variant.name}: {name} after a step")
 
 
+def _sequence_parallel_model(save_sequence_shard: bool, mesh: DeviceMesh) -> Transformer:
+    model = _meta_model()
+    apply_llama3_tensor_parallel(
+        model, mesh, sequence_parallel=True, loss_parallel=False, save_sequence_shard=save_sequence_shard
+    )
+    return _materialize(model)
+
+
+def _check_saving_the_shard_changes_no_bit(mesh: DeviceMesh) -> None:
+    """parallelism.sequence_parallel_save_shard gathers the same shard again: the same loss and gradients, bit for
+    bit, as saving the gathered input."""
+    tokens, labels = _batch()
+    grads = []
+    for save in (False, True):
+        model = _sequence_parallel_model(save, mesh)
+        loss = _loss(model(tokens), labels)
+        loss.backward()
+        grads.append((loss.detach(), {name: _full(p.grad) for name, p in model.named_parameters()}))
+    (loss, saved), (loss_saving, saved_saving) = grads
+    assert torch.equal(loss, loss_saving)
+    assert saved.keys() == saved_saving.keys()
+    for name, grad in saved.items():
+        assert torch.equal(grad, saved_saving[name]), f"gradient of {name} differs when saving the shard"
+
+
+def _check_saving_the_shard_saves_memory(mesh: DeviceMesh) -> None:
+    """The planner's probe of one forward and backward: each attention and feed-forward keeps its input's shard
+    instead of the gathered input (tp - 1 shards less each) and gathers it once more in backward."""
+    tokens, labels = _batch()
+    probes = []
+    for save in (False, True):
+        model = _sequence_parallel_model(save, mesh)
+        gc.collect()
+        gc.disable()  # a collection during the probe would free earlier cyclic garbage at a moment of its choosing
+        try:
+            probes.append(probe_microbatch(model, (tokens,), loss_fn=lambda out: _loss(out, labels)))
+        finally:
+            gc.enable()
+    gathered = BATCH * SEQ * ARGS.dim * 4  # one module's fp32 input, whole sequence
+    shard = gathered // mesh.size()
+    saved = [probe.saved_bytes for probe in probes]
+    assert saved[0] - saved[1] == 2 * ARGS.n_layers * (gathered - shard), saved
+    gathers = [sum(c.op.endswith("all_gather_into_tensor") for c in probe.collectives) for probe in probes]
+    assert gathers[1] - gathers[0] == 2 * ARGS.n_layers
+
+
 def _meta_model(args: TransformerArgs = ARGS) -> Transformer:
     with torch.device("meta"):
         return Transformer(args)
@@ -162,7 +215,8 @@ def _expected_collectives(variant: Variant) -> dict[object, int]:
     the all-gather that is the other direction's transpose. Then the logits are all-gathered,
     or loss parallel all-reduces three times (max and sum of exponentials for log-softmax, the
     target logits for NLL); the chunked loss all-reduces twice per chunk (the maximum; the sum
-    of exponentials with the label logits), whether or not loss parallel is on.
+    of exponentials with the label logits), whether or not loss parallel is on. Saving the sequence
+    shard adds an all-gather per attention and feed-forward in backward.
     """
     ops = torch.ops.c10d_functional
     crossings = 2 * (2 * ARGS.n_layers + 1)
@@ -171,6 +225,8 @@ def _expected_collectives(variant: Variant) -> dict[object, int]:
         counts.update({ops.reduce_scatter_tensor: crossings, ops.all_gather_into_tensor: crossings})
     else:
         counts[ops.all_reduce] += crossings
+    if variant.save_sequence_shard:  # attention and feed-forward gather their input again in backward
+        counts[ops.all_gather_into_tensor] += 2 * ARGS.n_layers
     if variant.chunk_size:
         counts[torch.ops.c10d.allreduce_] += 2 * -(-BATCH * SEQ // variant.chunk_size)
     elif variant.loss_parallel:

@@ -29,6 +29,8 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: Para
                 "layouts itself: turn off parallelism.enable_sequence_parallel and enable_loss_parallel, or "
                 "give a plan function that takes sequence_parallel and loss_parallel."
             )
+        if p.sequence_parallel_save_shard and p.enable_sequence_parallel:
+            check_sequence_shard_saving(config, spec)
         spec.parallel.validate_tensor_parallel(args, dims.tp)
     if dims.ep > 1:
         if spec.parallel.expert_parallel is None:
@@ -55,6 +57,24 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: Para
         matmul_dims = None if spec.parallel.expert_matmul_dims is None else spec.parallel.expert_matmul_dims(args, dims)
         check_quantize_experts(q.linear, name, matmul_dims)
     spec.parallel.validate_layout(args, dims)
+
+
+def check_sequence_shard_saving(config: JobConfig, spec: ModelSpec) -> None:
+    """parallelism.sequence_parallel_save_shard needs the family's plan for it, and eager blocks: it runs as
+    saved-tensor hooks around each attention and feed-forward (`torchpre.parallel.sequence_gather`), which
+    torch.compile cannot trace."""
+    if not spec.parallel.saves_sequence_shard:
+        raise ConfigError(
+            f"parallelism.sequence_parallel_save_shard: model.name = '{config.model.name}' has no plan that saves "
+            "the sequence shard for backward (ModelSpec.parallel.saves_sequence_shard; the families llama3, moe and "
+            "deepseek_v3 have one). Turn the key off."
+        )
+    if config.compile.enable:
+        raise ConfigError(
+            "parallelism.sequence_parallel_save_shard runs as saved-tensor hooks around each attention and "
+            "feed-forward, which torch.compile cannot trace: turn off compile.enable, or the key (a compiled block "
+            "saves what its partitioner chooses)."
+        )
 
 
 def check_context_parallel(config: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:

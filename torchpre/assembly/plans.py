@@ -61,10 +61,12 @@ def parallel_plan(
     p, ac = config.parallelism, config.activation_checkpoint
     tensor_parallel = spec.parallel.tensor_parallel
     if callable(tensor_parallel):
+        saving = {"save_sequence_shard": True} if p.sequence_parallel_save_shard else {}
         tensor_parallel = functools.partial(
             tensor_parallel,
             sequence_parallel=p.enable_sequence_parallel,
             loss_parallel=p.enable_loss_parallel,
+            **saving,  # only families with `saves_sequence_shard` take it: check_layout refuses the others
         )
     shards_parameters = data_parallel is not None and data_parallel.shards_parameters
     return ParallelPlan(

@@ -397,6 +397,12 @@ class Parallelism:
     enable_sequence_parallel: bool = _option(
         False, "with tensor parallelism, shard norms and residuals along the sequence (saves activation memory)"
     )
+    sequence_parallel_save_shard: bool = _option(
+        False,
+        "with sequence parallelism, attention and feed-forward save their input's sequence shard for backward and "
+        "all-gather it again there, instead of saving the gathered input (Megatron-LM's): tp times less memory for "
+        "it, one more all-gather per module in backward",
+    )
     enable_loss_parallel: bool = _option(
         False, "with tensor parallelism, compute the loss on vocabulary-sharded logits (never gathers full logits)"
     )

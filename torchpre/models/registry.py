@@ -89,7 +89,8 @@ class ParallelPlans:
 
     - `tensor_parallel`: a `parallelize_module` plan, or `fn(module, tp_mesh, *, sequence_parallel,
       loss_parallel)` that shards a model or stage; `validate_tensor_parallel(args, tp)` rejects shapes
-      that do not shard.
+      that do not shard. `saves_sequence_shard`: the function also takes `save_sequence_shard`
+      (parallelism.sequence_parallel_save_shard, `torchpre.parallel.sequence_gather`).
     - `expert_parallel(module, ep_mesh)` shards the experts; `validate_expert_parallel(args, ep)`.
     - `context_parallel(module, cp)` makes a model's or stage's attention attend over the whole sequence while
       it holds cp's positions (`torchpre.parallel.context_parallel.ContextParallel`: its RoPE rows and `attend`).
@@ -111,6 +112,7 @@ class ParallelPlans:
     stage_modules: Callable[[ModelArgs, int, Sequence[str]], list[list[str]]] | None = None
     validate_layout: Callable[[ModelArgs, ParallelDims], None] = lambda args, dims: None
     compile_fullgraph: bool = True
+    saves_sequence_shard: bool = False
     set_grouped_mm: Callable[[nn.Module, GroupedMM], int] | None = None
     expert_matmul_dims: Callable[[ModelArgs, ParallelDims], dict[str, int]] | None = None
 

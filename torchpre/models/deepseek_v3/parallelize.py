@@ -78,13 +78,18 @@ def _sum_rope_key_gradient(mesh: DeviceMesh, rope_dim: int, module: nn.Module, i
 
 
 def apply_deepseek_v3_tensor_parallel(
-    model: DeepSeekV3Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+    model: DeepSeekV3Transformer,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    save_sequence_shard: bool = False,
 ) -> None:
     """The MoE family's plan with MLA's attention plan for every block (the multi-token prediction's too), then the
     multi-token prediction's own layers (`mtp_plan`)."""
     apply_moe_tensor_parallel(
         model, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-        block_attention_plan=mla_attention_plan,
+        block_attention_plan=mla_attention_plan, save_sequence_shard=save_sequence_shard,
     )
     if model.mtp is not None and model.mtp.depths:
         apply_tensor_parallel(model, tp_mesh, mtp_plan(model, sequence_parallel))

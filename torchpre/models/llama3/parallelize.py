@@ -50,6 +50,7 @@ from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.chunked_output import ChunkedOutput, VocabParallelOutput
 from torchpre.parallel.context_parallel import ContextParallel
+from torchpre.parallel.sequence_gather import SaveShardForBackward
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole_heads
 
 
@@ -78,16 +79,36 @@ def check_llama3_heads(args: TransformerArgs, tp: int) -> None:
 
 
 def apply_llama3_tensor_parallel(
-    model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+    model: Transformer,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    save_sequence_shard: bool = False,
 ) -> None:
     """Shard `model` (a whole model or a pipeline stage) in place over the 1-D `tp_mesh`.
 
     Call it on the meta device, before `to_empty` and `init_weights`. The plan covers only the
-    parts this stage holds.
+    parts this stage holds. `save_sequence_shard` (parallelism.sequence_parallel_save_shard): see
+    `save_sequence_shard_plan`.
     """
     validate_llama3_tensor_parallel(model.args, tp_mesh.size())
     block_plan = attention_plan(sequence_parallel) | feed_forward_plan(sequence_parallel, gated=model.args.gated_mlp)
     apply_transformer_plan(model, tp_mesh, block_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if sequence_parallel and save_sequence_shard:
+        apply_tensor_parallel(model, tp_mesh, save_sequence_shard_plan(model))
+
+
+def save_sequence_shard_plan(model: Transformer) -> dict[str, ParallelStyle]:
+    """Under SP, every attention and feed-forward (dense or MoE) this stage holds saves its sequence shard for
+    backward and gathers it again there, instead of saving the gathered input (`torchpre.parallel.sequence_gather`);
+    for the families built on Llama 3's `Transformer`, applied after their plan (its gather runs first)."""
+    return {
+        f"{block_path}.{name}": SaveShardForBackward()
+        for block_path, block in model.attention_blocks()
+        for name in ("attention", "feed_forward", "moe")
+        if getattr(block, name, None) is not None
+    }
 
 
 def apply_transformer_plan(

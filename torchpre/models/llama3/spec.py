@@ -29,6 +29,7 @@ SPEC = ModelSpec(
         tensor_parallel=apply_llama3_tensor_parallel,
         validate_tensor_parallel=validate_llama3_tensor_parallel,
         context_parallel=apply_llama3_context_parallel,
+        saves_sequence_shard=True,
     ),
     hf=HFAdapter(
         hf.to_hf_state_dict, hf.from_hf_state_dict, hf.hf_config, hf.hf_config_mismatches, hf.hf_sources,

@@ -37,11 +37,13 @@ from torchpre.models.llama3.parallelize import (
     attention_plan,
     check_llama3_heads,
     feed_forward_plan,
+    save_sequence_shard_plan,
 )
 from torchpre.models.moe.args import MoEArgs
 from torchpre.models.moe.model import MoE, MoEBlock, MoETransformer
 from torchpre.parallel.context_parallel import ContextParallel
 from torchpre.parallel.expert_parallel import apply_expert_parallel
+from torchpre.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def llama3_attention_plan(args: ModelArgs, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -56,10 +58,11 @@ def apply_moe_tensor_parallel(
     sequence_parallel: bool,
     loss_parallel: bool,
     block_attention_plan: Callable[[Any, bool], dict[str, ParallelStyle]] = llama3_attention_plan,
+    save_sequence_shard: bool = False,
 ) -> None:
     """Llama 3's plan for the embedding and output, `block_attention_plan(args, sequence_parallel)` for each block's
     attention (Llama 3's; a family with another attention passes its own), plus the MoE layers' (see the module
-    doc)."""
+    doc). `save_sequence_shard`: Llama 3's `save_sequence_shard_plan` after them."""
     validate_moe_tensor_parallel(model.args, tp_mesh.size())
     attention = block_attention_plan(model.args, sequence_parallel)
     moe_plan = attention | _moe_block_plan(model.args, sequence_parallel)
@@ -72,6 +75,8 @@ def apply_moe_tensor_parallel(
     for moe in model.moe_layers():
         if not isinstance(moe.experts.w1, DTensor):  # not already placed by expert parallelism
             distribute_module(moe.experts, tp_mesh, _shard_hidden, input_fn=_tp_input, output_fn=_tp_output)
+    if sequence_parallel and save_sequence_shard:
+        apply_tensor_parallel(model, tp_mesh, save_sequence_shard_plan(model))
     model.tie_weights()
 
 

@@ -39,6 +39,7 @@ SPEC = ModelSpec(
         expert_parallel=apply_moe_expert_parallel,
         validate_expert_parallel=validate_moe_expert_parallel,
         context_parallel=apply_moe_context_parallel,
+        saves_sequence_shard=True,
         compile_fullgraph=False,
         set_grouped_mm=MoETransformer.set_grouped_mm,
         expert_matmul_dims=moe_expert_matmul_dims,
