@@ -62,6 +62,7 @@ LAYOUTS = {
     "tp2_sp_lp": (2, [*TP2, *SP, *LP]),
     "tp2_lp": (2, [*TP2, *LP]),
     "tp2_sp_save_shard_full_ac": (2, [*TP2, *SP, *SAVE_SHARD, "--activation_checkpoint.mode", "full"]),
+    "tp2_sp_compile": (2, [*TP2, *SP, "--compile.enable"]),
     "pp2_gpipe": (2, pp("GPipe")),
     "pp2_1f1b": (2, pp("1F1B")),
     "pp2_interleaved1f1b_v2": (2, pp("Interleaved1F1B", "--parallelism.pipeline_parallel_virtual_stages", "2")),

@@ -2,7 +2,9 @@
 
 from collections.abc import Iterable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 
@@ -21,8 +23,15 @@ def compile_blocks(blocks: Iterable[nn.Module], per_child: bool = False, fullgra
 
     `fullgraph=False` lets blocks with data-dependent shapes (Mixture-of-Experts token counts) compile
     in pieces around the graph breaks.
+
+    A block compiled per child takes its inputs as plain tensors (`_waited_inputs`): the first block's input is the
+    embedding's tensor-parallel output, still an `AsyncCollectiveTensor` (the unwaited result of its all-reduce or
+    reduce-scatter), and a compiled graph given one computes a wrong gradient for it on torch 2.14 (the embedding's
+    gradient was 2.7% off the one-process run's while every other gradient matched: pytorch/pytorch#179849).
     """
     for block in blocks:
+        if per_child:
+            block.register_forward_pre_hook(_waited_inputs)
         modules = _block_children(block) if per_child else (block,)
         for module in modules:
             module.compile(fullgraph=fullgraph)
@@ -34,3 +43,19 @@ def _block_children(block: nn.Module) -> Iterable[nn.Module]:
     if isinstance(block, ActivationWrapper):
         block = block._checkpoint_wrapped_module
     return block.children()
+
+
+class _Waited(torch.autograd.Function):
+    """An AsyncCollectiveTensor's value as a plain tensor (its collective waited for); the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, tensor: AsyncCollectiveTensor) -> Tensor:
+        return tensor.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad
+
+
+def _waited_inputs(module: nn.Module, args: tuple) -> tuple:
+    return tuple(_Waited.apply(arg) if isinstance(arg, AsyncCollectiveTensor) else arg for arg in args)

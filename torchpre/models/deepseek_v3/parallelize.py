@@ -53,7 +53,7 @@ def mla_attention_plan(args: DeepSeekV3Args, sequence_parallel: bool) -> dict[st
         "attention.wo": RowwiseParallel(output_layouts=residual),
     }
     if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
+        plan["attention_norm"] = SequenceParallel(use_local_output=True)
     return plan
 
 

@@ -164,6 +164,12 @@ def attention_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     single collective per module instead of one per projection. Under SP that is also where the
     sequence is all-gathered, and wo / w2 reduce-scatter it back. The attention's second input,
     the RoPE cache, is a plain tensor every rank holds in full (layout None).
+
+    The sequence-parallel norm hands on its output as a plain local shard, which the attention's
+    `PrepareModuleInput` wraps again: with compile.enable each of a block's children is a graph of
+    its own, and a DTensor passed from one to the next lost its gradient's reduce-scatter on torch
+    2.14 (every gradient below the last MLP wrong, up to 3x;
+    tests/distributed/test_parallel_parity.py's tp2_sp_compile row).
     """
     residual = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {
@@ -176,7 +182,7 @@ def attention_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "attention.wo": RowwiseParallel(output_layouts=residual),
     }
     if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
+        plan["attention_norm"] = SequenceParallel(use_local_output=True)
     return plan
 
 
@@ -194,7 +200,7 @@ def feed_forward_plan(sequence_parallel: bool, gated: bool = True) -> dict[str, 
     if gated:
         plan["feed_forward.w3"] = ColwiseParallel()
     if sequence_parallel:
-        plan["ffn_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel(use_local_output=True)
     return plan
 
 

@@ -85,7 +85,7 @@ def _moe_block_plan(args: MoEArgs, sequence_parallel: bool) -> dict[str, Paralle
     the routed experts are sharded apart, by `_shard_hidden`."""
     block_plan: dict[str, ParallelStyle] = {}
     if sequence_parallel:
-        block_plan["ffn_norm"] = SequenceParallel()
+        block_plan["ffn_norm"] = SequenceParallel(use_local_output=True)
         block_plan["moe"] = PrepareModuleInputOutput(
             input_layouts=(Shard(1),),
             desired_input_layouts=(Replicate(),),
