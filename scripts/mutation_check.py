@@ -1046,7 +1046,7 @@ BREAKS = [
     Break("mup-factors-from-local-shapes", "torchpre/optim/distributed_optimizer.py",
           "keys = {p.name: scales.key(p.name, p.param.shape) for p in self.params}",
           "keys = {p.name: scales.key(p.name, p.local.shape) for p in self.params}",
-          (f"{PARITY}::test_mup_layout_matches_one_process[mup_tp2_sp_lp]",),
+          (f"{PARITY}::test_model_variant_layout_matches_one_process[mup_tp2_sp_lp]",),
           "µP's per-parameter learning rates computed from a rank's shard: a row-parallel matrix's halved fan-in"),
     Break("mup-attention-scale-left-at-sqrt-d", "torchpre/models/parametrization.py",
           "attention_multiplier=(base_head_dim / head_dim) ** 0.5,", "attention_multiplier=1.0,",

@@ -367,16 +367,6 @@ MUP_LAYOUTS = {
 MUP_CI_ROWS = ("mup_tp2_sp_lp", "mup_dp2_zero3")
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [name if name in MUP_CI_ROWS else pytest.param(name, marks=pytest.mark.parity_matrix) for name in MUP_LAYOUTS],
-)
-def test_mup_layout_matches_one_process(layout, quantized_reference, tmp_path):
-    model, nproc, args = MUP_LAYOUTS[layout]
-    records = train_and_read_metrics([*DEBUG, *model, *args], nproc, tmp_path)
-    assert_same_curve(records, quantized_reference(model), MUP_ATOL)
-
-
 # GPT's GELU MLP (model.mlp, docs/configuration.md) under tensor, sequence and loss parallelism (w1 column-parallel, w2
 # row-parallel, no w3 in the plan), pipelining and ZeRO-3, each against one process with the same model: a layout only
 # reorders sums, held to LOSS_ATOL as the Llama rows.
@@ -391,12 +381,20 @@ GELU_LAYOUTS = {
 }
 GELU_CI_ROWS = ("gelu_tp2_sp",)
 
+# Every model variant's layouts, each with its tolerance; CI runs the rows named above, `-m parity_matrix` all.
+VARIANT_LAYOUTS = {
+    **{name: (*row, MUP_ATOL) for name, row in MUP_LAYOUTS.items()},
+    **{name: (*row, LOSS_ATOL) for name, row in GELU_LAYOUTS.items()},
+}
+VARIANT_CI_ROWS = (*MUP_CI_ROWS, *GELU_CI_ROWS)
+
 
 @pytest.mark.parametrize(
     "layout",
-    [name if name in GELU_CI_ROWS else pytest.param(name, marks=pytest.mark.parity_matrix) for name in GELU_LAYOUTS],
+    [name if name in VARIANT_CI_ROWS else pytest.param(name, marks=pytest.mark.parity_matrix)
+     for name in VARIANT_LAYOUTS],
 )
-def test_gelu_mlp_layout_matches_one_process(layout, quantized_reference, tmp_path):
-    model, nproc, args = GELU_LAYOUTS[layout]
+def test_model_variant_layout_matches_one_process(layout, quantized_reference, tmp_path):
+    model, nproc, args, atol = VARIANT_LAYOUTS[layout]
     records = train_and_read_metrics([*DEBUG, *model, *args], nproc, tmp_path)
-    assert_same_curve(records, quantized_reference(model), LOSS_ATOL)
+    assert_same_curve(records, quantized_reference(model), atol)
