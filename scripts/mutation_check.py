@@ -582,8 +582,8 @@ BREAKS = [
           "a feed-forward width tensor parallelism cannot split evenly passes start-up's checks and ends in a DTensor "
           "traceback"),
     Break("gelu-mlp-computes-silu", "torchpre/models/llama3/model.py",
-          "        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))",
-          "        return self.w2(F.silu(self.w1(x)))",
+          "        self.activation = nn.GELU(approximate=approximate)",
+          "        self.activation = nn.SiLU()",
           (GELU_REFERENCE,), "model.mlp = 'gelu' trains a SiLU MLP"),
     Break("gelu-tanh-computes-exact-gelu", "torchpre/models/llama3/model.py",
           'approximate="tanh" if args.mlp == "gelu_tanh" else "none")', 'approximate="none")',
