@@ -22,7 +22,9 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-_active: list[SavedTensorTable] = []  # the tables of the forwards running now, innermost last
+# The tables of the forwards running now, innermost last, each with the hooks that use it (kept here, not on the
+# table: a table holding its hooks' bound methods would be a reference cycle, alive until a garbage collection).
+_active: list[tuple[SavedTensorTable, saved_tensors_hooks] | None] = []
 
 
 def outer_hooks_active() -> bool:
@@ -32,7 +34,7 @@ def outer_hooks_active() -> bool:
 
 def active_table() -> SavedTensorTable | None:
     """The table of the innermost module forward that `rebuilt_saves` hooks, if one runs now."""
-    return _active[-1] if _active else None
+    return _active[-1][0] if _active and _active[-1] is not None else None
 
 
 def rebuilt_saves(module: nn.Module) -> None:
@@ -48,16 +50,17 @@ def rebuilt_saves(module: nn.Module) -> None:
 def _enter(module: nn.Module, args: tuple) -> None:
     if torch.is_grad_enabled() and not outer_hooks_active():
         table = SavedTensorTable()
-        table.hooks.__enter__()
-        _active.append(table)
+        hooks = saved_tensors_hooks(table.pack, table.unpack)
+        hooks.__enter__()
+        _active.append((table, hooks))
     else:
         _active.append(None)
 
 
 def _exit(module: nn.Module, args: tuple, output: object) -> None:
-    table = _active.pop()
-    if table is not None:
-        table.hooks.__exit__(None, None, None)
+    active = _active.pop()
+    if active is not None:
+        active[1].__exit__(None, None, None)
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,10 @@ class _Registered:
 
 
 class SavedTensorTable:
-    """One forward's registered tensors and the saved-tensor hooks that save them as views to rebuild."""
+    """One forward's registered tensors, and the pack and unpack hooks that save them as views to rebuild."""
 
     def __init__(self) -> None:
         self.registered: dict[int, _Registered] = {}  # storage -> its registration
-        self.hooks = saved_tensors_hooks(self.pack, self.unpack)
 
     def register(self, tensor: Tensor, rebuild: Callable[[], Tensor]) -> None:
         """From now on until the forward ends, autograd saves `tensor` (or a view of it) as a marker, and backward
