@@ -3,7 +3,8 @@ activation_checkpoint.recompute_mlp_activation, by the planner's probe.
 
 Probes the first microbatch of the first Llama 3 paper row of the corpus (`bench.published_runs.LLAMA3_ROWS`:
 Llama 3 405B, tp8 + SP, seq 8192, microbatch 1) on the meta device, as the planner prices it, and prints the block's
-saved bytes and the peak of its temporaries above them, in MiB, each way. The numbers in docs/parallelism.md.
+saved bytes and the peak of its temporaries above them, in MiB, each way. The numbers in docs/parallelism.md and
+docs/training.md.
 
 Usage: python -m bench.sequence_shard_memory
 """
