@@ -14,10 +14,12 @@ gradients are bitwise equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
-from torchpre.parallel.saved_tensors import active_table, rebuilt_saves
+from torchpre.parallel.saved_tensors import active_table, local_tensor, rebuilt_saves
 
 
 def recompute_mlp_activation(mlp: nn.Module) -> None:
@@ -54,19 +56,21 @@ class _Recomputation:
         self.graph: tuple[tuple[Tensor, ...], Tensor] | None = None  # leaves and output, built by `rebuild_with`
         self.differentiated = False
 
-    def rebuild_with(self, inputs: tuple[Tensor, ...]):
-        """The activation's output again from `inputs` (held by the marker w2 saves, not by the autograd node)."""
+    def rebuild_with(self, inputs: tuple[Tensor, ...]) -> Callable[[], Tensor]:
+        """The activation's output (its local tensor) again from `inputs`, which the marker w2 saves holds, not the
+        autograd node: they are freed with w2's saved tensors."""
 
         def rebuild() -> Tensor:
             if self.differentiated or not any(x.requires_grad for x in inputs):
                 with torch.no_grad():
-                    return self.activation(*inputs)
+                    return local_tensor(self.activation(*inputs))
             self.graph = self.differentiable(inputs)
-            return self.graph[1].detach()
+            return local_tensor(self.graph[1].detach())
 
         return rebuild
 
     def differentiable(self, inputs: tuple[Tensor, ...]) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The activation of detached `inputs` (the leaves), with the graph that differentiates it."""
         leaves = tuple(x.detach().requires_grad_(x.requires_grad) for x in inputs)
         with torch.enable_grad():
             return leaves, self.activation(*leaves)
@@ -74,7 +78,9 @@ class _Recomputation:
     def input_grads(self, inputs: tuple[Tensor, ...], grad: Tensor) -> tuple[Tensor | None, ...]:
         leaves, output = self.graph if self.graph is not None else self.differentiable(inputs)
         self.graph, self.differentiated = None, True
-        output.data = output.new_zeros(()).expand(output.shape)  # w2 has used its values: only the graph is needed
+        # w2's backward has used the output's values and autograd.grad needs only its graph: a scalar stands in for
+        # them, so they are freed before the gradients below are allocated (eager autograd's peak, not one above).
+        output.data = output.new_zeros(()).expand(output.shape)
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
         grads = iter(torch.autograd.grad(output, wanted, grad))
         return tuple(next(grads) if leaf.requires_grad else None for leaf in leaves)
