@@ -625,7 +625,7 @@ BREAKS = [
           "        return self.reserved_bytes <= self.hardware.allocator_bytes",
           "        return self.peak.total_bytes <= self.hardware.allocator_bytes",
           ("tests/unit/test_plan_given_layout.py::test_a_layout_fits_when_its_allocator_peak_does",),
-          "a layout fits when its tensors do, though a GPU run reserves 1.17 x them: 30 of 140 layouts a search "
+          "a layout fits when its tensors do, though a GPU run reserves 1.18 x them: 30 of 140 layouts a search "
           "called fitting predicted more than the card holds"),
     Break("dry-run-fits-on-tensors", "torchpre/planner/dryrun.py",
           "    if reserved <= hardware.allocator_bytes:", "    if worst.total_bytes <= hardware.allocator_bytes:",

@@ -5,7 +5,7 @@ activations its schedule holds at once (each chunk's saved bytes for each of its
 the schedule's action order: `schedule_walk.held_peak`), + the largest transient, + under ZeRO-3 the parameters FSDP
 gathers. Step time = `time_model.step_time` over the same chunks'
 forward and backward work. `fits` compares the largest rank's allocator peak (what a GPU run reports, the tensors
-x 1.17: `torchpre.planner.allocator`) with what the allocator may reserve (`Hardware.allocator_bytes`).
+x 1.18: `torchpre.planner.allocator`) with what the allocator may reserve (`Hardware.allocator_bytes`).
 """
 
 import dataclasses
