@@ -1,6 +1,8 @@
 """The activation probe counts on the meta device what a CPU run holds: the same saved and transient bytes (exactly:
 both run the same ops on tensors of the same sizes), the FLOPs of the model's analytic count, less under activation
-checkpointing, and the tensor-parallel collectives and per-rank bytes of a fake two-rank world."""
+checkpointing, and the tensor-parallel collectives and per-rank bytes of a fake two-rank world. Where a GPU keeps
+other tensors than CPU, the probe counts the GPU's on both: attention as flash attention, torch's RMSNorm as CUDA's
+fused kernel (a CPU run outside the probe keeps the norm's fp32 decomposition)."""
 
 import dataclasses
 from collections import Counter
@@ -8,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -19,7 +22,7 @@ from torchpre.models.llama3.parallelize import apply_llama3_tensor_parallel
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel import ParallelPlan, parallelize
 from torchpre.parallel.activation_checkpoint import apply_activation_checkpointing, slots
-from torchpre.planner.activation_probe import ActivationProbe, ProbedCollective, probe_microbatch
+from torchpre.planner.activation_probe import ActivationProbe, ProbedCollective, cuda_rms_norm, probe_microbatch
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["tiny"], max_seq_len=32)  # dim 64, 2 blocks, 4 heads, 2 kv heads
 BATCH, SEQ = 2, 32
@@ -68,6 +71,50 @@ def test_meta_attention_runs_the_cpu_flash_kernel() -> None:
     assert counts["aten._safe_softmax"] == counts["aten.bmm"] == 0
 
 
+class _NormOfACopy(nn.Module):
+    """torch's RMSNorm of a tensor made in the probe (a copy of the input), so that what the norm keeps is counted."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, dtype=torch.bfloat16, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.clone())
+
+
+def test_the_probe_saves_what_cudas_fused_rms_norm_saves() -> None:
+    """CUDA's `_fused_rms_norm` keeps the bf16 input and an fp32 reciprocal RMS per row (and the weight, which existed
+    before); CPU's decomposition would keep an fp32 copy of the input and the fp32 normalized output, 4 x the input.
+    Besides the norm's, the loss and backward's seed gradient (two fp32 scalars) are live when backward starts."""
+    rows, dim = 2 * 32, 64
+    x = torch.empty(2, 32, dim, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    result = probe_microbatch(_NormOfACopy(dim), (x,), loss_fn=lambda out: out.float().sum())
+    assert result.saved_bytes == 2 * rows * dim + 4 * rows + 2 * 4
+    assert result.op_counts["aten.rsqrt"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("normalized_shape", [(64,), (4, 64)])
+def test_the_probes_rms_norm_has_torchs_output_and_gradients(dtype: torch.dtype, normalized_shape: tuple) -> None:
+    """A probe that computes (on CPU) trains as torch's RMSNorm does: the same output, and the input's and weight's
+    gradients within fp64 rounding (bf16: equal, both accumulate in fp32 and round once); also without a weight."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4, 64, dtype=dtype, requires_grad=True)
+    weight = torch.randn(normalized_shape, dtype=dtype, requires_grad=True)
+    grad = torch.randn(3, 5, 4, 64, dtype=dtype)
+    for w in (weight, None):
+        inputs = (x,) if w is None else (x, w)
+        expected = F.rms_norm(x, list(normalized_shape), w, 1e-5)
+        expected_grads = torch.autograd.grad(expected, inputs, grad)
+        with cuda_rms_norm():
+            output = F.rms_norm(x, list(normalized_shape), w, 1e-5)
+        grads = torch.autograd.grad(output, inputs, grad)
+        assert torch.equal(output, expected)
+        tolerance = 1e-12 if dtype == torch.float64 else 0.0
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
 def test_a_boolean_attention_mask_runs_the_same_kernel_on_meta_and_cpu() -> None:
     """Packed documents: SDPA turns the boolean mask into an additive one, then runs the flash kernel; meta too."""
     results = []
@@ -112,6 +159,24 @@ def test_full_activation_checkpointing_saves_less_and_recomputes_the_blocks() ->
     tokens = BATCH * SEQ
     causal_attention = 4 * ARGS.n_layers * ARGS.dim * SEQ * tokens * (1 - (SEQ - 1) / (2 * SEQ))
     assert abs(full.flops - none.flops - tokens * 2 * rerun - causal_attention) <= ARGS.n_layers
+
+
+def test_the_recomputation_under_full_checkpointing_is_traced() -> None:
+    """`recomputed_trace` follows the bytes activation checkpointing's recomputation made, entry by entry with the
+    transient trace. Without AC nothing is recomputed; under full AC its largest value is one block's recomputation
+    whole: what the block saves without AC (probed alone: beyond its input, and the loss and seed scalars) less
+    what its two norms make inside their autograd.Function's forward, which runs without grad (the normalized
+    output, fp32 here, and the reciprocal RMS per row)."""
+    none, full = probe("meta"), probe("meta", "full")
+    assert len(full.recomputed_trace) == len(full.transient_trace)
+    assert max(none.recomputed_trace) == 0
+    with torch.device("meta"):
+        model = Transformer(ARGS)
+    x = torch.empty(BATCH, SEQ, ARGS.dim, device="meta", requires_grad=True)
+    block = probe_microbatch(model.layers["0"], (x, model.rope_cache), loss_fn=lambda out: out.sum())
+    rows = BATCH * SEQ
+    norms = 2 * (4 * rows * ARGS.dim + 4 * rows)
+    assert max(full.recomputed_trace) == block.saved_bytes - 2 * 4 - norms
 
 
 def test_saved_bytes_of_a_two_layer_mlp_by_hand() -> None:

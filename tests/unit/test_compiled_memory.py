@@ -4,8 +4,10 @@ The planner's probes run eager (dynamo cannot trace under their dispatch modes),
 a compiled block without activation checkpointing keeps `COMPILED_SAVED_KEPT["none"]` of what its eager block saves
 beyond its input (`torchpre.planner.allocator`). Here one block, bf16, two sequences of 512 tokens, runs forward and
 backward eager and compiled (inductor on CPU, ~10 s) under a saved-tensors hook that counts every storage autograd
-keeps, other than the block's parameters, the RoPE table and the input. The kept fraction must be the constant's
-within 0.03 (measured 0.617 at width 256, MHA, SwiGLU 3h).
+keeps, other than the block's parameters, the RoPE table and the input. Eager runs torch's RMSNorm as the probe does
+(`cuda_rms_norm`: what CUDA's fused kernel keeps; CPU's own decomposition keeps 14 bytes more per token and unit of
+width); the compiled block runs as compiled, Inductor decomposing the norm on a GPU too. The kept fraction must be
+the constant's within 0.03 (measured 0.843 at width 256, MHA, SwiGLU 3h; 0.617 against CPU's eager norm).
 """
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 
 from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
+from torchpre.planner.activation_probe import cuda_rms_norm
 from torchpre.planner.allocator import COMPILED_SAVED_KEPT
 
 
@@ -42,9 +45,10 @@ def test_a_compiled_block_without_checkpointing_keeps_the_planners_fraction():
     model = Transformer(args).to(torch.bfloat16)
     model.init_weights(0)
     block = model.layers["0"]
-    eager = _saved_bytes(block, model.rope_cache, dim, seq)
+    with cuda_rms_norm():
+        eager = _saved_bytes(block, model.rope_cache, dim, seq)
     compiled_block = torch.compile(block)
     _saved_bytes(compiled_block, model.rope_cache, dim, seq)  # the first call compiles
     compiled = _saved_bytes(compiled_block, model.rope_cache, dim, seq)
-    assert eager / (2 * seq * dim) == pytest.approx(52.2, abs=1.0)  # bytes per token and unit of width
+    assert eager / (2 * seq * dim) == pytest.approx(38.2, abs=1.0)  # bytes per token and unit of width
     assert compiled / eager == pytest.approx(COMPILED_SAVED_KEPT["none"], abs=0.03)

@@ -170,25 +170,25 @@ def test_a_rank_that_does_not_fit_is_named_with_its_largest_part():
     fits = RankMemory(0, 0, 0, 0, 10 * gib, 10 * gib, 20 * gib, 5 * gib, 0)
     check_fits([fits], hardware)
     big = RankMemory(8, 1, 0, 0, 10 * gib, 10 * gib, 60 * gib, 5 * gib, 0)
-    # 85 GiB of tensors, 99.45 with the allocator's 17%: over the 78.15 GiB an A100 80GB leaves the allocator
-    expected = (r"rank 8 \(pp 1, dp 0, tp 0\) needs 99.45 GiB of the CUDA allocator \(85.00 GiB of tensors.* "
+    # 85 GiB of tensors, 100.30 with the allocator's 18%: over the 78.15 GiB an A100 80GB leaves the allocator
+    expected = (r"rank 8 \(pp 1, dp 0, tp 0\) needs 100.30 GiB of the CUDA allocator \(85.00 GiB of tensors.* "
                 r"largest part is its optimizer state")
     with pytest.raises(DoesNotFit, match=expected):
         check_fits([fits, big], hardware)
-    # 70 GiB of tensors fit the 78.15 GiB; the 81.90 GiB the allocator reserves for them do not
+    # 70 GiB of tensors fit the 78.15 GiB; the 82.60 GiB the allocator reserves for them do not
     tensors_fit = RankMemory(8, 1, 0, 0, 10 * gib, 10 * gib, 45 * gib, 5 * gib, 0)
-    with pytest.raises(DoesNotFit, match=r"needs 81.90 GiB of the CUDA allocator \(70.00 GiB of tensors"):
+    with pytest.raises(DoesNotFit, match=r"needs 82.60 GiB of the CUDA allocator \(70.00 GiB of tensors"):
         check_fits([tensors_fit], hardware)
 
 
 def test_a_compiled_job_dry_runs_eager_and_states_the_allocators_peak(capsys):
     """compile.enable: the blocks run eager under the probe (dynamo cannot trace under its dispatch modes), so the
-    dry run counts what the eager job holds; the table adds the allocator's reserved estimate (x 1.17)."""
+    dry run counts what the eager job holds; the table adds the allocator's reserved estimate (x 1.18)."""
     argv = ("--parallelism.data_parallel_degree", "2", "--optimizer.zero_stage", "3", "--job.dry_run_world_size", "2")
     eager, compiled = (run_dry_run(_config(*argv, *extra)) for extra in ((), ("--compile.enable", "true")))
     assert [r.total_bytes for r in compiled] == [r.total_bytes for r in eager]
-    reserved = eager[0].total_bytes * 1.17 / 2**30
-    assert f"about {reserved:.2f} GiB on rank 0 (total x 1.17" in capsys.readouterr().out
+    reserved = eager[0].total_bytes * 1.18 / 2**30
+    assert f"about {reserved:.2f} GiB on rank 0 (total x 1.18" in capsys.readouterr().out
 
 
 def test_a_mixture_of_experts_counts_the_activations_of_a_balanced_router(capsys):

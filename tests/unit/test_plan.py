@@ -18,6 +18,7 @@ from torchpre.models.registry import get_model_spec
 from torchpre.plan import main as plan_main
 from torchpre.planner import layout_space, stage_costs
 from torchpre.planner import search as search_module
+from torchpre.planner.allocator import COMPILED_SAVED_KEPT
 from torchpre.planner.cost_cache import microbatch_costs, microbatch_key, state_key
 from torchpre.planner.dryrun import build_rank, probe_rank_parts
 from torchpre.planner.dryrun import probe_rank as build_and_probe
@@ -113,6 +114,30 @@ def test_the_planner_prices_fsdp_units_per_sublayer_as_the_dry_run():
     assert predicted["block"] - predicted["sublayer"] == real["block"] - real["sublayer"] == one_block
 
 
+def test_a_compiled_block_under_full_checkpointing_recomputes_what_compile_keeps():
+    """Under full AC a block saves its input only, eager or compiled, but backward recomputes one block at a time,
+    and a compiled block's recomputation keeps `COMPILED_SAVED_KEPT["none"]` of the eager one's tensors. The debug
+    model over two 1F1B stages, bf16, 2,048 tokens: the first rank's transient peaks in a block's backward, where
+    the eager probe holds 13.8 MB that recomputation made (of the 19.0 MB an uncheckpointed block saves beyond its
+    input: some are freed by then, and the norms' outputs come from an autograd.Function's forward, made without
+    grad); compiled, 0.17 of it less. The last rank's peak is the loss's, which compile leaves as it is."""
+    predicted, probed = {}, {}
+    for compiled in ("false", "true"):
+        base = _job("--model.flavor", "debugmodel", "--training.seq_len", "2048", "--training.global_batch_size", "4",
+                    "--training.mixed_precision_param", "bfloat16", "--compile.enable", compiled)  # fmt: skip
+        checked = check(Layout(dp=1, tp=1, pp=2, activation_checkpoint="full", schedule="1F1B"), base, 2)
+        flops = model_flops_per_token(checked.config, checked.model_args)
+        predicted[compiled] = [r.activation_bytes for r in predict(checked, get_hardware("h100-80gb"), 2, flops).ranks]
+        probed[compiled] = probe_rank_parts(stage_costs.microbatch_config(checked.config, 1), 2, 0)[0].total
+    eager = probed["false"]
+    assert probed["true"] == eager  # the probe runs compiled blocks eager
+    peak = max(range(len(eager.transient_trace)), key=eager.transient_trace.__getitem__)
+    assert eager.recomputed_trace[peak] == 13_762_560
+    spared = (1 - COMPILED_SAVED_KEPT["none"]) * eager.recomputed_trace[peak]
+    assert predicted["false"][0] - predicted["true"][0] == pytest.approx(spared, abs=1)
+    assert predicted["false"][1] == predicted["true"][1]
+
+
 def test_the_planner_counts_the_chunked_loss_as_the_dry_run_does():
     """training.loss_chunk_size: the planner's pieces build the chunked output layer as start-up does, so its last
     stage's activations are the dry run's and lose the whole logits. tp2 x pp2 (vocabulary-parallel chunks), the debug
@@ -156,9 +181,12 @@ DSV3_671B = ("--model.name", "deepseek_v3", "--model.flavor", "671B", "--model.m
 def test_moe_planner_memory_is_the_dry_runs(argv, layout, world, ranks):
     """The MoE families under expert parallelism: the planner's per-rank bytes (pieces of shortened models whose
     first stage holds the dense first blocks) against full dry runs of those pipeline ranks. The model state is
-    exact; the activations within 1.5% (measured: 0.99% on the debug model's first stage, exact elsewhere); the
-    total within 1.5% (the optimizer step's transient is measured on the first stage and taken for every stage: on
-    the debug model's last stage 11.6% above the dry run's, below its activations). The 671B case is DeepSeek-V3's
+    exact; the activations within 4% (measured: 3.7% on the debug model's first stage, exact elsewhere: its
+    transient is taken from a first stage of the dense block alone, 144 KB, whose backward peaks after the norms'
+    saves are freed, where the two-block stage peaks at 74 KB beyond its saved bytes; 0.99% when the probe counted
+    the norms' fp32 decomposition); the total within 4% (the optimizer step's transient is measured on the first
+    stage and taken for every stage: on the debug model's last stage 11.6% above the dry run's, below its
+    activations). The 671B case is DeepSeek-V3's
     own layout with its MTP module, the dry run's in docs/deepseek-v3.md: 48.27 and 51.43 GiB on the first and
     last stage, predicted exactly (13 s here, 61 s while other jobs loaded the machine)."""
     checked = check(layout, _job(*argv), world)
@@ -170,8 +198,8 @@ def test_moe_planner_memory_is_the_dry_runs(argv, layout, world, ranks):
         real = build_rank(checked.config, world, pp_rank * world // layout.pp, checkpoint=False)
         assert (rank.param_bytes, rank.grad_bytes, rank.optimizer_state_bytes) == (
             real.param_bytes, real.grad_bytes, real.optimizer_state_bytes)  # fmt: skip
-        assert rank.activation_bytes == pytest.approx(real.activation_bytes, rel=0.015)
-        assert rank.total_bytes == pytest.approx(real.total_bytes, rel=0.015)
+        assert rank.activation_bytes == pytest.approx(real.activation_bytes, rel=0.04)
+        assert rank.total_bytes == pytest.approx(real.total_bytes, rel=0.04)
 
 
 def test_the_json_lists_every_layout_with_the_keys_users_rely_on(capsys, monkeypatch):
@@ -390,8 +418,8 @@ def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly(monkeypa
     """Microbatch costs at cp8 from probes at cp2 and cp4 (every tensor is affine in 1 / cp: a rank's share of each
     sequence, or the whole gathered keys and values) equal a probe at cp8, debug model at 256 tokens, no activation
     checkpointing: every number within 1e-9, the transients included. The transient is a peak, and its moment
-    moves here (the first stage's, 1.17 MB at cp8, falls elsewhere than at cp2 and cp4): interpolated as a number
-    it would be 25% short; the probes' live-bytes traces interpolated entry by entry give it exactly. And cp8 is
+    moves here (the first stage's, 1.24 MB at cp8, falls elsewhere than at cp2 and cp4): interpolated as a number
+    it would be 29% short; the probes' live-bytes traces interpolated entry by entry give it exactly. And cp8 is
     not probed: probes whose traces differ in length do not interpolate, and the planner then probes every degree
     (a view op's outputs, as many as `chunk(cp)` makes, once added entries: issue 57's 405B probed 12 degrees)."""
     base = _job("--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.global_batch_size", "8")
@@ -411,7 +439,7 @@ def test_context_parallel_costs_are_interpolated_in_one_over_cp_exactly(monkeypa
     low, high = (stage_costs._probed_microbatch_pieces(stage_costs._with_degree(config, "cp", cp), 1) for cp in (2, 4))
     as_numbers = low.first.transient_bytes + (1 / 8 - 1 / 2) / (1 / 4 - 1 / 2) * (
         high.first.transient_bytes - low.first.transient_bytes)  # fmt: skip
-    assert as_numbers == pytest.approx(0.754 * probed.first.transient_bytes, rel=0.01)
+    assert as_numbers == pytest.approx(0.714 * probed.first.transient_bytes, rel=0.01)
 
 
 def test_microbatch_costs_beyond_two_sequences_are_the_probes():

@@ -128,7 +128,7 @@ def test_a_feed_forward_width_tensor_parallelism_cannot_split_is_refused_at_star
 
 
 def test_a_layout_fits_when_its_allocator_peak_does(capsys, tmp_path):
-    """On a GPU that leaves the allocator more than the layout's tensors but less than its allocator peak (1.17 x),
+    """On a GPU that leaves the allocator more than the layout's tensors but less than its allocator peak (1.18 x),
     --fixed says it does not fit: what a GPU run reports is the allocator's peak (30 of 140 layouts a search once
     called fitting predicted more than the card holds)."""
     keys = [*TINY, "--parallelism.data_parallel_degree", "2", "--training.local_batch_size", "2"]

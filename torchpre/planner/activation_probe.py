@@ -10,6 +10,12 @@ One difference between meta and a real CPU run is undone here: SDPA chooses its 
 no choice, so it would run the math backend and keep the [batch, heads, seq, seq] probabilities for backward.
 The probe runs meta attention as the CPU flash kernel instead (`meta_flash_attention`): what a CPU run picks,
 and what flash attention keeps on a GPU (the output and the log-sum-exp), so meta and CPU count the same bytes.
+
+One difference between CPU (or meta) and CUDA is undone too: torch's RMSNorm (`F.rms_norm`) runs on CUDA as one fused
+kernel whose backward keeps the input, an fp32 reciprocal RMS per row and the weight; on CPU and meta it is a
+decomposition whose autograd keeps an fp32 copy of the input and the fp32 normalized output, 4 x the bytes of a bf16
+input. The probe runs it as the CUDA kernel keeps it (`cuda_rms_norm`), on meta and CPU alike, so a probe counts what
+a GPU run saves, while a CPU run outside the probe saves the decomposition's.
 """
 
 from __future__ import annotations
@@ -110,6 +116,10 @@ class ActivationProbe:
       `transient_bytes` is its maximum, at least 0. Each entry is a sum of tensor sizes, so where every size is
       affine in something (the microbatch size, 1 / cp), so is each entry, and the planner interpolates the trace
       entry by entry, then takes the maximum: the peak itself is not affine, as the moment it falls on can move.
+    - `recomputed_trace`: beside each `transient_trace` entry, the live bytes of the storages that activation
+      checkpointing's recomputation made (ops run with grad enabled inside backward, as checkpoint reruns a block's
+      forward; ops inside an autograd.Function's forward run without grad and are not among them): at the peak of
+      a checkpointed block's backward, what its recomputation keeps for it, which a compiled block keeps less of.
     - `grad_bytes`: bytes of the parameter `.grad` tensors created by this backward and still alive at the end.
     - `flops`: FLOPs of forward and backward (recomputation included) by torch's formulas: matmuls,
       convolutions and attention; elementwise ops are not counted. Causal attention counts the scores below
@@ -143,6 +153,7 @@ class ActivationProbe:
     fp8_flops: int = 0
     transient_trace: tuple[int, ...] = ()
     fp8_operand_elements: int = 0
+    recomputed_trace: tuple[int, ...] = ()
 
     @property
     def ops(self) -> int:
@@ -162,6 +173,9 @@ class ProbeMode(TensorMemory):
         self.live_trace: list[int] = []  # live bytes after each counted allocation
         self.subclass_ops = 0  # ops dispatched on tensor subclasses (DTensor), before they run their local ops
         self.created_at: dict[int, int] = {}  # id(storage) -> its index in live_trace
+        self.recomputed: set[int] = set()  # id(storage) of those made by recomputation in backward
+        self.recomputed_live = 0
+        self.recomputed_trace: list[int] = []  # recomputation's live bytes after each counted allocation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -201,10 +215,27 @@ class ProbeMode(TensorMemory):
                 return
             if before is None:
                 self.created_at[key] = len(self.live_trace)
+                if _recomputing():
+                    self.recomputed.add(key)
+            if key in self.recomputed:
+                self.recomputed_live += self._sizes[key] - (before or 0)
             self.live_trace.append(self.live)
+            self.recomputed_trace.append(self.recomputed_live)
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            if key in self.recomputed:
+                self.recomputed.discard(key)
+                self.recomputed_live -= self._sizes[key]
+            super()._free(key)
 
     def counts(
-        self, saved_bytes: int, transient_bytes: int, grad_bytes: int, transient_trace: tuple[int, ...] = ()
+        self,
+        saved_bytes: int,
+        transient_bytes: int,
+        grad_bytes: int,
+        transient_trace: tuple[int, ...] = (),
+        recomputed_trace: tuple[int, ...] = (),
     ) -> ActivationProbe:
         """What this mode counted, with the byte figures its caller derived from it."""
         return ActivationProbe(
@@ -220,6 +251,7 @@ class ProbeMode(TensorMemory):
             fp8_flops=self.fp8_flops,
             transient_trace=transient_trace,
             fp8_operand_elements=self.fp8_operand_elements,
+            recomputed_trace=recomputed_trace,
         )
 
     def tracks(self, storage: torch.UntypedStorage) -> bool:
@@ -237,6 +269,12 @@ class ProbeMode(TensorMemory):
             running += held[index]
             trace.append(live - running)
         return trace
+
+
+def _recomputing() -> bool:
+    """Whether an op runs in activation checkpointing's recomputation: inside backward (an autograd graph task),
+    whose own ops run without grad, with grad enabled, as torch.utils.checkpoint reruns the forward."""
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
 
 
 def _nbytes(tensor: Tensor) -> int:
@@ -317,6 +355,60 @@ def _flash_attention_for_cpu(
 
 
 @contextmanager
+def cuda_rms_norm() -> Iterator[None]:
+    """Runs `F.rms_norm` (torch's `nn.RMSNorm`) as `_FusedRMSNorm`, saving for backward what CUDA's fused kernel
+    (`aten._fused_rms_norm`) saves: the input, the fp32 reciprocal RMS per row and the weight. Replaced in
+    `torch.nn.functional` for the duration, as `meta_flash_attention` replaces attention (and for the same reason:
+    checkpointing's recomputation runs in backward, where a mode would be popped). Other norms (transformers' own
+    RMSNorm classes) are decompositions on a GPU too, and run as they are."""
+    original = F.rms_norm
+
+    def rms_norm(input: Tensor, normalized_shape: list[int], weight: Tensor | None = None, eps: float | None = None):
+        return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps)
+
+    F.rms_norm = rms_norm
+    try:
+        yield
+    finally:
+        F.rms_norm = original
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm with CUDA's saved tensors and exact gradients on any device: the forward is torch's own
+    (`aten._fused_rms_norm`, which returns the reciprocal RMS it computed), the backward its formula in fp32 (fp64 for
+    fp64 inputs), as the CUDA kernel accumulates."""
+
+    @staticmethod
+    def forward(ctx, input: Tensor, normalized_shape: tuple[int, ...], weight: Tensor | None, eps: float | None):
+        output, rstd = aten._fused_rms_norm(input, list(normalized_shape), weight, eps)
+        ctx.save_for_backward(input, rstd, weight)
+        ctx.norm_dims = tuple(range(-len(normalized_shape), 0))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        input, rstd, weight = ctx.saved_tensors
+        dims = ctx.norm_dims
+        compute = torch.promote_types(input.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        # In place where it can be: two working copies of the input's size at a time (CUDA's kernel needs none).
+        normalized = input.to(compute, copy=True).mul_(rstd)
+        grad = grad_output.to(compute, copy=True)
+        grad_weight = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            leading = tuple(range(grad.dim() - len(dims)))
+            product = grad * normalized
+            grad_weight = (product.sum(leading) if leading else product).to(weight.dtype)
+            del product
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            if weight is not None:
+                grad.mul_(weight)
+            projection = (grad * normalized).mean(dims, keepdim=True)
+            grad_input = grad.sub_(normalized.mul_(projection)).mul_(rstd).to(input.dtype)
+        return grad_input, None, grad_weight, None
+
+
+@contextmanager
 def _uncounted(mode: TensorMemory) -> Iterator[None]:
     """Ops run inside are not seen by `mode` (its devices emptied for the duration)."""
     devices, mode.devices = mode.devices, ()
@@ -346,7 +438,7 @@ def probe_microbatch(
     params = [p for p in module.parameters() if p.requires_grad]
     had_grad = {id(p) for p in params if p.grad is not None}
     mode = ProbeMode(devices)
-    with meta_flash_attention(), mode:
+    with meta_flash_attention(), cuda_rms_norm(), mode:
         mode.begin_step()
         if loss_fn is not None:
             loss_fn(module(*args, **(kwargs or {}))).backward()  # the output lives only as long as the loss needs
@@ -359,7 +451,8 @@ def probe_microbatch(
     grads = [storage for storage in _new_grad_storages(params, had_grad) if mode.tracks(storage)]
     saved = mode.at_backward - mode.step_start
     beyond_saved = tuple(live - mode.step_start - saved for live in mode.trace_without(grads))
-    return mode.counts(saved, max((0, *beyond_saved)), sum(s.nbytes() for s in grads), beyond_saved)
+    grad_bytes = sum(s.nbytes() for s in grads)
+    return mode.counts(saved, max((0, *beyond_saved)), grad_bytes, beyond_saved, tuple(mode.recomputed_trace))
 
 
 def _new_grad_storages(params: list[Tensor], had_grad: set[int]) -> list[torch.UntypedStorage]:

@@ -24,7 +24,13 @@ from torchpre.config.job_config import JobConfig
 from torchpre.errors import ConfigError, TorchpreError
 from torchpre.models.registry import get_model_spec
 from torchpre.parallel.tensor_parallel import loss_parallel_context
-from torchpre.planner.activation_probe import ActivationProbe, ProbeMode, meta_flash_attention, probe_microbatch
+from torchpre.planner.activation_probe import (
+    ActivationProbe,
+    ProbeMode,
+    cuda_rms_norm,
+    meta_flash_attention,
+    probe_microbatch,
+)
 from torchpre.planner.allocator import FRAGMENTATION, reserved_bytes
 from torchpre.planner.hardware import Hardware, get_hardware
 from torchpre.planner.schedule_walk import held_peak
@@ -272,7 +278,7 @@ def _probe_forward(part: torch.nn.Module, inputs: torch.Tensor, kwargs: dict) ->
     collectives, so the planner can tell the backward's (which DP reductions overlap) from the whole; and the
     bytes of the part's output on this rank."""
     mode = ProbeMode(("meta",))
-    with meta_flash_attention(), mode, torch.no_grad():
+    with meta_flash_attention(), cuda_rms_norm(), mode, torch.no_grad():
         mode.begin_step()
         output = part(inputs, **kwargs)
     local = output.to_local() if isinstance(output, DTensor) else output

@@ -5,7 +5,7 @@ activations its schedule holds at once (each chunk's saved bytes for each of its
 the schedule's action order: `schedule_walk.held_peak`), + the largest transient, + under ZeRO-3 the parameters FSDP
 gathers. Step time = `time_model.step_time` over the same chunks'
 forward and backward work. `fits` compares the largest rank's allocator peak (what a GPU run reports, the tensors
-x 1.17: `torchpre.planner.allocator`) with what the allocator may reserve (`Hardware.allocator_bytes`).
+x 1.18: `torchpre.planner.allocator`) with what the allocator may reserve (`Hardware.allocator_bytes`).
 """
 
 import dataclasses
@@ -224,7 +224,8 @@ def _step_grad_bytes(checked: CheckedLayout, states: Pieces, chunks: list, state
 def _compiled_cut(checked: CheckedLayout, block: MicrobatchCost, blocks: int) -> float:
     """The saved bytes compile spares a stage chunk of `blocks` blocks: (1 - COMPILED_SAVED_KEPT[AC mode]) of what
     its eager blocks save beyond their inputs (`torchpre.planner.allocator`); none without compile or under full
-    AC."""
+    AC, where blocks save their inputs only (what compile spares there is in the recomputation, a transient: the
+    pieces' `torchpre.planner.stage_costs._recompute_kept`)."""
     config = checked.config
     mode = config.activation_checkpoint.mode
     if not config.compile.enable or mode == "full":

@@ -28,6 +28,7 @@ from torchpre.config.parser import to_toml
 from torchpre.models.registry import get_model_spec
 from torchpre.models.shapes import SHAPE_KEYS
 from torchpre.planner.activation_probe import ActivationProbe, ProbedCollective
+from torchpre.planner.allocator import COMPILED_SAVED_KEPT
 from torchpre.planner.dryrun import (
     is_expert,
     leave_fake_world,
@@ -482,18 +483,21 @@ def _measure_state(config: JobConfig, world: int, rank: int) -> StateCost:
 def _microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
     """The rank's microbatch probed eager: the probe counts eager ops on meta tensors, which torch.compile cannot
     trace under its dispatch modes, so the time and memory models account for compile
-    (`torchpre.planner.time_model.COMPILE_ELEMENTWISE`, `torchpre.planner.allocator`). A compiled job with FP8
-    linears takes its memory and elementwise work from the same job in high precision (torch.compile fuses
-    torchao's casts, whose eager temporaries and traffic the float8 probe counts: torchtitan's compiled Llama 3.1
-    8B reserves the same with and without Float8, 77.0 and 76.8 GiB), and its matmuls and FP8 operands from the
-    float8 probe."""
+    (`torchpre.planner.time_model.COMPILE_ELEMENTWISE`, `torchpre.planner.allocator`). Under full activation
+    checkpointing a compiled block's recomputation keeps what the compiled block keeps, `COMPILED_SAVED_KEPT["none"]`
+    of the eager recomputation's tensors (`_recompute_kept`), which the transient holds at a block's backward. A
+    compiled job with FP8 linears takes its memory and elementwise work from the same job in high precision
+    (torch.compile fuses torchao's casts, whose eager temporaries and traffic the float8 probe counts: torchtitan's
+    compiled Llama 3.1 8B reserves the same with and without Float8, 77.0 and 76.8 GiB), and its matmuls and FP8
+    operands from the float8 probe."""
     eager = copy.deepcopy(config)
     eager.compile.enable = False
-    cost = _probed_microbatch(eager, world, rank)
+    kept = _recompute_kept(config)
+    cost = _probed_microbatch(eager, world, rank, kept)
     if not config.compile.enable or config.quantize.linear == "none":
         return cost
     eager.quantize = Quantize()
-    plain = _probed_microbatch(eager, world, rank)
+    plain = _probed_microbatch(eager, world, rank, kept)
     return dataclasses.replace(plain, forward=_fused_fp8(cost.forward, plain.forward),
                                backward=_fused_fp8(cost.backward, plain.backward))
 
@@ -504,19 +508,34 @@ def _fused_fp8(fp8: Work, plain: Work) -> Work:
                                fp8_cast_elements=fp8.fp8_cast_elements)
 
 
-def _probed_microbatch(config: JobConfig, world: int, rank: int) -> MicrobatchCost:
+def _recompute_kept(config: JobConfig) -> float:
+    """The share of the eager recomputation's tensors a block's recomputation keeps: a compiled block under full
+    checkpointing recomputes as its compiled forward, keeping what that keeps (`COMPILED_SAVED_KEPT["none"]`; a
+    compiled checkpointed block recomputes inside its compiled backward, a block compiled per child reruns its
+    compiled children); otherwise all of it. Per-op checkpointing's recomputation is within its calibrated share."""
+    if config.compile.enable and config.activation_checkpoint.mode == "full":
+        return COMPILED_SAVED_KEPT["none"]
+    return 1.0
+
+
+def _probed_microbatch(config: JobConfig, world: int, rank: int, recompute_kept: float = 1.0) -> MicrobatchCost:
+    """The probe's counts as a `MicrobatchCost`, its transient with `recompute_kept` of the recomputation's
+    tensors (moment by moment: the peak may move)."""
     parts = probe_rank_parts(config, world, rank)
     (part,) = parts
     tp, cp = config.parallelism.tensor_parallel_degree, config.parallelism.context_parallel_degree
     forward = to_work(part.forward, tp, cp)
+    probe = part.total
+    spared = 1 - recompute_kept
+    trace = tuple(live - spared * again for live, again in zip(probe.transient_trace, probe.recomputed_trace))
     return MicrobatchCost(
-        saved_bytes=part.total.saved_bytes,
-        transient_bytes=part.total.transient_bytes,
+        saved_bytes=probe.saved_bytes,
+        transient_bytes=max((0, *trace)),
         forward=forward,
-        backward=_work_minus(to_work(part.total, tp, cp), forward),
+        backward=_work_minus(to_work(probe, tp, cp), forward),
         received_bytes=part.received_bytes,
         held_output_bytes=part.held_output_bytes,
-        transient_trace=part.total.transient_trace,
+        transient_trace=trace,
     )
 
 
