@@ -217,6 +217,9 @@ def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator
         setattr(short.model, key, 0)
     starts = itertools.accumulate(stage_blocks[:-1])
     short.parallelism.pipeline_parallel_split_points = [f"{spec.build.blocks}.{start}" for start in starts]
+    # The split points place every block: the job's even-split counts (the embedding or output as layers) are the
+    # stage shapes' to apply (`stage_shape`), not the probes'.
+    short.parallelism.pipeline_parallel_embedding_layers = short.parallelism.pipeline_parallel_output_layers = 0
     try:
         yield short
     finally:
