@@ -168,11 +168,15 @@ def test_llama3_405b_split_of_meta_leaves_the_embedding_and_the_output_alone():
             {"num_stages": 4, "embedding_layers": 5},
             r"give \[-2, 3, 3, 2\] blocks",
         ),
+        (  # 3 units over 5 stages: a middle stage without a block, none short of one
+            {"layer_names": LAYERS[:2], "num_stages": 5, "embedding_layers": 1},
+            r"give \[0, 1, 1, 0, 0\] blocks",
+        ),
     ],
 )
 def test_embedding_and_output_layer_refusals(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        split_layers(LAYERS, **kwargs)
+        split_layers(**{"layer_names": LAYERS, **kwargs})
 
 
 def test_negative_layer_counts_are_refused_by_name():
