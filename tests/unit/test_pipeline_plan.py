@@ -15,12 +15,15 @@ from torchpre.step_rules.schedules import get_schedule
 LAYERS = [f"layers.{i}" for i in range(6)]
 
 
-def parallelism(schedule="1F1B", pp=2, microbatch_size=1, virtual_stages=1):
+def parallelism(schedule="1F1B", pp=2, microbatch_size=1, virtual_stages=1, split_points=(), embedding_layers=0):
     return SimpleNamespace(
         pipeline_parallel_schedule=schedule,
         pipeline_parallel_degree=pp,
         pipeline_parallel_microbatch_size=microbatch_size,
         pipeline_parallel_virtual_stages=virtual_stages,
+        pipeline_parallel_split_points=list(split_points),
+        pipeline_parallel_embedding_layers=embedding_layers,
+        pipeline_parallel_output_layers=0,
     )
 
 
@@ -155,12 +158,6 @@ def test_llama3_405b_split_of_meta_leaves_the_embedding_and_the_output_alone():
     ("kwargs", "message"),
     [
         (
-            {"num_stages": 2, "split_points": ["layers.3"], "embedding_layers": 1},
-            "pipeline_parallel_split_points names each stage's first layer, so "
-            "parallelism.pipeline_parallel_embedding_layers = 1 and parallelism.pipeline_parallel_output_layers = 0",
-        ),
-        ({"num_stages": 2, "output_layers": -1}, "parallelism.pipeline_parallel_output_layers = -1 count layers"),
-        (
             {"num_stages": 9, "embedding_layers": 1, "output_layers": 1},
             r"give \[0, 1, 1, 1, 1, 1, 1, 1, -1\] blocks: only the first stage \(the embedding\) and the last",
         ),
@@ -177,6 +174,18 @@ def test_llama3_405b_split_of_meta_leaves_the_embedding_and_the_output_alone():
 def test_embedding_and_output_layer_refusals(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         split_layers(**{"layer_names": LAYERS, **kwargs})
+
+
+def test_split_points_with_layer_counts_are_refused_by_name():
+    with pytest.raises(ConfigError, match=(
+        "pipeline_parallel_split_points names each stage's first layer, so "
+        "parallelism.pipeline_parallel_embedding_layers = 1 and parallelism.pipeline_parallel_output_layers = 0"
+    )):  # fmt: skip
+        plan(split_points=["layers.3"], embedding_layers=1)
+    with pytest.raises(ValueError, match="must be 0 or more, and 0 with split points"):  # the Python API's misuse
+        split_layers(LAYERS, 2, ["layers.3"], output_layers=1)
+    with pytest.raises(ValueError, match="output_layers = -1 must be 0 or more"):
+        split_layers(LAYERS, 2, output_layers=-1)
 
 
 def test_negative_layer_counts_are_refused_by_name():

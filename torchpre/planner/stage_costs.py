@@ -189,7 +189,10 @@ class Pieces(Generic[T]):
     def stage(self, blocks: int, first: bool, last: bool, zero: T) -> T:
         """A stage of `blocks` blocks, with the first stage's and/or the last stage's ends. A microbatch cost's
         transient is the one measured on a stage of the same kind: the last stage's (the loss; also a whole
-        model's, measured equal), else the first's, else a middle stage's."""
+        model's, measured equal), else the first's, else a middle stage's. A first stage of fewer than `leading`
+        blocks (the embedding alone, parallelism.pipeline_parallel_embedding_layers) is its ends less the blocks it
+        lacks: exact for a dense model (`tests/unit/test_plan.py`); its transient stays the measured first stage's,
+        which holds a block."""
         repeated = self.block.scaled(blocks - self.leading if first else blocks)
         total = repeated + (self.first if first else zero) + (self.last if last else zero)
         if not isinstance(self.block, MicrobatchCost):
