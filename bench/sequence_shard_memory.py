@@ -1,8 +1,10 @@
-"""One block's saved activations with and without parallelism.sequence_parallel_save_shard, by the planner's probe.
+"""One block's saved activations with and without parallelism.sequence_parallel_save_shard, and with both it and
+activation_checkpoint.recompute_mlp_activation, by the planner's probe.
 
 Probes the first microbatch of the first Llama 3 paper row of the corpus (`bench.published_runs.LLAMA3_ROWS`:
 Llama 3 405B, tp8 + SP, seq 8192, microbatch 1) on the meta device, as the planner prices it, and prints the block's
-saved bytes and the peak of its temporaries above them, in MiB, each way. The numbers in docs/parallelism.md.
+saved bytes and the peak of its temporaries above them, in MiB, each way. The numbers in docs/parallelism.md and
+docs/training.md.
 
 Usage: python -m bench.sequence_shard_memory
 """
@@ -13,13 +15,16 @@ from torchpre.config.parser import parse_args
 from torchpre.planner.stage_costs import microbatch_pieces
 
 KEY = "--parallelism.sequence_parallel_save_shard"
+RECOMPUTE = "--activation_checkpoint.recompute_mlp_activation"
 
 
 def main() -> None:
     run = LLAMA3_ROWS[0].choices(126)[0]  # 405B's 126 layers; the first of the row's layouts
-    for argv in (run.argv(), [*run.argv(), KEY]):
+    without = [arg for arg in run.argv() if arg != KEY]  # the row itself saves the shard
+    ways = {"without it": without, "with the key": [*without, KEY], "with it and the MLP's activation recomputed": [
+        *without, KEY, RECOMPUTE]}
+    for name, argv in ways.items():
         block = microbatch_pieces(parse_args(JobConfig, argv), 1).block
-        name = "with the key" if KEY in argv else "without it"
         print(f"{name}: saved {block.saved_bytes / 2**20:,.1f} MiB, transient {block.transient_bytes / 2**20:,.1f} MiB")
 
 

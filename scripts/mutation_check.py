@@ -27,6 +27,8 @@ GRAD_BUCKETS_TEST = "tests/distributed/test_grad_buckets.py"
 ZERO_COLLECTIVES = "tests/distributed/test_zero_collectives.py"
 TENSOR_PARALLEL = "tests/distributed/test_tensor_parallel.py::test_tensor_parallel_matches_single_process"
 TP_GRAD_NORM = "tests/distributed/test_tensor_parallel_grad_norm.py"
+MLP_RECOMPUTE = "tests/unit/test_mlp_activation_recompute.py"
+MLP_RECOMPUTE_PROBE = f"{MLP_RECOMPUTE}::test_the_probe_counts_the_recomputed_intermediates_less_per_mlp"
 # On torch 2.14 a single-stage schedule rescales gradients only on FSDP modules (`perform_reduce_grad`).
 FSDP_PIPELINE_TEST = "tests/distributed/test_zero3_parity.py::test_zero3_gives_zero0_losses[dp2_pp2_1f1b_tied]"
 RANK_CHUNK_TEST = "tests/unit/test_chunk_layout.py::test_rank_chunk_is_torch_chunk_of_that_rank"
@@ -235,12 +237,35 @@ BREAKS = [
           "input_layouts=(residual, None), desired_input_layouts=(residual, None)",
           (TENSOR_PARALLEL,), "under SP attention sees its sequence slice: RoPE positions restart at 0 per rank"),
     Break("sp-save-shard-keeps-gathered", "torchpre/parallel/sequence_gather.py",
-          "        if local.untyped_storage()._cdata != self.storage:", "        if True:",
+          "        table.register(args[0], _Gather(shard, self.mesh, self.sequence_dim))", "        pass",
           (TENSOR_PARALLEL,), "sequence_parallel_save_shard saves the gathered input after all: no memory saved"),
     Break("sp-save-shard-regathers-own-shard", "torchpre/parallel/sequence_gather.py",
           "        return shard.redistribute(self.mesh, [Replicate()]).to_local()",
           "        return torch.cat([self.shard] * self.mesh.size(), dim=self.sequence_dim)",
           (TENSOR_PARALLEL,), "backward's gather repeats this rank's shard: wrong weight gradients"),
+    Break("saved-view-of-registered-tensor-passes", "torchpre/parallel/saved_tensors.py",
+          "        return tensor if registered is None else registered.pack(tensor)", "        return tensor",
+          (MLP_RECOMPUTE_PROBE, TENSOR_PARALLEL),
+          "a tensor registered to be rebuilt in backward is saved after all: neither the sequence shard nor the MLP's "
+          "activation saves memory"),
+    Break("mlp-recompute-keeps-product", "torchpre/parallel/mlp_activation.py",
+          "        table.register(output, recomputation.rebuild_with(inputs))", "        pass",
+          (MLP_RECOMPUTE_PROBE,),
+          "recompute_mlp_activation: w2 saves the product after all (one tensor less, not two)"),
+    Break("mlp-recompute-keeps-recomputed-output", "torchpre/parallel/mlp_activation.py",
+          "        output.data = output.new_zeros(()).expand(output.shape)", "        pass",
+          (f"{MLP_RECOMPUTE}::test_an_mlp_peaks_where_eager_autograd_does",),
+          "recompute_mlp_activation: the recomputed product stays alive through the activation's backward, one "
+          "hidden-width tensor above eager autograd's peak"),
+    Break("mlp-recompute-input-grads-swapped", "torchpre/parallel/mlp_activation.py",
+          "        return tuple(next(grads) if leaf.requires_grad else None for leaf in leaves)",
+          "        return tuple(reversed([next(grads) if leaf.requires_grad else None for leaf in leaves]))",
+          (f"{MLP_RECOMPUTE}::test_gradients_are_bitwise_those_without_the_key",),
+          "recompute_mlp_activation hands SwiGLU's gate the up projection's gradient and the other way round"),
+    Break("mlp-recompute-under-checkpointing-accepted", "torchpre/assembly/layout_checks.py",
+          '    if mode != "none":', "    if False:",
+          (f"{MLP_RECOMPUTE}::test_where_it_cannot_run_it_is_refused_naming_the_key",),
+          "recompute_mlp_activation under activation checkpointing starts, its hooks silently left out"),
     Break("ep-dispatch-splits-swapped", "torchpre/parallel/expert_parallel.py",
           "    received = funcol.all_to_all_single_autograd(tokens, recv_splits, send_splits, group)",
           "    received = funcol.all_to_all_single_autograd(tokens, send_splits, recv_splits, group)",
@@ -582,8 +607,8 @@ BREAKS = [
           "a feed-forward width tensor parallelism cannot split evenly passes start-up's checks and ends in a DTensor "
           "traceback"),
     Break("gelu-mlp-computes-silu", "torchpre/models/llama3/model.py",
-          "        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))",
-          "        return self.w2(F.silu(self.w1(x)))",
+          "        self.activation = nn.GELU(approximate=approximate)",
+          "        self.activation = nn.SiLU()",
           (GELU_REFERENCE,), "model.mlp = 'gelu' trains a SiLU MLP"),
     Break("gelu-tanh-computes-exact-gelu", "torchpre/models/llama3/model.py",
           'approximate="tanh" if args.mlp == "gelu_tanh" else "none")', 'approximate="none")',

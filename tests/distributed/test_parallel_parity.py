@@ -49,6 +49,7 @@ SP = ["--parallelism.enable_sequence_parallel"]
 LP = ["--parallelism.enable_loss_parallel"]
 SAVE_SHARD = ["--parallelism.sequence_parallel_save_shard"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
+MLP_RECOMPUTE = ["--activation_checkpoint.recompute_mlp_activation"]
 V2 = ["--parallelism.pipeline_parallel_virtual_stages", "2"]
 # The debug model's 6 blocks with the embedding and the output counted as one layer each, over pp2 x 4 virtual stages:
 # stage 0 holds the embedding alone, stages 1-6 one block each, stage 7 the output alone.
@@ -107,6 +108,9 @@ LAYOUTS = {
     "dp2_pp2_zero3_interleaved_zero_bubble": (4, [*zero(3), *pp("InterleavedZeroBubble", *V2)]),
     "dp2_pp2_zero3_dualpipev": (4, [*zero(3), *pp("DualPipeV")]),
     "dp2_pp2_zero2_zbv": (4, [*zero(2), *pp("ZBVZeroBubble")]),
+    # The zero-bubble schedule's two backward passes each ask for the recomputed activation; FSDP2 gathers the
+    # weights around the MLPs' hooks.
+    "dp2_pp2_zero3_zbv_mlp_recompute": (4, [*zero(3), *pp("ZBVZeroBubble"), *MLP_RECOMPUTE]),
     "dp2_pp2_zero3_interleaved1f1b_embedding_output_stages": (
         4,
         [*zero(3), *pp("Interleaved1F1B", *EMBEDDING_OUTPUT_STAGES)],
@@ -128,9 +132,10 @@ def reference(tmp_path_factory) -> list[dict]:
 # Rows each of whose parts another row already checks under context parallelism (compile, a second AC mode, a second
 # pipeline schedule, HSDP's replicas), saving the sequence shard under full AC and cp (CI checks it bitwise at tp2 +
 # SP, tests/integration/test_bitwise_losses.py), and the schedules with two stages per rank under ZeRO beyond
-# Interleaved1F1B at ZeRO-3: opt-in with `-m parity_matrix`, to keep CI's time.
+# Interleaved1F1B at ZeRO-3, and recomputing the MLP's activation there (CI checks it bitwise at tp2 + SP with the
+# shard saved): opt-in with `-m parity_matrix`, to keep CI's time.
 OPT_IN_ROWS = (
-    "tp2_sp_save_shard_full_ac", "cp2_tp2_sp_lp_save_shard",
+    "tp2_sp_save_shard_full_ac", "cp2_tp2_sp_lp_save_shard", "dp2_pp2_zero3_zbv_mlp_recompute",
     "cp2_compile", "cp2_selective_ac", "cp2_pp2_zbv", "cp2_hsdp", "dp2_pp2_zero3_zbv", "dp2_pp2_zero3_looped_bfs",
     "dp2_pp2_zero3_interleaved_zero_bubble", "dp2_pp2_zero3_dualpipev", "dp2_pp2_zero2_zbv",
 )  # fmt: skip

@@ -32,6 +32,13 @@ LAYOUTS = {
         [*DEBUG, *STEPS, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
          "--parallelism.sequence_parallel_save_shard"],
     ),
+    # activation_checkpoint.recompute_mlp_activation recomputes each MLP's activation with the same ops, inside the
+    # same saved-tensor hooks as the shard's gather: tp2-sp's numbers, bitwise.
+    "tp2-sp-save-shard-mlp-recompute": (
+        2,
+        [*DEBUG, *STEPS, "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_sequence_parallel",
+         "--parallelism.sequence_parallel_save_shard", "--activation_checkpoint.recompute_mlp_activation"],
+    ),
     "pp2-1f1b": (
         2,
         [*DEBUG, *STEPS, "--parallelism.pipeline_parallel_degree", "2",
@@ -56,6 +63,8 @@ RECORDED: dict[str, list[tuple[float, float]]] = {
               (8.191143989562988, 2.149273157119751)],
     "tp2-sp-save-shard": [(8.111013412475586, 2.135202407836914), (7.948271751403809, 2.376828908920288),
                          (8.191143989562988, 2.149273157119751)],
+    "tp2-sp-save-shard-mlp-recompute": [(8.111013412475586, 2.135202407836914), (7.948271751403809, 2.376828908920288),
+                                       (8.191143989562988, 2.149273157119751)],
     "pp2-1f1b": [(8.111013412475586, 2.135202407836914), (7.948271751403809, 2.376828908920288),
                 (8.191143989562988, 2.149273157119751)],
     "moe-ep2": [(8.125028610229492, 0.4200839698314667), (8.107759475708008, 0.43123531341552734),

@@ -49,6 +49,8 @@ def check_layout(config: JobConfig, spec: ModelSpec, args: ModelArgs, dims: Para
         check_context_parallel(config, spec, dims)
     if config.training.loss_chunk_size:
         check_chunked_loss(config, spec)
+    if config.activation_checkpoint.recompute_mlp_activation:
+        check_mlp_activation_recompute(config, spec)
     seq_len, cp = config.training.seq_len, dims.cp
     tokens_key = "training.seq_len" + (f" / parallelism.context_parallel_degree {cp}" if cp > 1 else "")
     q = config.quantize
@@ -74,6 +76,30 @@ def check_sequence_shard_saving(config: JobConfig, spec: ModelSpec) -> None:
             "parallelism.sequence_parallel_save_shard runs as saved-tensor hooks around each attention and "
             "feed-forward, which torch.compile cannot trace: turn off compile.enable, or the key (a compiled block "
             "saves what its partitioner chooses)."
+        )
+
+
+def check_mlp_activation_recompute(config: JobConfig, spec: ModelSpec) -> None:
+    """activation_checkpoint.recompute_mlp_activation needs the family's dense MLPs, and eager blocks that no other
+    saved-tensor hooks wrap: it runs as hooks around each MLP (`torchpre.parallel.mlp_activation`)."""
+    key, name = "activation_checkpoint.recompute_mlp_activation", config.model.name
+    mode = config.activation_checkpoint.mode
+    if spec.parallel.recompute_mlp_activation is None:
+        raise ConfigError(
+            f"{key}: model.name = '{name}' has no dense MLP whose activation it can recompute "
+            "(ModelSpec.parallel.recompute_mlp_activation; the family llama3 has one; moe's and deepseek_v3's expert "
+            "MLPs are not covered). Turn the key off."
+        )
+    if mode != "none":
+        raise ConfigError(
+            f"{key} with activation_checkpoint.mode = '{mode}': the checkpointed blocks recompute their activations "
+            "already, and the key's saved-tensor hooks would not nest inside checkpointing's. Set "
+            "activation_checkpoint.mode = 'none', or turn the key off."
+        )
+    if config.compile.enable:
+        raise ConfigError(
+            f"{key} runs as saved-tensor hooks around each MLP, which torch.compile cannot trace (a compiled block "
+            "saves what its partitioner chooses): turn off compile.enable, or the key."
         )
 
 

@@ -82,6 +82,7 @@ def parallel_plan(
         compile_fullgraph=spec.parallel.compile_fullgraph,
         fsdp=fsdp_plan(config, pipeline, data_parallel, spec.build.sublayers) if shards_parameters else None,
         context_parallel=None if context_parallel is None else _bind(spec.parallel.context_parallel, context_parallel),
+        recompute_mlp_activation=spec.parallel.recompute_mlp_activation if ac.recompute_mlp_activation else None,
     )
 
 

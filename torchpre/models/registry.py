@@ -91,6 +91,8 @@ class ParallelPlans:
       loss_parallel)` that shards a model or stage; `validate_tensor_parallel(args, tp)` rejects shapes
       that do not shard. `saves_sequence_shard`: the function also takes `save_sequence_shard`
       (parallelism.sequence_parallel_save_shard, `torchpre.parallel.sequence_gather`).
+    - `recompute_mlp_activation(module)` makes each dense MLP of a model or stage keep only its projections' outputs
+      for backward (activation_checkpoint.recompute_mlp_activation, `torchpre.parallel.mlp_activation`). None: refused.
     - `expert_parallel(module, ep_mesh)` shards the experts; `validate_expert_parallel(args, ep)`.
     - `context_parallel(module, cp)` makes a model's or stage's attention attend over the whole sequence while
       it holds cp's positions (`torchpre.parallel.context_parallel.ContextParallel`: its RoPE rows and `attend`).
@@ -114,6 +116,7 @@ class ParallelPlans:
     validate_layout: Callable[[ModelArgs, ParallelDims], None] = lambda args, dims: None
     compile_fullgraph: bool = True
     saves_sequence_shard: bool = False
+    recompute_mlp_activation: Callable[[nn.Module], None] | None = None
     set_grouped_mm: Callable[[nn.Module, GroupedMM], int] | None = None
     expert_matmul_dims: Callable[[ModelArgs, ParallelDims], dict[str, int]] | None = None
 

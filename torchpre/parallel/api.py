@@ -97,7 +97,9 @@ class ParallelPlan:
     (ZeRO-3, see `parallel.data_parallel`); `parallelize` then needs the DP mesh. `context_parallel` makes a
     part's attention context-parallel in place (a family's `ModelSpec.parallel.context_parallel` bound to this rank's
     `parallel.context_parallel.ContextParallel`); it runs after the tensor-parallel plan and before activation
-    checkpointing, which then recomputes the key/value gather with the rest of a block. `extra_blocks` are the
+    checkpointing, which then recomputes the key/value gather with the rest of a block. `recompute_mlp_activation`
+    (a family's `ModelSpec.parallel.recompute_mlp_activation`) makes a part's dense MLPs keep only their projections'
+    outputs for backward; it runs after the tensor-parallel plan. `extra_blocks` are the
     dotted paths of blocks outside that container (DeepSeek-V3's multi-token prediction blocks,
     "mtp.depths.1.block", ...): activation checkpointing, compile and FSDP make each one more unit, after the
     container's, in the part that holds it; a pipeline split leaves them with the modules around the container.
@@ -118,6 +120,7 @@ class ParallelPlan:
     compile_fullgraph: bool = True
     fsdp: FSDPPlan | None = None
     context_parallel: Callable[[nn.Module], None] | None = None
+    recompute_mlp_activation: Callable[[nn.Module], None] | None = None
 
 
 def pipeline_stages(
@@ -477,6 +480,8 @@ def parallelize(
             check_tied_placements(part, ties)
         if plan.context_parallel is not None:
             plan.context_parallel(part)
+        if plan.recompute_mlp_activation is not None:
+            plan.recompute_mlp_activation(part)
         if plan.activation_checkpoint != "none":
             blocks = block_slots(part, plan, f"activation_checkpoint = '{plan.activation_checkpoint}'")
             apply_activation_checkpointing(blocks, plan.activation_checkpoint, plan.selective_ac_option)

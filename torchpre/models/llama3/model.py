@@ -200,6 +200,14 @@ def _attend_with_cache(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None
     return sdpa(q, k, v, mask=mask, is_causal=False)
 
 
+class SiluGate(nn.Module):
+    """SwiGLU's activation: silu(gate) * up, a module of its own so that activation_checkpoint.recompute_mlp_activation
+    can change what it keeps for backward (`torchpre.parallel.mlp_activation`)."""
+
+    def forward(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
+
+
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
 
@@ -208,9 +216,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.activation = SiluGate()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.activation(self.w1(x), self.w3(x)))
 
 
 class GeluFeedForward(nn.Module):
@@ -223,10 +232,10 @@ class GeluFeedForward(nn.Module):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.approximate = approximate
+        self.activation = nn.GELU(approximate=approximate)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.gelu(self.w1(x), approximate=self.approximate))
+        return self.w2(self.activation(self.w1(x)))
 
 
 def build_mlp(args: TransformerArgs) -> nn.Module:

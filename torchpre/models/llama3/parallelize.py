@@ -50,6 +50,7 @@ from torchpre.models.llama3.args import TransformerArgs
 from torchpre.models.llama3.model import Transformer
 from torchpre.parallel.chunked_output import ChunkedOutput, VocabParallelOutput
 from torchpre.parallel.context_parallel import ContextParallel
+from torchpre.parallel.mlp_activation import recompute_mlp_activation
 from torchpre.parallel.sequence_gather import SaveShardForBackward
 from torchpre.parallel.tensor_parallel import apply_tensor_parallel, check_whole_heads
 
@@ -109,6 +110,13 @@ def save_sequence_shard_plan(model: Transformer) -> dict[str, ParallelStyle]:
         for name in ("attention", "feed_forward", "moe")
         if getattr(block, name, None) is not None
     }
+
+
+def recompute_llama3_mlp_activations(model: Transformer) -> None:
+    """Every block this stage holds keeps only its dense MLP's projections' outputs for backward
+    (activation_checkpoint.recompute_mlp_activation, `torchpre.parallel.mlp_activation`)."""
+    for _, block in model.attention_blocks():
+        recompute_mlp_activation(block.feed_forward)
 
 
 def apply_transformer_plan(

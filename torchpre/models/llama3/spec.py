@@ -6,6 +6,7 @@ from torchpre.models.llama3.model import Transformer, TransformerBlock
 from torchpre.models.llama3.parallelize import (
     apply_llama3_context_parallel,
     apply_llama3_tensor_parallel,
+    recompute_llama3_mlp_activations,
     validate_llama3_tensor_parallel,
 )
 from torchpre.models.registry import HFAdapter, ModelBuild, ModelSpec, ParallelPlans
@@ -30,6 +31,7 @@ SPEC = ModelSpec(
         validate_tensor_parallel=validate_llama3_tensor_parallel,
         context_parallel=apply_llama3_context_parallel,
         saves_sequence_shard=True,
+        recompute_mlp_activation=recompute_llama3_mlp_activations,
     ),
     hf=HFAdapter(
         hf.to_hf_state_dict, hf.from_hf_state_dict, hf.hf_config, hf.hf_config_mismatches, hf.hf_sources,
