@@ -1232,6 +1232,29 @@ BREAKS = [
           "    window = config.eval.max_length or config.training.seq_len\n",
           ("tests/unit/test_config_error_homes.py::test_preflight_runs_every_resolve_step",),
           "a marked resolve step that preflight no longer runs (eval.max_length unchecked) passes as a step"),
+    # The embedding and the output counted as layers of an even pipeline split (parallelism.pipeline_parallel_
+    # embedding_layers / _output_layers).
+    Break("pp-embedding-layers-not-counted", "torchpre/parallel/pipeline.py",
+          "    sizes[0] -= embedding_layers\n", "",
+          ("tests/unit/test_pipeline_plan.py::test_embedding_and_output_count_as_layers_of_an_even_split",),
+          "the first stage holds as many blocks as the others beside the embedding"),
+    Break("pp-empty-middle-stage-accepted", "torchpre/parallel/pipeline.py",
+          "    if min(sizes) < (0 if counted else 1) or min(sizes[1:-1], default=1) < 1:",
+          "    if min(sizes) < (0 if counted else 1):",
+          ("tests/unit/test_pipeline_plan.py::test_embedding_and_output_layer_refusals",),
+          "a split leaving a middle stage without a block starts (torch then runs a stage that does nothing)"),
+    Break("pp-split-counts-not-read-at-start-up", "torchpre/training/preflight.py",
+          '            "embedding_layers": p.pipeline_parallel_embedding_layers,\n',
+          '            "embedding_layers": 0,\n',
+          ("tests/unit/test_plan.py::test_the_planner_prices_meta_s_405b_split_with_the_embedding_and_the_output_alone",),
+          "start-up (and the planner's --fixed) ignores parallelism.pipeline_parallel_embedding_layers"),
+    Break("pp-split-counts-reach-the-probes", "torchpre/planner/stage_costs.py",
+          "    short.parallelism.pipeline_parallel_embedding_layers = "
+          "short.parallelism.pipeline_parallel_output_layers = 0\n",
+          "",
+          ("tests/unit/test_plan.py::"
+           "test_the_planner_prices_stages_holding_the_embedding_or_the_output_alone_as_the_dry_run",),
+          "the planner's two-stage probes inherit the job's counts with their own split points: refused"),
 ]
 
 def breaks_table(breaks: list[Break]) -> str:

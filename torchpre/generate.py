@@ -360,7 +360,13 @@ def decoding_pipeline(config: JobConfig, spec: ModelSpec, args: ModelArgs) -> Pi
     schedule = get_schedule(p.pipeline_parallel_schedule)
     per_rank = checked_stages_per_rank(schedule, p.pipeline_parallel_virtual_stages)
     num_stages = p.pipeline_parallel_degree * per_rank
-    stages = spec.pipeline_stages(args, num_stages, p.pipeline_parallel_split_points)
+    stages = spec.pipeline_stages(
+        args,
+        num_stages,
+        p.pipeline_parallel_split_points,
+        embedding_layers=p.pipeline_parallel_embedding_layers,
+        output_layers=p.pipeline_parallel_output_layers,
+    )
     return PipelinePlan(schedule, p.pipeline_parallel_degree, per_rank, n_microbatches=1, stage_modules=stages)
 
 

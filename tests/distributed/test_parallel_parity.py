@@ -51,6 +51,13 @@ SAVE_SHARD = ["--parallelism.sequence_parallel_save_shard"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 MLP_RECOMPUTE = ["--activation_checkpoint.recompute_mlp_activation"]
 V2 = ["--parallelism.pipeline_parallel_virtual_stages", "2"]
+# The debug model's 6 blocks with the embedding and the output counted as one layer each, over pp2 x 4 virtual stages:
+# stage 0 holds the embedding alone, stages 1-6 one block each, stage 7 the output alone.
+EMBEDDING_OUTPUT_STAGES = [
+    "--parallelism.pipeline_parallel_virtual_stages", "4",
+    "--parallelism.pipeline_parallel_embedding_layers", "1",
+    "--parallelism.pipeline_parallel_output_layers", "1",
+]  # fmt: skip
 
 
 def zero(stage: int) -> list[str]:
@@ -75,6 +82,10 @@ LAYOUTS = {
     "pp2_zbv_zero_bubble": (2, pp("ZBVZeroBubble")),
     "pp2_dualpipev": (2, pp("DualPipeV")),
     "pp2_uneven_split": (2, pp("1F1B", "--parallelism.pipeline_parallel_split_points", "layers.2")),
+    "pp2_interleaved1f1b_v4_embedding_output_stages": (
+        2,
+        pp("Interleaved1F1B", *EMBEDDING_OUTPUT_STAGES, "--activation_checkpoint.mode", "full"),
+    ),
     "dp2_tp2": (4, [*per_rank_batch(2), *TP2, *SP]),
     "dp2_pp2": (4, [*per_rank_batch(2), *pp("1F1B")]),
     "tp2_pp2": (4, [*TP2, *SP, *pp("Interleaved1F1B", "--parallelism.pipeline_parallel_virtual_stages", "2")]),
@@ -100,6 +111,10 @@ LAYOUTS = {
     # The zero-bubble schedule's two backward passes each ask for the recomputed activation; FSDP2 gathers the
     # weights around the MLPs' hooks.
     "dp2_pp2_zero3_zbv_mlp_recompute": (4, [*zero(3), *pp("ZBVZeroBubble"), *MLP_RECOMPUTE]),
+    "dp2_pp2_zero3_interleaved1f1b_embedding_output_stages": (
+        4,
+        [*zero(3), *pp("Interleaved1F1B", *EMBEDDING_OUTPUT_STAGES)],
+    ),
 }
 
 

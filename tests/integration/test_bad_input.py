@@ -631,6 +631,24 @@ CATALOGUE = [
         ["2 layers, fewer than the 4 pipeline stages"],
         ranks=2,
     ),
+    case(
+        "pp-embedding-layers-with-split-points",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.1"]
+        + ["--parallelism.pipeline_parallel_embedding_layers", "1"],
+        ["pipeline_parallel_split_points names each stage's first layer",
+         "parallelism.pipeline_parallel_embedding_layers = 1"],
+        ranks=2,
+    ),
+    case(
+        "pp-embedding-and-output-layers-leave-a-middle-stage-empty",
+        ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_virtual_stages", "3"]
+        + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+        + ["--parallelism.pipeline_parallel_embedding_layers", "1"]
+        + ["--parallelism.pipeline_parallel_output_layers", "1"],
+        ["2 layers", "give [0, 1, 1, 1, 0, -1] blocks",
+         "only the first stage (the embedding) and the last (the output)"],
+        ranks=2,
+    ),
     case("global-batch-dp2", ["--training.global_batch_size", "12"], ["global_batch_size = 12", "4 x 2 = 8"], ranks=2),
     case(
         "cp-seq-len-not-divisible",

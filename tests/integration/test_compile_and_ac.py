@@ -68,9 +68,21 @@ def test_compile_composes_with_tensor_and_sequence_parallel(eager, tmp_path):
     assert losses(records) == pytest.approx(losses(eager), abs=COMPILE_ATOL)
 
 
-def test_compile_composes_with_pipeline_parallel(eager, tmp_path):
-    args = ["--compile.enable", "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", "1F1B"]
+# The tiny model's 2 blocks with the embedding and the output counted as a layer each, over pp2 x 2 interleaved stages:
+# each rank holds a part with no block (the embedding alone on rank 0, the output alone on rank 1), which activation
+# checkpointing and compile leave as it is.
+EMBEDDING_AND_OUTPUT_ALONE = [
+    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+    "--parallelism.pipeline_parallel_virtual_stages", "2",
+    "--parallelism.pipeline_parallel_embedding_layers", "1", "--parallelism.pipeline_parallel_output_layers", "1",
+    "--activation_checkpoint.mode", "full",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("split", [["--parallelism.pipeline_parallel_schedule", "1F1B"], EMBEDDING_AND_OUTPUT_ALONE],
+                         ids=["1f1b", "embedding_and_output_alone"])  # fmt: skip
+def test_compile_composes_with_pipeline_parallel(split, eager, tmp_path):
+    args = ["--compile.enable", "--parallelism.pipeline_parallel_degree", "2", *split]
     records = train_and_read_metrics([*TINY, *STEPS, *args], 2, tmp_path)
     assert losses(records) == pytest.approx(losses(eager), abs=COMPILE_ATOL)
 

@@ -108,6 +108,22 @@ def test_zero3_checkpoints_reshard_to_other_stages(save, load, tmp_path, monkeyp
     assert losses(resumed) == pytest.approx(losses(straight)[5:], abs=FP32_ATOL)
 
 
+def test_stages_holding_the_embedding_or_the_output_alone_reshard_to_one_process(tmp_path):
+    """Saved at pp2 x 2 virtual stages with the embedding and the output counted as one layer each (the tiny model's
+    4 stages: the embedding alone, a block, a block, the output alone), resumed by one process: the loaded state
+    equals the checkpoint bitwise and training continues with the uninterrupted run's losses."""
+    split = [*PP2[:2], "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+             "--parallelism.pipeline_parallel_virtual_stages", "2",
+             "--parallelism.pipeline_parallel_embedding_layers", "1",
+             "--parallelism.pipeline_parallel_output_layers", "1"]  # fmt: skip
+    straight = train_and_read_metrics([*TINY, *split], 2, tmp_path / "a")
+    resumed, report = resume(tmp_path / "a", 5, TINY, 1, tmp_path / "b")
+    assert report["ok"], report["text"]
+    assert report["compared"] > 0
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert losses(resumed) == pytest.approx(losses(straight)[5:], abs=FP32_ATOL)
+
+
 def _drop_keys(step_dir: Path, prefix: str) -> list[str]:
     """Removes the entries starting with `prefix` from the checkpoint's metadata (metadata.json, which loads read,
     and the pickled .metadata alike), as a save under other names would have left them, and re-records both files in

@@ -143,6 +143,21 @@ def test_pipeline_stages_take_a_dotted_block_path_and_keep_names():
         torch.testing.assert_close(second(first(tokens())), model(tokens()), rtol=0, atol=0)
 
 
+def test_hf_stages_may_hold_the_embedding_or_the_output_alone():
+    """parallelism.pipeline_parallel_embedding_layers / _output_layers = 1 over 6 stages of the 4-layer Llama: the
+    first stage holds the embedding alone (and the rotary table every stage takes), the last the final norm and the
+    head, and the stages run in turn give the whole model's logits."""
+    model = build("llama")
+    stages = decoder_stages(model, 6, embedding_layers=1, output_layers=1)
+    assert stages[0] == ["model.embed_tokens", "model.rotary_emb"]
+    assert stages[-1] == ["model.rotary_emb", "model.norm", "lm_head"]
+    hidden = tokens()
+    with torch.no_grad():
+        for names in stages:
+            hidden = prune_to(model, names)(hidden)
+        torch.testing.assert_close(hidden, model(tokens()), rtol=0, atol=0)
+
+
 def test_initialisation_depends_on_names_not_on_the_split():
     """Each stage initialised on its own holds exactly the whole model's initial values; matrices are drawn with
     the config's initializer_range, biases are zero and norm weights one, as transformers initialises them."""

@@ -637,3 +637,45 @@ def test_a_first_stage_without_the_dense_blocks_is_refused_by_name():
         layout_space._dense_blocks_first(check(Layout(dp=64, tp=1, pp=32, ep=64, schedule="1F1B"), base, 2048))
     accepted = check(Layout(dp=128, tp=1, pp=16, ep=64, schedule="1F1B"), base, 2048)
     assert layout_space._dense_blocks_first(accepted) is accepted
+
+
+def test_the_planner_prices_meta_s_405b_split_with_the_embedding_and_the_output_alone():
+    """The Llama 3 paper's 8,192-GPU row at 8 virtual stages with the embedding and the output counted as a layer each
+    (`--fixed`): 128 one-unit stages, the first rank's chunks the embedding alone and 7 blocks, the last rank's 7
+    blocks and the output alone, every other rank's 8 blocks. Without the counts 126 blocks cannot fill 128 stages."""
+    from bench.published_runs import LLAMA3_ROWS
+    from torchpre.planner.given_layout import check_fixed
+    from torchpre.planner.stage_costs import stage_shape
+
+    argv = [*LLAMA3_ROWS[0].argv(), "--parallelism.pipeline_parallel_virtual_stages", "8"]
+    with pytest.raises(ConfigError, match="126 layers, fewer than the 128 pipeline stages"):
+        check_fixed(_job(*argv), 8192)
+    counts = ["--parallelism.pipeline_parallel_embedding_layers", "1",
+              "--parallelism.pipeline_parallel_output_layers", "1"]  # fmt: skip
+    checked = check_fixed(_job(*argv, *counts), 8192)
+    assert stage_shape(checked, 0) == [(0, True, False), *[(1, False, False)] * 7]
+    assert stage_shape(checked, 15) == [*[(1, False, False)] * 7, (0, False, True)]
+    assert all(stage_shape(checked, rank) == [(1, False, False)] * 8 for rank in range(1, 15))
+
+
+def test_the_planner_prices_stages_holding_the_embedding_or_the_output_alone_as_the_dry_run():
+    """8B cut to 30 blocks at 64 ranks, pp4 x 8 interleaved stages with the embedding and the output counted as a layer
+    each: stage 0 holds the embedding alone and stage 31 the output alone. The pieces extended to a stage of no
+    blocks (the first stage's ends less a block) against a full dry run of each pipeline rank: equal to the byte,
+    activations included (measured: every rank's, 1.55 to 1.78 GB)."""
+    layout = Layout(dp=2, tp=8, pp=4, zero_stage=3, activation_checkpoint="selective", schedule="Interleaved1F1B",
+                    virtual_stages=8)  # fmt: skip
+    base = _job("--model.flavor", "8B", "--model.n_layers", "30", "--training.seq_len", "2048",
+                "--training.global_batch_size", "64", "--training.mixed_precision_param", "bfloat16",
+                "--parallelism.pipeline_parallel_embedding_layers", "1",
+                "--parallelism.pipeline_parallel_output_layers", "1")  # fmt: skip
+    checked = check(layout, base, 64)
+    assert checked.pipeline.stage_modules[0] == ["tok_embeddings"]
+    assert checked.pipeline.stage_modules[-1] == ["norm", "output"]
+    prediction = predict(checked, get_hardware("h100-80gb"), 64, model_flops_per_token(checked.config,
+                                                                                        checked.model_args))
+    for pp_rank, rank in enumerate(prediction.ranks):
+        real = build_rank(checked.config, 64, pp_rank * layout.dp * layout.tp, checkpoint=False)
+        assert (rank.param_bytes, rank.grad_bytes, rank.optimizer_state_bytes) == (
+            real.param_bytes, real.grad_bytes, real.optimizer_state_bytes)  # fmt: skip
+        assert rank.activation_bytes == real.activation_bytes, pp_rank

@@ -140,3 +140,27 @@ def test_an_interleaved_last_stage_is_held_for_one_microbatch_at_the_peak():
     assert held_peak("Interleaved1F1B", 8, 16, 7, [1.0, 10.0]) == 18
     assert held_peak("Interleaved1F1B", 8, 16, 0, [1.0, 1.0]) == 23  # the first rank holds no last stage
     assert held_peak("1F1B", 8, 16, 7, [10.0]) == 10
+
+
+def _walk_weighted(actions: list, stage_ids: list[int], weights: list[float]) -> float:
+    """The most of `weights` (per local chunk, in `stage_ids` order) held at once over torch's actions of one rank."""
+    local = {stage: chunk for chunk, stage in enumerate(stage_ids)}
+    held = peak = 0.0
+    for action in actions:
+        for step in (action.sub_actions or (action,)) if action is not None else ():
+            sign = (step.computation_type == torch_schedules.FORWARD) - (step.computation_type in FREES)
+            held += sign * weights[local[step.stage_index]]
+            peak = max(peak, held)
+    return peak
+
+
+def test_a_chunk_holding_the_embedding_alone_holds_no_block_at_the_peak():
+    """Meta's 405B split (parallelism.pipeline_parallel_embedding_layers = output_layers = 1; 126 blocks over pp16 x 8
+    one-unit stages) with 32 microbatches per step: the first rank runs 143 chunk-forwards at its peak, 31 of them
+    through stage 0, the embedding alone, so it holds 112 block-microbatches, not 143."""
+    name, pp, microbatches, per_rank = "Interleaved1F1B", 16, 32, 8
+    blocks = [0.0, *[1.0] * 7]  # stage 0 (the embedding), then stages 16, 32, ..., 112 (a block each)
+    order = _torch_order(name, pp, microbatches, per_rank)
+    stage_ids = get_schedule(name).stage_ids(0, pp, per_rank)
+    assert _walk_weighted(order[0], stage_ids, [1.0] * per_rank) == 143
+    assert _walk_weighted(order[0], stage_ids, blocks) == held_peak(name, pp, microbatches, 0, blocks) == 112

@@ -425,6 +425,18 @@ class Parallelism:
     pipeline_parallel_split_points: list[str] = _option(
         [], "first layer of each stage after the first, e.g. layers.2,layers.4; empty = split evenly"
     )
+    pipeline_parallel_embedding_layers: int = _option(
+        0,
+        "an even split counts the embedding as this many layers of the first stage (1: torchtitan's input weight, "
+        "Megatron's account_for_embedding_in_pipeline_split); it may then hold the embedding alone",
+        at_least(0),
+    )
+    pipeline_parallel_output_layers: int = _option(
+        0,
+        "an even split counts the output (final norm, output layer, loss) as this many layers of the last stage; "
+        "it may then hold the output alone",
+        at_least(0),
+    )
 
 
 @dataclass

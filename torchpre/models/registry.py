@@ -96,7 +96,8 @@ class ParallelPlans:
     - `expert_parallel(module, ep_mesh)` shards the experts; `validate_expert_parallel(args, ep)`.
     - `context_parallel(module, cp)` makes a model's or stage's attention attend over the whole sequence while
       it holds cp's positions (`torchpre.parallel.context_parallel.ContextParallel`: its RoPE rows and `attend`).
-    - `stage_modules(args, num_stages, split_points)` names the modules of each pipeline stage; default:
+    - `stage_modules(args, num_stages, split_points, *, embedding_layers, output_layers)` names the modules of each
+      pipeline stage (the counts as in `torchpre.parallel.pipeline.split_layers`); default:
       read off the model's children around `ModelBuild.blocks` (`torchpre.parallel.api.pipeline_stages`).
     - `validate_layout(args, dims)` rejects a layout (a `ParallelDims`) the family cannot run, beyond the tensor- and
       expert-parallel shape checks above.
@@ -111,7 +112,7 @@ class ParallelPlans:
     expert_parallel: Callable[[nn.Module, DeviceMesh], None] | None = None
     validate_expert_parallel: Callable[[ModelArgs, int], None] = lambda args, ep: None
     context_parallel: Callable[[nn.Module, ContextParallel], None] | None = None
-    stage_modules: Callable[[ModelArgs, int, Sequence[str]], list[list[str]]] | None = None
+    stage_modules: Callable[..., list[list[str]]] | None = None
     validate_layout: Callable[[ModelArgs, ParallelDims], None] = lambda args, dims: None
     compile_fullgraph: bool = True
     saves_sequence_shard: bool = False
@@ -175,13 +176,23 @@ class ModelSpec:
         blocks = self.build.blocks
         return blocks(args) if callable(blocks) else blocks
 
-    def pipeline_stages(self, args: ModelArgs, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
-        """The module names of each of `num_stages` pipeline stages."""
+    def pipeline_stages(
+        self,
+        args: ModelArgs,
+        num_stages: int,
+        split_points: Sequence[str] = (),
+        *,
+        embedding_layers: int = 0,
+        output_layers: int = 0,
+    ) -> list[list[str]]:
+        """The module names of each of `num_stages` pipeline stages; `embedding_layers` and `output_layers` as in
+        `torchpre.parallel.pipeline.split_layers`."""
+        counts = {"embedding_layers": embedding_layers, "output_layers": output_layers}
         if self.parallel.stage_modules is not None:
-            return self.parallel.stage_modules(args, num_stages, split_points)
+            return self.parallel.stage_modules(args, num_stages, split_points, **counts)
         with torch.device("meta"):
             model = self.build.model_cls(args)
-        return pipeline_stages(model, num_stages, split_points=split_points, blocks=self.blocks_of(args))
+        return pipeline_stages(model, num_stages, split_points=split_points, blocks=self.blocks_of(args), **counts)
 
 
 def default_init_buffers(module: nn.Module) -> None:

@@ -130,11 +130,14 @@ def pipeline_stages(
     layers_per_stage: Sequence[int] | None = None,
     split_points: Sequence[str] = (),
     blocks: str = "layers",
+    embedding_layers: int = 0,
+    output_layers: int = 0,
 ) -> list[list[str]]:
     """The module names each pipeline stage holds, read off the model's structure: the modules defined before
     the `blocks` container (at each level of its dotted path) go to the first stage, those after it to the
     last, and the blocks are split evenly, by `layers_per_stage` counts, or at `split_points` (the first block
-    name of each later stage).
+    name of each later stage). An even split may count the modules before the blocks as `embedding_layers` blocks
+    and those after as `output_layers` (`split_layers`): the first or the last stage may then hold no block.
 
     For a GPT-2-like model, `pipeline_stages(model, 2, blocks="h")` gives
     [["wte", "wpe", "h.0", "h.1"], ["h.2", "h.3", "ln_f", "lm_head"]]; for a transformers Llama,
@@ -153,7 +156,9 @@ def pipeline_stages(
         split_points, num_stages = [layers[s] for s in starts], len(layers_per_stage)
     if num_stages is None:
         raise ConfigError("pipeline_stages needs num_stages or layers_per_stage.")
-    stages = split_layers(layers, num_stages, split_points)
+    stages = split_layers(
+        layers, num_stages, split_points, embedding_layers=embedding_layers, output_layers=output_layers
+    )
     before, after = _around(model, blocks)
     stages[0][:0] = before
     stages[-1].extend(after)

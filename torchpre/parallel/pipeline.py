@@ -22,6 +22,9 @@ from torchpre.distributed.clock import SpanClock
 from torchpre.errors import ConfigError, resolve_step
 from torchpre.step_rules.schedules import PipelineSchedule, get_schedule, names_where
 
+EMBEDDING_LAYERS_KEY = "parallelism.pipeline_parallel_embedding_layers"
+OUTPUT_LAYERS_KEY = "parallelism.pipeline_parallel_output_layers"
+
 
 def schedule_class(schedule: PipelineSchedule) -> type:
     """The torch schedule class of `schedule`'s row."""
@@ -55,6 +58,13 @@ class PipelinePlan:
         `sequences_per_step` is what one DP rank processes per optimizer step."""
         schedule = get_schedule(parallelism.pipeline_parallel_schedule)
         pp = parallelism.pipeline_parallel_degree
+        counts = parallelism.pipeline_parallel_embedding_layers, parallelism.pipeline_parallel_output_layers
+        if parallelism.pipeline_parallel_split_points and any(counts):
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_split_points names each stage's first layer, so {EMBEDDING_LAYERS_KEY} "
+                f"= {counts[0]} and {OUTPUT_LAYERS_KEY} = {counts[1]} cannot move them: set both to 0, or clear the "
+                "split points to split evenly."
+            )
         per_rank = checked_stages_per_rank(schedule, parallelism.pipeline_parallel_virtual_stages)
         microbatch_size = parallelism.pipeline_parallel_microbatch_size
         if microbatch_size < 1 or sequences_per_step % microbatch_size:
@@ -134,35 +144,75 @@ def check_microbatches(schedule: PipelineSchedule, n_microbatches: int, pp: int,
             )
 
 
-def split_layers(layer_names: Sequence[str], num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
-    """Assigns consecutive layers to stages: evenly (earlier stages get the extra layers) or at
-    `split_points`, the names of the first layer of each stage after the first."""
-    if len(layer_names) < num_stages:
-        raise ConfigError(
-            f"The model has {len(layer_names)} layers, fewer than the {num_stages} pipeline stages "
-            "(pipeline_parallel_degree x stages per rank). Lower the pipeline degree or the virtual stages."
+def split_layers(
+    layer_names: Sequence[str],
+    num_stages: int,
+    split_points: Sequence[str] = (),
+    *,
+    embedding_layers: int = 0,
+    output_layers: int = 0,
+) -> list[list[str]]:
+    """Assigns consecutive layers to stages: at `split_points`, the names of the first layer of each stage after
+    the first, or evenly, earlier stages getting the extra layers. An even split may count the embedding as
+    `embedding_layers` layers of the first stage and the output (final norm, output layer, loss) as `output_layers`
+    of the last (torchtitan's input/output weights, Megatron-Core's account_for_embedding/loss_in_pipeline_split):
+    those stages hold fewer blocks, down to none (the embedding or the output alone). A job's config reaches here
+    checked (`PipelinePlan.from_config`, the keys' bounds); a caller passing both split points and counts, or a
+    negative count, gets a ValueError."""
+    if embedding_layers < 0 or output_layers < 0 or (split_points and (embedding_layers or output_layers)):
+        raise ValueError(
+            f"split_layers: embedding_layers = {embedding_layers} and output_layers = {output_layers} must be 0 or "
+            "more, and 0 with split points (they name every stage's first layer)."
         )
     if split_points:
-        if len(split_points) != num_stages - 1:
-            raise ConfigError(
-                f"parallelism.pipeline_parallel_split_points has {len(split_points)} entries; "
-                f"{num_stages} stages need {num_stages - 1}."
-            )
-        unknown = [name for name in split_points if name not in layer_names]
-        if unknown:
-            raise ConfigError(
-                f"parallelism.pipeline_parallel_split_points names '{unknown[0]}', which is not a layer. "
-                f"Layers: {', '.join(layer_names)}."
-            )
-        starts = [0, *(layer_names.index(name) for name in split_points), len(layer_names)]
-        if any(a >= b for a, b in zip(starts, starts[1:])):
-            raise ConfigError(
-                "parallelism.pipeline_parallel_split_points must name layers in increasing order, each stage non-empty."
-            )
-    else:
-        base, extra = divmod(len(layer_names), num_stages)
-        sizes = [base + (1 if stage < extra else 0) for stage in range(num_stages)]
-        starts = [sum(sizes[:stage]) for stage in range(num_stages + 1)]
+        return _split_at(layer_names, num_stages, split_points)
+    sizes = _even_sizes(len(layer_names) + embedding_layers + output_layers, num_stages)
+    sizes[0] -= embedding_layers
+    sizes[-1] -= output_layers
+    counted = bool(embedding_layers or output_layers)
+    if min(sizes) < (0 if counted else 1) or min(sizes[1:-1], default=1) < 1:
+        raise ConfigError(_too_few_layers(len(layer_names), sizes, embedding_layers, output_layers))
+    starts = [sum(sizes[:stage]) for stage in range(num_stages + 1)]
+    return [list(layer_names[a:b]) for a, b in zip(starts, starts[1:])]
+
+
+def _even_sizes(units: int, num_stages: int) -> list[int]:
+    """`units` over `num_stages` as evenly as possible, the earlier stages taking the extra ones."""
+    base, extra = divmod(units, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+def _too_few_layers(layers: int, sizes: list[int], embedding_layers: int, output_layers: int) -> str:
+    if not (embedding_layers or output_layers):
+        return (
+            f"The model has {layers} layers, fewer than the {len(sizes)} pipeline stages "
+            "(pipeline_parallel_degree x stages per rank). Lower the pipeline degree or the virtual stages."
+        )
+    return (
+        f"The model's {layers} layers, with the embedding counted as {embedding_layers} ({EMBEDDING_LAYERS_KEY}) and "
+        f"the output as {output_layers} ({OUTPUT_LAYERS_KEY}), split evenly over {len(sizes)} pipeline stages give "
+        f"{sizes} blocks: only the first stage (the embedding) and the last (the output) may hold none. Lower those "
+        "counts, the pipeline degree or the virtual stages."
+    )
+
+
+def _split_at(layer_names: Sequence[str], num_stages: int, split_points: Sequence[str]) -> list[list[str]]:
+    if len(split_points) != num_stages - 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_split_points has {len(split_points)} entries; "
+            f"{num_stages} stages need {num_stages - 1}."
+        )
+    unknown = [name for name in split_points if name not in layer_names]
+    if unknown:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_split_points names '{unknown[0]}', which is not a layer. "
+            f"Layers: {', '.join(layer_names)}."
+        )
+    starts = [0, *(layer_names.index(name) for name in split_points), len(layer_names)]
+    if any(a >= b for a, b in zip(starts, starts[1:])):
+        raise ConfigError(
+            "parallelism.pipeline_parallel_split_points must name layers in increasing order, each stage non-empty."
+        )
     return [list(layer_names[a:b]) for a, b in zip(starts, starts[1:])]
 
 

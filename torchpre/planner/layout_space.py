@@ -213,13 +213,15 @@ def cached_tokenizer(path: Path) -> Tokenizer:
 _STAGES: dict[tuple, list[list[str]] | ConfigError] = {}
 
 
-def cached_stage_modules(spec: ModelSpec, args: ModelArgs, stages: int, split_points: Sequence[str]) -> list[list[str]]:
+def cached_stage_modules(
+    spec: ModelSpec, args: ModelArgs, stages: int, split_points: Sequence[str], **counts: int
+) -> list[list[str]]:
     """`spec.pipeline_stages`, once per model and stage count, refusals included (it builds the model on meta:
     ~1 s at 405B)."""
-    key = (repr(args), stages, tuple(split_points))
+    key = (repr(args), stages, tuple(split_points), tuple(sorted(counts.items())))
     if key not in _STAGES:
         try:
-            _STAGES[key] = spec.pipeline_stages(args, stages, split_points)
+            _STAGES[key] = spec.pipeline_stages(args, stages, split_points, **counts)
         except ConfigError as error:
             _STAGES[key] = error
     if isinstance(_STAGES[key], ConfigError):

@@ -190,7 +190,10 @@ class Pieces(Generic[T]):
     def stage(self, blocks: int, first: bool, last: bool, zero: T) -> T:
         """A stage of `blocks` blocks, with the first stage's and/or the last stage's ends. A microbatch cost's
         transient is the one measured on a stage of the same kind: the last stage's (the loss; also a whole
-        model's, measured equal), else the first's, else a middle stage's."""
+        model's, measured equal), else the first's, else a middle stage's. A first stage of fewer than `leading`
+        blocks (the embedding alone, parallelism.pipeline_parallel_embedding_layers) is its ends less the blocks it
+        lacks: exact for a dense model (`tests/unit/test_plan.py`); its transient stays the measured first stage's,
+        which holds a block."""
         repeated = self.block.scaled(blocks - self.leading if first else blocks)
         total = repeated + (self.first if first else zero) + (self.last if last else zero)
         if not isinstance(self.block, MicrobatchCost):
@@ -218,6 +221,9 @@ def shortened_flavor(config: JobConfig, stage_blocks: Sequence[int]) -> Iterator
         setattr(short.model, key, 0)
     starts = itertools.accumulate(stage_blocks[:-1])
     short.parallelism.pipeline_parallel_split_points = [f"{spec.build.blocks}.{start}" for start in starts]
+    # The split points place every block: the job's even-split counts (the embedding or output as layers) are the
+    # stage shapes' to apply (`stage_shape`), not the probes'.
+    short.parallelism.pipeline_parallel_embedding_layers = short.parallelism.pipeline_parallel_output_layers = 0
     try:
         yield short
     finally:

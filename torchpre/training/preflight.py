@@ -3,7 +3,7 @@ reject the config (values, layout, batch arithmetic, model shapes, pipeline sche
 on every rank, so bad input stops every rank with the same message instead of leaving some waiting for a peer."""
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -55,7 +55,7 @@ def preflight(
     config: JobConfig,
     world_size: int,
     tokenizer: Tokenizer | None = None,
-    stage_modules: Callable[[ModelSpec, ModelArgs, int, Sequence[str]], list[list[str]]] | None = None,
+    stage_modules: Callable[..., list[list[str]]] | None = None,
 ) -> Preflight:
     """Every check start-up runs before the process group, in order; raises the first ConfigError. The planner,
     which checks many layouts of one job, passes the `tokenizer` it loaded and a cached `stage_modules` (default:
@@ -95,11 +95,15 @@ def preflight(
     eval_tasks = read_tasks(config.eval.tasks, tokenizer, window)
     pipeline = None
     if dims.pp > 1:
-        split = stage_modules or (lambda spec, args, num_stages, points: spec.pipeline_stages(args, num_stages, points))
+        split = stage_modules or ModelSpec.pipeline_stages
         first = plan.at(0, 0).sizes
+        counts = {
+            "embedding_layers": p.pipeline_parallel_embedding_layers,
+            "output_layers": p.pipeline_parallel_output_layers,
+        }
         pipeline = PipelinePlan.from_config(
             p,
-            stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points),
+            stage_modules=lambda num_stages: split(spec, args, num_stages, p.pipeline_parallel_split_points, **counts),
             sequences_per_step=t.local_batch_size * first.accumulation_steps,
         )
     check_validation_batches(config, pipeline)
@@ -147,5 +151,3 @@ def at_seq_len(config: JobConfig, seq_len: int) -> JobConfig:
 def _check_pipeline_microbatches(parallelism, sequences_per_step: int) -> None:
     """The pipeline schedule's rules for a step of `sequences_per_step` per DP rank (a ramp's, a stage's)."""
     PipelinePlan.from_config(parallelism, stage_modules=lambda num_stages: [], sequences_per_step=sequences_per_step)
-
-

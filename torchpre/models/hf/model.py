@@ -185,13 +185,27 @@ def outside_blocks(model: HFCausalLM) -> list[str]:
 
 
 def split_stages(
-    model: HFCausalLM, roles: dict[str, str], num_stages: int, split_points: Sequence[str] = ()
+    model: HFCausalLM,
+    roles: dict[str, str],
+    num_stages: int,
+    split_points: Sequence[str] = (),
+    *,
+    embedding_layers: int = 0,
+    output_layers: int = 0,
 ) -> list[list[str]]:
     """The module names of each pipeline stage: the decoder layers split as `pipeline_stages` splits them, the
     modules around them by their role in the forward (`roles`, from `torchpre.models.hf.probe`): "first" ones
     (the embeddings) on the first stage, "last" ones (final norm, output layer) on the last, "every" ones (rotary
-    tables, whose output every layer takes) on every stage."""
-    stages = pipeline_stages(model, num_stages, split_points=split_points, blocks=model.blocks)
+    tables, whose output every layer takes) on every stage. `embedding_layers` and `output_layers` as in
+    `torchpre.parallel.pipeline.split_layers`."""
+    stages = pipeline_stages(
+        model,
+        num_stages,
+        split_points=split_points,
+        blocks=model.blocks,
+        embedding_layers=embedding_layers,
+        output_layers=output_layers,
+    )
     layers = [[name for name in names if name.startswith(f"{model.blocks}.")] for names in stages]
     around = outside_blocks(model)
     for index, names in enumerate(layers):

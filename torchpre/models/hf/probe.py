@@ -215,12 +215,15 @@ def _brief(error: Exception) -> str:
     return f"{type(error).__name__}: {text[:200]}"
 
 
-def decoder_stages(model: HFCausalLM, num_stages: int, split_points: Sequence[str] = ()) -> list[list[str]]:
+def decoder_stages(
+    model: HFCausalLM, num_stages: int, split_points: Sequence[str] = (), **counts: int
+) -> list[list[str]]:
     """The module names of each of `num_stages` pipeline stages of `model`: its decoder layers split in turn, the
-    modules around them placed by their roles in its forward (see `split_stages`)."""
-    return split_stages(model, probe(model.config).roles, num_stages, split_points)
+    modules around them placed by their roles in its forward (see `split_stages`; `counts`: its embedding_layers and
+    output_layers)."""
+    return split_stages(model, probe(model.config).roles, num_stages, split_points, **counts)
 
 
-def stage_modules(args: HFArgs, num_stages: int, split_points: Sequence[str]) -> list[list[str]]:
+def stage_modules(args: HFArgs, num_stages: int, split_points: Sequence[str], **counts: int) -> list[list[str]]:
     """`decoder_stages` of the model `args` describe (ModelSpec.parallel.stage_modules)."""
-    return decoder_stages(meta_model(args), num_stages, split_points)
+    return decoder_stages(meta_model(args), num_stages, split_points, **counts)
