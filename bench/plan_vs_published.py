@@ -98,9 +98,11 @@ def settle(run: Run, hardware: Hardware | None = None) -> Compared:
     fastest among those that fit, as the planner's search ranks them, else the fastest: a published run ran, so
     those who ran it chose what ran fastest for them. One rule for every row with a knob its source does not state,
     instead of a value picked per row; `Compared.chosen` is the choice."""
-    n_layers = check_fixed(parse_args(JobConfig, run.argv()), run.gpus).model_args.n_layers
+    config = parse_args(JobConfig, run.argv())
+    p = config.parallelism
+    n_layers = check_fixed(config, run.gpus).model_args.n_layers
     candidates = []
-    for choice in run.choices(n_layers):
+    for choice in run.choices(n_layers + p.pipeline_parallel_embedding_layers + p.pipeline_parallel_output_layers):
         try:
             candidates.append(dataclasses.replace(compare(dataclasses.replace(choice, unstated=()), False, hardware),
                                                   run=run, chosen=choice))  # fmt: skip

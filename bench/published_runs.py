@@ -186,14 +186,15 @@ class Run:
         keys += ["--quantize.linear", "float8", "--quantize.recipe", "tensorwise"] * self.fp8
         return [*keys, *self.extra]
 
-    def choices(self, n_layers: int) -> list["Run"]:
+    def choices(self, n_units: int) -> list["Run"]:
         """The row with each legal value of its `unstated` knobs, the stated ones fixed: "schedule", 1F1B or
         Interleaved 1F1B at any stages per rank; "virtual_stages", Interleaved 1F1B's stages per rank from 2; up to
-        as many as leave every stage a block of the `n_layers` (start-up's rule); "microbatch", every size that
-        divides a data-parallel rank's sequences."""
+        as many as leave every stage one of the `n_units` (the blocks, and the embedding and the output where the
+        split counts them as layers: start-up's rule); "microbatch", every size that divides a data-parallel rank's
+        sequences."""
         stages = [self.virtual_stages]
         if {"schedule", "virtual_stages"} & set(self.unstated):
-            stages = list(range(1 if "schedule" in self.unstated else 2, n_layers // self.pp + 1))
+            stages = list(range(1 if "schedule" in self.unstated else 2, n_units // self.pp + 1))
         local = self.global_batch // self.dp
         sizes = [m for m in range(1, local + 1) if local % m == 0]
         if "microbatch" not in self.unstated:
@@ -542,7 +543,9 @@ def _llama3(gpus: int, dp: int, per_dp: int, tflops: float) -> Run:
                tflops * 1e12 / LLAMA3_405B_FLOPS_PER_TOKEN, f"{tflops:.0f} TFLOPs/GPU (model FLOPs per token)", tp=8,
                pp=16, schedule="Interleaved1F1B", virtual_stages=2, activation_checkpoint="none",
                unstated=("virtual_stages", "microbatch"), assumed=LLAMA3_ASSUMED,
-               extra=("--parallelism.sequence_parallel_save_shard",))  # fmt: skip
+               extra=("--parallelism.sequence_parallel_save_shard", "--activation_checkpoint.recompute_mlp_activation",
+                      "--parallelism.pipeline_parallel_embedding_layers", "1",
+                      "--parallelism.pipeline_parallel_output_layers", "1"))  # fmt: skip
 
 
 LLAMA3_ROWS = (_llama3(8192, 64, 32, 430), _llama3(16384, 128, 16, 400))

@@ -20,7 +20,7 @@ RECOMPUTE = "--activation_checkpoint.recompute_mlp_activation"
 
 def main() -> None:
     run = LLAMA3_ROWS[0].choices(126)[0]  # 405B's 126 layers; the first of the row's layouts
-    without = [arg for arg in run.argv() if arg != KEY]  # the row itself saves the shard
+    without = [arg for arg in run.argv() if arg not in (KEY, RECOMPUTE)]  # the row itself sets both
     ways = {"without it": without, "with the key": [*without, KEY], "with it and the MLP's activation recomputed": [
         *without, KEY, RECOMPUTE]}
     for name, argv in ways.items():

@@ -64,6 +64,16 @@ def test_every_layout_is_one_start_up_accepts():
         check(Layout(dp=1, tp=3, pp=1), base, 3)
 
 
+def test_a_search_with_the_mlp_activation_recomputed_keeps_it_where_blocks_are_not_checkpointed():
+    """activation_checkpoint.recompute_mlp_activation is refused with checkpointed blocks (they recompute it
+    already): a search for a job that sets it tries every AC mode, with the key kept only where there is no AC."""
+    base = _job("--model.flavor", "debugmodel", "--training.global_batch_size", "16",
+                "--activation_checkpoint.recompute_mlp_activation")  # fmt: skip
+    valid, _ = valid_layouts(base, 8, 8)
+    modes = {c.layout.activation_checkpoint: c.config.activation_checkpoint.recompute_mlp_activation for c in valid}
+    assert modes == {"none": True, "selective": False, "full": False}
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -626,7 +636,7 @@ def test_deepseek_v3_671B_on_2048_h100s_at_its_pretraining_shape(monkeypatch):
     print(result.table(8))
     assert result.fitting and all(p.checked.layout.ep > 1 for p in result.fitting), result.table(8)
     deepseek = next(p for p in result.predictions if (p.checked.layout.pp, p.checked.layout.ep) == (16, 64))
-    assert deepseek.fits and deepseek.peak.total_bytes == pytest.approx(51.49 * 2**30, rel=1e-3)
+    assert deepseek.fits and deepseek.peak.total_bytes == pytest.approx(50.89 * 2**30, rel=1e-3)
 
 
 def test_a_first_stage_without_the_dense_blocks_is_refused_by_name():

@@ -62,6 +62,8 @@ class Layout:
         config.optimizer.zero_stage = self.zero_stage
         config.activation_checkpoint.mode = self.activation_checkpoint
         config.activation_checkpoint.selective_ac_option = "op"
+        if self.activation_checkpoint != "none":  # checkpointed blocks recompute the MLP's activation already
+            config.activation_checkpoint.recompute_mlp_activation = False
         if self.pp > 1:
             t.local_batch_size = t.global_batch_size // self.dp
             p.pipeline_parallel_schedule = self.schedule
