@@ -255,7 +255,7 @@ DEEPSEEK_V3_671B_LAYOUT = (
 def test_deepseek_v3_671B_at_its_pretraining_layout_fits_80GB_gpus():
     """The first stage (the embedding, the 3 dense blocks and one MoE block) and the last (3 MoE blocks, the output
     layer, the multi-token prediction depth and its embedding copy) hold their bf16 parameters with the routed experts
-    split 64 ways: 5.75 and 6.69 GiB measured, each equal to the stage's parameters counted here; 48.27 and 51.49 GiB
+    split 64 ways: 5.75 and 6.69 GiB measured, each equal to the stage's parameters counted here; 48.01 and 50.89 GiB
     in all, the activations of a balanced router included."""
     config = _config(*DEEPSEEK_V3_671B_LAYOUT)
     first, last = run_dry_run(config)

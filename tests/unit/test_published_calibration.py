@@ -84,7 +84,7 @@ def test_rows_are_chosen_by_a_part_of_their_name():
 def test_the_a100_attends_at_the_flash_attention_benchmarks_rate_not_its_matmul_rate():
     """No calibration row runs flash attention on an A100, so its attention rate comes from a kernel benchmark (the
     FlashAttention-2 paper: FlashAttention reaches 25-40% of the A100's peak; the row takes 0.325), not from its
-    matmul rate (0.62). MosaicML's 350m at 65,536 tokens on 8 A100s, four fifths of whose FLOPs are attention, was
+    matmul rate (0.61). MosaicML's 350m at 65,536 tokens on 8 A100s, four fifths of whose FLOPs are attention, was
     predicted 82% fast at the matmul rate; it is within 10%."""
     (row,) = [r for r in CORPUS if r.source is MOSAIC_A100 and r.model.label == "mpt-350m" and r.seq_len == 65536]
     assert abs(compare(row).tps_error) < 0.10
@@ -101,11 +101,11 @@ def test_published_throughput_is_converted_as_each_source_counts_it():
 
 
 def test_a_fit_moves_an_efficiency_to_the_grid_value_its_rows_fit_best():
-    """`fit` on torchtitan's first three 8B rows (table 1), from a matmul rate of 0.30, lands on 0.63, the grid value
+    """`fit` on torchtitan's first three 8B rows (table 1), from a matmul rate of 0.30, lands on 0.62, the grid value
     that minimises their absolute log errors (all ten rows, whose attention-heavy long-context rows pull it down, fit
-    0.59: the row's value): the coordinate search moves to the best of the grid, not to where it started."""
+    0.58: the row's value): the coordinate search moves to the best of the grid, not to where it started."""
     hardware = dataclasses.replace(get_hardware(TORCHTITAN.hardware), matmul_efficiency=0.30)
-    assert fit(ROWS[:3], hardware, ("matmul_efficiency",)) == {"matmul_efficiency": 0.63}
+    assert fit(ROWS[:3], hardware, ("matmul_efficiency",)) == {"matmul_efficiency": 0.62}
 
 
 @pytest.fixture(scope="module")
