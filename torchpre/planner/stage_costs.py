@@ -533,7 +533,8 @@ def _probed_microbatch(config: JobConfig, world: int, rank: int, recompute_kept:
     forward = to_work(part.forward, tp, cp)
     probe = part.total
     spared = 1 - recompute_kept
-    trace = tuple(live - spared * again for live, again in zip(probe.transient_trace, probe.recomputed_trace))
+    pairs = zip(probe.transient_trace, probe.recomputed_trace, strict=True)
+    trace = tuple(live - spared * again for live, again in pairs)
     return MicrobatchCost(
         saved_bytes=probe.saved_bytes,
         transient_bytes=max((0, *trace)),
